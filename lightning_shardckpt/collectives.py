@@ -1,0 +1,55 @@
+"""The checkpoint process group and the few named collectives the engine runs itself.
+
+Background saves must not share the training group: a collective from a background thread on the
+group the main thread also uses hangs (measured with DCP's thread-mode async save on gloo). So the
+engine creates one dedicated gloo group per run, with a timeout, and every checkpoint collective runs
+on it: a dead rank makes the others fail after the timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world(group: Any = None) -> tuple[int, int]:
+    if not is_distributed():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def new_checkpoint_group(timeout_s: float) -> Any:
+    """A gloo group over all ranks, created once; must be called by every rank at the same point."""
+    if not is_distributed():
+        return None
+    log.debug("creating the checkpoint gloo group (timeout %.0fs)", timeout_s)
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def broadcast_from_coordinator(name: str, value: Any, group: Any) -> Any:
+    """Collective `name`: every rank returns the coordinator's (rank 0 of `group`) `value`."""
+    if not is_distributed():
+        return value
+    payload = [value]
+    log.debug("collective %s: broadcast", name)
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return payload[0]
+
+
+def all_gather_objects(name: str, value: Any, group: Any) -> list[Any]:
+    """Collective `name`: every rank returns every rank's `value`, in rank order."""
+    if not is_distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    log.debug("collective %s: all_gather", name)
+    dist.all_gather_object(out, value, group=group)
+    return out

@@ -1,0 +1,176 @@
+"""The commit protocol, coordinator side: completeness check, DCP metadata, manifest, `latest`.
+
+Runs inside DCP's `finish` on the coordinator after every rank's receipts arrived. Raising here fails
+the save on every rank (DCP broadcasts the coordinator's outcome), so all ranks agree on the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import catalog, fsio, manifest as manifest_format
+from .errors import CommitFailed
+from .fsio import Location
+from .layout import DCP_METADATA, LATEST, MANIFEST, join
+from .storage import ChunkReceipt, FaultHook, storage_info_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointTarget:
+    """Everything the coordinator needs to commit one checkpoint directory."""
+
+    root: Location
+    dirname: str
+    checkpoint_id: str
+    step: int
+    verify_mode: str
+    manifest_fields: dict[str, Any] = field(default_factory=dict)  # epoch, samples_consumed, topology, identity, extra
+
+    @property
+    def path(self) -> str:
+        return join(self.root.path, self.dirname)
+
+
+def check_completeness(
+    planned: list[list[MetadataIndex]], results: list[list[WriteResult]], verify_mode: str
+) -> tuple[dict[MetadataIndex, ChunkReceipt], list[str]]:
+    """Every planned chunk written exactly once, chunks tiling each file, verification done.
+
+    Returns the receipts by chunk and the list of problems (empty when the checkpoint may commit).
+    """
+    problems: list[str] = []
+    if len(planned) != len(results):
+        problems.append(f"{len(results)} ranks reported, {len(planned)} were planned")
+    receipts: dict[MetadataIndex, ChunkReceipt] = {}
+    written = Counter()
+    for rank, (keys, rank_results) in enumerate(zip(planned, results)):
+        counts = Counter(result.index for result in rank_results)
+        written.update(counts)
+        missing = set(keys) - set(counts)
+        unplanned = set(counts) - set(keys)
+        if missing:
+            problems.append(f"rank {rank} did not report {len(missing)} planned chunk(s), e.g. {_sample(missing)}")
+        if unplanned:
+            problems.append(f"rank {rank} reported {len(unplanned)} unplanned chunk(s), e.g. {_sample(unplanned)}")
+        by_file: dict[str, list[ChunkReceipt]] = {}
+        for result in rank_results:
+            receipt = result.storage_data
+            if not isinstance(receipt, ChunkReceipt):
+                problems.append(f"rank {rank} sent no receipt for {result.index.fqn}")
+                continue
+            receipts[result.index] = receipt
+            by_file.setdefault(receipt.relative_path, []).append(receipt)
+        for path, chunks in by_file.items():
+            problems.extend(_tiling_problems(path, chunks))
+            if verify_mode != "off" and not any(chunk.verified for chunk in chunks):
+                problems.append(f"{path}: no chunk was read back although verify.mode={verify_mode!r}")
+    twice = [key for key, count in written.items() if count > 1]
+    if twice:
+        problems.append(f"{len(twice)} chunk(s) written more than once, e.g. {_sample(twice)}")
+    return receipts, problems
+
+
+def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> list[str]:
+    """Each file on storage has exactly the size its writer reported (catches truncated uploads)."""
+    problems = []
+    sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values()}
+    for relative, expected in sorted(sizes.items()):
+        try:
+            actual = root.fs.size(join(directory, relative))
+        except FileNotFoundError:
+            actual = None
+        if actual != expected:
+            problems.append(f"{relative}: {actual} bytes on storage, {expected} written")
+    return problems
+
+
+class Committer:
+    """Callable handed to ShardWriter: commits one checkpoint or raises CommitFailed."""
+
+    def __init__(self, target: CheckpointTarget, fault_hook: FaultHook | None = None) -> None:
+        self.target = target
+        self._fault = fault_hook or (lambda point: None)
+        self.manifest: dict[str, Any] | None = None
+
+    def __call__(self, metadata: Metadata, results: list[list[WriteResult]], planned: list[list[MetadataIndex]]) -> None:
+        target, fs = self.target, self.target.root.fs
+        receipts, problems = check_completeness(planned, results, target.verify_mode)
+        if not problems:
+            problems = check_stored_sizes(target.root, target.path, receipts)
+        if problems:
+            raise CommitFailed(f"step {target.step} ({target.dirname}) did not commit: " + "; ".join(problems))
+
+        # DCP's own metadata, with DCP's own storage records: what a plain `dcp.load` reads.
+        metadata.storage_data = {index: storage_info_of(receipt) for index, receipt in receipts.items()}
+        self._fault("before_metadata")
+        fsio.write_new_file(fs, join(target.path, DCP_METADATA), pickle.dumps(metadata))
+
+        parent = catalog.newest_committed(catalog.list_checkpoints(target.root))
+        verification = _verification_summary(target.verify_mode, receipts)
+        manifest = manifest_format.build_manifest(
+            checkpoint_id=target.checkpoint_id,
+            parent=parent.checkpoint_id if parent else None,
+            step=target.step,
+            metadata=metadata,
+            receipts=receipts,
+            verification=verification,
+            **target.manifest_fields,
+        )
+        self._fault("before_manifest")
+        try:
+            # manifest last: its existence is the commit, so it must follow every shard and .metadata
+            fsio.create_if_absent(fs, join(target.path, MANIFEST), manifest_format.to_bytes(manifest))
+        except FileExistsError as err:
+            raise CommitFailed(
+                f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
+                "directory. Two runs may share this root: give each run its own dirpath"
+            ) from err
+        self.manifest = manifest
+        self._fault("after_manifest")
+        # `latest` is a hint for people and tools; readers confirm it against the manifests.
+        fsio.replace_small_file(fs, join(target.root.path, LATEST), (target.dirname + "\n").encode())
+        log.info("committed %s (%d files, %d bytes)", target.path, len(manifest["files"]), manifest_format.total_bytes(manifest))
+
+
+def _verification_summary(mode: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> dict[str, Any]:
+    verified = [r for r in receipts.values() if r.verified]
+    return {
+        "mode": mode,
+        "chunks_total": len(receipts),
+        "bytes_total": sum(r.length for r in receipts.values()),
+        "chunks_verified": len(verified),
+        "bytes_verified": sum(r.length for r in verified),
+    }
+
+
+def _tiling_problems(path: str, chunks: list[ChunkReceipt]) -> list[str]:
+    chunks = sorted(chunks, key=lambda c: c.offset)
+    sizes = {chunk.file_bytes for chunk in chunks}
+    if len(sizes) != 1:
+        return [f"{path}: receipts disagree on the file size ({sorted(sizes)})"]
+    position = 0
+    for chunk in chunks:
+        if chunk.offset != position:
+            return [f"{path}: bytes {position}..{chunk.offset} are not covered by any chunk"]
+        position += chunk.length
+    if position != chunks[0].file_bytes:
+        return [f"{path}: chunks cover {position} bytes, the file has {chunks[0].file_bytes}"]
+    return []
+
+
+def _sample(keys: Any) -> str:
+    names = sorted({getattr(key, "fqn", str(key)) for key in keys})
+    return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+
+
+CommitCallable = Callable[[Metadata, list[list[WriteResult]], list[list[MetadataIndex]]], None]

@@ -1,0 +1,36 @@
+"""One exception hierarchy: every error a user can meet says what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class ShardCkptError(Exception):
+    """Base class of every error raised by lightning_shardckpt."""
+
+
+class ConfigError(ShardCkptError, ValueError):
+    """An option has a value that cannot work; the message names the option and the fix."""
+
+
+class StorageUnavailable(ShardCkptError):
+    """The checkpoint location cannot be reached or written (missing bucket, credentials, permissions)."""
+
+
+class CheckpointNotFound(ShardCkptError):
+    """No committed checkpoint matches what was asked for."""
+
+
+class CorruptCheckpoint(ShardCkptError):
+    """Stored bytes do not match the checksums recorded at commit."""
+
+    def __init__(self, message: str, *, problems: list[dict] | None = None) -> None:
+        super().__init__(message)
+        # Each problem names file, tensor (fqn), expected and actual checksum or size.
+        self.problems = problems or []
+
+
+class IncompatibleCheckpoint(ShardCkptError):
+    """The checkpoint cannot be applied here: newer format, or keys/shapes that do not match."""
+
+
+class CommitFailed(ShardCkptError):
+    """A checkpoint did not commit; the previous committed checkpoint is still the latest."""

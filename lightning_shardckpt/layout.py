@@ -1,0 +1,53 @@
+"""Names on storage: every file name and naming rule of the on-disk format lives here."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+
+MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"  # DCP's own file name: plain `dcp.load` looks for exactly this
+LATEST = "latest"
+SHARD_SUFFIX = ".distcp"
+FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+_DIR_RE = re.compile(r"^step-(?P<step>\d{9,})-(?P<id>[0-9a-f]{8,32})$")
+
+
+def new_checkpoint_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def checkpoint_dirname(step: int, checkpoint_id: str) -> str:
+    if step < 0:
+        raise ValueError(f"step={step} is negative; checkpoints are named by a global step >= 0")
+    return f"step-{step:09d}-{checkpoint_id}"
+
+
+def shard_filename(rank: int, index: int = 0) -> str:
+    # DCP's naming (`__<rank>_<n>.distcp`): plain DCP readers and tools recognise it.
+    return f"__{rank}_{index}{SHARD_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class DirName:
+    step: int
+    checkpoint_id: str
+
+
+def parse_dirname(name: str) -> DirName | None:
+    """Return step and id of a checkpoint directory name, or None for anything else."""
+    match = _DIR_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    if match is None:
+        return None
+    return DirName(step=int(match["step"]), checkpoint_id=match["id"])
+
+
+def join(root: str, *parts: str) -> str:
+    """Join storage paths with '/', whatever the backend (fsspec paths always use '/')."""
+    out = root.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out

@@ -1,0 +1,138 @@
+"""Run a function on N real gloo ranks (separate processes) and report every rank's failure.
+
+Ranks are forked from a forkserver that has already imported torch and the package, so a spawn costs
+well under a second instead of re-importing torch in every rank. The function must be importable
+(module level); its return value must be picklable.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "lightning_shardckpt"]
+_context = None
+
+
+def _ctx():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str | None = None  # formatted traceback
+    exitcode: int | None = None
+
+
+class DistributedFailure(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, queue, pg_timeout_s):
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        # plain pickle bytes: torch's queue reducers pass tensors as shared-memory fds, which vanish
+        # when the rank exits before the parent reads them
+        queue.put(RankOutcome(rank, True, value=pickle.dumps(value)))
+    except BaseException:  # report everything, including assertion errors, with the traceback
+        queue.put(RankOutcome(rank, False, error=traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    pg_timeout_s: float = 60.0,
+    allow_failures: bool = False,
+) -> list[RankOutcome]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return outcomes in rank order.
+
+    Raises DistributedFailure naming every failing rank with its traceback unless `allow_failures`
+    (then outcomes of ranks that died without reporting carry their exit code).
+    """
+    ctx = _ctx()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, queue, pg_timeout_s), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, RankOutcome] = {}
+    import queue as queue_module
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        try:
+            outcome = queue.get(timeout=0.2)
+            outcomes[outcome.rank] = outcome
+        except queue_module.Empty:
+            if all(not p.is_alive() for p in procs):
+                # drain what is left, then stop waiting for ranks that died silently
+                try:
+                    while True:
+                        outcome = queue.get(timeout=0.5)
+                        outcomes[outcome.rank] = outcome
+                except queue_module.Empty:
+                    break
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for rank, proc in enumerate(procs):
+        if rank not in outcomes:
+            reason = "timed out" if proc.exitcode in (-9, None) and time.monotonic() >= deadline else "died without reporting"
+            outcomes[rank] = RankOutcome(rank, False, error=f"rank {rank} {reason} (exit code {proc.exitcode})", exitcode=proc.exitcode)
+        else:
+            outcomes[rank].exitcode = proc.exitcode
+            if outcomes[rank].ok:
+                outcomes[rank].value = pickle.loads(outcomes[rank].value)
+    result = [outcomes[rank] for rank in range(world_size)]
+    failed = [o for o in result if not o.ok]
+    if failed and not allow_failures:
+        report = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in failed)
+        raise DistributedFailure(f"{len(failed)} of {world_size} ranks failed:\n{report}")
+    return result
+
+
+def values(outcomes: list[RankOutcome]) -> list[Any]:
+    return [o.value for o in outcomes]
