@@ -11,10 +11,13 @@ from .errors import (
     StorageUnavailable,
 )
 from .loader import LoadResult, load_checkpoint
-from .saver import CheckpointSaver, SaveResult
+from .metrics import CheckpointRecord, read_events
+from .persist import SaveResult
+from .saver import CheckpointSaver, PendingSave
 
 __all__ = [
     "CheckpointNotFound",
+    "CheckpointRecord",
     "CheckpointSaver",
     "CommitFailed",
     "ConfigError",
@@ -22,10 +25,12 @@ __all__ = [
     "IncompatibleCheckpoint",
     "LoadConfig",
     "LoadResult",
+    "PendingSave",
     "SaveConfig",
     "SaveResult",
     "ShardCkptError",
     "StorageUnavailable",
     "VerifyConfig",
     "load_checkpoint",
+    "read_events",
 ]

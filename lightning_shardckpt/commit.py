@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +101,16 @@ class Committer:
         self.target = target
         self._fault = fault_hook or (lambda point: None)
         self.manifest: dict[str, Any] | None = None
+        self.seconds = 0.0
 
     def __call__(self, metadata: Metadata, results: list[list[WriteResult]], planned: list[list[MetadataIndex]]) -> None:
+        started = time.perf_counter()
+        try:
+            self._commit(metadata, results, planned)
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]], planned: list[list[MetadataIndex]]) -> None:
         target, fs = self.target, self.target.root.fs
         receipts, problems = check_completeness(planned, results, target.verify_mode)
         if not problems:
@@ -172,5 +180,3 @@ def _sample(keys: Any) -> str:
     names = sorted({getattr(key, "fqn", str(key)) for key in keys})
     return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
-
-CommitCallable = Callable[[Metadata, list[list[WriteResult]], list[list[MetadataIndex]]], None]

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from .errors import ConfigError
 
 VerifyMode = Literal["off", "sample", "full"]
+WhenBusy = Literal["wait", "skip"]
+OnError = Literal["log", "raise"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +39,14 @@ class SaveConfig:
     """How the engine writes and commits one checkpoint."""
 
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    async_save: bool = True  # write/verify/commit on a background thread; False: the caller waits for the commit
+    max_in_flight: int = 1  # saves staged but not yet committed; each holds one host copy of the rank's state
+    when_busy: WhenBusy = "wait"  # a save requested while max_in_flight are running: "wait" (counted as pause) or "skip"
+    on_error: OnError = "log"  # a failed background save: "log" (training goes on) or "raise" at the next save/close
+    teardown_timeout_s: float = 600.0  # close() waits at most this long for in-flight saves to commit
     collective_timeout_s: float = 600.0  # every checkpoint collective aborts after this; a dead rank cannot hang the save
     parallelism: str = "unknown"  # recorded in the manifest's topology ("ddp", "fsdp", ...)
+    write_events: bool = True  # one JSON event file per attempt under ROOT/events (coordinator only)
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, credentials)
 
     def __post_init__(self) -> None:
@@ -46,6 +54,17 @@ class SaveConfig:
             raise ConfigError(
                 f"collective_timeout_s={self.collective_timeout_s} must be > 0; it bounds how long ranks wait for a dead peer"
             )
+        if self.max_in_flight < 1:
+            raise ConfigError(
+                f"max_in_flight={self.max_in_flight} leaves no room for the save being written; use >= 1 "
+                "(each in-flight save holds one host copy of the rank's state)"
+            )
+        if self.when_busy not in ("wait", "skip"):
+            raise ConfigError(f"when_busy={self.when_busy!r} is unknown; use 'wait' (block) or 'skip' (drop this save)")
+        if self.on_error not in ("log", "raise"):
+            raise ConfigError(f"on_error={self.on_error!r} is unknown; use 'log' (keep training) or 'raise'")
+        if self.teardown_timeout_s < 0:
+            raise ConfigError(f"teardown_timeout_s={self.teardown_timeout_s} is negative; use 0 or more seconds")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,3 +51,5 @@ def join(root: str, *parts: str) -> str:
     for part in parts:
         out = f"{out}/{part.strip('/')}"
     return out
+
+EVENTS_DIR = "events"  # one JSON file per checkpoint attempt, written once (see metrics.py)

@@ -1,45 +1,74 @@
-"""Write one checkpoint through DCP and our storage writer, and commit it (or fail cleanly)."""
+"""CheckpointSaver: stage on the caller, then persist + verify + commit on a background thread.
+
+The training thread pays only for waiting on a free staging slot (policy `when_busy`) and for the copy
+into reused host buffers. One background thread runs saves in request order, so every rank runs the
+same checkpoint collectives in the same order on the dedicated checkpoint group.
+"""
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+import torch
+import torch.distributed as dist
 
-from . import fsio, topology
-from .collectives import broadcast_from_coordinator, new_checkpoint_group, rank_and_world
-from .commit import CheckpointTarget, Committer
+from . import fsio, manifest as manifest_format, metrics
+from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
-from .errors import CommitFailed, ShardCkptError
-from .layout import checkpoint_dirname, join, new_checkpoint_id
-from .storage import FaultHook, ShardWriter
+from .errors import CommitFailed
+from .metrics import CheckpointRecord, RunCounters
+from .persist import SaveMeta, SaveResult, persist_checkpoint
+from .staging import StagingBuffers
+from .storage import FaultHook
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SaveResult:
-    """The outcome of one save on this rank."""
+class PendingSave:
+    """A save that was requested; `result()` blocks until it committed, failed or was skipped."""
 
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} still in flight after {timeout}s")
+        assert self._result is not None
+        return self._result
+
+    def _set(self, result: SaveResult) -> None:
+        self._result = result
+        self._done.set()
+
+
+@dataclass
+class _Job:
+    state: dict[str, Any]
+    slot: StagingBuffers
     step: int
-    checkpoint_id: str
-    path: str
-    committed: bool
-    error: BaseException | None = None
-    manifest: dict[str, Any] | None = None  # on the coordinator only
-    bytes_rank: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
+    meta: SaveMeta
+    record: CheckpointRecord
+    pending: PendingSave
+    requested_at: float
 
 
 class CheckpointSaver:
     """Saves state dicts as committed, verified checkpoints under one root.
 
-    Construct it on every rank at the same point (it creates the checkpoint process group).
+    Construct it on every rank at the same point (it creates the checkpoint process group), and call
+    `save` on every rank with the same steps.
     """
 
     def __init__(self, dirpath: str, config: SaveConfig | None = None, *, fault_hook: FaultHook | None = None) -> None:
@@ -47,8 +76,23 @@ class CheckpointSaver:
         self.root = fsio.resolve(dirpath, self.config.storage_options)
         fsio.makedirs(self.root.fs, self.root.path)
         self.group = new_checkpoint_group(self.config.collective_timeout_s)
+        self.rank = rank_and_world(self.group)[0]
         self._fault_hook = fault_hook
+        # staging memory is bounded: one host copy of the state per save that may be in flight
+        self._free_slots: queue.Queue[StagingBuffers] = queue.Queue()
+        self.slots = [StagingBuffers() for _ in range(self.config.max_in_flight)]
+        for slot in self.slots:
+            self._free_slots.put(slot)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._in_flight: list[PendingSave] = []
+        self._records: deque[CheckpointRecord] = deque()
+        self._listeners: list[Callable[[CheckpointRecord], None]] = []
+        self._first_error: BaseException | None = None
+        self._error_raised = False
+        self.counters = RunCounters()
 
+    # --- the training thread's side ---
     def save(
         self,
         state_dict: dict[str, Any],
@@ -58,53 +102,147 @@ class CheckpointSaver:
         samples_consumed: int | None = None,
         identity: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
-    ) -> SaveResult:
-        """Write and commit `state_dict` as the checkpoint of `step`; never raises on a failed commit.
+    ) -> PendingSave:
+        """Snapshot `state_dict` now and commit it as the checkpoint of `step` (in the background if async).
 
-        A failed save leaves an uncommitted directory and the previous checkpoint as latest; the
-        result carries the error.
+        Returns once the state is copied: the caller may mutate it right away. With `on_error="raise"`,
+        a failure of an earlier background save is raised here.
         """
-        started = time.perf_counter()
-        # collective "checkpoint-id": all ranks must write into the same fresh directory
-        checkpoint_id = broadcast_from_coordinator("checkpoint-id", new_checkpoint_id(), self.group)
-        target = CheckpointTarget(
-            root=self.root,
-            dirname=checkpoint_dirname(step, checkpoint_id),
-            checkpoint_id=checkpoint_id,
-            step=step,
-            verify_mode=self.config.verify.mode,
-            manifest_fields={
-                "epoch": epoch,
-                "samples_consumed": samples_consumed,
-                "topology": topology.describe(state_dict, self.group, self.config.parallelism),
-                "identity": identity,
-                "extra": extra,
-            },
-        )
-        committer = Committer(target, self._fault_hook)
-        writer = ShardWriter(
-            self.root.fs, target.path, verify=self.config.verify, commit=committer, fault_hook=self._fault_hook
-        )
-        result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(self.root.url, target.dirname), committed=False)
+        self._raise_first_error()
+        requested = time.perf_counter()
+        pending = PendingSave(step)
+        record = CheckpointRecord(step=step, rank=self.rank, outcome=metrics.SKIPPED)
+        slot = self._acquire_slot(step)
+        if slot is None:
+            record.cause = f"a previous save was still in flight (max_in_flight={self.config.max_in_flight}, when_busy='skip')"
+            record.pause_s = record.total_s = time.perf_counter() - requested
+            self._finish(record, pending, SaveResult(step=step, checkpoint_id=None, path=None, committed=False, skipped=True))
+            return pending
+        staging_started = time.perf_counter()
+        staged = slot.stage(state_dict)
+        record.stage_s = time.perf_counter() - staging_started
+        record.pause_s = time.perf_counter() - requested
+        job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra), record, pending, requested)
+        self._in_flight.append(pending)
+        if self.config.async_save:
+            self._ensure_worker()
+            self._jobs.put(job)
+        else:
+            self._run(job)
+            record.pause_s = record.total_s  # synchronous: the caller waited for everything
+            self._raise_first_error()
+        return pending
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every requested save finished; False if `timeout` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pending in list(self._in_flight):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not pending._done.wait(remaining):
+                return False
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait (bounded) for in-flight saves so the run's last checkpoint commits, then stop the worker."""
+        timeout = self.config.teardown_timeout_s if timeout is None else timeout
+        waiting = [p.step for p in self._in_flight if not p.done()]
+        if waiting:
+            log.info("rank %d: waiting up to %.0fs for checkpoint(s) of step %s to commit", self.rank, timeout, waiting)
+        if not self.wait(timeout):
+            log.error("rank %d: checkpoint(s) of step %s did not finish within %.0fs; they stay uncommitted",
+                      self.rank, [p.step for p in self._in_flight if not p.done()], timeout)
+        if self._worker is not None and self._worker.is_alive():
+            self._jobs.put(None)
+        self._raise_first_error()
+
+    def poll_records(self) -> list[CheckpointRecord]:
+        """Records of saves that finished since the last call (for logging on the training thread)."""
+        out = []
+        while self._records:
+            out.append(self._records.popleft())
+        return out
+
+    def add_listener(self, listener: Callable[[CheckpointRecord], None]) -> None:
+        """Call `listener(record)` when a save finishes (on the background thread in async mode)."""
+        self._listeners.append(listener)
+
+    # --- internals ---
+    def _acquire_slot(self, step: int) -> StagingBuffers | None:
+        if self.config.when_busy == "skip":
+            if _any_rank(self._free_slots.empty()):  # every rank must take the same decision
+                log.warning("rank %d: skipping the checkpoint of step %d: a previous save is still in flight", self.rank, step)
+                return None
+            return self._free_slots.get()
         try:
-            dcp.save(state_dict, storage_writer=writer, process_group=self.group, planner=DefaultSavePlanner())
-            result.committed = True
-            result.manifest = committer.manifest
-        except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
-            result.error = CommitFailed(f"step {step} did not commit ({target.dirname}): {_root_cause(err)}")
-            result.error.__cause__ = err
-            log.error("rank %d: %s", rank_and_world(self.group)[0], result.error)
-        result.bytes_rank = writer.last_write_stats.get("bytes", 0)
-        result.timings["total_s"] = time.perf_counter() - started
-        return result
+            return self._free_slots.get_nowait()
+        except queue.Empty:
+            log.info("rank %d: checkpoint of step %d waits for a previous save to commit", self.rank, step)
+            return self._free_slots.get()
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="shardckpt-saver", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            job.slot.wait_until_ready()
+            result = persist_checkpoint(self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook)
+        except BaseException as err:  # a bug or an unexpected error: never lose it silently
+            log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)
+            result = SaveResult(step=job.step, checkpoint_id=None, path=None, committed=False, error=err)
+        finally:
+            job.state = {}
+            self._free_slots.put(job.slot)
+        record = job.record
+        record.outcome = metrics.COMMITTED if result.committed else metrics.FAILED
+        record.checkpoint_id, record.path = result.checkpoint_id, result.path
+        record.cause = None if result.error is None else str(result.error)
+        record.write_s = result.timings.get("write_s", 0.0)
+        record.verify_s = result.timings.get("verify_s", 0.0)
+        record.commit_s = result.timings.get("commit_s", 0.0)
+        record.bytes_rank = result.bytes_rank
+        record.bytes_total = manifest_format.total_bytes(result.manifest) if result.manifest else None
+        record.write_gbps = result.bytes_rank / record.write_s / 1e9 if record.write_s > 0 else 0.0
+        record.total_s = time.perf_counter() - job.requested_at
+        if result.error is not None and self._first_error is None:
+            self._first_error = result.error
+        self._finish(record, job.pending, result)
+
+    def _finish(self, record: CheckpointRecord, pending: PendingSave, result: SaveResult) -> None:
+        self.counters.count(record.outcome)
+        if self.config.write_events and self.rank == 0:
+            metrics.write_event(self.root, record, self.counters.snapshot())
+        self._records.append(record)
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("checkpoint listener failed")
+        pending._set(result)
+        if pending in self._in_flight:
+            self._in_flight.remove(pending)
+
+    def _raise_first_error(self) -> None:
+        if self.config.on_error != "raise" or self._first_error is None or self._error_raised:
+            return
+        self._error_raised = True
+        err = self._first_error
+        raise CommitFailed(f"a background checkpoint did not commit: {err}") from err
 
 
-def _root_cause(err: BaseException) -> str:
-    """DCP wraps per-rank failures; name the first rank's own error."""
-    if isinstance(err, CheckpointException):
-        failures = err.failures
-        if failures:
-            rank = sorted(failures)[0]
-            cause = failures[rank][0]  # DCP stores (exception, traceback) per failed rank
-            return f"rank {rank}: {type(cause).__name__}: {cause}"
-    return f"{type(err).__name__}: {err}"
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is True on any rank (a collective on the training group, main thread)."""
+    if not is_distributed():
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())

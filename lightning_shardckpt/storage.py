@@ -14,6 +14,7 @@ import io
 import logging
 import pickle
 import random
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,9 +202,10 @@ class ShardWriter(StorageWriter):
     # --- our part ---
     def _write_rank_file(self, rank: int, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         self._fault("before_write")
+        self.last_write_stats = {"bytes": 0, "chunks": 0, "verified_chunks": 0, "verified_bytes": 0, "write_s": 0.0, "verify_s": 0.0}
         if not plan.items:
-            self.last_write_stats = {"bytes": 0, "chunks": 0, "verified_chunks": 0, "verified_bytes": 0}
             return []
+        started = time.perf_counter()
         relative = shard_filename(rank)
         full_path = join(self.path, relative)
         # Byte items first, then tensors, as DCP orders them.
@@ -223,6 +225,7 @@ class ShardWriter(StorageWriter):
             writer.abort()
             raise
         self._fault("after_write")
+        written = time.perf_counter()
 
         names = [item.index.fqn for item in items]
         chosen = set(choose_chunks_to_verify([length for _, length, _ in writer.chunks], self.verify, self._rng))
@@ -238,6 +241,8 @@ class ShardWriter(StorageWriter):
             "chunks": len(items),
             "verified_chunks": len(chosen),
             "verified_bytes": sum(writer.chunks[i][1] for i in chosen),
+            "write_s": written - started,
+            "verify_s": time.perf_counter() - written,
         }
         return results
 

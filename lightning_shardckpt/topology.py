@@ -4,21 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.distributed.tensor import DTensor
 
 from .collectives import rank_and_world
-
-
-def iter_tensors(state: Any):
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from iter_tensors(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from iter_tensors(value)
+from .tree import iter_tensors
 
 
 def describe(state_dict: dict[str, Any], group: Any, parallelism: str) -> dict[str, Any]:

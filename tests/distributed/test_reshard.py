@@ -16,8 +16,9 @@ def save_worker(rank, world_size, root, parallelism):
     state = ts.sharded_state(model, optimizer)
     state["progress"] = {"global_step": 2, "note": "saved-on-%d" % world_size}
     saver = CheckpointSaver(root, SaveConfig(verify=VerifyConfig(mode="full"), parallelism=parallelism))
-    result = saver.save(state, step=2, epoch=0)
+    result = saver.save(state, step=2, epoch=0).result(timeout=60)
     assert result.committed, result.error
+    saver.close()
     full = ts.full_state(model, optimizer)  # a collective: every rank takes part
     return full if rank == 0 else result.bytes_rank
 

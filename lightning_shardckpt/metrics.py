@@ -1,0 +1,99 @@
+"""Per-checkpoint records, run counters, and the event log under the checkpoint root.
+
+The event log is one small JSON file per checkpoint attempt (`ROOT/events/<…>.json`), written once by
+the coordinator with create-if-absent, rather than one appended file: object stores cannot append,
+and a file written once can never be interleaved or half-overwritten by another rank or another run.
+`read_events` returns them in order as the log's lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import fsio
+from .fsio import Location
+from .layout import EVENTS_DIR, join
+
+log = logging.getLogger(__name__)
+
+COMMITTED, FAILED, SKIPPED = "committed", "failed", "skipped"
+
+
+@dataclass
+class CheckpointRecord:
+    """What one checkpoint attempt cost and how it ended, as seen by one rank."""
+
+    step: int
+    rank: int
+    outcome: str  # committed | failed | skipped
+    checkpoint_id: str | None = None
+    path: str | None = None
+    cause: str | None = None  # why it failed or was skipped
+    pause_s: float = 0.0  # time the training thread was blocked (waiting for a slot + staging)
+    stage_s: float = 0.0  # copy into staging buffers
+    write_s: float = 0.0  # writing this rank's shard file
+    verify_s: float = 0.0  # reading back the sampled chunks
+    commit_s: float = 0.0  # coordinator: completeness check, metadata, manifest, latest
+    total_s: float = 0.0  # from the save call until the outcome was known
+    bytes_rank: int = 0
+    bytes_total: int | None = None  # all ranks' files (known on the coordinator)
+    write_gbps: float = 0.0  # this rank's bytes / write_s, in GB/s
+    created_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def metrics(self, prefix: str = "checkpoint/") -> dict[str, float]:
+        """The numeric fields, named for a logger."""
+        numeric = {
+            key: float(value)
+            for key, value in asdict(self).items()
+            if isinstance(value, (int, float)) and key not in ("step", "rank", "created_at") and value is not None
+        }
+        return {f"{prefix}{key}": value for key, value in numeric.items()}
+
+
+class RunCounters:
+    """attempted / committed / failed / skipped over the life of one saver; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {"attempted": 0, COMMITTED: 0, FAILED: 0, SKIPPED: 0}
+
+    def count(self, outcome: str) -> None:
+        with self._lock:
+            self._counts["attempted"] += 1
+            self._counts[outcome] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def write_event(root: Location, record: CheckpointRecord, counters: dict[str, int]) -> None:
+    """Write the record as this attempt's event file; never raises (metrics must not fail a run)."""
+    name = f"step-{record.step:09d}-{record.checkpoint_id or 'none'}-{record.outcome}-{uuid.uuid4().hex[:6]}.json"
+    payload = {**record.as_dict(), "counters": counters}
+    try:
+        fsio.makedirs(root.fs, join(root.path, EVENTS_DIR))
+        fsio.create_if_absent(root.fs, join(root.path, EVENTS_DIR, name), json.dumps(payload, sort_keys=True).encode())
+    except Exception:
+        log.warning("could not write checkpoint event %s", name, exc_info=True)
+
+
+def read_events(root: Location | str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every event under the checkpoint root (a Location or URL), oldest first."""
+    if not isinstance(root, Location):
+        root = fsio.resolve(root, storage_options)
+    try:
+        paths = root.fs.glob(join(root.path, EVENTS_DIR, "*.json"))
+    except FileNotFoundError:
+        return []
+    events = [json.loads(root.fs.cat_file(path)) for path in paths]
+    return sorted(events, key=lambda event: (event["created_at"], event["step"]))

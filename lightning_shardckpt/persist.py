@@ -1,0 +1,109 @@
+"""Write one staged state dict as a checkpoint directory and commit it (or fail cleanly).
+
+Runs on the background thread in async mode, on the caller in sync mode: the same code either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from . import topology
+from .collectives import broadcast_from_coordinator, rank_and_world
+from .commit import CheckpointTarget, Committer
+from .config import SaveConfig
+from .errors import CommitFailed, ShardCkptError
+from .fsio import Location
+from .layout import checkpoint_dirname, join, new_checkpoint_id
+from .storage import FaultHook, ShardWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveResult:
+    """The outcome of one save on this rank."""
+
+    step: int
+    checkpoint_id: str | None
+    path: str | None
+    committed: bool
+    skipped: bool = False
+    error: BaseException | None = None
+    manifest: dict[str, Any] | None = None  # on the coordinator only
+    bytes_rank: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # write_s, verify_s, commit_s, persist_s
+
+
+@dataclass
+class SaveMeta:
+    """What the caller tells the manifest about this checkpoint."""
+
+    epoch: int | None = None
+    samples_consumed: int | None = None
+    identity: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+
+
+def persist_checkpoint(
+    root: Location,
+    group: Any,
+    config: SaveConfig,
+    state_dict: dict[str, Any],
+    step: int,
+    meta: SaveMeta,
+    fault_hook: FaultHook | None = None,
+) -> SaveResult:
+    """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit."""
+    started = time.perf_counter()
+    # collective "checkpoint-id": all ranks must write into the same fresh directory
+    checkpoint_id = broadcast_from_coordinator("checkpoint-id", new_checkpoint_id(), group)
+    target = CheckpointTarget(
+        root=root,
+        dirname=checkpoint_dirname(step, checkpoint_id),
+        checkpoint_id=checkpoint_id,
+        step=step,
+        verify_mode=config.verify.mode,
+        manifest_fields={
+            "epoch": meta.epoch,
+            "samples_consumed": meta.samples_consumed,
+            "topology": topology.describe(state_dict, group, config.parallelism),
+            "identity": meta.identity,
+            "extra": meta.extra,
+        },
+    )
+    committer = Committer(target, fault_hook)
+    writer = ShardWriter(root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook)
+    result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=DefaultSavePlanner())
+        result.committed = True
+        result.manifest = committer.manifest
+    except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
+        result.error = CommitFailed(f"step {step} did not commit ({target.dirname}): {_root_cause(err)}")
+        result.error.__cause__ = err
+        log.error("rank %d: %s", rank_and_world(group)[0], result.error)
+    stats = writer.last_write_stats
+    result.bytes_rank = stats.get("bytes", 0)
+    result.timings = {
+        "write_s": stats.get("write_s", 0.0),
+        "verify_s": stats.get("verify_s", 0.0),
+        "commit_s": committer.seconds,
+        "persist_s": time.perf_counter() - started,
+    }
+    return result
+
+
+def _root_cause(err: BaseException) -> str:
+    """DCP wraps per-rank failures; name the first rank's own error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank = sorted(err.failures)[0]
+        cause = err.failures[rank][0]  # DCP stores (exception, traceback) per failed rank
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(err).__name__}: {err}"
