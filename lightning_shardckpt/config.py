@@ -73,3 +73,59 @@ class LoadConfig:
 
     verify_checksums: bool = True  # checksum every byte read; turning it off saves ~0.1 s per GB
     storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallbackConfig:
+    """When ShardedCheckpoint saves and what it keeps."""
+
+    every_n_train_steps: int | None = None  # save after every N optimizer steps; None: off
+    every_n_minutes: float | None = None  # save after N minutes of training time; None: off
+    save_on_epoch_end: bool = False
+    save_on_fit_end: bool = True  # a final checkpoint when fit ends (skipped if that step is already saved)
+    save_on_preemption: bool = True  # SIGTERM / SIGUSR1: a final blocking save, then stop
+    keep_last: int | None = None  # committed checkpoints to keep; None keeps all
+    keep_every_n_steps: int | None = None  # also keep every checkpoint whose step is a multiple of this
+    resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
+
+    def __post_init__(self) -> None:
+        _positive_or_none("every_n_train_steps", self.every_n_train_steps, "every_n_train_steps=100 saves every 100 steps")
+        _positive_or_none("every_n_minutes", self.every_n_minutes, "every_n_minutes=30 saves every half hour")
+        _positive_or_none("keep_every_n_steps", self.keep_every_n_steps, "keep_every_n_steps=1000 keeps every 1000th step")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"keep_last={self.keep_last} would delete the checkpoint being written; use >= 1 (or null to keep all)")
+
+
+def _positive_or_none(name: str, value: float | None, example: str) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{name}={value} must be > 0 or null (off); e.g. {example}")
+
+
+def save_config_from(options: Any, **overrides: Any) -> SaveConfig:
+    """SaveConfig from a SaveConfig, a dict or a Hydra DictConfig (nested `verify` included)."""
+    if isinstance(options, SaveConfig):
+        values = {name: getattr(options, name) for name in options.__dataclass_fields__}
+    else:
+        values = _plain(options or {})
+        unknown = set(values) - set(SaveConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown save option(s) {sorted(unknown)}; known: {sorted(SaveConfig.__dataclass_fields__)}")
+        verify = values.get("verify")
+        if verify is not None and not isinstance(verify, VerifyConfig):
+            unknown = set(verify) - set(VerifyConfig.__dataclass_fields__)
+            if unknown:
+                raise ConfigError(f"unknown save.verify option(s) {sorted(unknown)}; known: {sorted(VerifyConfig.__dataclass_fields__)}")
+            values["verify"] = VerifyConfig(**verify)
+    values.update(overrides)
+    return SaveConfig(**values)
+
+
+def _plain(options: Any) -> dict[str, Any]:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(options, DictConfig):
+            return OmegaConf.to_container(options, resolve=True)  # type: ignore[return-value]
+    except ImportError:
+        pass
+    return dict(options)

@@ -45,16 +45,19 @@ class CheckpointRecord:
     bytes_total: int | None = None  # all ranks' files (known on the coordinator)
     write_gbps: float = 0.0  # this rank's bytes / write_s, in GB/s
     created_at: float = field(default_factory=time.time)
+    manifest: dict[str, Any] | None = field(default=None, repr=False)  # the coordinator's, when committed
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("manifest")
+        return out
 
     def metrics(self, prefix: str = "checkpoint/") -> dict[str, float]:
         """The numeric fields, named for a logger."""
         numeric = {
             key: float(value)
             for key, value in asdict(self).items()
-            if isinstance(value, (int, float)) and key not in ("step", "rank", "created_at") and value is not None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "rank", "created_at")
         }
         return {f"{prefix}{key}": value for key, value in numeric.items()}
 

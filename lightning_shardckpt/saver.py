@@ -71,11 +71,19 @@ class CheckpointSaver:
     `save` on every rank with the same steps.
     """
 
-    def __init__(self, dirpath: str, config: SaveConfig | None = None, *, fault_hook: FaultHook | None = None) -> None:
+    def __init__(
+        self,
+        dirpath: str,
+        config: SaveConfig | None = None,
+        *,
+        group: Any = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        """`group`: an existing checkpoint process group to share; by default one is created (collectively)."""
         self.config = config or SaveConfig()
         self.root = fsio.resolve(dirpath, self.config.storage_options)
         fsio.makedirs(self.root.fs, self.root.path)
-        self.group = new_checkpoint_group(self.config.collective_timeout_s)
+        self.group = group if group is not None else new_checkpoint_group(self.config.collective_timeout_s)
         self.rank = rank_and_world(self.group)[0]
         self._fault_hook = fault_hook
         # staging memory is bounded: one host copy of the state per save that may be in flight
@@ -210,6 +218,7 @@ class CheckpointSaver:
         record.commit_s = result.timings.get("commit_s", 0.0)
         record.bytes_rank = result.bytes_rank
         record.bytes_total = manifest_format.total_bytes(result.manifest) if result.manifest else None
+        record.manifest = result.manifest
         record.write_gbps = result.bytes_rank / record.write_s / 1e9 if record.write_s > 0 else 0.0
         record.total_s = time.perf_counter() - job.requested_at
         if result.error is not None and self._first_error is None:

@@ -304,7 +304,7 @@ class ShardReader(StorageReader):
             per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
         for relative_path, requests in per_file.items():
             requests.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-            with self.fs.open(join(self.path, relative_path), "rb") as handle:
+            with self._open_shard(relative_path, requests) as handle:
                 for request in requests:
                     info = self.storage_data[request.storage_index]
                     handle.seek(info.offset)
@@ -335,6 +335,18 @@ class ShardReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+    def _open_shard(self, relative_path: str, requests: list[Any]) -> Any:
+        path = join(self.path, relative_path)
+        try:
+            return self.fs.open(path, "rb")
+        except FileNotFoundError as err:
+            lost = sorted({request.storage_index.fqn for request in requests})
+            raise CorruptCheckpoint(
+                f"{path} is missing: the manifest lists it but storage has no such file ({len(lost)} tensor(s) lost, "
+                f"e.g. {lost[:3]}). Restore it from a replica or load an older checkpoint; `shardckpt verify` lists every loss",
+                problems=[{"file": relative_path, "tensor": fqn, "expected": "present", "actual": "missing"} for fqn in lost],
+            ) from err
 
     def _check(self, relative_path: str, info: _StorageInfo, data: bytes, fqn: str) -> None:
         if self._expected is None:

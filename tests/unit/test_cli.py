@@ -1,0 +1,139 @@
+"""The `shardckpt` command: ls / inspect / verify, in-process through `main` and once as the installed script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_shardckpt.cli import main
+from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
+
+UNCOMMITTED = "step-000000009-deadbeefcafe"
+
+
+@pytest.fixture
+def root(tmp_path):
+    """Two committed checkpoints (steps 3, 5) and a newer uncommitted directory (step 9) left by a crash."""
+    path = str(tmp_path / "run")
+    save_checkpoint(path, step=3)
+    save_checkpoint(path, step=5)
+    os.makedirs(os.path.join(path, UNCOMMITTED))
+    with open(os.path.join(path, UNCOMMITTED, SHARD), "wb") as handle:
+        handle.write(b"half a shard")
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def latest_dir(root: str) -> str:
+    names = sorted(name for name in os.listdir(root) if name.startswith("step-000000005-"))
+    return os.path.join(root, names[0])
+
+
+def test_ls_json_lists_committed_and_uncommitted_and_marks_latest(root, capsys):
+    code, out, _ = run(capsys, "ls", root, "--json")
+    assert code == 0
+    listing = json.loads(out)
+    rows = {row["step"]: row for row in listing["checkpoints"]}
+    assert sorted(rows) == [3, 5, 9]
+    assert [rows[s]["state"] for s in (3, 5, 9)] == ["committed", "committed", "uncommitted"]
+    # the newer uncommitted directory is never latest
+    assert [s for s, row in rows.items() if row["latest"]] == [5]
+    assert listing["latest"] == os.path.basename(latest_dir(root))
+    assert rows[9]["id"] == "deadbeefcafe" and rows[9]["bytes"] == len(b"half a shard")
+    assert all(row["age_s"] is not None and row["age_s"] >= 0 for row in rows.values())
+    assert rows[5]["bytes"] == os.path.getsize(os.path.join(latest_dir(root), SHARD))
+
+
+def test_ls_prints_a_table_with_state_and_latest_marker(root, capsys):
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["STEP", "ID", "STATE", "SIZE", "AGE", "LATEST", "NAME"]
+    by_step = {line.split()[0]: line for line in lines[1:]}
+    assert "uncommitted" in by_step["9"] and "*" not in by_step["9"]
+    assert " * " in by_step["5"] and " * " not in by_step["3"]
+
+
+def test_inspect_json_summarises_the_latest_manifest(root, capsys):
+    code, out, _ = run(capsys, "inspect", root, "--json")
+    assert code == 0
+    summary = json.loads(out)
+    manifest = json.load(open(os.path.join(latest_dir(root), "manifest.json")))
+    assert (summary["id"], summary["step"], summary["parent"]) == (manifest["id"], 5, manifest["parent"])
+    assert summary["parent"] is not None  # step 3's id
+    assert summary["files"] == {"count": 1, "bytes": manifest["files"][0]["bytes"]}
+    assert (summary["tensors"], summary["objects"]) == (len(manifest["tensors"]), len(manifest["objects"]))
+    assert summary["topology"]["world_size"] == 1
+    assert summary["verification"] == manifest["verification"]
+    assert summary["identity"]["keys"] == ["code", "config", "data", "model", "run"]
+    # a checkpoint directory names itself
+    code, out, _ = run(capsys, "inspect", latest_dir(root), "--json")
+    assert json.loads(out)["id"] == manifest["id"]
+
+
+def test_verify_exits_0_on_a_sound_checkpoint(root, capsys):
+    code, out, _ = run(capsys, "verify", os.path.join(root, "latest"))
+    assert code == 0
+    assert out.startswith("OK ") and os.path.basename(latest_dir(root)) in out
+
+
+def test_verify_exits_1_and_names_the_bad_tensor_and_file(root, capsys):
+    directory = latest_dir(root)
+    manifest = json.load(open(os.path.join(directory, "manifest.json")))
+    chunk = chunk_of(manifest, "model.2.bias")
+    with open(os.path.join(directory, SHARD), "r+b") as handle:
+        handle.seek(chunk["offset"] + chunk["length"] - 3)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x80]))
+
+    code, out, _ = run(capsys, "verify", os.path.join(root, "latest"))
+    assert code == 1
+    assert out.startswith("CORRUPT ")
+    bad_rows = [line for line in out.splitlines() if "chunk_checksum" in line]
+    assert len(bad_rows) == 1 and "model.2.bias" in bad_rows[0] and SHARD in bad_rows[0]
+    assert chunk["checksum"] in bad_rows[0]
+
+    code, out, _ = run(capsys, "verify", directory, "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["ok"] is False
+    assert {"kind": "chunk_checksum", "file": SHARD, "tensor": "model.2.bias"}.items() <= report["problems"][0].items()
+
+
+def test_verify_of_a_missing_path_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
+    code, out, err = run(capsys, "verify", str(tmp_path / "nope"))
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("shardckpt: error: ") and "Traceback" not in err
+
+
+def test_an_uncommitted_directory_is_refused_with_exit_2(root, capsys):
+    code, _, err = run(capsys, "verify", os.path.join(root, UNCOMMITTED))
+    assert code == 2
+    assert "uncommitted" in err and len(err.strip().splitlines()) == 1
+
+
+def test_storage_options_reach_fsspec_and_malformed_ones_are_rejected(root, capsys):
+    # LocalFileSystem accepts auto_mkdir; a JSON value keeps its type (false, not "false")
+    code, out, _ = run(capsys, "ls", root, "--json", "--storage-option", "auto_mkdir=false")
+    assert code == 0 and json.loads(out)["latest"]
+    code, _, err = run(capsys, "ls", root, "--storage-option", "no-equals-sign")
+    assert code == 2 and "KEY=VALUE" in err
+
+
+def test_installed_shardckpt_script_verifies_and_prints_json(root):
+    script = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+    done = subprocess.run([script, "verify", f"{root}/latest", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] is True and report["step"] == 5 and report["files"] == 1
