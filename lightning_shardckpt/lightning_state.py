@@ -1,0 +1,40 @@
+"""Between Lightning's checkpoint dict and the DCP state dict we save.
+
+Tensors go through DCP (sharded model and optimizer states, resharded on load); everything else
+Lightning puts in a checkpoint (loops, callbacks, schedulers, hyperparameters, precision and datamodule
+state, `on_save_checkpoint` extras) travels as one pickled blob, because its structure is not known
+before it is loaded. A plain `dcp.load` can still read the blob: it is a `bytes` object.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+MODEL_KEY = "model"
+OPTIMIZERS_KEY = "optimizers"
+LIGHTNING_KEY = "lightning"  # the pickled rest of Lightning's checkpoint dict
+
+
+def to_dcp_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Split Lightning's checkpoint dict (not modified) into DCP-saveable parts."""
+    rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+    return {
+        MODEL_KEY: checkpoint["state_dict"],
+        OPTIMIZERS_KEY: {str(index): state for index, state in enumerate(checkpoint.get("optimizer_states", []))},
+        LIGHTNING_KEY: pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL),
+    }
+
+
+def load_target(model_state: dict[str, Any], optimizer_states: list[dict[str, Any]]) -> dict[str, Any]:
+    """A state dict with the structure `to_dcp_state` saved, to be filled in place by a load."""
+    return {
+        MODEL_KEY: model_state,
+        OPTIMIZERS_KEY: {str(index): state for index, state in enumerate(optimizer_states)},
+        LIGHTNING_KEY: b"",
+    }
+
+
+def lightning_rest(loaded: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor part of Lightning's checkpoint dict from a loaded DCP state."""
+    return pickle.loads(loaded[LIGHTNING_KEY])

@@ -1,0 +1,230 @@
+"""ShardedStrategy: Lightning strategies whose checkpoints go through the lightning_shardckpt engine.
+
+`ShardedStrategy(parallelism="ddp")` builds a DDPStrategy, `parallelism="fsdp"` a ModelParallelStrategy
+(FSDP2 / DTensor, sharded in `configure_model`); both save the model and optimizers as sharded DCP state
+(each rank writes its own shards, replicated tensors once) and restore them onto any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from . import catalog, fsio, lightning_state
+from .collectives import new_checkpoint_group, rank_and_world
+from .config import LoadConfig, SaveConfig
+from .errors import CheckpointNotFound, ConfigError
+from .layout import parse_dirname
+from .loader import LoadResult, load_checkpoint
+from .persist import SaveMeta
+from .saver import CheckpointSaver, PendingSave
+
+log = logging.getLogger(__name__)
+
+PARALLELISMS = ("ddp", "fsdp")
+
+
+class _NothingToRestore(dict):
+    """What `load_checkpoint` returns when `ckpt_path="latest"` finds nothing committed.
+
+    Lightning skips every restore step for a falsy checkpoint, exactly as when no path was given; the
+    version key keeps its migration step quiet.
+    """
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class ShardedStrategy:
+    """Base of the sharded strategies; calling it builds the one for `parallelism`."""
+
+    parallelism: str = "unknown"
+
+    def __new__(cls, *args: Any, parallelism: str = "fsdp", **kwargs: Any):
+        if cls is ShardedStrategy:
+            if parallelism not in PARALLELISMS:
+                raise ConfigError(f"parallelism={parallelism!r} is unknown; use 'ddp' (replicated) or 'fsdp' (FSDP2 sharded)")
+            cls = ShardedDDPStrategy if parallelism == "ddp" else ShardedFSDPStrategy
+        return super().__new__(cls)
+
+    def _init_checkpointing(self) -> None:
+        self.save_config = SaveConfig(parallelism=self.parallelism)
+        self.load_config = LoadConfig()
+        self.checkpoint_root: str | None = None  # set by ShardedCheckpoint: where "latest", steps and ids are looked up
+        self.resume_required = False
+        self.last_load: LoadResult | None = None
+        self._group: Any = None
+        self._savers: dict[str, CheckpointSaver] = {}
+
+    # --- what Lightning asks of a strategy ---
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # restore into the set-up (wrapped / sharded) model and its optimizers
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizers are restored in load_checkpoint, resharded
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # already loaded in load_checkpoint()
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # already loaded in load_checkpoint()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """`trainer.save_checkpoint(path)`: a blocking save; `path` becomes a checkpoint root."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; set save.storage_options")
+        config = SaveConfig(**{**_fields(self.save_config), "async_save": False})
+        saver = CheckpointSaver(str(filepath), config, group=self.checkpoint_group())
+        result = self.save_to_saver(saver, checkpoint).result()
+        saver.close()
+        if not result.committed:
+            raise result.error or RuntimeError(f"checkpoint {filepath} did not commit")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        started = time.perf_counter()
+        root, which = self._resolve_source(str(checkpoint_path))
+        if which == "latest" and not self._has_committed(root):
+            if self.resume_required:
+                raise CheckpointNotFound(
+                    f"ckpt_path='latest' but {root} holds no committed checkpoint and resume_required=true; "
+                    "check checkpoint.dirpath, or set resume_required=false to start fresh"
+                )
+            log.warning("no committed checkpoint in %s: starting fresh", root)
+            self.lightning_module.trainer._checkpoint_connector._ckpt_path = None  # nothing was restored
+            return _NothingToRestore({"pytorch-lightning_version": pl.__version__})
+        module = self.lightning_module
+        optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
+        target = lightning_state.load_target(
+            get_model_state_dict(module), [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+        )
+        self.last_load = load_checkpoint(target, root, which, config=self.load_config, process_group=self.checkpoint_group())
+        set_model_state_dict(module, target[lightning_state.MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
+        for index, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
+        self.last_load.seconds = time.perf_counter() - started  # time to resume: pick + read + apply
+        return lightning_state.lightning_rest(target)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            location = fsio.resolve(str(filepath), self.save_config.storage_options)
+            if location.fs.exists(location.path):
+                location.fs.rm(location.path, recursive=True)
+
+    def teardown(self) -> None:
+        for saver in self._savers.values():
+            saver.close()
+        self._savers.clear()
+        super().teardown()
+
+    # --- what ShardedCheckpoint uses ---
+    def checkpoint_group(self) -> Any:
+        """The dedicated gloo group for checkpoint collectives (created once, on first use, on every rank)."""
+        if self._group is None:
+            self._group = new_checkpoint_group(self.save_config.collective_timeout_s)
+        return self._group
+
+    def saver(self, root: str) -> CheckpointSaver:
+        if root not in self._savers:
+            self._savers[root] = CheckpointSaver(root, self.save_config, group=self.checkpoint_group())
+        return self._savers[root]
+
+    def save_to_saver(self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any) -> PendingSave:
+        state = lightning_state.to_dcp_state(checkpoint)
+        return saver.save(
+            state,
+            step=int(checkpoint.get("global_step", 0)),
+            epoch=checkpoint.get("epoch"),
+            identity=identity,
+            samples_consumed=meta.get("samples_consumed"),
+            extra=meta.get("extra"),
+        )
+
+    # --- internals ---
+    def _resolve_source(self, text: str) -> tuple[str, str]:
+        """(root, which) for `ckpt_path`: a selector relative to the callback's root, or a path."""
+        is_selector = text == "latest" or text.isdigit() or parse_dirname(text) is not None or _looks_like_id(text)
+        if is_selector and "/" not in text:
+            if self.checkpoint_root is None:
+                raise ConfigError(
+                    f"ckpt_path={text!r} is relative to a checkpoint root, but no ShardedCheckpoint callback set one; "
+                    "add ShardedCheckpoint(dirpath=...) to the Trainer's callbacks or pass a path"
+                )
+            return self.checkpoint_root, text
+        return text, "latest"
+
+    def _has_committed(self, root: str) -> bool:
+        location = fsio.resolve(root, self.load_config.storage_options)
+        return catalog.newest_committed(catalog.list_checkpoints(location)) is not None
+
+
+class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
+    """DDP (replicated parameters) with sharded, asynchronous, committed checkpoints."""
+
+    strategy_name = "shardckpt_ddp"
+    parallelism = "ddp"
+
+    def __init__(self, *args: Any, parallelism: str = "ddp", **kwargs: Any) -> None:
+        kwargs.setdefault("process_group_backend", "gloo")
+        DDPStrategy.__init__(self, *args, **kwargs)
+        self._init_checkpointing()
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register(cls.strategy_name, cls, description="DDP with lightning_shardckpt checkpoints")
+
+
+class ShardedFSDPStrategy(ShardedStrategy, ModelParallelStrategy):
+    """FSDP2 / DTensor (ModelParallelStrategy; shard in `configure_model`) with lightning_shardckpt checkpoints."""
+
+    strategy_name = "shardckpt_fsdp"
+    parallelism = "fsdp"
+
+    def __init__(self, *args: Any, parallelism: str = "fsdp", **kwargs: Any) -> None:
+        ModelParallelStrategy.__init__(self, *args, **kwargs)
+        self._init_checkpointing()
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register(cls.strategy_name, cls, description="FSDP2 with lightning_shardckpt checkpoints")
+
+
+def register() -> None:
+    for strategy in (ShardedDDPStrategy, ShardedFSDPStrategy):
+        if strategy.strategy_name not in StrategyRegistry:
+            strategy.register_strategies(StrategyRegistry)
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+
+
+def _looks_like_id(text: str) -> bool:
+    return len(text) == 12 and all(c in "0123456789abcdef" for c in text)
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def world() -> tuple[int, int]:
+    return rank_and_world()

@@ -1,0 +1,41 @@
+"""Fit through Lightning on N ranks, resume on M: every piece of checkpointed state comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shardckpt import catalog, fsio
+from tests.helpers import training_state as ts
+from tests.helpers.lightning_run import fit_on_rank
+from tests.helpers.spawn import run_ranks
+
+
+@pytest.mark.parametrize("parallelism,first,second", [("fsdp", 4, 2), ("fsdp", 2, 3), ("ddp", 4, 3), ("ddp", 2, 4)])
+def test_fit_resumes_on_a_different_world_size_with_all_state_bit_exact(tmp_path, parallelism, first, second):
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(fit_on_rank, first, root, parallelism, 6, None, {"every": 3}, timeout_s=240)
+    assert saved[0].value["global_step"] == 6
+    states = [(e.step, e.state) for e in catalog.list_checkpoints(fsio.resolve(root))]
+    assert states == [(3, "committed"), (6, "committed")]
+
+    resumed = run_ranks(fit_on_rank, second, root, parallelism, 8, "latest", {"every": 3}, timeout_s=240)
+    start = resumed[0].value["at_start"]
+    ts.assert_bit_exact(saved[0].value["final"], start["full"])  # model + AdamW, resharded
+    assert start["global_step"] == 6
+    assert start["scheduler_last_epoch"] == 6 and start["lr"] == pytest.approx(0.05 * 0.5**3)
+    assert start["extra"] == {"saved_at_step": 6}
+    assert start["callback_batches"] == 6
+    assert start["datamodule_batches"] == 6
+    assert resumed[0].value["global_step"] == 8
+    assert catalog.find(fsio.resolve(root), "latest").step == 8  # training went on and saved at fit end
+
+
+def test_latest_on_an_empty_root_starts_fresh_or_fails_when_resume_is_required(tmp_path):
+    root = str(tmp_path / "empty")
+    fresh = run_ranks(fit_on_rank, 2, root, "ddp", 2, "latest", {"every": 100})
+    assert fresh[0].value["at_start"]["global_step"] == 0
+    assert fresh[0].value["global_step"] == 2
+    required = run_ranks(fit_on_rank, 2, str(tmp_path / "empty2"), "ddp", 2, "latest",
+                         {"every": 100, "resume_required": True}, allow_failures=True)
+    assert all(not o.ok and "resume_required=true" in o.error for o in required)

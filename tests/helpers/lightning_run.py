@@ -1,0 +1,142 @@
+"""A small Lightning module, datamodule and callback whose every piece of state is checked on resume.
+
+`fit_on_rank` runs inside a rank started by `tests.helpers.spawn.run_ranks`: Lightning sees an
+externally created process group (torchelastic-style environment variables) and launches nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from tests.helpers import training_state as ts
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self, parallelism: str = "ddp", lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = ts.build_model(seed=7)
+        self.extra_loaded: Any = None
+
+    def configure_model(self) -> None:
+        if self.hparams.parallelism != "fsdp":
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh)
+        fully_shard(self.net, mesh=self.device_mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (inputs,) = batch
+        loss = self.net(inputs).pow(2).mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["my_extra"] = {"saved_at_step": self.global_step}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.extra_loaded = checkpoint.get("my_extra")
+
+
+class TinyData(pl.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches_served = 0
+
+    def train_dataloader(self) -> DataLoader:
+        inputs = torch.randn(96, 13, generator=torch.Generator().manual_seed(3))
+        return DataLoader(TensorDataset(inputs), batch_size=4)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches_served": self.batches_served}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches_served = state["batches_served"]
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.batches_served += 1
+        return batch
+
+
+class CountingCallback(pl.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches = state["batches"]
+
+
+class CaptureAtStart(pl.Callback):
+    """Gathers the full model + optimizer state and the restored bookkeeping when training (re)starts."""
+
+    def __init__(self) -> None:
+        self.at_start: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: TinyModule) -> None:
+        optimizer = trainer.optimizers[0]
+        self.at_start = {
+            "full": _full(pl_module, optimizer),
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "lr": optimizer.param_groups[0]["lr"],
+            "scheduler_last_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+            "extra": pl_module.extra_loaded,
+            "datamodule_batches": trainer.datamodule.batches_served,
+            "callback_batches": next(cb for cb in trainer.callbacks if isinstance(cb, CountingCallback)).batches,
+        }
+
+
+def _full(module: TinyModule, optimizer: Any) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = {f"model.{k}": v.clone() for k, v in model_sd.items()}
+    for name, state in optim_sd.get("state", {}).items():
+        for key, value in state.items():
+            flat[f"optim.{name}.{key}"] = torch.as_tensor(value).clone()
+    return flat
+
+
+def lightning_env(rank: int, world_size: int) -> None:
+    # torchelastic-style variables: Lightning uses the existing process group and launches nothing
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
+                       "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"})
+
+
+def fit_on_rank(rank: int, world_size: int, root: str, parallelism: str, max_steps: int, ckpt_path: Any, extra: dict) -> dict:
+    lightning_env(rank, world_size)
+    capture = CaptureAtStart()
+    checkpoint = ShardedCheckpoint(root, every_n_train_steps=extra.get("every", 3), keep_last=extra.get("keep_last"),
+                                   resume_required=extra.get("resume_required", False), log_artifact=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, num_nodes=1,
+        strategy=ShardedStrategy(parallelism=parallelism),
+        max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[checkpoint, CountingCallback(), capture], use_distributed_sampler=True,
+    )
+    module = TinyModule(parallelism=parallelism)
+    trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
+    optimizer = trainer.optimizers[0]
+    return {"at_start": capture.at_start, "final": _full(module, optimizer), "global_step": trainer.global_step,
+            "last_saved_step": checkpoint.last_saved_step}
