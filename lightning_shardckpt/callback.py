@@ -125,7 +125,8 @@ class ShardedCheckpoint(Checkpoint):
         if self.options.save_on_epoch_end and trainer.global_step != self.last_saved_step:
             self._save(trainer)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # on_train_end, not on_fit_end: Lightning tears the strategy (and its savers) down in between
         if self.options.save_on_fit_end and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
             self._save(trainer)
         self._saver(trainer).close()  # the run's last checkpoint commits before teardown

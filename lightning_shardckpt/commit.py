@@ -146,7 +146,10 @@ class Committer:
         self.manifest = manifest
         self._fault("after_manifest")
         # `latest` is a hint for people and tools; readers confirm it against the manifests.
-        fsio.replace_small_file(fs, join(target.root.path, LATEST), (target.dirname + "\n").encode())
+        try:
+            fsio.replace_small_file(fs, join(target.root.path, LATEST), (target.dirname + "\n").encode())
+        except Exception:  # committed all the same: readers go by the manifests
+            log.warning("committed %s but could not update %s; readers fall back to the manifests", target.path, LATEST, exc_info=True)
         log.info("committed %s (%d files, %d bytes)", target.path, len(manifest["files"]), manifest_format.total_bytes(manifest))
 
 

@@ -93,6 +93,9 @@ class ShardedStrategy:
         """`trainer.save_checkpoint(path)`: a blocking save; `path` becomes a checkpoint root."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; set save.storage_options")
+        # One thread at a time on the checkpoint group: let background saves finish first.
+        for in_flight in self._savers.values():
+            in_flight.wait()
         config = SaveConfig(**{**_fields(self.save_config), "async_save": False})
         saver = CheckpointSaver(str(filepath), config, group=self.checkpoint_group())
         result = self.save_to_saver(saver, checkpoint).result()

@@ -102,7 +102,7 @@ class CaptureAtStart(pl.Callback):
             "scheduler_last_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
             "extra": pl_module.extra_loaded,
             "datamodule_batches": trainer.datamodule.batches_served,
-            "callback_batches": next(cb for cb in trainer.callbacks if isinstance(cb, CountingCallback)).batches,
+            "callback_batches": next((cb.batches for cb in trainer.callbacks if isinstance(cb, CountingCallback)), None),
         }
 
 
@@ -140,3 +140,49 @@ def fit_on_rank(rank: int, world_size: int, root: str, parallelism: str, max_ste
     optimizer = trainer.optimizers[0]
     return {"at_start": capture.at_start, "final": _full(module, optimizer), "global_step": trainer.global_step,
             "last_saved_step": checkpoint.last_saved_step}
+
+
+class PreemptAt(pl.Callback):
+    """Sends this rank SIGUSR1 at `step`, as a cluster does to every process before preempting it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def features_on_rank(rank: int, world_size: int, workdir: str) -> dict:
+    """One process group, three fits: ModelCheckpoint + CSV metrics + retention; preemption; manual save."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    lightning_env(rank, world_size)
+    common = dict(accelerator="cpu", devices=world_size, num_nodes=1, enable_progress_bar=False, enable_model_summary=False)
+
+    # 1. our callback with retention, Lightning's ModelCheckpoint beside it, metrics into a CSVLogger
+    sharded = ShardedCheckpoint(f"{workdir}/run", every_n_train_steps=2, keep_last=2, keep_every_n_steps=4, log_artifact=False)
+    lightning_ckpt = ModelCheckpoint(dirpath=f"{workdir}/lightning", every_n_train_steps=3, save_top_k=1, monitor=None)
+    trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=10, logger=CSVLogger(f"{workdir}/csv", name="run"),
+                         callbacks=[sharded, lightning_ckpt], **common)
+    trainer.fit(TinyModule(), datamodule=TinyData())
+    manual = f"{workdir}/manual.ckpt"
+    trainer.save_checkpoint(manual)
+    first = {"model_checkpoint_best": lightning_ckpt.best_model_path, "log_dir": trainer.logger.log_dir}
+
+    # 2. preemption: SIGUSR1 on every rank at step 3 -> a blocking save of step 3, then stop
+    preempted = ShardedCheckpoint(f"{workdir}/preempt", every_n_train_steps=100, log_artifact=False)
+    trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=50, logger=False,
+                         callbacks=[PreemptAt(3), preempted], **common)
+    trainer.fit(TinyModule(), datamodule=TinyData())
+    second = {"stopped_at": trainer.global_step}
+
+    # 3. resume from the root that trainer.save_checkpoint wrote
+    capture = CaptureAtStart()
+    trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=12, logger=False,
+                         callbacks=[ShardedCheckpoint(f"{workdir}/after-manual", log_artifact=False), capture], **common)
+    trainer.fit(TinyModule(), datamodule=TinyData(), ckpt_path=manual)
+    return {**first, **second, "manual_resume_step": capture.at_start["global_step"]}
