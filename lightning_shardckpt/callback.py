@@ -17,14 +17,18 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from . import fsio, retention
+from . import fsio, identity, metrics, retention
 from .checksum import checksum
+from .collectives import rank_and_world
 from .config import CallbackConfig, LoadConfig, save_config_from
+from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from .errors import ConfigError
+from .identity_diff import IdentityPolicy, compare
 from .manifest import to_bytes
 from .metrics import CheckpointRecord
+from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
-from .wandb_artifacts import log_checkpoint_artifact
+from .wandb_artifacts import log_checkpoint_artifact, wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class ShardedCheckpoint(Checkpoint):
         log_metrics: bool = True,
         log_artifact: bool = True,
         run_config: Any = None,
+        identity_policy: Any = None,
+        dataset_version: str | None = None,
     ) -> None:
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
@@ -72,7 +78,13 @@ class ShardedCheckpoint(Checkpoint):
         self.log_metrics = log_metrics
         self.log_artifact = log_artifact
         self.run_config = run_config
+        self.identity_policy = _identity_policy(identity_policy)
+        self.dataset_version = dataset_version
         self.last_saved_step: int | None = None
+        self._static_identity: dict[str, Any] | None = None  # config, model, code, run: computed once per fit
+        self._pending_batches = 0  # trained on, not yet applied by an optimizer step
+        self._step_at_last_batch = 0
+        self._loaded_data_state: dict[str, Any] | None = None
         self._last_save_time = time.monotonic()
         self._preempted = False
         self._previous_sigusr1: Any = None
@@ -91,7 +103,9 @@ class ShardedCheckpoint(Checkpoint):
                 "use Trainer(strategy=ShardedStrategy(parallelism='ddp' or 'fsdp')) or strategy='shardckpt_ddp'"
             )
         strategy.save_config = save_config_from(self.save_options, parallelism=strategy.parallelism)
-        strategy.load_config = LoadConfig(verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options)
+        strategy.load_config = LoadConfig(
+            verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options, identity_policy=self.identity_policy
+        )
         strategy.checkpoint_root = self.dirpath
         strategy.resume_required = self.options.resume_required
         self._location = fsio.resolve(self.dirpath, self.save_options.storage_options)
@@ -106,10 +120,16 @@ class ShardedCheckpoint(Checkpoint):
     # --- when to save ---
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_save_time = time.monotonic()
-        self.last_saved_step = trainer.global_step if trainer.strategy.last_load is not None else self.last_saved_step
+        self._step_at_last_batch = trainer.global_step
+        self._static_identity = None
+        if trainer.strategy.last_load is not None:
+            self.last_saved_step = trainer.global_step
+            self._restore_data_position(trainer)
+            self._compare_identity(trainer, pl_module)
         self._log_resume(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._count_consumed(trainer)
         self._drain(trainer)
         if self._preemption_requested(trainer):
             log.warning("preemption signal: saving step %d before stopping", trainer.global_step)
@@ -139,25 +159,106 @@ class ShardedCheckpoint(Checkpoint):
 
     # --- own state, carried in every checkpoint ---
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": self.dirpath, "last_saved_step": self.last_saved_step}
+        """Called on every rank by Lightning's dump_checkpoint: the RNG gather is a collective."""
+        sampler, _ = train_sampler(self._trainer) if self._trainer is not None else (None, None)
+        return {
+            "dirpath": self.dirpath,
+            "last_saved_step": self.last_saved_step,
+            "sampler": sampler.state_dict() if sampler is not None else None,
+            "rng": gather_rng_states(),  # every rank's generators, so a resized run can apply the rule in data.py
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_saved_step = state_dict.get("last_saved_step")
+        self._loaded_data_state = {"sampler": state_dict.get("sampler"), "rng": state_dict.get("rng")}
 
     # --- internals ---
     def _saver(self, trainer: pl.Trainer):
         return trainer.strategy.saver(self.dirpath)
 
     def _save(self, trainer: pl.Trainer, blocking: bool = False) -> None:
+        self.last_saved_step = trainer.global_step  # before the dump, so the snapshot records it too
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self.last_saved_step = trainer.global_step  # recorded before the snapshot is staged, so it is in it too
-        checkpoint["callbacks"][self.state_key] = self.state_dict()
-        identity = {"config": {"resolved": self.run_config}} if self.run_config is not None else None
-        pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=identity)
+        sampler, _ = train_sampler(trainer)
+        samples = sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
+        current = self._current_identity(trainer, trainer.lightning_module) if trainer.is_global_zero else None
+        pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=current, samples_consumed=samples)
         self._last_save_time = time.monotonic()
         if blocking:
             pending.result()
             self._drain(trainer)
+
+    # --- data position and identity ---
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return getattr(self, "_bound_trainer", None)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._bound_trainer = trainer
+
+    def _count_consumed(self, trainer: pl.Trainer) -> None:
+        """Batches count as consumed once an optimizer step applied them (gradient accumulation aware)."""
+        self._pending_batches += 1
+        if trainer.global_step == self._step_at_last_batch:
+            return
+        self._step_at_last_batch = trainer.global_step
+        sampler, batch_size = train_sampler(trainer)
+        if sampler is not None and batch_size:
+            sampler.mark_consumed(self._pending_batches, batch_size)
+        self._pending_batches = 0
+
+    def _restore_data_position(self, trainer: pl.Trainer) -> None:
+        state = self._loaded_data_state or {}
+        self._loaded_data_state = None
+        rank = rank_and_world()[0]
+        if state.get("rng"):
+            restore_rng_state(rng_state_for_rank(state["rng"], rank))
+        sampler, _ = train_sampler(trainer)
+        if sampler is None or state.get("sampler") is None:
+            return
+        sampler.load_state_dict(state["sampler"])
+        if sampler.global_position > 0:
+            # The sampler now deals only the unseen rest of the epoch; Lightning must count this
+            # epoch's batches from zero again or it ends the epoch early (its length was the full one).
+            trainer.fit_loop.epoch_loop.batch_progress.current.reset()
+            log.info("rank %d: resuming epoch %d at global sample %d of %d", rank, sampler.epoch, sampler.global_position, sampler.dataset_length)
+
+    def _current_identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        if self._static_identity is None:
+            run = wandb_run(trainer.loggers)
+            self._static_identity = {
+                "config": identity.config_identity(self.run_config, hyperparameters=dict(pl_module.hparams) or None),
+                "model": identity.model_identity(pl_module),
+                "code": identity.code_identity(),
+                "run": identity.run_identity(
+                    device_type=trainer.strategy.root_device.type,
+                    wandb_run_id=getattr(run, "id", None),
+                    wandb_url=getattr(run, "url", None),
+                ),
+            }
+        sampler, _ = train_sampler(trainer)
+        dataset = sampler.dataset if sampler is not None else None
+        data = identity.data_identity(
+            dataset,
+            dataset_version=self.dataset_version,
+            seed=sampler.seed if sampler is not None else None,
+            epoch=trainer.current_epoch,
+            samples_consumed=sampler.global_position if sampler is not None else None,
+        )
+        return {**self._static_identity, "data": data}
+
+    def _compare_identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before the first step of a resumed run: the checkpoint's identity against this run's."""
+        loaded = trainer.strategy.last_load
+        current = self._current_identity(trainer, pl_module)
+        report = compare(loaded.manifest.get("identity"), current, self.identity_policy, where=loaded.path)
+        if trainer.is_global_zero:
+            log.info("identity of %s: %s", loaded.path, report.render() or "matches the current run")
+            metrics.write_json_event(
+                self._location, f"resume-step-{loaded.step:09d}",
+                {"event": "resume", "from": loaded.path, "step": loaded.step, "seconds": loaded.seconds,
+                 "differences": report.differences, "unrecorded": report.unrecorded},
+            )
 
     def _due_by_time(self, trainer: pl.Trainer) -> bool:
         if not self.options.every_n_minutes:
@@ -218,3 +319,19 @@ class ShardedCheckpoint(Checkpoint):
         for logger in trainer.loggers:
             logger.log_metrics({"checkpoint/resume_s": loaded.seconds, "checkpoint/resumed_step": float(loaded.step)}, step=trainer.global_step)
             logger.log_hyperparams({"shardckpt/resumed_from": loaded.path})
+
+
+def _identity_policy(value: Any) -> IdentityPolicy:
+    if value is None or isinstance(value, IdentityPolicy):
+        return value or IdentityPolicy()
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    unknown = set(value) - set(IdentityPolicy.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"unknown identity_policy block(s) {sorted(unknown)}; known: {sorted(IdentityPolicy.__dataclass_fields__)}")
+    return IdentityPolicy(**value)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .identity_diff import IdentityPolicy
 
 VerifyMode = Literal["off", "sample", "full"]
 WhenBusy = Literal["wait", "skip"]
@@ -73,6 +74,7 @@ class LoadConfig:
 
     verify_checksums: bool = True  # checksum every byte read; turning it off saves ~0.1 s per GB
     storage_options: dict[str, Any] = field(default_factory=dict)
+    identity_policy: IdentityPolicy = field(default_factory=IdentityPolicy)  # per identity block: error / warn / ignore
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,13 +81,19 @@ class RunCounters:
 
 def write_event(root: Location, record: CheckpointRecord, counters: dict[str, int]) -> None:
     """Write the record as this attempt's event file; never raises (metrics must not fail a run)."""
-    name = f"step-{record.step:09d}-{record.checkpoint_id or 'none'}-{record.outcome}-{uuid.uuid4().hex[:6]}.json"
-    payload = {**record.as_dict(), "counters": counters}
+    prefix = f"step-{record.step:09d}-{record.checkpoint_id or 'none'}-{record.outcome}"
+    write_json_event(root, prefix, {**record.as_dict(), "counters": counters})
+
+
+def write_json_event(root: Location, prefix: str, payload: dict[str, Any]) -> None:
+    """Write a non-checkpoint event (e.g. a resume and its identity comparison) once; never raises."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}.json"
     try:
         fsio.makedirs(root.fs, join(root.path, EVENTS_DIR))
-        fsio.create_if_absent(root.fs, join(root.path, EVENTS_DIR, name), json.dumps(payload, sort_keys=True).encode())
+        document = json.dumps({"created_at": time.time(), **payload}, sort_keys=True, default=str).encode()
+        fsio.create_if_absent(root.fs, join(root.path, EVENTS_DIR, name), document)
     except Exception:
-        log.warning("could not write checkpoint event %s", name, exc_info=True)
+        log.warning("could not write event %s", name, exc_info=True)
 
 
 def read_events(root: Location | str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -99,4 +105,4 @@ def read_events(root: Location | str, storage_options: dict[str, Any] | None = N
     except FileNotFoundError:
         return []
     events = [json.loads(root.fs.cat_file(path)) for path in paths]
-    return sorted(events, key=lambda event: (event["created_at"], event["step"]))
+    return sorted(events, key=lambda event: (event["created_at"], event.get("step", -1)))

@@ -29,6 +29,7 @@ from .errors import CheckpointNotFound, ConfigError
 from .layout import parse_dirname
 from .loader import LoadResult, load_checkpoint
 from .persist import SaveMeta
+from .sampler_injection import use_resumable_sampler
 from .saver import CheckpointSaver, PendingSave
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,10 @@ class ShardedStrategy:
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
         self.last_load.seconds = time.perf_counter() - started  # time to resume: pick + read + apply
         return lightning_state.lightning_rest(target)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # a sampler whose position survives a resume onto another world size
+        return use_resumable_sampler(super().process_dataloader(dataloader))
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -11,6 +11,14 @@ from .metrics import CheckpointRecord
 log = logging.getLogger(__name__)
 
 
+def wandb_run(loggers: list[Any]) -> Any:
+    """The W&B run of the first WandbLogger, or None."""
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger":
+            return logger.experiment
+    return None
+
+
 def log_checkpoint_artifact(loggers: list[Any], record: CheckpointRecord, manifest_digest: str | None) -> None:
     """For each WandbLogger: an artifact of type 'checkpoint' that references the committed directory."""
     for logger in loggers:

@@ -186,3 +186,40 @@ def features_on_rank(rank: int, world_size: int, workdir: str) -> dict:
                          callbacks=[ShardedCheckpoint(f"{workdir}/after-manual", log_artifact=False), capture], **common)
     trainer.fit(TinyModule(), datamodule=TinyData(), ckpt_path=manual)
     return {**first, **second, "manual_resume_step": capture.at_start["global_step"]}
+
+
+class IdModule(TinyModule):
+    """Records the sample ids each optimizer step trained on."""
+
+    def __init__(self) -> None:
+        super().__init__(parallelism="ddp")
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, ids = batch
+        self.seen.extend(int(i) for i in ids)
+        return self.net(inputs).pow(2).mean()
+
+
+class IdData(pl.LightningDataModule):
+    """A plain shuffled DataLoader: Lightning injects the distributed sampler, the strategy swaps it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def train_dataloader(self) -> DataLoader:
+        inputs = torch.randn(self.size, 13, generator=torch.Generator().manual_seed(3))
+        return DataLoader(TensorDataset(inputs, torch.arange(self.size)), batch_size=4, shuffle=True)
+
+
+def ids_on_rank(rank: int, world_size: int, root: str, size: int, max_steps: int, ckpt_path: Any) -> dict:
+    lightning_env(rank, world_size)
+    module = IdModule()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps, max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)],
+    )
+    trainer.fit(module, datamodule=IdData(size), ckpt_path=ckpt_path)
+    return {"seen": module.seen, "global_step": trainer.global_step}

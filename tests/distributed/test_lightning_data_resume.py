@@ -1,0 +1,25 @@
+"""Through Lightning's own sampler injection: stop mid-epoch on 4 ranks, finish on 3 or 2, every sample once."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+
+from lightning_shardckpt import catalog, fsio
+from tests.helpers.lightning_run import ids_on_rank
+from tests.helpers.spawn import run_ranks
+
+
+@pytest.mark.parametrize("resume_on", [3, 2])
+def test_resumed_epoch_on_another_world_size_sees_every_sample_exactly_once(tmp_path, resume_on):
+    root, size = str(tmp_path / "ckpt"), 92  # 4 ranks x 2 steps x 4 = 32 consumed; 60 left divide by 3 and 2
+    first = run_ranks(ids_on_rank, 4, root, size, 2, None)
+    assert catalog.find(fsio.resolve(root), "latest").step == 2
+    second = run_ranks(ids_on_rank, resume_on, root, size, -1, "latest")
+    counts = collections.Counter(i for o in first + second for i in o.value["seen"])
+    missing = sorted(set(range(size)) - set(counts))
+    repeated = sorted(i for i, c in counts.items() if c > 1)
+    assert not missing and not repeated, f"missing {missing}, repeated {repeated}"
+    assert second[0].value["global_step"] == 2 + math.ceil((size - 32) / resume_on / 4)  # the rest of the epoch
