@@ -69,6 +69,9 @@ class StagingBuffers:
             staged = _copy_state_dict(state_dict, self._buffers, non_blocking=True, type_check=False)
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
+        # the training stream must not overwrite parameters before the copy read them; the GPU orders
+        # it, the CPU does not block
+        torch.cuda.current_stream().wait_event(self._event)
         return staged
 
     def wait_until_ready(self) -> None:
