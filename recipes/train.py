@@ -1,0 +1,221 @@
+"""The main job: train the small character LM with sharded, asynchronous, atomically committed checkpoints.
+
+    python recipes/train.py                                        # 2 CPU ranks, DDP, checkpoints under ./checkpoints/tinylm
+    python recipes/train.py strategy=fsdp trainer.devices=4        # FSDP2
+    python recipes/train.py trainer.devices=3 trainer.max_steps=80 resume=latest   # continue on another device count
+    python recipes/train.py --cfg job                              # print the composed config and exit
+
+Options live in conf/ (conf/train.yaml and its groups); every option there is commented. Unknown keys are
+refused by Hydra; values that cannot work are refused here before any rank starts, naming the option and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+from typing import Any
+
+# Before anything imports wandb: offline unless the user chose a mode. DDP ranks inherit the environment.
+os.environ.setdefault("WANDB_MODE", "offline")
+
+RECIPES_DIR = os.path.dirname(os.path.abspath(__file__))
+if RECIPES_DIR not in sys.path:  # `python -m recipes.train` and Hydra's `_target_: lm.…` both need it
+    sys.path.insert(0, RECIPES_DIR)
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.errors import InstantiationException  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+PARALLELISMS = ("ddp", "fsdp")
+SECRET_WORDS = ("secret", "token", "password", "passwd")
+SECRET_KEYS = ("key",)  # s3fs's access key id; only inside a storage_options mapping
+# Overrides the printed resume command sets itself.
+RESUME_COMMAND_KEYS = ("trainer.devices", "trainer.max_steps", "resume", "checkpoint.dirpath")
+
+
+class InvalidConfig(SystemExit):
+    """A configuration that cannot work; exits with status 2 and a message naming option and fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(2)
+        self.problems = problems
+
+    def __str__(self) -> str:
+        return "invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+def validate(cfg: DictConfig, *, multirun: bool = False) -> list[str]:
+    """Problems that would otherwise surface minutes later on some rank; empty when the config can run."""
+    problems: list[str] = []
+    devices, num_nodes = cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)
+    if multirun and devices != 1 and "LOCAL_RANK" not in os.environ:
+        # Lightning starts ranks 1..N-1 by re-running this command line, `--multirun` included: each of
+        # them would run the whole sweep on its own. Externally launched ranks (torchrun, SLURM) are fine.
+        problems.append(
+            f"--multirun with trainer.devices={devices}: Lightning re-launches every rank with the whole sweep; "
+            "run the jobs one at a time, or start the ranks with torchrun / SLURM"
+        )
+    if not (devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)):
+        problems.append(f"trainer.devices={devices!r} must be an integer >= 1 (ranks on this node) or 'auto'")
+    if not isinstance(cfg.trainer.max_steps, int) or cfg.trainer.max_steps < 1:
+        problems.append(f"trainer.max_steps={cfg.trainer.max_steps!r} must be an integer >= 1 (total optimizer steps of the run)")
+    parallelism = cfg.strategy.get("parallelism")
+    if parallelism not in PARALLELISMS:
+        problems.append(f"strategy.parallelism={parallelism!r} is unknown; use strategy=ddp or strategy=fsdp")
+    if parallelism == "fsdp" and isinstance(devices, int) and isinstance(num_nodes, int):
+        dp, tp = cfg.strategy.get("data_parallel_size"), cfg.strategy.get("tensor_parallel_size", 1)
+        if isinstance(dp, int) and isinstance(tp, int) and dp * tp != devices * num_nodes:
+            problems.append(
+                f"strategy.data_parallel_size={dp} × strategy.tensor_parallel_size={tp} must equal the world size "
+                f"trainer.devices × trainer.num_nodes = {devices * num_nodes}; set strategy.data_parallel_size={devices * num_nodes // max(tp, 1)}"
+            )
+    resume = cfg.get("resume")
+    if isinstance(resume, bool) or (isinstance(resume, int) and resume < 0):
+        problems.append(f"resume={resume!r} names no checkpoint; use resume=latest, a step (>= 0), a checkpoint id or a path")
+    elif resume is not None and not isinstance(resume, (int, str)):
+        problems.append(f"resume={resume!r} must be null, latest, a step, a checkpoint id or a path")
+    if cfg.model.seq_len != cfg.data.seq_len:
+        problems.append(f"model.seq_len={cfg.model.seq_len} differs from data.seq_len={cfg.data.seq_len}; leave model.seq_len at ${{data.seq_len}}")
+    return problems
+
+
+def committed_steps(dirpath: str, storage_options: dict[str, Any]) -> list[int]:
+    """Steps of the committed checkpoints under `dirpath` ([] if none, or if it cannot be listed)."""
+    try:
+        from lightning_shardckpt.catalog import list_checkpoints
+        from lightning_shardckpt.fsio import resolve
+
+        return [entry.step for entry in list_checkpoints(resolve(dirpath, storage_options)) if entry.committed]
+    except Exception:  # noqa: BLE001 - an unreachable root is the callback's error to report, with its own message
+        return []
+
+
+def redact(value: Any, inside_storage_options: bool = False) -> Any:
+    """The config with credentials replaced: it is written into every manifest and the W&B run."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            lowered = str(key).lower()
+            secret = any(word in lowered for word in SECRET_WORDS) or (inside_storage_options and lowered in SECRET_KEYS)
+            out[key] = "<redacted>" if secret and item is not None else redact(item, inside_storage_options or key == "storage_options")
+        return out
+    if isinstance(value, list):
+        return [redact(item, inside_storage_options) for item in value]
+    return value
+
+
+def build(cfg: DictConfig, run_config: dict[str, Any]):
+    """Data, model, strategy, callback, logger and trainer from the config; a constructor error names its group."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    def make(group: str, node: Any, **kwargs: Any) -> Any:
+        try:
+            return instantiate(node, **kwargs)
+        except (InstantiationException, ValueError, TypeError) as err:
+            raise InvalidConfig([f"{group}: {explain(err)}"]) from err
+
+    datamodule = make("data", cfg.data)
+    model = make("model", cfg.model, vocab_size=datamodule.vocab_size)
+    strategy = make("strategy", cfg.strategy)
+    # _partial_, then the call: instantiate would otherwise recurse into run_config and build every
+    # `_target_` it holds (the whole Trainer included) instead of passing it as data.
+    make_callback = make("checkpoint", cfg.checkpoint, _partial_=True)
+    try:
+        callback = make_callback(run_config=run_config)
+    except (ValueError, TypeError) as err:
+        raise InvalidConfig([f"checkpoint: {err}"]) from err
+    logger = make("logger", cfg.logger) if cfg.get("logger") else False
+    # A Lightning Checkpoint callback needs enable_checkpointing=True; anything else must keep Lightning
+    # from adding its own ModelCheckpoint (a second, unsharded, synchronous save path).
+    trainer = make(
+        "trainer", cfg.trainer, strategy=strategy, callbacks=[callback], logger=logger,
+        enable_checkpointing=isinstance(callback, Checkpoint),
+    )
+    return datamodule, model, callback, logger, trainer
+
+
+def explain(err: BaseException) -> str:
+    """The constructor's own message (which names the option and the fix), without Hydra's wrapping."""
+    if isinstance(err, InstantiationException) and (err.__cause__ or err.__context__) is not None:
+        return str(err.__cause__ or err.__context__)
+    return str(err)
+
+
+def resume_command(cfg: DictConfig, dirpath: str) -> str:
+    """The exact command that continues this run on a different device count."""
+    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") not in RESUME_COMMAND_KEYS]
+    devices = cfg.trainer.devices
+    new_devices = devices + 1 if isinstance(devices, int) else 2
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), hydra.utils.get_original_cwd())
+    if script.startswith(".."):
+        script = os.path.abspath(sys.argv[0])
+    parts = ["python", script, *overrides, f"trainer.devices={new_devices}",
+             f"trainer.max_steps={2 * cfg.trainer.max_steps}", "resume=latest", f"checkpoint.dirpath={dirpath}"]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def wandb_run_dir(logger: Any) -> str | None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    if not isinstance(logger, WandbLogger):
+        return None
+    run = logger.experiment
+    files_dir = getattr(run, "dir", None)  # <save_dir>/wandb/offline-run-<time>-<id>/files
+    return os.path.dirname(files_dir) if files_dir else None
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities import rank_zero_only
+
+    # `lightning` adds its own console handler and still propagates to the root logger, where Hydra has
+    # one too: every line would print twice. Hydra's handlers (console + the run's log file) keep them all.
+    logging.getLogger("lightning").handlers.clear()
+
+    from hydra.types import RunMode
+
+    problems = validate(cfg, multirun=HydraConfig.get().mode == RunMode.MULTIRUN)
+    if problems:
+        raise InvalidConfig(problems)
+    dirpath = cfg.checkpoint.dirpath
+    if cfg.resume is None:
+        steps = committed_steps(dirpath, OmegaConf.to_container(cfg.checkpoint.save.storage_options, resolve=True))
+        if steps:
+            raise InvalidConfig([
+                f"checkpoint.dirpath={dirpath} already holds committed checkpoints (latest step {max(steps)}) and resume=null "
+                f"would start a second run on top of them; continue it with resume=latest, or start a new run with "
+                f"run_name=<new name> (or checkpoint.dirpath=<empty location>)"
+            ])
+
+    pl.seed_everything(cfg.seed, workers=True)
+    run_config = redact(OmegaConf.to_container(cfg, resolve=True))
+    datamodule, model, callback, logger, trainer = build(cfg, run_config)
+    if logger:
+        logger.log_hyperparams(run_config)
+
+    ckpt_path = None if cfg.resume is None else str(cfg.resume)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    if rank_zero_only.rank == 0:
+        wandb_dir = wandb_run_dir(logger)
+        print(f"\ncheckpoints:      {dirpath}   (list them: shardckpt ls {shlex.quote(dirpath)})")
+        if wandb_dir:
+            print(f"W&B offline run:  {wandb_dir}   (upload: wandb sync {shlex.quote(wandb_dir)})")
+        elif logger:
+            print(f"logs:             {logger.log_dir}")
+        print(f"resume on another device count:\n  {resume_command(cfg, dirpath)}")
+        if wandb_dir:
+            logger.experiment.finish()  # flush the offline run now rather than at interpreter exit
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except InvalidConfig as err:
+        print(err, file=sys.stderr)
+        raise
