@@ -1,11 +1,13 @@
-"""The `shardckpt` command: list, inspect and verify checkpoints on any fsspec storage.
+"""The `shardckpt` command: list, inspect, verify, diff and trace checkpoints on any fsspec storage.
 
     shardckpt ls ROOT                      committed, uncommitted and corrupt checkpoints; which is latest
     shardckpt inspect ROOT|DIR             one manifest, summarised
     shardckpt verify ROOT/latest|DIR       full checksum pass; exit 1 names every bad file and tensor
+    shardckpt diff A B                     config / data / model / code identity and topology, side by side
+    shardckpt timeline ROOT                every checkpoint and attempt in order: state, cause, identity changes
 
-Exit codes: 0 success (verify: sound), 1 verify found problems, 2 the command could not run
-(no such checkpoint, unreachable storage, bad arguments).
+Exit codes: 0 success (verify: sound; diff: identical), 1 verify found problems or diff found differences,
+2 the command could not run (no such checkpoint, unreachable storage, bad arguments).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import logging
 import sys
 from typing import Any
 
-from . import catalog, fsio, manifest as manifest_format
-from .errors import CheckpointNotFound, ConfigError, ShardCkptError
+from . import catalog, investigate, manifest as manifest_format
+from .errors import ShardCkptError
 from .fsio import Location
-from .layout import LATEST, join, parse_dirname
+from .layout import join
 from .verify import verify_checkpoint
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
@@ -47,12 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 # --- subcommands ---
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    location = fsio.resolve(args.root, args.storage_options)
-    if parse_dirname(location.path) is not None:
-        parent = location.path.rstrip("/").rsplit("/", 1)[0]
-        raise ConfigError(f"{args.root} is a checkpoint directory; ls takes the root that holds it: {PROG} ls {parent}")
-    if not location.fs.exists(location.path):
-        raise CheckpointNotFound(f"{args.root} does not exist; check the path (and --storage-option for remote storage)")
+    location = investigate.open_root(args.root, args.storage_options)
     entries = catalog.list_checkpoints(location)
     latest = catalog.resolve_latest(location, entries)
     rows = [_ls_row(entry, location, latest) for entry in entries]
@@ -127,17 +124,123 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = investigate.resolve_pair(args.a, args.b, args.root, args.storage_options)
+    result = investigate.diff(a, b)
+    if args.json:
+        _print_json(result)
+    else:
+        _print_diff(result)
+    return EXIT_OK if result["identical"] else EXIT_PROBLEMS
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    location = investigate.open_root(args.root, args.storage_options)
+    result = investigate.timeline(location, grace_s=args.grace)
+    if result["events_problem"]:
+        print(f"{PROG}: warning: {result['events_problem']}; causes are not shown", file=sys.stderr)
+    if args.json:
+        _print_json(result)
+    else:
+        _print_timeline(result)
+    return EXIT_OK
+
+
+# --- printing diff and timeline ---
+
+def _print_diff(result: dict[str, Any]) -> None:
+    for side in ("a", "b"):
+        head = result[side]
+        print(f"{side.upper()}  {head['name']}  step {head['step']}  created {_short_time(head['created_at'])}  {head['path']}")
+    unrecorded = []
+    for name in investigate.SHOWN:
+        block = result["blocks"][name]
+        print(f"\n{name}: {_diff_status(block)}")
+        if block["status"] == investigate.UNRECORDED:
+            unrecorded += [name] if block["compared"] else []
+            continue
+        a, b = _flatten(block["a"]), _flatten(block["b"])
+        table = [("  FIELD", "A", "B", "")]
+        for key in [*a, *(key for key in b if key not in a)]:
+            table.append((f"  {key}", _cell(a.get(key)), _cell(b.get(key)), "*" if a.get(key) != b.get(key) else ""))
+        _print_table(table)
+        details = block["lines"] if name in ("config", "model") else [l for l in block["lines"] if l.startswith("file ")]
+        for line in details:
+            print(f"  {line}")
+    if result["identical"]:
+        matched = [name for name in result["compared"] if name not in unrecorded]
+        print(f"\nidentical: {', '.join(matched) or 'nothing recorded'} match"
+              + (f" (recorded in neither: {', '.join(unrecorded)})" if unrecorded else "")
+              + "; position and run are not compared")
+    else:
+        print(f"\ndifferent: {', '.join(result['differs'])}")
+
+
+def _diff_status(block: dict[str, Any]) -> str:
+    status, compared = block["status"], block["compared"]
+    text = {
+        investigate.SAME: "same",
+        investigate.DIFFERS: "DIFFERS" if compared else "differs",
+        investigate.UNRECORDED: "not recorded",
+        investigate.ONLY_A: "DIFFERS: recorded in A only" if compared else "recorded in A only",
+        investigate.ONLY_B: "DIFFERS: recorded in B only" if compared else "recorded in B only",
+    }[status]
+    return text if compared else f"{text} (shown, not compared)"
+
+
+def _print_timeline(result: dict[str, Any]) -> None:
+    rows = result["checkpoints"]
+    if not rows:
+        print(f"no checkpoints in {result['root']}")
+        return
+    table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "VERIFIED", "IDENTITY CHANGED")]
+    for row in rows:
+        table.append(("*" if row["identity_changed"] else "", str(row["step"]), row["id"] or "-", row["parent"] or "-",
+                      _short_time(row["created_at"]), _human_bytes(row["bytes"]), row["state"],
+                      _verified(row["verification"]), ", ".join(row["identity_changed"])))
+    _print_table(table)
+    for row in rows:
+        if row["cause"]:
+            print(f"step {row['step']} {row['id'] or '(no id)'}: {row['state']}: {row['cause']}")
+    if any(row["state"] == investigate.IN_FLIGHT for row in rows):
+        print(f"in-flight: no manifest yet and no failure event, last written less than {result['grace_s']:.0f}s ago (--grace)")
+    for row in rows:
+        if row["identity_changed"]:
+            before = join(result["root"], row["compared_with"])
+            print(f"* step {row['step']} {row['id']}: {', '.join(row['identity_changed'])} changed since {row['compared_with']}; "
+                  f"see {PROG} diff {before} {row['path']}")
+
+
+def _flatten(value: dict[str, Any] | None, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, item in (value or {}).items():
+        if isinstance(item, dict) and item:
+            out.update(_flatten(item, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = item
+    return out
+
+
+def _cell(value: Any, width: int = 48) -> str:
+    text = "-" if value is None else value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _short_time(stamp: str | None) -> str:
+    return "-" if stamp is None else stamp[:19].replace("T", " ")
+
+
+def _verified(verification: dict[str, Any] | None) -> str:
+    if not verification:
+        return "-"
+    return f"{verification.get('mode')} {verification.get('chunks_verified')}/{verification.get('chunks_total')}"
+
+
 # --- helpers ---
 
 def _open(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog.CheckpointEntry]:
     """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
-    head, sep, tail = path.rstrip("/").rpartition("/")
-    if sep and head and tail == LATEST:
-        location = fsio.resolve(path, storage_options)
-        # `ROOT/latest` names the pointer file; it means the root's latest, checked against the manifests
-        if not location.fs.isdir(location.path):
-            return catalog.open_checkpoint(head, LATEST, storage_options)
-    return catalog.open_checkpoint(path, LATEST, storage_options)
+    return investigate.open_path(path, storage_options)
 
 
 def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.CheckpointEntry | None) -> dict[str, Any]:
@@ -183,7 +286,58 @@ def _parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", parents=[common], help="read and checksum every byte of a checkpoint")
     verify.add_argument("path", metavar="PATH", help="a checkpoint directory, a root or ROOT/latest")
     verify.set_defaults(run=cmd_verify)
+    diff = commands.add_parser(
+        "diff", parents=[common], help="compare two checkpoints' identity and topology; exit 1 if they differ",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_DIFF_EPILOG,
+    )
+    diff.add_argument("a", metavar="A", help="a checkpoint reference (below)")
+    diff.add_argument("b", metavar="B", help="a checkpoint reference (below)")
+    diff.add_argument("--root", metavar="ROOT", help="the root in which selectors (references without '/') are resolved")
+    diff.set_defaults(run=cmd_diff)
+    timeline = commands.add_parser(
+        "timeline", parents=[common], help="every checkpoint and attempt in order: state, cause, identity changes",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_TIMELINE_EPILOG,
+    )
+    timeline.add_argument("root", metavar="ROOT")
+    timeline.add_argument(
+        "--grace", type=float, default=investigate.IN_FLIGHT_GRACE_S, metavar="SECONDS",
+        help="an uncommitted directory last written less than this ago, with no failure event, is in-flight "
+        "(default: %(default).0f)",
+    )
+    timeline.set_defaults(run=cmd_timeline)
     return parser
+
+
+_DIFF_EPILOG = """\
+A and B are checkpoint references:
+  a path or URL          a checkpoint directory, ROOT/latest, or a root (its latest)
+  a selector (no '/')    a step (1000 or step-1000), an id, a directory name, or latest;
+                         resolved in --root, else in the root of the other reference
+                         (write ./NAME for a directory in the current one)
+examples:
+  shardckpt diff --root /data/ckpt/run-7 step-500 step-1000
+  shardckpt diff /data/ckpt/run-7/latest 500
+  shardckpt diff s3://bucket/run-7/latest s3://bucket/run-8/latest --storage-option anon=true
+
+Identical (exit 0): the config, data (version, fingerprint, length, seed), model and code identity
+blocks and the topology are equal; a block recorded in neither checkpoint is not compared. Position
+(step, epoch, samples consumed) and the run block (command, hosts, logger run) are shown, never compared.
+Exit 1: they differ. Exit 2: a reference could not be resolved to a committed checkpoint.
+"""
+
+_TIMELINE_EPILOG = """\
+Rows are in the order they happened (commit time; for attempts without a manifest, the event's time,
+else the directory's last write). STATE is:
+  committed    manifest.json exists and validates
+  failed       no manifest; the cause comes from the event log, or "no event recorded"
+               once the directory is older than --grace
+  in-flight    no manifest, no failure event, last written less than --grace seconds ago
+  corrupt      manifest.json does not parse or validate
+  uncommitted  the event log says committed, but manifest.json is gone (an interrupted deletion)
+  skipped      the event log only: a save skipped while another was in flight
+Committed checkpoints that retention deleted are not listed. A `*` marks a committed checkpoint whose
+config, data, model or code identity or topology differs from the previous committed one (as diff).
+"""
 
 
 def _print_json(document: Any) -> None:

@@ -1,0 +1,328 @@
+"""What `shardckpt diff` and `shardckpt timeline` compute, as plain JSON-ready dicts; cli.py prints them.
+
+diff: two committed checkpoints side by side. They are *identical* when their config, data (version,
+fingerprint, length, seed), model and code identity blocks and their topology are equal. A block recorded
+in one checkpoint and not the other counts as a difference; one recorded in neither does not. Position
+(step, epoch, samples consumed) and the run block (launch command, hosts, logger run) are shown but never
+count: they differ between any two checkpoints of one run, or between two launches of it.
+
+timeline: every checkpoint directory under a root, plus the attempts the event log knows of that left no
+directory (failed before writing, or skipped), in the order they happened. A directory without a manifest
+is *failed* when an event says so (with its cause) or when it is older than the grace period; younger and
+without a failure event, it is *in-flight*. Committed checkpoints that retention deleted are not listed.
+Each committed checkpoint is compared with the previous committed one as `diff` would: where a block
+changed, the row's `identity_changed` names it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from . import catalog, fsio
+from .errors import CheckpointNotFound, ConfigError
+from .fsio import Location
+from .identity_diff import IdentityPolicy, compare
+from .layout import LATEST, join, parse_dirname
+from .manifest import IDENTITY_BLOCKS
+from .metrics import COMMITTED, FAILED, SKIPPED, read_events
+
+IN_FLIGHT_GRACE_S = 600.0  # an uncommitted directory last written within this is a save still running
+IN_FLIGHT = "in-flight"
+POSITION, TOPOLOGY = "position", "topology"
+COMPARED = ("config", "data", "model", "code", TOPOLOGY)  # what `identical` means
+SHOWN = (POSITION, "config", "data", "model", "code", TOPOLOGY, "run")  # display order
+SAME, DIFFERS, UNRECORDED, ONLY_A, ONLY_B = "same", "differs", "unrecorded", "only_a", "only_b"
+_ALL_IGNORE = IdentityPolicy(model="ignore", config="ignore", data="ignore", code="ignore", run="ignore")
+_STEP_SELECTOR = re.compile(r"^step-(\d+)$")  # `step-500`, as people say it: the step, not a directory name
+
+
+@dataclass
+class Resolved:
+    """A checkpoint reference resolved to a committed checkpoint."""
+
+    ref: str
+    root: Location
+    entry: catalog.CheckpointEntry
+
+    @property
+    def path(self) -> str:
+        return join(self.root.url, self.entry.name)
+
+
+# --- references ---
+
+def open_path(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog.CheckpointEntry]:
+    """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
+    head, sep, tail = path.rstrip("/").rpartition("/")
+    if sep and head and tail == LATEST:
+        location = fsio.resolve(path, storage_options)
+        # `ROOT/latest` names the pointer file; it means the root's latest, checked against the manifests
+        if not location.fs.isdir(location.path):
+            return catalog.open_checkpoint(head, LATEST, storage_options)
+    return catalog.open_checkpoint(path, LATEST, storage_options)
+
+
+def is_selector(ref: str) -> bool:
+    """A reference without a '/' is a selector within a root: a step, an id, a directory name or `latest`."""
+    return "/" not in ref
+
+
+def open_root(url: str, storage_options: dict[str, Any]) -> Location:
+    """A checkpoint root that exists; a checkpoint directory given instead is refused, naming its root."""
+    location = fsio.resolve(url, storage_options)
+    if parse_dirname(location.path) is not None:
+        parent = location.path.rstrip("/").rsplit("/", 1)[0]
+        raise ConfigError(f"{url} is a checkpoint directory, not a root; give the root that holds it: {parent}")
+    if not location.fs.exists(location.path):
+        raise CheckpointNotFound(f"{url} does not exist; check the path (and --storage-option for remote storage)")
+    return location
+
+
+def resolve_pair(ref_a: str, ref_b: str, root: str | None, storage_options: dict[str, Any]) -> tuple[Resolved, Resolved]:
+    """Resolve A and B. Selectors go to `root`, else to the root of the other reference, which is a path."""
+    root_location = open_root(root, storage_options) if root is not None else None
+    resolved: dict[str, Resolved] = {}
+    for ref in (ref_a, ref_b):
+        if root_location is None and is_selector(ref):
+            continue
+        if is_selector(ref):
+            resolved[ref] = Resolved(ref, root_location, _find(root_location, ref))
+        else:
+            location, entry = open_path(ref, storage_options)
+            resolved[ref] = Resolved(ref, location, entry)
+            root_location = root_location or location  # bare selectors resolve next to the first path
+    for ref in (ref_a, ref_b):
+        if ref not in resolved:
+            if root_location is None:
+                raise ConfigError(
+                    f"{ref_a!r} and {ref_b!r} are both selectors; say which root they are in: "
+                    f"shardckpt diff --root ROOT {ref_a} {ref_b} (or write ./{ref_a} for a directory here)"
+                )
+            resolved[ref] = Resolved(ref, root_location, _find(root_location, ref))
+    return resolved[ref_a], resolved[ref_b]
+
+
+def _find(root: Location, selector: str) -> catalog.CheckpointEntry:
+    match = _STEP_SELECTOR.match(selector)
+    return catalog.find(root, int(match[1]) if match else selector)
+
+
+# --- diff ---
+
+def diff(a: Resolved, b: Resolved) -> dict[str, Any]:
+    """Identity blocks, topology and position of A and B side by side; `identical` per the module doc."""
+    blocks = compare_manifests(a.entry.manifest, b.entry.manifest, labels=(a.entry.name, b.entry.name))
+    differs = [name for name in COMPARED if blocks[name]["status"] not in (SAME, UNRECORDED)]
+    return {
+        "a": _header(a),
+        "b": _header(b),
+        "identical": not differs,
+        "differs": differs,
+        "compared": list(COMPARED),
+        "blocks": blocks,
+    }
+
+
+def compare_manifests(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")) -> dict[str, dict[str, Any]]:
+    """Per block: status, whether it counts, each side's summary and the readable differences."""
+    id_a, id_b = a.get("identity") or {}, b.get("identity") or {}
+    report = compare(id_a, id_b, _ALL_IGNORE, where=labels[0])  # all-ignore: reports, never raises
+    lines = report.differences
+    blocks: dict[str, dict[str, Any]] = {}
+    for block in IDENTITY_BLOCKS:
+        value_a, value_b = id_a.get(block), id_b.get(block)
+        if value_a is None or value_b is None:
+            status = UNRECORDED if value_a is None and value_b is None else ONLY_A if value_b is None else ONLY_B
+        else:
+            status = DIFFERS if block in lines else SAME
+        block_lines = lines.get(block, [])
+        if block == "config":
+            block_lines = _relabel(block_lines, labels)
+        blocks[block] = {"status": status, "compared": block in COMPARED, "lines": block_lines,
+                         "a": _summary(block, value_a), "b": _summary(block, value_b)}
+    blocks[TOPOLOGY] = _plain_block(a.get(TOPOLOGY), b.get(TOPOLOGY), compared=True)
+    blocks[POSITION] = _plain_block(_position(a), _position(b), compared=False)
+    return blocks
+
+
+def changed_blocks(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], dict[str, list[str]]]:
+    """The compared blocks that differ from manifest `a` to `b`, and their differences."""
+    blocks = compare_manifests(a, b)
+    changed = [name for name in COMPARED if blocks[name]["status"] not in (SAME, UNRECORDED)]
+    return changed, {name: blocks[name]["lines"] or [_recorded_note(blocks[name]["status"])] for name in changed}
+
+
+def _header(side: Resolved) -> dict[str, Any]:
+    manifest = side.entry.manifest
+    return {"ref": side.ref, "path": side.path, "name": side.entry.name, "id": manifest["id"],
+            "step": manifest["step"], "created_at": manifest["created_at"]}
+
+
+def _summary(block: str, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if block == "config":
+        return {"digest": value.get("digest")}
+    if block == "model":
+        tensors = value.get("tensors")
+        return {**_pick(value, "class", "parameters", "trainable_parameters", "digest"),
+                "tensors": len(tensors) if isinstance(tensors, dict) else None}
+    if block == "data":  # epoch and samples consumed are position: shown in that block
+        return _pick(value, "kind", "class", "version", "fingerprint", "length", "file_count", "seed")
+    if block == "code":
+        return _pick(value, "commit", "dirty", "versions")
+    if block == "run":
+        return _pick(value, "world_size", "device_type", "mesh_shape", "num_hosts", "command", "wandb")
+    return dict(value)
+
+
+def _plain_block(a: dict[str, Any] | None, b: dict[str, Any] | None, *, compared: bool) -> dict[str, Any]:
+    a, b = a or {}, b or {}
+    lines = [f"{key} {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+    return {"status": DIFFERS if lines else SAME, "compared": compared, "lines": lines, "a": a, "b": b}
+
+
+def _position(manifest: dict[str, Any]) -> dict[str, Any]:
+    data = (manifest.get("identity") or {}).get("data") or {}
+    position = {"step": manifest.get("step")}
+    for key in ("epoch", "samples_consumed"):
+        position[key] = manifest.get(key) if manifest.get(key) is not None else data.get(key)
+    return position
+
+
+def _relabel(lines: list[str], labels: tuple[str, str]) -> list[str]:
+    # identity_diff labels the sides checkpoint/current; here they are A and B
+    heads = {"--- checkpoint": f"--- A {labels[0]}", "+++ current": f"+++ B {labels[1]}"}
+    return [heads.get(line, line) for line in lines]
+
+
+def _recorded_note(status: str) -> str:
+    return {ONLY_A: "recorded in the earlier checkpoint only", ONLY_B: "recorded in this checkpoint only"}.get(status, status)
+
+
+def _pick(value: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {key: value.get(key) for key in keys}
+
+
+# --- timeline ---
+
+def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str, Any]:
+    """The root's checkpoints and attempts in the order they happened, with state, cause and identity changes."""
+    entries = catalog.list_checkpoints(location)
+    events, events_problem = _read_events(location)
+    by_id: dict[str, dict[str, Any]] = {}
+    for event in events:  # oldest first: the last event of an id wins
+        if event.get("checkpoint_id"):
+            by_id[event["checkpoint_id"]] = event
+    items = [_entry_item(entry, location, by_id.get(entry.checkpoint_id), grace_s) for entry in entries]
+    # attempts that left no directory: failed before writing, or skipped. Committed ones that left
+    # (retention) are not part of the lineage any more.
+    on_storage = {entry.checkpoint_id for entry in entries}
+    for event in events:
+        checkpoint_id = event.get("checkpoint_id")
+        if event.get("outcome") == COMMITTED or checkpoint_id in on_storage:
+            continue
+        if checkpoint_id is None or by_id[checkpoint_id] is event:  # one row per id: its last event
+            items.append(_event_item(event))
+    # in the order they happened; an attempt with no time at all goes last
+    items.sort(key=lambda item: (item[0] if item[0] is not None else math.inf, item[1]["step"], item[1]["name"] or ""))
+    previous: tuple[dict[str, Any], str] | None = None
+    for _, row, manifest in items:
+        row["identity_changed"], row["identity_changes"], row["compared_with"] = [], {}, None
+        if manifest is None:
+            continue
+        if previous is not None:
+            row["identity_changed"], row["identity_changes"] = changed_blocks(previous[0], manifest)
+            row["compared_with"] = previous[1]
+        previous = (manifest, row["name"])
+    return {"root": location.url, "grace_s": grace_s, "events": len(events), "events_problem": events_problem,
+            "checkpoints": [row for _, row, _ in items]}
+
+
+def _entry_item(entry: catalog.CheckpointEntry, location: Location, event: dict[str, Any] | None,
+                grace_s: float) -> tuple[float | None, dict[str, Any], dict[str, Any] | None]:
+    manifest = entry.manifest
+    age = catalog.age_seconds(entry, location)
+    if age is None and manifest is None:  # an empty directory: the directory's own time
+        age = _directory_age(location, entry.path)
+    stamp = None if age is None else time.time() - age
+    cause = None
+    if entry.state == catalog.COMMITTED:
+        stamp = datetime.fromisoformat(manifest["created_at"]).timestamp()
+        state = COMMITTED
+        if event is not None and event.get("outcome") != COMMITTED:  # the manifest decides; the event is a note
+            cause = f"the writer reported {event.get('outcome')} after the commit: {event.get('cause')}"
+    elif entry.state == catalog.CORRUPT:
+        state, cause = catalog.CORRUPT, entry.problem
+    elif event is not None and event.get("outcome") == COMMITTED:
+        state, cause = catalog.UNCOMMITTED, "committed when saved, but manifest.json is gone: deleted, or a deletion was interrupted"
+    elif event is not None:
+        state, cause = FAILED, event.get("cause") or event.get("outcome")
+        stamp = event.get("created_at", stamp)
+    elif age is not None and age < grace_s:
+        state = IN_FLIGHT
+    else:
+        state = FAILED
+        cause = "uncommitted, and no event recorded: the writer died, or write_events was off"
+    row = {
+        "name": entry.name,
+        "path": join(location.url, entry.name),
+        "id": entry.checkpoint_id,
+        "parent": (manifest or {}).get("parent"),
+        "step": entry.step,
+        "epoch": (manifest or {}).get("epoch"),
+        "created_at": _iso(stamp),
+        "age_s": None if stamp is None else round(time.time() - stamp, 3),
+        "bytes": catalog.size_bytes(entry, location),
+        "state": state,
+        "cause": cause,
+        "verification": (manifest or {}).get("verification"),
+        "event": _event_summary(event),
+    }
+    return stamp, row, manifest
+
+
+def _event_item(event: dict[str, Any]) -> tuple[float | None, dict[str, Any], None]:
+    stamp = event.get("created_at")
+    outcome = event.get("outcome")
+    row = {
+        "name": None, "path": event.get("path"), "id": event.get("checkpoint_id"), "parent": None,
+        "step": event.get("step"), "epoch": None, "created_at": _iso(stamp),
+        "age_s": None if stamp is None else round(time.time() - stamp, 3), "bytes": None,
+        "state": SKIPPED if outcome == SKIPPED else FAILED,
+        "cause": event.get("cause") or outcome, "verification": None, "event": _event_summary(event),
+    }
+    return stamp, row, None
+
+
+def _event_summary(event: dict[str, Any] | None) -> dict[str, Any] | None:
+    if event is None:
+        return None
+    keys = ("outcome", "cause", "pause_s", "stage_s", "write_s", "verify_s", "commit_s", "total_s", "bytes_total")
+    return {key: event.get(key) for key in keys}
+
+
+def _read_events(location: Location) -> tuple[list[dict[str, Any]], str | None]:
+    try:
+        return read_events(location), None
+    except (OSError, ValueError, KeyError, TypeError) as err:  # the log is informational: show the checkpoints anyway
+        return [], f"the event log under {join(location.url, 'events')} could not be read ({type(err).__name__}: {err})"
+
+
+def _directory_age(location: Location, path: str) -> float | None:
+    try:
+        stamp = location.fs.info(path).get("mtime")  # local filesystems; object stores have no directory times
+        return None if stamp is None else time.time() - float(stamp)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _iso(stamp: float | None) -> str | None:
+    if stamp is None:
+        return None
+    return datetime.fromtimestamp(stamp, tz=timezone.utc).isoformat(timespec="milliseconds")
