@@ -68,6 +68,7 @@ class ShardedStrategy:
         self.last_load: LoadResult | None = None
         self._group: Any = None
         self._savers: dict[str, CheckpointSaver] = {}
+        self.fault_hook: Any = None  # tests only: inject failures at named points of the save (see storage.py)
 
     # --- what Lightning asks of a strategy ---
     @property
@@ -153,7 +154,7 @@ class ShardedStrategy:
 
     def saver(self, root: str) -> CheckpointSaver:
         if root not in self._savers:
-            self._savers[root] = CheckpointSaver(root, self.save_config, group=self.checkpoint_group())
+            self._savers[root] = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self.fault_hook)
         return self._savers[root]
 
     def save_to_saver(self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any) -> PendingSave:
