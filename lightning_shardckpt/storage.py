@@ -89,10 +89,8 @@ class ChunkFileWriter:
         return self._stream.tell()
 
     def abort(self) -> None:
-        try:
-            self._handle.close()
-        except Exception:  # the write already failed; the directory stays uncommitted either way
-            log.debug("closing a failed shard file raised", exc_info=True)
+        # never close() a failed upload: on S3 that would commit the partial object or leave a multipart upload
+        fsio.abort_write(self._handle)
 
     def _end(self) -> tuple[int, int, str]:
         chunk = self._stream.end_chunk()

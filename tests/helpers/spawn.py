@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "lightning.pytorch", "lightning_shardckpt"]
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "lightning.pytorch", "lightning_shardckpt", "s3fs"]  # s3fs: absent is fine (ImportError is ignored)
 _context = None
 
 
