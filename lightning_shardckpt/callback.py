@@ -19,10 +19,10 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from . import fsio, identity, metrics, retention
 from .checksum import checksum
-from .collectives import rank_and_world
+from .collectives import all_gather_objects, rank_and_world
 from .config import CallbackConfig, LoadConfig, save_config_from
 from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
-from .errors import ConfigError
+from .errors import ConfigError, StorageUnavailable
 from .identity_diff import IdentityPolicy, compare
 from .manifest import to_bytes
 from .metrics import CheckpointRecord
@@ -109,8 +109,10 @@ class ShardedCheckpoint(Checkpoint):
         strategy.checkpoint_root = self.dirpath
         strategy.resume_required = self.options.resume_required
         self._location = fsio.resolve(self.dirpath, self.save_options.storage_options)
-        if stage == "fit" and self.options.save_on_preemption:
-            self._install_signal_handler()
+        if stage == "fit":
+            self._preflight()
+            if self.options.save_on_preemption:
+                self._install_signal_handler()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._previous_sigusr1 is not None:
@@ -187,6 +189,18 @@ class ShardedCheckpoint(Checkpoint):
         if blocking:
             pending.result()
             self._drain(trainer)
+
+    def _preflight(self) -> None:
+        """Every rank writes its own shards: each checks the root, and all raise the first problem."""
+        try:
+            fsio.preflight(self._location)
+            problem = None
+        except StorageUnavailable as err:
+            problem = str(err)
+        problems = all_gather_objects("storage-preflight", problem, None)  # no rank may go on alone
+        first = next((p for p in problems if p), None)
+        if first is not None:
+            raise StorageUnavailable(first)
 
     # --- data position and identity ---
     @property

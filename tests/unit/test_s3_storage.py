@@ -304,3 +304,19 @@ def test_retry_backoff_is_bounded_and_exponential():
     assert [policy.backoff_s(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 4.0, 4.0]
     with pytest.raises(ValueError, match="attempts=0"):
         retry.RetryPolicy(attempts=0)
+
+
+def test_the_callback_refuses_an_unreachable_root_before_training_starts(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy, StorageUnavailable
+    from tests.helpers.lightning_run import TinyData, TinyModule
+
+    callback = ShardedCheckpoint("s3://no-such-bucket-here/run", save={"storage_options": {
+        "endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ShardedStrategy(parallelism="ddp"), max_steps=1,
+                         logger=False, enable_progress_bar=False, callbacks=[callback])
+    module = TinyModule()
+    with pytest.raises(StorageUnavailable, match="no-such-bucket-here"):
+        trainer.fit(module, datamodule=TinyData())
+    assert module.global_step == 0
