@@ -89,6 +89,17 @@ def resolve_latest(location: Location, entries: list[CheckpointEntry] | None = N
     return newest
 
 
+def latest_committed_quick(location: Location) -> str | None:
+    """Id of the newest committed checkpoint, for a new manifest's `parent`: the `latest` pointer when
+    it names a committed directory (two small reads), a full listing only when it does not."""
+    pointer = read_latest_pointer(location)
+    parsed = parse_dirname(pointer) if pointer else None
+    if parsed is not None and location.fs.exists(join(location.path, pointer, MANIFEST)):
+        return parsed.checkpoint_id
+    newest = newest_committed(list_checkpoints(location))
+    return newest.checkpoint_id if newest else None
+
+
 def find(location: Location, which: str | int = "latest") -> CheckpointEntry:
     """Pick a committed checkpoint by `latest`, a step number, an id or a directory name."""
     entries = list_checkpoints(location)

@@ -123,11 +123,11 @@ class Committer:
         self._fault("before_metadata")
         fsio.write_new_file(fs, join(target.path, DCP_METADATA), pickle.dumps(metadata))
 
-        parent = catalog.newest_committed(catalog.list_checkpoints(target.root))
+        parent = catalog.latest_committed_quick(target.root)
         verification = _verification_summary(target.verify_mode, receipts)
         manifest = manifest_format.build_manifest(
             checkpoint_id=target.checkpoint_id,
-            parent=parent.checkpoint_id if parent else None,
+            parent=parent,
             step=target.step,
             metadata=metadata,
             receipts=receipts,

@@ -127,7 +127,8 @@ class CheckpointSaver:
             self._finish(record, pending, SaveResult(step=step, checkpoint_id=None, path=None, committed=False, skipped=True))
             return pending
         staging_started = time.perf_counter()
-        staged = slot.stage(state_dict)
+        # synchronous: the caller waits for the write, so the live state is consistent without a copy
+        staged = slot.stage(state_dict) if self.config.async_save else state_dict
         record.stage_s = time.perf_counter() - staging_started
         record.pause_s = time.perf_counter() - requested
         job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra), record, pending, requested)
