@@ -48,3 +48,14 @@ def test_retention_keeps_the_newest_and_multiples_and_never_touches_uncommitted(
     entries = [_entry(s) for s in (2, 4, 6, 8, 10)] + [_entry(12, "uncommitted")]
     assert [e.step for e in to_delete(entries, keep_last=2, keep_every_n_steps=4)] == [2, 6]
     assert [e.step for e in to_delete(entries, keep_last=1, keep_every_n_steps=None)] == [2, 4, 6, 8]
+
+
+def test_registered_strategy_name_and_time_and_epoch_triggers(tmp_path):
+    from tests.helpers.lightning_run import triggers_on_rank
+
+    outcome = run_ranks(triggers_on_rank, 1, str(tmp_path), timeout_s=240)[0].value
+    assert outcome["strategy"] == "ShardedDDPStrategy"
+    by_time = [e.step for e in catalog.list_checkpoints(fsio.resolve(f"{tmp_path}/by-time")) if e.committed]
+    assert by_time and set(by_time) <= {1, 2, 3, 4} and len(by_time) >= 2, by_time  # 0.1 s interval, 0.05 s+ steps
+    by_epoch = [e.step for e in catalog.list_checkpoints(fsio.resolve(f"{tmp_path}/by-epoch")) if e.committed]
+    assert by_epoch == [outcome["epoch_steps"], 2 * outcome["epoch_steps"]]

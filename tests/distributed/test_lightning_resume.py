@@ -11,7 +11,10 @@ from tests.helpers.lightning_run import fit_on_rank
 from tests.helpers.spawn import run_ranks
 
 
-@pytest.mark.parametrize("parallelism,first,second", [("fsdp", 4, 2), ("fsdp", 2, 3), ("ddp", 4, 3), ("ddp", 2, 4)])
+@pytest.mark.parametrize(
+    "parallelism,first,second",
+    [("fsdp", 4, 2), ("fsdp", 4, 3), ("fsdp", 2, 4), ("ddp", 4, 2), ("ddp", 4, 3), ("ddp", 2, 4)],
+)
 def test_fit_resumes_on_a_different_world_size_with_all_state_bit_exact(tmp_path, parallelism, first, second):
     root = str(tmp_path / "ckpt")
     saved = run_ranks(fit_on_rank, first, root, parallelism, 6, None, {"every": 3}, timeout_s=240)

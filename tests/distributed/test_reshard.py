@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,11 +12,21 @@ from tests.helpers import training_state as ts
 from tests.helpers.spawn import run_ranks
 
 
+@dataclasses.dataclass
+class Progress:
+    """An arbitrary picklable object in the state (not a dict DCP would flatten)."""
+
+    tokens_seen: int
+    history: list
+
+
 def save_worker(rank, world_size, root, parallelism):
     model, optimizer = ts.build(parallelism, seed=1, world_size=world_size)
     ts.train_steps(model, optimizer, steps=2, seed=2)
     state = ts.sharded_state(model, optimizer)
-    state["progress"] = {"global_step": 2, "note": "saved-on-%d" % world_size}
+    torch.manual_seed(42)  # the same generator state on every rank: a replicated tensor, written once
+    state["progress"] = {"global_step": 2, "note": "saved-on-%d" % world_size, "rng": torch.get_rng_state(),
+                         "object": Progress(tokens_seen=1234, history=[0.5, 0.25])}
     saver = CheckpointSaver(root, SaveConfig(verify=VerifyConfig(mode="full"), parallelism=parallelism))
     result = saver.save(state, step=2, epoch=0).result(timeout=60)
     assert result.committed, result.error
@@ -26,7 +38,7 @@ def save_worker(rank, world_size, root, parallelism):
 def load_worker(rank, world_size, root, parallelism):
     model, optimizer = ts.build(parallelism, seed=99, world_size=world_size)  # different init on purpose
     state = ts.sharded_state(model, optimizer)
-    state["progress"] = {"global_step": 0, "note": ""}
+    state["progress"] = {"global_step": 0, "note": "", "rng": torch.zeros_like(torch.get_rng_state()), "object": None}
     result = load_checkpoint(state, root)
     ts.apply_state(model, optimizer, state)
     full = ts.full_state(model, optimizer)
@@ -47,6 +59,9 @@ def test_checkpoint_saved_on_n_ranks_loads_bit_exact_on_m_ranks(tmp_path, parall
         assert all(outcome.value > 0 for outcome in saved[1:]), "every rank should write a share"
     loaded = run_ranks(load_worker, loaded_on, root, parallelism)
     ts.assert_bit_exact(reference, loaded[0].value["full"])
+    torch.manual_seed(42)
     for outcome in loaded:
-        assert outcome.value["progress"] == {"global_step": 2, "note": f"saved-on-{saved_on}"}
+        progress = outcome.value["progress"]
+        assert torch.equal(progress.pop("rng"), torch.get_rng_state())
+        assert progress == {"global_step": 2, "note": f"saved-on-{saved_on}", "object": Progress(1234, [0.5, 0.25])}
         assert outcome.value["step"] == 2

@@ -223,3 +223,38 @@ def ids_on_rank(rank: int, world_size: int, root: str, size: int, max_steps: int
     )
     trainer.fit(module, datamodule=IdData(size), ckpt_path=ckpt_path)
     return {"seen": module.seen, "global_step": trainer.global_step}
+
+
+def triggers_on_rank(rank: int, world_size: int, workdir: str) -> dict:
+    """Strategy by its registered name; saves by wall time, and at epoch ends."""
+    import time as time_module
+
+    lightning_env(rank, world_size)
+
+    class SlowStep(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            time_module.sleep(0.05)
+
+    common = dict(accelerator="cpu", devices=world_size, num_nodes=1, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    by_time = ShardedCheckpoint(f"{workdir}/by-time", every_n_minutes=0.1 / 60, save_on_fit_end=False, log_artifact=False)
+    trainer = pl.Trainer(strategy="shardckpt_ddp", max_steps=4, callbacks=[SlowStep(), by_time], **common)
+    trainer.fit(TinyModule(), datamodule=TinyData())
+    strategy_type = type(trainer.strategy).__name__
+    by_epoch = ShardedCheckpoint(f"{workdir}/by-epoch", save_on_epoch_end=True, save_on_fit_end=False, log_artifact=False)
+    trainer = pl.Trainer(strategy="shardckpt_ddp", max_epochs=2, callbacks=[by_epoch], **common)
+    trainer.fit(TinyModule(), datamodule=TinyData())
+    return {"strategy": strategy_type, "epoch_steps": trainer.num_training_batches}
+
+
+def preflight_on_rank(rank: int, world_size: int, dirpath: str, storage_options: dict) -> dict:
+    lightning_env(rank, world_size)
+    module = TinyModule()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=ShardedStrategy(parallelism="ddp"), max_steps=1,
+                         logger=False, enable_progress_bar=False,
+                         callbacks=[ShardedCheckpoint(dirpath, save={"storage_options": storage_options})])
+    try:
+        trainer.fit(module, datamodule=TinyData())
+    except Exception as err:  # the error type and message are the result
+        return {"error": f"{type(err).__name__}: {err}", "global_step": module.global_step}
+    return {"error": None, "global_step": module.global_step}

@@ -306,17 +306,11 @@ def test_retry_backoff_is_bounded_and_exponential():
         retry.RetryPolicy(attempts=0)
 
 
-def test_the_callback_refuses_an_unreachable_root_before_training_starts(tmp_path):
-    import lightning.pytorch as pl
+def test_the_callback_refuses_an_unreachable_root_before_training_starts():
+    from tests.helpers.lightning_run import preflight_on_rank
+    from tests.helpers.spawn import run_ranks
 
-    from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy, StorageUnavailable
-    from tests.helpers.lightning_run import TinyData, TinyModule
-
-    callback = ShardedCheckpoint("s3://no-such-bucket-here/run", save={"storage_options": {
-        "endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}})
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ShardedStrategy(parallelism="ddp"), max_steps=1,
-                         logger=False, enable_progress_bar=False, callbacks=[callback])
-    module = TinyModule()
-    with pytest.raises(StorageUnavailable, match="no-such-bucket-here"):
-        trainer.fit(module, datamodule=TinyData())
-    assert module.global_step == 0
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
+    outcome = run_ranks(preflight_on_rank, 1, "s3://no-such-bucket-here/run", options)[0].value
+    assert outcome["error"].startswith("StorageUnavailable") and "no-such-bucket-here" in outcome["error"]
+    assert outcome["global_step"] == 0
