@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from . import fsio, identity, metrics, retention
+from . import fsio, identity, metrics, ownership, retention
 from .checksum import checksum
 from .collectives import all_gather_objects, rank_and_world
 from .config import CallbackConfig, LoadConfig, save_config_from
@@ -89,6 +89,7 @@ class ShardedCheckpoint(Checkpoint):
         self._preempted = False
         self._previous_sigusr1: Any = None
         self._resume_logged = False
+        self._run_id: str | None = None  # this run's id, kept across fits of one callback (see _adopt_run_id)
 
     @property
     def state_key(self) -> str:
@@ -128,6 +129,8 @@ class ShardedCheckpoint(Checkpoint):
             self.last_saved_step = trainer.global_step
             self._restore_data_position(trainer)
             self._compare_identity(trainer, pl_module)
+        self._adopt_run_id(trainer)
+        self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
         self._log_resume(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -175,6 +178,29 @@ class ShardedCheckpoint(Checkpoint):
         self._loaded_data_state = {"sampler": state_dict.get("sampler"), "rng": state_dict.get("rng")}
 
     # --- internals ---
+    def _adopt_run_id(self, trainer: pl.Trainer) -> None:
+        """Give the strategy's save config this run's id, before its saver for our root exists.
+
+        Resumed from a checkpoint in this root: that checkpoint's run id (a resumed run is the same run,
+        so the root's owner check passes). Resumed from another root (a warm start, a fine-tune): a new
+        run, with a new id. `save.run_id` set by the user wins over both. Runs after the restore
+        (Lightning restores between on_fit_start and on_train_start) and before any save.
+        """
+        strategy = trainer.strategy
+        loaded = strategy.last_load
+        resumed_id = (loaded.manifest.get("run_id") if loaded is not None else None) or None
+        if self.save_options.run_id:
+            self._run_id = self.save_options.run_id
+        elif resumed_id and self._in_our_root(loaded.path):
+            self._run_id = resumed_id
+        elif self._run_id is None:
+            self._run_id = strategy.broadcast(ownership.new_run_id())  # rank 0's: one id for the whole run
+        strategy.save_config = save_config_from(strategy.save_config, run_id=self._run_id)
+
+    def _in_our_root(self, checkpoint_path: str) -> bool:
+        root = fsio.resolve(checkpoint_path.rstrip("/").rsplit("/", 1)[0], self.save_options.storage_options)
+        return root.fs.protocol == self._location.fs.protocol and root.path == self._location.path
+
     def _saver(self, trainer: pl.Trainer):
         return trainer.strategy.saver(self.dirpath)
 

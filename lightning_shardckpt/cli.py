@@ -5,9 +5,11 @@
     shardckpt verify ROOT/latest|DIR       full checksum pass; exit 1 names every bad file and tensor
     shardckpt diff A B                     config / data / model / code identity and topology, side by side
     shardckpt timeline ROOT                every checkpoint and attempt in order: state, cause, identity changes
+    shardckpt gc ROOT [--yes]              uncommitted directories older than the grace: list (default) or remove
 
-Exit codes: 0 success (verify: sound; diff: identical), 1 verify found problems or diff found differences,
-2 the command could not run (no such checkpoint, unreachable storage, bad arguments).
+Exit codes: 0 success (verify: sound; diff: identical), 1 verify found problems, diff found differences or
+gc could not remove a directory, 2 the command could not run (no such checkpoint, unreachable storage, bad
+arguments).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import sys
 from typing import Any
 
-from . import catalog, investigate, manifest as manifest_format
+from . import catalog, gc, investigate, manifest as manifest_format
 from .errors import ShardCkptError
 from .fsio import Location
 from .layout import join
@@ -79,6 +81,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "path": join(location.url, entry.name),
         "id": manifest["id"],
         "parent": manifest.get("parent"),
+        "run_id": manifest.get("run_id"),
         "step": manifest["step"],
         "epoch": manifest.get("epoch"),
         "samples_consumed": manifest.get("samples_consumed"),
@@ -146,7 +149,42 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# --- printing diff and timeline ---
+def cmd_gc(args: argparse.Namespace) -> int:
+    location = investigate.open_root(args.root, args.storage_options)
+    report = gc.collect(location, args.grace_minutes * 60.0, dry_run=not args.yes)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        _print_gc(report, args.grace_minutes)
+    for item in report.failed:
+        print(f"{PROG}: warning: could not remove {item.path}: {item.problem}", file=sys.stderr)
+    return EXIT_PROBLEMS if report.failed else EXIT_OK
+
+
+# --- printing gc, diff and timeline ---
+
+def _print_gc(report: gc.GcReport, grace_minutes: float) -> None:
+    remove, kept = report.to_remove, report.kept
+    committed = [item for item in kept if item.state == catalog.COMMITTED and not item.problem]
+    shown = [item for item in kept if item not in committed]
+    if remove or shown:
+        table = [("ACTION", "STEP", "ID", "STATE", "SIZE", "AGE", "REASON")]
+        verb = "REMOVED" if not report.dry_run else "REMOVE"
+        for item in [*remove, *shown]:
+            reason = item.reason + (f" ({item.problem})" if item.problem else "")
+            action = verb if item.action == "remove" else "KEEP"
+            table.append((action, str(item.step), item.id, item.state, _human_bytes(item.bytes), _human_age(item.age_s), reason))
+        _print_table(table)
+    size = _human_bytes(sum(item.bytes or 0 for item in remove))
+    summary = f"{len(remove)} uncommitted director{'y' if len(remove) == 1 else 'ies'} ({size})"
+    if report.dry_run:
+        print(f"dry run: would remove {summary} older than {grace_minutes:g} min; nothing was deleted"
+              + ("; run again with --yes to delete" if remove else ""))
+    else:
+        print(f"removed {summary} older than {grace_minutes:g} min")
+    print(f"kept {len(committed)} committed checkpoint(s) untouched")
+
+
 
 def _print_diff(result: dict[str, Any]) -> None:
     for side in ("a", "b"):
@@ -305,7 +343,29 @@ def _parser() -> argparse.ArgumentParser:
         "(default: %(default).0f)",
     )
     timeline.set_defaults(run=cmd_timeline)
+    collect = commands.add_parser(
+        "gc", parents=[common], help="remove uncommitted checkpoint directories older than the grace (dry run by default)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_GC_EPILOG,
+    )
+    collect.add_argument("root", metavar="ROOT")
+    collect.add_argument(
+        "--grace-minutes", type=_non_negative, default=gc.DEFAULT_GRACE_S / 60, metavar="N",
+        help="only directories whose newest file is older than this are removed; a younger one may be a save "
+        "in flight (default: %(default).0f)",
+    )
+    collect.add_argument("--yes", action="store_true", help="delete; without it gc only prints what it would remove")
+    collect.set_defaults(run=cmd_gc)
     return parser
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"{text} is negative; use 0 (every uncommitted directory) or more minutes")
+    return value
 
 
 _DIFF_EPILOG = """\
@@ -323,6 +383,19 @@ Identical (exit 0): the config, data (version, fingerprint, length, seed), model
 blocks and the topology are equal; a block recorded in neither checkpoint is not compared. Position
 (step, epoch, samples consumed) and the run block (command, hosts, logger run) are shown, never compared.
 Exit 1: they differ. Exit 2: a reference could not be resolved to a committed checkpoint.
+"""
+
+_GC_EPILOG = """\
+Removes only uncommitted checkpoint directories (no manifest.json: a failed or abandoned save) whose
+newest file is older than --grace-minutes, with any stray .manifest.json.<hex>.tmp inside them. Never
+touched: committed checkpoints (retention's job), corrupt ones (listed for a person to look at),
+anything younger than the grace (a save may be writing it), and every name that is not a checkpoint
+directory. An empty directory ages by its own mtime on local storage; on an object store an empty
+prefix holds nothing and is removed whatever the grace.
+examples:
+  shardckpt gc /data/ckpt/run-7                      what would go (dry run)
+  shardckpt gc /data/ckpt/run-7 --yes                remove it
+  shardckpt gc s3://bucket/run-7 --grace-minutes 240 --yes --json
 """
 
 _TIMELINE_EPILOG = """\

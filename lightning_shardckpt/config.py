@@ -49,8 +49,12 @@ class SaveConfig:
     parallelism: str = "unknown"  # recorded in the manifest's topology ("ddp", "fsdp", ...)
     write_events: bool = True  # one JSON event file per attempt under ROOT/events (coordinator only)
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, credentials)
+    run_id: str | None = None  # recorded in every manifest and in ROOT/.owner.json; None: the saver generates one
+    allow_shared_root: bool = False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
 
     def __post_init__(self) -> None:
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
+            raise ConfigError(f"run_id={self.run_id!r} must be a non-empty string, or null to generate one")
         if self.collective_timeout_s <= 0:
             raise ConfigError(
                 f"collective_timeout_s={self.collective_timeout_s} must be > 0; it bounds how long ranks wait for a dead peer"

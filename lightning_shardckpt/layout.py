@@ -9,6 +9,7 @@ from dataclasses import dataclass
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"  # DCP's own file name: plain `dcp.load` looks for exactly this
 LATEST = "latest"
+OWNER = ".owner.json"  # ROOT/.owner.json: which run writes into this root (see ownership.py)
 SHARD_SUFFIX = ".distcp"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3_64"

@@ -49,6 +49,7 @@ def build_manifest(
     samples_consumed: int | None = None,
     identity: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Describe a fully written checkpoint: every file, tensor chunk and object with its checksum."""
     tensors, objects = [], []
@@ -80,6 +81,7 @@ def build_manifest(
         "identity": identity_block,
         "verification": verification,
         "extra": extra or {},
+        "run_id": run_id,
     }
 
 

@@ -76,6 +76,7 @@ def persist_checkpoint(
             "topology": topology.describe(state_dict, group, config.parallelism),
             "identity": meta.identity,
             "extra": meta.extra,
+            "run_id": config.run_id,
         },
     )
     committer = Committer(target, fault_hook)

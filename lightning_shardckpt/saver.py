@@ -13,13 +13,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import fsio, manifest as manifest_format, metrics
+from . import fsio, manifest as manifest_format, metrics, ownership
 from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
 from .errors import CommitFailed
@@ -85,6 +85,11 @@ class CheckpointSaver:
         fsio.makedirs(self.root.fs, self.root.path)
         self.group = group if group is not None else new_checkpoint_group(self.config.collective_timeout_s)
         self.rank = rank_and_world(self.group)[0]
+        # before anything is written: a root another run owns is refused on every rank (ownership.py)
+        self.run_id = ownership.ensure_owner(
+            self.root, self.config.run_id or ownership.new_run_id(), self.config.allow_shared_root, self.group
+        )
+        self.config = replace(self.config, run_id=self.run_id)  # every manifest records it
         self._fault_hook = fault_hook
         # staging memory is bounded: one host copy of the state per save that may be in flight
         self._free_slots: queue.Queue[StagingBuffers] = queue.Queue()

@@ -99,7 +99,7 @@ class ShardedStrategy:
         for in_flight in self._savers.values():
             in_flight.wait()
         config = SaveConfig(**{**_fields(self.save_config), "async_save": False})
-        saver = CheckpointSaver(str(filepath), config, group=self.checkpoint_group())
+        saver = self._adopt_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
         result = self.save_to_saver(saver, checkpoint).result()
         saver.close()
         if not result.committed:
@@ -154,7 +154,8 @@ class ShardedStrategy:
 
     def saver(self, root: str) -> CheckpointSaver:
         if root not in self._savers:
-            self._savers[root] = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self.fault_hook)
+            saver = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self.fault_hook)
+            self._savers[root] = self._adopt_run_id(saver)
         return self._savers[root]
 
     def save_to_saver(self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any) -> PendingSave:
@@ -169,6 +170,12 @@ class ShardedStrategy:
         )
 
     # --- internals ---
+    def _adopt_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
+        """Without a run id set (no ShardedCheckpoint), the first saver's generated one stays this run's."""
+        if self.save_config.run_id is None:
+            self.save_config = SaveConfig(**{**_fields(self.save_config), "run_id": saver.run_id})
+        return saver
+
     def _resolve_source(self, text: str) -> tuple[str, str]:
         """(root, which) for `ckpt_path`: a selector relative to the callback's root, or a path."""
         is_selector = text == "latest" or text.isdigit() or parse_dirname(text) is not None or _looks_like_id(text)

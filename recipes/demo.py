@@ -47,7 +47,8 @@ def rank_main(rank: int, world_size: int, port: int, mode: str, dirpath: str, qu
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "progress": {"step": 3 if mode == "save" else 0}}
     if mode == "save":
-        saver = CheckpointSaver(dirpath, SaveConfig(parallelism="fsdp"))
+        # a fixed run id: running the demo again continues the same run in the same root, not a second run
+        saver = CheckpointSaver(dirpath, SaveConfig(parallelism="fsdp", run_id="demo"))
         result = saver.save(state, step=3).result()
         saver.close()
         message = f"saved step 3 -> {result.path} (committed={result.committed}, {result.bytes_rank} bytes from this rank)"

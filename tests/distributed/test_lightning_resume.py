@@ -32,6 +32,9 @@ def test_fit_resumes_on_a_different_world_size_with_all_state_bit_exact(tmp_path
     assert start["datamodule_batches"] == 6
     assert resumed[0].value["global_step"] == 8
     assert catalog.find(fsio.resolve(root), "latest").step == 8  # training went on and saved at fit end
+    # the resumed fit adopted the run id of the checkpoint it resumed from: one run, one owner of the root
+    run_ids = {e.manifest["run_id"] for e in catalog.list_checkpoints(fsio.resolve(root)) if e.committed}
+    assert len(run_ids) == 1 and None not in run_ids, run_ids
 
 
 def test_latest_on_an_empty_root_starts_fresh_or_fails_when_resume_is_required(tmp_path):

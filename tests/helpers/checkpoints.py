@@ -7,6 +7,7 @@ import torch
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 
 SHARD = "__0_0.distcp"  # the only shard file a single-process save writes
+RUN_ID = "unit-test-run"  # every helper save is one run: a root saved into twice is not refused as shared
 
 
 def fresh_state(seed: int = 0) -> dict:
@@ -17,7 +18,7 @@ def fresh_state(seed: int = 0) -> dict:
 
 def save_checkpoint(root: str, step: int = 3, state: dict | None = None) -> dict:
     """Commit one checkpoint of `state` (default: a fresh small model) under `root`; return its manifest."""
-    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, run_id=RUN_ID))
     try:
         result = saver.save(fresh_state(seed=step) if state is None else state, step=step).result(timeout=60)
     finally:

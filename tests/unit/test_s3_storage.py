@@ -40,7 +40,7 @@ def zeros_like(state: dict) -> dict:
 
 def save_one(url: str, options: dict, state: dict, step: int):
     """One save through the background thread, as training does; returns its SaveResult."""
-    saver = CheckpointSaver(url, SaveConfig(storage_options=options))
+    saver = CheckpointSaver(url, SaveConfig(storage_options=options, run_id="s3-test-run"))  # one run, many savers
     try:
         return saver.save(state, step=step).result(timeout=60)
     finally:
