@@ -89,6 +89,7 @@ class ShardedCheckpoint(Checkpoint):
         self._preempted = False
         self._previous_sigusr1: Any = None
         self._resume_logged = False
+        self._staging_prepared = False
         self._run_id: str | None = None  # this run's id, kept across fits of one callback (see _adopt_run_id)
 
     @property
@@ -136,6 +137,10 @@ class ShardedCheckpoint(Checkpoint):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._count_consumed(trainer)
         self._drain(trainer)
+        if not self._staging_prepared and trainer.global_step >= 1:
+            # the optimizer state exists now: allocate staging memory in the background, before the first save
+            self._staging_prepared = True
+            self._saver(trainer).prepare(trainer.strategy.state_layout())
         if self._preemption_requested(trainer):
             log.warning("preemption signal: saving step %d before stopping", trainer.global_step)
             self._save(trainer, blocking=True)

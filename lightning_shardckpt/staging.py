@@ -74,6 +74,15 @@ class StagingBuffers:
         torch.cuda.current_stream().wait_event(self._event)
         return staged
 
+    def allocate_like(self, state_dict: dict[str, Any]) -> None:
+        """Allocate buffers for `state_dict`'s layout and touch every page (no values are kept)."""
+        signature = layout_signature(state_dict)
+        if signature == self._signature:
+            return
+        self._allocate(state_dict, signature, pin=_has_cuda_tensors(state_dict))
+        for tensor in iter_tensors(self._buffers):
+            (tensor.to_local() if isinstance(tensor, DTensor) else tensor).zero_()  # first touch, off the training thread
+
     def wait_until_ready(self) -> None:
         """Block until non-blocking device-to-host copies have landed (no-op on CPU)."""
         if self._event is not None:

@@ -158,6 +158,13 @@ class ShardedStrategy:
             self._savers[root] = self._adopt_run_id(saver)
         return self._savers[root]
 
+    def state_layout(self) -> dict[str, Any]:
+        """A state with the layout `save_to_saver` stages (live tensors, no copies): for `saver.prepare`."""
+        module = self.lightning_module
+        return lightning_state.load_target(
+            get_model_state_dict(module), [get_optimizer_state_dict(module, _unwrap(opt)) for opt in self.optimizers]
+        )
+
     def save_to_saver(self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any) -> PendingSave:
         state = lightning_state.to_dcp_state(checkpoint)
         return saver.save(

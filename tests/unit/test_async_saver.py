@@ -162,3 +162,18 @@ def test_cuda_state_is_staged_into_pinned_buffers_and_commits_the_values_of_the_
     target = {"weights": torch.zeros(2**20), "progress": {"step": 0}}
     load_checkpoint(target, str(tmp_path))
     assert torch.equal(target["weights"], expected)
+
+
+def test_prepared_staging_memory_is_used_by_the_first_save(tmp_path):
+    state = small_state(5.0)
+    saver = CheckpointSaver(str(tmp_path), SaveConfig(write_events=False))
+    assert saver.prepare(state)
+    state["weights"].add_(1.0)  # the layout, not the values, was prepared
+    result = saver.save(state, step=1).result(timeout=30)
+    saver.close()
+    assert result.committed
+    assert saver.slots[0].allocations == 1, "the first save allocated again instead of using the prepared buffers"
+    target = small_state(0.0)
+    load_checkpoint(target, str(tmp_path))
+    assert torch.equal(target["weights"], small_state(6.0)["weights"])
+    assert not CheckpointSaver(str(tmp_path / "sync"), SaveConfig(async_save=False)).prepare(state)  # nothing to stage
