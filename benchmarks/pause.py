@@ -56,13 +56,10 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import shutil
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -71,11 +68,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
+
+# benchmarks/common.py: run as a script, this file's folder is sys.path[0]
+from common import (
+    COLUMNS, add_shared_arguments, checkpoint_workdir, environment, error_text, make_state, parse_rank_counts,
+    phase_medians, ratio_or_none, run_world, tensor_rows,
+)
 
 METHODS = ("copy", "ours", "pl_sync", "pl_async", "dcp", "dcp_async")
 LABELS = {
@@ -91,8 +93,7 @@ OUR_PHASES = ("pause_s", "stage_s", "write_s", "verify_s", "commit_s", "total_s"
 PAUSE_VS_COPY_TARGET = 1.5  # our pause may be at most this multiple of the raw copy
 PAUSE_VS_PL_TARGET = 20.0  # our pause must be at least this many times shorter than Lightning's sync save
 TOTAL_VS_DCP_TARGET = 1.10  # our total may be at most this multiple of plain dcp.save
-COLUMNS = 1024  # float32 elements per row: a 4 KiB row
-ERROR_CHARS = 500
+RANK_TIMEOUT_S = 1800  # bound on every collective of a rank's process group
 
 
 @dataclass(frozen=True)
@@ -129,22 +130,9 @@ class RankContext:
 # --- the state ---
 
 
-def tensor_rows(config: BenchConfig, world_size: int) -> list[int]:
-    """Global rows of each [rows, COLUMNS] tensor: sizes 1x..8x, N x --size-gib GiB in all, even shards."""
-    weights = [1 + (5 * i) % 8 for i in range(config.tensors)]
-    rows_per_rank = config.size_gib * 2**30 / (COLUMNS * 4)
-    return [max(1, round(rows_per_rank * w / sum(weights))) * world_size for w in weights]
-
-
-def make_state(config: BenchConfig, mesh: Any, rank: int, world_size: int) -> dict[str, DTensor]:
-    generator = torch.Generator().manual_seed(rank)
-    state = {}
-    for index, rows in enumerate(tensor_rows(config, world_size)):
-        local = torch.empty(rows // world_size, COLUMNS).uniform_(generator=generator)
-        state[f"layer{index:02d}.weight"] = DTensor.from_local(
-            local, mesh, [Shard(0)], shape=torch.Size((rows, COLUMNS)), stride=(COLUMNS, 1)
-        )
-    return state
+def state_rows(config: BenchConfig, world_size: int) -> list[int]:
+    """Global rows of each tensor: --size-gib GiB per rank, N x --size-gib GiB in all (see common.tensor_rows)."""
+    return tensor_rows(config.tensors, world_size, config.size_gib, per_rank=True)
 
 
 def make_full_state(config: BenchConfig, state: dict[str, DTensor], world_size: int) -> dict[str, torch.Tensor]:
@@ -153,7 +141,7 @@ def make_full_state(config: BenchConfig, state: dict[str, DTensor], world_size: 
         return {name: value.to_local() for name, value in state.items()}  # the same memory: nothing to gather
     generator = torch.Generator().manual_seed(1234)
     full = {}
-    for (name, value), rows in zip(state.items(), tensor_rows(config, world_size)):
+    for (name, value), rows in zip(state.items(), state_rows(config, world_size)):
         tensor = torch.empty(rows, COLUMNS).uniform_(generator=generator)
         local = value.to_local()
         tensor[: local.shape[0]].copy_(local)
@@ -162,7 +150,8 @@ def make_full_state(config: BenchConfig, state: dict[str, DTensor], world_size: 
 
 
 def bytes_per_rank(config: BenchConfig, world_size: int) -> int:
-    return sum(tensor_rows(config, world_size)) // world_size * COLUMNS * 4
+    """Bytes of the state each rank holds (its shards)."""
+    return sum(state_rows(config, world_size)) // world_size * COLUMNS * 4
 
 
 def lightning_checkpoint(ctx: RankContext) -> dict[str, Any]:
@@ -277,7 +266,7 @@ def measure(ctx: RankContext, method: str, directory: str) -> dict[str, Any]:
         if isinstance(saved_at, str):
             ctx.extra["path"] = saved_at
     except Exception as err:  # recorded and shown in the table; the next method still runs
-        error = f"{type(err).__name__}: {err}"[:ERROR_CHARS]
+        error = error_text(err)
     dist.barrier()
     return {"method": method, "pause_s": pause, "total_s": total, "error": error, **ctx.extra}
 
@@ -361,58 +350,37 @@ def profile_ours(ctx: RankContext) -> dict[str, Any]:
     return medians
 
 
-def rank_main(rank: int, world_size: int, port: int, config: BenchConfig, queue: Any) -> None:
+def rank_main(rank: int, world_size: int, config: BenchConfig) -> dict[str, Any]:
+    """One spawned rank (in its gloo group, see common.run_world): every round, then --profile; what rank 0 reports."""
     torch.set_num_threads(config.threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=1800)
-    )
-    try:
-        from lightning.fabric.plugins.io import TorchCheckpointIO
-        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from lightning.fabric.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-        mesh = init_device_mesh("cpu", (world_size,))
-        state = make_state(config, mesh, rank, world_size)
-        saver = CheckpointSaver(os.path.join(config.workdir, f"ours-{world_size}ranks"), SaveConfig(async_save=True))
-        dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1800))
-        ctx = RankContext(
-            rank=rank,
-            world_size=world_size,
-            config=config,
-            state=state,
-            copy_buffers=[torch.empty_like(value.to_local()) for value in state.values()],
-            full_state=make_full_state(config, state, world_size) if rank == 0 else None,
-            saver=saver,
-            dcp_group=dcp_group,
-            lightning_async=AsyncCheckpointIO(TorchCheckpointIO()),
-        )
-        samples: list[dict[str, Any]] = []
-        for round_index in range(config.warmup + config.repeats):
-            ctx.round = round_index
-            samples.extend(run_round(ctx))
-        pieces = profile_ours(ctx) if config.profile else None
-        saver.close()
-        # collective "gather-samples": rank 0 reports every rank's samples
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, {"samples": samples, "pieces": pieces, "staging_allocations": saver.slots[0].allocations})
-        if rank == 0:
-            queue.put(gathered)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = make_state(state_rows(config, world_size), mesh, rank, world_size)
+    saver = CheckpointSaver(os.path.join(config.workdir, f"ours-{world_size}ranks"), SaveConfig(async_save=True))
+    dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
+    ctx = RankContext(
+        rank=rank,
+        world_size=world_size,
+        config=config,
+        state=state,
+        copy_buffers=[torch.empty_like(value.to_local()) for value in state.values()],
+        full_state=make_full_state(config, state, world_size) if rank == 0 else None,
+        saver=saver,
+        dcp_group=dcp_group,
+        lightning_async=AsyncCheckpointIO(TorchCheckpointIO()),
+    )
+    samples: list[dict[str, Any]] = []
+    for round_index in range(config.warmup + config.repeats):
+        ctx.round = round_index
+        samples.extend(run_round(ctx))
+    pieces = profile_ours(ctx) if config.profile else None
+    saver.close()
+    return {"samples": samples, "pieces": pieces, "staging_allocations": saver.slots[0].allocations}
 
 
 # --- the parent: start ranks, merge, report ---
-
-
-def run_world(world_size: int, config: BenchConfig) -> list[dict[str, Any]] | str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue = mp.get_context("spawn").Queue()
-    try:
-        mp.start_processes(rank_main, args=(world_size, port, config, queue), nprocs=world_size, start_method="spawn")
-        return queue.get(timeout=60)
-    except Exception as err:  # a rank crashed: every method of this rank count shows as failed
-        return f"{type(err).__name__}: {err}"[:ERROR_CHARS]
 
 
 def summarize(world_size: int, config: BenchConfig, per_rank: list[dict[str, Any]] | str) -> dict[str, Any]:
@@ -459,32 +427,26 @@ def summarize(world_size: int, config: BenchConfig, per_rank: list[dict[str, Any
     pl_s = median["pl_sync"][1]
     for m, (pause, total) in median.items():
         methods[m]["ratios"] = {
-            "pause/copy": _ratio(pause, copy_s),
-            "total/copy": _ratio(total, copy_s),
-            "pl_sync/pause": _ratio(pl_s, pause),
-            "total/pl_sync": _ratio(total, pl_s),
+            "pause/copy": ratio_or_none(pause, copy_s),
+            "total/copy": ratio_or_none(total, copy_s),
+            "pl_sync/pause": ratio_or_none(pl_s, pause),
+            "total/pl_sync": ratio_or_none(total, pl_s),
         }
     ours_pause, ours_total = median["ours"]
     summary["targets"] = {
-        f"ours pause <= {PAUSE_VS_COPY_TARGET}x raw copy": _verdict(_ratio(ours_pause, copy_s), lambda r: r <= PAUSE_VS_COPY_TARGET, "{:.2f}x"),
+        f"ours pause <= {PAUSE_VS_COPY_TARGET}x raw copy": _verdict(ratio_or_none(ours_pause, copy_s), lambda r: r <= PAUSE_VS_COPY_TARGET, "{:.2f}x"),
         f"ours pause >= {PAUSE_VS_PL_TARGET:.0f}x shorter than Lightning sync": _verdict(
-            _ratio(pl_s, ours_pause), lambda r: r >= PAUSE_VS_PL_TARGET, "{:.1f}x shorter"
+            ratio_or_none(pl_s, ours_pause), lambda r: r >= PAUSE_VS_PL_TARGET, "{:.1f}x shorter"
         ),
         f"ours total <= {TOTAL_VS_DCP_TARGET}x dcp.save": _verdict(
-            _ratio(ours_total, median["dcp"][1]), lambda r: r <= TOTAL_VS_DCP_TARGET, "{:.2f}x"
+            ratio_or_none(ours_total, median["dcp"][1]), lambda r: r <= TOTAL_VS_DCP_TARGET, "{:.2f}x"
         ),
     }
     summary["ours_phases"] = {
         "per_save_per_rank": phases,
-        "median_of_slowest_rank_s": {
-            name: statistics.median(max(rank[name] for rank in save) for save in phases) for name in OUR_PHASES
-        } if phases else {},
+        "median_of_slowest_rank_s": phase_medians(phases, OUR_PHASES),
     }
     return summary
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator is not None and denominator else None
 
 
 def _verdict(ratio: float | None, ok: Callable[[float], bool], fmt: str) -> dict[str, Any]:
@@ -578,23 +540,14 @@ def plot(summaries: list[dict[str, Any]], path: str, config: BenchConfig) -> Non
     plt.close(fig)
 
 
-def environment() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_at_start": os.getloadavg(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-gib", type=float, default=1.0, help="state size PER RANK, GiB (Lightning's rank 0 holds N times this)")
-    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts, e.g. 1,2")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (>= 1: the first holds our cold save)")
+    add_shared_arguments(
+        parser,
+        size_help="state size PER RANK, GiB (Lightning's rank 0 holds N times this)",
+        repeats_help="timed rounds; the median is reported",
+        warmup_help="untimed rounds first (>= 1: the first holds our cold save)",
+    )
     parser.add_argument("--tensors", type=int, default=32, help="number of tensors in the state")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temp dir)")
@@ -609,23 +562,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank_counts = [int(part) for part in args.ranks.split(",") if part.strip()]
-    own_workdir = args.workdir is None
-    workdir = tempfile.mkdtemp(prefix="shardckpt-pause-") if own_workdir else os.path.abspath(args.workdir)
-    os.makedirs(workdir, exist_ok=True)
+    rank_counts = parse_rank_counts(args.ranks)
     out_dir = os.path.abspath(args.out_dir)
-    config = BenchConfig(
-        size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
-        workdir=workdir, out_dir=out_dir, profile=args.profile, profile_saves=args.profile_saves,
-    )
-    report: dict[str, Any] = {"config": {**asdict(config), "ranks": rank_counts}, "environment": environment(), "results": []}
-    try:
+    with checkpoint_workdir(args.workdir, prefix="shardckpt-pause-") as workdir:
+        config = BenchConfig(
+            size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+            workdir=workdir, out_dir=out_dir, profile=args.profile, profile_saves=args.profile_saves,
+        )
+        report: dict[str, Any] = {"config": {**asdict(config), "ranks": rank_counts}, "environment": environment(), "results": []}
         for world_size in rank_counts:
             print(f"running {world_size} rank(s), {args.size_gib} GiB per rank, {args.repeats} repeat(s) in {workdir} ...", flush=True)
-            report["results"].append(summarize(world_size, config, run_world(world_size, config)))
-    finally:
-        if own_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+            report["results"].append(summarize(world_size, config, run_world(world_size, rank_main, config, RANK_TIMEOUT_S)))
     table = format_table(report["results"])
     report["table"] = table.splitlines()
     os.makedirs(out_dir, exist_ok=True)

@@ -42,32 +42,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
+
+# benchmarks/common.py: run as a script, this file's folder is sys.path[0]
+from common import (
+    COLUMNS, add_shared_arguments, checkpoint_workdir, environment, error_text, make_state, parse_rank_counts,
+    phase_medians, ratio_or_none, run_world, tensor_rows,
+)
 
 METHODS = ("ours", "dcp", "raw")
 OUR_PHASES = ("stage_s", "write_s", "verify_s", "commit_s", "total_s")  # CheckpointRecord fields
 OPS = ("save", "load")
 SAVE_TARGET = 1.10  # our save may take at most this multiple of plain dcp.save
-COLUMNS = 1024  # float32 elements per row: a 4 KiB row
-ERROR_CHARS = 500  # errors are cut to this length in the table and the JSON
+RANK_TIMEOUT_S = 900  # bound on every collective of a rank's process group
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "save_load.json")  # gitignored
 
 
@@ -97,36 +97,19 @@ class RankContext:
 # --- the state ---
 
 
-def tensor_rows(config: BenchConfig, world_size: int) -> list[int]:
-    """Global rows of each [rows, COLUMNS] tensor: sizes 1x..8x, rows a multiple of N (even shards)."""
-    weights = [1 + (5 * i) % 8 for i in range(config.tensors)]
-    total_rows = config.size_gib * 2**30 / (COLUMNS * 4)
-    return [max(1, round(total_rows * w / sum(weights) / world_size)) * world_size for w in weights]
-
-
-def make_state(config: BenchConfig, mesh: Any, rank: int, world_size: int, *, zeros: bool) -> dict[str, DTensor]:
-    """This rank's 1/N of every tensor as a Shard(0) DTensor: random values, or zeros for a load target.
-
-    Every byte is written here, so no method pays for first-touching the memory.
-    """
-    generator = torch.Generator().manual_seed(rank)
-    state = {}
-    for index, rows in enumerate(tensor_rows(config, world_size)):
-        local = torch.zeros(rows // world_size, COLUMNS)
-        if not zeros:
-            local.uniform_(generator=generator)
-        state[f"layer{index:02d}.weight"] = DTensor.from_local(
-            local, mesh, [Shard(0)], shape=torch.Size((rows, COLUMNS)), stride=(COLUMNS, 1)
-        )
-    return state
+def state_rows(config: BenchConfig, world_size: int) -> list[int]:
+    """Global rows of each tensor: --size-gib GiB in all, 1/N of it on each rank (see common.tensor_rows)."""
+    return tensor_rows(config.tensors, world_size, config.size_gib, per_rank=False)
 
 
 def local_tensors(state: dict[str, DTensor]) -> list[torch.Tensor]:
+    """This rank's shards of `state`, in order."""
     return [value.to_local() for value in state.values()]
 
 
 def state_bytes(config: BenchConfig, world_size: int) -> int:
-    return sum(tensor_rows(config, world_size)) * COLUMNS * 4
+    """Bytes of the whole state, over all ranks."""
+    return sum(state_rows(config, world_size)) * COLUMNS * 4
 
 
 # --- the methods: a save returns the directory its load reads ---
@@ -199,7 +182,7 @@ def timed(settle_s: float, fn: Callable[..., Any], *args: Any) -> tuple[float, A
     try:
         value = fn(*args)
     except Exception as err:  # recorded and shown in the table; the next method still runs
-        error = f"{type(err).__name__}: {err}"[:ERROR_CHARS]
+        error = error_text(err)
     dist.barrier()
     return time.perf_counter() - started, value, error
 
@@ -263,48 +246,27 @@ def run_round(ctx: RankContext, state: dict[str, DTensor], target: dict[str, DTe
     return samples
 
 
-def rank_main(rank: int, world_size: int, port: int, config: BenchConfig, queue: Any) -> None:
+def rank_main(rank: int, world_size: int, config: BenchConfig) -> list[dict[str, Any]]:
+    """One spawned rank (in its gloo group, see common.run_world): every round; this rank's samples."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=900)
-    )
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        state = make_state(config, mesh, rank, world_size, zeros=False)
-        target = make_state(config, mesh, rank, world_size, zeros=True)
-        saver = CheckpointSaver(os.path.join(config.workdir, f"ours-{world_size}ranks"), SaveConfig(async_save=False))
-        ctx = RankContext(rank, world_size, config, saver)
-        samples = []
-        for round_index in range(config.warmup + config.repeats):
-            ctx.round = round_index
-            samples.extend(run_round(ctx, state, target))
-        saver.close()
-        dist.barrier()  # every rank closed the saver before its root goes
-        if rank == 0:
-            shutil.rmtree(saver.root.path, ignore_errors=True)  # uncommitted leftovers, `latest`, events
-        # collective "gather-samples": rank 0 reports every rank's samples
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, samples)
-        if rank == 0:
-            queue.put(gathered)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world_size,))
+    rows = state_rows(config, world_size)
+    state = make_state(rows, mesh, rank, world_size, zeros=False)
+    target = make_state(rows, mesh, rank, world_size, zeros=True)
+    saver = CheckpointSaver(os.path.join(config.workdir, f"ours-{world_size}ranks"), SaveConfig(async_save=False))
+    ctx = RankContext(rank, world_size, config, saver)
+    samples = []
+    for round_index in range(config.warmup + config.repeats):
+        ctx.round = round_index
+        samples.extend(run_round(ctx, state, target))
+    saver.close()
+    dist.barrier()  # every rank closed the saver before its root goes
+    if rank == 0:
+        shutil.rmtree(saver.root.path, ignore_errors=True)  # uncommitted leftovers, `latest`, events
+    return samples
 
 
 # --- the parent: start ranks, merge, report ---
-
-
-def run_world(world_size: int, config: BenchConfig) -> list[list[dict[str, Any]]] | str:
-    """Every rank's samples, or why the run produced none."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue = mp.get_context("spawn").Queue()
-    try:
-        mp.start_processes(rank_main, args=(world_size, port, config, queue), nprocs=world_size, start_method="spawn")
-        return queue.get(timeout=60)
-    except Exception as err:  # a rank crashed: the table shows every method of this rank count as failed
-        return f"{type(err).__name__}: {err}"[:ERROR_CHARS]
 
 
 def summarize(world_size: int, config: BenchConfig, per_rank: list[list[dict[str, Any]]] | str) -> dict[str, Any]:
@@ -333,20 +295,9 @@ def summarize(world_size: int, config: BenchConfig, per_rank: list[list[dict[str
             entry = summary[op][method]
             entry["median_s"] = statistics.median(entry["seconds"]) if entry["seconds"] else None
         medians = {method: summary[op][method]["median_s"] for method in METHODS}
-        summary[op]["ratios"] = {f"ours/{other}": _ratio(medians["ours"], medians[other]) for other in ("dcp", "raw")}
-    summary["ours_save_phases"] = {"per_save_per_rank": phases, "median_of_slowest_rank_s": _phase_medians(phases)}
+        summary[op]["ratios"] = {f"ours/{other}": ratio_or_none(medians["ours"], medians[other]) for other in ("dcp", "raw")}
+    summary["ours_save_phases"] = {"per_save_per_rank": phases, "median_of_slowest_rank_s": phase_medians(phases, OUR_PHASES)}
     return summary
-
-
-def _phase_medians(phases: list[list[dict[str, float]]]) -> dict[str, float]:
-    """Per phase: the slowest rank's time in each save, median over saves."""
-    if not phases:
-        return {}
-    return {name: statistics.median(max(rank[name] for rank in save) for save in phases) for name in OUR_PHASES}
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator is not None and denominator else None
 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
@@ -392,23 +343,14 @@ def _fmt_ratio(ratio: float | None) -> str:
     return f"{ratio:7.2f}x" if ratio is not None else f"{'-':>8}"
 
 
-def environment() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_at_start": os.getloadavg(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-gib", type=float, default=1.0, help="total state size over all ranks, GiB")
-    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts, e.g. 1,2")
-    parser.add_argument("--repeats", type=int, default=3, help="samples per measurement; the median is reported")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed repeats")
+    add_shared_arguments(
+        parser,
+        size_help="total state size over all ranks, GiB",
+        repeats_help="samples per measurement; the median is reported",
+        warmup_help="untimed rounds before the timed repeats",
+    )
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause after a sync before each timed method")
     parser.add_argument("--tensors", type=int, default=32, help="number of tensors in the state")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a fresh dir in the temp dir)")
@@ -422,23 +364,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank_counts = [int(part) for part in args.ranks.split(",") if part.strip()]
-    own_workdir = args.workdir is None
-    workdir = tempfile.mkdtemp(prefix="shardckpt-bench-") if own_workdir else os.path.abspath(args.workdir)
-    os.makedirs(workdir, exist_ok=True)
-    config = BenchConfig(
-        size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup,
-        settle_s=args.settle_s, workdir=workdir, cold=args.cold,
-    )
-    report: dict[str, Any] = {"config": {**asdict(config), "ranks": rank_counts}, "environment": environment()}
-    report["results"] = []
-    try:
+    rank_counts = parse_rank_counts(args.ranks)
+    with checkpoint_workdir(args.workdir, prefix="shardckpt-bench-") as workdir:
+        config = BenchConfig(
+            size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup,
+            settle_s=args.settle_s, workdir=workdir, cold=args.cold,
+        )
+        report: dict[str, Any] = {"config": {**asdict(config), "ranks": rank_counts}, "environment": environment()}
+        report["results"] = []
         for world_size in rank_counts:
             print(f"running {world_size} rank(s): {args.size_gib} GiB, {args.repeats} repeat(s), {workdir}", flush=True)
-            report["results"].append(summarize(world_size, config, run_world(world_size, config)))
-    finally:
-        if own_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+            report["results"].append(summarize(world_size, config, run_world(world_size, rank_main, config, RANK_TIMEOUT_S)))
     table = format_table(report["results"])
     report["table"] = table.splitlines()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
