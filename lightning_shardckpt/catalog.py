@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from . import fsio, manifest as manifest_format
+from . import fsio, manifest as manifest_format, retry
 from .errors import CheckpointNotFound, ShardCkptError
 from .fsio import Location
 from .layout import LATEST, MANIFEST, join, parse_dirname
@@ -46,27 +46,32 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
         names = [path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)]
     except FileNotFoundError:
         return []
-    manifests = {path.rstrip("/").rsplit("/", 2)[-2] for path in fs.glob(join(root, "step-*", MANIFEST))}
-    entries = []
-    for name in names:
-        parsed = parse_dirname(name)
-        if parsed is None:
+    entries = [
+        CheckpointEntry(name, join(root, name), parsed.step, parsed.checkpoint_id, UNCOMMITTED)
+        for name in names
+        if (parsed := parse_dirname(name)) is not None
+    ]
+    # one batched read of every manifest (concurrent on object stores); absent means uncommitted
+    documents = fs.cat([join(e.path, MANIFEST) for e in entries], on_error="return") if entries else {}
+    for entry in entries:
+        document = documents.get(join(entry.path, MANIFEST), FileNotFoundError())
+        if isinstance(document, FileNotFoundError):
             continue
-        entry = CheckpointEntry(name, join(root, name), parsed.step, parsed.checkpoint_id, UNCOMMITTED)
-        if name in manifests:
-            try:
-                entry.manifest = manifest_format.parse(fs.cat_file(join(entry.path, MANIFEST)), entry.path)
-                entry.state = COMMITTED
-            except ShardCkptError as err:
-                entry.state, entry.problem = CORRUPT, str(err)
-        entries.append(entry)
+        if isinstance(document, BaseException):
+            raise document  # a transient read error must not make a committed checkpoint look uncommitted
+        try:
+            entry.manifest = manifest_format.parse(document, entry.path)
+            entry.state = COMMITTED
+        except ShardCkptError as err:
+            entry.state, entry.problem = CORRUPT, str(err)
     entries.sort(key=lambda e: (e.step, (e.manifest or {}).get("created_at", ""), e.name))
     return entries
 
 
 def read_latest_pointer(location: Location) -> str | None:
     try:
-        return location.fs.cat_file(join(location.path, LATEST)).decode().strip() or None
+        path = join(location.path, LATEST)
+        return retry.call("read", lambda: location.fs.cat_file(path), target=path).decode().strip() or None
     except (FileNotFoundError, UnicodeDecodeError):
         return None
 
@@ -94,7 +99,8 @@ def latest_committed_quick(location: Location) -> str | None:
     it names a committed directory (two small reads), a full listing only when it does not."""
     pointer = read_latest_pointer(location)
     parsed = parse_dirname(pointer) if pointer else None
-    if parsed is not None and location.fs.exists(join(location.path, pointer, MANIFEST)):
+    manifest = join(location.path, pointer, MANIFEST) if parsed is not None else ""
+    if parsed is not None and retry.call("exists", lambda: location.fs.exists(manifest), target=manifest):
         return parsed.checkpoint_id
     newest = newest_committed(list_checkpoints(location))
     return newest.checkpoint_id if newest else None

@@ -16,7 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import catalog, fsio, manifest as manifest_format
+from . import catalog, fsio, manifest as manifest_format, retry
 from .errors import CommitFailed
 from .fsio import Location
 from .layout import DCP_METADATA, LATEST, MANIFEST, join
@@ -86,7 +86,8 @@ def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIn
     sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values()}
     for relative, expected in sorted(sizes.items()):
         try:
-            actual = root.fs.size(join(directory, relative))
+            path = join(directory, relative)
+            actual = retry.call("size", lambda: root.fs.size(path), target=path)
         except FileNotFoundError:
             actual = None
         if actual != expected:

@@ -1,5 +1,11 @@
 """The commit protocol simulated with 64 writers over memory:// — real protocol code, fake processes.
 
+The same simulation runs once more, shorter (8 writers, 20 failures: each kind twice), against S3
+(moto's server on loopback, through s3fs): the filesystem is a parameter, the invariants are the same,
+plus one only S3 has: (d) no multipart upload is left pending except the ones the simulation abandoned
+on purpose (a coordinator dying inside a multipart manifest create; on memory:// that is a half-written
+temp file instead).
+
 Each fake writer writes its shard with the real `ChunkFileWriter`, reads back with the real
 `choose_chunks_to_verify` / `verify_chunks`, and reports real `WriteResult`s carrying `ChunkReceipt`s;
 the coordinator is the real `Committer` with a real DCP `Metadata`. A seeded random schedule makes a
@@ -34,6 +40,7 @@ from lightning_shardckpt.errors import CheckpointNotFound, CommitFailed, Corrupt
 from lightning_shardckpt.fsio import Location
 from lightning_shardckpt.layout import MANIFEST, checkpoint_dirname, join, shard_filename
 from lightning_shardckpt.storage import ChunkFileWriter, ChunkReceipt, choose_chunks_to_verify, verify_chunks
+from tests.helpers.backends import abandon_multipart_upload, abort_pending_uploads, pending_uploads
 
 WRITERS = 64
 WRITER_FAILURES = (
@@ -53,6 +60,7 @@ FAILURES = WRITER_FAILURES + STORAGE_FAILURES + tuple(COORDINATOR_FAILURES)
 DELIVERIES = ("gather_fails", "empty_receipts", "dropped_from_results", "half_receipts")
 MIN_TRIALS = 210
 ATTEMPTS_PER_ROOT = 6  # a committed baseline, then these; each root is deleted afterwards
+S3_WRITERS, S3_TRIALS = 8, 2 * len(FAILURES)  # the S3 run: every failure kind twice, in a shuffled order
 
 
 class WriterDied(Exception):
@@ -103,21 +111,30 @@ class World:
 class CoordinatorFault:
     """The Committer's fault_hook: the coordinator dies (raises) at `point`, maybe mid-manifest."""
 
-    def __init__(self, point: str | None, fs, directory: str, partial_manifest: bool) -> None:
-        self.point, self.fs, self.directory, self.partial_manifest = point, fs, directory, partial_manifest
+    def __init__(self, point: str | None, location: Location, directory: str, partial_manifest: bool) -> None:
+        self.point, self.location, self.directory, self.partial_manifest = point, location, directory, partial_manifest
 
     def __call__(self, point: str) -> None:
         if point != self.point:
             return
         if self.partial_manifest:
-            # what a create-if-absent interrupted between temp write and link leaves behind
-            self.fs.pipe_file(join(self.directory, f".{MANIFEST}.0123abcd.tmp"), b'{"format_version": 1, "id"')
+            partial = b'{"format_version": 1, "id"'
+            if is_s3(self.location):
+                # S3 has no temp files: a multipart create whose completion never came is invisible but pending
+                abandon_multipart_upload(self.location, join(self.directory, MANIFEST), partial)
+            else:
+                # what a create-if-absent interrupted between temp write and link leaves behind
+                self.location.fs.pipe_file(join(self.directory, f".{MANIFEST}.0123abcd.tmp"), partial)
         raise CoordinatorDied(point)
 
 
-def plan_attempt(rng: random.Random, step: int) -> Attempt:
+def is_s3(location: Location) -> bool:
+    return location.url.startswith("s3://")
+
+
+def plan_attempt(rng: random.Random, step: int, writers: int = WRITERS) -> Attempt:
     data, planned = {}, []
-    for writer in range(WRITERS):
+    for writer in range(writers):
         keys = []
         for item in range(rng.randint(2, 4)):  # >= 2 chunks: "half its file" is a real split
             fqn = f"writer{writer:02d}.item{item}"
@@ -163,7 +180,7 @@ def run_attempt(world: World, attempt: Attempt, rng: random.Random) -> BaseExcep
     directory = join(root, attempt.dirname)
     policy = VerifyConfig(mode=rng.choice(["sample", "full"]), fraction=rng.choice([0.0, 0.01, 0.3]))
     results: list[list[WriteResult] | None] = []
-    for writer in range(WRITERS):
+    for writer in range(len(attempt.planned)):
         try:
             results.append(run_writer(fs, directory, writer, attempt, policy, rng))
         except (WriterDied, CorruptCheckpoint):
@@ -185,14 +202,15 @@ def run_attempt(world: World, attempt: Attempt, rng: random.Random) -> BaseExcep
         results = deliver_adversarially(attempt, results, failed_writer)
 
     point = COORDINATOR_FAILURES.get(attempt.failure)
-    hook = CoordinatorFault(point, fs, directory, attempt.failure == "coordinator_dies_during_manifest")
+    hook = CoordinatorFault(point, world.location, directory, attempt.failure == "coordinator_dies_during_manifest")
+    topology = {"world_size": len(attempt.planned), "device_type": "cpu", "parallelism": "sim", "mesh_shape": None}
     target = CheckpointTarget(
         root=world.location,
         dirname=attempt.dirname,
         checkpoint_id=attempt.checkpoint_id,
         step=attempt.step,
         verify_mode=policy.mode,
-        manifest_fields={"topology": {"world_size": WRITERS, "device_type": "cpu", "parallelism": "sim", "mesh_shape": None}},
+        manifest_fields={"topology": topology},
     )
     metadata = Metadata(state_dict_metadata={fqn: BytesStorageMetadata() for fqn in attempt.data})
     try:
@@ -247,10 +265,10 @@ def check_invariants(world: World, attempt: Attempt) -> None:
 
     # (b) the newest committed one is what readers pick, and every chunk of it still verifies
     newest = world.committed[-1]
-    try:
-        picked = catalog.find(location, "latest")
-    except CheckpointNotFound as err:
-        fail(f"{where}: no latest: {err}")
+    # what find(…, "latest") picks, from the listing above (on S3 every listing costs a request per directory)
+    picked = catalog.resolve_latest(location, list(entries.values()))
+    if picked is None:
+        fail(f"{where}: no latest")
         return
     if picked.name != newest.dirname:
         fail(f"{where}: latest resolved to {picked.name}, expected {newest.dirname}")
@@ -278,8 +296,8 @@ def verify_committed(location: Location, entry: catalog.CheckpointEntry, attempt
     manifest, problems = entry.manifest, []
     if sorted(o["fqn"] for o in manifest["objects"]) != sorted(attempt.data) or manifest["tensors"]:
         problems.append("the manifest does not list exactly the planned objects")
-    if len(manifest["files"]) != WRITERS:
-        problems.append(f"{len(manifest['files'])} files listed, {WRITERS} written")
+    if len(manifest["files"]) != len(attempt.planned):
+        problems.append(f"{len(manifest['files'])} files listed, {len(attempt.planned)} written")
     contents = {}
     for f in manifest["files"]:
         try:
@@ -296,8 +314,12 @@ def verify_committed(location: Location, entry: catalog.CheckpointEntry, attempt
 
 
 def _forget(location: Location) -> None:
-    """Drop a memory:// root at once (the store is process-global; `fs.rm` on it is quadratic)."""
+    """Drop a root at once. memory://: the store is process-global and `fs.rm` on it is quadratic."""
     fs, prefix = location.fs, location.path.rstrip("/")
+    if is_s3(location):
+        abort_pending_uploads(location, prefix)
+        fs.rm(prefix, recursive=True)  # one listing, one batched delete
+        return
     for key in [key for key in fs.store if key == prefix or key.startswith(prefix + "/")]:
         del fs.store[key]
     fs.pseudo_dirs[:] = [d for d in fs.pseudo_dirs if not (d == prefix or d.startswith(prefix + "/"))]
@@ -309,20 +331,21 @@ def _flip_byte(fs, path: str, position: int) -> None:
     fs.pipe_file(path, bytes(data))
 
 
-def test_64_writer_commit_protocol_keeps_its_invariants_under_random_failures():
-    rng = random.Random(20240607)
-    base = f"memory://commit-sim-{uuid.uuid4().hex}"
+def simulate(root_url: str, storage_options: dict | None, rng: random.Random, *, writers: int, min_trials: int,
+             draw_failure) -> tuple[Counter, list[str]]:
+    """Attempt checkpoints under fresh roots below `root_url` until `min_trials` failures were injected,
+    checking the invariants after every attempt; return the failures injected and every violation."""
     trials: Counter = Counter()
     violations: list[str] = []
     rounds = 0
-    while sum(trials.values()) < MIN_TRIALS:
-        world = World(location=fsio.resolve(f"{base}/root-{rounds}"))
+    while sum(trials.values()) < min_trials:
+        world = World(location=fsio.resolve(f"{root_url}/root-{rounds}", storage_options))
         fsio.makedirs(world.location.fs, world.location.path)
         for step in range(ATTEMPTS_PER_ROOT + 1):
-            attempt = plan_attempt(rng, step)
+            attempt = plan_attempt(rng, step, writers)
             if step > 0 and rng.random() < 0.9:  # step 0 is the committed baseline; some later ones commit too
-                attempt.failure = rng.choice(FAILURES)
-                attempt.failing_writer = rng.randrange(WRITERS)
+                attempt.failure = draw_failure(rng)
+                attempt.failing_writer = rng.randrange(writers)
                 attempt.delivery = rng.choice(DELIVERIES)
                 trials[attempt.failure] += 1
             run_attempt(world, attempt, rng)
@@ -333,14 +356,41 @@ def test_64_writer_commit_protocol_keeps_its_invariants_under_random_failures():
             if attempt.moves_latest:
                 world.pointer = attempt.dirname
             check_invariants(world, attempt)
+            if sum(trials.values()) >= min_trials:
+                break
+        # (d) S3: the only uploads left pending are the manifest creates the simulation abandoned on purpose
+        if is_s3(world.location):
+            abandoned = sorted(f"{a.dirname}/{MANIFEST}" for a in world.failed if a.failure == "coordinator_dies_during_manifest")
+            pending = pending_uploads(world.location, world.location.path)
+            if pending != abandoned:
+                world.violations.append(f"round {rounds}: multipart uploads left pending {pending}, expected {abandoned}")
         violations.extend(world.violations)
         _forget(world.location)
         rounds += 1
+    return trials, violations
+
+
+def test_64_writer_commit_protocol_keeps_its_invariants_under_random_failures():
+    rng = random.Random(20240607)
+    trials, violations = simulate(f"memory://commit-sim-{uuid.uuid4().hex}", None, rng, writers=WRITERS,
+                                  min_trials=MIN_TRIALS, draw_failure=lambda rng: rng.choice(FAILURES))
 
     assert not violations, f"{len(violations)} violation(s):\n" + "\n".join(violations[:20])
     assert sum(trials.values()) >= MIN_TRIALS
     assert set(trials) == set(FAILURES), f"failure kinds never drawn: {set(FAILURES) - set(trials)}"
     assert min(trials.values()) >= 10, trials
+
+
+def test_commit_protocol_keeps_its_invariants_on_s3(s3_root):
+    """The same simulation against S3, shorter: 8 writers, every failure kind exactly twice."""
+    rng = random.Random(20240608)
+    deck = list(FAILURES) * (S3_TRIALS // len(FAILURES))
+    rng.shuffle(deck)
+    trials, violations = simulate(s3_root.url, s3_root.storage_options, rng, writers=S3_WRITERS, min_trials=S3_TRIALS,
+                                  draw_failure=lambda rng: deck.pop())
+
+    assert not violations, f"{len(violations)} violation(s):\n" + "\n".join(violations[:20])
+    assert trials == Counter({failure: S3_TRIALS // len(FAILURES) for failure in FAILURES}), trials
 
 
 @pytest.mark.parametrize(
