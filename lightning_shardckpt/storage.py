@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import logging
 import pickle
 import random
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -267,10 +268,52 @@ def _plain_cpu_tensor(data: Any) -> torch.Tensor:
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    # torch.save writes a view's whole storage; copy views so a shard holds only its own bytes.
-    if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
+    # torch.save writes a view's whole storage: copy views so a shard holds only its own bytes, and make
+    # it contiguous so its record is exactly the chunk's elements in order (the reader maps it directly)
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()  # a fresh, compact copy
+    elif tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
+
+
+def _read_at(handle: Any, offset: int, view: memoryview) -> memoryview:
+    """Read `len(view)` bytes at `offset` into `view`; return the part filled (shorter at end of file)."""
+    handle.seek(offset)
+    filled = 0
+    while filled < len(view):
+        count = handle.readinto(view[filled:])
+        if not count:
+            break
+        filled += count
+    return view[:filled]
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: lets torch's zip reader find a record without a copy."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._position = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, target: Any) -> int:
+        count = max(0, min(len(target), len(self._view) - self._position))
+        target[:count] = self._view[self._position : self._position + count]
+        self._position += count
+        return count
 
 
 def storage_info_of(receipt: ChunkReceipt) -> _StorageInfo:
@@ -290,6 +333,7 @@ class ShardReader(StorageReader):
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
+        self._chunk_layout: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -307,6 +351,12 @@ class ShardReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self._chunk_layout = {
+            MetadataIndex(fqn, chunk.offsets): (tuple(chunk.sizes), item.properties.dtype)
+            for fqn, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata)
+            for chunk in item.chunks
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -318,19 +368,21 @@ class ShardReader(StorageReader):
         per_file: dict[str, list[Any]] = {}
         for request in plan.items:
             per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
+        buffer = bytearray()  # reused for every chunk: reads land in memory that was used before
         for relative_path, requests in per_file.items():
             requests.sort(key=lambda r: self.storage_data[r.storage_index].offset)
             with self._open_shard(relative_path, requests) as handle:
                 for request in requests:
                     info = self.storage_data[request.storage_index]
-                    handle.seek(info.offset)
-                    data = handle.read(info.length)
+                    if len(buffer) < info.length:
+                        buffer = bytearray(info.length)
+                    data = _read_at(handle, info.offset, memoryview(buffer)[: info.length])
                     self._check(relative_path, info, data, request.storage_index.fqn)
                     self.bytes_read += len(data)
                     if request.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(request, io.BytesIO(data))
+                        planner.load_bytes(request, io.BytesIO(bytes(data)))
                         continue
-                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    tensor = self._tensor(data, request.storage_index)
                     tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
                     target = planner.resolve_tensor(request).detach()
                     if target.size() != tensor.size():
@@ -338,11 +390,26 @@ class ShardReader(StorageReader):
                             f"{relative_path}: chunk of {request.storage_index.fqn!r} has shape {tuple(tensor.size())}, "
                             f"the load plan expects {tuple(target.size())}"
                         )
-                    target.copy_(tensor)
+                    target.copy_(tensor)  # before the buffer is reused for the next chunk
                     planner.commit_tensor(request, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _tensor(self, data: memoryview, index: MetadataIndex) -> torch.Tensor:
+        """The chunk's tensor as a view of `data` (no copy) when its record is what our writer makes."""
+        layout = self._chunk_layout.get(index)
+        if layout is not None:
+            sizes, dtype = layout
+            nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+            try:
+                record = torch._C.PyTorchFileReader(_MemoryFile(data))
+                if record.get_all_records().count("data/0") == 1 and record.get_record_size("data/0") == nbytes:
+                    offset = record.get_record_offset("data/0")
+                    return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)
+            except (AttributeError, RuntimeError, TypeError, ValueError):
+                pass  # another record layout or torch version: the general path below
+        return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
 
     @property
     def checkpoint_id(self) -> str:
@@ -364,7 +431,7 @@ class ShardReader(StorageReader):
                 problems=[{"file": relative_path, "tensor": fqn, "expected": "present", "actual": "missing"} for fqn in lost],
             ) from err
 
-    def _check(self, relative_path: str, info: _StorageInfo, data: bytes, fqn: str) -> None:
+    def _check(self, relative_path: str, info: _StorageInfo, data: memoryview, fqn: str) -> None:
         if self._expected is None:
             return
         expected = self._expected.get((relative_path, info.offset))

@@ -23,3 +23,13 @@ def test_resumed_epoch_on_another_world_size_sees_every_sample_exactly_once(tmp_
     repeated = sorted(i for i, c in counts.items() if c > 1)
     assert not missing and not repeated, f"missing {missing}, repeated {repeated}"
     assert second[0].value["global_step"] == 2 + math.ceil((size - 32) / resume_on / 4)  # the rest of the epoch
+
+
+def test_with_gradient_accumulation_only_applied_batches_count_as_consumed(tmp_path):
+    # 2 batches per optimizer step: stop after 1 step (2 batches per rank = 32 samples), finish on 3 ranks
+    root, size = str(tmp_path / "ckpt"), 92
+    first = run_ranks(ids_on_rank, 4, root, size, 1, None, 2)
+    assert catalog.find(fsio.resolve(root), "latest").step == 1
+    second = run_ranks(ids_on_rank, 3, root, size, -1, "latest", 2)
+    counts = collections.Counter(i for o in first + second for i in o.value["seen"])
+    assert sorted(counts) == list(range(size)) and set(counts.values()) == {1}

@@ -213,12 +213,13 @@ class IdData(pl.LightningDataModule):
         return DataLoader(TensorDataset(inputs, torch.arange(self.size)), batch_size=4, shuffle=True)
 
 
-def ids_on_rank(rank: int, world_size: int, root: str, size: int, max_steps: int, ckpt_path: Any) -> dict:
+def ids_on_rank(rank: int, world_size: int, root: str, size: int, max_steps: int, ckpt_path: Any, accumulate: int = 1) -> dict:
     lightning_env(rank, world_size)
     module = IdModule()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
         max_steps=max_steps, max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
         callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)],
     )
     trainer.fit(module, datamodule=IdData(size), ckpt_path=ckpt_path)
