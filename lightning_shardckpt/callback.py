@@ -148,7 +148,10 @@ class ShardedCheckpoint(Checkpoint):
             return
         step = trainer.global_step
         due_by_steps = bool(self.options.every_n_train_steps) and step % self.options.every_n_train_steps == 0
-        if step > 0 and step != self.last_saved_step and (due_by_steps or self._due_by_time(trainer)):
+        # the fit-end save of a max_steps stop happens here, at the last batch: by on_train_end Lightning
+        # has marked the epoch finished, and a resume would skip the rest of it
+        last_step = self.options.save_on_fit_end and trainer.max_steps not in (None, -1) and step >= trainer.max_steps
+        if step > 0 and step != self.last_saved_step and (due_by_steps or last_step or self._due_by_time(trainer)):
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
