@@ -44,6 +44,7 @@ class CheckpointRecord:
     bytes_rank: int = 0
     bytes_total: int | None = None  # all ranks' files (known on the coordinator)
     write_gbps: float = 0.0  # this rank's bytes / write_s, in GB/s
+    storage_retries: int = 0  # transient storage errors retried while this save ran (timeouts, 5xx)
     created_at: float = field(default_factory=time.time)
     manifest: dict[str, Any] | None = field(default=None, repr=False)  # the coordinator's, when committed
 

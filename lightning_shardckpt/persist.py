@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from . import topology
+from . import retry, topology
 from .collectives import broadcast_from_coordinator, rank_and_world
 from .commit import CheckpointTarget, Committer
 from .config import SaveConfig
@@ -38,6 +38,7 @@ class SaveResult:
     error: BaseException | None = None
     manifest: dict[str, Any] | None = None  # on the coordinator only
     bytes_rank: int = 0
+    storage_retries: int = 0  # transient storage errors retried during this save (process-wide count)
     timings: dict[str, float] = field(default_factory=dict)  # write_s, verify_s, commit_s, persist_s
 
 
@@ -62,6 +63,7 @@ def persist_checkpoint(
 ) -> SaveResult:
     """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit."""
     started = time.perf_counter()
+    retries_before = _retries()
     # collective "checkpoint-id": all ranks must write into the same fresh directory
     checkpoint_id = broadcast_from_coordinator("checkpoint-id", new_checkpoint_id(), group)
     target = CheckpointTarget(
@@ -98,7 +100,13 @@ def persist_checkpoint(
         "commit_s": committer.seconds,
         "persist_s": time.perf_counter() - started,
     }
+    result.storage_retries = _retries() - retries_before
     return result
+
+
+def _retries() -> int:
+    """Storage operations retried so far in this process (ours and botocore's; see retry.py)."""
+    return retry.counters.total("retried.") + retry.counters.total("http_retries.")
 
 
 def _root_cause(err: BaseException) -> str:

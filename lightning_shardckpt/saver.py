@@ -250,6 +250,7 @@ class CheckpointSaver:
         record.verify_s = result.timings.get("verify_s", 0.0)
         record.commit_s = result.timings.get("commit_s", 0.0)
         record.bytes_rank = result.bytes_rank
+        record.storage_retries = result.storage_retries
         record.bytes_total = manifest_format.total_bytes(result.manifest) if result.manifest else None
         record.manifest = result.manifest
         record.write_gbps = result.bytes_rank / record.write_s / 1e9 if record.write_s > 0 else 0.0

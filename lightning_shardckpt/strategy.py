@@ -207,7 +207,8 @@ class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
     parallelism = "ddp"
 
     def __init__(self, *args: Any, parallelism: str = "ddp", **kwargs: Any) -> None:
-        kwargs.setdefault("process_group_backend", "gloo")
+        # no backend default of ours: Lightning picks gloo on CPU and nccl on GPU for training; checkpoint
+        # collectives always use their own gloo group
         DDPStrategy.__init__(self, *args, **kwargs)
         self._init_checkpointing()
 

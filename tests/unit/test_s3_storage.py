@@ -179,6 +179,7 @@ def test_transient_503s_on_the_commit_are_retried_and_counted(s3_server, s3_root
     grew = {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) != before.get(key, 0)}
     assert grew == {"retried.create_if_absent": 2, "retried.read_range": 1, "retried.put": 1}
     assert [f.hits for f in s3_fault_proxy.faults] == [2, 1, 1]
+    assert result.storage_retries == 4  # what the checkpoint's metrics record reports (checkpoint/storage_retries)
 
 
 def test_botocore_retries_a_503_itself_and_the_retry_is_counted(s3_server, s3_root, s3_fault_proxy):
