@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -140,10 +141,16 @@ class ShardedStrategy:
                 location.fs.rm(location.path, recursive=True)
 
     def teardown(self) -> None:
-        for saver in self._savers.values():
-            saver.close()
-        self._savers.clear()
-        super().teardown()
+        savers, self._savers = list(self._savers.values()), {}
+        try:
+            for saver in savers:
+                saver.close()
+        finally:
+            # release the checkpoint group's gloo threads cleanly, unless a save is still running on it
+            if self._group is not None and all(saver.wait(0) for saver in savers):
+                dist.destroy_process_group(self._group)
+                self._group = None
+            super().teardown()
 
     # --- what ShardedCheckpoint uses ---
     def checkpoint_group(self) -> Any:
