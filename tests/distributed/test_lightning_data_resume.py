@@ -6,6 +6,7 @@ import collections
 import math
 
 import pytest
+import torch
 
 from lightning_shardckpt import catalog, fsio
 from tests.helpers.lightning_run import ids_on_rank
@@ -23,6 +24,9 @@ def test_resumed_epoch_on_another_world_size_sees_every_sample_exactly_once(tmp_
     repeated = sorted(i for i, c in counts.items() if c > 1)
     assert not missing and not repeated, f"missing {missing}, repeated {repeated}"
     assert second[0].value["global_step"] == 2 + math.ceil((size - 32) / resume_on / 4)  # the rest of the epoch
+    for rank in range(resume_on):  # rank r continues saved rank r's generator (the rule in data.py)
+        saved = first[rank].value["rng_at_step"][2]
+        assert torch.equal(second[rank].value["rng_at_first_batch"], saved), f"rank {rank} RNG not restored"
 
 
 def test_with_gradient_accumulation_only_applied_batches_count_as_consumed(tmp_path):

@@ -213,17 +213,36 @@ class IdData(pl.LightningDataModule):
         return DataLoader(TensorDataset(inputs, torch.arange(self.size)), batch_size=4, shuffle=True)
 
 
+class RngProbe(pl.Callback):
+    """Torch RNG state as the checkpoint captures it (batch end, before ShardedCheckpoint, which runs
+    last) and as the first resumed batch finds it."""
+
+    def __init__(self) -> None:
+        self.at_batch_end: dict[int, torch.Tensor] = {}
+        self.at_first_batch: torch.Tensor | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.at_first_batch is None:
+            self.at_first_batch = torch.get_rng_state()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.at_batch_end[trainer.global_step] = torch.get_rng_state()
+
+
 def ids_on_rank(rank: int, world_size: int, root: str, size: int, max_steps: int, ckpt_path: Any, accumulate: int = 1) -> dict:
     lightning_env(rank, world_size)
+    torch.manual_seed(1000 + rank)  # every rank's generator differs, so restoring the wrong one shows
     module = IdModule()
+    probe = RngProbe()
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
         max_steps=max_steps, max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         accumulate_grad_batches=accumulate,
-        callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)],
+        callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False), probe],
     )
     trainer.fit(module, datamodule=IdData(size), ckpt_path=ckpt_path)
-    return {"seen": module.seen, "global_step": trainer.global_step}
+    return {"seen": module.seen, "global_step": trainer.global_step, "rng_at_step": probe.at_batch_end,
+            "rng_at_first_batch": probe.at_first_batch}
 
 
 def triggers_on_rank(rank: int, world_size: int, workdir: str) -> dict:
