@@ -6,7 +6,6 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from .layout import CHECKSUM_ALGORITHM
 
 
 def checksum(data: Any) -> str:
@@ -17,10 +16,6 @@ def checksum(data: Any) -> str:
 def checksum_of_checksums(digests: list[str]) -> str:
     """A file's checksum: the digest of its chunk digests in offset order (its chunks tile the file)."""
     return xxhash.xxh3_64("".join(digests).encode()).hexdigest()
-
-
-def describe_algorithm() -> str:
-    return CHECKSUM_ALGORITHM
 
 
 class HashingWriter:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import logging
 import pickle
 import random
 import time
@@ -41,8 +40,6 @@ from .checksum import HashingWriter, checksum
 from .config import VerifyConfig
 from .errors import CorruptCheckpoint
 from .layout import DCP_METADATA, join, shard_filename
-
-log = logging.getLogger(__name__)
 
 # Named points where tests inject failures (a rank raising or dying); None in production.
 FaultHook = Callable[[str], None]

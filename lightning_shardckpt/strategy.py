@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,12 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from . import catalog, fsio, lightning_state
-from .collectives import new_checkpoint_group, rank_and_world
+from .collectives import new_checkpoint_group
 from .config import LoadConfig, SaveConfig
 from .errors import CheckpointNotFound, ConfigError
 from .layout import parse_dirname
 from .loader import LoadResult, load_checkpoint
-from .persist import SaveMeta
 from .sampler_injection import use_resumable_sampler
 from .saver import CheckpointSaver, PendingSave
 
@@ -99,7 +99,7 @@ class ShardedStrategy:
         # One thread at a time on the checkpoint group: let background saves finish first.
         for in_flight in self._savers.values():
             in_flight.wait()
-        config = SaveConfig(**{**_fields(self.save_config), "async_save": False})
+        config = replace(self.save_config, async_save=False)
         saver = self._adopt_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
         result = self.save_to_saver(saver, checkpoint).result()
         saver.close()
@@ -187,7 +187,7 @@ class ShardedStrategy:
     def _adopt_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
         """Without a run id set (no ShardedCheckpoint), the first saver's generated one stays this run's."""
         if self.save_config.run_id is None:
-            self.save_config = SaveConfig(**{**_fields(self.save_config), "run_id": saver.run_id})
+            self.save_config = replace(self.save_config, run_id=saver.run_id)
         return saver
 
     def _resolve_source(self, text: str) -> tuple[str, str]:
@@ -251,11 +251,3 @@ def _unwrap(optimizer: Any) -> Optimizer:
 
 def _looks_like_id(text: str) -> bool:
     return len(text) == 12 and all(c in "0123456789abcdef" for c in text)
-
-
-def _fields(config: Any) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
-
-
-def world() -> tuple[int, int]:
-    return rank_and_world()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_shardckpt import catalog, fsio
 from tests.helpers import training_state as ts
