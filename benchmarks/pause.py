@@ -68,16 +68,25 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+# benchmarks/common.py: run as a script, this file's folder is sys.path[0]
+from common import (
+    COLUMNS,
+    add_shared_arguments,
+    checkpoint_workdir,
+    environment,
+    error_text,
+    make_state,
+    parse_rank_counts,
+    phase_medians,
+    ratio_or_none,
+    run_world,
+    tensor_rows,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-
-# benchmarks/common.py: run as a script, this file's folder is sys.path[0]
-from common import (
-    COLUMNS, add_shared_arguments, checkpoint_workdir, environment, error_text, make_state, parse_rank_counts,
-    phase_medians, ratio_or_none, run_world, tensor_rows,
-)
 
 METHODS = ("copy", "ours", "pl_sync", "pl_async", "dcp", "dcp_async")
 LABELS = {
@@ -299,7 +308,7 @@ def profile_ours(ctx: RankContext) -> dict[str, Any]:
     """
     from torch.distributed._state_dict_utils import _copy_state_dict
 
-    from lightning_shardckpt import staging
+    from lightning_shardckpt.engine import staging
 
     pieces: dict[str, list[float]] = {
         "save_call": [], "layout_signature": [], "has_cuda_tensors": [], "copy_state_dict": [], "copy_loop": [],

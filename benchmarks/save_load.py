@@ -52,16 +52,25 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+# benchmarks/common.py: run as a script, this file's folder is sys.path[0]
+from common import (
+    COLUMNS,
+    add_shared_arguments,
+    checkpoint_workdir,
+    environment,
+    error_text,
+    make_state,
+    parse_rank_counts,
+    phase_medians,
+    ratio_or_none,
+    run_world,
+    tensor_rows,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
-
-# benchmarks/common.py: run as a script, this file's folder is sys.path[0]
-from common import (
-    COLUMNS, add_shared_arguments, checkpoint_workdir, environment, error_text, make_state, parse_rank_counts,
-    phase_medians, ratio_or_none, run_world, tensor_rows,
-)
 
 METHODS = ("ours", "dcp", "raw")
 OUR_PHASES = ("stage_s", "write_s", "verify_s", "commit_s", "total_s")  # CheckpointRecord fields

@@ -45,8 +45,9 @@ if str(REPO) not in sys.path:  # run as a script: tests.helpers is importable fr
     sys.path.insert(0, str(REPO))
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, VerifyConfig, load_checkpoint, verify_checkpoint  # noqa: E402
-from lightning_shardckpt import catalog, gc, retention  # noqa: E402
-from lightning_shardckpt.fsio import resolve  # noqa: E402
+from lightning_shardckpt.engine import catalog  # noqa: E402
+from lightning_shardckpt.engine.fsio import resolve  # noqa: E402
+from lightning_shardckpt.ops import gc, retention  # noqa: E402
 from tests.helpers.faults import RandomFailures  # noqa: E402
 
 MIB = 2**20

@@ -1,8 +1,10 @@
 """lightning_shardckpt: sharded checkpoints that commit atomically, verify themselves and reshard on load."""
 
-from .callback import ShardedCheckpoint
-
-from .config import LoadConfig, SaveConfig, VerifyConfig
+from .engine.config import LoadConfig, SaveConfig, VerifyConfig
+from .engine.loader import LoadResult, load_checkpoint
+from .engine.metrics import CheckpointRecord, read_events
+from .engine.persist import SaveResult
+from .engine.saver import CheckpointSaver, PendingSave
 from .errors import (
     CheckpointNotFound,
     CommitFailed,
@@ -12,12 +14,10 @@ from .errors import (
     ShardCkptError,
     StorageUnavailable,
 )
-from .loader import LoadResult, load_checkpoint
-from .metrics import CheckpointRecord, read_events
-from .persist import SaveResult
-from .saver import CheckpointSaver, PendingSave
-from .strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy, register as _register_strategies
-from .verify import VerifyReport, verify_checkpoint
+from .lightning.callback import ShardedCheckpoint
+from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
+from .lightning.strategy import register as _register_strategies
+from .ops.verify import VerifyReport, verify_checkpoint
 
 _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
 

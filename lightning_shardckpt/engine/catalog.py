@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from . import fsio, manifest as manifest_format, retry
-from .errors import CheckpointNotFound, ShardCkptError
+from ..errors import CheckpointNotFound, ShardCkptError
+from . import fsio, retry
+from . import manifest as manifest_format
 from .fsio import Location
 from .layout import LATEST, MANIFEST, join, parse_dirname
 

@@ -7,7 +7,6 @@ from typing import Any, BinaryIO
 import xxhash
 
 
-
 def checksum(data: Any) -> str:
     """Hex digest of a bytes-like object."""
     return xxhash.xxh3_64(data).hexdigest()

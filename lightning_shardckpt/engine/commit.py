@@ -16,8 +16,9 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import catalog, fsio, manifest as manifest_format, retry
-from .errors import CommitFailed
+from ..errors import CommitFailed
+from . import catalog, fsio, retry
+from . import manifest as manifest_format
 from .fsio import Location
 from .layout import DCP_METADATA, LATEST, MANIFEST, join
 from .storage import ChunkReceipt, FaultHook, storage_info_of

@@ -28,9 +28,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
+from ..errors import StorageUnavailable
 from . import retry
 from .checksum import checksum
-from .errors import StorageUnavailable
 from .layout import join
 
 log = logging.getLogger(__name__)

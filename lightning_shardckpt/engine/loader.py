@@ -17,10 +17,11 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from . import catalog, manifest as manifest_format
+from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, ShardCkptError
+from . import catalog
+from . import manifest as manifest_format
 from .collectives import broadcast_from_coordinator
 from .config import LoadConfig
-from .errors import CorruptCheckpoint, IncompatibleCheckpoint, ShardCkptError
 from .fsio import Location
 from .layout import join
 from .storage import ShardReader

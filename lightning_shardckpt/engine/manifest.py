@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
+from ..errors import CorruptCheckpoint, IncompatibleCheckpoint
 from .checksum import checksum_of_checksums
-from .errors import CorruptCheckpoint, IncompatibleCheckpoint
 from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")

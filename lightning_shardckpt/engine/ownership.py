@@ -21,9 +21,9 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from ..errors import ConfigError, StorageUnavailable
 from . import fsio, retry
 from .collectives import broadcast_from_coordinator, rank_and_world
-from .errors import ConfigError, StorageUnavailable
 from .fsio import Location
 from .layout import OWNER, join
 

@@ -14,11 +14,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from ..errors import CommitFailed, ShardCkptError
 from . import retry, topology
 from .collectives import broadcast_from_coordinator, rank_and_world
 from .commit import CheckpointTarget, Committer
 from .config import SaveConfig
-from .errors import CommitFailed, ShardCkptError
 from .fsio import Location
 from .layout import checkpoint_dirname, join, new_checkpoint_id
 from .storage import FaultHook, ShardWriter

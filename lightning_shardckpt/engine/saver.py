@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import fsio, manifest as manifest_format, metrics, ownership
+from ..errors import CommitFailed
+from . import fsio, metrics, ownership
+from . import manifest as manifest_format
 from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
-from .errors import CommitFailed
 from .metrics import CheckpointRecord, RunCounters
 from .persist import SaveMeta, SaveResult, persist_checkpoint
 from .staging import StagingBuffers

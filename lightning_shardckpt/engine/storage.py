@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..errors import CorruptCheckpoint
 from . import fsio
 from .checksum import HashingWriter, checksum
 from .config import VerifyConfig
-from .errors import CorruptCheckpoint
 from .layout import DCP_METADATA, join, shard_filename
 
 # Named points where tests inject failures (a rank raising or dying); None in production.

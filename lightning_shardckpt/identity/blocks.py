@@ -20,10 +20,10 @@ from typing import Any
 import fsspec
 import torch
 
-from .checksum import checksum
-from .collectives import rank_and_world
-from .errors import ConfigError
-from .manifest import package_version
+from ..engine.checksum import checksum
+from ..engine.collectives import rank_and_world
+from ..engine.manifest import package_version
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .collectives import rank_and_world
-from .errors import ConfigError, IncompatibleCheckpoint
-from .manifest import IDENTITY_BLOCKS as BLOCKS
+from ..engine.collectives import rank_and_world
+from ..engine.manifest import IDENTITY_BLOCKS as BLOCKS
+from ..errors import ConfigError, IncompatibleCheckpoint
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,18 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from . import fsio, identity, metrics, ownership, retention
-from .checksum import checksum
-from .collectives import all_gather_objects, rank_and_world
-from .config import CallbackConfig, LoadConfig, save_config_from
+from ..engine import fsio, metrics, ownership
+from ..engine.checksum import checksum
+from ..engine.collectives import all_gather_objects, rank_and_world
+from ..engine.config import LoadConfig, save_config_from
+from ..engine.manifest import to_bytes
+from ..engine.metrics import CheckpointRecord
+from ..errors import ConfigError, StorageUnavailable
+from ..identity import blocks as identity
+from ..identity.diff import IdentityPolicy, compare
+from ..ops import retention
+from .callback_config import CallbackConfig
 from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
-from .errors import ConfigError, StorageUnavailable
-from .identity_diff import IdentityPolicy, compare
-from .manifest import to_bytes
-from .metrics import CheckpointRecord
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
 from .wandb_artifacts import log_checkpoint_artifact, wandb_run
@@ -106,7 +109,7 @@ class ShardedCheckpoint(Checkpoint):
             )
         strategy.save_config = save_config_from(self.save_options, parallelism=strategy.parallelism)
         strategy.load_config = LoadConfig(
-            verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options, identity_policy=self.identity_policy
+            verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options
         )
         strategy.checkpoint_root = self.dirpath
         strategy.resume_required = self.options.resume_required

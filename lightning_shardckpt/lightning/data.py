@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from .checksum import checksum
-from .collectives import all_gather_objects
-from .errors import IncompatibleCheckpoint
+from ..engine.checksum import checksum
+from ..engine.collectives import all_gather_objects
+from ..errors import IncompatibleCheckpoint
 
 log = logging.getLogger(__name__)
 

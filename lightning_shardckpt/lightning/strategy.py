@@ -24,14 +24,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from . import catalog, fsio, lightning_state
-from .collectives import new_checkpoint_group
-from .config import LoadConfig, SaveConfig
-from .errors import CheckpointNotFound, ConfigError
-from .layout import parse_dirname
-from .loader import LoadResult, load_checkpoint
+from ..engine import catalog, fsio
+from ..engine.collectives import new_checkpoint_group
+from ..engine.config import LoadConfig, SaveConfig
+from ..engine.layout import parse_dirname
+from ..engine.loader import LoadResult, load_checkpoint
+from ..engine.saver import CheckpointSaver, PendingSave
+from ..errors import CheckpointNotFound, ConfigError
+from . import lightning_state
 from .sampler_injection import use_resumable_sampler
-from .saver import CheckpointSaver, PendingSave
 
 log = logging.getLogger(__name__)
 

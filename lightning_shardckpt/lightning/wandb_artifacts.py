@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from .metrics import CheckpointRecord
+from ..engine.metrics import CheckpointRecord
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,12 @@ import logging
 import sys
 from typing import Any
 
-from . import catalog, gc, investigate, manifest as manifest_format
-from .errors import ShardCkptError
-from .fsio import Location
-from .layout import join
+from ..engine import catalog
+from ..engine import manifest as manifest_format
+from ..engine.fsio import Location
+from ..engine.layout import join
+from ..errors import ShardCkptError
+from . import gc, investigate
 from .verify import verify_checkpoint
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2

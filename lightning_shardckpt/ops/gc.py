@@ -33,10 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import catalog
-from .errors import ConfigError
-from .fsio import Location, is_object_store
-from .layout import MANIFEST, join
+from ..engine import catalog
+from ..engine.fsio import Location, is_object_store
+from ..engine.layout import MANIFEST, join
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from . import catalog, fsio
-from .errors import CheckpointNotFound, ConfigError
-from .fsio import Location
-from .identity_diff import IdentityPolicy, compare
-from .layout import LATEST, join, parse_dirname
-from .manifest import IDENTITY_BLOCKS
-from .metrics import COMMITTED, FAILED, SKIPPED, read_events
+from ..engine import catalog, fsio
+from ..engine.fsio import Location
+from ..engine.layout import LATEST, join, parse_dirname
+from ..engine.manifest import IDENTITY_BLOCKS
+from ..engine.metrics import COMMITTED, FAILED, SKIPPED, read_events
+from ..errors import CheckpointNotFound, ConfigError
+from ..identity.diff import IdentityPolicy, compare
 
 IN_FLIGHT_GRACE_S = 600.0  # an uncommitted directory last written within this is a save still running
 IN_FLIGHT = "in-flight"

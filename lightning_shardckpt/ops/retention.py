@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from . import catalog
-from .fsio import Location
-from .layout import MANIFEST, join
+from ..engine import catalog
+from ..engine.fsio import Location
+from ..engine.layout import MANIFEST, join
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import catalog, fsio, manifest as manifest_format
-from .catalog import CheckpointEntry
-from .checksum import checksum, checksum_of_checksums
-from .errors import CheckpointNotFound
-from .fsio import Location
-from .layout import DCP_METADATA, join
+from ..engine import catalog, fsio
+from ..engine import manifest as manifest_format
+from ..engine.catalog import CheckpointEntry
+from ..engine.checksum import checksum, checksum_of_checksums
+from ..engine.fsio import Location
+from ..engine.layout import DCP_METADATA, join
+from ..errors import CheckpointNotFound
 
 log = logging.getLogger(__name__)
 

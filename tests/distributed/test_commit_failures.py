@@ -39,8 +39,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, VerifyConfig, catalog, load_checkpoint, retry
-from lightning_shardckpt.layout import LATEST, MANIFEST, join, shard_filename
+from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, VerifyConfig, load_checkpoint
+from lightning_shardckpt.engine import catalog, retry
+from lightning_shardckpt.engine.layout import LATEST, MANIFEST, join, shard_filename
 from tests.helpers import training_state as ts
 from tests.helpers.backends import (
     LOCAL,

@@ -3,7 +3,7 @@ the same class, global shapes, parameter count and digest as the plain module.""
 
 from __future__ import annotations
 
-from lightning_shardckpt.identity import model_identity
+from lightning_shardckpt.identity.blocks import model_identity
 from tests.helpers import training_state as ts
 from tests.helpers.spawn import run_ranks
 

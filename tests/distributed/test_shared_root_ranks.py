@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, catalog, fsio
+from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig
+from lightning_shardckpt.engine import catalog, fsio
 from tests.helpers.lightning_run import fit_on_rank
 from tests.helpers.spawn import run_ranks
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from lightning_shardckpt import LoadConfig, SaveConfig, fsio
-from lightning_shardckpt.fsio import Location
+from lightning_shardckpt import LoadConfig, SaveConfig
+from lightning_shardckpt.engine import fsio
+from lightning_shardckpt.engine.fsio import Location
 
 LOCAL, S3 = "local", "s3"
 

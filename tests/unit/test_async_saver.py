@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, CommitFailed, ConfigError, SaveConfig, load_checkpoint, read_events
-from lightning_shardckpt.catalog import list_checkpoints
-from lightning_shardckpt.fsio import resolve
+from lightning_shardckpt.engine.catalog import list_checkpoints
+from lightning_shardckpt.engine.fsio import resolve
 from tests.helpers.faults import FailOnce, Stall
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_shardckpt.cli import main
+from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
 
 UNCOMMITTED = "step-000000009-deadbeefcafe"

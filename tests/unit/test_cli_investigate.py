@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.cli import main
-from lightning_shardckpt.identity import code_identity, config_identity, data_identity, model_identity, run_identity
+from lightning_shardckpt.identity.blocks import code_identity, config_identity, data_identity, model_identity, run_identity
+from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import SHARD
 from tests.helpers.faults import FailOnce
 

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from lightning_shardckpt.errors import ConfigError, IncompatibleCheckpoint
-from lightning_shardckpt.identity import code_identity, config_identity, data_identity, model_identity, run_identity
-from lightning_shardckpt.identity_diff import IdentityPolicy, compare
+from lightning_shardckpt.identity.blocks import code_identity, config_identity, data_identity, model_identity, run_identity
+from lightning_shardckpt.identity.diff import IdentityPolicy, compare
 
 CONFIG = {"model": {"width": 64, "depth": "${trainer.depth}"}, "trainer": {"depth": 2, "lr": 0.1}}
 
@@ -184,7 +184,7 @@ def test_changed_config_warns_with_the_changed_line(caplog):
     changed = OmegaConf.create(CONFIG)
     changed.trainer.lr = 0.2
     current = identity(config=config_identity(changed, hyperparameters={"lr": 0.2}))
-    with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.identity_diff"):
+    with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.identity.diff"):
         report = compare(identity(), current)
     lines = report.differences["config"]
     assert "-  lr: 0.1" in lines and "+  lr: 0.2" in lines
@@ -195,7 +195,7 @@ def test_changed_config_warns_with_the_changed_line(caplog):
 def test_changed_data_warns_with_version_change(caplog):
     saved = identity(data=data_identity(Squares(100), dataset_version="v1"))
     current = identity(data=data_identity(Squares(100), dataset_version="v2"))
-    with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.identity_diff"):
+    with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.identity.diff"):
         report = compare(saved, current)
     assert "version 'v1' -> 'v2'" in report.differences["data"]
     assert "version 'v1' -> 'v2'" in caplog.text
@@ -208,7 +208,7 @@ def test_position_fields_are_not_data_differences():
 
 def test_ignored_blocks_are_silent_but_reported(caplog):
     current = identity(run=run_identity(world_size=2, argv=["train.py"]))
-    with caplog.at_level(logging.DEBUG, logger="lightning_shardckpt.identity_diff"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_shardckpt.identity.diff"):
         report = compare(identity(), current)
     assert caplog.records == []
     assert report.differences == {"run": ["world_size 4 -> 2"]}

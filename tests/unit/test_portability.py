@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import CorruptCheckpoint, LoadConfig, load_checkpoint
-from lightning_shardckpt.catalog import find
-from lightning_shardckpt.fsio import resolve
+from lightning_shardckpt.engine.catalog import find
+from lightning_shardckpt.engine.fsio import resolve
 from tests.helpers.checkpoints import SHARD, chunk_of, fresh_state, save_checkpoint
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
-from lightning_shardckpt.catalog import list_checkpoints
-from lightning_shardckpt.fsio import resolve
-from lightning_shardckpt.layout import OWNER
-from lightning_shardckpt.loader import LoadResult
+from lightning_shardckpt.engine.catalog import list_checkpoints
+from lightning_shardckpt.engine.fsio import resolve
+from lightning_shardckpt.engine.layout import OWNER
+from lightning_shardckpt.engine.loader import LoadResult
 
 
 def small_state(value: float = 1.0) -> dict:

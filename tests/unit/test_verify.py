@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import CorruptCheckpoint, load_checkpoint
-from lightning_shardckpt.layout import DCP_METADATA
-from lightning_shardckpt.verify import (
+from lightning_shardckpt.engine.layout import DCP_METADATA
+from lightning_shardckpt.ops.verify import (
     CHUNK_CHECKSUM,
     DCP_METADATA_PROBLEM,
     FILE_CHECKSUM,

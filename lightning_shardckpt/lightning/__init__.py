@@ -1,0 +1,9 @@
+"""The Lightning adapter: ShardedStrategy, ShardedCheckpoint and what they need from Lightning.
+
+The strategy saves and restores sharded state through the engine; the callback decides when to
+save, what to keep, and records identity and data position; `data` and `sampler_injection` make
+the data order resumable on a new world size; `lightning_state` carries Lightning's own checkpoint
+entries; `wandb_artifacts` logs checkpoints by reference.
+
+The only room that imports Lightning. May import every other room.
+"""
