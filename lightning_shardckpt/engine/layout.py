@@ -54,3 +54,4 @@ def join(root: str, *parts: str) -> str:
     return out
 
 EVENTS_DIR = "events"  # one JSON file per checkpoint attempt, written once (see metrics.py)
+DRILLS_DIR = "drills"  # ROOT/drills/<checkpoint>--<drill id>--<verdict>.json: write-once drill records (ops/drill_records.py)

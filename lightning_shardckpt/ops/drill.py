@@ -1,0 +1,261 @@
+"""Restore drills: prove a committed checkpoint restores, in fresh processes, on another world size.
+
+`run_drill` starts `world_size` new Python processes (ops/drill_worker.py) at low priority with a
+bounded number of threads each; they form their own gloo group, restore the checkpoint through the
+resume path and check it. The outcome becomes a write-once drill record (ops/drill_records.py):
+`passed` only when the drill ranks said so; a drill that times out or dies is `failed` with the cause;
+a drill that cannot start is `not-drilled`. The process that wrote a checkpoint never decides that it
+passed: it only starts the drill and files what the drill processes report.
+
+`DrillRunner` runs drills one at a time on a background thread for the training callback, so a drill
+never holds up a save or the training thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from ..engine import catalog
+from ..engine.layout import join
+from . import drill_records
+from .drill_records import FAILED, NOT_DRILLED, PASSED
+
+log = logging.getLogger(__name__)
+
+NICE_INCREMENT = 10  # drills yield the CPU to training
+STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrillOptions:
+    """How a drill runs. `world_size=None` picks one that differs from the writer's (1, or 2 after 1)."""
+
+    world_size: int | None = None
+    timeout_s: float = 600.0  # a drill still running then is killed and recorded as failed
+    threads: int = 1  # torch threads per drill rank
+    probe: str | None = None  # "module:function": state dict of the model -> float, compared with the saved value
+    tolerance: float = 1e-4  # relative tolerance of the probe comparison
+    nice: int = NICE_INCREMENT  # added to the drill processes' niceness (0: same priority as training)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from ..errors import ConfigError
+
+        if self.world_size is not None and self.world_size < 1:
+            raise ConfigError(f"drill world_size={self.world_size} must be >= 1, or null to differ from the writer's")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"drill timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.threads < 1:
+            raise ConfigError(f"drill threads={self.threads} must be >= 1")
+        if self.probe is not None and ":" not in self.probe:
+            raise ConfigError(f"drill probe={self.probe!r} must be 'module:function', e.g. recipes.lm:probe")
+
+
+def default_world_size(writer_world_size: int) -> int:
+    """A world size other than the writer's, so every drill also proves resharding."""
+    return 2 if writer_world_size == 1 else 1
+
+
+def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str | None = None) -> dict[str, Any]:
+    """Drill one checkpoint (a checkpoint directory URL, or `root` + a selector); return its record.
+
+    The record is written to ROOT/drills/ before this returns. Never raises for a bad checkpoint:
+    that is a failed drill. Raises CheckpointNotFound when there is nothing committed to drill.
+    """
+    options = options or DrillOptions()
+    location, entry = catalog.open_checkpoint(root or checkpoint, checkpoint if root else "latest", options.storage_options)
+    path = join(location.url, entry.name)
+    writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)
+    world_size = options.world_size or default_world_size(writer_world)
+    record: dict[str, Any] = {
+        "checkpoint": entry.name,
+        "checkpoint_id": entry.checkpoint_id,
+        "step": entry.step,
+        "drill_id": drill_records.new_drill_id(),
+        "world_size": world_size,
+        "writer_world_size": writer_world,
+        "started_at": _now(),
+        "probe": options.probe,
+    }
+    outcome = _run_ranks(path, world_size, options)
+    record.update(outcome)
+    record["finished_at"] = _now()
+    drill_records.write_record(location, record)
+    level = logging.INFO if record["verdict"] == PASSED else logging.WARNING
+    log.log(level, "drill of %s on %d rank(s): %s%s", entry.name, world_size, record["verdict"],
+            f" ({record['cause']})" if record.get("cause") else "")
+    return record
+
+
+def _run_ranks(path: str, world_size: int, options: DrillOptions) -> dict[str, Any]:
+    """Start the drill ranks, wait at most timeout_s, and turn what happened into verdict + details."""
+    with tempfile.TemporaryDirectory(prefix="shardckpt-drill-") as scratch:
+        out = os.path.join(scratch, "outcome.json")
+        spawned_at = time.time()
+        try:
+            port = _free_port()
+            processes = [
+                _start_rank(path, rank, world_size, port, out, os.path.join(scratch, f"rank{rank}.log"), spawned_at, options)
+                for rank in range(world_size)
+            ]
+        except OSError as err:  # no processes, no memory, no port: not a verdict on the checkpoint
+            return {"verdict": NOT_DRILLED, "cause": f"the drill could not start: {err}"}
+        deadline = spawned_at + options.timeout_s
+        codes = _wait_all(processes, deadline)
+        logs = [_tail(os.path.join(scratch, f"rank{rank}.log")) for rank in range(world_size)]
+        if any(code is None for code in codes):
+            return {"verdict": FAILED, "cause": f"the drill did not finish within timeout_s={options.timeout_s:g}; killed", "logs": logs}
+        if any(code != 0 for code in codes):
+            rank, code = next((r, c) for r, c in enumerate(codes) if c != 0)
+            how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+            return {"verdict": FAILED, "cause": f"drill rank {rank} {how} before it finished", "logs": logs}
+        try:
+            with open(out) as handle:
+                outcome = json.load(handle)
+        except (OSError, ValueError) as err:
+            return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": logs}
+    details = {key: outcome[key] for key in ("checks", "timings", "bytes_read", "traceback") if key in outcome}
+    timings = details.get("timings", {})
+    if outcome.get("bytes_read") and timings.get("load_s"):
+        details["read_gbps"] = outcome["bytes_read"] / timings["load_s"] / 1e9
+    if outcome.get("ok"):
+        return {"verdict": PASSED, "time_to_resume_s": timings.get("time_to_resume_s"), **details}
+    return {"verdict": FAILED, "cause": outcome.get("cause", "unknown"), **details}
+
+
+def _start_rank(
+    path: str, rank: int, world_size: int, port: int, out: str, log_path: str, spawned_at: float, options: DrillOptions
+) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "lightning_shardckpt.ops.drill_worker",
+        "--checkpoint", path, "--rank", str(rank), "--world-size", str(world_size), "--port", str(port),
+        "--out", out, "--spawned-at", repr(spawned_at), "--threads", str(options.threads),
+        "--tolerance", repr(options.tolerance), "--storage-options", json.dumps(options.storage_options),
+    ]
+    if options.probe:
+        command += ["--probe", options.probe]
+    threads = str(options.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
+        env.pop(name, None)  # the drill is not part of the training job's world
+    nice = options.nice
+
+    def lower_priority() -> None:
+        if nice:
+            os.nice(nice)
+
+    with open(log_path, "wb") as output:  # a file, not a pipe: a chatty rank can never block on a full pipe
+        return subprocess.Popen(
+            command, env=env, stdout=output, stderr=subprocess.STDOUT, preexec_fn=lower_priority,
+            start_new_session=True,  # a Ctrl-C or a preemption signal of the training job is not the drill's
+        )
+
+
+def _wait_all(processes: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Exit codes; None for a rank killed at the deadline. One dead rank takes the others down."""
+    codes: list[int | None] = [None] * len(processes)
+    while time.time() < deadline and any(code is None for code in codes):
+        for index, process in enumerate(processes):
+            if codes[index] is None:
+                codes[index] = process.poll()
+        if any(code not in (None, 0) for code in codes):
+            break  # a rank died: the others would wait for it until their collective timeout
+        time.sleep(0.05)
+    for index, process in enumerate(processes):
+        if process.poll() is None:
+            _stop(process)
+        elif codes[index] is None:
+            codes[index] = process.returncode
+    return codes
+
+
+def _stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _tail(log_path: str, limit: int = 2000) -> str:
+    try:
+        with open(log_path, "rb") as handle:
+            output = handle.read()
+    except OSError:
+        output = b""
+    return output[-limit:].decode(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+class DrillRunner:
+    """Runs drills one at a time on a daemon thread, in request order; results go to `on_result`.
+
+    Requests beyond `max_queued` drop the oldest waiting one (the newest checkpoint matters most).
+    """
+
+    def __init__(self, options: DrillOptions, on_result: Callable[[dict[str, Any]], None], *, max_queued: int = 2) -> None:
+        self.options = options
+        self._on_result = on_result
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._max_queued = max_queued
+        self._thread = threading.Thread(target=self._run, name="shardckpt-drill", daemon=True)
+        self._thread.start()
+        self.dropped = 0
+
+    def request(self, checkpoint_path: str) -> None:
+        while self._queue.qsize() >= self._max_queued:
+            try:
+                self._queue.get_nowait()
+                self.dropped += 1
+            except queue.Empty:
+                break
+        self._queue.put(checkpoint_path)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Let the running drill finish (waiting drills are dropped), then stop the thread."""
+        while True:
+            try:
+                self._queue.get_nowait()
+                self.dropped += 1
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (path := self._queue.get()) is not None:
+            try:
+                record = run_drill(path, self.options)
+            except Exception as err:  # nothing to drill (deleted by retention meanwhile), storage down
+                record = {"checkpoint": path.rstrip("/").rsplit("/", 1)[-1], "verdict": NOT_DRILLED, "cause": f"{type(err).__name__}: {err}"}
+                log.warning("drill of %s did not run: %s", path, record["cause"])
+            try:
+                self._on_result(record)
+            except Exception:  # a logger error must not stop later drills
+                log.exception("drill result handler failed")
+

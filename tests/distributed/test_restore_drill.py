@@ -1,0 +1,164 @@
+"""Restore drills: fresh processes restore a checkpoint on another world size and check what they got.
+
+A sound checkpoint ends `drilled`; a flipped byte, a truncated file, a NaN where the writer saw none,
+a probe value that moved and a drill process that dies or hangs each end `drill-failed` with the cause.
+The tampering tests rewrite the manifest's checksums to match (a lying manifest), so only the drill's
+own checks can catch them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt.engine.checksum import checksum, checksum_of_checksums
+from lightning_shardckpt.engine.fsio import resolve
+from lightning_shardckpt.engine.layout import MANIFEST
+from lightning_shardckpt.ops import drill_records
+from lightning_shardckpt.ops.drill import DrillOptions, run_drill
+from tests.helpers import drill_probes
+from tests.helpers.spawn import run_ranks
+
+PROBE = "tests.helpers.drill_probes:weighted_sum"
+
+
+def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(64, 32, generator=generator),
+        "layer.bias": torch.randn(64, generator=generator),
+        "head.weight": torch.randn(7, 64, generator=generator),
+        "steps": torch.tensor(12),
+    }
+
+
+def _save(root: Path, *, step: int = 10, with_probe: bool = True) -> str:
+    """One committed checkpoint written by this (single, non-distributed) process; returns its path."""
+    model = _model_state()
+    extra = {"probe": {"name": PROBE, "value": drill_probes.weighted_sum(model)}} if with_probe else None
+    saver = CheckpointSaver(str(root), SaveConfig(async_save=False))
+    result = saver.save({"model": model, "optim": {"lr": torch.tensor(0.1)}}, step=step, extra=extra).result(60)
+    saver.close()
+    assert result.committed, result.error
+    return result.path
+
+
+def _rewrite_tensor(checkpoint: str, fqn: str, replace) -> None:
+    """Change one tensor's stored bytes in place and make the manifest's checksums agree (a lying manifest)."""
+    path = Path(checkpoint)
+    manifest = json.loads((path / MANIFEST).read_text())
+    entry = next(t for t in manifest["tensors"] if t["fqn"] == fqn)
+    chunk = entry["chunks"][0]
+    shard = path / chunk["file"]
+    blob = bytearray(shard.read_bytes())
+    record = bytes(blob[chunk["offset"] : chunk["offset"] + chunk["length"]])
+    old = _model_state()[fqn.removeprefix("model.")]
+    old_bytes = _raw_bytes(old)
+    new_bytes = _raw_bytes(replace(old.clone()))
+    at = record.index(old_bytes)
+    record = record[:at] + new_bytes + record[at + len(new_bytes):]
+    blob[chunk["offset"] : chunk["offset"] + chunk["length"]] = record
+    shard.write_bytes(bytes(blob))
+    chunk["checksum"] = checksum(record)
+    for file in manifest["files"]:
+        if file["path"] == chunk["file"]:
+            file["checksum"] = checksum_of_checksums(
+                [c["checksum"] for _, c in sorted(_chunks_of(manifest, chunk["file"]), key=lambda item: item[0])]
+            )
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def _chunks_of(manifest, file):
+    for tensor in manifest["tensors"]:
+        for chunk in tensor["chunks"]:
+            if chunk["file"] == file:
+                yield chunk["offset"], chunk
+    for obj in manifest["objects"]:
+        if obj["file"] == file:
+            yield obj["offset"], obj
+
+
+def _trust(root: Path, checkpoint: str) -> str:
+    location = resolve(str(root))
+    return drill_records.trust_state(drill_records.list_record_names(location).get(Path(checkpoint).name))
+
+
+def test_a_sound_checkpoint_is_drilled_on_another_world_size_with_its_probe(tmp_path):
+    checkpoint = _save(tmp_path / "root")
+    assert _trust(tmp_path / "root", checkpoint) == "committed"
+    record = run_drill(checkpoint, DrillOptions(probe=PROBE, timeout_s=120))
+    assert record["verdict"] == "passed", record
+    assert record["world_size"] == 2 and record["writer_world_size"] == 1  # resharded 1 -> 2 by default
+    assert record["checks"]["probe"]["value"] == pytest.approx(record["checks"]["probe"]["saved"])
+    assert record["time_to_resume_s"] > 0 and record["bytes_read"] > 0
+    assert set(record["timings"]) >= {"process_start_s", "listing_s", "load_s", "time_to_resume_s"}
+    assert _trust(tmp_path / "root", checkpoint) == "drilled"
+
+
+@pytest.mark.parametrize(
+    "damage,cause",
+    [
+        ("flip", "checksum mismatch"),
+        ("truncate", "CorruptCheckpoint"),
+        ("nan", "NaN/Inf"),
+        ("perturb", "probe"),
+    ],
+)
+def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage, cause):
+    root = tmp_path / "root"
+    checkpoint = _save(root)
+    shard = next(Path(checkpoint).glob("*.distcp"))
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    elif damage == "nan":
+        _rewrite_tensor(checkpoint, "model.layer.bias", lambda t: t.index_fill_(0, torch.tensor([3]), float("nan")))
+    else:
+        _rewrite_tensor(checkpoint, "model.layer.weight", lambda t: t.mul_(1.01))
+    record = run_drill(checkpoint, DrillOptions(probe=PROBE, world_size=1, timeout_s=120))
+    assert record["verdict"] == "failed", record
+    assert cause in record["cause"], record["cause"]
+    assert _trust(root, checkpoint) == "drill-failed"
+
+
+@pytest.mark.parametrize("probe,cause", [("dies", "killed by signal 9"), ("hangs", "did not finish within timeout_s")])
+def test_a_drill_process_that_dies_or_hangs_is_a_failed_drill_not_a_pass(tmp_path, probe, cause):
+    root = tmp_path / "root"
+    checkpoint = _save(root)
+    record = run_drill(checkpoint, DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=25))
+    assert record["verdict"] == "failed" and cause in record["cause"], record
+    assert _trust(root, checkpoint) == "drill-failed"
+
+
+def _save_on_ranks(rank, world_size, root):
+    import torch.distributed as dist
+
+    model = _model_state()
+    model["rank_local"] = torch.full((4,), float(rank))  # replicated by declaration, differs in fact
+    saver = CheckpointSaver(root, SaveConfig())
+    result = saver.save({"model": model}, step=5).result(60)
+    saver.close()
+    dist.barrier()
+    return result.path
+
+
+def test_a_checkpoint_written_on_two_ranks_is_drilled_on_one_and_on_two(tmp_path):
+    root = str(tmp_path / "root")
+    checkpoint = run_ranks(_save_on_ranks, 2, root)[0].value
+    resharded = run_drill(checkpoint, DrillOptions(timeout_s=120))
+    same_size = run_drill(checkpoint, DrillOptions(world_size=2, timeout_s=120))
+    assert (resharded["verdict"], resharded["world_size"]) == ("passed", 1), resharded
+    assert (same_size["verdict"], same_size["world_size"]) == ("passed", 2), same_size
+    names = drill_records.list_record_names(resolve(root))[Path(checkpoint).name]
+    assert [n.verdict for n in names] == ["passed", "passed"]
