@@ -34,3 +34,15 @@ class IncompatibleCheckpoint(ShardCkptError):
 
 class CommitFailed(ShardCkptError):
     """A checkpoint did not commit; the previous committed checkpoint is still the latest."""
+
+
+class UntrustedCheckpoint(ShardCkptError):
+    """A checkpoint holds a pickled class outside the allow-list; loading it could run its code.
+
+    The message names the class (`blocked`) and the fix: `trust_checkpoint=True` for a checkpoint you
+    trust, or `torch.serialization.add_safe_globals([...])` for just that class.
+    """
+
+    def __init__(self, message: str, *, blocked: str | None = None) -> None:
+        super().__init__(message)
+        self.blocked = blocked

@@ -20,7 +20,9 @@ from ..errors import CommitFailed
 from . import catalog, fsio, retry
 from . import manifest as manifest_format
 from .fsio import Location
+from .checksum import checksum
 from .layout import DCP_METADATA, LATEST, MANIFEST, join
+from .safe_pickle import DCP_METADATA_FIELD
 from .storage import ChunkReceipt, FaultHook, storage_info_of
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ class Committer:
         # DCP's own metadata, with DCP's own storage records: what a plain `dcp.load` reads.
         metadata.storage_data = {index: storage_info_of(receipt) for index, receipt in receipts.items()}
         self._fault("before_metadata")
-        fsio.write_new_file(fs, join(target.path, DCP_METADATA), pickle.dumps(metadata))
+        metadata_bytes = pickle.dumps(metadata)
+        fsio.write_new_file(fs, join(target.path, DCP_METADATA), metadata_bytes)
 
         parent = catalog.latest_committed_quick(target.root)
         verification = _verification_summary(target.verify_mode, receipts)
@@ -136,6 +139,8 @@ class Committer:
             verification=verification,
             **target.manifest_fields,
         )
+        # v2: readers check .metadata's bytes against this before they unpickle it (safe_pickle.py)
+        manifest[DCP_METADATA_FIELD] = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
         self._fault("before_manifest")
         try:
             # manifest last: its existence is the commit, so it must follow every shard and .metadata

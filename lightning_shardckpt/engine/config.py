@@ -76,6 +76,9 @@ class LoadConfig:
     """How the engine reads a checkpoint back."""
 
     verify_checksums: bool = True  # checksum every byte read; turning it off saves ~0.1 s per GB
+    # False: pickled objects in the checkpoint are unpickled only through allow-lists (safe_pickle.py), and a
+    # class outside them is refused by name. True: only for checkpoints you trust; unpickling can run code
+    trust_checkpoint: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
 
 

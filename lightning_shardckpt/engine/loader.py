@@ -24,6 +24,7 @@ from .collectives import broadcast_from_coordinator
 from .config import LoadConfig
 from .fsio import Location
 from .layout import join
+from .safe_pickle import DCP_METADATA_FIELD
 from .storage import ShardReader
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,11 @@ def load_checkpoint(
     root, entry = picked
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
     expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
-    reader = ShardReader(root.fs, entry.path, expected_checksums=expected)
+    reader = ShardReader(
+        root.fs, entry.path, expected_checksums=expected,
+        expected_metadata=entry.manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
+        trust=config.trust_checkpoint,
+    )
     try:
         dcp.load(
             state_dict,

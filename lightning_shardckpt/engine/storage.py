@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..errors import CorruptCheckpoint
-from . import fsio
+from . import fsio, safe_pickle
 from .checksum import HashingWriter, checksum
 from .config import VerifyConfig
 from .layout import DCP_METADATA, join, shard_filename
@@ -321,12 +321,27 @@ def storage_info_of(receipt: ChunkReceipt) -> _StorageInfo:
 class ShardReader(StorageReader):
     """A DCP StorageReader over fsspec that checks every chunk it reads against the manifest."""
 
-    def __init__(self, fs: Any, path: str, *, expected_checksums: dict[tuple[str, int], tuple[str, str]] | None) -> None:
-        """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off."""
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        *,
+        expected_checksums: dict[tuple[str, int], tuple[str, str]] | None,
+        expected_metadata: dict[str, Any] | None = None,
+        trust: bool = False,
+    ) -> None:
+        """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off.
+
+        `expected_metadata` is the manifest's `dcp_metadata` record (v2; None for v1): `.metadata`'s bytes
+        are checked against it before they are unpickled. `trust=False` unpickles `.metadata` and every
+        object only through allow-lists (safe_pickle.py); True is the user's opt-in for a trusted source.
+        """
         super().__init__()
         self.fs = fs
         self.path = path
         self._expected = expected_checksums
+        self._expected_metadata = expected_metadata
+        self._trust = trust
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
@@ -340,7 +355,9 @@ class ShardReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.open(join(self.path, DCP_METADATA), "rb") as handle:
-            metadata = pickle.load(handle)
+            data = handle.read()
+        # checked, then unpickled through an allow-list: a crafted .metadata must not run code here
+        metadata = safe_pickle.load_dcp_metadata(data, self.path, expected=self._expected_metadata, trust=self._trust)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -377,6 +394,8 @@ class ShardReader(StorageReader):
                     self._check(relative_path, info, data, request.storage_index.fqn)
                     self.bytes_read += len(data)
                     if request.type == LoadItemType.BYTE_IO:
+                        # DCP's planner unpickles objects with weights_only=False: check them first
+                        safe_pickle.load_object_record(data, request.storage_index.fqn, self.path, trust=self._trust)
                         planner.load_bytes(request, io.BytesIO(bytes(data)))
                         continue
                     tensor = self._tensor(data, request.storage_index)
@@ -418,6 +437,7 @@ class ShardReader(StorageReader):
 
     def _open_shard(self, relative_path: str, requests: list[Any]) -> Any:
         path = join(self.path, relative_path)
+        safe_pickle.check_inside(self.fs, self.path, relative_path)
         try:
             return self.fs.open(path, "rb")
         except FileNotFoundError as err:

@@ -62,6 +62,7 @@ class ShardedCheckpoint(Checkpoint):
         run_config: Any = None,
         identity_policy: Any = None,
         dataset_version: str | None = None,
+        trust_checkpoint: bool = False,
     ) -> None:
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
@@ -78,6 +79,9 @@ class ShardedCheckpoint(Checkpoint):
         )
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
         self.verify_on_load = verify_on_load
+        # False: a resume unpickles only allow-listed classes and refuses others by name; True runs whatever
+        # the checkpoint's pickles name, so only for checkpoints from a source you trust
+        self.trust_checkpoint = trust_checkpoint
         self.log_metrics = log_metrics
         self.log_artifact = log_artifact
         self.run_config = run_config
@@ -109,7 +113,8 @@ class ShardedCheckpoint(Checkpoint):
             )
         strategy.save_config = save_config_from(self.save_options, parallelism=strategy.parallelism)
         strategy.load_config = LoadConfig(
-            verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options
+            verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options,
+            trust_checkpoint=self.trust_checkpoint,
         )
         strategy.checkpoint_root = self.dirpath
         strategy.resume_required = self.options.resume_required

@@ -129,7 +129,7 @@ class ShardedStrategy:
         for index, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
         self.last_load.seconds = time.perf_counter() - started  # time to resume: pick + read + apply
-        return lightning_state.lightning_rest(target)
+        return lightning_state.lightning_rest(target, trust=self.load_config.trust_checkpoint, where=self.last_load.path)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         # a sampler whose position survives a resume onto another world size

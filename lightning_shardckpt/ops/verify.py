@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
-from ..engine import catalog, fsio
+from ..engine import catalog, fsio, safe_pickle
 from ..engine import manifest as manifest_format
 from ..engine.catalog import CheckpointEntry
 from ..engine.checksum import checksum, checksum_of_checksums
 from ..engine.fsio import Location
 from ..engine.layout import DCP_METADATA, join
-from ..errors import CheckpointNotFound
+from ..engine.safe_pickle import DCP_METADATA_FIELD
+from ..errors import CheckpointNotFound, CorruptCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +31,7 @@ FILE_SIZE = "file_size"  # stored size differs from the manifest (sizes)
 TILING = "tiling"  # the manifest's chunks do not cover the file exactly once (byte positions)
 CHUNK_CHECKSUM = "chunk_checksum"  # a chunk differs from its checksum (checksums; "<k of n bytes>", "<file missing>")
 FILE_CHECKSUM = "file_checksum"  # digest of the file's chunk digests differs (checksums)
+OUTSIDE = "outside"  # a listed file's name or symlink leads out of the checkpoint directory (never read)
 DCP_METADATA_PROBLEM = "dcp_metadata"  # `.metadata` missing, unreadable or disagreeing with the manifest
 
 
@@ -83,7 +82,7 @@ def verify_checkpoint(
         report.files += 1
         report.chunks += len(chunks)
         _verify_file(location.fs, entry.path, item, chunks, report)
-    _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report)
+    _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report, entry.manifest.get(DCP_METADATA_FIELD))
     report.seconds = time.perf_counter() - started
     if report.ok:
         log.info("verified %s: %d files, %d chunks, %d bytes in %.2fs",
@@ -111,6 +110,11 @@ def _verify_file(
     relative, expected_bytes = item["path"], item["bytes"]
     report.problems.extend(_tiling_problems(relative, expected_bytes, [chunk for _, chunk in chunks]))
     path = join(directory, relative)
+    try:
+        safe_pickle.check_inside(fs, directory, relative)  # a name or symlink leading out is never read
+    except CorruptCheckpoint:
+        report.problems.append(_problem(OUTSIDE, relative, None, "a file inside the checkpoint directory", path))
+        return
     try:
         actual_bytes = fs.size(path)
     except FileNotFoundError:
@@ -150,21 +154,29 @@ def _tiling_problems(relative: str, file_bytes: int, chunks: list[dict[str, Any]
     return []
 
 
-def _verify_dcp_metadata(fs: Any, directory: str, chunks_by_file: dict[str, list], report: VerifyReport) -> None:
-    """DCP's `.metadata` must exist, unpickle, and point at exactly the chunks the manifest lists."""
+def _verify_dcp_metadata(
+    fs: Any, directory: str, chunks_by_file: dict[str, list], report: VerifyReport, recorded: dict[str, Any] | None
+) -> None:
+    """DCP's `.metadata` must exist, match its recorded checksum (v2), unpickle through the allow-list
+    (never running code from the checkpoint), and point at exactly the chunks the manifest lists."""
     try:
         with fs.open(join(directory, DCP_METADATA), "rb") as handle:
-            metadata = pickle.load(handle)
+            data = handle.read()
     except FileNotFoundError:
         report.problems.append(_problem(DCP_METADATA_PROBLEM, DCP_METADATA, None, "present", "missing"))
         return
-    except Exception as err:  # any unpickling failure means a load cannot start
-        actual = f"{type(err).__name__}: {err}"
-        report.problems.append(_problem(DCP_METADATA_PROBLEM, DCP_METADATA, None, "a pickled DCP Metadata", actual))
-        return
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        actual = type(metadata).__name__
-        report.problems.append(_problem(DCP_METADATA_PROBLEM, DCP_METADATA, None, "a pickled DCP Metadata", actual))
+    altered = False
+    try:
+        if recorded is not None:  # v2: other bytes than committed; v1 recorded nothing to compare
+            safe_pickle.check_metadata_bytes(data, directory, recorded)
+    except CorruptCheckpoint as err:  # a load refuses it; still read on below (safely) to name what differs
+        _metadata_problem(err, report)
+        altered = True
+    try:
+        metadata = safe_pickle.load_dcp_metadata(data, directory)  # the allow-list: unpickling runs nothing
+    except CorruptCheckpoint as err:  # a blocked class, not Metadata, a path outside: a load cannot start
+        if not altered:  # altered bytes that do not even unpickle: one problem, already reported
+            _metadata_problem(err, report)
         return
     listed = {(c["file"], c["offset"]): (fqn, c["length"]) for chunks in chunks_by_file.values() for fqn, c in chunks}
     pointed = set()
@@ -181,6 +193,13 @@ def _verify_dcp_metadata(fs: Any, directory: str, chunks_by_file: dict[str, list
     for where in sorted(set(listed) - pointed):
         expected = f"an entry for {where[0]}@{where[1]}"
         report.problems.append(_problem(DCP_METADATA_PROBLEM, DCP_METADATA, listed[where][0], expected, "none"))
+
+
+def _metadata_problem(err: CorruptCheckpoint, report: VerifyReport) -> None:
+    found = err.problems[0] if err.problems else {}
+    expected = found.get("expected", "a pickled DCP Metadata")
+    actual = found.get("actual") or " ".join(str(err).split())
+    report.problems.append(_problem(DCP_METADATA_PROBLEM, DCP_METADATA, found.get("tensor"), expected, actual))
 
 
 def _problem(kind: str, file: str, tensor: str | None, expected: Any, actual: Any) -> dict[str, Any]:

@@ -1,0 +1,247 @@
+"""A checkpoint of unknown origin executes nothing: not in `shardckpt` commands, not in a load.
+
+A crafted `.metadata` whose pickle calls `os.system` (creating a marker file) is refused by verify,
+inspect-style commands and load, and the marker never appears. `.metadata`'s bytes are checked against
+the manifest (v2) before unpickling; a v1 checkpoint still loads, and its `.metadata` still goes
+through the allow-list. Objects in a state dict are refused by class name unless the caller trusts the
+checkpoint. Paths in `.metadata` stay inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from lightning_shardckpt import CorruptCheckpoint, LoadConfig, load_checkpoint, verify_checkpoint
+from lightning_shardckpt.engine import safe_pickle
+from lightning_shardckpt.engine.layout import DCP_METADATA, MANIFEST
+from lightning_shardckpt.errors import UntrustedCheckpoint
+from lightning_shardckpt.lightning import lightning_state
+from lightning_shardckpt.ops.cli import main
+from lightning_shardckpt.ops.verify import DCP_METADATA_PROBLEM
+from tests.helpers.checkpoints import fresh_state, save_checkpoint
+
+COMMIT_RECORD = "commit.json"  # format v2's listing record; a v1 checkpoint has none
+
+
+class RunsCommand:
+    """What an attacker pickles: unpickling it calls os.system(command)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class Opaque:
+    """A harmless class of the user's own, not on any allow-list."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.value == self.value
+
+
+def directory_of(root: str, manifest: dict) -> str:
+    return os.path.join(root, f"step-{manifest['step']:09d}-{manifest['id']}")
+
+
+def make_v1(directory: str) -> None:
+    """Rewrite a committed checkpoint as format v1 wrote it: no `.metadata` checksum, no commit record."""
+    path = os.path.join(directory, MANIFEST)
+    manifest = json.load(open(path))
+    manifest["format_version"] = 1
+    for field in (safe_pickle.DCP_METADATA_FIELD, "seq"):
+        manifest.pop(field, None)
+    os.remove(path)
+    open(path, "w").write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    if os.path.exists(os.path.join(directory, COMMIT_RECORD)):
+        os.remove(os.path.join(directory, COMMIT_RECORD))
+
+
+def replace_metadata(directory: str, data: bytes) -> None:
+    path = os.path.join(directory, DCP_METADATA)
+    os.remove(path)  # write-once files: replaced, as an attacker with write access would
+    open(path, "wb").write(data)
+
+
+@pytest.fixture
+def crafted(tmp_path):
+    """A committed checkpoint whose `.metadata` was replaced by a pickle that creates `marker`."""
+    root = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(root)
+    directory = directory_of(root, manifest)
+    marker = tmp_path / "pwned"
+    replace_metadata(directory, pickle.dumps(RunsCommand(f"touch {marker}")))
+    return root, directory, marker
+
+
+def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_through_the_allow_list(tmp_path):
+    state = fresh_state()
+    state["extra"] = {"rng": torch.get_rng_state(), "blob": b"\x00\x01", "ints": torch.arange(5, dtype=torch.int64),
+                      "half": torch.ones(3, dtype=torch.bfloat16), "plain": {"a": [1, 2.5, "x"], "t": (1, None)}}
+    root = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(root, state=state)
+    data = open(os.path.join(directory_of(root, manifest), DCP_METADATA), "rb").read()
+    metadata = safe_pickle.load_dcp_metadata(data, root, expected=manifest[safe_pickle.DCP_METADATA_FIELD])
+    assert set(metadata.state_dict_metadata) == {t["fqn"] for t in manifest["tensors"]} | {o["fqn"] for o in manifest["objects"]}
+    assert manifest[safe_pickle.DCP_METADATA_FIELD] == {"checksum": safe_pickle.checksum(data), "bytes": len(data)}
+
+
+def test_verify_refuses_a_metadata_pickle_that_would_run_a_command_and_the_marker_never_appears(crafted, capsys):
+    root, directory, marker = crafted
+    report = verify_checkpoint(root)  # v2: the recorded checksum catches the swap before any unpickling
+    assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM]
+    assert not marker.exists()
+
+    make_v1(directory)  # no checksum to compare: the allow-list alone must stop it, naming the global
+    report = verify_checkpoint(root)
+    assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM]
+    assert report.problems[0]["actual"] in ("posix.system", "os.system", "nt.system")
+    assert main(["verify", root]) == 1
+    assert "system" in capsys.readouterr().out
+    assert not marker.exists()
+
+
+def test_ls_inspect_diff_and_timeline_never_unpickle_a_crafted_metadata(crafted, capsys):
+    root, directory, marker = crafted
+    make_v1(directory)
+    for argv in (["ls", root], ["inspect", root], ["timeline", root], ["diff", "--root", root, "latest", "latest"]):
+        assert main(argv) in (0, 1), argv
+    capsys.readouterr()
+    assert not marker.exists()
+
+
+def test_load_refuses_a_crafted_metadata_by_checksum_v2_and_by_class_v1_and_runs_nothing(crafted):
+    root, directory, marker = crafted
+    with pytest.raises(CorruptCheckpoint, match="altered after commit"):
+        load_checkpoint(fresh_state(), root)
+    make_v1(directory)
+    with pytest.raises(CorruptCheckpoint, match=r"system.*never holds"):
+        load_checkpoint(fresh_state(), root)
+    assert not marker.exists()
+
+
+def test_v1_checkpoint_without_a_metadata_checksum_still_loads(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(root)
+    make_v1(directory_of(root, manifest))
+    target = fresh_state(seed=99)
+    load_checkpoint(target, root)
+    assert torch.equal(target["model"]["0.weight"], fresh_state(seed=manifest["step"])["model"]["0.weight"])
+
+
+def test_metadata_pointing_outside_the_checkpoint_directory_is_corrupt_not_a_read(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(root)
+    directory = directory_of(root, manifest)
+    make_v1(directory)
+    metadata = safe_pickle.load_dcp_metadata(open(os.path.join(directory, DCP_METADATA), "rb").read(), directory)
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = _StorageInfo("../../../../etc/passwd", info.offset, info.length)
+    replace_metadata(directory, pickle.dumps(metadata))
+
+    with pytest.raises(CorruptCheckpoint, match=r"etc/passwd.*outside the checkpoint directory"):
+        load_checkpoint(fresh_state(), root)
+    report = verify_checkpoint(root)
+    assert any(p["kind"] == DCP_METADATA_PROBLEM and "etc/passwd" in str(p["actual"]) for p in report.problems)
+
+
+def test_a_shard_that_is_a_symlink_out_of_the_directory_is_never_read(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(root)
+    directory = directory_of(root, manifest)
+    shard = os.path.join(directory, manifest["files"][0]["path"])
+    outside = tmp_path / "elsewhere.distcp"
+    os.replace(shard, outside)
+    os.symlink(outside, shard)
+
+    with pytest.raises(CorruptCheckpoint, match="outside the checkpoint directory"):
+        load_checkpoint(fresh_state(), root)
+    assert not verify_checkpoint(root).ok
+
+
+def test_an_object_of_a_class_outside_the_allow_list_is_refused_by_name_unless_trusted(tmp_path):
+    root = str(tmp_path / "ckpt")
+    state = fresh_state()
+    state["user"] = Opaque(7)
+    save_checkpoint(root, state=state)
+
+    target = fresh_state(seed=5)
+    target["user"] = None
+    with pytest.raises(UntrustedCheckpoint, match=r"Opaque.*trust_checkpoint=True.*add_safe_globals") as caught:
+        load_checkpoint(target, root)
+    assert caught.value.blocked.endswith("test_untrusted_checkpoints.Opaque")
+    load_checkpoint(target, root, config=LoadConfig(trust_checkpoint=True))
+    assert target["user"] == Opaque(7)
+
+    target["user"] = None
+    torch.serialization.add_safe_globals([Opaque])  # the narrower fix the error names
+    try:
+        load_checkpoint(target, root)
+    finally:
+        torch.serialization.clear_safe_globals()
+    assert target["user"] == Opaque(7)
+
+
+def test_an_object_that_would_run_a_command_is_refused_and_the_marker_never_appears(tmp_path):
+    root = str(tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    state = fresh_state()
+    state["user"] = RunsCommand(f"touch {marker}")
+    save_checkpoint(root, state=state)
+    assert not marker.exists()
+    target = fresh_state(seed=5)
+    target["user"] = None
+    with pytest.raises(UntrustedCheckpoint, match="system"):
+        load_checkpoint(target, root)
+    assert not marker.exists()
+
+
+def test_lightning_blob_with_a_blocked_class_names_it_the_checkpoint_and_the_fix():
+    rest = {"hyper_parameters": {"lr": 0.1}, "callbacks": {"x": Opaque(1)}, "t": torch.ones(2), "s": torch.Size([2])}
+    loaded = {lightning_state.LIGHTNING_KEY: lightning_state.to_dcp_state({"state_dict": {}, **rest})[lightning_state.LIGHTNING_KEY]}
+    with pytest.raises(UntrustedCheckpoint, match=r"/ckpt/step-1: .*test_untrusted_checkpoints\.Opaque.*trust_checkpoint=True"):
+        lightning_state.lightning_rest(loaded, where="/ckpt/step-1")
+    trusted = lightning_state.lightning_rest(loaded, trust=True)
+    assert trusted["callbacks"]["x"] == Opaque(1)
+
+
+def test_lightning_blob_of_plain_state_tensors_and_hparams_loads_with_trust_off():
+    from lightning.fabric.utilities.data import AttributeDict
+
+    rest = {"hyper_parameters": AttributeDict(lr=0.1, name="x"), "loops": {"fit_loop": {"epoch": 1}},
+            "rng": torch.get_rng_state(), "dtype": torch.bfloat16, "size": torch.Size([3])}
+    blob = lightning_state.to_dcp_state({"state_dict": {}, **rest})[lightning_state.LIGHTNING_KEY]
+    loaded = lightning_state.lightning_rest({lightning_state.LIGHTNING_KEY: blob})
+    assert loaded["hyper_parameters"] == {"lr": 0.1, "name": "x"}
+    assert torch.equal(loaded["rng"], rest["rng"]) and loaded["dtype"] is torch.bfloat16
+
+
+def test_blocked_global_names_module_and_qualname():
+    with pytest.raises(safe_pickle.BlockedGlobal) as caught:
+        safe_pickle.loads(pickle.dumps(Opaque(1)))
+    assert caught.value.name == f"{__name__}.Opaque"
+    with pytest.raises(safe_pickle.BlockedGlobal):
+        safe_pickle.RestrictedUnpickler(io.BytesIO(pickle.dumps(RunsCommand("true"))), safe_pickle.DCP_METADATA_GLOBALS).load()
+
+
+def test_lightning_blob_with_hydra_containers_in_hparams_loads_with_trust_off():
+    from lightning.fabric.utilities.data import AttributeDict
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"model": {"betas": [0.9, 0.95], "lr": 0.003, "name": "${model.lr}"}})
+    rest = {"hyper_parameters": AttributeDict(betas=cfg.model.betas, model=cfg.model), "hparams_name": "kwargs"}
+    blob = lightning_state.to_dcp_state({"state_dict": {}, **rest})[lightning_state.LIGHTNING_KEY]
+    loaded = lightning_state.lightning_rest({lightning_state.LIGHTNING_KEY: blob})
+    assert list(loaded["hyper_parameters"]["betas"]) == [0.9, 0.95]
+    assert loaded["hyper_parameters"]["model"].name == 0.003
