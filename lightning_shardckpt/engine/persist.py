@@ -5,14 +5,18 @@ Runs on the background thread in async mode, on the caller in sync mode: the sam
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ..errors import CommitFailed, ShardCkptError
 from . import retry, topology
@@ -50,6 +54,9 @@ class SaveMeta:
     samples_consumed: int | None = None
     identity: dict[str, Any] | None = None
     extra: dict[str, Any] | None = None
+    # flattened keys whose replicas are bit-identical on every rank (e.g. DDP parameters): their writes
+    # may be spread across ranks; every other replicated item is written by rank 0 (see RankZeroSavePlanner)
+    identical: Callable[[str], bool] | None = None
 
 
 def persist_checkpoint(
@@ -85,7 +92,7 @@ def persist_checkpoint(
     writer = ShardWriter(root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook)
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     try:
-        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=DefaultSavePlanner())
+        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))
         result.committed = True
         result.manifest = committer.manifest
     except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
@@ -102,6 +109,35 @@ def persist_checkpoint(
     }
     result.storage_retries = _retries() - retries_before
     return result
+
+
+class RankZeroSavePlanner(DefaultSavePlanner):
+    """DCP's planner, except that an item every rank holds is written from rank 0's copy.
+
+    "Replicated" is a declaration, not a fact: DDP ranks update BatchNorm buffers from their own batches,
+    and the pickled Lightning state differs per rank. DCP's default dedup balances writes and so takes
+    each item from an arbitrary rank (a mix no rank ever had). Rank 0 is what plain Lightning saves.
+    Items `identical(fqn)` declares bit-identical on every rank keep DCP's balanced spread.
+    """
+
+    def __init__(self, identical: Callable[[str], bool] | None = None) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self._identical = identical
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if self._identical is None:
+            return super()._dedup_save_plans(all_plans)  # everything replicated: rank 0 (the lowest rank)
+        holders: dict[Any, list[int]] = {}
+        for rank, plan in enumerate(all_plans):  # plans arrive in rank order
+            for item in plan.items:
+                holders.setdefault(item.index, []).append(rank)
+        dropped: list[set[Any]] = [set() for _ in all_plans]
+        for index, ranks in holders.items():
+            if len(ranks) > 1 and not self._identical(index.fqn):
+                for rank in ranks[1:]:
+                    dropped[rank].add(index)
+        kept = [dataclasses.replace(plan, items=[i for i in plan.items if i.index not in dropped[r]]) for r, plan in enumerate(all_plans)]
+        return dedup_save_plans(kept, save_to_lowest_rank=False)  # what is still duplicated is identical: balance it
 
 
 def _retries() -> int:

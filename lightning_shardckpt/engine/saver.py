@@ -116,11 +116,14 @@ class CheckpointSaver:
         samples_consumed: int | None = None,
         identity: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        identical: Callable[[str], bool] | None = None,
     ) -> PendingSave:
         """Snapshot `state_dict` now and commit it as the checkpoint of `step` (in the background if async).
 
         Returns once the state is copied: the caller may mutate it right away. With `on_error="raise"`,
-        a failure of an earlier background save is raised here.
+        a failure of an earlier background save is raised here. An item several ranks hold is written
+        from rank 0's copy, unless `identical(flattened_key)` says every rank's copy is the same bytes
+        (then the writes are spread across ranks).
         """
         self._raise_first_error()
         requested = time.perf_counter()
@@ -137,7 +140,7 @@ class CheckpointSaver:
         staged = slot.stage(state_dict) if self.config.async_save else state_dict
         record.stage_s = time.perf_counter() - staging_started
         record.pause_s = time.perf_counter() - requested
-        job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra), record, pending, requested)
+        job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra, identical), record, pending, requested)
         self._in_flight.append(pending)
         if self.config.async_save:
             self._ensure_worker()

@@ -182,7 +182,15 @@ class ShardedStrategy:
             identity=identity,
             samples_consumed=meta.get("samples_consumed"),
             extra=meta.get("extra"),
+            identical=self._identical_on_all_ranks(),
         )
+
+    def _identical_on_all_ranks(self):
+        """Parameters and optimizer state: gradient sync keeps every rank's copy bit-identical, so their
+        writes may be spread. Buffers (BatchNorm statistics) and the pickled rest are not: rank 0's copy."""
+        parameters = {f"{lightning_state.MODEL_KEY}.{name}" for name, _ in self.lightning_module.named_parameters()}
+        optimizers = f"{lightning_state.OPTIMIZERS_KEY}."
+        return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
     # --- internals ---
     def _adopt_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
