@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,27 @@ class RankZeroSavePlanner(DefaultSavePlanner):
                     dropped[rank].add(index)
         kept = [dataclasses.replace(plan, items=[i for i in plan.items if i.index not in dropped[r]]) for r, plan in enumerate(all_plans)]
         return dedup_save_plans(kept, save_to_lowest_rank=False)  # what is still duplicated is identical: balance it
+
+
+def release_frames(err: BaseException) -> None:
+    """Clear the local variables of every finished frame in `err`'s tracebacks (its whole chain).
+
+    A kept error (the saver's first error, a SaveResult) otherwise keeps every object of the failed save
+    alive through its traceback's frames: staged state, open files, half-written record writers, for as
+    long as training runs. The tracebacks stay printable (file, line and function are kept).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)  # skips frames still executing
+        pending.extend((current.__cause__, current.__context__))
+        if isinstance(current, CheckpointException):  # DCP keeps each rank's (exception, stack summary)
+            pending.extend(failure[0] for failure in current.failures.values() if isinstance(failure, tuple) and failure)
 
 
 def _retries() -> int:

@@ -25,7 +25,7 @@ from . import manifest as manifest_format
 from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
 from .metrics import CheckpointRecord, RunCounters
-from .persist import SaveMeta, SaveResult, persist_checkpoint
+from .persist import SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import StagingBuffers
 from .storage import FaultHook
 
@@ -246,6 +246,9 @@ class CheckpointSaver:
         finally:
             job.state = {}
             self._free_slots.put(job.slot)
+        if result.error is not None:
+            # kept (first error, records): its frames, finished now, must not keep the save's objects alive
+            release_frames(result.error)
         record = job.record
         record.outcome = metrics.COMMITTED if result.committed else metrics.FAILED
         record.checkpoint_id, record.path = result.checkpoint_id, result.path

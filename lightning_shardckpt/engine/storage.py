@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import math
 import pickle
 import random
@@ -40,6 +41,8 @@ from . import fsio, safe_pickle
 from .checksum import HashingWriter, checksum
 from .config import VerifyConfig
 from .layout import DCP_METADATA, join, shard_filename
+
+log = logging.getLogger(__name__)
 
 # Named points where tests inject failures (a rank raising or dying); None in production.
 FaultHook = Callable[[str], None]
@@ -105,13 +108,56 @@ def save_record(tensor: torch.Tensor, stream: Any) -> None:
     thread's saves too, so the record is written through torch's writer directly; on a torch without
     that internal signature it falls back to torch.save.
     """
+    sink = _RecordSink(stream)
     try:
-        writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+        writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
     except (AttributeError, TypeError):
         torch.save(tensor, stream)
         return
-    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
+    try:
+        torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        writer.write_end_of_file()
+    except BaseException:
+        _discard(writer, sink)
+        raise
+    finally:
+        del writer  # the only owner: nothing but the (finalised) record writer's own frames may outlive this call
+
+
+class _RecordSink:
+    """The stream a record writer writes through; once `cut`, it accepts and drops every write.
+
+    A `torch._C.PyTorchFileWriter` that was never finalised writes its end-of-file records from its C++
+    destructor; when that write fails (the storage that failed a moment ago, still full) the destructor
+    throws and the process aborts with SIGABRT, at whatever garbage collection or interpreter exit
+    drops the last reference. A failed record is therefore finalised at once into a cut sink: nothing
+    more reaches storage, and the destructor has nothing left to do.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._cut = False
+
+    def cut(self) -> None:
+        self._cut = True
+
+    def write(self, data: Any) -> int:
+        if self._cut:
+            return memoryview(data).nbytes
+        return self._stream.write(data)
+
+    def flush(self) -> None:
+        if not self._cut:
+            self._stream.flush()
+
+
+def _discard(writer: Any, sink: _RecordSink) -> None:
+    """Finalise a record writer whose record failed, writing nothing more (see _RecordSink)."""
+    sink.cut()
+    try:
+        writer.write_end_of_file()
+    except Exception:  # its position no longer matches the stream; torch marks it finalised all the same
+        log.debug("finalising a failed tensor record raised", exc_info=True)
 
 
 def choose_chunks_to_verify(lengths: list[int], policy: VerifyConfig, rng: random.Random) -> list[int]:
