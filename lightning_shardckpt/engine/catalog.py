@@ -2,6 +2,16 @@
 
 Readers trust manifests, never the `latest` pointer alone: a stale or missing pointer falls back to
 the newest committed directory.
+
+Listing reads each committed directory's small commit record (`commit.json`, format v2), never its
+tensor table: the full manifest is read only when a checkpoint is opened (`entry.manifest`). A v1
+directory has no record; its manifest is parsed once to list it and not kept.
+
+Order is commit order, not step order. Within a run (one `run_id`) it is the commit sequence number
+`seq` (the run's previous commit's + 1; v1 checkpoints, which have none, come before every v2 one and
+go by `created_at`). Across runs it is `created_at`. `latest` is the newest commit of the resuming run
+when its id is known, else of the run that committed last: after a rollback (resume from step 6 while
+step 9 exists) the new branch's commits are newer than step 9, whatever their steps.
 """
 
 from __future__ import annotations
@@ -11,11 +21,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import CheckpointNotFound, ShardCkptError
+from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
 from . import fsio, retry
 from . import manifest as manifest_format
 from .fsio import Location
-from .layout import LATEST, MANIFEST, join, parse_dirname
+from .layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
+from .manifest_schema import parse_time
 
 log = logging.getLogger(__name__)
 
@@ -24,49 +35,147 @@ COMMITTED, UNCOMMITTED, CORRUPT = "committed", "uncommitted", "corrupt"
 
 @dataclass
 class CheckpointEntry:
-    """One checkpoint directory in a root."""
+    """One checkpoint directory in a root.
+
+    `record` holds the listing fields (id, step, run_id, parent, seq, created_at, bytes_total) of a
+    committed one; `manifest`, the full manifest, is read and validated on first use.
+    """
 
     name: str
     path: str
     step: int
     checkpoint_id: str
     state: str  # committed | uncommitted | corrupt
-    manifest: dict[str, Any] | None = None
     problem: str | None = None  # why a directory is corrupt
+    record: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    _manifest: dict[str, Any] | None = field(default=None, repr=False)
+    _fs: Any = field(default=None, repr=False, compare=False)  # for reading the manifest on first use
 
     @property
     def committed(self) -> bool:
         return self.state == COMMITTED
 
+    @property
+    def run_id(self) -> str | None:
+        return (self.record or {}).get("run_id")
+
+    @property
+    def seq(self) -> int | None:
+        return (self.record or {}).get("seq")
+
+    @property
+    def created_at(self) -> datetime | None:
+        return parse_time((self.record or {}).get("created_at"))
+
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        """The full, validated manifest of a committed checkpoint (read on first use); None otherwise.
+
+        Raises CheckpointDeleted when the directory went after it was listed, CorruptCheckpoint (and
+        marks the entry corrupt) when the manifest does not validate.
+        """
+        if self._manifest is None and self.committed and self._fs is not None:
+            self._manifest = read_manifest(self._fs, self)
+        return self._manifest
+
+    @manifest.setter
+    def manifest(self, value: dict[str, Any] | None) -> None:
+        self._manifest = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # sent between ranks (loader's pick): the manifest travels, the filesystem handle does not
+        return {**self.__dict__, "_fs": None}
+
 
 def list_checkpoints(location: Location) -> list[CheckpointEntry]:
-    """Every checkpoint directory under the root, oldest step first; manifests parsed and validated."""
+    """Every checkpoint directory under the root, oldest step first; commit records read and validated.
+
+    Costs one listing of the root, one small ranged read per directory (does `manifest.json` exist?)
+    and one small read per committed directory (its commit record); all batched, so concurrent on
+    object stores. Tensor tables are never parsed here.
+    """
     fs, root = location.fs, location.path
     try:
-        names = [path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)]
+        infos = fs.ls(root, detail=True)
     except FileNotFoundError:
         return []
-    entries = [
-        CheckpointEntry(name, join(root, name), parsed.step, parsed.checkpoint_id, UNCOMMITTED)
-        for name in names
-        if (parsed := parse_dirname(name)) is not None
-    ]
-    # one batched read of every manifest (concurrent on object stores); absent means uncommitted
-    documents = fs.cat([join(e.path, MANIFEST) for e in entries], on_error="return") if entries else {}
-    for entry in entries:
-        document = documents.get(join(entry.path, MANIFEST), FileNotFoundError())
-        if isinstance(document, FileNotFoundError):
+    entries = []
+    for info in infos:
+        name = str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+        parsed = parse_dirname(name)
+        if parsed is None:
             continue
-        if isinstance(document, BaseException):
-            raise document  # a transient read error must not make a committed checkpoint look uncommitted
+        entry = CheckpointEntry(name, join(root, name), parsed.step, parsed.checkpoint_id, UNCOMMITTED, _fs=fs)
+        if info.get("type") != "directory":
+            entry.state = CORRUPT
+            entry.problem = f"{entry.path} is a {info.get('type') or 'non-directory'} named like a checkpoint directory; move it out of the root"
+        entries.append(entry)
+    candidates = [entry for entry in entries if entry.state == UNCOMMITTED]
+    with_manifest = _with_manifest(fs, candidates)
+    records = _read_all(fs, [join(entry.path, COMMIT_RECORD) for entry in with_manifest])
+    without_record = []
+    for entry, document in zip(with_manifest, records):
+        if isinstance(document, FileNotFoundError):
+            without_record.append(entry)  # format v1 (or a lost record): list it from the manifest
+            continue
         try:
-            entry.manifest = manifest_format.parse(document, entry.path)
+            entry.record = manifest_format.parse_commit_record(document, entry.path)
             entry.state = COMMITTED
         except ShardCkptError as err:
             entry.state, entry.problem = CORRUPT, str(err)
-    entries.sort(key=lambda e: (e.step, (e.manifest or {}).get("created_at", ""), e.name))
+    documents = _read_all(fs, [join(entry.path, MANIFEST) for entry in without_record])
+    for entry, document in zip(without_record, documents):
+        if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
+            continue
+        try:
+            # parsed to list it, then dropped: a listing never holds every tensor table at once
+            entry.record = manifest_format.record_of_manifest(manifest_format.parse(document, entry.path))
+            entry.state = COMMITTED
+        except ShardCkptError as err:
+            entry.state, entry.problem = CORRUPT, str(err)
+    entries.sort(key=lambda e: (e.step, _timestamp(e), e.name))
     return entries
+
+
+def read_manifest(fs: Any, entry: CheckpointEntry) -> dict[str, Any]:
+    """The full manifest of a listed, committed entry: read, matched against its commit record, validated."""
+    path = join(entry.path, MANIFEST)
+    try:
+        data = retry.call("read", lambda: fs.cat_file(path), target=path)
+    except FileNotFoundError as err:
+        entry.state = UNCOMMITTED
+        raise CheckpointDeleted(
+            f"{entry.path} was deleted after it was listed (retention of a job writing into this root, or a person); "
+            "pick another checkpoint: shardckpt ls " + entry.path.rsplit("/", 1)[0]
+        ) from err
+    try:
+        if entry.record is not None:
+            manifest_format.check_matches_record(data, entry.record, entry.path)
+        return manifest_format.parse(data, entry.path)
+    except ShardCkptError as err:
+        entry.state, entry.problem = CORRUPT, str(err)
+        raise
+
+
+def run_order(entry: CheckpointEntry) -> tuple:
+    """Commit order within one run: seq (v1: none, so first), then commit time, then name."""
+    return (entry.seq or 0, _timestamp(entry), entry.name)
+
+
+def time_order(entry: CheckpointEntry) -> tuple:
+    """Commit order across runs: commit time, then seq, then name."""
+    return (_timestamp(entry), entry.seq or 0, entry.name)
+
+
+def committed_of_run(entries: list[CheckpointEntry], run_id: str | None) -> list[CheckpointEntry]:
+    """The run's committed checkpoints, oldest commit first."""
+    return sorted((e for e in entries if e.committed and e.run_id == run_id), key=run_order)
+
+
+def newest_of_run(entries: list[CheckpointEntry], run_id: str | None) -> CheckpointEntry | None:
+    mine = committed_of_run(entries, run_id)
+    return mine[-1] if mine else None
 
 
 def read_latest_pointer(location: Location) -> str | None:
@@ -77,15 +186,26 @@ def read_latest_pointer(location: Location) -> str | None:
         return None
 
 
-def newest_committed(entries: list[CheckpointEntry]) -> CheckpointEntry | None:
+def newest_committed(entries: list[CheckpointEntry], run_id: str | None = None) -> CheckpointEntry | None:
+    """The latest checkpoint: the newest commit of `run_id` when that run has one, else the newest
+    commit of the run that committed last. Steps do not matter: a rollback's new branch wins."""
+    if run_id is not None:
+        mine = newest_of_run(entries, run_id)
+        if mine is not None:
+            return mine
     committed = [e for e in entries if e.committed]
-    return committed[-1] if committed else None
+    if not committed:
+        return None
+    # the run that committed last, by wall clock; within it, by seq (immune to clock steps between hosts)
+    return newest_of_run(entries, max(committed, key=time_order).run_id)
 
 
-def resolve_latest(location: Location, entries: list[CheckpointEntry] | None = None) -> CheckpointEntry | None:
-    """The newest committed checkpoint; the pointer is only a hint, checked against the listing."""
+def resolve_latest(
+    location: Location, entries: list[CheckpointEntry] | None = None, run_id: str | None = None
+) -> CheckpointEntry | None:
+    """The latest committed checkpoint (see newest_committed); the pointer is only a hint, checked against the listing."""
     entries = list_checkpoints(location) if entries is None else entries
-    newest = newest_committed(entries)
+    newest = newest_committed(entries, run_id)
     pointer = read_latest_pointer(location)
     if newest is not None and pointer != newest.name:
         log.warning(
@@ -95,23 +215,34 @@ def resolve_latest(location: Location, entries: list[CheckpointEntry] | None = N
     return newest
 
 
-def latest_committed_quick(location: Location) -> str | None:
-    """Id of the newest committed checkpoint, for a new manifest's `parent`: the `latest` pointer when
-    it names a committed directory (two small reads), a full listing only when it does not."""
-    pointer = read_latest_pointer(location)
-    parsed = parse_dirname(pointer) if pointer else None
-    manifest = join(location.path, pointer, MANIFEST) if parsed is not None else ""
-    if parsed is not None and retry.call("exists", lambda: location.fs.exists(manifest), target=manifest):
-        return parsed.checkpoint_id
-    newest = newest_committed(list_checkpoints(location))
-    return newest.checkpoint_id if newest else None
+def find(location: Location, which: str | int = "latest", run_id: str | None = None) -> CheckpointEntry:
+    """Pick a committed checkpoint by `latest`, a step number, an id or a directory name; its manifest is read.
+
+    `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
+    picked is deleted meanwhile (another job's retention on this root).
+    """
+    for attempt in (1, 2):
+        entries = list_checkpoints(location)
+        try:
+            return _pick(location, entries, which, run_id)
+        except CheckpointDeleted as err:
+            if which != "latest" or attempt == 2:
+                raise
+            log.warning("%s; resolving `latest` again", err)
+    raise AssertionError("unreachable")
 
 
-def find(location: Location, which: str | int = "latest") -> CheckpointEntry:
-    """Pick a committed checkpoint by `latest`, a step number, an id or a directory name."""
-    entries = list_checkpoints(location)
+def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, run_id: str | None) -> CheckpointEntry:
     if which == "latest":
-        chosen = resolve_latest(location, entries)
+        while True:
+            chosen = resolve_latest(location, entries, run_id)
+            if chosen is None:
+                break
+            try:
+                chosen.manifest  # read and validated now: a corrupt one is never handed out
+                return chosen
+            except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
+                log.warning("%s: skipping %s for `latest`: %s", location.url, chosen.name, err)
     else:
         text = str(which)
         matches = [
@@ -127,14 +258,18 @@ def find(location: Location, which: str | int = "latest") -> CheckpointEntry:
                 + "; it will never be loaded. Pick a committed one: shardckpt ls " + location.url
             )
         chosen = matches[-1] if matches else None
-    if chosen is None:
+        if chosen is not None:
+            chosen.manifest  # read and validated: a corrupt or vanished one raises, naming itself
+            return chosen
         committed = [e.name for e in entries if e.committed]
         hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
         raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
     return chosen
 
 
-def open_checkpoint(url: str, which: str | int = "latest", storage_options: dict | None = None) -> tuple[Location, CheckpointEntry]:
+def open_checkpoint(
+    url: str, which: str | int = "latest", storage_options: dict | None = None, run_id: str | None = None
+) -> tuple[Location, CheckpointEntry]:
     """Accept a root (with `which`) or a checkpoint directory itself; return its root and entry."""
     location = fsio.resolve(url, storage_options)
     if parse_dirname(location.path) is not None:
@@ -143,26 +278,73 @@ def open_checkpoint(url: str, which: str | int = "latest", storage_options: dict
         return root_location, find(root_location, name)
     if not location.fs.exists(location.path):
         raise CheckpointNotFound(f"{url} does not exist; check the path (and storage_options for remote storage)")
-    return location, find(location, which)
+    return location, find(location, which, run_id)
 
 
 def age_seconds(entry: CheckpointEntry, location: Location) -> float | None:
-    """Seconds since the checkpoint was created (manifest time) or last written to (uncommitted)."""
+    """Seconds since the checkpoint was committed (record time) or last written to (uncommitted)."""
     now = datetime.now(timezone.utc)
-    if entry.manifest is not None:
-        return (now - datetime.fromisoformat(entry.manifest["created_at"])).total_seconds()
+    if entry.created_at is not None:
+        return (now - entry.created_at).total_seconds()
+    try:
+        infos = location.fs.ls(entry.path, detail=True) or []
+    except (FileNotFoundError, NotADirectoryError):  # gone meanwhile, or a stray file named like a checkpoint
+        return None
     newest = None
-    for info in location.fs.ls(entry.path, detail=True) or []:
+    for info in infos:
         stamp = _modified(info)
         if stamp is not None and (newest is None or stamp > newest):
             newest = stamp
     return None if newest is None else (now - newest).total_seconds()
 
 
-def size_bytes(entry: CheckpointEntry, location: Location) -> int:
-    if entry.manifest is not None:
-        return manifest_format.total_bytes(entry.manifest)
-    return sum(info.get("size") or 0 for info in location.fs.ls(entry.path, detail=True) if info.get("type") == "file")
+def size_bytes(entry: CheckpointEntry, location: Location) -> int | None:
+    if entry.record is not None:
+        return entry.record["bytes_total"]
+    try:
+        return sum(info.get("size") or 0 for info in location.fs.ls(entry.path, detail=True) if info.get("type") == "file")
+    except (FileNotFoundError, NotADirectoryError):  # gone meanwhile, or a stray file named like a checkpoint
+        return None
+
+
+def _timestamp(entry: CheckpointEntry) -> float:
+    stamp = entry.created_at
+    return stamp.timestamp() if stamp is not None else 0.0
+
+
+def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+    """The entries whose manifest.json exists: one ranged read of its first byte each, batched."""
+    if not entries:
+        return []
+    paths = [join(entry.path, MANIFEST) for entry in entries]
+    results = fs.cat_ranges(paths, [0] * len(paths), [1] * len(paths), on_error="return")
+    present = []
+    for entry, result in zip(entries, results):
+        if isinstance(result, FileNotFoundError):
+            continue
+        if isinstance(result, (IsADirectoryError, NotADirectoryError)):
+            entry.state, entry.problem = CORRUPT, f"{join(entry.path, MANIFEST)} is not a file ({type(result).__name__})"
+        elif isinstance(result, BaseException):
+            raise result  # a transient read error must not make a committed checkpoint look uncommitted
+        else:
+            present.append(entry)
+    return present
+
+
+def _read_all(fs: Any, paths: list[str]) -> list[Any]:
+    """Small files' bytes in `paths` order (concurrent on object stores); FileNotFoundError where absent."""
+    if not paths:
+        return []
+    documents = fs.cat(paths, on_error="return")
+    out = []
+    for path in paths:
+        document = documents.get(path, FileNotFoundError(path))
+        if isinstance(document, (IsADirectoryError, NotADirectoryError)):
+            document = b"<not a file>"  # fails to parse: the entry is reported corrupt, with the reason
+        elif isinstance(document, BaseException) and not isinstance(document, FileNotFoundError):
+            raise document  # transient: never turn a committed checkpoint into an uncommitted one
+        out.append(document)
+    return out
 
 
 def _modified(info: dict[str, Any]) -> datetime | None:

@@ -7,11 +7,15 @@ import uuid
 from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
+# the small commit record listing reads instead of the manifest (v2): written just before the manifest,
+# so it exists whenever the manifest does; on its own it commits nothing
+COMMIT_RECORD = "commit.json"
 DCP_METADATA = ".metadata"  # DCP's own file name: plain `dcp.load` looks for exactly this
 LATEST = "latest"
 OWNER = ".owner.json"  # ROOT/.owner.json: which run writes into this root (see ownership.py)
 SHARD_SUFFIX = ".distcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this writer emits (docs/FORMAT.md)
+READABLE_FORMAT_VERSIONS = (1, 2)  # v1: no commit record, no `seq`; listing parses the manifest itself
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 _DIR_RE = re.compile(r"^step-(?P<step>\d{9,})-(?P<id>[0-9a-f]{8,32})$")

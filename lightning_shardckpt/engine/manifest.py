@@ -1,4 +1,8 @@
-"""Manifest format v1: build, serialize, parse and validate. The spec is docs/FORMAT.md."""
+"""Manifest format v2 (reads v1): build, serialize, parse and validate; and the small commit record.
+
+The spec is docs/FORMAT.md. The commit record (`commit.json`) carries what a listing needs (id, step,
+run, lineage, time, size) so listing a root never parses a tensor table.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint
-from .checksum import checksum_of_checksums
-from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION
+from . import manifest_schema
+from .checksum import checksum, checksum_of_checksums
+from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION, READABLE_FORMAT_VERSIONS, parse_dirname
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
+# copied from the manifest into the commit record: what listing, `latest` and retention decide by
+RECORD_FIELDS = ("format_version", "id", "step", "run_id", "parent", "seq", "created_at")
 IDENTITY_BLOCKS = ("config", "data", "model", "code", "run")
 
 
@@ -50,6 +57,7 @@ def build_manifest(
     identity: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     run_id: str | None = None,
+    seq: int = 1,
 ) -> dict[str, Any]:
     """Describe a fully written checkpoint: every file, tensor chunk and object with its checksum."""
     tensors, objects = [], []
@@ -68,6 +76,7 @@ def build_manifest(
         "format_version": FORMAT_VERSION,
         "id": checkpoint_id,
         "parent": parent,
+        "seq": seq,
         "step": step,
         "epoch": epoch,
         "samples_consumed": samples_consumed,
@@ -90,25 +99,81 @@ def to_bytes(manifest: dict[str, Any]) -> bytes:
 
 
 def parse(data: bytes, where: str) -> dict[str, Any]:
-    """Parse and validate a manifest; the error names `where` and what to do."""
+    """Parse and validate a manifest; the error names `where` and what to do.
+
+    When `where` ends in a checkpoint directory name, the manifest's id and step must match it.
+    """
+    manifest = _json_object(data, where, "manifest")
+    version = _version(manifest, where, "manifest")
+    missing = [name for name in REQUIRED_FIELDS if name not in manifest]
+    if missing:
+        raise CorruptCheckpoint(f"{where}: manifest lacks required fields {missing}; the checkpoint is damaged")
+    problems = manifest_schema.manifest_problems(manifest, parse_dirname(where))
+    if problems:
+        raise CorruptCheckpoint(_invalid(where, "manifest", version, problems))
+    return manifest
+
+
+def build_commit_record(manifest: dict[str, Any], manifest_bytes: bytes) -> dict[str, Any]:
+    """The commit record of `manifest`: its listing fields, its size, and a checksum of its exact bytes."""
+    record = {name: manifest.get(name) for name in RECORD_FIELDS}
+    record["bytes_total"] = total_bytes(manifest)
+    record["manifest_checksum"] = checksum(manifest_bytes)
+    return record
+
+
+def parse_commit_record(data: bytes, where: str) -> dict[str, Any]:
+    """Parse and validate a commit record (the id and step must match the directory in `where`)."""
+    record = _json_object(data, where, "commit record")
+    version = _version(record, where, "commit record")
+    problems = manifest_schema.record_problems(record, parse_dirname(where))
+    if problems:
+        raise CorruptCheckpoint(_invalid(where, "commit record", version, problems))
+    return record
+
+
+def record_of_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A v1 manifest's listing fields, as a commit record holds them (no seq, no manifest checksum)."""
+    record = {name: manifest.get(name) for name in RECORD_FIELDS}
+    record["bytes_total"] = total_bytes(manifest)
+    return record
+
+
+def check_matches_record(manifest_bytes: bytes, record: dict[str, Any], where: str) -> None:
+    """The manifest is the one the commit record was written for (not replaced or edited since)."""
+    expected = record.get("manifest_checksum")
+    if expected is not None and checksum(manifest_bytes) != expected:
+        raise CorruptCheckpoint(
+            f"{where}: manifest does not match its commit record (checksum {checksum(manifest_bytes)}, recorded "
+            f"{expected}); it was edited or replaced after commit. Restore the directory from a replica or load another checkpoint"
+        )
+
+
+def _json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
     try:
-        manifest = json.loads(data)
+        document = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCheckpoint(f"{where}: manifest is not valid JSON ({err}); the checkpoint is damaged, load an older one") from err
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpoint(f"{where}: manifest is not a JSON object; the checkpoint is damaged, load an older one")
-    version = manifest.get("format_version")
-    if not isinstance(version, int):
-        raise CorruptCheckpoint(f"{where}: manifest has no integer format_version; it was not written by lightning_shardckpt")
-    if version > FORMAT_VERSION:
+        raise CorruptCheckpoint(f"{where}: {what} is not valid JSON ({err}); the checkpoint is damaged, load an older one") from err
+    if not isinstance(document, dict):
+        raise CorruptCheckpoint(f"{where}: {what} is not a JSON object; the checkpoint is damaged, load an older one")
+    return document
+
+
+def _version(document: dict[str, Any], where: str, what: str) -> int:
+    version = document.get("format_version")
+    if not manifest_schema.is_int(version) or version < 1:
+        raise CorruptCheckpoint(f"{where}: {what} has no integer format_version; it was not written by lightning_shardckpt")
+    if version not in READABLE_FORMAT_VERSIONS:
         raise IncompatibleCheckpoint(
             f"{where}: manifest format v{version} is newer than this lightning_shardckpt reads (v{FORMAT_VERSION}); "
             "upgrade: pip install -U lightning_shardckpt"
         )
-    missing = [name for name in REQUIRED_FIELDS if name not in manifest]
-    if missing:
-        raise CorruptCheckpoint(f"{where}: manifest lacks required fields {missing}; the checkpoint is damaged")
-    return manifest
+    return version
+
+
+def _invalid(where: str, what: str, version: int, problems: list[str]) -> str:
+    shown = "; ".join(problems[: manifest_schema.MAX_PROBLEMS]) + (" …" if len(problems) > manifest_schema.MAX_PROBLEMS else "")
+    return f"{where}: {what} (format v{version}) is invalid: {shown}. The checkpoint is damaged or was altered; load another one"
 
 
 def expected_checksums(manifest: dict[str, Any]) -> dict[tuple[str, int], tuple[str, str]]:

@@ -28,7 +28,7 @@ from ..engine.fsio import Location
 from ..engine.layout import LATEST, join, parse_dirname
 from ..engine.manifest import IDENTITY_BLOCKS
 from ..engine.metrics import COMMITTED, FAILED, SKIPPED, read_events
-from ..errors import CheckpointNotFound, ConfigError
+from ..errors import CheckpointNotFound, ConfigError, ShardCkptError
 from ..identity.diff import IdentityPolicy, compare
 
 IN_FLIGHT_GRACE_S = 600.0  # an uncommitted directory last written within this is a save still running
@@ -246,7 +246,10 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
 
 def _entry_item(entry: catalog.CheckpointEntry, location: Location, event: dict[str, Any] | None,
                 grace_s: float) -> tuple[float | None, dict[str, Any], dict[str, Any] | None]:
-    manifest = entry.manifest
+    try:
+        manifest = entry.manifest  # read now; a bad or vanished one marks the entry, never stops the timeline
+    except ShardCkptError:
+        manifest = None
     age = catalog.age_seconds(entry, location)
     if age is None and manifest is None:  # an empty directory: the directory's own time
         age = _directory_age(location, entry.path)

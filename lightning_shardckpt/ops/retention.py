@@ -1,4 +1,14 @@
-"""Which committed checkpoints to delete, and deleting one so that no reader sees half of it."""
+"""Which committed checkpoints to delete, and deleting one so that no reader sees half of it.
+
+Retention works per run and in commit order, never across runs and never by step:
+- only the run's own checkpoints (its `run_id`) are candidates: in a shared root another run's are
+  never touched;
+- "the newest N" are the run's N most recent commits (`catalog.run_order`: seq, then time). After a
+  rollback (resume from step 6 while step 9 exists) the new branch's commits are the newest; the
+  abandoned branch's checkpoints (step 9) stay while they are within the window, and age out of it
+  as the new branch commits. They are never `latest` (catalog.newest_committed);
+- the checkpoint just committed is kept whatever the order says.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +21,28 @@ from ..engine.layout import MANIFEST, join
 log = logging.getLogger(__name__)
 
 
-def to_delete(entries: list[catalog.CheckpointEntry], keep_last: int, keep_every_n_steps: int | None) -> list[catalog.CheckpointEntry]:
-    """Committed checkpoints outside the newest `keep_last` and not on a `keep_every_n_steps` multiple.
+def to_delete(
+    entries: list[catalog.CheckpointEntry],
+    keep_last: int,
+    keep_every_n_steps: int | None,
+    *,
+    run_id: str | None = None,
+    just_committed: str | None = None,
+) -> list[catalog.CheckpointEntry]:
+    """The run's committed checkpoints outside its newest `keep_last` commits and not on a
+    `keep_every_n_steps` multiple; never `just_committed` (a directory name).
 
     Uncommitted directories are never touched here (garbage collection owns them), so a checkpoint
-    being written can never be deleted; `keep_last >= 1` always keeps the newest committed one.
+    being written can never be deleted; `keep_last >= 1` always keeps the run's newest commit.
+    `run_id=None`: the run that committed last (in a root with one run, that run).
     """
-    committed = [entry for entry in entries if entry.committed]
+    if run_id is None:
+        newest = catalog.newest_committed(entries)
+        run_id = newest.run_id if newest is not None else None
+    committed = catalog.committed_of_run(entries, run_id)
     keep = {entry.name for entry in committed[-keep_last:]}
+    if just_committed is not None:
+        keep.add(just_committed)
     if keep_every_n_steps:
         keep |= {entry.name for entry in committed if entry.step % keep_every_n_steps == 0}
     return [entry for entry in committed if entry.name not in keep]
@@ -31,9 +55,21 @@ def delete_checkpoint(location: Location, entry: catalog.CheckpointEntry) -> Non
     log.info("retention: deleted %s", entry.path)
 
 
-def apply(location: Location, keep_last: int, keep_every_n_steps: int | None) -> list[str]:
+def apply(
+    location: Location,
+    keep_last: int,
+    keep_every_n_steps: int | None,
+    *,
+    run_id: str | None = None,
+    just_committed: str | None = None,
+) -> list[str]:
+    """Delete the run's checkpoints that fall out of the window (see to_delete); return their names.
+
+    One listing of commit records (no manifest is parsed); safe to run off the training thread.
+    """
     deleted = []
-    for entry in to_delete(catalog.list_checkpoints(location), keep_last, keep_every_n_steps):
+    entries = catalog.list_checkpoints(location)
+    for entry in to_delete(entries, keep_last, keep_every_n_steps, run_id=run_id, just_committed=just_committed):
         delete_checkpoint(location, entry)
         deleted.append(entry.name)
     return deleted

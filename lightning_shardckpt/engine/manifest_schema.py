@@ -1,0 +1,175 @@
+"""Type and value rules for a manifest and a commit record (docs/FORMAT.md §5–6), as lists of problems.
+
+Presence alone is not enough: a step-100 directory copied under the name `step-000000900-…` still
+has every field, and would be listed as step 900. Each check returns readable problems; the caller
+turns them into one CorruptCheckpoint for that checkpoint only.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from .layout import DirName
+
+HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)
+MAX_PROBLEMS = 5  # a broken tensor table would otherwise produce thousands of lines
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An ISO 8601 time with a timezone, or None when `value` is not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        stamp = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return stamp if stamp.tzinfo is not None else None
+
+
+def identity_problems(document: dict[str, Any], dirname: DirName | None) -> list[str]:
+    """id, step, created_at, parent, run_id and seq: the fields a listing orders and matches by."""
+    problems = []
+    checkpoint_id, step = document.get("id"), document.get("step")
+    if not isinstance(checkpoint_id, str):
+        problems.append(f"id is {checkpoint_id!r}, not a string")
+    elif dirname is not None and checkpoint_id != dirname.checkpoint_id:
+        problems.append(f"id {checkpoint_id!r} does not match the directory name's id {dirname.checkpoint_id!r} "
+                        "(a checkpoint copied or renamed?)")
+    if not is_int(step) or step < 0:
+        problems.append(f"step is {step!r}, not an integer >= 0")
+    elif dirname is not None and step != dirname.step:
+        problems.append(f"step {step} does not match the directory name's step {dirname.step} (a checkpoint copied or renamed?)")
+    if parse_time(document.get("created_at")) is None:
+        problems.append(f"created_at {document.get('created_at')!r} is not an ISO 8601 time with a timezone")
+    for name in ("parent", "run_id"):
+        if document.get(name) is not None and not isinstance(document.get(name), str):
+            problems.append(f"{name} is {document.get(name)!r}, not a string or null")
+    seq = document.get("seq")
+    if seq is not None and (not is_int(seq) or seq < 1):
+        problems.append(f"seq is {seq!r}, not an integer >= 1")
+    return problems
+
+
+def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[str]:
+    """Every rule of FORMAT.md §5 a reader relies on; empty when the manifest is sound."""
+    problems = identity_problems(manifest, dirname)
+    if manifest["format_version"] >= 2 and manifest.get("seq") is None:
+        problems.append("seq is missing (required from format v2)")
+    if not isinstance(manifest.get("topology"), dict):
+        problems.append("topology is not an object")
+    for name in ("identity", "verification", "writer", "extra"):
+        if manifest.get(name) is not None and not isinstance(manifest[name], dict):
+            problems.append(f"{name} is not an object")
+    identity = manifest.get("identity")
+    if isinstance(identity, dict):
+        problems.extend(f"identity.{block} is not an object or null" for block, value in identity.items()
+                        if value is not None and not isinstance(value, dict))
+    files = manifest.get("files")
+    names: set[str] = set()
+    if not isinstance(files, list):
+        problems.append("files is not a list")
+    else:
+        for index, item in enumerate(files):
+            problems.extend(f"files[{index}]: {p}" for p in _file_problems(item))
+            if isinstance(item, dict) and isinstance(item.get("path"), str):
+                names.add(item["path"])
+    for table in ("tensors", "objects"):
+        if not isinstance(manifest.get(table), list):
+            problems.append(f"{table} is not a list")
+    if isinstance(manifest.get("tensors"), list):
+        for index, tensor in enumerate(manifest["tensors"]):
+            problems.extend(f"tensors[{index}]: {p}" for p in _tensor_problems(tensor, names))
+            if len(problems) > MAX_PROBLEMS:
+                break
+    if isinstance(manifest.get("objects"), list):
+        for index, item in enumerate(manifest["objects"]):
+            problems.extend(f"objects[{index}]: {p}" for p in _chunk_problems(item, names, tensor_chunk=False))
+            if len(problems) > MAX_PROBLEMS:
+                break
+    return problems
+
+
+def record_problems(record: dict[str, Any], dirname: DirName | None) -> list[str]:
+    """The commit record (FORMAT.md §6): what a listing needs, typed and matching the directory name."""
+    problems = identity_problems(record, dirname)
+    if not is_int(record.get("seq")):
+        problems.append("seq is missing")
+    if not is_int(record.get("bytes_total")) or record["bytes_total"] < 0:
+        problems.append(f"bytes_total is {record.get('bytes_total')!r}, not an integer >= 0")
+    if not isinstance(record.get("manifest_checksum"), str) or not HEX_DIGEST.match(record["manifest_checksum"]):
+        problems.append(f"manifest_checksum is {record.get('manifest_checksum')!r}, not 16 lowercase hex characters")
+    return problems
+
+
+def relative_path_problem(path: Any) -> str | None:
+    """A file name inside the checkpoint directory: relative, no `..`, no backslash, not empty."""
+    if not isinstance(path, str) or not path:
+        return f"path {path!r} is not a non-empty string"
+    parts = path.split("/")
+    if path.startswith("/") or "\\" in path or ":" in parts[0] or any(part in ("", ".", "..") for part in parts):
+        return f"path {path!r} is not a relative path inside the checkpoint directory"
+    return None
+
+
+def _file_problems(item: Any) -> list[str]:
+    if not isinstance(item, dict):
+        return [f"{item!r} is not an object"]
+    problems = []
+    path_problem = relative_path_problem(item.get("path"))
+    if path_problem:
+        problems.append(path_problem)
+    if not is_int(item.get("bytes")) or item["bytes"] < 0:
+        problems.append(f"bytes is {item.get('bytes')!r}, not an integer >= 0")
+    if not _is_digest(item.get("checksum")):
+        problems.append(f"checksum {item.get('checksum')!r} is not 16 lowercase hex characters")
+    return problems
+
+
+def _tensor_problems(tensor: Any, files: set[str]) -> list[str]:
+    if not isinstance(tensor, dict):
+        return [f"{tensor!r} is not an object"]
+    problems = []
+    if not isinstance(tensor.get("fqn"), str):
+        problems.append(f"fqn is {tensor.get('fqn')!r}, not a string")
+    if not _int_list(tensor.get("shape")):
+        problems.append(f"shape {tensor.get('shape')!r} is not a list of integers >= 0")
+    if not isinstance(tensor.get("dtype"), str):
+        problems.append(f"dtype is {tensor.get('dtype')!r}, not a string")
+    chunks = tensor.get("chunks")
+    if not isinstance(chunks, list):
+        return [*problems, "chunks is not a list"]
+    for index, chunk in enumerate(chunks):
+        problems.extend(f"chunks[{index}]: {p}" for p in _chunk_problems(chunk, files, tensor_chunk=True))
+    return problems
+
+
+def _chunk_problems(chunk: Any, files: set[str], *, tensor_chunk: bool) -> list[str]:
+    if not isinstance(chunk, dict):
+        return [f"{chunk!r} is not an object"]
+    problems = []
+    if not tensor_chunk and not isinstance(chunk.get("fqn"), str):
+        problems.append(f"fqn is {chunk.get('fqn')!r}, not a string")
+    if chunk.get("file") not in files:
+        problems.append(f"file {chunk.get('file')!r} is not listed in files")
+    for name in ("offset", "length"):
+        if not is_int(chunk.get(name)) or chunk[name] < 0:
+            problems.append(f"{name} is {chunk.get(name)!r}, not an integer >= 0")
+    if not _is_digest(chunk.get("checksum")):
+        problems.append(f"checksum {chunk.get('checksum')!r} is not 16 lowercase hex characters")
+    if tensor_chunk and not (_int_list(chunk.get("offsets")) and _int_list(chunk.get("sizes"))):
+        problems.append("offsets and sizes must be lists of integers >= 0")
+    return problems
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and HEX_DIGEST.match(value) is not None
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(is_int(item) and item >= 0 for item in value)
