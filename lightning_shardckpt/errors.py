@@ -19,6 +19,10 @@ class CheckpointNotFound(ShardCkptError):
     """No committed checkpoint matches what was asked for."""
 
 
+class CheckpointDeleted(CheckpointNotFound):
+    """A checkpoint went away after it was picked (another job's retention on the root): not corruption."""
+
+
 class CorruptCheckpoint(ShardCkptError):
     """Stored bytes do not match the checksums recorded at commit."""
 

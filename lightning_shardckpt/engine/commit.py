@@ -21,7 +21,7 @@ from . import catalog, fsio, retry
 from . import manifest as manifest_format
 from .fsio import Location
 from .checksum import checksum
-from .layout import DCP_METADATA, LATEST, MANIFEST, join
+from .layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
 from .safe_pickle import DCP_METADATA_FIELD
 from .storage import ChunkReceipt, FaultHook, storage_info_of
 
@@ -128,11 +128,12 @@ class Committer:
         metadata_bytes = pickle.dumps(metadata)
         fsio.write_new_file(fs, join(target.path, DCP_METADATA), metadata_bytes)
 
-        parent = catalog.latest_committed_quick(target.root)
+        parent, seq = lineage(target.root, target.manifest_fields.get("run_id"))
         verification = _verification_summary(target.verify_mode, receipts)
         manifest = manifest_format.build_manifest(
             checkpoint_id=target.checkpoint_id,
             parent=parent,
+            seq=seq,
             step=target.step,
             metadata=metadata,
             receipts=receipts,
@@ -141,10 +142,15 @@ class Committer:
         )
         # v2: readers check .metadata's bytes against this before they unpickle it (safe_pickle.py)
         manifest[DCP_METADATA_FIELD] = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
+        manifest_bytes = manifest_format.to_bytes(manifest)
+        # the commit record before the manifest: whenever a manifest exists, so does its record (what
+        # listing reads); a record alone commits nothing
+        fsio.write_new_file(fs, join(target.path, COMMIT_RECORD), manifest_format.to_bytes(
+            manifest_format.build_commit_record(manifest, manifest_bytes)))
         self._fault("before_manifest")
         try:
             # manifest last: its existence is the commit, so it must follow every shard and .metadata
-            fsio.create_if_absent(fs, join(target.path, MANIFEST), manifest_format.to_bytes(manifest))
+            fsio.create_if_absent(fs, join(target.path, MANIFEST), manifest_bytes)
         except FileExistsError as err:
             raise CommitFailed(
                 f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
@@ -158,6 +164,19 @@ class Committer:
         except Exception:  # committed all the same: readers go by the manifests
             log.warning("committed %s but could not update %s; readers fall back to the manifests", target.path, LATEST, exc_info=True)
         log.info("committed %s (%d files, %d bytes)", target.path, len(manifest["files"]), manifest_format.total_bytes(manifest))
+
+
+def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:
+    """(parent, seq) of the next commit of `run_id`: its newest committed checkpoint and that one's seq + 1.
+
+    From a listing of commit records, never the `latest` pointer: a crash between a manifest and the
+    pointer update leaves the pointer one behind. Runs on the coordinator's background thread.
+    """
+    entries = catalog.list_checkpoints(root)
+    previous = catalog.newest_of_run(entries, run_id) if run_id is not None else catalog.newest_committed(entries)
+    if previous is None:
+        return None, 1
+    return previous.checkpoint_id, (previous.seq or 0) + 1
 
 
 def _verification_summary(mode: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> dict[str, Any]:

@@ -17,13 +17,13 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, ShardCkptError
+from ..errors import CheckpointDeleted, CorruptCheckpoint, IncompatibleCheckpoint, ShardCkptError
 from . import catalog
 from . import manifest as manifest_format
-from .collectives import broadcast_from_coordinator
+from .collectives import broadcast_from_coordinator, rank_and_world
 from .config import LoadConfig
 from .fsio import Location
-from .layout import join
+from .layout import MANIFEST, join, parse_dirname
 from .safe_pickle import DCP_METADATA_FIELD
 from .storage import ShardReader
 
@@ -56,8 +56,25 @@ def load_checkpoint(
     """
     config = config or LoadConfig()
     started = time.perf_counter()
-    # collective "pick-checkpoint": rank 0 decides, so every rank loads the same directory
-    picked = broadcast_from_coordinator("pick-checkpoint", _pick(dirpath, which, config), process_group)
+    try:
+        result = _load_once(state_dict, dirpath, which, config, strict, process_group)
+    except CheckpointDeleted as err:
+        # another job's retention removed what `latest` picked: what is latest now is a fair answer
+        if which != "latest" or parse_dirname(str(dirpath)) is not None:
+            raise
+        log.warning("%s; resolving `latest` again", err)
+        result = _load_once(state_dict, dirpath, which, config, strict, process_group)
+    result.seconds = time.perf_counter() - started
+    log.info("loaded %s (step %d) in %.2fs", result.path, result.step, result.seconds)
+    return result
+
+
+def _load_once(
+    state_dict: dict[str, Any], dirpath: str, which: str | int, config: LoadConfig, strict: bool, process_group: Any
+) -> LoadResult:
+    # collective "pick-checkpoint": rank 0 lists and decides, so every rank loads the same directory
+    is_coordinator = rank_and_world(process_group)[0] == 0
+    picked = broadcast_from_coordinator("pick-checkpoint", _pick(dirpath, which, config) if is_coordinator else None, process_group)
     if isinstance(picked, ShardCkptError):
         raise picked
     root, entry = picked
@@ -76,10 +93,23 @@ def load_checkpoint(
             planner=DefaultLoadPlanner(allow_partial_load=not strict),
         )
     except CheckpointException as err:
+        # every rank got the same failure (DCP gathers them); rank 0 looks whether the checkpoint is still
+        # there, so all ranks raise alike. Retention deletes the manifest first: no manifest, deleted.
+        gone = broadcast_from_coordinator("checkpoint-gone", _gone(root, entry) if is_coordinator else None, process_group)
+        if gone:
+            raise CheckpointDeleted(
+                f"{entry.path} was deleted while it was being loaded (retention of another job writing into "
+                f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
+            ) from err
         raise _unwrap(err, entry.path) from err
-    seconds = time.perf_counter() - started
-    log.info("loaded %s (step %d) in %.2fs", entry.path, entry.step, seconds)
-    return LoadResult(join(root.url, entry.name), entry.checkpoint_id, entry.step, entry.manifest, seconds, reader.bytes_read)
+    return LoadResult(join(root.url, entry.name), entry.checkpoint_id, entry.step, entry.manifest, 0.0, reader.bytes_read)
+
+
+def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:
+    try:
+        return not root.fs.exists(join(entry.path, MANIFEST))
+    except OSError:  # cannot tell: report the original failure
+        return False
 
 
 def _pick(dirpath: str, which: str | int, config: LoadConfig) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:

@@ -351,7 +351,8 @@ class ShardedCheckpoint(Checkpoint):
         for record in records:
             self._log_record(trainer, record, counters)
             if record.outcome == "committed" and self.options.keep_last is not None:
-                retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps)
+                retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps,
+                                run_id=self._run_id, just_committed=record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None)
 
     def _log_record(self, trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int]) -> None:
         if record.outcome == "failed":
