@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch.distributed.checkpoint.state_dict import (
@@ -88,7 +89,13 @@ class ShardedStrategy:
         return get_optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # already loaded in load_checkpoint()
+        """Apply `checkpoint["state_dict"]` (DCP-loaded, resharded) after Lightning's `on_load_checkpoint` hooks ran."""
+        if "state_dict" not in checkpoint:
+            return
+        started = time.perf_counter()
+        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=StateDictOptions(strict=strict))
+        if self.last_load is not None:
+            self.last_load.seconds += time.perf_counter() - started  # time to resume includes applying the weights
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # already loaded in load_checkpoint()
@@ -121,15 +128,24 @@ class ShardedStrategy:
             return _NothingToRestore({"pytorch-lightning_version": pl.__version__})
         module = self.lightning_module
         optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
+        # The model loads into fresh tensors (this rank's shards only), not into the live parameters:
+        # Lightning's on_load_checkpoint hooks see and may edit checkpoint["state_dict"] before
+        # load_model_state_dict applies it, as with a plain Lightning checkpoint.
+        model_target = {key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+                        for key, value in get_model_state_dict(module).items()}
         target = lightning_state.load_target(
-            get_model_state_dict(module), [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+            model_target, [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
         )
-        self.last_load = load_checkpoint(target, root, which, config=self.load_config, process_group=self.checkpoint_group())
-        set_model_state_dict(module, target[lightning_state.MODEL_KEY], options=StateDictOptions(strict=module.strict_loading))
+        strict = module.strict_loading  # Lightning's partial-checkpoint switch: missing keys keep their initial values
+        self.last_load = load_checkpoint(
+            target, root, which, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
+        )
         for index, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
-        self.last_load.seconds = time.perf_counter() - started  # time to resume: pick + read + apply
-        return lightning_state.lightning_rest(target, trust=self.load_config.trust_checkpoint, where=self.last_load.path)
+        checkpoint = lightning_state.lightning_rest(target, trust=self.load_config.trust_checkpoint, where=self.last_load.path)
+        checkpoint["state_dict"] = self._present_in_checkpoint(target[lightning_state.MODEL_KEY])
+        self.last_load.seconds = time.perf_counter() - started  # pick + read; load_model_state_dict adds the apply
+        return checkpoint
 
     def process_dataloader(self, dataloader: Any) -> Any:
         # a sampler whose position survives a resume onto another world size
@@ -193,6 +209,18 @@ class ShardedStrategy:
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
     # --- internals ---
+    def _present_in_checkpoint(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """The loaded model state without keys the checkpoint lacks (possible only with strict_loading=False)."""
+        saved = {entry["fqn"] for entry in self.last_load.manifest.get("tensors", [])}
+        saved |= {entry["fqn"] for entry in self.last_load.manifest.get("objects", [])}
+        missing = sorted(key for key in model_state if f"{lightning_state.MODEL_KEY}.{key}" not in saved)
+        if missing and self.is_global_zero:
+            log.warning(
+                "strict_loading=False: %d model key(s) are not in %s and keep their initialised values: %s",
+                len(missing), self.last_load.path, ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""),
+            )
+        return {key: value for key, value in model_state.items() if key not in missing}
+
     def _adopt_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
         """Without a run id set (no ShardedCheckpoint), the first saver's generated one stays this run's."""
         if self.save_config.run_id is None:

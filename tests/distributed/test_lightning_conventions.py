@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.lightning_conventions import rank_sources_on_rank
+from tests.helpers.lightning_conventions import hooks_on_rank, partial_on_rank, rank_sources_on_rank
 from tests.helpers.spawn import run_ranks
 
 
@@ -25,3 +25,27 @@ def test_state_that_differs_per_rank_is_restored_from_rank_0_like_plain_lightnin
         assert _equal(outcome["sharded"]["model"], rank0), f"rank {rank} restored buffers no rank had at the save"
         assert outcome["plain"]["extra"] == outcome["sharded"]["extra"] == 0  # on_save_checkpoint extras: rank 0's
         assert outcome["plain"]["callback"] == outcome["sharded"]["callback"] == {"rank": 0}
+
+
+def test_checkpoint_hooks_see_and_edit_the_model_state_dict_like_plain_lightning(tmp_path):
+    outcomes = [o.value for o in run_ranks(hooks_on_rank, 2, str(tmp_path), timeout_s=240)]
+    for outcome in outcomes:
+        ema = outcome["ema"]  # EMAWeightAveraging: live weights and the average both come back
+        assert _equal(ema["sharded"]["model"], ema["plain"]["model"])
+        assert _equal(ema["sharded"]["average"], ema["plain"]["average"])
+        assert not _equal(ema["plain"]["model"], ema["plain"]["average"])  # the premise: they differ
+        edit = outcome["edit"]  # on_load_checkpoint's edit of checkpoint["state_dict"] is what gets loaded
+        assert _equal(edit["sharded"]["model"], edit["plain"]["model"])
+        assert torch.equal(edit["sharded"]["model"]["net.2.bias"], edit["saved"]["net.2.bias"] + 1.0)
+
+
+def test_strict_loading_false_loads_a_partial_checkpoint_like_plain_lightning(tmp_path):
+    outcomes = [o.value for o in run_ranks(partial_on_rank, 2, str(tmp_path), timeout_s=240)]
+    for outcome in outcomes:
+        for pattern in ("state_dict", "hook"):
+            plain, sharded, fresh = outcome[pattern]["plain"], outcome[pattern]["sharded"], outcome[pattern]["fresh"]
+            assert _equal(sharded["model"], plain["model"]), pattern
+            backbone = [k for k in fresh if k.startswith("backbone.")]
+            assert all(torch.equal(sharded["model"][k], fresh[k]) for k in backbone), "the backbone keeps its initial values"
+            assert not torch.equal(sharded["model"]["head.weight"], fresh["head.weight"]), "the head is restored"
+    assert any("keep their initialised values" in m and "backbone.0.weight" in m for m in outcomes[0]["log"])

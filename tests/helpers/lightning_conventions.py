@@ -26,7 +26,8 @@ def _data(size: int = 64, batch_size: int = 4, **loader: Any) -> DataLoader:
 
 
 def _own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+    """Every parameter and buffer, also those a module's own state_dict() leaves out."""
+    return {name: value.detach().clone() for name, value in torch.nn.Module.state_dict(module).items()}
 
 
 class AtStart(pl.Callback):
@@ -115,3 +116,114 @@ def rank_sources_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     _resume(world_size, BatchNormModule(), ShardedStrategy(parallelism="ddp"), "latest",
             [ShardedCheckpoint(f"{workdir}/sharded", log_artifact=False), RankState(), sharded], 4)
     return {"saved_plain": _own(plain_module), "saved_sharded": _own(sharded_module), "plain": plain.seen, "sharded": sharded.seen}
+
+
+# --- 2. checkpoint hooks see checkpoint["state_dict"] on save and on load ---
+
+
+class SmallModule(pl.LightningModule):
+    def __init__(self, seed: int = 7, edit_on_load: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.edit_on_load = edit_on_load
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.edit_on_load:  # Lightning applies the weights after this hook: the edit must show
+            checkpoint["state_dict"]["net.2.bias"] = checkpoint["state_dict"]["net.2.bias"] + 1.0
+
+
+def _probe_average(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    ema = next(cb for cb in trainer.callbacks if isinstance(cb, EMAWeightAveraging))
+    return {"average": _own(ema._average_model.module)}
+
+
+def hooks_on_rank(rank: int, world_size: int, workdir: str) -> dict:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    lightning_env(rank, world_size)
+    results: dict[str, Any] = {}
+    # EMA: on save it puts the average in "state_dict" and the live weights beside it; on load it reads both
+    ema = lambda: EMAWeightAveraging(decay=0.5)  # noqa: E731
+    plain_path = _plain_save(world_size, SmallModule(), f"{workdir}/ema-plain", 3, [ema()])
+    _sharded_save(world_size, SmallModule(), f"{workdir}/ema-sharded", 3, [ema()])
+    plain, sharded = AtStart(_probe_average), AtStart(_probe_average)
+    _resume(world_size, SmallModule(seed=8), DDPStrategy(), plain_path, [ema(), plain], 4)
+    _resume(world_size, SmallModule(seed=8), ShardedStrategy(parallelism="ddp"), "latest",
+            [ShardedCheckpoint(f"{workdir}/ema-sharded", log_artifact=False), ema(), sharded], 4)
+    results["ema"] = {"plain": plain.seen, "sharded": sharded.seen}
+    # a module's on_load_checkpoint edits the weights before Lightning applies them
+    plain_path = _plain_save(world_size, SmallModule(), f"{workdir}/edit-plain", 3, [])
+    saved = SmallModule()
+    _sharded_save(world_size, saved, f"{workdir}/edit-sharded", 3, [])
+    plain, sharded = AtStart(), AtStart()
+    _resume(world_size, SmallModule(seed=8, edit_on_load=True), DDPStrategy(), plain_path, [plain], 4)
+    _resume(world_size, SmallModule(seed=8, edit_on_load=True), ShardedStrategy(parallelism="ddp"), "latest",
+            [ShardedCheckpoint(f"{workdir}/edit-sharded", log_artifact=False), sharded], 4)
+    results["edit"] = {"plain": plain.seen, "sharded": sharded.seen, "saved": _own(saved)}
+    return results
+
+
+# --- 3. strict_loading = False: Lightning's partial checkpoint ---
+
+
+class FrozenBackbone(pl.LightningModule):
+    """Lightning's documented pattern: the frozen backbone is not saved, and strict_loading is off.
+
+    `pattern="state_dict"` leaves it out of `state_dict()`; `pattern="hook"` drops it in on_save_checkpoint.
+    """
+
+    def __init__(self, seed: int, pattern: str) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.Linear(16, 16)).requires_grad_(False)
+        self.head = torch.nn.Linear(16, 1)
+        self.pattern = pattern
+        self.strict_loading = False
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        state = super().state_dict(*args, **kwargs)
+        if self.pattern != "state_dict":
+            return state
+        return {key: value for key, value in state.items() if not key.startswith("backbone.")}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.pattern == "hook":
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(torch.relu(self.backbone(batch[0]))).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.head.parameters(), lr=0.05)
+
+
+def partial_on_rank(rank: int, world_size: int, workdir: str) -> dict:
+    import logging
+
+    lightning_env(rank, world_size)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_shardckpt").addHandler(handler)
+    results: dict[str, Any] = {}
+    for pattern in ("state_dict", "hook"):
+        plain_path = _plain_save(world_size, FrozenBackbone(7, pattern), f"{workdir}/{pattern}-plain", 3, [])
+        _sharded_save(world_size, FrozenBackbone(7, pattern), f"{workdir}/{pattern}-sharded", 3, [])
+        plain, sharded = AtStart(), AtStart()
+        _resume(world_size, FrozenBackbone(8, pattern), DDPStrategy(), plain_path, [plain], 4)
+        _resume(world_size, FrozenBackbone(8, pattern), ShardedStrategy(parallelism="ddp"), "latest",
+                [ShardedCheckpoint(f"{workdir}/{pattern}-sharded", log_artifact=False), sharded], 4)
+        # the whole module (backbone included) as each fit started
+        results[pattern] = {"plain": plain.seen, "sharded": sharded.seen, "fresh": _own(FrozenBackbone(8, pattern))}
+    results["log"] = messages
+    return results
+
