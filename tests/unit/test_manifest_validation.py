@@ -1,0 +1,153 @@
+"""Manifests and commit records are validated by type and value; one bad directory never breaks a tool (issue 9, item 8)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+
+from lightning_shardckpt import load_checkpoint
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine import manifest as manifest_format
+from lightning_shardckpt.engine.fsio import resolve
+from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
+from lightning_shardckpt.errors import CheckpointNotFound, CorruptCheckpoint
+from lightning_shardckpt.ops import gc
+from lightning_shardckpt.ops.cli import main
+from tests.helpers.checkpoints import fresh_state, save_checkpoint
+
+
+def dirname_of(manifest: dict) -> str:
+    return checkpoint_dirname(manifest["step"], manifest["id"])
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_no_tool_crashes(capsys, root: str, bad_name: str) -> None:
+    """ls, timeline and gc list the bad directory and go on; inspect/verify of it exit 2 with one line."""
+    code, out, err = run(capsys, "ls", root, "--json")
+    assert code == 0, err
+    rows = {row["name"]: row for row in json.loads(out)["checkpoints"]}
+    assert rows[bad_name]["state"] == "corrupt" and rows[bad_name]["problem"] and not rows[bad_name]["latest"]
+    assert run(capsys, "ls", root)[0] == 0
+    code, out, err = run(capsys, "timeline", root, "--json")
+    assert code == 0, err
+    assert {row["name"]: row["state"] for row in json.loads(out)["checkpoints"]}[bad_name] == "corrupt"
+    assert run(capsys, "gc", root)[0] == 0
+    assert run(capsys, "verify", root)[0] == 0  # the root's latest is a sound checkpoint
+    for command in ("inspect", "verify"):
+        code, out, err = run(capsys, command, os.path.join(root, bad_name))
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("keep_record", [True, False], ids=["v2-with-record", "without-record-like-v1"])
+def test_a_checkpoint_copied_under_a_larger_step_is_corrupt_and_never_latest(tmp_path, capsys, keep_record):
+    root = str(tmp_path / "run")
+    old = save_checkpoint(root, step=100)
+    new = save_checkpoint(root, step=200)
+    copied = checkpoint_dirname(900, old["id"])
+    shutil.copytree(os.path.join(root, dirname_of(old)), os.path.join(root, copied))
+    if not keep_record:
+        os.remove(os.path.join(root, copied, COMMIT_RECORD))
+    location = resolve(root)
+    entries = {e.name: e for e in catalog.list_checkpoints(location)}
+    assert entries[copied].state == catalog.CORRUPT
+    assert "step 100 does not match the directory name's step 900" in entries[copied].problem
+    latest = catalog.find(location, "latest")
+    assert latest.name == dirname_of(new), "the copy must not be latest"
+    target = fresh_state(seed=0)
+    assert load_checkpoint(target, root, "latest").step == 200
+    with pytest.raises(CheckpointNotFound, match="corrupt"):
+        catalog.find(location, 900)
+    assert_no_tool_crashes(capsys, root, copied)
+
+
+MUTATIONS = {
+    "created_at without timezone": (lambda m: m.update(created_at="2026-12-02T14:42:26.274"), "created_at"),
+    "created_at not a time": (lambda m: m.update(created_at="yesterday"), "created_at"),
+    "step a string": (lambda m: m.update(step=str(m["step"])), "step"),
+    "id of another checkpoint": (lambda m: m.update(id="0123456789ab"), "id"),
+    "files not a list": (lambda m: m.update(files={"path": "__0_0.distcp"}), "files is not a list"),
+    "file path escapes": (lambda m: m["files"][0].update(path="../../etc/passwd"), "relative path"),
+    "file path absolute": (lambda m: m["files"][0].update(path="/etc/passwd"), "relative path"),
+    "negative size": (lambda m: m["files"][0].update(bytes=-1), "bytes"),
+    "bad checksum": (lambda m: m["files"][0].update(checksum="XYZ"), "checksum"),
+    "chunk in an unlisted file": (lambda m: m["tensors"][0]["chunks"][0].update(file="__9_0.distcp"), "not listed in files"),
+    "chunk length negative": (lambda m: m["tensors"][0]["chunks"][0].update(length=-5), "length"),
+    "object checksum not hex": (lambda m: m["objects"][0].update(checksum=17), "checksum"),
+    "identity a list": (lambda m: m.update(identity=[]), "identity"),
+    "seq zero": (lambda m: m.update(seq=0), "seq"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_manifest_values_are_validated_and_name_the_field(tmp_path, name):
+    root = str(tmp_path / "run")
+    manifest = save_checkpoint(root, step=3)
+    mutate, expected = MUTATIONS[name]
+    bad = copy.deepcopy(manifest)
+    mutate(bad)
+    where = os.path.join(root, dirname_of(manifest))
+    manifest_format.parse(manifest_format.to_bytes(manifest), where)  # the original is sound
+    with pytest.raises(CorruptCheckpoint, match=expected) as err:
+        manifest_format.parse(manifest_format.to_bytes(bad), where)
+    assert where in str(err.value)
+
+
+def test_a_manifest_edited_after_commit_is_corrupt_and_latest_falls_back(tmp_path, capsys):
+    root = str(tmp_path / "run")
+    old = save_checkpoint(root, step=1)
+    new = save_checkpoint(root, step=2)
+    path = os.path.join(root, dirname_of(new), MANIFEST)
+    edited = dict(new, epoch=99)  # still a valid manifest on its own, but not the one committed
+    os.chmod(path, 0o644)
+    with open(path, "wb") as handle:
+        handle.write(manifest_format.to_bytes(edited))
+    location = resolve(root)
+    assert catalog.find(location, "latest").name == dirname_of(old)
+    with pytest.raises(CorruptCheckpoint, match="does not match its commit record"):
+        catalog.find(location, 2)
+    code, out, err = run(capsys, "inspect", os.path.join(root, dirname_of(new)))
+    assert code == 2 and "commit record" in err
+
+
+def test_a_stray_file_named_like_a_checkpoint_breaks_no_tool(tmp_path, capsys):
+    root = str(tmp_path / "run")
+    good = save_checkpoint(root, step=3)
+    stray = "step-000000999-abcdef012345"
+    with open(os.path.join(root, stray), "w") as handle:
+        handle.write("not a checkpoint\n")
+    location = resolve(root)
+    entries = {e.name: e for e in catalog.list_checkpoints(location)}
+    assert entries[stray].state == catalog.CORRUPT and "named like a checkpoint" in entries[stray].problem
+    assert catalog.find(location, "latest").name == dirname_of(good)
+    assert load_checkpoint(fresh_state(seed=0), root, "latest").step == 3
+    assert [item.action for item in gc.plan(location, 0) if item.name == stray] == ["keep"]
+    assert_no_tool_crashes(capsys, root, stray)
+    assert os.path.isfile(os.path.join(root, stray)), "nothing deletes it"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "not-an-object", "wrong-step"])
+def test_a_bad_commit_record_makes_only_that_checkpoint_corrupt(tmp_path, capsys, damage):
+    root = str(tmp_path / "run")
+    old = save_checkpoint(root, step=1)
+    new = save_checkpoint(root, step=2)
+    path = os.path.join(root, dirname_of(new), COMMIT_RECORD)
+    with open(path) as handle:
+        record = json.load(handle)
+    text = {"garbage": "{not json", "not-an-object": "[1, 2]", "wrong-step": json.dumps({**record, "step": 7})}[damage]
+    os.chmod(path, 0o644)
+    with open(path, "w") as handle:
+        handle.write(text)
+    location = resolve(root)
+    states = {e.step: e.state for e in catalog.list_checkpoints(location)}
+    assert states == {1: "committed", 2: "corrupt"}
+    assert catalog.find(location, "latest").name == dirname_of(old)
+    assert_no_tool_crashes(capsys, root, dirname_of(new))
