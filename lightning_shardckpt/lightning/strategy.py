@@ -271,6 +271,15 @@ class ShardedFSDPStrategy(ShardedStrategy, ModelParallelStrategy):
         ModelParallelStrategy.__init__(self, *args, **kwargs)
         self._init_checkpointing()
 
+    def setup_environment(self) -> None:
+        # Lightning's "auto" sizes are data_parallel=num_nodes, tensor_parallel=devices: on one node a
+        # model sharded over device_mesh["data_parallel"] is neither sharded nor gradient-synced, and the
+        # replicas silently diverge. Ours: data-parallel over every rank unless sizes are given.
+        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
+        )
+        super().setup_environment()
+
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         registry.register(cls.strategy_name, cls, description="FSDP2 with lightning_shardckpt checkpoints")
@@ -280,6 +289,27 @@ def register() -> None:
     for strategy in (ShardedDDPStrategy, ShardedFSDPStrategy):
         if strategy.strategy_name not in StrategyRegistry:
             strategy.register_strategies(StrategyRegistry)
+
+
+def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size: int) -> tuple[int, int]:
+    """(data_parallel_size, tensor_parallel_size) for `world_size` ranks; "auto" fills what is not given."""
+    if data_parallel == "auto" and tensor_parallel == "auto":
+        return world_size, 1
+    if data_parallel == "auto" or tensor_parallel == "auto":
+        given_name, given = ("tensor_parallel_size", tensor_parallel) if data_parallel == "auto" else ("data_parallel_size", data_parallel)
+        if not isinstance(given, int) or given < 1 or world_size % given:
+            raise ConfigError(
+                f"{given_name}={given!r} does not divide the world size {world_size}; give both data_parallel_size "
+                f"and tensor_parallel_size (their product is the world size), or neither (data-parallel over all ranks)"
+            )
+        other = world_size // given
+        return (other, given) if data_parallel == "auto" else (given, other)
+    if data_parallel * tensor_parallel != world_size:
+        raise ConfigError(
+            f"data_parallel_size={data_parallel} × tensor_parallel_size={tensor_parallel} must equal the world size "
+            f"{world_size} (devices × num_nodes); set data_parallel_size={max(world_size // max(tensor_parallel, 1), 1)}"
+        )
+    return data_parallel, tensor_parallel
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

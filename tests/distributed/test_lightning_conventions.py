@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.lightning_conventions import hooks_on_rank, partial_on_rank, rank_sources_on_rank
+from tests.helpers.lightning_conventions import fsdp_mesh_on_rank, hooks_on_rank, partial_on_rank, rank_sources_on_rank
 from tests.helpers.spawn import run_ranks
 
 
@@ -49,3 +49,12 @@ def test_strict_loading_false_loads_a_partial_checkpoint_like_plain_lightning(tm
             assert all(torch.equal(sharded["model"][k], fresh[k]) for k in backbone), "the backbone keeps its initial values"
             assert not torch.equal(sharded["model"]["head.weight"], fresh["head.weight"]), "the head is restored"
     assert any("keep their initialised values" in m and "backbone.0.weight" in m for m in outcomes[0]["log"])
+
+
+def test_fsdp_quickstart_shards_over_every_rank_like_model_parallel_with_explicit_sizes(tmp_path):
+    outcomes = [o.value for o in run_ranks(fsdp_mesh_on_rank, 2, str(tmp_path), timeout_s=240)]
+    for outcome in outcomes:
+        assert outcome["sharded"]["mesh"] == outcome["plain"]["mesh"] == (2, 1)
+        assert outcome["sharded"]["local_rows"] == 8  # Linear(13, 16) split over 2 ranks
+        assert _equal(outcome["sharded"]["full"], outcome["plain"]["full"])
+    assert _equal(outcomes[0]["sharded"]["full"], outcomes[1]["sharded"]["full"])  # one model, not diverged replicas

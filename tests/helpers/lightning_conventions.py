@@ -55,7 +55,8 @@ def _sharded_save(world_size: int, module: pl.LightningModule, root: str, steps:
 
 
 def _resume(world_size: int, module: pl.LightningModule, strategy: Any, ckpt_path: str, callbacks: list, steps: int) -> None:
-    pl.Trainer(strategy=strategy, devices=world_size, max_steps=steps, callbacks=callbacks, **COMMON).fit(
+    saves = any(isinstance(cb, pl.callbacks.Checkpoint) for cb in callbacks)  # else no default ModelCheckpoint in the cwd
+    pl.Trainer(strategy=strategy, devices=world_size, max_steps=steps, callbacks=callbacks, enable_checkpointing=saves, **COMMON).fit(
         module, train_dataloaders=_data(), ckpt_path=ckpt_path)
 
 
@@ -227,3 +228,41 @@ def partial_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     results["log"] = messages
     return results
 
+
+
+# --- 5. the FSDP quickstart shards over every rank ---
+
+
+class QuickstartFSDP(SmallModule):
+    """The README's FSDP quickstart: fully_shard over the mesh's data-parallel dimension."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def fsdp_mesh_on_rank(rank: int, world_size: int, workdir: str) -> dict:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    lightning_env(rank, world_size)
+    results: dict[str, Any] = {}
+    runs = {
+        "plain": ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1),
+        "sharded": ShardedStrategy(parallelism="fsdp"),
+    }
+    for name, strategy in runs.items():
+        module = QuickstartFSDP()
+        callbacks = [ShardedCheckpoint(f"{workdir}/{name}", log_artifact=False)] if name == "sharded" else []
+        pl.Trainer(strategy=strategy, devices=world_size, max_steps=3, callbacks=callbacks, enable_checkpointing=bool(callbacks), **COMMON).fit(module, train_dataloaders=_data())
+        weight = module.net[0].weight
+        results[name] = {
+            "mesh": tuple(strategy.device_mesh.shape),
+            "local_rows": weight.to_local().shape[0],
+            "full": {k: v.full_tensor().clone() for k, v in module.net.state_dict().items()},  # collective, same order on all ranks
+        }
+    return results

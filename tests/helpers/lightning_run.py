@@ -29,10 +29,11 @@ class TinyModule(pl.LightningModule):
             return
         from torch.distributed.fsdp import fully_shard
 
+        mesh = self.device_mesh["data_parallel"]  # the quickstart's: ShardedStrategy's default mesh is (world, 1)
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=self.device_mesh)
-        fully_shard(self.net, mesh=self.device_mesh)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (inputs,) = batch

@@ -1,0 +1,24 @@
+"""ShardedStrategy(parallelism="fsdp") mesh sizes: data-parallel over every rank unless sizes are given."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_shardckpt.errors import ConfigError
+from lightning_shardckpt.lightning.strategy import mesh_sizes
+
+
+def test_no_sizes_shard_over_every_rank():
+    assert mesh_sizes("auto", "auto", 4) == (4, 1)
+
+
+def test_one_size_given_fills_the_other_and_both_given_are_kept():
+    assert mesh_sizes("auto", 2, 4) == (2, 2)
+    assert mesh_sizes(2, "auto", 8) == (2, 4)
+    assert mesh_sizes(1, 4, 4) == (1, 4)
+
+
+@pytest.mark.parametrize("dp,tp", [(3, "auto"), ("auto", 3), (2, 3)])
+def test_sizes_that_do_not_make_the_world_size_are_refused_with_the_fix(dp, tp):
+    with pytest.raises(ConfigError, match="world size 4"):
+        mesh_sizes(dp, tp, 4)
