@@ -313,6 +313,8 @@ class ShardedCheckpoint(Checkpoint):
             metrics.write_json_event(
                 self._location, f"resume-step-{loaded.step:09d}",
                 {"event": "resume", "from": loaded.path, "step": loaded.step, "seconds": loaded.seconds,
+                 "from_id": loaded.checkpoint_id, "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
+                 "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
                  "differences": report.differences, "unrecorded": report.unrecorded},
             )
 

@@ -236,11 +236,13 @@ def _print_timeline(result: dict[str, Any]) -> None:
     table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "VERIFIED", "IDENTITY CHANGED")]
     for row in rows:
         table.append(("*" if row["identity_changed"] else "", str(row["step"]), row["id"] or "-", row["parent"] or "-",
-                      _short_time(row["created_at"]), _human_bytes(row["bytes"]), row["state"],
+                      _short_time(row["created_at"]), _human_bytes(row["bytes"]), _timeline_state(row),
                       _verified(row["verification"]), ", ".join(row["identity_changed"])))
     _print_table(table)
     for row in rows:
-        if row["cause"]:
+        if row.get("resume"):
+            print(f"step {row['step']}: {_resume_line(row['resume'])}")
+        elif row["cause"]:
             print(f"step {row['step']} {row['id'] or '(no id)'}: {row['state']}: {row['cause']}")
     if any(row["state"] == investigate.IN_FLIGHT for row in rows):
         print(f"in-flight: no manifest yet and no failure event, last written less than {result['grace_s']:.0f}s ago (--grace)")
@@ -249,6 +251,26 @@ def _print_timeline(result: dict[str, Any]) -> None:
             before = join(result["root"], row["compared_with"])
             print(f"* step {row['step']} {row['id']}: {', '.join(row['identity_changed'])} changed since {row['compared_with']}; "
                   f"see {PROG} diff {before} {row['path']}")
+
+
+def _timeline_state(row: dict[str, Any]) -> str:
+    resume = row.get("resume")
+    if not resume:
+        return row["state"]
+    before, after = resume.get("world_size_before"), resume.get("world_size_after")
+    return f"{row['state']} {'?' if before is None else before}->{'?' if after is None else after} ranks"
+
+
+def _resume_line(resume: dict[str, Any]) -> str:
+    """`resumed from step-…-<id> on 2 -> 3 ranks in 1.20s`, with what is unknown said as such."""
+    before, after = resume.get("world_size_before"), resume.get("world_size_after")
+    ranks = f"{'?' if before is None else before} -> {'?' if after is None else after} ranks"
+    text = f"resumed from {resume.get('from') or resume.get('from_path') or 'an unknown checkpoint'} on {ranks}"
+    if resume.get("seconds") is not None:
+        text += f" in {resume['seconds']:.2f}s"
+    if resume.get("identity_differences"):
+        text += f"; identity differs: {', '.join(resume['identity_differences'])}"
+    return text
 
 
 def _flatten(value: dict[str, Any] | None, prefix: str = "") -> dict[str, Any]:

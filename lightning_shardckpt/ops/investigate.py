@@ -11,7 +11,8 @@ directory (failed before writing, or skipped), in the order they happened. A dir
 is *failed* when an event says so (with its cause) or when it is older than the grace period; younger and
 without a failure event, it is *in-flight*. Committed checkpoints that retention deleted are not listed.
 Each committed checkpoint is compared with the previous committed one as `diff` would: where a block
-changed, the row's `identity_changed` names it.
+changed, the row's `identity_changed` names it. A run that resumed is a row of its own, state
+*resumed*, with `resume`: the checkpoint it resumed from and the world size before and after.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from ..identity.diff import IdentityPolicy, compare
 
 IN_FLIGHT_GRACE_S = 600.0  # an uncommitted directory last written within this is a save still running
 IN_FLIGHT = "in-flight"
+RESUMED = "resumed"  # a timeline row for a run that resumed from a checkpoint (ROOT/events/resume-*)
+RESUME_EVENT = "resume"  # the `event` of what ShardedCheckpoint writes when a run resumes
 POSITION, TOPOLOGY = "position", "topology"
 COMPARED = ("config", "data", "model", "code", TOPOLOGY)  # what `identical` means
 SHOWN = (POSITION, "config", "data", "model", "code", TOPOLOGY, "run")  # display order
@@ -214,7 +217,9 @@ def _pick(value: dict[str, Any], *keys: str) -> dict[str, Any]:
 def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str, Any]:
     """The root's checkpoints and attempts in the order they happened, with state, cause and identity changes."""
     entries = catalog.list_checkpoints(location)
-    events, events_problem = _read_events(location)
+    all_events, events_problem = _read_events(location)
+    # save attempts only: a resume (or drill) event is about a run, not an attempt, and has no outcome
+    events = [event for event in all_events if event.get("event") is None]
     by_id: dict[str, dict[str, Any]] = {}
     for event in events:  # oldest first: the last event of an id wins
         if event.get("checkpoint_id"):
@@ -229,6 +234,8 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
             continue
         if checkpoint_id is None or by_id[checkpoint_id] is event:  # one row per id: its last event
             items.append(_event_item(event))
+    by_name = {entry.name: entry for entry in entries}
+    items.extend(_resume_item(event, by_name) for event in all_events if event.get("event") == RESUME_EVENT)
     # in the order they happened; an attempt with no time at all goes last
     items.sort(key=lambda item: (item[0] if item[0] is not None else math.inf, item[1]["step"], item[1]["name"] or ""))
     previous: tuple[dict[str, Any], str] | None = None
@@ -240,7 +247,7 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
             row["identity_changed"], row["identity_changes"] = changed_blocks(previous[0], manifest)
             row["compared_with"] = previous[1]
         previous = (manifest, row["name"])
-    return {"root": location.url, "grace_s": grace_s, "events": len(events), "events_problem": events_problem,
+    return {"root": location.url, "grace_s": grace_s, "events": len(all_events), "events_problem": events_problem,
             "checkpoints": [row for _, row, _ in items]}
 
 
@@ -299,6 +306,30 @@ def _event_item(event: dict[str, Any]) -> tuple[float | None, dict[str, Any], No
         "age_s": None if stamp is None else round(time.time() - stamp, 3), "bytes": None,
         "state": SKIPPED if outcome == SKIPPED else FAILED,
         "cause": event.get("cause") or outcome, "verification": None, "event": _event_summary(event),
+    }
+    return stamp, row, None
+
+
+def _resume_item(event: dict[str, Any], by_name: dict[str, catalog.CheckpointEntry]) -> tuple[float | None, dict[str, Any], None]:
+    """A run resumed: from which checkpoint, on how many ranks before and after, how long it took."""
+    stamp = event.get("created_at")
+    source = str(event.get("from") or "")
+    name = source.rstrip("/").rsplit("/", 1)[-1] or None
+    before = event.get("from_world_size")
+    if before is None and name in by_name:  # events written before they carried it: the checkpoint's own topology
+        try:
+            before = ((by_name[name].manifest or {}).get("topology") or {}).get("world_size")
+        except ShardCkptError:
+            before = None
+    parsed = parse_dirname(name) if name else None
+    resume = {"from": name, "from_path": source or None, "from_id": event.get("from_id") or (parsed.checkpoint_id if parsed else None),
+              "world_size_before": before, "world_size_after": event.get("world_size"), "seconds": event.get("seconds"),
+              "identity_differences": sorted(event.get("differences") or {})}
+    row = {
+        "name": None, "path": None, "id": None, "parent": resume["from_id"],
+        "step": event.get("step"), "epoch": None, "created_at": _iso(stamp),
+        "age_s": None if stamp is None else round(time.time() - stamp, 3), "bytes": None,
+        "state": RESUMED, "cause": None, "verification": None, "event": None, "resume": resume,
     }
     return stamp, row, None
 
