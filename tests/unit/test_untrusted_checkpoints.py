@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from lightning_shardckpt import CorruptCheckpoint, LoadConfig, load_checkpoint, verify_checkpoint
 from lightning_shardckpt.engine import safe_pickle
 from lightning_shardckpt.engine.layout import DCP_METADATA, MANIFEST
-from lightning_shardckpt.errors import UntrustedCheckpoint
+from lightning_shardckpt.errors import ShardCkptError, UntrustedCheckpoint
 from lightning_shardckpt.lightning import lightning_state
 from lightning_shardckpt.ops.cli import main
 from lightning_shardckpt.ops.verify import DCP_METADATA_PROBLEM
@@ -245,3 +245,23 @@ def test_lightning_blob_with_hydra_containers_in_hparams_loads_with_trust_off():
     loaded = lightning_state.lightning_rest({lightning_state.LIGHTNING_KEY: blob})
     assert list(loaded["hyper_parameters"]["betas"]) == [0.9, 0.95]
     assert loaded["hyper_parameters"]["model"].name == 0.003
+
+
+def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_a_read(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    manifest = save_checkpoint(root)
+    directory = directory_of(root, manifest)
+    make_v1(directory)
+    path = os.path.join(directory, MANIFEST)
+    edited = json.load(open(path))
+    escaped = "../../../../../../etc/passwd"
+    for item in (edited["files"][0], *edited["objects"], *(c for t in edited["tensors"] for c in t["chunks"])):
+        key = "path" if "path" in item else "file"
+        item[key] = escaped
+    os.remove(path)
+    open(path, "w").write(json.dumps(edited))
+
+    with pytest.raises(ShardCkptError, match=r"etc/passwd"):
+        load_checkpoint(fresh_state(), directory)
+    assert main(["verify", directory]) == 2
+    assert "etc/passwd" in capsys.readouterr().err
