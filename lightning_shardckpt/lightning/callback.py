@@ -136,7 +136,7 @@ class ShardedCheckpoint(Checkpoint):
         self._static_identity = None
         if trainer.strategy.last_load is not None:
             self.last_saved_step = trainer.global_step
-            self._restore_data_position(trainer)
+            self._restore_rng_state(trainer)
             self._compare_identity(trainer, pl_module)
         self._adopt_run_id(trainer)
         self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
@@ -191,7 +191,11 @@ class ShardedCheckpoint(Checkpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_saved_step = state_dict.get("last_saved_step")
-        self._loaded_data_state = {"sampler": state_dict.get("sampler"), "rng": state_dict.get("rng")}
+        self._loaded_data_state = {"rng": state_dict.get("rng")}
+        trainer = self._trainer  # bound in on_fit_start, which Lightning runs before it restores
+        if trainer is not None and isinstance(trainer.strategy, ShardedStrategy):
+            # the strategy applies it as the training loader is built, before Lightning sizes the epoch
+            trainer.strategy.resumed_sampler_state = state_dict.get("sampler")
 
     # --- internals ---
     def _adopt_run_id(self, trainer: pl.Trainer) -> None:
@@ -263,21 +267,14 @@ class ShardedCheckpoint(Checkpoint):
             sampler.mark_consumed(self._pending_batches, batch_size)
         self._pending_batches = 0
 
-    def _restore_data_position(self, trainer: pl.Trainer) -> None:
+    def _restore_rng_state(self, trainer: pl.Trainer) -> None:
         state = self._loaded_data_state or {}
         self._loaded_data_state = None
         rank = rank_and_world()[0]
         if state.get("rng"):
             restore_rng_state(rng_state_for_rank(state["rng"], rank))
-        sampler, _ = train_sampler(trainer)
-        if sampler is None or state.get("sampler") is None:
-            return
-        sampler.load_state_dict(state["sampler"])
-        if sampler.global_position > 0:
-            # The sampler now deals only the unseen rest of the epoch; Lightning must count this
-            # epoch's batches from zero again or it ends the epoch early (its length was the full one).
-            trainer.fit_loop.epoch_loop.batch_progress.current.reset()
-            log.info("rank %d: resuming epoch %d at global sample %d of %d", rank, sampler.epoch, sampler.global_position, sampler.dataset_length)
+        # the sampler's position was restored earlier, as Lightning built the training loader
+        # (ShardedStrategy.process_dataloader), so the epoch is sized and counted as an uninterrupted one
 
     def _current_identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         if self._static_identity is None:

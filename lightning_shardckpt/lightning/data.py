@@ -17,6 +17,9 @@ The rules (docs/FORMAT.md and the README refer here):
   and `num_padded` tells the rank it holds one, e.g. to mask it from a metric.
   drop_last=True: every rank yields R // N; the last R % N samples of the order are not seen this epoch
   (`dropped`). A resumed run on M ranks may drop a different tail (always < M samples).
+- **Length.** `len(sampler)` is a whole epoch's per-rank length on the current world size, also for a
+  pass resumed mid-epoch, which yields only the rest (`num_samples`): Lightning sizes the epoch by it and
+  counts the resumed epoch's batches from where the position stands (`restore_position`).
 - **Consumption.** The position moves only through `mark_consumed`, `load_state_dict` and
   `set_epoch(<another epoch>)`, never because the loader fetched indices: a DataLoader prefetches ahead of
   training, and a batch fetched but not trained on must be seen again after a resume.
@@ -76,7 +79,10 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self.rank_indices())
 
     def __len__(self) -> int:
-        return self.num_samples
+        # the whole epoch's per-rank length on this world size, also for a pass resumed mid-epoch (which
+        # yields only `num_samples`): Lightning sizes the epoch by it, and restore_position
+        # (sampler_injection.py) starts the epoch's batch count where the resumed pass stands
+        return self.epoch_num_samples
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` at position 0; the current epoch again keeps its position (a resume)."""
@@ -189,6 +195,13 @@ class ResumableDistributedSampler(DistributedSampler):
         self._begin_pass()
 
     # --- internals ---
+    @property
+    def epoch_num_samples(self) -> int:
+        """What each rank yields in a whole epoch (a pass from position 0) on this world size."""
+        if self.drop_last:
+            return self.dataset_length // self.num_replicas
+        return math.ceil(self.dataset_length / self.num_replicas)
+
     def _begin_pass(self) -> None:
         self._pass_start = self.global_position
         self._consumed_per_rank = 0

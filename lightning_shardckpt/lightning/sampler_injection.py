@@ -7,6 +7,8 @@ position 0. Samplers of other types (custom ones, Lightning's wrappers) are left
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 from lightning.pytorch.trainer.states import RunningStage
@@ -14,6 +16,8 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .data import ResumableDistributedSampler
+
+log = logging.getLogger(__name__)
 
 
 def use_resumable_sampler(dataloader: Any) -> Any:
@@ -36,3 +40,46 @@ def train_sampler(trainer: Any) -> tuple[ResumableDistributedSampler | None, int
         if isinstance(sampler, ResumableDistributedSampler):
             return sampler, getattr(loader, "batch_size", None)
     return None, None
+
+
+def restore_position(trainer: Any, dataloader: Any, state: dict[str, Any]) -> bool:
+    """Put the training loader's sampler at the saved position, and Lightning's count of the epoch's
+    batches where that position stands, before Lightning sizes the epoch (call from process_dataloader).
+
+    The epoch keeps its full length on this world size (`len(sampler)`), and its batch count starts at
+    (full - remaining) batches, so the rest of the epoch runs like an uninterrupted one: K micro-batches
+    per optimizer step, a step on the epoch's last batch, validation at its end. On the saved world size
+    the count is Lightning's own (the batches applied before the save). False: no resumable sampler.
+    """
+    sampler = _sampler_of(dataloader)
+    if sampler is None:
+        log.warning("the training loader has no resumable sampler: its position in the epoch is not restored")
+        return False
+    sampler.load_state_dict(state)
+    if sampler.global_position == 0:
+        return True  # at an epoch start: Lightning's restored counters are right as they are
+    batch_size = getattr(dataloader, "batch_size", None) or 1
+    drop_last = bool(getattr(dataloader, "drop_last", False))
+    done = _batches(len(sampler), batch_size, drop_last) - _batches(sampler.num_samples, batch_size, drop_last)
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = done - progress.ready
+    # all four counters move together, so Lightning's restart logic (which tells a save at batch end by
+    # completed == processed - 1) reads them as it would have
+    progress.ready += shift
+    progress.started += shift
+    progress.processed += shift
+    progress.completed += shift
+    log.info("resuming epoch %d at global sample %d of %d: batch %d of %d on this rank",
+             sampler.epoch, sampler.global_position, sampler.dataset_length, done, _batches(len(sampler), batch_size, drop_last))
+    return True
+
+
+def _sampler_of(dataloader: Any) -> ResumableDistributedSampler | None:
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, ResumableDistributedSampler):
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+    return sampler if isinstance(sampler, ResumableDistributedSampler) else None
+
+
+def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    return samples // batch_size if drop_last else math.ceil(samples / batch_size)

@@ -33,7 +33,7 @@ from ..engine.loader import LoadResult, load_checkpoint
 from ..engine.saver import CheckpointSaver, PendingSave
 from ..errors import CheckpointNotFound, ConfigError
 from . import lightning_state
-from .sampler_injection import use_resumable_sampler
+from .sampler_injection import restore_position, use_resumable_sampler
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class ShardedStrategy:
         self.checkpoint_root: str | None = None  # set by ShardedCheckpoint: where "latest", steps and ids are looked up
         self.resume_required = False
         self.last_load: LoadResult | None = None
+        self.resumed_sampler_state: dict[str, Any] | None = None  # set by ShardedCheckpoint on load, applied in process_dataloader
         self._group: Any = None
         self._savers: dict[str, CheckpointSaver] = {}
         self.fault_hook: Any = None  # tests only: inject failures at named points of the save (see storage.py)
@@ -149,7 +150,13 @@ class ShardedStrategy:
 
     def process_dataloader(self, dataloader: Any) -> Any:
         # a sampler whose position survives a resume onto another world size
-        return use_resumable_sampler(super().process_dataloader(dataloader))
+        dataloader = use_resumable_sampler(super().process_dataloader(dataloader))
+        trainer = self.lightning_module.trainer
+        if self.resumed_sampler_state is not None and trainer.training:
+            # here, not at on_train_start: Lightning sizes the epoch and creates the iterator right after
+            restore_position(trainer, dataloader, self.resumed_sampler_state)
+            self.resumed_sampler_state = None
+        return dataloader
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.lightning_conventions import fsdp_mesh_on_rank, hooks_on_rank, partial_on_rank, rank_sources_on_rank
+from tests.helpers.lightning_conventions import (
+    fsdp_mesh_on_rank,
+    hooks_on_rank,
+    mid_epoch_on_rank,
+    partial_on_rank,
+    rank_sources_on_rank,
+)
 from tests.helpers.spawn import run_ranks
 
 
@@ -58,3 +64,29 @@ def test_fsdp_quickstart_shards_over_every_rank_like_model_parallel_with_explici
         assert outcome["sharded"]["local_rows"] == 8  # Linear(13, 16) split over 2 ranks
         assert _equal(outcome["sharded"]["full"], outcome["plain"]["full"])
     assert _equal(outcomes[0]["sharded"]["full"], outcomes[1]["sharded"]["full"])  # one model, not diverged replicas
+
+
+def _merged(before: dict, after: dict) -> dict:
+    applied = {e: before["applied"].get(e, []) + after["applied"].get(e, []) for e in set(before["applied"]) | set(after["applied"])}
+    steps = {e: before["steps"].get(e, 0) + after["steps"].get(e, 0) for e in set(before["steps"]) | set(after["steps"])}
+    return {"applied": applied, "steps": steps, "validated_at": before["validated_at"] + after["validated_at"]}
+
+
+def test_mid_epoch_resume_continues_the_epoch_like_an_uninterrupted_run(tmp_path):
+    # 40 samples on 2 ranks, batches of 4: 5 micro-batches per rank and epoch; 2 per step -> steps after
+    # batches 2, 4 and the epoch's last (5). Stopped after step 1, mid-epoch 0.
+    size, accumulate = 40, 2
+    outcomes = [o.value for o in run_ranks(mid_epoch_on_rank, 2, str(tmp_path), size, accumulate, 1, timeout_s=300)]
+    plain = [o["plain"] for o in outcomes]
+    whole = [o["uninterrupted"] for o in outcomes]
+    resumed = [_merged(o["before"], o["after"]) for o in outcomes]
+    assert outcomes[0]["before"]["steps"] == {0: 1}
+    for rank in range(2):
+        assert whole[rank]["validated_at"] == plain[rank]["validated_at"] == [(0, 3), (1, 6)]
+        assert whole[rank]["steps"] == plain[rank]["steps"] == {0: 3, 1: 3}
+        assert resumed[rank]["validated_at"] == whole[rank]["validated_at"], "validation at the resumed epoch's end"
+        assert resumed[rank]["steps"] == whole[rank]["steps"], "K micro-batches per step and a step on the last batch"
+        assert outcomes[rank]["after"]["unapplied"] == []
+    for epoch in (0, 1):  # every sample applied once per epoch, over both ranks
+        applied = sorted(i for r in resumed for i in r["applied"][epoch])
+        assert applied == list(range(size)), f"epoch {epoch}: {applied}"

@@ -266,3 +266,59 @@ def fsdp_mesh_on_rank(rank: int, world_size: int, workdir: str) -> dict:
             "full": {k: v.full_tensor().clone() for k, v in module.net.state_dict().items()},  # collective, same order on all ranks
         }
     return results
+
+
+# --- 4. a mid-epoch resume continues the epoch as an uninterrupted run would ---
+
+
+class EpochLedger(SmallModule):
+    """Per epoch: the sample ids each optimizer step applied, the steps, and where validation ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[int] = []
+        self.applied: dict[int, list[int]] = {}
+        self.steps: dict[int, int] = {}
+        self.validated_at: list[tuple[int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.pending.extend(int(i) for i in batch[1])
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        epoch = self.current_epoch
+        self.applied.setdefault(epoch, []).extend(self.pending)
+        self.steps[epoch] = self.steps.get(epoch, 0) + 1
+        self.pending = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", self.net(batch[0]).pow(2).mean(), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.validated_at.append((self.current_epoch, self.global_step))
+
+    def ledger(self) -> dict[str, Any]:
+        return {"applied": self.applied, "steps": self.steps, "validated_at": self.validated_at, "unapplied": self.pending}
+
+
+def mid_epoch_on_rank(rank: int, world_size: int, workdir: str, size: int, accumulate: int, stop_at: int) -> dict:
+    lightning_env(rank, world_size)
+    common = dict(devices=world_size, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, **COMMON)
+    data = dict(train_dataloaders=_data(size), val_dataloaders=_data(8))
+
+    def fit(strategy: Any, callbacks: list, module: EpochLedger, ckpt_path: Any = None, **limits: Any) -> dict:
+        pl.Trainer(strategy=strategy, callbacks=callbacks, enable_checkpointing=bool(callbacks), **limits, **common).fit(
+            module, **data, ckpt_path=ckpt_path)
+        return module.ledger()
+
+    results = {
+        "plain": fit(DDPStrategy(), [], EpochLedger(), max_epochs=2),
+        "uninterrupted": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/whole", log_artifact=False)],
+                             EpochLedger(), max_epochs=2),
+    }
+    root = f"{workdir}/stopped"
+    results["before"] = fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(root, log_artifact=False)], EpochLedger(),
+                            max_epochs=2, max_steps=stop_at)
+    results["after"] = fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(root, log_artifact=False)], EpochLedger(),
+                           "latest", max_epochs=2)
+    return results

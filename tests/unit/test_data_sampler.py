@@ -227,3 +227,13 @@ def test_rank_beyond_the_saved_world_gets_a_derived_deterministic_distinct_state
     assert _after_restore(derived) == _after_restore(rng_state_for_rank(saved, 3))  # deterministic
     assert _after_restore(derived) != _after_restore(rng_state_for_rank(saved, 2))  # distinct per rank
     assert _after_restore(derived) != _after_restore(saved[0])
+
+
+def test_a_pass_resumed_mid_epoch_keeps_the_epochs_length_and_yields_only_the_rest():
+    sampler = ResumableDistributedSampler(DATASET, 2, 0, seed=SEED)
+    list(sampler)
+    sampler.mark_consumed(3, 4)  # 24 samples of this pass on 2 ranks
+    resumed = ResumableDistributedSampler(DATASET, 3, 1, seed=SEED)
+    resumed.load_state_dict(sampler.state_dict())
+    assert len(resumed) == 35  # ceil(103 / 3): Lightning sizes the epoch by the whole epoch's length
+    assert len(list(resumed)) == resumed.num_samples == 27  # ceil((103 - 24) / 3)
