@@ -247,6 +247,8 @@ class ShardedStrategy:
         return text, "latest"
 
     def _has_committed(self, root: str) -> bool:
+        if parse_dirname(root) is not None:  # a checkpoint directory itself: the loader opens it (or says why not)
+            return True
         location = fsio.resolve(root, self.load_config.storage_options)
         return catalog.newest_committed(catalog.list_checkpoints(location)) is not None
 
