@@ -13,6 +13,7 @@ from .errors import (
     IncompatibleCheckpoint,
     ShardCkptError,
     StorageUnavailable,
+    UntrustedCheckpoint,
 )
 from .lightning.callback import ShardedCheckpoint
 from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
@@ -40,6 +41,7 @@ __all__ = [
     "ShardedFSDPStrategy",
     "ShardedStrategy",
     "StorageUnavailable",
+    "UntrustedCheckpoint",
     "VerifyConfig",
     "VerifyReport",
     "load_checkpoint",
