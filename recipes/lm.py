@@ -236,3 +236,30 @@ def _data_parallel_mesh(mesh):
             )
         return mesh["data_parallel"]
     raise ValueError(f"cannot tell which dimension of the device mesh {names} is data-parallel; name it 'data_parallel'")
+
+
+# -------------------------------------------------------------------------------------- drill probe
+
+PROBE_TEXT = "the fox sees the bridge slowly, and the wind hears a letter. "
+
+
+def probe(model_state: dict[str, torch.Tensor]) -> float:
+    """Restore-drill probe (`checkpoint.drill.probe: lm:probe`): the loss of one fixed sentence.
+
+    Rebuilds the transformer from the state dict's own shapes (so it needs no config), loads the
+    weights and returns the cross-entropy of PROBE_TEXT. The callback records it at save time; a drill
+    recomputes it on the restored weights and compares. One head: the head count changes no parameter
+    shape, and the same function runs at save and at drill time.
+    """
+    state = {name.removeprefix("net."): value for name, value in model_state.items()}
+    vocab_size, d_model = state["tok_emb.weight"].shape
+    seq_len = state["pos_emb.weight"].shape[0]
+    n_layers = len({name.split(".")[1] for name in state if name.startswith("blocks.")})
+    mlp_ratio = state["blocks.0.mlp.0.weight"].shape[0] // d_model
+    net = CharTransformer(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=1, seq_len=seq_len,
+                          mlp_ratio=mlp_ratio, dropout=0.0)
+    net.load_state_dict(state)
+    ids = encode(PROBE_TEXT)[: seq_len + 1]
+    with torch.no_grad():
+        logits = net.eval()(ids[:-1].unsqueeze(0))
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[1:]))

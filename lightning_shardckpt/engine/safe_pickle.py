@@ -97,6 +97,35 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise BlockedGlobal(key)
 
 
+# Classes the rest of a Lightning checkpoint (lightning/lightning_state.py) holds in normal use, named as
+# strings so the engine imports no Lightning (restore drills in ops/ check the same blob), on top of what torch's weights_only
+# loader allows (safe_pickle.torch_safe_globals): hyperparameters are an AttributeDict, and a model built
+# by Hydra's `instantiate` keeps OmegaConf containers in them (recipes/train.py: `betas` is a ListConfig),
+# whose metadata names builtin types. Each is data: unpickling it sets fields and calls nothing else.
+LIGHTNING_STATE_GLOBALS = frozenset({
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning.pytorch.utilities.parsing.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
+    "omegaconf.dictconfig.DictConfig",
+    "omegaconf.listconfig.ListConfig",
+    "omegaconf.base.ContainerMetadata",
+    "omegaconf.base.Metadata",
+    "omegaconf.nodes.AnyNode",
+    "omegaconf.nodes.StringNode",
+    "omegaconf.nodes.IntegerNode",
+    "omegaconf.nodes.FloatNode",
+    "omegaconf.nodes.BooleanNode",
+    "omegaconf.nodes.BytesNode",
+    "omegaconf.nodes.PathNode",
+    "typing.Any",
+    "collections.defaultdict",
+    "builtins.dict", "builtins.list", "builtins.tuple", "builtins.int", "builtins.float", "builtins.str",
+    "builtins.bool", "builtins.bytes", "builtins.object", "builtins.frozenset",
+    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
+})
+
+
 def _is_torch_constant(module: str, name: str) -> bool:
     """torch.float32, torch.strided, torch.contiguous_format: values, never callables that run code."""
     if module != "torch" or "." in name:

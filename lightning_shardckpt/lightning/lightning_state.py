@@ -37,32 +37,6 @@ def load_target(model_state: dict[str, Any], optimizer_states: list[dict[str, An
     }
 
 
-# Classes the rest of a Lightning checkpoint holds in normal use, on top of what torch's weights_only
-# loader allows (safe_pickle.torch_safe_globals): hyperparameters are an AttributeDict, and a model built
-# by Hydra's `instantiate` keeps OmegaConf containers in them (recipes/train.py: `betas` is a ListConfig),
-# whose metadata names builtin types. Each is data: unpickling it sets fields and calls nothing else.
-LIGHTNING_GLOBALS = frozenset({
-    "lightning.fabric.utilities.data.AttributeDict",
-    "lightning.pytorch.utilities.parsing.AttributeDict",
-    "lightning_fabric.utilities.data.AttributeDict",
-    "pytorch_lightning.utilities.parsing.AttributeDict",
-    "omegaconf.dictconfig.DictConfig",
-    "omegaconf.listconfig.ListConfig",
-    "omegaconf.base.ContainerMetadata",
-    "omegaconf.base.Metadata",
-    "omegaconf.nodes.AnyNode",
-    "omegaconf.nodes.StringNode",
-    "omegaconf.nodes.IntegerNode",
-    "omegaconf.nodes.FloatNode",
-    "omegaconf.nodes.BooleanNode",
-    "omegaconf.nodes.BytesNode",
-    "omegaconf.nodes.PathNode",
-    "typing.Any",
-    "collections.defaultdict",
-    "builtins.dict", "builtins.list", "builtins.tuple", "builtins.int", "builtins.float", "builtins.str",
-    "builtins.bool", "builtins.bytes", "builtins.object", "builtins.frozenset",
-    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
-})
 
 
 def lightning_rest(loaded: dict[str, Any], *, trust: bool = False, where: str = "checkpoint") -> dict[str, Any]:
@@ -72,6 +46,6 @@ def lightning_rest(loaded: dict[str, Any], *, trust: bool = False, where: str = 
     load. A blocked class raises UntrustedCheckpoint naming it, the checkpoint and the fix.
     """
     try:
-        return safe_pickle.loads(loaded[LIGHTNING_KEY], LIGHTNING_GLOBALS, trust=trust)
+        return safe_pickle.loads(loaded[LIGHTNING_KEY], safe_pickle.LIGHTNING_STATE_GLOBALS, trust=trust)
     except safe_pickle.BlockedGlobal as err:
         raise safe_pickle.untrusted(where, f"the Lightning state ({LIGHTNING_KEY!r}: loops, callbacks, hyperparameters)", err.name) from err

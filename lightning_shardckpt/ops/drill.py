@@ -49,6 +49,7 @@ class DrillOptions:
     probe: str | None = None  # "module:function": state dict of the model -> float, compared with the saved value
     tolerance: float = 1e-4  # relative tolerance of the probe comparison
     nice: int = NICE_INCREMENT  # added to the drill processes' niceness (0: same priority as training)
+    trust_checkpoint: bool = False  # True: the drill unpickles any class the checkpoint names (trusted checkpoints only)
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -147,8 +148,12 @@ def _start_rank(
     ]
     if options.probe:
         command += ["--probe", options.probe]
+    if options.trust_checkpoint:
+        command.append("--trust")
     threads = str(options.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
+           # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
+           "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
         env.pop(name, None)  # the drill is not part of the training job's world
     nice = options.nice

@@ -1,0 +1,40 @@
+"""Drill a checkpoint root from the command line (options in conf/drill.yaml):
+
+    python recipes/drill.py                                   # the main job's latest checkpoint, 1 rank, lm:probe
+    python recipes/drill.py root=s3://bucket/run-7 which=500 world_size=2
+
+Exit status: 0 when the drill passed, 1 when it failed or could not run (the record says why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+RECIPES_DIR = os.path.dirname(os.path.abspath(__file__))
+if RECIPES_DIR not in sys.path:  # the probe `lm:probe` lives next to this file
+    sys.path.insert(0, RECIPES_DIR)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="drill", version_base="1.3")
+def main(cfg: DictConfig) -> int:
+    from lightning_shardckpt.ops.drill import DrillOptions, run_drill
+
+    options = DrillOptions(
+        world_size=cfg.world_size, timeout_s=cfg.timeout_s, threads=cfg.threads, probe=cfg.probe, tolerance=cfg.tolerance,
+        storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
+    )
+    record = run_drill(str(cfg.which), options, root=cfg.root)
+    print(json.dumps({key: record.get(key) for key in ("checkpoint", "verdict", "cause", "world_size", "writer_world_size",
+                                                         "time_to_resume_s", "read_gbps")}, indent=1))
+    if record["verdict"] != "passed":
+        sys.exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
