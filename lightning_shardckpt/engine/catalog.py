@@ -17,9 +17,13 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
 from . import fsio, retry
@@ -51,6 +55,7 @@ class CheckpointEntry:
     extra: dict[str, Any] = field(default_factory=dict)
     _manifest: dict[str, Any] | None = field(default=None, repr=False)
     _fs: Any = field(default=None, repr=False, compare=False)  # for reading the manifest on first use
+    _created: Any = field(default=None, repr=False, compare=False)
 
     @property
     def committed(self) -> bool:
@@ -66,7 +71,10 @@ class CheckpointEntry:
 
     @property
     def created_at(self) -> datetime | None:
-        return parse_time((self.record or {}).get("created_at"))
+        # parsed once: ordering a listing asks for it many times
+        if self._created is None or self._created[0] is not self.record:
+            self._created = (self.record, parse_time((self.record or {}).get("created_at")))
+        return self._created[1]
 
     @property
     def manifest(self) -> dict[str, Any] | None:
@@ -317,7 +325,10 @@ def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEn
     if not entries:
         return []
     paths = [join(entry.path, MANIFEST) for entry in entries]
-    results = fs.cat_ranges(paths, [0] * len(paths), [1] * len(paths), on_error="return")
+    if isinstance(fs, LocalFileSystem):  # fsspec's per-file open costs more than the read itself: stat directly
+        results = [_stat_local(path) for path in paths]
+    else:
+        results = fs.cat_ranges(paths, [0] * len(paths), [1] * len(paths), on_error="return")
     present = []
     for entry, result in zip(entries, results):
         if isinstance(result, FileNotFoundError):
@@ -331,11 +342,33 @@ def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEn
     return present
 
 
+def _stat_local(path: str) -> Any:
+    try:
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            return IsADirectoryError(path)
+        return b""
+    except (FileNotFoundError, NotADirectoryError) as err:
+        return FileNotFoundError(str(err)) if isinstance(err, NotADirectoryError) else err
+    except OSError as err:
+        return err
+
+
+def _read_local(path: str) -> Any:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as err:
+        return err
+
+
 def _read_all(fs: Any, paths: list[str]) -> list[Any]:
     """Small files' bytes in `paths` order (concurrent on object stores); FileNotFoundError where absent."""
     if not paths:
         return []
-    documents = fs.cat(paths, on_error="return")
+    if isinstance(fs, LocalFileSystem):
+        documents = {path: _read_local(path) for path in paths}
+    else:
+        documents = fs.cat(paths, on_error="return")
     out = []
     for path in paths:
         document = documents.get(path, FileNotFoundError(path))
