@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
 from tests.helpers.lightning_run import lightning_env
 
-COMMON = dict(accelerator="cpu", num_nodes=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+COMMON = {"accelerator": "cpu", "num_nodes": 1, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def _data(size: int = 64, batch_size: int = 4, **loader: Any) -> DataLoader:
@@ -153,7 +153,9 @@ def hooks_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     lightning_env(rank, world_size)
     results: dict[str, Any] = {}
     # EMA: on save it puts the average in "state_dict" and the live weights beside it; on load it reads both
-    ema = lambda: EMAWeightAveraging(decay=0.5)  # noqa: E731
+    def ema() -> EMAWeightAveraging:
+        return EMAWeightAveraging(decay=0.5)
+
     plain_path = _plain_save(world_size, SmallModule(), f"{workdir}/ema-plain", 3, [ema()])
     _sharded_save(world_size, SmallModule(), f"{workdir}/ema-sharded", 3, [ema()])
     plain, sharded = AtStart(_probe_average), AtStart(_probe_average)
@@ -304,7 +306,7 @@ class EpochLedger(SmallModule):
 def mid_epoch_on_rank(rank: int, world_size: int, workdir: str, size: int, accumulate: int, stop_at: int) -> dict:
     lightning_env(rank, world_size)
     common = dict(devices=world_size, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, **COMMON)
-    data = dict(train_dataloaders=_data(size), val_dataloaders=_data(8))
+    data = {"train_dataloaders": _data(size), "val_dataloaders": _data(8)}
 
     def fit(strategy: Any, callbacks: list, module: EpochLedger, ckpt_path: Any = None, **limits: Any) -> dict:
         pl.Trainer(strategy=strategy, callbacks=callbacks, enable_checkpointing=bool(callbacks), **limits, **common).fit(
