@@ -90,3 +90,16 @@ def test_mid_epoch_resume_continues_the_epoch_like_an_uninterrupted_run(tmp_path
     for epoch in (0, 1):  # every sample applied once per epoch, over both ranks
         applied = sorted(i for r in resumed for i in r["applied"][epoch])
         assert applied == list(range(size)), f"epoch {epoch}: {applied}"
+
+
+def test_mid_epoch_resume_on_more_ranks_steps_on_the_last_batch_and_validates_at_the_epochs_end(tmp_path):
+    # stopped after step 1 on 2 ranks (16 of 40 samples); on 3 ranks an epoch is 14 samples = 4 batches
+    # per rank, of which the remaining 24 samples fill the last 2: one step, then validation
+    size, accumulate = 40, 2
+    before = [o.value["before"] for o in run_ranks(mid_epoch_on_rank, 2, str(tmp_path), size, accumulate, 1, "before")]
+    after = [o.value["after"] for o in run_ranks(mid_epoch_on_rank, 3, str(tmp_path), size, accumulate, 1, "after")]
+    for ledger in after:
+        assert ledger["validated_at"] == [(0, 2), (1, 4)]
+        assert ledger["steps"] == {0: 1, 1: 2} and ledger["unapplied"] == []
+    applied = sorted(i for ledger in before + after for i in ledger["applied"][0])
+    assert applied == list(range(size))  # epoch 0: every sample applied once across both world sizes

@@ -303,7 +303,7 @@ class EpochLedger(SmallModule):
         return {"applied": self.applied, "steps": self.steps, "validated_at": self.validated_at, "unapplied": self.pending}
 
 
-def mid_epoch_on_rank(rank: int, world_size: int, workdir: str, size: int, accumulate: int, stop_at: int) -> dict:
+def mid_epoch_on_rank(rank: int, world_size: int, workdir: str, size: int, accumulate: int, stop_at: int, phase: str = "all") -> dict:
     lightning_env(rank, world_size)
     common = dict(devices=world_size, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, **COMMON)
     data = {"train_dataloaders": _data(size), "val_dataloaders": _data(8)}
@@ -313,6 +313,12 @@ def mid_epoch_on_rank(rank: int, world_size: int, workdir: str, size: int, accum
             module, **data, ckpt_path=ckpt_path)
         return module.ledger()
 
+    if phase == "before":  # only the interrupted part, to be resumed by another spawn (another world size)
+        return {"before": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/stopped", log_artifact=False)],
+                              EpochLedger(), max_epochs=2, max_steps=stop_at)}
+    if phase == "after":
+        return {"after": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/stopped", log_artifact=False)],
+                             EpochLedger(), "latest", max_epochs=2)}
     results = {
         "plain": fit(DDPStrategy(), [], EpochLedger(), max_epochs=2),
         "uninterrupted": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/whole", log_artifact=False)],
