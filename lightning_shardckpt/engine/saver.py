@@ -161,17 +161,30 @@ class CheckpointSaver:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait (bounded) for in-flight saves so the run's last checkpoint commits, then stop the worker."""
+        """Wait (bounded) for in-flight saves so the run's last checkpoint commits, then stop and join the worker."""
         timeout = self.config.teardown_timeout_s if timeout is None else timeout
         waiting = [p.step for p in self._in_flight if not p.done()]
         if waiting:
             log.info("rank %d: waiting up to %.0fs for checkpoint(s) of step %s to commit", self.rank, timeout, waiting)
+        deadline = time.monotonic() + timeout
         if not self.wait(timeout):
             log.error("rank %d: checkpoint(s) of step %s did not finish within %.0fs; they stay uncommitted",
                       self.rank, [p.step for p in self._in_flight if not p.done()], timeout)
-        if self._worker is not None and self._worker.is_alive():
+        worker = self._worker
+        if worker is not None and worker.is_alive():
             self._jobs.put(None)
+            # joined, not only told to stop: a worker thread still alive when the caller destroys the checkpoint
+            # group or the interpreter exits aborts the process ("terminate called without an active exception")
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                log.error("rank %d: the checkpoint worker did not stop within %.0fs; its process group must stay until it does",
+                          self.rank, timeout)
         self._raise_first_error()
+
+    @property
+    def stopped(self) -> bool:
+        """True when no worker thread runs (never started, or closed and joined): the group may go."""
+        return self._worker is None or not self._worker.is_alive()
 
     def prepare(self, state_dict: dict[str, Any]) -> bool:
         """Allocate and touch staging memory for a state of this layout, on the background thread.

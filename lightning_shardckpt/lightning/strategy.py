@@ -170,8 +170,9 @@ class ShardedStrategy:
             for saver in savers:
                 saver.close()
         finally:
-            # release the checkpoint group's gloo threads cleanly, unless a save is still running on it
-            if self._group is not None and all(saver.wait(0) for saver in savers):
+            # release the checkpoint group's gloo threads cleanly, only once no saver thread can touch it:
+            # close() joined the workers; one still running (a save past the teardown timeout) keeps the group
+            if self._group is not None and all(saver.wait(0) and saver.stopped for saver in savers):
                 dist.destroy_process_group(self._group)
                 self._group = None
             super().teardown()
