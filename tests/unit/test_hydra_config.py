@@ -191,6 +191,12 @@ def test_default_groups_build_the_callback_and_both_strategies(make_cfg):
     assert isinstance(fsdp, ShardedStrategy) and fsdp.parallelism == "fsdp"
 
 
+def test_trust_checkpoint_is_off_by_default_and_an_override_reaches_the_callback(make_cfg):
+    off = instantiate(make_cfg().checkpoint, _partial_=True)(run_config={})
+    on = instantiate(make_cfg("checkpoint.trust_checkpoint=true").checkpoint, _partial_=True)(run_config={})
+    assert (off.trust_checkpoint, on.trust_checkpoint) == (False, True)
+
+
 # --- "configs read like a manual" (DESIGN.md section 7) ---
 
 CONFIG_FILES = sorted(CONF.rglob("*.yaml"))
