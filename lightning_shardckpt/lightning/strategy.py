@@ -218,14 +218,18 @@ class ShardedStrategy:
 
     # --- internals ---
     def _present_in_checkpoint(self, model_state: dict[str, Any]) -> dict[str, Any]:
-        """The loaded model state without keys the checkpoint lacks (possible only with strict_loading=False)."""
+        """The loaded model state without keys the checkpoint lacks (a load gets here with them only when
+        strict_loading=False); warns naming every model key left as initialised."""
         saved = {entry["fqn"] for entry in self.last_load.manifest.get("tensors", [])}
         saved |= {entry["fqn"] for entry in self.last_load.manifest.get("objects", [])}
-        missing = sorted(key for key in model_state if f"{lightning_state.MODEL_KEY}.{key}" not in saved)
-        if missing and self.is_global_zero:
+        missing = {key for key in model_state if f"{lightning_state.MODEL_KEY}.{key}" not in saved}
+        # also what the module's own state_dict() leaves out (Lightning's frozen-backbone pattern): never loaded
+        module_keys = torch.nn.Module.state_dict(self.lightning_module, keep_vars=True).keys()
+        left = sorted(missing | {key for key in module_keys if f"{lightning_state.MODEL_KEY}.{key}" not in saved})
+        if left and self.is_global_zero:
             log.warning(
                 "strict_loading=False: %d model key(s) are not in %s and keep their initialised values: %s",
-                len(missing), self.last_load.path, ", ".join(missing[:20]) + (", ..." if len(missing) > 20 else ""),
+                len(left), self.last_load.path, ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""),
             )
         return {key: value for key, value in model_state.items() if key not in missing}
 
