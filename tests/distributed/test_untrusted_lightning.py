@@ -6,6 +6,7 @@ sampler) of DDP and FSDP2 checkpoints resumes with trust off in the other Lightn
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,5 +67,5 @@ def test_lightning_state_with_a_blocked_class_is_refused_with_trust_off_and_resu
     # what DCP wrote for a Lightning run reads through the .metadata allow-list
     for name in sorted(os.listdir(root)):
         if name.startswith("step-"):
-            data = open(os.path.join(root, name, DCP_METADATA), "rb").read()
+            data = Path(root, name, DCP_METADATA).read_bytes()
             assert safe_pickle.load_dcp_metadata(data, name).storage_data

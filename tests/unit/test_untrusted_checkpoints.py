@@ -13,12 +13,19 @@ import io
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from lightning_shardckpt import CorruptCheckpoint, LoadConfig, UntrustedCheckpoint, load_checkpoint, verify_checkpoint
+from lightning_shardckpt import (
+    CorruptCheckpoint,
+    LoadConfig,
+    UntrustedCheckpoint,
+    load_checkpoint,
+    verify_checkpoint,
+)
 from lightning_shardckpt.engine import safe_pickle
 from lightning_shardckpt.engine.layout import DCP_METADATA, MANIFEST
 from lightning_shardckpt.errors import ShardCkptError
@@ -57,12 +64,12 @@ def directory_of(root: str, manifest: dict) -> str:
 def make_v1(directory: str) -> None:
     """Rewrite a committed checkpoint as format v1 wrote it: no `.metadata` checksum, no commit record."""
     path = os.path.join(directory, MANIFEST)
-    manifest = json.load(open(path))
+    manifest = json.loads(Path(path).read_text())
     manifest["format_version"] = 1
     for field in (safe_pickle.DCP_METADATA_FIELD, "seq"):
         manifest.pop(field, None)
     os.remove(path)
-    open(path, "w").write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    Path(path).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     if os.path.exists(os.path.join(directory, COMMIT_RECORD)):
         os.remove(os.path.join(directory, COMMIT_RECORD))
 
@@ -70,7 +77,7 @@ def make_v1(directory: str) -> None:
 def replace_metadata(directory: str, data: bytes) -> None:
     path = os.path.join(directory, DCP_METADATA)
     os.remove(path)  # write-once files: replaced, as an attacker with write access would
-    open(path, "wb").write(data)
+    Path(path).write_bytes(data)
 
 
 @pytest.fixture
@@ -90,7 +97,7 @@ def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_th
                       "half": torch.ones(3, dtype=torch.bfloat16), "plain": {"a": [1, 2.5, "x"], "t": (1, None)}}
     root = str(tmp_path / "ckpt")
     manifest = save_checkpoint(root, state=state)
-    data = open(os.path.join(directory_of(root, manifest), DCP_METADATA), "rb").read()
+    data = Path(directory_of(root, manifest), DCP_METADATA).read_bytes()
     metadata = safe_pickle.load_dcp_metadata(data, root, expected=manifest[safe_pickle.DCP_METADATA_FIELD])
     assert set(metadata.state_dict_metadata) == {t["fqn"] for t in manifest["tensors"]} | {o["fqn"] for o in manifest["objects"]}
     assert manifest[safe_pickle.DCP_METADATA_FIELD] == {"checksum": safe_pickle.checksum(data), "bytes": len(data)}
@@ -144,7 +151,7 @@ def test_metadata_pointing_outside_the_checkpoint_directory_is_corrupt_not_a_rea
     manifest = save_checkpoint(root)
     directory = directory_of(root, manifest)
     make_v1(directory)
-    metadata = safe_pickle.load_dcp_metadata(open(os.path.join(directory, DCP_METADATA), "rb").read(), directory)
+    metadata = safe_pickle.load_dcp_metadata(Path(directory, DCP_METADATA).read_bytes(), directory)
     index = next(iter(metadata.storage_data))
     info = metadata.storage_data[index]
     metadata.storage_data[index] = _StorageInfo("../../../../etc/passwd", info.offset, info.length)
@@ -253,13 +260,13 @@ def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_
     directory = directory_of(root, manifest)
     make_v1(directory)
     path = os.path.join(directory, MANIFEST)
-    edited = json.load(open(path))
+    edited = json.loads(Path(path).read_text())
     escaped = "../../../../../../etc/passwd"
     for item in (edited["files"][0], *edited["objects"], *(c for t in edited["tensors"] for c in t["chunks"])):
         key = "path" if "path" in item else "file"
         item[key] = escaped
     os.remove(path)
-    open(path, "w").write(json.dumps(edited))
+    Path(path).write_text(json.dumps(edited))
 
     with pytest.raises(ShardCkptError, match=r"etc/passwd"):
         load_checkpoint(fresh_state(), directory)
