@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..errors import CommitFailed
 from . import catalog, fsio, retry
 from . import manifest as manifest_format
-from .fsio import Location
 from .checksum import checksum
+from .fsio import Location
 from .layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
 from .safe_pickle import DCP_METADATA_FIELD
 from .storage import ChunkReceipt, FaultHook, storage_info_of
