@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[operation].append(result)
         print(f"\n{args.checkpoints} checkpoints x {args.tensors}-tensor manifests, format {args.format}, local disk; "
               f"{args.repeats} fresh processes each: min / median / max")
-        print(f"{'operation':<16}{'seconds':<24}{'extra RSS (MiB)':<24}")
+        print(f"{'operation':<16}{'seconds':<26}{'extra RSS (MiB)'}")
         for operation, rows in results.items():
-            print(f"{operation:<16}{_spread([r['seconds'] for r in rows], '.3f'):<24}"
-                  f"{_spread([r['extra_rss_mib'] for r in rows], '.1f'):<24}")
+            print(f"{operation:<16}{_spread([r['seconds'] for r in rows], '.3f'):<26}"
+                  f"{_spread([r['extra_rss_mib'] for r in rows], '.1f')}")
     finally:
         if not args.root:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -35,6 +35,7 @@ from .manifest_schema import parse_time
 log = logging.getLogger(__name__)
 
 COMMITTED, UNCOMMITTED, CORRUPT = "committed", "uncommitted", "corrupt"
+V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while listing
 
 
 @dataclass
@@ -132,16 +133,17 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
             entry.state = COMMITTED
         except ShardCkptError as err:
             entry.state, entry.problem = CORRUPT, str(err)
-    documents = _read_all(fs, [join(entry.path, MANIFEST) for entry in without_record])
-    for entry, document in zip(without_record, documents):
-        if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
-            continue
-        try:
-            # parsed to list it, then dropped: a listing never holds every tensor table at once
-            entry.record = manifest_format.record_of_manifest(manifest_format.parse(document, entry.path))
-            entry.state = COMMITTED
-        except ShardCkptError as err:
-            entry.state, entry.problem = CORRUPT, str(err)
+    for start in range(0, len(without_record), V1_BATCH):  # batches: a listing never holds every manifest at once
+        batch = without_record[start:start + V1_BATCH]
+        for entry, document in zip(batch, _read_all(fs, [join(entry.path, MANIFEST) for entry in batch])):
+            if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
+                continue
+            try:
+                # parsed to list it, then dropped: only the listing fields are kept
+                entry.record = manifest_format.record_of_manifest(manifest_format.parse(document, entry.path))
+                entry.state = COMMITTED
+            except ShardCkptError as err:
+                entry.state, entry.problem = CORRUPT, str(err)
     entries.sort(key=lambda e: (e.step, _timestamp(e), e.name))
     return entries
 
