@@ -4,7 +4,7 @@
     shardckpt inspect ROOT|DIR             one manifest, summarised
     shardckpt verify ROOT/latest|DIR       full checksum pass; exit 1 names every bad file and tensor
     shardckpt diff A B                     config / data / model / code identity and topology, side by side
-    shardckpt timeline ROOT                every checkpoint and attempt in order: state, cause, identity changes
+    shardckpt timeline ROOT                every checkpoint, attempt and resume in order: state, cause, identity changes
     shardckpt gc ROOT [--yes]              uncommitted directories older than the grace: list (default) or remove
 
 Exit codes: 0 success (verify: sound; diff: identical), 1 verify found problems, diff found differences or
