@@ -175,7 +175,7 @@ def _verify_dcp_metadata(
     try:
         metadata = safe_pickle.load_dcp_metadata(data, directory)  # the allow-list: unpickling runs nothing
     except CorruptCheckpoint as err:  # a blocked class, not Metadata, a path outside: a load cannot start
-        if not altered:  # altered bytes that do not even unpickle: one problem, already reported
+        if not altered or err.problems:  # altered bytes that do not even unpickle: one problem, already reported
             _metadata_problem(err, report)
         return
     listed = {(c["file"], c["offset"]): (fqn, c["length"]) for chunks in chunks_by_file.values() for fqn, c in chunks}

@@ -105,8 +105,10 @@ def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_th
 
 def test_verify_refuses_a_metadata_pickle_that_would_run_a_command_and_the_marker_never_appears(crafted, capsys):
     root, directory, marker = crafted
-    report = verify_checkpoint(root)  # v2: the recorded checksum catches the swap before any unpickling
-    assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM]
+    report = verify_checkpoint(root)  # v2: the recorded checksum catches the swap; the allow-list names the call
+    assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM] * 2
+    assert report.problems[0]["actual"] == safe_pickle.checksum(Path(directory, DCP_METADATA).read_bytes())
+    assert report.problems[1]["actual"] in ("posix.system", "os.system", "nt.system")
     assert not marker.exists()
 
     make_v1(directory)  # no checksum to compare: the allow-list alone must stop it, naming the global
