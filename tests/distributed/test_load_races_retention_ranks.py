@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-
 from lightning_shardckpt import load_checkpoint
 from lightning_shardckpt.engine.storage import ShardReader
 from lightning_shardckpt.errors import CheckpointDeleted
