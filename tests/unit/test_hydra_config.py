@@ -206,7 +206,7 @@ STRUCTURE_KEYS = {"defaults", "hydra", "run", "job"}  # structure, not options: 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(CONF)))
 def test_every_config_file_starts_with_its_command_and_comments_every_option(path):
     lines = path.read_text().splitlines()
-    assert re.match(r"# python recipes/\w+\.py", lines[0]), f"{path.name} must start with the command that uses it"
+    assert lines[0].startswith("# ") and re.search(r"python recipes/\w+\.py", lines[0]), f"{path.name} must start with the command that uses it"
     undocumented = []
     for number, line in enumerate(lines, start=1):
         match = re.match(r"^\s*([A-Za-z_][\w.]*):", line)
