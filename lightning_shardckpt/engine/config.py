@@ -50,6 +50,7 @@ class SaveConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, credentials)
     run_id: str | None = None  # recorded in every manifest and in ROOT/.owner.json; None: the saver generates one
     allow_shared_root: bool = False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
+    keep_failed_attempts: bool = False  # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later); False: the coordinator removes it once every rank saw the save fail
 
     def __post_init__(self) -> None:
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):

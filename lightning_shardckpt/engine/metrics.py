@@ -45,6 +45,7 @@ class CheckpointRecord:
     bytes_total: int | None = None  # all ranks' files (known on the coordinator)
     write_gbps: float = 0.0  # this rank's bytes / write_s, in GB/s
     storage_retries: int = 0  # transient storage errors retried while this save ran (timeouts, 5xx)
+    cleanup: str | None = None  # coordinator, failed save: "removed" (its directory) or "left" (for `shardckpt gc`)
     created_at: float = field(default_factory=time.time)
     manifest: dict[str, Any] | None = field(default=None, repr=False)  # the coordinator's, when committed
 
@@ -63,27 +64,45 @@ class CheckpointRecord:
         return {f"{prefix}{key}": value for key, value in numeric.items()}
 
 
+# housekeeping counters (RunCounters.note): what the engine cleaned up, or could not, around the saves
+FAILED_DIRS_REMOVED = "failed_dirs_removed"  # failed attempts whose directory the coordinator removed
+FAILED_DIRS_LEFT = "failed_dirs_left"  # failed attempts left for `shardckpt gc` (no common verdict, or removal failed)
+RETENTION_ERRORS = "retention_errors"  # retention passes that raised (logged; the next commit's pass retries)
+
+
 class RunCounters:
-    """attempted / committed / failed / skipped over the life of one saver; thread-safe."""
+    """attempted / committed / failed / skipped over the life of one saver, and housekeeping notes; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts = {"attempted": 0, COMMITTED: 0, FAILED: 0, SKIPPED: 0}
+        self._notes: dict[str, int] = {}
 
     def count(self, outcome: str) -> None:
         with self._lock:
             self._counts["attempted"] += 1
             self._counts[outcome] += 1
 
+    def note(self, name: str) -> None:
+        """Count a housekeeping event (FAILED_DIRS_REMOVED, FAILED_DIRS_LEFT, RETENTION_ERRORS)."""
+        with self._lock:
+            self._notes[name] = self._notes.get(name, 0) + 1
+
     def snapshot(self) -> dict[str, int]:
+        """The save outcomes: attempted, committed, failed, skipped."""
         with self._lock:
             return dict(self._counts)
 
+    def notes(self) -> dict[str, int]:
+        """The housekeeping counters that happened at least once."""
+        with self._lock:
+            return dict(self._notes)
 
-def write_event(root: Location, record: CheckpointRecord, counters: dict[str, int]) -> None:
+
+def write_event(root: Location, record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None) -> None:
     """Write the record as this attempt's event file; never raises (metrics must not fail a run)."""
     prefix = f"step-{record.step:09d}-{record.checkpoint_id or 'none'}-{record.outcome}"
-    write_json_event(root, prefix, {**record.as_dict(), "counters": counters})
+    write_json_event(root, prefix, {**record.as_dict(), "counters": counters, **({"housekeeping": notes} if notes else {})})
 
 
 def write_json_event(root: Location, prefix: str, payload: dict[str, Any]) -> None:

@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from ..errors import CommitFailed, ShardCkptError
 from . import retry, topology
-from .collectives import broadcast_from_coordinator, rank_and_world
+from .collectives import broadcast_from_coordinator, is_distributed, rank_and_world
 from .commit import CheckpointTarget, Committer
 from .config import SaveConfig
 from .fsio import Location
-from .layout import checkpoint_dirname, join, new_checkpoint_id
+from .layout import MANIFEST, checkpoint_dirname, join, new_checkpoint_id
 from .storage import FaultHook, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class SaveResult:
     error: BaseException | None = None
     manifest: dict[str, Any] | None = None  # on the coordinator only
     bytes_rank: int = 0
+    cleanup: str | None = None  # coordinator, failed save: REMOVED (its directory) or LEFT (for `shardckpt gc`)
     storage_retries: int = 0  # transient storage errors retried during this save (process-wide count)
     timings: dict[str, float] = field(default_factory=dict)  # write_s, verify_s, commit_s, persist_s
 
@@ -100,6 +101,8 @@ def persist_checkpoint(
         result.error = CommitFailed(f"step {step} did not commit ({target.dirname}): {_root_cause(err)}")
         result.error.__cause__ = err
         log.error("rank %d: %s", rank_and_world(group)[0], result.error)
+        if not config.keep_failed_attempts and committer.manifest is None:
+            result.cleanup = remove_failed_attempt(root, target.path, group, err)
     stats = writer.last_write_stats
     result.bytes_rank = stats.get("bytes", 0)
     result.timings = {
@@ -139,6 +142,39 @@ class RankZeroSavePlanner(DefaultSavePlanner):
                     dropped[rank].add(index)
         kept = [dataclasses.replace(plan, items=[i for i in plan.items if i.index not in dropped[r]]) for r, plan in enumerate(all_plans)]
         return dedup_save_plans(kept, save_to_lowest_rank=False)  # what is still duplicated is identical: balance it
+
+
+REMOVED, LEFT = "removed", "left"
+
+
+def remove_failed_attempt(root: Location, directory: str, group: Any, err: BaseException) -> str | None:
+    """On the coordinator, remove the directory of a save every rank saw fail; REMOVED, LEFT, or None.
+
+    Left behind, a failed attempt holds its partial shards until `shardckpt gc`: on a disk with room
+    for keep_last + 1 checkpoints, one transient disk-full then made every later save fail too.
+    Only DCP's collective verdict (a CheckpointException) proves every rank's write step is over: each
+    rank's result or error was gathered before the coordinator decided. Any other error (a peer that
+    died, a collective timeout) proves nothing, so a rank may still be writing: the directory stays
+    for `shardckpt gc`. A directory whose manifest exists is committed, whatever the save reported,
+    and is never touched. Best effort: a failure to remove is logged and returned as LEFT.
+    """
+    rank, _ = rank_and_world(group)
+    if rank != 0:
+        return None
+    if is_distributed() and not isinstance(err, CheckpointException):
+        log.warning("rank 0: %s stays for `shardckpt gc`: the ranks did not reach a common verdict (%s)", directory, type(err).__name__)
+        return LEFT
+    try:
+        if retry.call("exists", lambda: root.fs.exists(join(directory, MANIFEST)), target=directory):
+            return None  # committed on storage although the save failed after the manifest: never removed
+        retry.call("rm", lambda: root.fs.rm(directory, recursive=True), target=directory)
+    except FileNotFoundError:
+        return None  # the save failed before anything was written
+    except Exception:
+        log.warning("rank 0: could not remove the failed attempt %s; `shardckpt gc` will", directory, exc_info=True)
+        return LEFT
+    log.info("rank 0: removed the failed attempt %s", directory)
+    return REMOVED
 
 
 def release_frames(err: BaseException) -> None:

@@ -25,7 +25,7 @@ from . import manifest as manifest_format
 from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
 from .metrics import CheckpointRecord, RunCounters
-from .persist import SaveMeta, SaveResult, persist_checkpoint, release_frames
+from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import StagingBuffers
 from .storage import FaultHook
 
@@ -271,6 +271,9 @@ class CheckpointSaver:
         record.commit_s = result.timings.get("commit_s", 0.0)
         record.bytes_rank = result.bytes_rank
         record.storage_retries = result.storage_retries
+        record.cleanup = result.cleanup
+        if result.cleanup is not None:
+            self.counters.note(metrics.FAILED_DIRS_REMOVED if result.cleanup == REMOVED else metrics.FAILED_DIRS_LEFT)
         record.bytes_total = manifest_format.total_bytes(result.manifest) if result.manifest else None
         record.manifest = result.manifest
         record.write_gbps = result.bytes_rank / record.write_s / 1e9 if record.write_s > 0 else 0.0
@@ -282,7 +285,7 @@ class CheckpointSaver:
     def _finish(self, record: CheckpointRecord, pending: PendingSave, result: SaveResult) -> None:
         self.counters.count(record.outcome)
         if self.config.write_events and self.rank == 0:
-            metrics.write_event(self.root, record, self.counters.snapshot())
+            metrics.write_event(self.root, record, self.counters.snapshot(), self.counters.notes())
         self._records.append(record)
         for listener in self._listeners:
             try:

@@ -6,7 +6,8 @@ the spawned ranks reach over HTTP with the `storage_options` they are given).
 For every failure point a save is attempted after a committed one, and the test proves, on both:
 (a) the failed attempt is never visible as committed; (b) the previous committed checkpoint stays the
 one `load_checkpoint(..., "latest")` picks, and it loads bit-exact; (c) the failed attempt's directory is
-listed as uncommitted. The exception is the coordinator failing after the manifest: that checkpoint IS
+listed as uncommitted (kept with `keep_failed_attempts=True` where every rank saw the failure, so its
+evidence can be checked; where a rank died there is no common verdict and it stays anyway). The exception is the coordinator failing after the manifest: that checkpoint IS
 committed and readers pick it although `latest` still names the previous one (a stale `latest`).
 
 What differs per backend, because the storage differs:
@@ -213,7 +214,10 @@ def raising_cases_worker(rank, world_size, backend, proxied):
     retry.set_policy(FAST_RETRIES)  # this rank's process: the transient case's retries take no time
     model, optimizer = ts.build("fsdp", seed=1, world_size=world_size)
     hook = FaultHook(backend)
-    config = backend.save_config(verify=VerifyConfig(mode="full"), collective_timeout_s=10, parallelism="fsdp")
+    # keep_failed_attempts: each failure point's evidence (half files, temp manifests) stays to be checked;
+    # by default the coordinator removes a failed attempt (tests/distributed/test_failed_attempt_cleanup.py)
+    config = backend.save_config(verify=VerifyConfig(mode="full"), collective_timeout_s=10, parallelism="fsdp",
+                                 keep_failed_attempts=True)
     saver = CheckpointSaver(backend.url, config, fault_hook=hook)
     references = {}  # step -> full state (rank 0), for bit-exact comparison of what `latest` loads
 

@@ -50,8 +50,10 @@ def test_background_failure_is_counted_and_the_next_save_commits(tmp_path):
     assert not first.committed and "injected storage failure" in str(first.error)
     assert second.committed
     assert saver.counters.snapshot() == {"attempted": 2, "committed": 1, "failed": 1, "skipped": 0}
+    # the failed attempt's directory was removed at once (every rank saw it fail), and counted
+    assert first.cleanup == "removed" and saver.counters.notes() == {"failed_dirs_removed": 1}
     states = {e.step: e.state for e in list_checkpoints(resolve(str(tmp_path)))}
-    assert states == {1: "uncommitted", 2: "committed"}
+    assert states == {2: "committed"}
 
 
 def test_on_error_raise_surfaces_the_first_background_error_at_the_next_save_chained(tmp_path):

@@ -128,3 +128,40 @@ def test_quota_filesystem_refuses_bytes_past_its_budget_and_frees_room_on_delete
     with fs.open(str(tmp_path / "c"), "wb") as handle:
         handle.write(b"z" * 400)
     assert quota_fs.used_bytes(str(tmp_path)) == 1000
+
+
+# --- a failed attempt's directory is removed once every rank saw it fail (issue 9.3) ---
+
+
+def test_a_transient_disk_full_does_not_leave_a_partial_directory_that_fails_every_later_save(tmp_path):
+    """A disk with room for two checkpoints: one fills up (someone else's file), then frees again.
+
+    Left behind, the failed attempt's partial shard takes the room the next save needs: every later
+    save failed with ENOSPC too. Removed by the coordinator, the next save commits.
+    """
+    full = shard_bytes(tmp_path)
+    disk = tmp_path / "disk"
+    options = quota_fs.quota_options(disk, int(2.3 * full))
+    saver = CheckpointSaver(quota_fs.quota_url(disk / "root"), SaveConfig(async_save=False, storage_options=options))
+    assert saver.save(state(), step=1).result().committed
+    ballast = disk / "someone-elses-file"
+    ballast.write_bytes(b"\0" * int(0.9 * full))  # the disk is nearly full for a while
+    failed = saver.save(state(), step=2).result()
+    ballast.unlink()
+    later = saver.save(state(), step=3).result()  # the room for a second checkpoint is free again
+    saver.close()
+
+    assert not failed.committed and "No space left on device" in str(failed.error)
+    assert later.committed, later.error  # the symptom: with the partial directory left, this one failed too
+    assert failed.cleanup == "removed" and not any((disk / "root").glob("step-000000002-*"))
+    assert saver.counters.notes() == {"failed_dirs_removed": 1}
+
+
+def test_a_failed_attempt_is_kept_for_inspection_with_keep_failed_attempts(tmp_path):
+    options = quota_fs.quota_options(tmp_path / "disk", 5_000)
+    config = SaveConfig(async_save=False, storage_options=options, keep_failed_attempts=True)
+    saver = CheckpointSaver(quota_fs.quota_url(tmp_path / "disk"), config)
+    result = saver.save(state(), step=1).result()
+    saver.close()
+    assert not result.committed and result.cleanup is None and saver.counters.notes() == {}
+    assert len(list((tmp_path / "disk").glob("step-000000001-*"))) == 1
