@@ -108,7 +108,8 @@ def run_soak(config: SoakConfig, root: str) -> dict[str, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(config.width, config.width), torch.nn.ReLU(), torch.nn.Linear(config.width, config.width))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hook = RandomFailures(config.failure_rate, seed=config.seed, saves=config.checkpoints)
-    save_config = SaveConfig(run_id=f"soak-{config.seed}", verify=VerifyConfig(seed=config.seed))
+    # failed attempts stay (keep_failed_attempts): the soak checks `shardckpt gc`, the backstop for crashed runs, on them
+    save_config = SaveConfig(run_id=f"soak-{config.seed}", verify=VerifyConfig(seed=config.seed), keep_failed_attempts=True)
     saver = CheckpointSaver(root, save_config, fault_hook=hook)
     location = resolve(root)
     outcomes: dict[int, str] = {}
