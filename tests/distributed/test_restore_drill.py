@@ -17,7 +17,8 @@ import torch
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.checksum import checksum, checksum_of_checksums
 from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.layout import MANIFEST
+from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST
+from lightning_shardckpt.engine.manifest import to_bytes
 from lightning_shardckpt.ops import drill_records
 from lightning_shardckpt.ops.drill import DrillOptions, run_drill
 from tests.helpers import drill_probes
@@ -69,7 +70,11 @@ def _rewrite_tensor(checkpoint: str, fqn: str, replace) -> None:
             file["checksum"] = checksum_of_checksums(
                 [c["checksum"] for _, c in sorted(_chunks_of(manifest, chunk["file"]), key=lambda item: item[0])]
             )
-    (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    manifest_bytes = to_bytes(manifest)
+    (path / MANIFEST).write_bytes(manifest_bytes)
+    record = json.loads((path / COMMIT_RECORD).read_text())  # the commit record vouches for the manifest: lie there too
+    record["manifest_checksum"] = checksum(manifest_bytes)
+    (path / COMMIT_RECORD).write_bytes(to_bytes(record))
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
