@@ -267,14 +267,16 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
                 + (f" ({uncommitted[-1].problem})" if uncommitted[-1].problem else "")
                 + "; it will never be loaded. Pick a committed one: shardckpt ls " + location.url
             )
-        chosen = matches[-1] if matches else None
-        if chosen is not None:
+        if matches:
+            chosen = matches[-1]
             chosen.manifest  # read and validated: a corrupt or vanished one raises, naming itself
             return chosen
-        committed = [e.name for e in entries if e.committed]
-        hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
-        raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
-    return chosen
+    committed = [e.name for e in entries if e.committed]
+    hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
+    corrupt = [e for e in entries if e.state == CORRUPT]
+    if corrupt:
+        hint += f"; corrupt: {corrupt[-1].name} ({corrupt[-1].problem})" + (f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else "")
+    raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
 
 
 def open_checkpoint(

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import CorruptCheckpoint, load_checkpoint
-from lightning_shardckpt.engine.layout import DCP_METADATA
+from lightning_shardckpt.engine import manifest as manifest_format
+from lightning_shardckpt.engine.layout import COMMIT_RECORD, DCP_METADATA
 from lightning_shardckpt.ops.verify import (
     CHUNK_CHECKSUM,
     DCP_METADATA_PROBLEM,
@@ -145,6 +146,10 @@ def test_manifest_whose_chunks_leave_a_gap_is_reported(committed):
     edited["objects"] = []  # the object at offset 0 is no longer listed: bytes 0..n are nobody's
     os.chmod(path, 0o644)
     open(path, "w").write(json.dumps(edited))
+    # as a writer that built it wrong would have: a commit record that matches the wrong manifest
+    record = os.path.join(directory, COMMIT_RECORD)
+    os.chmod(record, 0o644)
+    open(record, "wb").write(manifest_format.to_bytes(manifest_format.build_commit_record(edited, json.dumps(edited).encode())))
 
     report = verify_checkpoint(root)
     tiling = problems_of(report, TILING)
