@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, VerifyConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog, retry
-from lightning_shardckpt.engine.layout import LATEST, MANIFEST, join, shard_filename
+from lightning_shardckpt.engine.layout import COMMIT_RECORD, LATEST, MANIFEST, join, shard_filename
 from tests.helpers import training_state as ts
 from tests.helpers.backends import (
     LOCAL,
@@ -341,7 +341,7 @@ def test_no_failure_point_of_a_raising_rank_exposes_a_partial_checkpoint_or_move
     assert shard_filename(2) not in files["rank_fails_after_half_its_shard"]
     assert shard_filename(0) in files["rank_fails_after_half_its_shard"]
     # the interrupted manifest create: no manifest object, only the pending upload; nothing else pending, ever
-    assert files["coordinator_fails_during_manifest_write"] == [".metadata", *(shard_filename(r) for r in range(WORLD))]
+    assert files["coordinator_fails_during_manifest_write"] == [".metadata", *(shard_filename(r) for r in range(WORLD)), COMMIT_RECORD]
     left_from = [case.name for case in cases].index("coordinator_fails_during_manifest_write")
     for number, case in enumerate(cases):
         expected = [f"{interrupted}/{MANIFEST}"] if number >= left_from else []
@@ -444,7 +444,7 @@ def test_rank_dying_with_os_exit_fails_the_save_on_survivors_without_waiting_for
         if backend.is_s3:
             # died mid-PUT: S3 dropped the request, there is no manifest object, not even a pending upload
             assert not fs.exists(join(root, attempt, MANIFEST))
-            assert names(location, join(root, attempt)) == [".metadata", *(shard_filename(r) for r in range(WORLD))]
+            assert names(location, join(root, attempt)) == [".metadata", *(shard_filename(r) for r in range(WORLD)), COMMIT_RECORD]
         else:
             assert PARTIAL_TMP in names(location, join(root, attempt))
     if fault.point == "mid_shard":
