@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -98,6 +99,7 @@ class ShardedCheckpoint(Checkpoint):
         self._resume_logged = False
         self._staging_prepared = False
         self._run_id: str | None = None  # this run's id, kept across fits of one callback (see _adopt_run_id)
+        self._retention_savers: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention (see _attach_retention)
 
     @property
     def state_key(self) -> str:
@@ -140,6 +142,7 @@ class ShardedCheckpoint(Checkpoint):
             self._compare_identity(trainer, pl_module)
         self._adopt_run_id(trainer)
         self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
+        self._attach_retention(trainer)
         self._log_resume(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -339,19 +342,41 @@ class ShardedCheckpoint(Checkpoint):
             self._previous_sigusr1 = None
 
     def _drain(self, trainer: pl.Trainer) -> None:
-        """Log finished saves and apply retention, on the training thread (rank 0 acts, all ranks drain)."""
+        """Log finished saves, on the training thread (rank 0 logs, all ranks drain); retention runs elsewhere."""
         saver = trainer.strategy._savers.get(self.dirpath)
         if saver is None:
             return
         records = saver.poll_records()
         if not records or not trainer.is_global_zero:
             return
-        counters = saver.counters.snapshot()
+        counters = {**saver.counters.snapshot(), **saver.counters.notes()}  # notes: failed_dirs_removed, retention_errors, ...
         for record in records:
             self._log_record(trainer, record, counters)
-            if record.outcome == "committed" and self.options.keep_last is not None:
-                retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps,
-                                run_id=self._run_id, just_committed=record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None)
+
+    def _attach_retention(self, trainer: pl.Trainer) -> None:
+        """Run retention after each commit on the saver's background thread (rank 0), once per saver.
+
+        Not on the training thread: a listing and deletes cost storage round trips (seconds on S3), and
+        an error there (a manifest another writer just deleted, a transient listing error) must never
+        reach `on_train_batch_end` and fail `fit`.
+        """
+        saver = self._saver(trainer)
+        if self.options.keep_last is None or not trainer.is_global_zero or saver in self._retention_savers:
+            return
+        self._retention_savers.add(saver)
+        saver.add_listener(lambda record: self._apply_retention(saver, record))
+
+    def _apply_retention(self, saver: Any, record: CheckpointRecord) -> None:
+        """After a commit: delete what fell out of the window. Errors are logged and counted, never raised."""
+        if record.outcome != metrics.COMMITTED:
+            return
+        just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
+        try:
+            retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps,
+                            run_id=self._run_id, just_committed=just_committed)
+        except Exception:  # the next commit's pass deletes what this one could not
+            saver.counters.note(metrics.RETENTION_ERRORS)
+            log.warning("retention after the checkpoint of step %d failed; the next commit retries it", record.step, exc_info=True)
 
     def _log_record(self, trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int]) -> None:
         if record.outcome == "failed":
