@@ -29,9 +29,10 @@ def identity_of(model: torch.nn.Module, lr: float, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """Step 1 fails mid-shard; 2 and 3 share an identity; 4 changes the config (lr); 5 changes the model."""
+    """Step 1 fails mid-shard (its directory kept); 2 and 3 share an identity; 4 changes the config (lr); 5 the model."""
     path = str(tmp_path_factory.mktemp("investigate") / "run")
-    saver = CheckpointSaver(path, SaveConfig(async_save=False), fault_hook=FailOnce("mid_shard"))
+    config = SaveConfig(async_save=False, keep_failed_attempts=True)  # the failed attempt stays to be investigated
+    saver = CheckpointSaver(path, config, fault_hook=FailOnce("mid_shard"))
     small, wide = torch.nn.Linear(3, 2), torch.nn.Linear(4, 2)
     plan = [(1, small, 0.1), (2, small, 0.1), (3, small, 0.1), (4, small, 0.2), (5, wide, 0.2)]
     try:
