@@ -134,7 +134,9 @@ def test_on_s3_an_old_failed_save_goes_and_the_committed_one_and_other_objects_s
     from tests.helpers.faults import FailOnce
 
     options = s3_root.storage_options
-    saver = CheckpointSaver(s3_root.url, SaveConfig(storage_options=options), fault_hook=FailOnce("after_write"))
+    # keep_failed_attempts: the saver would remove the failed attempt itself; gc is the backstop checked here
+    config = SaveConfig(storage_options=options, keep_failed_attempts=True)
+    saver = CheckpointSaver(s3_root.url, config, fault_hook=FailOnce("after_write"))
     assert not saver.save({"w": torch.ones(100)}, step=1).result(timeout=60).committed  # its shard object stays
     assert saver.save({"w": torch.ones(100)}, step=2).result(timeout=60).committed
     saver.close()

@@ -165,3 +165,18 @@ def test_a_failed_attempt_is_kept_for_inspection_with_keep_failed_attempts(tmp_p
     saver.close()
     assert not result.committed and result.cleanup is None and saver.counters.notes() == {}
     assert len(list((tmp_path / "disk").glob("step-000000001-*"))) == 1
+
+
+def test_on_s3_a_failed_attempt_is_removed_and_the_committed_one_stays(s3_server, s3_root):
+    from lightning_shardckpt.engine.catalog import list_checkpoints
+    from lightning_shardckpt.engine.fsio import resolve
+    from tests.helpers.faults import FailOnce
+
+    saver = CheckpointSaver(s3_root.url, SaveConfig(storage_options=s3_root.storage_options), fault_hook=FailOnce("after_write"))
+    failed = saver.save(state(), step=1).result(timeout=60)  # its shard object was uploaded, then the rank failed
+    committed = saver.save(state(), step=2).result(timeout=60)
+    saver.close()
+    assert not failed.committed and failed.cleanup == "removed" and committed.committed
+    attempt = failed.path.rstrip("/").rsplit("/", 1)[-1]
+    assert not s3_server.fs.find(f"{s3_root.bucket}/{s3_root.prefix}/{attempt}")
+    assert [(e.step, e.state) for e in list_checkpoints(resolve(s3_root.url, s3_root.storage_options))] == [(2, "committed")]
