@@ -249,8 +249,7 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
             if chosen is None:
                 break
             try:
-                chosen.manifest  # read and validated now: a corrupt one is never handed out
-                return chosen
+                return _with_manifest_read(chosen)  # validated now: a corrupt one is never handed out
             except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
                 log.warning("%s: skipping %s for `latest`: %s", location.url, chosen.name, err)
     else:
@@ -268,15 +267,19 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
                 + "; it will never be loaded. Pick a committed one: shardckpt ls " + location.url
             )
         if matches:
-            chosen = matches[-1]
-            chosen.manifest  # read and validated: a corrupt or vanished one raises, naming itself
-            return chosen
+            return _with_manifest_read(matches[-1])  # a corrupt or vanished one raises, naming itself
     committed = [e.name for e in entries if e.committed]
     hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
     corrupt = [e for e in entries if e.state == CORRUPT]
     if corrupt:
         hint += f"; corrupt: {corrupt[-1].name} ({corrupt[-1].problem})" + (f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else "")
     raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
+
+
+def _with_manifest_read(entry: CheckpointEntry) -> CheckpointEntry:
+    if entry.manifest is None:  # not reachable for a committed entry listed here; kept as a guard
+        raise CheckpointNotFound(f"{entry.path} has no manifest to open")
+    return entry
 
 
 def open_checkpoint(

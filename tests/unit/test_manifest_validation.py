@@ -114,7 +114,7 @@ def test_a_manifest_edited_after_commit_is_corrupt_and_latest_falls_back(tmp_pat
     assert catalog.find(location, "latest").name == dirname_of(old)
     with pytest.raises(CorruptCheckpoint, match="does not match its commit record"):
         catalog.find(location, 2)
-    code, out, err = run(capsys, "inspect", os.path.join(root, dirname_of(new)))
+    code, _, err = run(capsys, "inspect", os.path.join(root, dirname_of(new)))
     assert code == 2 and "commit record" in err
 
 
