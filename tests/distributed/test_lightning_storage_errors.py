@@ -68,3 +68,5 @@ def test_retention_errors_are_counted_never_fail_fit_and_the_next_pass_catches_u
     assert report["counters"]["committed"] == 5, report
     assert report["notes"] == {"retention_errors": 3}, report  # the passes after the step-4, -6 and -8 commits
     assert report["committed_on_storage"] == [10], report  # deletes allowed again: the backlog went too
+    # one pass per commit, each on the checkpoint thread: never on the training thread's critical path
+    assert report["retention_threads"] == ["shardckpt-saver"] * 5, report

@@ -4,7 +4,8 @@
 
 SPEC: {"root": url, "storage_options": {...}, "keep_last": int|null, "every": int, "max_steps": int,
 "scenario": "plain" | "transient_disk_full" | "refused_deletes", "marker": path (refused_deletes)}.
-Prints one JSON line (global step, outcome counters, housekeeping notes, committed steps on storage),
+Prints one JSON line (global step, outcome counters, housekeeping notes, committed steps on storage,
+the thread each retention pass ran on),
 then collects garbage and leaves through the interpreter's normal exit: the exit status is part of
 the verdict (134 was a SIGABRT from a half-written tensor record; 1 a `fit` that raised).
 
@@ -23,6 +24,7 @@ import glob
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 import lightning.pytorch as pl
@@ -84,12 +86,28 @@ class KeepSaver(pl.Callback):
         self.saver = trainer.strategy._savers.get(self.root) or self.saver
 
 
+def watch_retention_threads() -> list[str]:
+    """Record the name of the thread each retention pass runs on (the pass itself is untouched)."""
+    from lightning_shardckpt.ops import retention
+
+    threads: list[str] = []
+    apply = retention.apply
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return apply(*args, **kwargs)
+
+    retention.apply = watched
+    return threads
+
+
 def main(spec: dict) -> int:
     from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
     from lightning_shardckpt.engine import catalog, fsio
     from tests.helpers.lightning_run import TinyData, TinyModule
 
     root, options = spec["root"], spec.get("storage_options") or {}
+    retention_threads = watch_retention_threads()
     keeper = KeepSaver(root)
     callbacks: list[pl.Callback] = [keeper]
     if spec["scenario"] == "transient_disk_full":
@@ -106,7 +124,7 @@ def main(spec: dict) -> int:
     uncommitted = sorted(entry.step for entry in catalog.list_checkpoints(location) if not entry.committed)
     saver = keeper.saver
     report = {"global_step": trainer.global_step, "counters": saver.counters.snapshot(), "notes": saver.counters.notes(),
-              "committed_on_storage": committed, "uncommitted_on_storage": uncommitted}
+              "committed_on_storage": committed, "uncommitted_on_storage": uncommitted, "retention_threads": retention_threads}
     gc.collect()
     print(json.dumps(report))
     sys.stdout.flush()
