@@ -317,6 +317,10 @@ def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.
         "age_s": None if age is None else round(age, 3),
         "latest": latest is not None and entry.name == latest.name,
         "problem": entry.problem,
+        # commit order (docs/FORMAT.md §4): which run wrote it, its place in that run, what it followed
+        "run_id": entry.run_id,
+        "seq": entry.seq,
+        "parent": (entry.record or {}).get("parent"),
     }
 
 

@@ -117,3 +117,18 @@ def test_retention_keeps_the_just_committed_checkpoint_even_outside_the_window(t
     oldest = entries[0].name
     doomed = retention.to_delete(entries, 1, None, run_id=RUN, just_committed=oldest)
     assert [e.step for e in doomed] == [2]
+
+
+def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, capsys):
+    import json
+
+    from lightning_shardckpt.ops.cli import main
+
+    root = str(tmp_path / "run")
+    first, second = save(root, 9), save(root, 6)
+    assert main(["ls", root, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows = {row["step"]: row for row in listing["checkpoints"]}
+    assert (rows[9]["seq"], rows[9]["parent"], rows[9]["run_id"]) == (1, None, RUN)
+    assert (rows[6]["seq"], rows[6]["parent"]) == (2, first["id"]) and second["seq"] == 2
+    assert [step for step, row in rows.items() if row["latest"]] == [6], "the newer commit, not the larger step"
