@@ -314,7 +314,8 @@ class _RaiseAtMidShard:
 
 def test_age_of_an_uncommitted_directory_is_positive_and_listed(tmp_path):
     root = str(tmp_path / "ckpt")
-    saver = CheckpointSaver(root, SaveConfig(), fault_hook=_RaiseAtMidShard())
+    # keep_failed_attempts: a raising rank's attempt would be removed at once; a crashed run's stays like this one
+    saver = CheckpointSaver(root, SaveConfig(keep_failed_attempts=True), fault_hook=_RaiseAtMidShard())
     state = {f"t{i}": torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) for i in range(4)}
     result = saver.save(state, step=7).result(timeout=60)
     saver.close()
