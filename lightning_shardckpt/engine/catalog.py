@@ -26,7 +26,7 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
-from . import fsio, retry
+from . import drill_records, fsio, retry
 from . import manifest as manifest_format
 from .fsio import Location
 from .layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
@@ -225,8 +225,28 @@ def resolve_latest(
     return newest
 
 
+LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/drill_records.py): proven to restore
+
+
+def last_good(location: Location, entries: list[CheckpointEntry], run_id: str | None = None, keep: int = 1) -> list[CheckpointEntry]:
+    """The newest `keep` drilled checkpoints (newest last) of the run `latest` would come from.
+
+    In the run's commit order, like `latest`: after a rollback, a drilled checkpoint of the abandoned
+    branch is older than the new branch's commits. Falls back to every run's by commit time when that
+    run has none drilled.
+    """
+    states = drill_records.trust_states(location, entries)
+    newest = newest_committed(entries, run_id)
+    if newest is None:
+        return []
+    mine = drill_records.newest_drilled(committed_of_run(entries, newest.run_id), states, keep)
+    if mine:
+        return mine
+    return drill_records.newest_drilled(sorted((e for e in entries if e.committed), key=time_order), states, keep)
+
+
 def find(location: Location, which: str | int = "latest", run_id: str | None = None) -> CheckpointEntry:
-    """Pick a committed checkpoint by `latest`, a step number, an id or a directory name; its manifest is read.
+    """Pick a committed checkpoint by `latest`, `last-good`, a step number, an id or a directory name.
 
     `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
     picked is deleted meanwhile (another job's retention on this root).
@@ -236,7 +256,7 @@ def find(location: Location, which: str | int = "latest", run_id: str | None = N
         try:
             return _pick(location, entries, which, run_id)
         except CheckpointDeleted as err:
-            if which != "latest" or attempt == 2:
+            if which not in ("latest", LAST_GOOD) or attempt == 2:
                 raise
             log.warning("%s; resolving `latest` again", err)
     raise AssertionError("unreachable")
@@ -252,6 +272,16 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
                 return _with_manifest_read(chosen)  # validated now: a corrupt one is never handed out
             except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
                 log.warning("%s: skipping %s for `latest`: %s", location.url, chosen.name, err)
+    elif which == LAST_GOOD:
+        for chosen in reversed(last_good(location, entries, run_id, keep=len(entries))):
+            try:
+                return _with_manifest_read(chosen)
+            except CorruptCheckpoint as err:
+                log.warning("%s: skipping %s for `last-good`: %s", location.url, chosen.name, err)
+        raise CheckpointNotFound(
+            f"no drilled checkpoint in {location.url}: none has passed a restore drill yet. "
+            f"Drill one with `shardckpt drill {location.url}`, or resume from `latest`"
+        )
     else:
         text = str(which)
         matches = [

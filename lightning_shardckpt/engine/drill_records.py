@@ -20,10 +20,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..engine import fsio
-from ..engine.catalog import CheckpointEntry
-from ..engine.fsio import Location
-from ..engine.layout import DRILLS_DIR, join, parse_dirname
+from typing import TYPE_CHECKING
+
+from . import fsio
+from .fsio import Location
+from .layout import DRILLS_DIR, join, parse_dirname
+
+if TYPE_CHECKING:  # catalog imports this module: the entry type is for annotations only
+    from .catalog import CheckpointEntry
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +110,16 @@ def trust_state(records: list[RecordName] | None) -> str:
     return TRUST_OF_VERDICT[records[-1].verdict]
 
 
-def trust_states(location: Location, entries: list[CheckpointEntry]) -> dict[str, str]:
+def trust_states(location: Location, entries: list["CheckpointEntry"]) -> dict[str, str]:
     """Trust state of every committed entry, by directory name."""
     records = list_record_names(location)
     return {entry.name: trust_state(records.get(entry.name)) for entry in entries if entry.committed}
 
 
-def last_good(entries: list[CheckpointEntry], states: dict[str, str]) -> CheckpointEntry | None:
-    """The newest drilled checkpoint in `entries`' order (the catalog's commit order)."""
-    drilled = [entry for entry in entries if entry.committed and states.get(entry.name) == DRILLED]
-    return drilled[-1] if drilled else None
+def newest_drilled(ordered: list["CheckpointEntry"], states: dict[str, str], keep: int = 1) -> list["CheckpointEntry"]:
+    """The newest `keep` drilled checkpoints of `ordered` (oldest commit first), newest last."""
+    drilled = [entry for entry in ordered if entry.committed and states.get(entry.name) == DRILLED]
+    return drilled[-keep:] if keep > 0 else []
 
 
 def remove_records(location: Location, checkpoint_name: str) -> int:

@@ -20,12 +20,12 @@ import logging
 import sys
 from typing import Any
 
-from ..engine import catalog
+from ..engine import catalog, drill_records
 from ..engine import manifest as manifest_format
 from ..engine.fsio import Location
 from ..engine.layout import join
 from ..errors import ShardCkptError
-from . import gc, investigate
+from . import cli_drill, gc, investigate
 from .verify import verify_checkpoint
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
@@ -56,19 +56,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     location = investigate.open_root(args.root, args.storage_options)
     entries = catalog.list_checkpoints(location)
     latest = catalog.resolve_latest(location, entries)
-    rows = [_ls_row(entry, location, latest) for entry in entries]
+    trust = drill_records.trust_states(location, entries)  # one listing of ROOT/drills/: no record is read
+    good = catalog.last_good(location, entries)
+    rows = [_ls_row(entry, location, latest, trust, good[-1] if good else None) for entry in entries]
     if args.json:
-        _print_json({"root": location.url, "latest": latest.name if latest else None,
+        _print_json({"root": location.url, "latest": latest.name if latest else None, "last_good": good[-1].name if good else None,
                      "latest_pointer": catalog.read_latest_pointer(location), "checkpoints": rows})
         return EXIT_OK
     if not rows:
         print(f"no checkpoints in {location.url}")
         return EXIT_OK
-    table = [("STEP", "ID", "STATE", "SIZE", "AGE", "LATEST", "NAME")]
+    table = [("STEP", "ID", "STATE", "TRUST", "SIZE", "AGE", "LATEST", "NAME")]
     for row in rows:
-        table.append((str(row["step"]), row["id"], row["state"], _human_bytes(row["bytes"]), _human_age(row["age_s"]),
-                      "*" if row["latest"] else "", row["name"]))
+        marks = ("*" if row["latest"] else "") + (" good" if row["last_good"] else "")
+        table.append((str(row["step"]), row["id"], row["state"], row["trust"] or "-", _human_bytes(row["bytes"]),
+                      _human_age(row["age_s"]), marks.strip(), row["name"]))
     _print_table(table)
+    print("LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'")
     for row in rows:
         if row["problem"]:
             print(f"{row['name']}: {row['problem']}")
@@ -305,7 +309,8 @@ def _open(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog
     return investigate.open_path(path, storage_options)
 
 
-def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.CheckpointEntry | None) -> dict[str, Any]:
+def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.CheckpointEntry | None,
+            trust: dict[str, str], last_good: catalog.CheckpointEntry | None) -> dict[str, Any]:
     age = catalog.age_seconds(entry, location)
     return {
         "name": entry.name,
@@ -316,6 +321,8 @@ def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.
         "bytes": catalog.size_bytes(entry, location),
         "age_s": None if age is None else round(age, 3),
         "latest": latest is not None and entry.name == latest.name,
+        "trust": trust.get(entry.name),  # committed | drilled | drill-failed | not-drilled (None: not committed)
+        "last_good": last_good is not None and entry.name == last_good.name,
         "problem": entry.problem,
         # commit order (docs/FORMAT.md §4): which run wrote it, its place in that run, what it followed
         "run_id": entry.run_id,
@@ -383,6 +390,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     collect.add_argument("--yes", action="store_true", help="delete; without it gc only prints what it would remove")
     collect.set_defaults(run=cmd_gc)
+    cli_drill.add_commands(commands, common)
     return parser
 
 

@@ -13,6 +13,7 @@ never holds up a save or the training thread.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -29,9 +30,10 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from ..engine import catalog
+from ..errors import ConfigError
 from ..engine.layout import join
-from . import drill_records
-from .drill_records import FAILED, NOT_DRILLED, PASSED
+from ..engine import drill_records
+from ..engine.drill_records import FAILED, NOT_DRILLED, PASSED
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ class DrillOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
         if self.world_size is not None and self.world_size < 1:
             raise ConfigError(f"drill world_size={self.world_size} must be >= 1, or null to differ from the writer's")
         if self.timeout_s <= 0:
@@ -77,6 +77,7 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
     that is a failed drill. Raises CheckpointNotFound when there is nothing committed to drill.
     """
     options = options or DrillOptions()
+    _check_probe_importable(options.probe)  # the operator's mistake is not the checkpoint's: refuse, record nothing
     location, entry = catalog.open_checkpoint(root or checkpoint, checkpoint if root else "latest", options.storage_options)
     path = join(location.url, entry.name)
     writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)
@@ -99,6 +100,21 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
     log.log(level, "drill of %s on %d rank(s): %s%s", entry.name, world_size, record["verdict"],
             f" ({record['cause']})" if record.get("cause") else "")
     return record
+
+
+def _check_probe_importable(probe: str | None) -> None:
+    if not probe:
+        return
+    module = probe.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"drill probe {probe!r}: module {module!r} cannot be imported from here (sys.path: the current directory "
+            "and PYTHONPATH); run from the directory that holds it, add it to PYTHONPATH, or name it by its package path"
+        )
 
 
 def _run_ranks(path: str, world_size: int, options: DrillOptions) -> dict[str, Any]:
@@ -153,20 +169,21 @@ def _start_rank(
     threads = str(options.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
            # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
-           "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
+           "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
         env.pop(name, None)  # the drill is not part of the training job's world
-    nice = options.nice
-
-    def lower_priority() -> None:
-        if nice:
-            os.nice(nice)
-
     with open(log_path, "wb") as output:  # a file, not a pipe: a chatty rank can never block on a full pipe
-        return subprocess.Popen(
-            command, env=env, stdout=output, stderr=subprocess.STDOUT, preexec_fn=lower_priority,
+        process = subprocess.Popen(
+            command, env=env, stdout=output, stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C or a preemption signal of the training job is not the drill's
         )
+    if options.nice:
+        # after the start, not in a preexec_fn: that is unsafe in a process with threads (the training job)
+        try:
+            os.setpriority(os.PRIO_PROCESS, process.pid, os.getpriority(os.PRIO_PROCESS, 0) + options.nice)
+        except OSError:  # the process already ended, or the platform refuses: the drill still runs
+            log.debug("could not lower the drill's priority", exc_info=True)
+    return process
 
 
 def _wait_all(processes: list[subprocess.Popen], deadline: float) -> list[int | None]:
@@ -241,16 +258,21 @@ class DrillRunner:
                 break
         self._queue.put(checkpoint_path)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Let the running drill finish (waiting drills are dropped), then stop the thread."""
-        while True:
+    def close(self, timeout: float | None = None, *, finish_queued: bool = False) -> None:
+        """Let the running drill finish (and the waiting ones with `finish_queued`), then stop the thread.
+
+        `timeout` bounds each drill; a drill still running when the thread is abandoned keeps its own
+        deadline (DrillOptions.timeout_s) and files its record when it ends.
+        """
+        while not finish_queued:
             try:
                 self._queue.get_nowait()
                 self.dropped += 1
             except queue.Empty:
                 break
+        pending = self._queue.qsize() + 1
         self._queue.put(None)
-        self._thread.join(timeout)
+        self._thread.join(None if timeout is None else timeout * pending)
 
     def _run(self) -> None:
         while (path := self._queue.get()) is not None:

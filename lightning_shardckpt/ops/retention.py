@@ -7,14 +7,16 @@ Retention works per run and in commit order, never across runs and never by step
   rollback (resume from step 6 while step 9 exists) the new branch's commits are the newest; the
   abandoned branch's checkpoints (step 9) stay while they are within the window, and age out of it
   as the new branch commits. They are never `latest` (catalog.newest_committed);
-- the checkpoint just committed is kept whatever the order says.
+- the checkpoint just committed is kept whatever the order says;
+- the run's newest `keep_last_drilled` drilled checkpoints (default 1: the last known-good, see
+  engine/drill_records.py) are kept on top of the window, so a rollback target always exists.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..engine import catalog
+from ..engine import catalog, drill_records
 from ..engine.fsio import Location
 from ..engine.layout import MANIFEST, join
 
@@ -28,9 +30,10 @@ def to_delete(
     *,
     run_id: str | None = None,
     just_committed: str | None = None,
+    drilled: set[str] | frozenset[str] = frozenset(),
 ) -> list[catalog.CheckpointEntry]:
     """The run's committed checkpoints outside its newest `keep_last` commits and not on a
-    `keep_every_n_steps` multiple; never `just_committed` (a directory name).
+    `keep_every_n_steps` multiple; never `just_committed` (a directory name) nor one named in `drilled`.
 
     Uncommitted directories are never touched here (garbage collection owns them), so a checkpoint
     being written can never be deleted; `keep_last >= 1` always keeps the run's newest commit.
@@ -43,6 +46,7 @@ def to_delete(
     keep = {entry.name for entry in committed[-keep_last:]}
     if just_committed is not None:
         keep.add(just_committed)
+    keep |= set(drilled)
     if keep_every_n_steps:
         keep |= {entry.name for entry in committed if entry.step % keep_every_n_steps == 0}
     return [entry for entry in committed if entry.name not in keep]
@@ -62,6 +66,7 @@ def apply(
     *,
     run_id: str | None = None,
     just_committed: str | None = None,
+    keep_last_drilled: int = 1,
 ) -> list[str]:
     """Delete the run's checkpoints that fall out of the window (see to_delete); return their names.
 
@@ -69,7 +74,9 @@ def apply(
     """
     deleted = []
     entries = catalog.list_checkpoints(location)
-    for entry in to_delete(entries, keep_last, keep_every_n_steps, run_id=run_id, just_committed=just_committed):
+    drilled = {entry.name for entry in catalog.last_good(location, entries, run_id, keep=keep_last_drilled)} if keep_last_drilled else set()
+    for entry in to_delete(entries, keep_last, keep_every_n_steps, run_id=run_id, just_committed=just_committed, drilled=drilled):
         delete_checkpoint(location, entry)
+        drill_records.remove_records(location, entry.name)  # after the checkpoint: a crash leaves records, never a drilled-looking hole
         deleted.append(entry.name)
     return deleted

@@ -19,7 +19,7 @@ from lightning_shardckpt.engine.checksum import checksum, checksum_of_checksums
 from lightning_shardckpt.engine.fsio import resolve
 from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.manifest import to_bytes
-from lightning_shardckpt.ops import drill_records
+from lightning_shardckpt.engine import drill_records
 from lightning_shardckpt.ops.drill import DrillOptions, run_drill
 from tests.helpers import drill_probes
 from tests.helpers.spawn import run_ranks
@@ -137,11 +137,13 @@ def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage,
     assert _trust(root, checkpoint) == "drill-failed"
 
 
-@pytest.mark.parametrize("probe,cause", [("dies", "killed by signal 9"), ("hangs", "did not finish within timeout_s")])
-def test_a_drill_process_that_dies_or_hangs_is_a_failed_drill_not_a_pass(tmp_path, probe, cause):
+@pytest.mark.parametrize(
+    "probe,timeout_s,cause", [("dies", 120, "killed by signal 9"), ("hangs", 10, "did not finish within timeout_s")]
+)
+def test_a_drill_process_that_dies_or_hangs_is_a_failed_drill_not_a_pass(tmp_path, probe, timeout_s, cause):
     root = tmp_path / "root"
     checkpoint = _save(root)
-    record = run_drill(checkpoint, DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=25))
+    record = run_drill(checkpoint, DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=timeout_s))
     assert record["verdict"] == "failed" and cause in record["cause"], record
     assert _trust(root, checkpoint) == "drill-failed"
 
@@ -167,3 +169,23 @@ def test_a_checkpoint_written_on_two_ranks_is_drilled_on_one_and_on_two(tmp_path
     assert (same_size["verdict"], same_size["world_size"]) == ("passed", 2), same_size
     names = drill_records.list_record_names(resolve(root))[Path(checkpoint).name]
     assert [n.verdict for n in names] == ["passed", "passed"]
+
+
+def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_it(tmp_path):
+    from lightning_shardckpt.engine import catalog
+    from lightning_shardckpt.ops import retention
+
+    root = tmp_path / "root"
+    saver = CheckpointSaver(str(root), SaveConfig(async_save=False))
+    paths = [saver.save({"model": _model_state(seed=step)}, step=step).result(60).path for step in (1, 2, 3)]
+    saver.close()
+    assert run_drill(paths[0], DrillOptions(world_size=1, timeout_s=120))["verdict"] == "passed"
+    location = resolve(str(root))
+    deleted = retention.apply(location, keep_last=1, keep_every_n_steps=None)
+    assert deleted == [Path(paths[1]).name]  # step 2 goes; step 1 is the last known-good, step 3 the newest
+    remaining = [entry.step for entry in catalog.list_checkpoints(location) if entry.committed]
+    assert remaining == [1, 3]
+    assert catalog.find(location, catalog.LAST_GOOD).step == 1
+    # a later pass that deletes a drilled checkpoint (keep_last_drilled=0) takes its records with it
+    assert retention.apply(location, keep_last=1, keep_every_n_steps=None, keep_last_drilled=0) == [Path(paths[0]).name]
+    assert drill_records.list_record_names(location) == {}
