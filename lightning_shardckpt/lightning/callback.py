@@ -29,6 +29,7 @@ from ..identity import blocks as identity
 from ..identity.diff import IdentityPolicy, compare
 from ..ops import retention
 from .callback_config import CallbackConfig
+from .drills import TrainingDrills, drill_config_from
 from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
@@ -64,6 +65,7 @@ class ShardedCheckpoint(Checkpoint):
         identity_policy: Any = None,
         dataset_version: str | None = None,
         trust_checkpoint: bool = False,
+        drill: Any = None,
     ) -> None:
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
@@ -88,6 +90,8 @@ class ShardedCheckpoint(Checkpoint):
         self.run_config = run_config
         self.identity_policy = _identity_policy(identity_policy)
         self.dataset_version = dataset_version
+        self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints (lightning/drills.py)
+        self._drills: TrainingDrills | None = None
         self.last_saved_step: int | None = None
         self._static_identity: dict[str, Any] | None = None  # config, model, code, run: computed once per fit
         self._pending_batches = 0  # trained on, not yet applied by an optimizer step
@@ -121,6 +125,9 @@ class ShardedCheckpoint(Checkpoint):
         strategy.checkpoint_root = self.dirpath
         strategy.resume_required = self.options.resume_required
         self._location = fsio.resolve(self.dirpath, self.save_options.storage_options)
+        strategy.fallback_to_last_good = self.drill_options.fallback_to_last_good
+        if self._drills is None:
+            self._drills = TrainingDrills(self.drill_options, self._location, self.save_options.storage_options)
         if stage == "fit":
             self._preflight()
             if self.options.save_on_preemption:
@@ -175,11 +182,17 @@ class ShardedCheckpoint(Checkpoint):
             self._save(trainer)
         self._saver(trainer).close()  # the run's last checkpoint commits before teardown
         self._drain(trainer)
+        if self._drills is not None and trainer.is_global_zero:
+            # training is over: let the requested drills finish, so the final checkpoint's verdict is known
+            self._drills.close(self.drill_options.timeout_s, finish_queued=True)
+            self._drills.log(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         saver = trainer.strategy._savers.get(self.dirpath) if isinstance(trainer.strategy, ShardedStrategy) else None
         if saver is not None:
             saver.close()  # let in-flight saves commit; a half-finished one stays uncommitted
+        if self._drills is not None:
+            self._drills.close(self.drill_options.timeout_s, finish_queued=False)
 
     # --- own state, carried in every checkpoint ---
     def state_dict(self) -> dict[str, Any]:
@@ -233,7 +246,9 @@ class ShardedCheckpoint(Checkpoint):
         sampler, _ = train_sampler(trainer)
         samples = sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
         current = self._current_identity(trainer, trainer.lightning_module) if trainer.is_global_zero else None
-        pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=current, samples_consumed=samples)
+        extra = self._drills.probe_extra(trainer.lightning_module) if self._drills is not None else None  # every rank
+        pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=current, samples_consumed=samples,
+                                                 extra=extra)
         self._last_save_time = time.monotonic()
         if blocking:
             pending.result()
@@ -347,11 +362,17 @@ class ShardedCheckpoint(Checkpoint):
         if saver is None:
             return
         records = saver.poll_records()
-        if not records or not trainer.is_global_zero:
+        if not trainer.is_global_zero:
+            return
+        if self._drills is not None:
+            self._drills.log(trainer)  # drills that finished since the last batch
+        if not records:
             return
         counters = {**saver.counters.snapshot(), **saver.counters.notes()}  # notes: failed_dirs_removed, retention_errors, ...
         for record in records:
             self._log_record(trainer, record, counters)
+            if record.outcome == metrics.COMMITTED and self._drills is not None:
+                self._drills.on_committed(record.path)  # a queue put: the drill runs on its own thread and processes
 
     def _attach_retention(self, trainer: pl.Trainer) -> None:
         """Run retention after each commit on the saver's background thread (rank 0), once per saver.
@@ -373,7 +394,8 @@ class ShardedCheckpoint(Checkpoint):
         just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
         try:
             retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps,
-                            run_id=self._run_id, just_committed=just_committed)
+                            run_id=self._run_id, just_committed=just_committed,
+                            keep_last_drilled=self.drill_options.keep_last_drilled)
         except Exception:  # the next commit's pass deletes what this one could not
             saver.counters.note(metrics.RETENTION_ERRORS)
             log.warning("retention after the checkpoint of step %d failed; the next commit retries it", record.step, exc_info=True)

@@ -28,10 +28,10 @@ from torch.optim import Optimizer
 from ..engine import catalog, fsio
 from ..engine.collectives import new_checkpoint_group
 from ..engine.config import LoadConfig, SaveConfig
-from ..engine.layout import parse_dirname
+from ..engine.layout import join, parse_dirname
 from ..engine.loader import LoadResult, load_checkpoint
 from ..engine.saver import CheckpointSaver, PendingSave
-from ..errors import CheckpointNotFound, ConfigError
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from . import lightning_state
 from .sampler_injection import restore_position, use_resumable_sampler
 
@@ -66,6 +66,7 @@ class ShardedStrategy:
     def _init_checkpointing(self) -> None:
         self.save_config = SaveConfig(parallelism=self.parallelism)
         self.load_config = LoadConfig()
+        self.fallback_to_last_good = False  # set by ShardedCheckpoint (drill.fallback_to_last_good)
         self.checkpoint_root: str | None = None  # set by ShardedCheckpoint: where "latest", steps and ids are looked up
         self.resume_required = False
         self.last_load: LoadResult | None = None
@@ -138,9 +139,20 @@ class ShardedStrategy:
             model_target, [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
         )
         strict = module.strict_loading  # Lightning's partial-checkpoint switch: missing keys keep their initial values
-        self.last_load = load_checkpoint(
-            target, root, which, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
-        )
+        try:
+            self.last_load = load_checkpoint(
+                target, root, which, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
+            )
+        except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
+            if which != "latest":
+                raise
+            good = self.broadcast(self._last_good_path(root))  # rank 0 lists: every rank decides alike
+            if good is None or not self.fallback_to_last_good:
+                raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
+            log.warning("the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good)
+            self.last_load = load_checkpoint(
+                target, good, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
+            )
         for index, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
         checkpoint = lightning_state.lightning_rest(target, trust=self.load_config.trust_checkpoint, where=self.last_load.path)
@@ -241,7 +253,7 @@ class ShardedStrategy:
 
     def _resolve_source(self, text: str) -> tuple[str, str]:
         """(root, which) for `ckpt_path`: a selector relative to the callback's root, or a path."""
-        is_selector = text == "latest" or text.isdigit() or parse_dirname(text) is not None or _looks_like_id(text)
+        is_selector = text in ("latest", catalog.LAST_GOOD) or text.isdigit() or parse_dirname(text) is not None or _looks_like_id(text)
         if is_selector and "/" not in text:
             if self.checkpoint_root is None:
                 raise ConfigError(
@@ -251,11 +263,30 @@ class ShardedStrategy:
             return self.checkpoint_root, text
         return text, "latest"
 
+    def _last_good_path(self, root: str) -> str | None:
+        if self.global_rank != 0:
+            return None
+        try:
+            location = fsio.resolve(root, self.load_config.storage_options)
+            good = catalog.last_good(location, catalog.list_checkpoints(location))
+        except Exception:  # noqa: BLE001 - a hint for an error being raised; never a second error
+            log.debug("could not look up the last known-good checkpoint of %s", root, exc_info=True)
+            return None
+        return join(location.url, good[-1].name) if good else None
+
     def _has_committed(self, root: str) -> bool:
         if parse_dirname(root) is not None:  # a checkpoint directory itself: the loader opens it (or says why not)
             return True
         location = fsio.resolve(root, self.load_config.storage_options)
         return catalog.newest_committed(catalog.list_checkpoints(location)) is not None
+
+
+def _last_good_hint(path: str | None) -> str:
+    if path is None:
+        return ("No checkpoint of this root has passed a restore drill, so there is no known-good one to fall back to; "
+                "pick an older one with `shardckpt ls` and resume with ckpt_path=<its path>")
+    return (f"The last known-good checkpoint (newest that passed a restore drill) is {path}: resume from it with "
+            "ckpt_path='last-good' (Hydra: resume=last-good), or set drill.fallback_to_last_good=true to do so automatically")
 
 
 class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):

@@ -1,0 +1,175 @@
+"""Restore drills during training: which checkpoints to drill, the probe value at save time, and metrics.
+
+ShardedCheckpoint owns one `TrainingDrills`. At a save it records the probe's value (when a probe is
+configured) in the manifest's `extra`; when a checkpoint commits, rank 0 hands every N-th one to a
+background `DrillRunner` (fresh processes, low priority; ops/drill.py), and when a drill finishes its
+result is logged through the Trainer's loggers on the training thread and written as an event under
+ROOT/events/. Nothing here touches training state: a drill reads storage only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..engine import metrics
+from ..engine.fsio import Location
+from ..errors import ConfigError
+from ..ops.drill import DrillOptions, DrillRunner
+from ..engine.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
+from ..ops.drill_worker import PROBE_EXTRA, load_callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrillConfig:
+    """`ShardedCheckpoint(drill=...)` / `checkpoint.drill` in YAML."""
+
+    every_n_checkpoints: int | None = None  # drill every N-th committed checkpoint; None: no drills during training
+    world_size: int | None = None  # drill ranks; None: differs from the writer's (1, or 2 for a 1-rank run)
+    probe: str | None = None  # "module:function" of the model's state dict -> float; recorded at save, compared in the drill
+    tolerance: float = 1e-4  # relative tolerance of the probe comparison
+    timeout_s: float = 600.0  # a drill still running then is killed and recorded as failed
+    threads: int = 1  # torch threads per drill rank: bounds the CPU a drill takes from training
+    keep_last_drilled: int = 1  # retention keeps the newest K drilled checkpoints (the last known-good) on top of keep_last
+    fallback_to_last_good: bool = False  # ckpt_path="latest" that fails to load resumes from the last known-good instead
+
+    def __post_init__(self) -> None:
+        if self.every_n_checkpoints is not None and self.every_n_checkpoints < 1:
+            raise ConfigError(f"drill.every_n_checkpoints={self.every_n_checkpoints} must be >= 1 or null (off)")
+        if self.keep_last_drilled < 0:
+            raise ConfigError(f"drill.keep_last_drilled={self.keep_last_drilled} must be >= 0 (0 lets retention delete the last known-good)")
+        self.options()  # validates world_size, timeout_s, threads, probe
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_n_checkpoints is not None
+
+    def options(self, storage_options: dict[str, Any] | None = None) -> DrillOptions:
+        return DrillOptions(world_size=self.world_size, timeout_s=self.timeout_s, threads=self.threads, probe=self.probe,
+                            tolerance=self.tolerance, storage_options=dict(storage_options or {}))
+
+
+def drill_config_from(value: Any) -> DrillConfig:
+    if value is None or isinstance(value, DrillConfig):
+        return value or DrillConfig()
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    known = {f.name for f in fields(DrillConfig)}
+    unknown = set(value) - known
+    if unknown:
+        raise ConfigError(f"unknown drill option(s) {sorted(unknown)}; known: {sorted(known)}")
+    return DrillConfig(**value)
+
+
+@dataclass
+class DrillCounters:
+    passed: int = 0
+    failed: int = 0
+    not_drilled: int = 0
+    committed_since_drilled: int = 0  # drill lag, in committed checkpoints
+    results: list[dict[str, Any]] = field(default_factory=list)  # finished, not yet logged
+
+
+class TrainingDrills:
+    """The callback's drills: probe values at save time, drill requests after commits, metrics after drills."""
+
+    def __init__(self, config: DrillConfig, location: Location, storage_options: dict[str, Any]) -> None:
+        self.config = config
+        self._location = location
+        self._storage_options = storage_options
+        self._runner: DrillRunner | None = None
+        self._committed = 0
+        self._lock = threading.Lock()
+        self.counters = DrillCounters()
+
+    # --- at a save (every rank) ---
+    def probe_extra(self, pl_module: pl.LightningModule) -> dict[str, Any] | None:
+        """The probe's value on the live model, for the manifest's `extra` (every rank: full tensors are collectives)."""
+        if not self.config.enabled or not self.config.probe:
+            return None
+        state = {name: _full(value) for name, value in pl_module.state_dict().items()}
+        if pl_module.trainer.global_rank != 0:
+            return None
+        value = float(load_callable(self.config.probe)(state))
+        return {PROBE_EXTRA: {"name": self.config.probe, "value": value}}
+
+    # --- after a commit (rank 0) ---
+    def on_committed(self, checkpoint_path: str | None) -> None:
+        if not self.config.enabled or not checkpoint_path:
+            return
+        self._committed += 1
+        with self._lock:
+            self.counters.committed_since_drilled += 1
+        if self._committed % self.config.every_n_checkpoints:
+            return
+        if self._runner is None:
+            self._runner = DrillRunner(self.config.options(self._storage_options), self._on_result)
+        self._runner.request(checkpoint_path)
+
+    def _on_result(self, record: dict[str, Any]) -> None:  # the drill thread
+        with self._lock:
+            verdict = record.get("verdict")
+            if verdict == PASSED:
+                self.counters.passed += 1
+                self.counters.committed_since_drilled = 0
+            elif verdict == FAILED:
+                self.counters.failed += 1
+            else:
+                self.counters.not_drilled += 1
+            self.counters.results.append(record)
+        metrics.write_json_event(self._location, f"drill-step-{int(record.get('step') or 0):09d}", {"event": "drill", **_summary(record)})
+
+    # --- on the training thread (rank 0) ---
+    def log(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
+        """Log finished drills through the Trainer's loggers; returns them."""
+        with self._lock:
+            results, self.counters.results = self.counters.results, []
+            counters = {"drills_passed": self.counters.passed, "drills_failed": self.counters.failed,
+                        "drills_not_run": self.counters.not_drilled}
+            lag = self.counters.committed_since_drilled
+        for record in results:
+            values = {
+                "drill/ok": 1.0 if record.get("verdict") == PASSED else 0.0,
+                "drill/lag_checkpoints": float(lag),
+                "drill/step": float(record.get("step") or 0),
+                **{f"drill/{name}": float(value) for name, value in counters.items()},
+            }
+            for key in ("time_to_resume_s", "read_gbps"):
+                if record.get(key) is not None:
+                    values[f"drill/{key}"] = float(record[key])
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
+            if record.get("verdict") != PASSED:
+                log.warning("restore drill of %s: %s (%s)", record.get("checkpoint"), record.get("verdict"), record.get("cause"))
+        return results
+
+    def close(self, timeout: float | None, *, finish_queued: bool) -> None:
+        if self._runner is not None:
+            self._runner.close(timeout, finish_queued=finish_queued)
+            self._runner = None
+
+
+def _full(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and hasattr(value, "full_tensor"):
+        return value.full_tensor()
+    return value
+
+
+def _summary(record: dict[str, Any]) -> dict[str, Any]:
+    keys = ("checkpoint", "checkpoint_id", "step", "drill_id", "verdict", "cause", "world_size", "writer_world_size",
+            "time_to_resume_s", "read_gbps", "bytes_read", "timings")
+    out = {key: record.get(key) for key in keys if key in record}
+    out["trust"] = {PASSED: DRILLED, FAILED: "drill-failed"}.get(record.get("verdict"), NOT_DRILLED)
+    return out
