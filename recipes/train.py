@@ -75,9 +75,9 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> list[str]:
             )
     resume = cfg.get("resume")
     if isinstance(resume, bool) or (isinstance(resume, int) and resume < 0):
-        problems.append(f"resume={resume!r} names no checkpoint; use resume=latest, a step (>= 0), a checkpoint id or a path")
+        problems.append(f"resume={resume!r} names no checkpoint; use resume=latest, last-good, a step (>= 0), a checkpoint id or a path")
     elif resume is not None and not isinstance(resume, (int, str)):
-        problems.append(f"resume={resume!r} must be null, latest, a step, a checkpoint id or a path")
+        problems.append(f"resume={resume!r} must be null, latest, last-good, a step, a checkpoint id or a path")
     if cfg.model.seq_len != cfg.data.seq_len:
         problems.append(f"model.seq_len={cfg.model.seq_len} differs from data.seq_len={cfg.data.seq_len}; leave model.seq_len at ${{data.seq_len}}")
     return problems

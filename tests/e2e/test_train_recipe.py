@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_shardckpt.engine import catalog, drill_records, fsio
 from tests.helpers.wandb_reader import OfflineRun, find_run_file, read_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,7 +140,8 @@ def ddp_runs(tmp_path_factory):
     """2 ranks to step 16, resume on 1 rank to 22, resume on 3 ranks to 28 (all DDP)."""
     workdir = tmp_path_factory.mktemp("recipe")
     procs = {
-        "first": run_recipe(workdir, "first", "trainer.devices=2", "trainer.max_steps=16"),
+        # drills of every second checkpoint (8 and 16), with the recipe's probe (lm:probe)
+        "first": run_recipe(workdir, "first", "trainer.devices=2", "trainer.max_steps=16", "checkpoint.drill.every_n_checkpoints=2"),
     }
     manifests = {"first": committed(workdir / "ckpt")}
     latest_after_first = (workdir / "ckpt" / "latest").read_text().strip()
@@ -192,6 +194,22 @@ def test_wandb_offline_runs_hold_checkpoint_metrics_artifacts_and_resume_time(dd
     # The resolved run config went to W&B, and into every manifest.
     assert runs["on3"].config.get("trainer", {}).get("devices") == 3
     assert manifests["on3"][28]["identity"]["config"], "the manifest records no run config"
+
+
+def test_drills_of_the_main_job_prove_its_checkpoints_and_reach_wandb(ddp_runs):
+    location = fsio.resolve(str(ddp_runs["workdir"] / "ckpt"))
+    entries = [entry for entry in catalog.list_checkpoints(location) if entry.committed]
+    states = drill_records.trust_states(location, entries)
+    assert {entry.step: states[entry.name] for entry in entries if entry.step <= 16} == {
+        4: "committed", 8: "drilled", 12: "committed", 16: "drilled"}
+    for step in (8, 16):
+        name = next(entry.name for entry in entries if entry.step == step)
+        (record_name,) = drill_records.list_record_names(location)[name]
+        record = drill_records.read_record(location, record_name)
+        assert record["world_size"] == 1 and record["checks"]["probe"]["compared"], record  # lm:probe matched
+    ok = ddp_runs["runs"]["first"].series("drill/ok")
+    assert [value for _, value in ok] == [1.0, 1.0], ok
+    assert all(value > 0 for _, value in ddp_runs["runs"]["first"].series("drill/time_to_resume_s"))
 
 
 def test_run_prints_where_things_are_and_the_resume_command(ddp_runs):
