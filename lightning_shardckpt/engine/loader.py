@@ -38,6 +38,8 @@ class LoadResult:
     manifest: dict[str, Any]
     seconds: float
     bytes_read: int
+    metadata_s: float = 0.0  # this rank: reading, checking and unpickling .metadata
+    read_s: float = 0.0  # this rank: reading and checksumming shard bytes (the rest of `seconds` is planning and placing)
 
 
 def load_checkpoint(
@@ -102,7 +104,8 @@ def _load_once(
                 f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
             ) from err
         raise _unwrap(err, entry.path) from err
-    return LoadResult(join(root.url, entry.name), entry.checkpoint_id, entry.step, entry.manifest, 0.0, reader.bytes_read)
+    return LoadResult(join(root.url, entry.name), entry.checkpoint_id, entry.step, entry.manifest, 0.0, reader.bytes_read,
+                      metadata_s=reader.metadata_s, read_s=reader.read_s)
 
 
 def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:

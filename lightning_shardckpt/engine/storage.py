@@ -391,6 +391,10 @@ class ShardReader(StorageReader):
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
+        # time-to-resume split for drills and metrics: .metadata (read, check, unpickle) and shard bytes
+        # (read + checksum); the rest of a load is planning and placing (resharding) tensors
+        self.metadata_s = 0.0
+        self.read_s = 0.0
         self._chunk_layout: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -400,6 +404,7 @@ class ShardReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        started = time.perf_counter()
         with self.fs.open(join(self.path, DCP_METADATA), "rb") as handle:
             data = handle.read()
         # checked, then unpickled through an allow-list: a crafted .metadata must not run code here
@@ -407,6 +412,7 @@ class ShardReader(StorageReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self.metadata_s += time.perf_counter() - started
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -436,8 +442,10 @@ class ShardReader(StorageReader):
                     info = self.storage_data[request.storage_index]
                     if len(buffer) < info.length:
                         buffer = bytearray(info.length)
+                    started = time.perf_counter()
                     data = _read_at(handle, info.offset, memoryview(buffer)[: info.length])
                     self._check(relative_path, info, data, request.storage_index.fqn)
+                    self.read_s += time.perf_counter() - started
                     self.bytes_read += len(data)
                     if request.type == LoadItemType.BYTE_IO:
                         # DCP's planner unpickles objects with weights_only=False: check them first

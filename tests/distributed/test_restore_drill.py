@@ -104,7 +104,7 @@ def test_a_sound_checkpoint_is_drilled_on_another_world_size_with_its_probe(tmp_
     assert record["world_size"] == 2 and record["writer_world_size"] == 1  # resharded 1 -> 2 by default
     assert record["checks"]["probe"]["value"] == pytest.approx(record["checks"]["probe"]["saved"])
     assert record["time_to_resume_s"] > 0 and record["bytes_read"] > 0
-    assert set(record["timings"]) >= {"process_start_s", "listing_s", "load_s", "time_to_resume_s"}
+    assert set(record["timings"]) >= {"process_start_s", "listing_s", "load_s", "metadata_s", "read_s", "reshard_s", "time_to_resume_s"}
     assert _trust(tmp_path / "root", checkpoint) == "drilled"
 
 
