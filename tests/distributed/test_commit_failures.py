@@ -360,8 +360,14 @@ def test_no_failure_point_of_a_raising_rank_exposes_a_partial_checkpoint_or_move
 
 # --- a rank that really dies or hangs: one spawn per case ---
 
+def _identical_tensors(fqn: str) -> bool:
+    """The t<i> tensors are the same bytes on every rank (same seed): declared so, their writes are spread
+    over the ranks and every rank has a shard to die in; `progress` is written from rank 0's copy."""
+    return fqn.startswith("t")
+
+
 def _plain_state(seed: int) -> dict:
-    """Replicated plain tensors (DCP spreads their writes over the ranks); rebuilt in the test process."""
+    """Replicated plain tensors (spread over the ranks, see _identical_tensors); rebuilt in the test process."""
     generator = torch.Generator().manual_seed(seed)
     shapes = [(13, 7), (7,), (7, 5), (5,), (3, 3, 3), (11,), (2, 9), (17,)]
     state = {f"t{i}": torch.randn(*shape, generator=generator) for i, shape in enumerate(shapes)}
@@ -373,11 +379,11 @@ def dying_rank_worker(rank, world_size, backend, fault, timeout_s):
     hook = FaultHook(backend)
     saver = CheckpointSaver(backend.url, backend.save_config(verify=VerifyConfig(mode="full"), collective_timeout_s=timeout_s),
                             fault_hook=hook)
-    first = saver.save(_plain_state(1), step=1).result(timeout=RESULT_TIMEOUT_S)
+    first = saver.save(_plain_state(1), step=1, identical=_identical_tensors).result(timeout=RESULT_TIMEOUT_S)
     assert first.committed, first.error
     hook.arm(Fault(**{**fault.__dict__, "step": 2}))
     started = time.monotonic()
-    second = saver.save(_plain_state(2), step=2).result(timeout=RESULT_TIMEOUT_S)
+    second = saver.save(_plain_state(2), step=2, identical=_identical_tensors).result(timeout=RESULT_TIMEOUT_S)
     summary = _summary(second, time.monotonic() - started)
     if fault.markers:
         open(os.path.join(fault.markers, f"done-{rank}"), "w").close()

@@ -36,7 +36,10 @@ def _loader(sampler):
 
 
 def _trained(batches: list[list[int]], sampler, stream_length: int) -> list[int]:
-    """Sample ids of the batches trained on, without the rank's padding sample (a repeat)."""
+    """Sample ids of the batches trained on, without the rank's padding sample (a repeat).
+
+    `stream_length` is this pass's (`num_samples`): `len(sampler)` is the whole epoch's, which Lightning sizes by.
+    """
     ids = [i for batch in batches for i in batch]
     real = stream_length - sampler.num_padded
     return ids[:real]
@@ -55,7 +58,7 @@ def first_run(rank, world_size):
     rng_states = gather_rng_states()
     next_draw = torch.rand(2).tolist()
     return {
-        "trained": _trained(batches, sampler, len(sampler)),
+        "trained": _trained(batches, sampler, sampler.num_samples),
         "state": sampler.state_dict(),
         "rng": rng_states,
         "next_draw": next_draw,
@@ -72,7 +75,7 @@ def resumed_run(rank, world_size, state, rng_states):
     for batch in _loader(sampler):
         batches.append(batch.tolist())
         sampler.mark_consumed(1, BATCH)
-    return {"trained": _trained(batches, sampler, len(sampler)), "state": sampler.state_dict(), "draw": draw}
+    return {"trained": _trained(batches, sampler, sampler.num_samples), "state": sampler.state_dict(), "draw": draw}
 
 
 @pytest.fixture(scope="module")
