@@ -67,7 +67,11 @@ def build_manifest(
             for chunk in item.chunks:
                 receipt = receipts[MetadataIndex(fqn, chunk.offsets)]
                 chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes), **_where(receipt)})
-            tensors.append({"fqn": fqn, "shape": list(item.size), "dtype": str(item.properties.dtype), "chunks": chunks})
+            entry = {"fqn": fqn, "shape": list(item.size), "dtype": str(item.properties.dtype), "chunks": chunks}
+            flags = [getattr(receipts[MetadataIndex(fqn, chunk.offsets)], "finite", None) for chunk in item.chunks]
+            if any(flag is not None for flag in flags):
+                entry["finite"] = all(flag is not False for flag in flags)  # for drills: NaN/Inf at save time?
+            tensors.append(entry)
         elif isinstance(item, BytesStorageMetadata):
             objects.append({"fqn": fqn, **_where(receipts[MetadataIndex(fqn)])})
     identity_block = empty_identity()

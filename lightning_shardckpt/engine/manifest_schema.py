@@ -141,6 +141,8 @@ def _tensor_problems(tensor: Any, files: set[str]) -> list[str]:
         problems.append(f"shape {tensor.get('shape')!r} is not a list of integers >= 0")
     if not isinstance(tensor.get("dtype"), str):
         problems.append(f"dtype is {tensor.get('dtype')!r}, not a string")
+    if "finite" in tensor and not isinstance(tensor["finite"], bool):
+        problems.append(f"finite is {tensor['finite']!r}, not true or false")
     chunks = tensor.get("chunks")
     if not isinstance(chunks, list):
         return [*problems, "chunks is not a list"]

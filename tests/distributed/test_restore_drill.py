@@ -189,3 +189,17 @@ def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_i
     # a later pass that deletes a drilled checkpoint (keep_last_drilled=0) takes its records with it
     assert retention.apply(location, keep_last=1, keep_every_n_steps=None, keep_last_drilled=0) == [Path(paths[0]).name]
     assert drill_records.list_record_names(location) == {}
+
+
+def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_a_drill(tmp_path):
+    model = _model_state()
+    model["layer.bias"][5] = float("nan")  # training really produced it: the checkpoint holds what was there
+    saver = CheckpointSaver(str(tmp_path / "root"), SaveConfig(async_save=False))
+    path = saver.save({"model": model}, step=1).result(60).path
+    saver.close()
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    flags = {t["fqn"]: t.get("finite") for t in manifest["tensors"]}
+    assert flags == {"model.head.weight": True, "model.layer.bias": False, "model.layer.weight": True, "model.steps": None}
+    record = run_drill(path, DrillOptions(world_size=1, timeout_s=120))
+    assert record["verdict"] == "passed", record
+    assert record["checks"]["nonfinite"] == ["model.layer.bias"]
