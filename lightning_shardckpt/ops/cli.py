@@ -237,10 +237,11 @@ def _print_timeline(result: dict[str, Any]) -> None:
     if not rows:
         print(f"no checkpoints in {result['root']}")
         return
-    table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "VERIFIED", "IDENTITY CHANGED")]
+    table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "TRUST", "VERIFIED", "IDENTITY CHANGED")]
     for row in rows:
+        trust = (row.get("trust") or "-") + (" (last good)" if row.get("last_good") else "")
         table.append(("*" if row["identity_changed"] else "", str(row["step"]), row["id"] or "-", row["parent"] or "-",
-                      _short_time(row["created_at"]), _human_bytes(row["bytes"]), _timeline_state(row),
+                      _short_time(row["created_at"]), _human_bytes(row["bytes"]), _timeline_state(row), trust,
                       _verified(row["verification"]), ", ".join(row["identity_changed"])))
     _print_table(table)
     for row in rows:

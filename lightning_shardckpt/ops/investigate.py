@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..engine import catalog, fsio
+from ..engine import catalog, drill_records, fsio
 from ..engine.fsio import Location
 from ..engine.layout import LATEST, join, parse_dirname
 from ..engine.manifest import IDENTITY_BLOCKS
@@ -225,6 +225,11 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
         if event.get("checkpoint_id"):
             by_id[event["checkpoint_id"]] = event
     items = [_entry_item(entry, location, by_id.get(entry.checkpoint_id), grace_s) for entry in entries]
+    trust = drill_records.trust_states(location, entries)  # one listing of ROOT/drills/
+    good = catalog.last_good(location, entries)
+    for _, row, _ in items:
+        row["trust"] = trust.get(row["name"])
+        row["last_good"] = bool(good) and row["name"] == good[-1].name
     # attempts that left no directory: failed before writing, or skipped. Committed ones that left
     # (retention) are not part of the lineage any more.
     on_storage = {entry.checkpoint_id for entry in entries}
@@ -248,7 +253,7 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
             row["compared_with"] = previous[1]
         previous = (manifest, row["name"])
     return {"root": location.url, "grace_s": grace_s, "events": len(all_events), "events_problem": events_problem,
-            "checkpoints": [row for _, row, _ in items]}
+            "last_good": good[-1].name if good else None, "checkpoints": [row for _, row, _ in items]}
 
 
 def _entry_item(entry: catalog.CheckpointEntry, location: Location, event: dict[str, Any] | None,
