@@ -395,7 +395,8 @@ class ShardedCheckpoint(Checkpoint):
         try:
             retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps,
                             run_id=self._run_id, just_committed=just_committed,
-                            keep_last_drilled=self.drill_options.keep_last_drilled)
+                            keep_last_drilled=self.drill_options.keep_last_drilled,
+                            spare=self._drills.pending() if self._drills is not None else frozenset())
         except Exception:  # the next commit's pass deletes what this one could not
             saver.counters.note(metrics.RETENTION_ERRORS)
             log.warning("retention after the checkpoint of step %d failed; the next commit retries it", record.step, exc_info=True)

@@ -155,6 +155,10 @@ class TrainingDrills:
                 log.warning("restore drill of %s: %s (%s)", record.get("checkpoint"), record.get("verdict"), record.get("cause"))
         return results
 
+    def pending(self) -> set[str]:
+        """Checkpoints (directory names) queued or being drilled: retention spares them."""
+        return self._runner.pending() if self._runner is not None else set()
+
     def close(self, timeout: float | None, *, finish_queued: bool) -> None:
         if self._runner is not None:
             self._runner.close(timeout, finish_queued=finish_queued)

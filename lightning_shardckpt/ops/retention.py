@@ -67,6 +67,7 @@ def apply(
     run_id: str | None = None,
     just_committed: str | None = None,
     keep_last_drilled: int = 1,
+    spare: set[str] | frozenset[str] = frozenset(),
 ) -> list[str]:
     """Delete the run's checkpoints that fall out of the window (see to_delete); return their names.
 
@@ -75,6 +76,7 @@ def apply(
     deleted = []
     entries = catalog.list_checkpoints(location)
     drilled = {entry.name for entry in catalog.last_good(location, entries, run_id, keep=keep_last_drilled)} if keep_last_drilled else set()
+    drilled |= set(spare)  # e.g. checkpoints a drill is about to restore: deleting them would fail the drill
     for entry in to_delete(entries, keep_last, keep_every_n_steps, run_id=run_id, just_committed=just_committed, drilled=drilled):
         delete_checkpoint(location, entry)
         drill_records.remove_records(location, entry.name)  # after the checkpoint: a crash leaves records, never a drilled-looking hole

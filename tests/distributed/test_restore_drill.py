@@ -203,3 +203,26 @@ def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_
     record = run_drill(path, DrillOptions(world_size=1, timeout_s=120))
     assert record["verdict"] == "passed", record
     assert record["checks"]["nonfinite"] == ["model.layer.bias"]
+
+
+def test_retention_spares_a_checkpoint_while_a_drill_of_it_is_queued_or_running(tmp_path):
+    import time
+
+    from lightning_shardckpt.ops import retention
+    from lightning_shardckpt.ops.drill import DrillRunner
+
+    root = tmp_path / "root"
+    saver = CheckpointSaver(str(root), SaveConfig(async_save=False))
+    first = saver.save({"model": _model_state()}, step=1).result(60).path
+    results: list[dict] = []
+    runner = DrillRunner(DrillOptions(world_size=1, timeout_s=8, probe="tests.helpers.drill_probes:hangs"), results.append)
+    runner.request(first)
+    time.sleep(0.5)  # the drill thread has picked it up
+    assert runner.pending() == {Path(first).name}
+    saver.save({"model": _model_state(seed=2)}, step=2).result(60)
+    saver.close()
+    location = resolve(str(root))
+    assert retention.apply(location, keep_last=1, keep_every_n_steps=None, spare=runner.pending()) == []
+    runner.close(30)
+    assert runner.pending() == set() and [r["verdict"] for r in results] == ["failed"]  # the probe hung: killed at 8 s
+    assert retention.apply(location, keep_last=1, keep_every_n_steps=None, spare=runner.pending()) == [Path(first).name]
