@@ -28,9 +28,9 @@ from ..errors import ConfigError, StorageUnavailable
 from ..identity import blocks as identity
 from ..identity.diff import IdentityPolicy, compare
 from ..ops import retention
-from .callback_config import CallbackConfig
-from .drills import TrainingDrills, drill_config_from
+from .callback_config import CallbackConfig, options_from
 from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
+from .drills import TrainingDrills, drill_config_from
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
 from .wandb_artifacts import log_checkpoint_artifact, wandb_run
@@ -426,16 +426,4 @@ class ShardedCheckpoint(Checkpoint):
 
 
 def _identity_policy(value: Any) -> IdentityPolicy:
-    if value is None or isinstance(value, IdentityPolicy):
-        return value or IdentityPolicy()
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(value, DictConfig):
-            value = OmegaConf.to_container(value, resolve=True)
-    except ImportError:
-        pass
-    unknown = set(value) - set(IdentityPolicy.__dataclass_fields__)
-    if unknown:
-        raise ConfigError(f"unknown identity_policy block(s) {sorted(unknown)}; known: {sorted(IdentityPolicy.__dataclass_fields__)}")
-    return IdentityPolicy(**value)
+    return options_from(IdentityPolicy, value, "identity_policy block")

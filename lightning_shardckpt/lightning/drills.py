@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from ..engine import metrics
+from ..engine.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..engine.fsio import Location
 from ..errors import ConfigError
 from ..ops.drill import DrillOptions, DrillRunner
-from ..engine.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..ops.drill_worker import PROBE_EXTRA, load_callable
+from .callback_config import options_from
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +58,7 @@ class DrillConfig:
 
 
 def drill_config_from(value: Any) -> DrillConfig:
-    if value is None or isinstance(value, DrillConfig):
-        return value or DrillConfig()
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(value, DictConfig):
-            value = OmegaConf.to_container(value, resolve=True)
-    except ImportError:
-        pass
-    known = {f.name for f in fields(DrillConfig)}
-    unknown = set(value) - known
-    if unknown:
-        raise ConfigError(f"unknown drill option(s) {sorted(unknown)}; known: {sorted(known)}")
-    return DrillConfig(**value)
+    return options_from(DrillConfig, value, "drill")
 
 
 @dataclass
@@ -102,7 +90,8 @@ class TrainingDrills:
         state = {name: _full(value) for name, value in pl_module.state_dict().items()}
         if pl_module.trainer.global_rank != 0:
             return None
-        value = float(load_callable(self.config.probe)(state))
+        with torch.random.fork_rng(devices=[]):  # a probe that builds a model must not move training's RNG
+            value = float(load_callable(self.config.probe)(state))
         return {PROBE_EXTRA: {"name": self.config.probe, "value": value}}
 
     # --- after a commit (rank 0) ---
