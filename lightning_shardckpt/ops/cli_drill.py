@@ -6,10 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from ..engine import catalog, fsio
+from ..engine import catalog, drill_records, fsio
 from ..engine.layout import join, parse_dirname
 from ..errors import CheckpointNotFound
-from ..engine import drill_records
 from .drill import DrillOptions, run_drill
 
 EXIT_OK, EXIT_FAILED = 0, 1
