@@ -131,7 +131,7 @@ def test_timeline_lists_failed_attempt_with_its_cause_and_marks_identity_changes
     code, out, _ = run(capsys, "timeline", root)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "ID", "PARENT", "CREATED", "(UTC)", "SIZE", "STATE", "VERIFIED", "IDENTITY", "CHANGED"]
+    assert lines[0].split() == ["STEP", "ID", "PARENT", "CREATED", "(UTC)", "SIZE", "STATE", "TRUST", "VERIFIED", "IDENTITY", "CHANGED"]
     rows = {int(line.split()[1] if line.startswith("*") else line.split()[0]): line for line in lines[1:6]}
     assert sorted(rows) == [1, 2, 3, 4, 5]
     assert " failed " in rows[1] and all(" committed " in rows[s] for s in (2, 3, 4, 5))
