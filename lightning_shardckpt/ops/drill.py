@@ -93,10 +93,13 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
         "started_at": _now(),
         "probe": options.probe,
     }
-    outcome = _run_ranks(path, world_size, options)
-    record.update(outcome)
-    record["finished_at"] = _now()
-    drill_records.write_record(location, record)
+    outcome = _run_ranks(path, world_size, options, record)
+    if outcome.get("verdict") == PASSED:
+        record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
+    else:
+        record.update(outcome)
+        record["finished_at"] = _now()
+        drill_records.write_record(location, record)
     level = logging.INFO if record["verdict"] == PASSED else logging.WARNING
     log.log(level, "drill of %s on %d rank(s): %s%s", entry.name, world_size, record["verdict"],
             f" ({record['cause']})" if record.get("cause") else "")
@@ -118,10 +121,12 @@ def _check_probe_importable(probe: str | None) -> None:
         )
 
 
-def _run_ranks(path: str, world_size: int, options: DrillOptions) -> dict[str, Any]:
+def _run_ranks(path: str, world_size: int, options: DrillOptions, header: dict[str, Any]) -> dict[str, Any]:
     """Start the drill ranks, wait at most timeout_s, and turn what happened into verdict + details."""
     with tempfile.TemporaryDirectory(prefix="shardckpt-drill-") as scratch:
         out = os.path.join(scratch, "outcome.json")
+        with open(os.path.join(scratch, "header.json"), "w") as handle:  # rank 0 completes it into the record
+            json.dump(header, handle)
         spawned_at = time.time()
         try:
             port = _free_port()
@@ -145,13 +150,21 @@ def _run_ranks(path: str, world_size: int, options: DrillOptions) -> dict[str, A
                 outcome = json.load(handle)
         except (OSError, ValueError) as err:
             return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": logs}
+    if outcome.get("ok") and outcome.get("record"):
+        return {"verdict": PASSED, "record": outcome["record"]}
+    return {"verdict": FAILED, "cause": outcome.get("cause", "drill rank 0 reported success but filed no record"),
+            **outcome_details(outcome)}
+
+
+def outcome_details(outcome: dict[str, Any]) -> dict[str, Any]:
+    """What a drill record keeps of rank 0's outcome: checks, timings, bytes, read GB/s, time to resume."""
     details = {key: outcome[key] for key in ("checks", "timings", "bytes_read", "traceback") if key in outcome}
     timings = details.get("timings", {})
     if outcome.get("bytes_read") and timings.get("load_s"):
         details["read_gbps"] = outcome["bytes_read"] / timings["load_s"] / 1e9
-    if outcome.get("ok"):
-        return {"verdict": PASSED, "time_to_resume_s": timings.get("time_to_resume_s"), **details}
-    return {"verdict": FAILED, "cause": outcome.get("cause", "unknown"), **details}
+    if timings.get("time_to_resume_s") is not None:
+        details["time_to_resume_s"] = timings["time_to_resume_s"]
+    return details
 
 
 # The drill ranks need the engine only. Importing the package runs its __init__, which imports Lightning
@@ -174,7 +187,8 @@ def _start_rank(
     command = [
         sys.executable, "-c", _WORKER_BOOTSTRAP, _PACKAGE_DIR,
         "--checkpoint", path, "--rank", str(rank), "--world-size", str(world_size), "--port", str(port),
-        "--out", out, "--spawned-at", repr(spawned_at), "--threads", str(options.threads),
+        "--out", out, "--record-header", os.path.join(os.path.dirname(out), "header.json"),
+        "--spawned-at", repr(spawned_at), "--threads", str(options.threads),
         "--tolerance", repr(options.tolerance), "--storage-options", json.dumps(options.storage_options),
     ]
     if options.probe:

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 import traceback
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 import torch
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome.update(ok=False, cause=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=8))
     outcome["timings"] = timings
     if args.rank == 0:
+        if outcome["ok"]:
+            outcome["record"] = file_passed_record(args, outcome)
         with open(args.out, "w") as handle:
             json.dump(outcome, handle, default=str)
     if dist.is_initialized():
@@ -109,6 +111,25 @@ def drill(args: argparse.Namespace, timings: dict[str, float]) -> dict[str, Any]
         "bytes_read": _sum_across_ranks(result.bytes_read),
         "checks": checks,
     }
+
+
+def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0 of the drill files the pass itself: no process that wrote or started it can make it drilled."""
+    from ..engine import drill_records
+    from ..engine.fsio import resolve
+    from .drill import outcome_details
+
+    with open(args.record_header) as handle:
+        record = json.load(handle)
+    record.update(verdict=drill_records.PASSED, finished_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                  **outcome_details(outcome))
+    root = resolve(args.checkpoint.rstrip("/").rsplit("/", 1)[0], json.loads(args.storage_options or "{}"))
+    try:
+        drill_records.write_record(root, record)
+    except Exception as err:  # the starter files a failure instead: a pass nobody can see is not a pass
+        outcome.update(ok=False, cause=f"the drill passed but its record could not be written: {type(err).__name__}: {err}")
+        return None
+    return record
 
 
 def build_target(manifest: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -286,6 +307,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--out", required=True, help="rank 0 writes its outcome here as JSON")
+    parser.add_argument("--record-header", required=True, help="JSON the starter knows of the record; rank 0 completes and files it")
     parser.add_argument("--spawned-at", type=float, required=True, help="wall time the parent started the ranks")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--probe", default=None, help="module:function taking the model state dict, returning a float")
