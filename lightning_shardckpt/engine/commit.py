@@ -83,6 +83,23 @@ def check_completeness(
     return receipts, problems
 
 
+def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
+    """Per rank that wrote a file: its bytes, write time and GB/s, as its receipts report them.
+
+    The coordinator is the one place that sees every rank's numbers, so a slow rank (a bad disk, a
+    throttled node) shows up in its event without an extra collective.
+    """
+    stats = []
+    for rank, rank_results in enumerate(results):
+        receipts = [result.storage_data for result in rank_results if isinstance(result.storage_data, ChunkReceipt)]
+        if not receipts or receipts[0].write_s is None:
+            continue
+        nbytes, seconds = receipts[0].file_bytes, receipts[0].write_s
+        stats.append({"rank": rank, "bytes": nbytes, "write_s": seconds,
+                      "write_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0})
+    return stats
+
+
 def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> list[str]:
     """Each file on storage has exactly the size its writer reported (catches truncated uploads)."""
     problems = []
@@ -106,6 +123,7 @@ class Committer:
         self._fault = fault_hook or (lambda point: None)
         self.manifest: dict[str, Any] | None = None
         self.seconds = 0.0
+        self.ranks: list[dict[str, Any]] = []  # per rank: bytes, write_s, write_gbps (from the receipts)
 
     def __call__(self, metadata: Metadata, results: list[list[WriteResult]], planned: list[list[MetadataIndex]]) -> None:
         started = time.perf_counter()
@@ -121,6 +139,7 @@ class Committer:
             problems = check_stored_sizes(target.root, target.path, receipts)
         if problems:
             raise CommitFailed(f"step {target.step} ({target.dirname}) did not commit: " + "; ".join(problems))
+        self.ranks = rank_write_stats(results)
 
         # DCP's own metadata, with DCP's own storage records: what a plain `dcp.load` reads.
         metadata.storage_data = {index: storage_info_of(receipt) for index, receipt in receipts.items()}

@@ -46,6 +46,8 @@ class CheckpointRecord:
     write_gbps: float = 0.0  # this rank's bytes / write_s, in GB/s
     storage_retries: int = 0  # transient storage errors retried while this save ran (timeouts, 5xx)
     cleanup: str | None = None  # coordinator, failed save: "removed" (its directory) or "left" (for `shardckpt gc`)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # coordinator, committed: per rank bytes, write_s, write_gbps
+    run_id: str | None = None  # the run this attempt belongs to (the saver's run id)
     created_at: float = field(default_factory=time.time)
     manifest: dict[str, Any] | None = field(default=None, repr=False)  # the coordinator's, when committed
 
@@ -58,7 +60,7 @@ class CheckpointRecord:
         """The numeric fields, named for a logger."""
         numeric = {
             key: float(value)
-            for key, value in asdict(self).items()
+            for key, value in self.as_dict().items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "rank", "created_at")
         }
         return {f"{prefix}{key}": value for key, value in numeric.items()}
@@ -99,10 +101,19 @@ class RunCounters:
             return dict(self._notes)
 
 
+def event_payload(record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None) -> dict[str, Any]:
+    """What an attempt's event file holds: the record, the run's outcome counters and housekeeping notes.
+
+    Health rules evaluate exactly this document, online (from the saver) and offline (from ROOT/events/),
+    so both see the same numbers.
+    """
+    return {**record.as_dict(), "counters": counters, **({"housekeeping": notes} if notes else {})}
+
+
 def write_event(root: Location, record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None) -> None:
     """Write the record as this attempt's event file; never raises (metrics must not fail a run)."""
     prefix = f"step-{record.step:09d}-{record.checkpoint_id or 'none'}-{record.outcome}"
-    write_json_event(root, prefix, {**record.as_dict(), "counters": counters, **({"housekeeping": notes} if notes else {})})
+    write_json_event(root, prefix, event_payload(record, counters, notes))
 
 
 def write_json_event(root: Location, prefix: str, payload: dict[str, Any]) -> None:

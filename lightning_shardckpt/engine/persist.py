@@ -46,6 +46,7 @@ class SaveResult:
     cleanup: str | None = None  # coordinator, failed save: REMOVED (its directory) or LEFT (for `shardckpt gc`)
     storage_retries: int = 0  # transient storage errors retried during this save (process-wide count)
     timings: dict[str, float] = field(default_factory=dict)  # write_s, verify_s, commit_s, persist_s
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # coordinator, committed: every rank's bytes/write_s/write_gbps
 
 
 @dataclass
@@ -97,6 +98,7 @@ def persist_checkpoint(
         dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))
         result.committed = True
         result.manifest = committer.manifest
+        result.ranks = committer.ranks
     except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
         result.error = CommitFailed(f"step {step} did not commit ({target.dirname}): {_root_cause(err)}")
         result.error.__cause__ = err

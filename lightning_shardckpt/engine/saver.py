@@ -128,7 +128,7 @@ class CheckpointSaver:
         self._raise_first_error()
         requested = time.perf_counter()
         pending = PendingSave(step)
-        record = CheckpointRecord(step=step, rank=self.rank, outcome=metrics.SKIPPED)
+        record = CheckpointRecord(step=step, rank=self.rank, outcome=metrics.SKIPPED, run_id=self.config.run_id)
         slot = self._acquire_slot(step)
         if slot is None:
             record.cause = f"a previous save was still in flight (max_in_flight={self.config.max_in_flight}, when_busy='skip')"
@@ -272,6 +272,7 @@ class CheckpointSaver:
         record.bytes_rank = result.bytes_rank
         record.storage_retries = result.storage_retries
         record.cleanup = result.cleanup
+        record.ranks = result.ranks
         if result.cleanup is not None:
             self.counters.note(metrics.FAILED_DIRS_REMOVED if result.cleanup == REMOVED else metrics.FAILED_DIRS_LEFT)
         record.bytes_total = manifest_format.total_bytes(result.manifest) if result.manifest else None

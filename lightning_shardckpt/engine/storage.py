@@ -59,6 +59,7 @@ class ChunkReceipt:
     file_bytes: int  # size of the whole file as this rank wrote it
     verified: bool  # read back from storage and matched before the receipt was sent
     finite: bool | None = None  # a floating tensor chunk without NaN/Inf at save time (None: not a float tensor)
+    write_s: float | None = None  # how long this rank took to write its whole file: per-rank throughput for health rules
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,7 @@ class ShardWriter(StorageWriter):
 
         results = []
         for position, (item, (offset, length, digest)) in enumerate(zip(items, writer.chunks)):
-            receipt = ChunkReceipt(relative, offset, length, digest, file_bytes, position in chosen, finite[position])
+            receipt = ChunkReceipt(relative, offset, length, digest, file_bytes, position in chosen, finite[position], written - started)
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=receipt))
         self.last_write_stats = {
             "bytes": file_bytes,
