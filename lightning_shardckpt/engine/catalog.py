@@ -319,7 +319,8 @@ def open_checkpoint(
     location = fsio.resolve(url, storage_options)
     if parse_dirname(location.path) is not None:
         root, name = location.path.rstrip("/").rsplit("/", 1)
-        root_location = Location(fs=location.fs, path=root, url=root)
+        # the URL keeps its protocol: callers compare it with their own root (a resume adopting its run id)
+        root_location = Location(fs=location.fs, path=root, url=location.url.rstrip("/").rsplit("/", 1)[0])
         return root_location, find(root_location, name)
     if not location.fs.exists(location.path):
         raise CheckpointNotFound(f"{url} does not exist; check the path (and storage_options for remote storage)")
