@@ -6,9 +6,10 @@
     shardckpt diff A B                     config / data / model / code identity and topology, side by side
     shardckpt timeline ROOT                every checkpoint, attempt and resume in order: state, cause, identity changes
     shardckpt gc ROOT [--yes]              uncommitted directories older than the grace: list (default) or remove
+    shardckpt health ROOT [--plot OUT.png] health rules over the root's events: owner, normal range, firing, mitigation
 
 Exit codes: 0 success (verify: sound; diff: identical), 1 verify found problems, diff found differences or
-gc could not remove a directory, 2 the command could not run (no such checkpoint, unreachable storage, bad
+gc could not remove a directory, health found a rule firing, 2 the command could not run (no such checkpoint, unreachable storage, bad
 arguments).
 """
 
@@ -25,7 +26,7 @@ from ..engine import manifest as manifest_format
 from ..engine.fsio import Location
 from ..engine.layout import join
 from ..errors import ShardCkptError
-from . import cli_drill, gc, investigate
+from . import cli_drill, cli_health, gc, investigate
 from .verify import verify_checkpoint
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
@@ -392,6 +393,7 @@ def _parser() -> argparse.ArgumentParser:
     collect.add_argument("--yes", action="store_true", help="delete; without it gc only prints what it would remove")
     collect.set_defaults(run=cmd_gc)
     cli_drill.add_commands(commands, common)
+    cli_health.add_commands(commands, common)
     return parser
 
 

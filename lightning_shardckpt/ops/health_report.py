@@ -1,0 +1,139 @@
+"""`shardckpt health`: the run's health rules replayed offline over a root's event history.
+
+Which rules: a file given with `--rules`, else the rules the run itself recorded when it started
+(a `health_rules` event), so an operator sees the verdicts the run saw without knowing its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from ..engine.fsio import Location
+from ..engine.metrics import read_events
+from ..errors import ConfigError
+from .health_eval import FIRED, HealthEvaluator, Transition, range_text
+from .health_observe import HEALTH_EVENT, RULES_EVENT
+from .health_rules import HealthConfig, health_config_from
+
+
+@dataclass
+class HealthReport:
+    config: HealthConfig
+    evaluator: HealthEvaluator  # with per-series history, for plots
+    transitions: list[Transition]
+    actions: dict[tuple[str, str], dict[str, Any]]  # (rule, key) -> the run's newest health event for it
+    rules_source: str
+
+    @property
+    def firing(self) -> bool:
+        return bool(self.evaluator.firing())
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per rule and series (a rule never observed gets one row saying so)."""
+        rows = []
+        for rule in self.config.rules:
+            series = self.evaluator.series[rule.name]
+            if not series:
+                rows.append({"rule": rule.name, "metric": rule.metric, "owner": rule.owner, "slice": rule.slice, "key": None,
+                             "severity": rule.severity, "normal": "no data", "value": None, "firing": False,
+                             "firing_since_step": None, "firing_since": None, "mitigation": rule.mitigation,
+                             "mitigation_taken": None, "evaluations": 0})
+                continue
+            for key, state in sorted(series.items()):
+                action = self.actions.get((rule.name, key))
+                taken = action.get("mitigation_result") if action and action.get("transition") == FIRED and state.firing else None
+                rows.append({
+                    "rule": rule.name, "metric": rule.metric, "owner": rule.owner, "slice": rule.slice, "key": key,
+                    "severity": rule.severity, "normal": range_text(state.low, state.high), "low": state.low, "high": state.high,
+                    "value": state.last_value, "firing": state.firing, "firing_since_step": state.firing_since_step,
+                    "firing_since": _iso(state.firing_since_time), "mitigation": rule.mitigation,
+                    "mitigation_taken": taken, "evaluations": state.seen,
+                })
+        return rows
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rules_source": self.rules_source, "firing": self.firing, "rules": self.rows(),
+                "transitions": [transition.as_dict() for transition in self.transitions]}
+
+
+def evaluate_root(location: Location, config: HealthConfig | None = None) -> HealthReport:
+    """Replay every event of the root, oldest first, through the rules."""
+    events = read_events(location)
+    source = "--rules"
+    if config is None:
+        recorded = [event for event in events if event.get("event") == RULES_EVENT]
+        if not recorded:
+            raise ConfigError(
+                f"{location.url} has no recorded health rules (the run had none, or predates them); "
+                "pass the rules to evaluate, e.g. --rules conf/health/default.yaml"
+            )
+        config = health_config_from({"rules": recorded[-1]["rules"], "alert_every_s": recorded[-1].get("alert_every_s", 600.0)})
+        source = f"recorded by run {recorded[-1].get('run_id')} at {_iso(recorded[-1].get('created_at'))}"
+    evaluator = HealthEvaluator(config, keep_history=True)
+    transitions: list[Transition] = []
+    actions: dict[tuple[str, str], dict[str, Any]] = {}
+    for event in events:
+        if event.get("event") == HEALTH_EVENT:
+            actions[(event.get("rule"), event.get("key"))] = event
+        elif event.get("event") != RULES_EVENT:
+            transitions.extend(evaluator.observe_event(event))
+    return HealthReport(config, evaluator, transitions, actions, source)
+
+
+def plot(report: HealthReport, path: str) -> int:
+    """Each observed rule and series over steps: values, the normal band, firing periods shaded. Returns panels drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib (it is in the dev extra)") from err
+    panels = [(rule, key, state) for rule in report.config.rules for key, state in sorted(report.evaluator.series[rule.name].items())
+              if state.history]
+    if not panels:
+        raise ConfigError("nothing to plot: no rule has observed a value in this root yet")
+    figure, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels)), squeeze=False, sharex=False)
+    for axis, (rule, key, state) in zip(axes[:, 0], panels):
+        steps = [row[0] for row in state.history]
+        axis.plot(steps, [row[1] for row in state.history], marker=".", lw=1, color="tab:blue", label=rule.metric)
+        lows = [row[2] for row in state.history]
+        highs = [row[3] for row in state.history]
+        bottom, top = axis.get_ylim()
+        axis.fill_between(steps, [bottom if v is None else v for v in lows], [top if v is None else v for v in highs],
+                          where=[lo is not None or hi is not None for lo, hi in zip(lows, highs)],
+                          color="tab:green", alpha=0.15, step="mid", label="normal range")
+        for start, end in _firing_spans(state.history):
+            axis.axvspan(start, end, color="tab:red", alpha=0.2, label="firing")
+        axis.set_ylim(bottom, top)
+        axis.set_title(f"{rule.name} — {rule.metric} on {rule.slice}={key} (owner: {rule.owner}; mitigation: {rule.mitigation})",
+                       fontsize=8)
+        handles, labels = axis.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        axis.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return len(panels)
+
+
+def _firing_spans(history: list[list[Any]]) -> list[tuple[float, float]]:
+    spans, start = [], None
+    for step, _, _, _, firing in history:
+        if firing and start is None:
+            start = step
+        elif not firing and start is not None:
+            spans.append((start, step))
+            start = None
+    if start is not None:
+        spans.append((start, history[-1][0]))
+    return spans
+
+
+def _iso(stamp: float | None) -> str | None:
+    if stamp is None:
+        return None
+    return datetime.fromtimestamp(stamp, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
