@@ -16,8 +16,11 @@ from .errors import (
     UntrustedCheckpoint,
 )
 from .lightning.callback import ShardedCheckpoint
+from .lightning.mitigations import HealthControl, MitigationContext, register_mitigation
 from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
 from .lightning.strategy import register as _register_strategies
+from .ops.health_eval import Transition
+from .ops.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .ops.verify import VerifyReport, verify_checkpoint
 
 _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
@@ -28,11 +31,17 @@ __all__ = [
     "CheckpointSaver",
     "CommitFailed",
     "ConfigError",
+    "HealthConfig",
+    "HealthControl",
+    "HealthRule",
     "CorruptCheckpoint",
     "IncompatibleCheckpoint",
     "LoadConfig",
     "LoadResult",
+    "MitigationContext",
+    "NormalRange",
     "PendingSave",
+    "Persistence",
     "SaveConfig",
     "SaveResult",
     "ShardCkptError",
@@ -41,10 +50,12 @@ __all__ = [
     "ShardedFSDPStrategy",
     "ShardedStrategy",
     "StorageUnavailable",
+    "Transition",
     "UntrustedCheckpoint",
     "VerifyConfig",
     "VerifyReport",
     "load_checkpoint",
     "read_events",
+    "register_mitigation",
     "verify_checkpoint",
 ]

@@ -30,7 +30,9 @@ from ..identity.diff import IdentityPolicy, compare
 from ..ops import retention
 from .callback_config import CallbackConfig, options_from
 from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
+from ..ops.health_rules import health_config_from
 from .drills import TrainingDrills, drill_config_from
+from .health import HealthWatch
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
 from .wandb_artifacts import log_checkpoint_artifact, wandb_run
@@ -66,6 +68,7 @@ class ShardedCheckpoint(Checkpoint):
         dataset_version: str | None = None,
         trust_checkpoint: bool = False,
         drill: Any = None,
+        health: Any = None,
     ) -> None:
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
@@ -92,6 +95,10 @@ class ShardedCheckpoint(Checkpoint):
         self.dataset_version = dataset_version
         self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints (lightning/drills.py)
         self._drills: TrainingDrills | None = None
+        self.health_config = health_config_from(health)  # health rules (lightning/health.py); validated now
+        self._health: HealthWatch | None = None
+        self._loaded_health_state: dict[str, Any] | None = None
+        self._stopped_by_health = False
         self.last_saved_step: int | None = None
         self._static_identity: dict[str, Any] | None = None  # config, model, code, run: computed once per fit
         self._pending_batches = 0  # trained on, not yet applied by an optimizer step
@@ -104,6 +111,7 @@ class ShardedCheckpoint(Checkpoint):
         self._staging_prepared = False
         self._run_id: str | None = None  # this run's id, kept across fits of one callback (see _adopt_run_id)
         self._retention_savers: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention (see _attach_retention)
+        self._resume_event: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -128,6 +136,9 @@ class ShardedCheckpoint(Checkpoint):
         strategy.fallback_to_last_good = self.drill_options.fallback_to_last_good
         if self._drills is None:
             self._drills = TrainingDrills(self.drill_options, self._location, self.save_options.storage_options)
+        if self._health is None:
+            self._health = HealthWatch(self.health_config, self._location)
+            self._drills.listeners.append(self._health.on_event)
         if stage == "fit":
             self._preflight()
             if self.options.save_on_preemption:
@@ -150,6 +161,7 @@ class ShardedCheckpoint(Checkpoint):
         self._adopt_run_id(trainer)
         self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
         self._attach_retention(trainer)
+        self._start_health(trainer)
         self._log_resume(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -164,8 +176,13 @@ class ShardedCheckpoint(Checkpoint):
             self._save(trainer, blocking=True)
             trainer.should_stop = True
             return
+        if self._health_stop(trainer):
+            return
         step = trainer.global_step
-        due_by_steps = bool(self.options.every_n_train_steps) and step % self.options.every_n_train_steps == 0
+        every = self.options.every_n_train_steps
+        if every and self._health is not None:
+            every = max(1, round(every * self._health.interval_factor))  # lower_frequency while a rule fires
+        due_by_steps = bool(every) and step % every == 0
         # the fit-end save of a max_steps stop happens here, at the last batch: by on_train_end Lightning
         # has marked the epoch finished, and a resume would skip the rest of it
         last_step = self.options.save_on_fit_end and trainer.max_steps not in (None, -1) and step >= trainer.max_steps
@@ -186,6 +203,8 @@ class ShardedCheckpoint(Checkpoint):
             # training is over: let the requested drills finish, so the final checkpoint's verdict is known
             self._drills.close(self.drill_options.timeout_s, finish_queued=True)
             self._drills.log(trainer)
+            if self._health is not None:
+                self._health.drain(trainer, request_drill=None)  # the final verdicts' alerts; no new drills now
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         saver = trainer.strategy._savers.get(self.dirpath) if isinstance(trainer.strategy, ShardedStrategy) else None
@@ -203,11 +222,15 @@ class ShardedCheckpoint(Checkpoint):
             "last_saved_step": self.last_saved_step,
             "sampler": sampler.state_dict() if sampler is not None else None,
             "rng": gather_rng_states(),  # every rank's generators, so a resized run can apply the rule in data.py
+            # rule counters, learned baselines, mitigations in force: rank 0's (the one written) evaluates
+            "health": self._health.state_dict() if self._health is not None and self._health.enabled else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_saved_step = state_dict.get("last_saved_step")
         self._loaded_data_state = {"rng": state_dict.get("rng")}
+        if self._health is not None:
+            self._health.load_state_dict(state_dict.get("health"))
         trainer = self._trainer  # bound in on_fit_start, which Lightning runs before it restores
         if trainer is not None and isinstance(trainer.strategy, ShardedStrategy):
             # the strategy applies it as the training loader is built, before Lightning sizes the epoch
@@ -325,25 +348,51 @@ class ShardedCheckpoint(Checkpoint):
         report = compare(loaded.manifest.get("identity"), current, self.identity_policy, where=loaded.path)
         if trainer.is_global_zero:
             log.info("identity of %s: %s", loaded.path, report.render() or "matches the current run")
-            metrics.write_json_event(
-                self._location, f"resume-step-{loaded.step:09d}",
-                {"event": "resume", "from": loaded.path, "step": loaded.step, "seconds": loaded.seconds,
-                 "from_id": loaded.checkpoint_id, "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
-                 "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
-                 "differences": report.differences, "unrecorded": report.unrecorded},
-            )
+            event = {"event": "resume", "from": loaded.path, "step": loaded.step, "seconds": loaded.seconds,
+                     "from_id": loaded.checkpoint_id, "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
+                     "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
+                     "differences": report.differences, "unrecorded": report.unrecorded,
+                     "run_id": loaded.manifest.get("run_id"), "created_at": time.time()}
+            metrics.write_json_event(self._location, f"resume-step-{loaded.step:09d}", event)
+            self._resume_event = event  # evaluated by the health rules once they start (on_train_start)
 
     def _due_by_time(self, trainer: pl.Trainer) -> bool:
         if not self.options.every_n_minutes:
             return False
-        due = time.monotonic() - self._last_save_time >= self.options.every_n_minutes * 60
+        factor = self._health.interval_factor if self._health is not None else 1.0
+        due = time.monotonic() - self._last_save_time >= self.options.every_n_minutes * 60 * factor
         return bool(trainer.strategy.broadcast(due))  # rank 0's clock decides for all
 
     def _preemption_requested(self, trainer: pl.Trainer) -> bool:
+        """Any rank's preemption signal; with health rules the same collective carries rank 0's control state."""
+        local = self.options.save_on_preemption and (self._preempted or bool(getattr(trainer, "received_sigterm", False)))
+        if self._health is not None and self._health.enabled:
+            preempted = self._health.sync(trainer, local)
+            self._health.apply_when_busy(trainer.strategy._savers.get(self.dirpath), self.save_options.when_busy)
+            return preempted
         if not self.options.save_on_preemption:
             return False
-        local = self._preempted or bool(getattr(trainer, "received_sigterm", False))
         return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+
+    # --- health rules (lightning/health.py) ---
+    def _start_health(self, trainer: pl.Trainer) -> None:
+        if self._health is not None and self._health.enabled:
+            self._health.run_id = self._drills.run_id = self._run_id
+            self._health.forget_ranks(trainer.world_size)
+            resumed, self._resume_event = self._resume_event, None
+            if trainer.is_global_zero:
+                self._health.watch(self._saver(trainer), resumed)
+
+    def _health_stop(self, trainer: pl.Trainer) -> bool:
+        """A `stop_training` mitigation in force: one final blocking save, then a clean stop that says why."""
+        if self._health is None or not self._health.stop_requested or self._stopped_by_health:
+            return False
+        self._stopped_by_health = True
+        log.error("stopping training at step %d: %s", trainer.global_step, self._health.stop_reason)
+        if trainer.global_step != self.last_saved_step:
+            self._save(trainer, blocking=True)
+        trainer.should_stop = True
+        return True
 
     def _install_signal_handler(self) -> None:
         def on_signal(signum: int, frame: Any) -> None:
@@ -366,6 +415,8 @@ class ShardedCheckpoint(Checkpoint):
             return
         if self._drills is not None:
             self._drills.log(trainer)  # drills that finished since the last batch
+        if self._health is not None and self._drills is not None:
+            self._health.drain(trainer, self._drills.request_now)  # alerts, health/<rule>/firing, drill_now
         if not records:
             return
         counters = {**saver.counters.snapshot(), **saver.counters.notes()}  # notes: failed_dirs_removed, retention_errors, ...

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -81,6 +82,8 @@ class TrainingDrills:
         self._committed = 0
         self._lock = threading.Lock()
         self.counters = DrillCounters()
+        self.run_id: str | None = None  # recorded in drill events, so health rules can slice by run
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with each drill event (the drill thread)
 
     # --- at a save (every rank) ---
     def probe_extra(self, pl_module: pl.LightningModule) -> dict[str, Any] | None:
@@ -103,6 +106,12 @@ class TrainingDrills:
             self.counters.committed_since_drilled += 1
         if self._committed % self.config.every_n_checkpoints:
             return
+        self.request_now(checkpoint_path)
+
+    def request_now(self, checkpoint_path: str) -> None:
+        """Drill this checkpoint whatever the schedule (a health rule's `drill_now`); on the training thread."""
+        if checkpoint_path.rstrip("/").rsplit("/", 1)[-1] in self.pending():
+            return  # already queued: a second drill of it proves nothing new
         if self._runner is None:
             self._runner = DrillRunner(self.config.options(self._storage_options), self._on_result)
         self._runner.request(checkpoint_path)
@@ -118,7 +127,14 @@ class TrainingDrills:
             else:
                 self.counters.not_drilled += 1
             self.counters.results.append(record)
-        metrics.write_json_event(self._location, f"drill-step-{int(record.get('step') or 0):09d}", {"event": "drill", **_summary(record)})
+            lag = self.counters.committed_since_drilled
+        event = {"event": "drill", **_summary(record), "lag_checkpoints": lag, "run_id": self.run_id, "created_at": time.time()}
+        metrics.write_json_event(self._location, f"drill-step-{int(record.get('step') or 0):09d}", event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("drill listener failed")
 
     # --- on the training thread (rank 0) ---
     def log(self, trainer: pl.Trainer) -> list[dict[str, Any]]:

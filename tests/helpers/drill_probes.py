@@ -28,3 +28,8 @@ def hangs(model_state: dict[str, torch.Tensor]) -> float:
 def dies(model_state: dict[str, torch.Tensor]) -> float:
     os.kill(os.getpid(), signal.SIGKILL)
     return 0.0
+
+
+def differs_every_call(model_state: dict[str, torch.Tensor]) -> float:
+    """A different value in every process: the drill's probe never matches the one saved (a failing drill)."""
+    return float(int.from_bytes(os.urandom(4), "little") + 1)

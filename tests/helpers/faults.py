@@ -83,3 +83,19 @@ class RandomFailures:
             self._armed = None
             self.injected.append((self.save_index, point))
             raise OSError(f"injected storage failure at {point} (save #{self.save_index})")
+
+
+class DiskFullOnOccurrences:
+    """Raise ENOSPC at `point` on `rank` at its n-th occurrences (1-based): chosen saves fail, the rest commit."""
+
+    def __init__(self, point: str, occurrences: tuple[int, ...], rank: int = 0) -> None:
+        self.point, self.occurrences, self.rank, self.seen = point, set(occurrences), rank, 0
+
+    def __call__(self, point: str) -> None:
+        if point != self.point or _rank() != self.rank:
+            return
+        self.seen += 1
+        if self.seen in self.occurrences:
+            import errno
+
+            raise OSError(errno.ENOSPC, f"No space left on device (injected at {point}, occurrence {self.seen})")

@@ -8,6 +8,7 @@ is one: the file is a LevelDB-log stream of `wandb_internal_pb2.Record` messages
     run.summary           # {"final": 3.5, ...}: the last value written per key
     run.config            # {"a": 1, "nested": {"b": 2}}
     run.artifacts         # [{"name", "type", "aliases", "metadata", "entries": [{"path", "ref", ...}]}]
+    run.alerts            # [{"title", "text", "level", "wait_duration"}] from run.alert(...)
 
 Framing (LevelDB log format, with W&B's own file header):
 - file header, 7 bytes: magic b":W&B", uint16 LE 0xBEE1, uint8 version (0);
@@ -86,6 +87,7 @@ class OfflineRun:
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     artifacts: list[dict[str, Any]] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)
 
     def series(self, key: str) -> list[tuple[int, Any]]:
         """(_step, value) for every history row that holds `key`."""
@@ -114,6 +116,10 @@ def read_run(path: str) -> OfflineRun:
             _apply_config(run.config, record.config)
         elif kind == "artifact":
             run.artifacts.append(_artifact(record.artifact))
+        elif kind == "alert":
+            alert = record.alert
+            run.alerts.append({"title": alert.title, "text": alert.text, "level": alert.level,
+                               "wait_duration": alert.wait_duration})
     return run
 
 

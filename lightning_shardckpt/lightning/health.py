@@ -1,0 +1,224 @@
+"""Health rules during training: evaluate on rank 0 as results arrive, act on every rank at the same step.
+
+ShardedCheckpoint owns one `HealthWatch`. Rank 0 feeds it every checkpoint attempt's event document
+(from the saver's background thread, right after the event file is written) and every drill result
+(from the drill thread): evaluation costs microseconds and never runs on the training thread. A rule
+that fires or resolves calls its mitigation (lightning/mitigations.py), writes a `health` event under
+ROOT/events/ and queues an alert. At each batch end the training thread of every rank runs `sync`: one
+all-reduce that carries rank 0's control state (save-interval factor, skip-when-busy, stop) together
+with the preemption flag the callback already exchanged there, so every rank changes its schedule at
+the same step. The evaluator's state and the control state are saved in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from ..engine import metrics
+from ..engine.fsio import Location
+from ..ops.health_eval import FIRED, HealthEvaluator, Transition
+from ..ops.health_observe import HEALTH_EVENT, RULES_EVENT
+from ..ops.health_rules import HealthConfig
+from .mitigations import DRILL, HealthControl, MitigationContext, mitigation_for
+from .wandb_artifacts import wandb_run
+
+log = logging.getLogger(__name__)
+
+_WANDB_LEVEL = {"info": "INFO", "warning": "WARN", "error": "ERROR", "critical": "ERROR"}
+METRIC_PREFIX = "health/"
+
+
+class HealthWatch:
+    """One run's health rules: evaluation and mitigations (rank 0), control applied on every rank."""
+
+    def __init__(self, config: HealthConfig, location: Location) -> None:
+        for rule in config.rules:
+            mitigation_for(rule.mitigation)  # an unknown or unimportable mitigation fails before training starts
+        self.config = config
+        self._location = location
+        self._lock = threading.Lock()
+        self.evaluator = HealthEvaluator(config)
+        self.context = MitigationContext(HealthControl())
+        self._alerts: list[tuple[Transition, str | None]] = []
+        self._metrics: list[tuple[int, dict[str, float]]] = []
+        self._last_alert: dict[tuple[str, str], float] = {}
+        self.newest_committed: str | None = None
+        self.run_id: str | None = None
+        self.applied = HealthControl().encode()  # what this rank applies: [interval factor, skip, stop]
+        self.transitions: list[Transition] = []  # every transition of this fit, in order (tests, the final log)
+        self._watched: weakref.WeakSet = weakref.WeakSet()  # savers whose events feed the rules
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    # --- rank 0, any thread ---
+    def record_rules(self) -> None:
+        """Write the rules into the root once per fit, so `shardckpt health ROOT` replays with them."""
+        if self.enabled:
+            metrics.write_json_event(self._location, f"health-rules-{self.run_id or 'run'}", {
+                "event": RULES_EVENT, "run_id": self.run_id, "alert_every_s": self.config.alert_every_s,
+                "rules": [rule.as_dict() for rule in self.config.rules]})
+
+    def watch(self, saver: Any, resume_event: dict[str, Any] | None) -> None:
+        """Rank 0, at train start: record the rules, evaluate each attempt's event as the saver writes it."""
+        if saver in self._watched:
+            return
+        self._watched.add(saver)
+        self.record_rules()
+        saver.add_listener(lambda record: self.on_event(
+            metrics.event_payload(record, saver.counters.snapshot(), saver.counters.notes())))
+        if resume_event is not None:
+            self.on_event(resume_event)  # a real resume's time is a health metric (resume_s)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Evaluate one event document (a checkpoint attempt, a drill, a resume) as written to ROOT/events/."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if event.get("outcome") == metrics.COMMITTED and event.get("path"):
+                self.newest_committed = event["path"]
+            transitions = self.evaluator.observe_event(event)
+            self._metrics.append((int(event.get("step") or 0), self._firing_metrics()))
+            for transition in transitions:
+                self._act(transition)
+
+    def _act(self, transition: Transition) -> None:
+        try:
+            changed = mitigation_for(transition.rule.mitigation)(self.context, transition)
+        except Exception as err:  # a user's mitigation must not take the run down; the alert still goes out
+            log.exception("mitigation %s of health rule %s failed", transition.rule.mitigation, transition.rule.name)
+            changed = f"mitigation failed: {err}"
+        self.transitions.append(transition)
+        text = transition.describe() + (f"; done: {changed}" if changed else "")
+        (log.warning if transition.kind == FIRED else log.info)("%s", text)
+        metrics.write_json_event(
+            self._location, f"health-{transition.rule.name}-{transition.kind}-step-{transition.step:09d}",
+            {"event": HEALTH_EVENT, **transition.as_dict(), "created_at": time.time(), "mitigation_result": changed,
+             "run_id": self.run_id})
+        self._alerts.append((transition, changed))
+
+    def _firing_metrics(self) -> dict[str, float]:
+        return {f"{METRIC_PREFIX}{name}/firing": float(any(state.firing for state in series.values()))
+                for name, series in self.evaluator.series.items() if series}
+
+    # --- the training thread, every rank ---
+    def sync(self, trainer: pl.Trainer, preempted: bool) -> bool:
+        """One all-reduce: any rank's preemption flag, and rank 0's control state. Returns the preemption verdict."""
+        with self._lock:
+            control = self.context.control.encode() if trainer.is_global_zero else [0.0, 0.0, 0.0]
+        vector = torch.tensor([1.0 if preempted else 0.0, *control], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            vector = vector.to(trainer.strategy.root_device)
+            dist.all_reduce(vector, op=dist.ReduceOp.MAX)  # the training group: every rank runs this at every batch end
+        values = vector.cpu().tolist()
+        self.applied = [max(values[1], 1.0), values[2], values[3]]
+        return bool(values[0])
+
+    @property
+    def interval_factor(self) -> float:
+        return self.applied[0]
+
+    @property
+    def skip_when_busy(self) -> bool:
+        return bool(self.applied[1])
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self.applied[2])
+
+    @property
+    def stop_reason(self) -> str:
+        return self.context.control.stop_reason or "a health rule asked to stop training (see rank 0's log)"
+
+    def apply_when_busy(self, saver: Any, configured: str) -> None:
+        """`skip_when_busy` in force: the saver skips a save due while one is in flight (every rank, same step)."""
+        wanted = "skip" if self.skip_when_busy else configured
+        if saver is not None and saver.config.when_busy != wanted:
+            log.warning("health: when_busy %s -> %s", saver.config.when_busy, wanted)
+            saver.config = replace(saver.config, when_busy=wanted)
+
+    def drain(self, trainer: pl.Trainer, request_drill: Any) -> None:
+        """Rank 0: send queued alerts, log firing metrics, start requested drills."""
+        with self._lock:
+            alerts, self._alerts = self._alerts, []
+            logged, self._metrics = self._metrics, []
+            actions, self.context.actions = self.context.actions, []
+        for step, values in logged:
+            if values:
+                for logger in trainer.loggers:
+                    logger.log_metrics(values, step=trainer.global_step)
+        for transition, changed in alerts:
+            self._send_alert(trainer, transition, changed)
+        for kind, _transition, _text in actions:
+            if kind == DRILL and self.newest_committed and request_drill is not None:
+                request_drill(self.newest_committed)
+
+    def _send_alert(self, trainer: pl.Trainer, transition: Transition, changed: str | None) -> None:
+        key = (transition.rule.name, transition.key)
+        now = time.monotonic()
+        if key in self._last_alert and now - self._last_alert[key] < self.config.alert_every_s:
+            log.info("alert for %s on %s rate-limited (alert_every_s=%s)", *key, self.config.alert_every_s)
+            return
+        self._last_alert[key] = now
+        run = wandb_run(trainer.loggers)
+        if run is None or not hasattr(run, "alert"):
+            return  # the log line and the event are the alert for other loggers
+        verb = "firing" if transition.kind == FIRED else "resolved"
+        title = f"shardckpt health: {transition.rule.name} {verb}"
+        text = transition.describe() + (f"; done: {changed}" if changed else "")
+        level = _WANDB_LEVEL[transition.rule.severity] if transition.kind == FIRED else "INFO"
+        try:
+            import wandb
+
+            run.alert(title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=self.config.alert_every_s)
+        except Exception:  # an alert that cannot be sent is logged, never raised into training
+            log.warning("could not send the W&B alert %r", title, exc_info=True)
+
+    # --- carried in every checkpoint (rank 0's state is the one written) ---
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"evaluator": self.evaluator.state_dict(), "control": self.context.control.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        with self._lock:
+            self.evaluator.load_state_dict(state.get("evaluator"))
+            self.context.control.load_state_dict(state.get("control"))
+            self._release_unless_firing()
+
+    def forget_ranks(self, world_size: int) -> None:
+        """After a resize: per-rank series of ranks that no longer exist would fire forever; drop them."""
+        with self._lock:
+            for name, series in self.evaluator.series.items():
+                for key in [key for key in series if _rank_of(key) is not None and _rank_of(key) >= world_size]:
+                    log.info("health rule %s: dropping the series of %s (the run now has %d ranks)", name, key, world_size)
+                    del series[key]
+                    self.context.control.release(name, key)
+            self._release_unless_firing()
+
+    def _release_unless_firing(self) -> None:
+        """A mitigation stays in force only while a series of its rule still fires."""
+        firing = {(rule.name, key) for rule, key, _ in self.evaluator.firing()}
+        control = self.context.control
+        for rule, keys in list(control.holders.items()):
+            for key in list(keys):
+                if (rule, key) not in firing:
+                    control.release(rule, key)
+        held = set(control.holders)
+        control.factors = {rule: factor for rule, factor in control.factors.items() if rule in held}
+        control.skip_rules &= held
+
+
+def _rank_of(key: str) -> int | None:
+    return int(key[4:]) if key.startswith("rank") and key[4:].isdigit() else None

@@ -1,0 +1,178 @@
+"""Health rules through Lightning on 2 spawned ranks: slow storage makes the throughput rule fire after
+exactly its persistence, the save interval doubles on every rank at the same step, a W&B alert lands in
+the offline run, and the rule resolves and restores the interval once storage is fast again; the rule
+state resumes on another world size; failed commits fire commit completeness and drill the newest
+committed checkpoint; a failing drill stops training after a final save; `shardckpt health` replays the
+same verdicts offline."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
+
+from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt.engine import catalog, drill_records, fsio, metrics
+from lightning_shardckpt.ops import cli
+from tests.helpers.faults import DiskFullOnOccurrences
+from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.scripted_fs import scripted_url
+from tests.helpers.spawn import run_ranks
+from tests.helpers.wandb_reader import find_run_file, read_run
+
+OWNER = "storage-oncall@example"
+THROUGHPUT_RULE = {
+    "name": "write_throughput", "metric": "write_gbps", "slice": "rank", "owner": OWNER, "severity": "warning",
+    # a ~60 KB shard file written in under 0.3 s is above this; a write held up 0.8 s is below
+    "range": {"kind": "static", "min": 2e-4},
+    "persistence": {"fire_after": 2, "resolve_after": 2},
+    "mitigation": "lower_frequency", "mitigation_options": {"factor": 2},
+}
+SLOW_STEPS = [6, 8, 10, 12, 14]  # the saves whose shard writes are throttled
+
+
+class ScheduleProbe(pl.Callback):
+    """Every rank: the interval factor it applies at each step (runs before ShardedCheckpoint's batch end)."""
+
+    def __init__(self, checkpoint: ShardedCheckpoint, step_sleep_s: float = 0.0) -> None:
+        self.checkpoint, self.step_sleep_s = checkpoint, step_sleep_s
+        self.factors: dict[int, float] = {}
+        self.at_start: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        health = self.checkpoint._health
+        self.at_start = {"state": health.state_dict(), "firing": [(r.name, k) for r, k, _ in health.evaluator.firing()]}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.factors[trainer.global_step] = self.checkpoint._health.interval_factor
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)  # a step that takes a while, so a drill can finish during training
+
+
+def health_fit(rank: int, world_size: int, root: str, workdir: str, max_steps: int, ckpt_path: Any, health: dict,
+               storage: dict, drill: dict | None = None, step_sleep_s: float = 0.0, fault_hook: Any = None) -> dict:
+    lightning_env(rank, world_size)
+    # scripted:// only where a test scripts slow saves: drills run in fresh processes that know no test protocol
+    dirpath = scripted_url(root) if storage else root
+    checkpoint = ShardedCheckpoint(dirpath, every_n_train_steps=2, keep_last=None, log_artifact=False,
+                                   health=health, drill=drill, save={"storage_options": storage})
+    probe = ScheduleProbe(checkpoint, step_sleep_s)
+    logger = WandbLogger(project="health", save_dir=workdir, offline=True)
+    strategy = ShardedStrategy(parallelism="ddp")
+    strategy.fault_hook = fault_hook
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
+        logger=logger, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, probe],
+    )
+    trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData(), ckpt_path=ckpt_path)
+    health_watch = checkpoint._health
+    if trainer.is_global_zero:
+        logger.experiment.finish()  # flush the offline run file: a spawned rank exits without W&B's atexit hook
+    return {"factors": probe.factors, "at_start": probe.at_start, "global_step": trainer.global_step,
+            "transitions": [t.as_dict() for t in health_watch.transitions] if trainer.is_global_zero else None}
+
+
+def _committed_steps(root: str) -> list[int]:
+    return [entry.step for entry in catalog.list_checkpoints(fsio.resolve(root)) if entry.committed]
+
+
+def _health_events(root: str) -> list[dict[str, Any]]:
+    return [e for e in metrics.read_events(fsio.resolve(root)) if e.get("event") == "health"]
+
+
+def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interval_alerts_and_resolves(tmp_path, capsys):
+    root, workdir = str(tmp_path / "ckpt"), str(tmp_path / "wandb")
+    storage = {"slow_steps": SLOW_STEPS, "delay_s": 0.8}
+    results = run_ranks(health_fit, 2, root, workdir, 30, None, {"rules": [THROUGHPUT_RULE], "alert_every_s": 0}, storage,
+                        timeout_s=300)
+    online = results[0].value["transitions"]
+    # both ranks were throttled; each rank's series fires at the second slow save and resolves at the
+    # second fast one after the throttle ends (saves at 16 and 20: the interval was 4 by then)
+    fired = sorted((t["key"], t["step"]) for t in online if t["transition"] == "fired")
+    resolved = sorted((t["key"], t["step"]) for t in online if t["transition"] == "resolved")
+    assert fired == [("rank0", 8), ("rank1", 8)], online
+    assert resolved == [("rank0", 20), ("rank1", 20)], online
+    assert all(t["owner"] == OWNER for t in online)
+
+    factors = [result.value["factors"] for result in results]
+    assert factors[0] == factors[1], "every rank applies the same interval at the same step"
+    doubled = [step for step, factor in factors[0].items() if factor == 2.0]
+    assert doubled and min(doubled) <= 14 and max(doubled) >= 20, factors[0]
+    steps = _committed_steps(root)
+    assert {12, 16, 20} <= set(steps) and not {14, 18} & set(steps), steps  # every 4 steps while firing
+    assert any(step > 20 and step % 4 == 2 for step in steps), steps  # every 2 steps again once resolved
+
+    events = _health_events(root)
+    assert {(e["key"], e["transition"], e["step"]) for e in events} == {(k, "fired", s) for k, s in fired} | {(k, "resolved", s) for k, s in resolved}
+    assert all("save interval" in e["mitigation_result"] for e in events)
+    alerts = read_run(find_run_file(workdir)).alerts
+    titles = [alert["title"] for alert in alerts]
+    assert "shardckpt health: write_throughput firing" in titles and "shardckpt health: write_throughput resolved" in titles
+    assert any(OWNER in alert["text"] and alert["level"] == "WARN" for alert in alerts)
+
+    # offline: the same rules (recorded in the root by the run) give the same verdicts
+    assert cli.main(["health", root, "--json"]) == 0  # resolved by the end: exit 0
+    report = json.loads(capsys.readouterr().out)
+    offline = [(t["rule"], t["key"], t["transition"], t["step"]) for t in report["transitions"]]
+    assert offline == [(t["rule"], t["key"], t["transition"], t["step"]) for t in online]
+    assert cli.main(["health", root, "--plot", str(tmp_path / "health.png")]) == 0
+    text = capsys.readouterr().out
+    assert OWNER in text and "write_throughput" in text and "rank1" in text
+    assert (tmp_path / "health.png").stat().st_size > 5_000
+
+    # resumed on 1 rank from step 12, while the rule fired: counters, firing state and the doubled interval
+    # come back, and the rule resolves at the same step as in the uninterrupted run
+    resume_from = next(e for e in catalog.list_checkpoints(fsio.resolve(root)) if e.step == 12)
+    again = run_ranks(health_fit, 1, root, workdir + "2", 22, scripted_url(resume_from.path),
+                      {"rules": [THROUGHPUT_RULE], "alert_every_s": 0}, {}, timeout_s=300)[0].value
+    assert ("write_throughput", "rank0") in again["at_start"]["firing"]
+    assert again["factors"][14] == 2.0  # applied by the first batch end's exchange, before any save
+    resumed_resolved = [(t["key"], t["step"]) for t in again["transitions"] if t["transition"] == "resolved"]
+    assert ("rank0", 20) in resumed_resolved, again["transitions"]
+
+
+COMMIT_RULES = [
+    {"name": "commit_failures", "metric": "committed", "owner": "infra", "range": {"kind": "static", "min": 1},
+     "persistence": {"fire_after": 2, "resolve_after": 1}, "mitigation": "drill_now", "severity": "error"},
+    {"name": "failures_by_cause", "metric": "failed", "slice": "cause", "owner": "storage", "range": {"kind": "static", "max": 0},
+     "persistence": {"fire_after": 1, "resolve_after": 3}, "mitigation": "alert", "severity": "error"},
+]
+
+
+def test_failed_commits_fire_commit_completeness_and_drill_the_newest_committed_checkpoint(tmp_path):
+    root = str(tmp_path / "ckpt")
+    disk_full = DiskFullOnOccurrences("before_write", occurrences=(3, 4))  # the saves of steps 6 and 8
+    value = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 12, None, {"rules": COMMIT_RULES}, {},
+                      {"timeout_s": 120}, 0.3, disk_full, timeout_s=300)[0].value
+    transitions = [(t["rule"], t["key"], t["transition"], t["step"]) for t in value["transitions"]]
+    assert ("failures_by_cause", "storage_full", "fired", 6) in transitions
+    fired = [t for t in value["transitions"] if t["rule"] == "commit_failures" and t["transition"] == "fired"]
+    assert [t["step"] for t in fired] == [8], transitions
+    assert any(t[0] == "commit_failures" and t[2] == "resolved" and t[3] == 10 for t in transitions), transitions
+    # drill_now proved the newest committed checkpoint (step 4) although drills were not scheduled
+    location = fsio.resolve(root)
+    entries = catalog.list_checkpoints(location)
+    states = drill_records.trust_states(location, entries)
+    assert {e.step: states[e.name] for e in entries if e.committed}[4] == drill_records.DRILLED, states
+    assert _committed_steps(root) == [2, 4, 10, 12]
+
+
+STOP_RULE = {"name": "restore_drills", "metric": "drill_ok", "owner": "infra", "severity": "critical",
+             "range": {"kind": "static", "min": 1}, "persistence": {"fire_after": 1, "resolve_after": 1},
+             "mitigation": "stop_training"}
+
+
+def test_failing_drill_fires_restore_rule_and_stop_training_saves_then_stops(tmp_path):
+    root = str(tmp_path / "ckpt")
+    drill = {"every_n_checkpoints": 1, "probe": "tests.helpers.drill_probes:differs_every_call", "timeout_s": 120}
+    results = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 200, None, {"rules": [STOP_RULE]}, {}, drill, 0.1,
+                        timeout_s=300)
+    value = results[0].value
+    assert value["global_step"] < 200, "training stopped early"
+    assert [result.value["global_step"] for result in results] == [value["global_step"]] * 2
+    assert value["transitions"][0]["rule"] == "restore_drills" and value["transitions"][0]["transition"] == "fired"
+    steps = _committed_steps(root)
+    assert steps[-1] == value["global_step"], "the final blocking save committed the stop step"
