@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,11 +54,12 @@ class ScheduleProbe(pl.Callback):
 
 
 def health_fit(rank: int, world_size: int, root: str, workdir: str, max_steps: int, ckpt_path: Any, health: dict,
-               storage: dict, drill: dict | None = None, step_sleep_s: float = 0.0, fault_hook: Any = None) -> dict:
+               storage: dict, drill: dict | None = None, step_sleep_s: float = 0.0, fault_hook: Any = None,
+               every: int = 2) -> dict:
     lightning_env(rank, world_size)
     # scripted:// only where a test scripts slow saves: drills run in fresh processes that know no test protocol
     dirpath = scripted_url(root) if storage else root
-    checkpoint = ShardedCheckpoint(dirpath, every_n_train_steps=2, keep_last=None, log_artifact=False,
+    checkpoint = ShardedCheckpoint(dirpath, every_n_train_steps=every, keep_last=None, log_artifact=False,
                                    health=health, drill=drill, save={"storage_options": storage})
     probe = ScheduleProbe(checkpoint, step_sleep_s)
     logger = WandbLogger(project="health", save_dir=workdir, offline=True)
@@ -176,3 +178,18 @@ def test_failing_drill_fires_restore_rule_and_stop_training_saves_then_stops(tmp
     assert value["transitions"][0]["rule"] == "restore_drills" and value["transitions"][0]["transition"] == "fired"
     steps = _committed_steps(root)
     assert steps[-1] == value["global_step"], "the final blocking save committed the stop step"
+
+
+def test_default_rules_stay_quiet_over_a_clean_run_of_100_checkpoints(tmp_path, capsys):
+    """The learned ranges leave warm-up and hold this machine's normal noise (two ranks sharing two cores)."""
+    root = str(tmp_path / "ckpt")
+    default_rules = str(Path(__file__).resolve().parents[2] / "conf" / "health" / "default.yaml")
+    value = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 200, None, default_rules, {}, None, 0.0, None,
+                      1, timeout_s=600)[0].value
+    assert value["transitions"] == [], value["transitions"]
+    assert len(_committed_steps(root)) >= 100
+    assert cli.main(["health", root, "--json"]) == 0
+    rows = {(row["rule"], row["key"]): row for row in json.loads(capsys.readouterr().out)["rules"]}
+    learned = [rows[("checkpoint_pause", key)] for rule, key in rows if rule == "checkpoint_pause"]
+    assert learned and learned[0]["normal"] != "learning" and learned[0]["evaluations"] >= 100
+    assert {key for rule, key in rows if rule == "write_throughput"} == {"rank0", "rank1"}
