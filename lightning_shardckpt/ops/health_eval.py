@@ -142,8 +142,8 @@ def normal_range(rule: HealthRule, state: SeriesState) -> tuple[float | None, fl
         center = statistics.median(state.baseline)
         mad = statistics.median(abs(value - center) for value in state.baseline)
         half = max(spec.k * mad, spec.floor, spec.relative_floor * abs(center))
-        if spec.direction != ABOVE:  # a low value is bad
-            low = center - half if low is None else max(low, center - half)
+        if spec.direction != ABOVE:  # a low value is bad; every metric watched is >= 0, so is its learned floor
+            low = max(center - half, 0.0) if low is None else max(low, center - half)
         if spec.direction != BELOW:  # a high value is bad
             high = center + half if high is None else min(high, center + half)
     return low, high

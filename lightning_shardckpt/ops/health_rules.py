@@ -25,7 +25,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "committed": (COMMIT_COMPLETENESS, (RUN, ROOT), "1 for an attempt that committed, 0 for one that failed (skips excluded)"),
     "commit_ratio": (COMMIT_COMPLETENESS, (RUN, ROOT), "committed / (committed + failed) over the run so far"),
     "failed": (COMMIT_COMPLETENESS, (CAUSE, RUN, ROOT), "1 for a failed attempt, else 0; CAUSE slices by failure cause"),
-    "failed_dirs_left": (COMMIT_COMPLETENESS, (RUN, ROOT), "failed attempts whose directory was left for `shardckpt gc` so far"),
+    "failed_dirs_left": (COMMIT_COMPLETENESS, (RUN, ROOT), "1 when a failed attempt's directory was left for `shardckpt gc`, else 0"),
     "storage_retries": (COMMIT_COMPLETENESS, (RUN, ROOT), "transient storage errors retried during one save"),
     "drill_ok": (RESTORE, (RUN, ROOT), "1 for a restore drill that passed, 0 for one that failed or could not run"),
     "time_to_resume_s": (RESTORE, (RUN, ROOT), "seconds a restore drill took from process start to restored state"),
