@@ -117,19 +117,21 @@ class CheckpointSaver:
         identity: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         identical: Callable[[str], bool] | None = None,
+        never_skip: bool = False,
     ) -> PendingSave:
         """Snapshot `state_dict` now and commit it as the checkpoint of `step` (in the background if async).
 
         Returns once the state is copied: the caller may mutate it right away. With `on_error="raise"`,
         a failure of an earlier background save is raised here. An item several ranks hold is written
         from rank 0's copy, unless `identical(flattened_key)` says every rank's copy is the same bytes
-        (then the writes are spread across ranks).
+        (then the writes are spread across ranks). `never_skip` (every rank alike): wait for a staging slot
+        even under when_busy="skip" — for a save that must happen, such as the last one of a run.
         """
         self._raise_first_error()
         requested = time.perf_counter()
         pending = PendingSave(step)
         record = CheckpointRecord(step=step, rank=self.rank, outcome=metrics.SKIPPED, run_id=self.config.run_id)
-        slot = self._acquire_slot(step)
+        slot = self._acquire_slot(step, never_skip)
         if slot is None:
             record.cause = f"a previous save was still in flight (max_in_flight={self.config.max_in_flight}, when_busy='skip')"
             record.pause_s = record.total_s = time.perf_counter() - requested
@@ -225,8 +227,8 @@ class CheckpointSaver:
         self._listeners.append(listener)
 
     # --- internals ---
-    def _acquire_slot(self, step: int) -> StagingBuffers | None:
-        if self.config.when_busy == "skip":
+    def _acquire_slot(self, step: int, never_skip: bool = False) -> StagingBuffers | None:
+        if self.config.when_busy == "skip" and not never_skip:
             if _any_rank(self._free_slots.empty()):  # every rank must take the same decision
                 log.warning("rank %d: skipping the checkpoint of step %d: a previous save is still in flight", self.rank, step)
                 return None

@@ -187,7 +187,7 @@ class ShardedCheckpoint(Checkpoint):
         # has marked the epoch finished, and a resume would skip the rest of it
         last_step = self.options.save_on_fit_end and trainer.max_steps not in (None, -1) and step >= trainer.max_steps
         if step > 0 and step != self.last_saved_step and (due_by_steps or last_step or self._due_by_time(trainer)):
-            self._save(trainer)
+            self._save(trainer, never_skip=last_step)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.options.save_on_epoch_end and trainer.global_step != self.last_saved_step:
@@ -196,7 +196,7 @@ class ShardedCheckpoint(Checkpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_train_end, not on_fit_end: Lightning tears the strategy (and its savers) down in between
         if self.options.save_on_fit_end and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
-            self._save(trainer)
+            self._save(trainer, never_skip=True)  # the run's last state: waits for a slot even under when_busy=skip
         self._saver(trainer).close()  # the run's last checkpoint commits before teardown
         self._drain(trainer)
         if self._drills is not None and trainer.is_global_zero:
@@ -263,15 +263,17 @@ class ShardedCheckpoint(Checkpoint):
     def _saver(self, trainer: pl.Trainer):
         return trainer.strategy.saver(self.dirpath)
 
-    def _save(self, trainer: pl.Trainer, blocking: bool = False) -> None:
-        self.last_saved_step = trainer.global_step  # before the dump, so the snapshot records it too
+    def _save(self, trainer: pl.Trainer, blocking: bool = False, never_skip: bool = False) -> None:
+        previous, self.last_saved_step = self.last_saved_step, trainer.global_step  # before the dump, so the snapshot records it too
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         sampler, _ = train_sampler(trainer)
         samples = sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
         current = self._current_identity(trainer, trainer.lightning_module) if trainer.is_global_zero else None
         extra = self._drills.probe_extra(trainer.lightning_module) if self._drills is not None else None  # every rank
         pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=current, samples_consumed=samples,
-                                                 extra=extra)
+                                                 extra=extra, never_skip=never_skip or blocking)
+        if pending.done() and pending.result().skipped:
+            self.last_saved_step = previous  # nothing was saved: the fit-end save must still happen
         self._last_save_time = time.monotonic()
         if blocking:
             pending.result()

@@ -219,6 +219,7 @@ class ShardedStrategy:
             samples_consumed=meta.get("samples_consumed"),
             extra=meta.get("extra"),
             identical=self._identical_on_all_ranks(),
+            never_skip=bool(meta.get("never_skip", False)),
         )
 
     def _identical_on_all_ranks(self):

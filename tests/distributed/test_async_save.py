@@ -69,8 +69,11 @@ def skip_worker(rank, world_size, root):
 
     time.sleep(0.3)  # rank 0's part is done by now; rank 1 still stalls
     second = saver.save({"weights": state["weights"]}, step=2)
+    time.sleep(0.3)
+    last = saver.save({"weights": state["weights"]}, step=3, never_skip=True)  # a run's last save waits instead
     saver.close()
-    return {"first": first.result().committed, "second_skipped": second.result().skipped, "counters": saver.counters.snapshot()}
+    return {"first": first.result().committed, "second_skipped": second.result().skipped, "last": last.result().committed,
+            "counters": saver.counters.snapshot()}
 
 
 def test_skip_policy_decides_the_same_on_every_rank(tmp_path):
@@ -78,4 +81,5 @@ def test_skip_policy_decides_the_same_on_every_rank(tmp_path):
     for outcome in outcomes:
         assert outcome.value["first"] is True
         assert outcome.value["second_skipped"] is True
-        assert outcome.value["counters"] == {"attempted": 2, "committed": 1, "failed": 0, "skipped": 1}
+        assert outcome.value["last"] is True
+        assert outcome.value["counters"] == {"attempted": 3, "committed": 2, "failed": 0, "skipped": 1}

@@ -41,6 +41,7 @@ class ScheduleProbe(pl.Callback):
     def __init__(self, checkpoint: ShardedCheckpoint, step_sleep_s: float = 0.0) -> None:
         self.checkpoint, self.step_sleep_s = checkpoint, step_sleep_s
         self.factors: dict[int, float] = {}
+        self.when_busy: dict[int, str] = {}
         self.at_start: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -49,6 +50,9 @@ class ScheduleProbe(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.factors[trainer.global_step] = self.checkpoint._health.interval_factor
+        saver = trainer.strategy._savers.get(self.checkpoint.dirpath)
+        if saver is not None:
+            self.when_busy[trainer.global_step] = saver.config.when_busy
         if self.step_sleep_s:
             time.sleep(self.step_sleep_s)  # a step that takes a while, so a drill can finish during training
 
@@ -73,7 +77,7 @@ def health_fit(rank: int, world_size: int, root: str, workdir: str, max_steps: i
     health_watch = checkpoint._health
     if trainer.is_global_zero:
         logger.experiment.finish()  # flush the offline run file: a spawned rank exits without W&B's atexit hook
-    return {"factors": probe.factors, "at_start": probe.at_start, "global_step": trainer.global_step,
+    return {"factors": probe.factors, "when_busy": probe.when_busy, "at_start": probe.at_start, "global_step": trainer.global_step,
             "transitions": [t.as_dict() for t in health_watch.transitions] if trainer.is_global_zero else None}
 
 
@@ -193,3 +197,25 @@ def test_default_rules_stay_quiet_over_a_clean_run_of_100_checkpoints(tmp_path, 
     learned = [rows[("checkpoint_pause", key)] for rule, key in rows if rule == "checkpoint_pause"]
     assert learned and learned[0]["normal"] != "learning" and learned[0]["evaluations"] >= 100
     assert {key for rule, key in rows if rule == "write_throughput"} == {"rank0", "rank1"}
+
+
+PAUSE_RULE = {"name": "checkpoint_pause", "metric": "pause_s", "owner": "training-infra", "severity": "warning",
+              "range": {"kind": "static", "max": 0.4}, "persistence": {"fire_after": 2, "resolve_after": 2},
+              "mitigation": "skip_when_busy"}
+
+
+def test_saves_queueing_behind_slow_storage_fire_the_pause_rule_and_skip_when_busy_until_it_resolves(tmp_path):
+    root = str(tmp_path / "ckpt")
+    # each slow save holds the only staging slot 1 s: the next save, 2 fast steps later, waits for it
+    storage = {"slow_steps": [4, 6, 8, 10], "delay_s": 1.0}
+    results = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 40, None, {"rules": [PAUSE_RULE]}, storage,
+                        None, 0.05, timeout_s=300)  # 50 ms steps: storage is fast again well before the end
+    transitions = [(t["transition"], t["step"]) for t in results[0].value["transitions"]]
+    assert transitions[0] == ("fired", 8), transitions  # saves 6 and 8 each waited for the slow one before
+    assert transitions[-1][0] == "resolved", transitions
+    busy = [result.value["when_busy"] for result in results]
+    assert busy[0] == busy[1], "every rank switches when_busy at the same step"
+    assert "skip" in busy[0].values() and busy[0][max(busy[0])] == "wait", busy[0]  # switched, then restored
+    skipped = [e["step"] for e in metrics.read_events(fsio.resolve(root)) if e.get("outcome") == "skipped"]
+    assert skipped, "while the rule fired, a save due during a slow write was skipped instead of waited for"
+    assert _committed_steps(root)[-1] == 40, "the run's last step is saved even under when_busy=skip"
