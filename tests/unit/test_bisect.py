@@ -178,6 +178,6 @@ def test_timeline_shows_recorded_metrics_as_columns(nan_root, capsys):
     assert main(["timeline", nan_root, "--metric", "train/loss", "--metric", "lr"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = lines[0].split()
-    assert header[header.index("VERIFIED") + 2:header.index("VERIFIED") + 4] == ["TRAIN/LOSS", "LR"]
+    assert header[header.index("VERIFIED") + 1:header.index("VERIFIED") + 3] == ["TRAIN/LOSS", "LR"]
     by_step = {line.split()[0]: line.split() for line in lines[1:] if line.split() and line.split()[0].isdigit()}
     assert by_step["6"][-2:] == ["0.0833333", "0.1"] and by_step["7"][-3:] == ["47", "3", "data"]
