@@ -179,5 +179,6 @@ def test_timeline_shows_recorded_metrics_as_columns(nan_root, capsys):
     lines = capsys.readouterr().out.splitlines()
     header = lines[0].split()
     assert header[header.index("VERIFIED") + 1:header.index("VERIFIED") + 3] == ["TRAIN/LOSS", "LR"]
-    by_step = {line.split()[0]: line.split() for line in lines[1:] if line.split() and line.split()[0].isdigit()}
+    rows = [line.lstrip("* ").split() for line in lines[1:]]
+    by_step = {row[0]: row for row in rows if row and row[0].isdigit()}
     assert by_step["6"][-2:] == ["0.0833333", "0.1"] and by_step["7"][-3:] == ["47", "3", "data"]
