@@ -18,6 +18,7 @@ from .errors import (
 from .lightning.callback import ShardedCheckpoint
 from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
 from .lightning.strategy import register as _register_strategies
+from .ops.export import ExportOptions, ExportResult, export_checkpoint
 from .ops.verify import VerifyReport, verify_checkpoint
 
 _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
@@ -29,6 +30,8 @@ __all__ = [
     "CommitFailed",
     "ConfigError",
     "CorruptCheckpoint",
+    "ExportOptions",
+    "ExportResult",
     "IncompatibleCheckpoint",
     "LoadConfig",
     "LoadResult",
@@ -44,6 +47,7 @@ __all__ = [
     "UntrustedCheckpoint",
     "VerifyConfig",
     "VerifyReport",
+    "export_checkpoint",
     "load_checkpoint",
     "read_events",
     "verify_checkpoint",

@@ -94,14 +94,13 @@ def export_checkpoint(checkpoint: str, out: str, options: ExportOptions | None =
         if not plan:
             raise ConfigError(f"{entry.path} holds no tensor to export" + (" under model." if options.model_only else ""))
         with _progress(sum(item.nbytes for item in plan), options.progress) as bar:
-            def tensors(part: list[Planned]):
-                for planned in part:
-                    tensor = reader.read(sources[planned.key])
-                    tensor = tensor if tensor.dtype == planned.dtype else tensor.to(planned.dtype)
-                    yield planned.key, tensor
-                    bar.update(planned.nbytes)
+            def read_one(planned: Planned) -> torch.Tensor:
+                # returned straight into a write: no name keeps it alive while the next one is read
+                tensor = reader.read(sources[planned.key])
+                bar.update(planned.nbytes)
+                return tensor if tensor.dtype == planned.dtype else tensor.to(planned.dtype)
 
-            files = _write(target, plan, tensors, options)
+            files = _write(target, plan, read_one, options)
         result = ExportResult(join(location.url, entry.name), out, options.format, files, len(plan),
                               sum(target.fs.size(path) for path in files), reader.bytes_read, time.perf_counter() - started)
     log.info("exported %s to %s: %d tensors, %d bytes in %.2fs", result.checkpoint, out, result.tensors,
@@ -127,35 +126,35 @@ def export_plan(specs: dict[str, TensorSpec], options: ExportOptions) -> tuple[l
     return plan, sources
 
 
-def _write(target: fsio.Location, plan: list[Planned], tensors: Any, options: ExportOptions) -> list[str]:
+def _write(target: fsio.Location, plan: list[Planned], read_one: Any, options: ExportOptions) -> list[str]:
     """Write the artifact(s) under temporary names, then move each into place; returns the final paths."""
     if options.format != SAFETENSORS:
-        return [_write_file(target.fs, target.path, lambda handle: _torch_body(handle, plan, tensors))]
+        return [_write_file(target.fs, target.path, lambda handle: _torch_body(handle, plan, read_one))]
     shards = shard_plan(plan, options.max_shard_size)
     if options.max_shard_size is None:
-        return [_write_file(target.fs, target.path, lambda handle: _safetensors_body(handle, plan, tensors))]
+        return [_write_file(target.fs, target.path, lambda handle: _safetensors_body(handle, plan, read_one))]
     fsio.makedirs(target.fs, target.path)
     names = shard_names(len(shards))
-    paths = [_write_file(target.fs, join(target.path, name), lambda handle, part=part: _safetensors_body(handle, part, tensors))
+    paths = [_write_file(target.fs, join(target.path, name), lambda handle, part=part: _safetensors_body(handle, part, read_one))
              for part, name in zip(shards, names)]
     index = safetensors_index(shards, names)
     return [*paths, _write_file(target.fs, join(target.path, SAFETENSORS_INDEX), lambda handle: handle.write(index))]
 
 
-def _torch_body(handle: Any, plan: list[Planned], tensors: Any) -> None:
+def _torch_body(handle: Any, plan: list[Planned], read_one: Any) -> None:
     writer = TorchZipWriter(handle, plan)
     try:
-        for key, tensor in tensors(plan):
-            writer.write(key, tensor)
+        for planned in plan:
+            writer.write(planned.key, read_one(planned))
         writer.finish()
     finally:
         writer.discard()
 
 
-def _safetensors_body(handle: Any, part: list[Planned], tensors: Any) -> None:
+def _safetensors_body(handle: Any, part: list[Planned], read_one: Any) -> None:
     handle.write(safetensors_header(part))
-    for _, tensor in tensors(part):
-        handle.write(tensor_bytes(tensor))
+    for planned in part:
+        handle.write(tensor_bytes(read_one(planned)))
 
 
 def _write_file(fs: Any, path: str, body: Any) -> str:
