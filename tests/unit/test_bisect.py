@@ -182,3 +182,18 @@ def test_timeline_shows_recorded_metrics_as_columns(nan_root, capsys):
     rows = [line.lstrip("* ").split() for line in lines[1:]]
     by_step = {row[0]: row for row in rows if row and row[0].isdigit()}
     assert by_step["6"][-2:] == ["0.0833333", "0.1"] and by_step["7"][-3:] == ["47", "3", "data"]
+
+
+def test_drill_bisect_uses_recorded_verdicts_without_starting_a_drill(nan_root):
+    from lightning_shardckpt.engine import catalog, drill_records
+
+    location = resolve(nan_root)
+    for entry in catalog.list_checkpoints(location):  # as drills would have filed them: fail from the NaN on
+        verdict = drill_records.FAILED if entry.step >= NAN_FROM else drill_records.PASSED
+        drill_records.write_record(location, {"checkpoint": entry.name, "drill_id": drill_records.new_drill_id(),
+                                              "verdict": verdict, "cause": "restored tensors hold NaN" if entry.step >= NAN_FROM else None})
+    check, kind = parse_check("drill")
+    report = bisect(location, check, kind=kind)
+    assert (report["last_good"]["step"], report["first_bad"]["step"]) == (NAN_FROM - 1, NAN_FROM)
+    assert report["first_bad"]["summary"].startswith("recorded drill ") and "failed (restored tensors hold NaN)" in report["first_bad"]["summary"]
+    assert report["affected"]["changes"] is None
