@@ -25,7 +25,7 @@ import torch
 
 from ..engine import catalog, fsio
 from ..engine.global_tensors import GlobalTensorReader, TensorSpec
-from ..engine.layout import join
+from ..engine.layout import LATEST, join
 from ..errors import ConfigError
 from .export_formats import (
     FORMATS,
@@ -39,6 +39,7 @@ from .export_formats import (
     shard_plan,
     tensor_bytes,
 )
+from .investigate import open_path
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,10 @@ def export_checkpoint(checkpoint: str, out: str, options: ExportOptions | None =
     """Export a committed checkpoint (a directory, or a root with `which`) to OUT; see the module doc."""
     options = options or ExportOptions()
     started = time.perf_counter()
-    location, entry = catalog.open_checkpoint(checkpoint, which, options.storage_options)
+    if which == LATEST:  # also accepts ROOT/latest, the pointer file's path, as the other commands do
+        location, entry = open_path(checkpoint, options.storage_options)
+    else:
+        location, entry = catalog.open_checkpoint(checkpoint, which, options.storage_options)
     target = fsio.resolve(out, options.storage_options)
     with GlobalTensorReader(location, entry) as reader:
         plan, sources = export_plan(reader.specs, options)

@@ -68,6 +68,9 @@ def test_torch_export_loads_with_weights_only_and_equals_the_saved_tensors_bit_e
     # a plain zip with real CRCs: it left our format, other tools check them
     assert "No errors detected" in subprocess.run(["unzip", "-t", out], capture_output=True, text=True).stdout
     assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]
+    # ROOT/latest names the same checkpoint, as for the other commands
+    again = export_checkpoint(os.path.join(root, "latest"), str(tmp_path / "again.pt"), ExportOptions(format="torch"))
+    assert again.checkpoint == result.checkpoint
 
 
 def test_safetensors_export_of_the_model_with_the_prefix_stripped(saved, tmp_path):
