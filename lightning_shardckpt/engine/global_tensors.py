@@ -12,6 +12,7 @@ Callers that walk a checkpoint drop each tensor before reading the next.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +43,11 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def files(self) -> list[str]:

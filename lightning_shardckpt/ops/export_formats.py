@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import math
 import pickle
 import struct
 import sys
@@ -52,10 +53,7 @@ class Planned:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -92,7 +90,7 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageStub):
             storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.planned.dtype])
-            numel = obj.planned.nbytes // torch.empty((), dtype=obj.planned.dtype).element_size()
+            numel = math.prod(obj.planned.shape)
             return ("storage", storage_type, obj.key, "cpu", numel)
         return None
 
