@@ -20,7 +20,7 @@ import torch
 
 from ..engine.global_tensors import GlobalTensorReader, TensorSpec
 
-BLOCK = 1 << 22  # elements per statistics block: 32 MiB of float64 temporaries at most
+BLOCK = 1 << 22  # elements per statistics block: each float64 temporary is 32 MiB, whatever the tensor size
 TINY = 1e-30  # |A| below this counts as zero scale: `relative` is then max_abs itself
 EQUAL, CHANGED, SHAPE, ONLY_A, ONLY_B = "equal", "changed", "shape_differs", "only_a", "only_b"
 
