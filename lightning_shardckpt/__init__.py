@@ -19,6 +19,7 @@ from .lightning.callback import ShardedCheckpoint
 from .lightning.mitigations import HealthControl, MitigationContext, register_mitigation
 from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
 from .lightning.strategy import register as _register_strategies
+from .ops.export import ExportOptions, ExportResult, export_checkpoint
 from .ops.health_eval import Transition
 from .ops.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .ops.verify import VerifyReport, verify_checkpoint
@@ -31,10 +32,12 @@ __all__ = [
     "CheckpointSaver",
     "CommitFailed",
     "ConfigError",
+    "CorruptCheckpoint",
+    "ExportOptions",
+    "ExportResult",
     "HealthConfig",
     "HealthControl",
     "HealthRule",
-    "CorruptCheckpoint",
     "IncompatibleCheckpoint",
     "LoadConfig",
     "LoadResult",
@@ -54,6 +57,7 @@ __all__ = [
     "UntrustedCheckpoint",
     "VerifyConfig",
     "VerifyReport",
+    "export_checkpoint",
     "load_checkpoint",
     "read_events",
     "register_mitigation",

@@ -18,6 +18,7 @@ FORMAT_VERSION = 2  # what this writer emits (docs/FORMAT.md)
 READABLE_FORMAT_VERSIONS = (1, 2)  # v1: no commit record, no `seq`; listing parses the manifest itself
 CHECKSUM_ALGORITHM = "xxh3_64"
 
+_SHARD_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
 _DIR_RE = re.compile(r"^step-(?P<step>\d{9,})-(?P<id>[0-9a-f]{8,32})$")
 
 
@@ -34,6 +35,13 @@ def checkpoint_dirname(step: int, checkpoint_id: str) -> str:
 def shard_filename(rank: int, index: int = 0) -> str:
     # DCP's naming (`__<rank>_<n>.distcp`): plain DCP readers and tools recognise it.
     return f"__{rank}_{index}{SHARD_SUFFIX}"
+
+
+def shard_rank(relative_path: str) -> int | None:
+    """The rank that wrote a shard file named by shard_filename, for reports only (readers find bytes
+    through the manifest, never by parsing names); None for any other name."""
+    match = _SHARD_RE.match(relative_path.rsplit("/", 1)[-1])
+    return int(match["rank"]) if match else None
 
 
 @dataclass(frozen=True)

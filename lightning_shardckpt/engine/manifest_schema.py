@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from .layout import DirName
+from .outcomes import metrics_problems
 
 HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)
 MAX_PROBLEMS = 5  # a broken tensor table would otherwise produce thousands of lines
@@ -66,6 +67,8 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
     for name in ("identity", "verification", "writer", "extra"):
         if manifest.get(name) is not None and not isinstance(manifest[name], dict):
             problems.append(f"{name} is not an object")
+    if isinstance(manifest.get("extra"), dict):
+        problems.extend(metrics_problems(manifest["extra"]))
     identity = manifest.get("identity")
     if isinstance(identity, dict):
         problems.extend(f"identity.{block} is not an object or null" for block, value in identity.items()

@@ -341,7 +341,7 @@ def _plain_cpu_tensor(data: Any) -> torch.Tensor:
     return tensor
 
 
-def _read_at(handle: Any, offset: int, view: memoryview) -> memoryview:
+def read_at(handle: Any, offset: int, view: memoryview) -> memoryview:
     """Read `len(view)` bytes at `offset` into `view`; return the part filled (shorter at end of file)."""
     handle.seek(offset)
     filled = 0
@@ -464,7 +464,7 @@ class ShardReader(StorageReader):
                     if len(buffer) < info.length:
                         buffer = bytearray(info.length)
                     started = time.perf_counter()
-                    data = _read_at(handle, info.offset, memoryview(buffer)[: info.length])
+                    data = read_at(handle, info.offset, memoryview(buffer)[: info.length])
                     self._check(relative_path, info, data, request.storage_index.fqn)
                     self.read_s += time.perf_counter() - started
                     self.bytes_read += len(data)
@@ -488,19 +488,8 @@ class ShardReader(StorageReader):
         return future
 
     def _tensor(self, data: memoryview, index: MetadataIndex) -> torch.Tensor:
-        """The chunk's tensor as a view of `data` (no copy) when its record is what our writer makes."""
         layout = self._chunk_layout.get(index)
-        if layout is not None:
-            sizes, dtype = layout
-            nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
-            try:
-                record = torch._C.PyTorchFileReader(_MemoryFile(data))
-                if record.get_all_records().count("data/0") == 1 and record.get_record_size("data/0") == nbytes:
-                    offset = record.get_record_offset("data/0")
-                    return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)
-            except (AttributeError, RuntimeError, TypeError, ValueError):
-                pass  # another record layout or torch version: the general path below
-        return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+        return decode_tensor_record(data, *(layout if layout is not None else (None, None)))
 
     @property
     def checkpoint_id(self) -> str:
@@ -532,11 +521,34 @@ class ShardReader(StorageReader):
                 f"{join(self.path, relative_path)} @ {info.offset}: DCP metadata names a chunk of {fqn!r} "
                 "that the manifest does not list; the checkpoint's metadata was altered after commit"
             )
-        actual = checksum(data) if len(data) == info.length else f"<{len(data)} of {info.length} bytes>"
-        if actual != expected[0]:
-            problem = {"file": relative_path, "tensor": fqn, "expected": expected[0], "actual": actual}
-            raise CorruptCheckpoint(
-                f"checksum mismatch in {join(self.path, relative_path)} for {fqn!r}: expected {expected[0]}, "
-                f"read {actual}. Restore this file from a replica or load an older checkpoint",
-                problems=[problem],
-            )
+        check_chunk(self.path, relative_path, info.length, data, expected[0], fqn)
+
+
+def check_chunk(directory: str, relative_path: str, length: int, data: memoryview, expected: str, fqn: str) -> None:
+    """Raise CorruptCheckpoint, naming the file and the tensor, unless `data` is the chunk the manifest recorded."""
+    actual = checksum(data) if len(data) == length else f"<{len(data)} of {length} bytes>"
+    if actual != expected:
+        problem = {"file": relative_path, "tensor": fqn, "expected": expected, "actual": actual}
+        raise CorruptCheckpoint(
+            f"checksum mismatch in {join(directory, relative_path)} for {fqn!r}: expected {expected}, "
+            f"read {actual}. Restore this file from a replica or load an older checkpoint",
+            problems=[problem],
+        )
+
+
+def decode_tensor_record(data: memoryview, sizes: tuple[int, ...] | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """A chunk's tensor as a view of `data` (no copy) when its record is what our writer makes.
+
+    `sizes` and `dtype` are the chunk's as the metadata records them (None: unknown, always the general path).
+    The view shares `data`: copy it out before the buffer is reused.
+    """
+    if sizes is not None and dtype is not None:
+        nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+        try:
+            record = torch._C.PyTorchFileReader(_MemoryFile(data))
+            if record.get_all_records().count("data/0") == 1 and record.get_record_size("data/0") == nbytes:
+                offset = record.get_record_offset("data/0")
+                return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            pass  # another record layout or torch version: the general path below
+    return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)

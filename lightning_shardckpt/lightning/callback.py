@@ -24,6 +24,7 @@ from ..engine.collectives import all_gather_objects, rank_and_world
 from ..engine.config import LoadConfig, save_config_from
 from ..engine.manifest import to_bytes
 from ..engine.metrics import CheckpointRecord
+from ..engine.outcomes import METRICS_EXTRA, encode_metrics
 from ..errors import ConfigError, StorageUnavailable
 from ..identity import blocks as identity
 from ..identity.diff import IdentityPolicy, compare
@@ -270,6 +271,8 @@ class ShardedCheckpoint(Checkpoint):
         samples = sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
         current = self._current_identity(trainer, trainer.lightning_module) if trainer.is_global_zero else None
         extra = self._drills.probe_extra(trainer.lightning_module) if self._drills is not None else None  # every rank
+        # the outcome next to the identity: what the run logged by the time it saved (floats only)
+        extra = {**(extra or {}), METRICS_EXTRA: encode_metrics(trainer.callback_metrics)}
         pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=current, samples_consumed=samples,
                                                  extra=extra, never_skip=never_skip or blocking)
         if pending.done() and pending.result().skipped:

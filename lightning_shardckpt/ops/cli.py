@@ -7,6 +7,10 @@
     shardckpt timeline ROOT                every checkpoint, attempt and resume in order: state, cause, identity changes
     shardckpt gc ROOT [--yes]              uncommitted directories older than the grace: list (default) or remove
     shardckpt health ROOT [--plot OUT.png] health rules over the root's events: owner, normal range, firing, mitigation
+    shardckpt drill ROOT|DIR / last-good   restore drills; the newest drilled checkpoint
+    shardckpt bisect ROOT --bad CHECK      the earliest known-bad checkpoint, the last known-good, what changed
+    shardckpt compare A B                  per-tensor numeric differences of two checkpoints (any world sizes)
+    shardckpt export CKPT OUT              one torch or safetensors file (or shards) of the global tensors
 
 Exit codes: 0 success (verify: sound; diff: identical), 1 verify found problems, diff found differences or
 gc could not remove a directory, health found a rule firing, 2 the command could not run (no such checkpoint, unreachable storage, bad
@@ -26,7 +30,10 @@ from ..engine import manifest as manifest_format
 from ..engine.fsio import Location
 from ..engine.layout import join
 from ..errors import ShardCkptError
-from . import cli_drill, cli_health, gc, investigate
+from . import cli_drill, cli_health, cli_investigate, gc, investigate
+from .cli_format import human_bytes as _human_bytes
+from .cli_format import print_json as _print_json
+from .cli_format import print_table as _print_table
 from .verify import verify_checkpoint
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
@@ -152,7 +159,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
     else:
-        _print_timeline(result)
+        _print_timeline(result, args.metric)
     return EXIT_OK
 
 
@@ -233,17 +240,20 @@ def _diff_status(block: dict[str, Any]) -> str:
     return text if compared else f"{text} (shown, not compared)"
 
 
-def _print_timeline(result: dict[str, Any]) -> None:
+def _print_timeline(result: dict[str, Any], metrics: list[str]) -> None:
     rows = result["checkpoints"]
     if not rows:
         print(f"no checkpoints in {result['root']}")
         return
-    table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "TRUST", "VERIFIED", "IDENTITY CHANGED")]
+    table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "TRUST", "VERIFIED",
+              *(name.upper() for name in metrics), "IDENTITY CHANGED")]
     for row in rows:
         trust = (row.get("trust") or "-") + (" (last good)" if row.get("last_good") else "")
+        recorded = row.get("metrics") or {}
         table.append(("*" if row["identity_changed"] else "", str(row["step"]), row["id"] or "-", row["parent"] or "-",
                       _short_time(row["created_at"]), _human_bytes(row["bytes"]), _timeline_state(row), trust,
-                      _verified(row["verification"]), ", ".join(row["identity_changed"])))
+                      _verified(row["verification"]), *(f"{recorded[name]:.6g}" if name in recorded else "-" for name in metrics),
+                      ", ".join(row["identity_changed"])))
     _print_table(table)
     for row in rows:
         if row.get("resume"):
@@ -379,6 +389,8 @@ def _parser() -> argparse.ArgumentParser:
         help="an uncommitted directory last written less than this ago, with no failure event, is in-flight "
         "(default: %(default).0f)",
     )
+    timeline.add_argument("--metric", action="append", default=[], metavar="NAME",
+                          help="a metric recorded at save time (trainer.callback_metrics) as a column, e.g. train/loss (repeatable)")
     timeline.set_defaults(run=cmd_timeline)
     collect = commands.add_parser(
         "gc", parents=[common], help="remove uncommitted checkpoint directories older than the grace (dry run by default)",
@@ -394,6 +406,7 @@ def _parser() -> argparse.ArgumentParser:
     collect.set_defaults(run=cmd_gc)
     cli_drill.add_commands(commands, common)
     cli_health.add_commands(commands, common)
+    cli_investigate.add_commands(commands, common)
     return parser
 
 
@@ -450,27 +463,6 @@ else the directory's last write). STATE is:
 Committed checkpoints that retention deleted are not listed. A `*` marks a committed checkpoint whose
 config, data, model or code identity or topology differs from the previous committed one (as diff).
 """
-
-
-def _print_json(document: Any) -> None:
-    print(json.dumps(document, indent=1, sort_keys=True, default=str))
-
-
-def _print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-
-
-def _human_bytes(count: int | None) -> str:
-    if count is None:
-        return "-"
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{count} B"
 
 
 def _human_age(seconds: float | None) -> str:
