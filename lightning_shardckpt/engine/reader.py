@@ -1,14 +1,13 @@
 """DCP StorageReader over fsspec: concurrent range reads per rank, every chunk checksummed as it streams.
 
 A rank's load plan names read items; several items can come from one stored chunk (a rank holding two
-shards of one saved tensor). The reader groups items by chunk and reads each chunk once, as a checksum
-covers a whole chunk and nothing less can be checked. Chunks are read by a bounded pool of threads,
-piece by piece, each piece hashed while it is still in cache; the calling thread places tensors from
-finished chunks while later chunks are read, so reading overlaps placing. Bytes in flight are bounded:
-a chunk is fetched only while the chunks read but not yet placed fit in `read_ahead_bytes` (one chunk
-always fits, however large). Local files are read with `preadv` straight into reused buffers; any
-other fsspec filesystem (S3 and friends) with one range request per piece, so an object store sees
-several range GETs in flight.
+shards of one saved tensor, or one row-slice of a chunk saved by fewer ranks). The reader groups items
+by chunk and reads each chunk once and whole, as a checksum covers a whole chunk and nothing less can be
+checked. Chunks are read by a bounded pool of threads (chunk_reads.py): a tensor chunk whose items are
+row ranges of contiguous targets is read straight into them; anything else (objects, column slices,
+other record layouts) into a reused buffer that the loading thread copies out of. The loading thread
+checks and commits finished chunks while later ones are read. Buffered bytes in flight are bounded by
+`read_ahead_bytes` (one larger chunk is let through alone), reads in flight by `read_threads`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import os
 import time
 import uuid
 from collections import deque
@@ -26,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -35,14 +32,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CorruptCheckpoint
-from . import fsio, safe_pickle
-from .checksum import streaming_checksum
+from . import safe_pickle
+from .chunk_reads import BufferPool, Destination, DirectReader, Fetched, PartsFile, ShardFile, byte_view, fetch_buffered
 from .config import DEFAULT_READ_AHEAD_BYTES, DEFAULT_READ_THREADS
 from .layout import DCP_METADATA, join
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 8 * 2**20  # one range request; hashed right after it lands, while it is still in cache
 THREAD_NAME_PREFIX = "shardckpt-read"
 SHORT_READ = "<{filled} of {length} bytes>"  # the "actual checksum" of a chunk storage cut short
 
@@ -56,104 +52,8 @@ class _Chunk:
     length: int
     fqn: str
     requests: list[ReadItem] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Fetched:
-    filled: int  # bytes storage returned (fewer than the chunk's length: the file was cut short)
-    digest: str | None  # None when checksums are off
-    finished: float  # perf_counter when the last byte landed
-
-
-class _ShardFile:
-    """One shard file, open for concurrent range reads from the pool's threads."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.path = path
-        self._fs = fs
-        self._fd: int | None = None
-        if _reads_with_preadv(fs):
-            self._fd = os.open(path, os.O_RDONLY)
-            self.size = os.fstat(self._fd).st_size
-        else:
-            self.size = int(fs.size(path))
-
-    def read_into(self, offset: int, view: memoryview) -> int:
-        """Fill `view` from `offset`; return the bytes filled (fewer only past the end of the file)."""
-        wanted = max(0, min(len(view), self.size - offset))
-        if wanted == 0:
-            return 0
-        if self._fd is not None:
-            filled = 0
-            while filled < wanted:
-                count = os.preadv(self._fd, [view[filled:wanted]], offset + filled)
-                if not count:
-                    break
-                filled += count
-            return filled
-        data = fsio.read_range(self._fs, self.path, offset, wanted)
-        view[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _reads_with_preadv(fs: Any) -> bool:
-    # only the plain local filesystem: a subclass (a test's counting or quota filesystem, a wrapper) may
-    # change how bytes are read, so it is read through fsspec like any remote store
-    return type(fs) is LocalFileSystem and hasattr(os, "preadv")
-
-
-class _BufferPool:
-    """Chunk buffers reused across chunks: a read lands in memory that was used before (first touch is slow)."""
-
-    def __init__(self, keep_bytes: int) -> None:
-        self._free: list[bytearray] = []
-        self._keep_bytes = keep_bytes
-
-    def take(self, length: int) -> bytearray:
-        fitting = [buffer for buffer in self._free if len(buffer) >= length]
-        if fitting:
-            buffer = min(fitting, key=len)
-            self._free.remove(buffer)
-            return buffer
-        return bytearray(length)
-
-    def give(self, buffer: bytearray) -> None:
-        self._free.append(buffer)
-        self._free.sort(key=len, reverse=True)
-        while len(self._free) > 1 and sum(map(len, self._free)) > self._keep_bytes:
-            self._free.pop()  # the smallest: keep what the large chunks need
-
-
-class _MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: lets torch's zip reader find a record without a copy."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view, self._position = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = base + offset
-        return self._position
-
-    def readinto(self, target: Any) -> int:
-        count = max(0, min(len(target), len(self._view) - self._position))
-        target[:count] = self._view[self._position : self._position + count]
-        self._position += count
-        return count
+    targets: list[torch.Tensor] | None = None  # a direct read: each request's resolved target, in order
+    buffer: bytearray | None = None  # a buffered read: where the chunk lands
 
 
 class ShardReader(StorageReader):
@@ -233,25 +133,36 @@ class ShardReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         chunks = self._chunks_of(plan)
-        files: dict[str, _ShardFile] = {}
-        pool = _BufferPool(self._read_ahead_bytes)
+        files: dict[str, ShardFile] = {}
+        pool = BufferPool(self._read_ahead_bytes)
+        direct = DirectReader(hashing=self._expected is not None)
         executor = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=THREAD_NAME_PREFIX)
-        pending: deque[tuple[_Chunk, bytearray, ThreadFuture[_Fetched]]] = deque()
-        in_flight = 0  # bytes of the chunks in `pending`: fetched or being fetched, not yet placed
+        pending: deque[tuple[_Chunk, ThreadFuture[Fetched]]] = deque()
+        buffered = 0  # bytes of the chunk buffers in `pending`: read or being read, not yet placed
         started = time.perf_counter()
         last_byte = started
         try:
             for chunk in chunks:
-                # place finished chunks first when the next one would not fit the read-ahead budget
-                while pending and (in_flight + chunk.length > self._read_ahead_bytes or len(pending) >= 2 * self._threads):
-                    in_flight, last_byte = self._place_oldest(pending, planner, pool, in_flight, last_byte)
                 if chunk.relative_path not in files:
                     files[chunk.relative_path] = self._open_shard(chunk.relative_path, chunks)
-                buffer = pool.take(chunk.length)
-                pending.append((chunk, buffer, executor.submit(self._fetch, files[chunk.relative_path], chunk, buffer)))
-                in_flight += chunk.length
+                shard = files[chunk.relative_path]
+                chunk.targets = self._direct_targets(chunk, planner)
+                needs = 0 if chunk.targets is not None else chunk.length
+                # place finished chunks first while the next would overrun the read-ahead budget or queue
+                while pending and (buffered + needs > self._read_ahead_bytes or len(pending) >= 2 * self._threads):
+                    buffered, last_byte = self._place_oldest(pending, planner, pool, buffered, last_byte)
+                if chunk.targets is not None:
+                    layout = self._chunk_layout[chunk.requests[0].storage_index]
+                    destinations = self._destinations(chunk, layout)
+                    data_bytes = math.prod(layout[0]) * _element_size(layout[1])
+                    future = executor.submit(direct.fetch, shard, chunk.offset, chunk.length, data_bytes, destinations)
+                else:
+                    chunk.buffer = pool.take(chunk.length)
+                    future = executor.submit(fetch_buffered, shard, chunk.offset, chunk.length, chunk.buffer, self._expected is not None)
+                pending.append((chunk, future))
+                buffered += needs
             while pending:
-                in_flight, last_byte = self._place_oldest(pending, planner, pool, in_flight, last_byte)
+                buffered, last_byte = self._place_oldest(pending, planner, pool, buffered, last_byte)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)  # a failed chunk: stop reading the rest
             for shard in files.values():
@@ -282,37 +193,73 @@ class ShardReader(StorageReader):
             chunks[key].requests.append(request)
         return [chunks[key] for key in sorted(chunks)]
 
-    def _fetch(self, shard: _ShardFile, chunk: _Chunk, buffer: bytearray) -> _Fetched:
-        """On a pool thread: read one chunk piece by piece into `buffer`, hashing each piece as it lands."""
-        view = memoryview(buffer)[: chunk.length]
-        hasher = streaming_checksum() if self._expected is not None else None
-        filled = 0
-        while filled < chunk.length:
-            piece = view[filled : min(chunk.length, filled + PIECE_BYTES)]
-            count = shard.read_into(chunk.offset + filled, piece)
-            if hasher is not None:
-                hasher.update(piece[:count])
-            filled += count
-            if count < len(piece):
-                break  # the file ends early: the check names the chunk
-        return _Fetched(filled, hasher.hexdigest() if hasher is not None else None, time.perf_counter())
+    def _direct_targets(self, chunk: _Chunk, planner: LoadPlanner) -> list[torch.Tensor] | None:
+        """Each request's target when every request of the chunk can be read straight into it, else None.
+
+        That is: a tensor chunk of known layout whose requests are row ranges (narrowed along dim 0 only,
+        so their bytes are contiguous in the record) into contiguous CPU targets of its dtype, not
+        overlapping one another.
+        """
+        layout = self._chunk_layout.get(chunk.requests[0].storage_index)
+        if layout is None or any(request.type != LoadItemType.TENSOR for request in chunk.requests):
+            return None
+        sizes, dtype = layout
+        rows: list[tuple[int, int]] = []
+        for request in chunk.requests:
+            offsets, lengths = list(request.storage_offsets), list(request.lengths)
+            if len(sizes) != len(lengths) or any(offsets[1:]) or lengths[1:] != list(sizes[1:]):
+                return None
+            rows.append((offsets[0], offsets[0] + lengths[0]) if sizes else (0, 1))
+        ordered = sorted(rows)
+        if any(previous[1] > following[0] for previous, following in zip(ordered, ordered[1:])):
+            return None
+        targets = []
+        for request in chunk.requests:
+            target = planner.resolve_tensor(request).detach()
+            if target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous() or list(target.size()) != list(request.lengths):
+                return None
+            targets.append(target)
+        return targets
+
+    def _destinations(self, chunk: _Chunk, layout: tuple[tuple[int, ...], torch.dtype]) -> list[Destination]:
+        sizes, dtype = layout
+        row_bytes = math.prod(sizes[1:]) * _element_size(dtype)
+        destinations = []
+        for request, target in zip(chunk.requests, chunk.targets or []):
+            first = request.storage_offsets[0] if sizes else 0
+            start = first * row_bytes
+            destinations.append(Destination(start, start + target.numel() * target.element_size(), byte_view(target)))
+        return destinations
 
     def _place_oldest(
-        self, pending: deque, planner: LoadPlanner, pool: _BufferPool, in_flight: int, last_byte: float
+        self, pending: deque, planner: LoadPlanner, pool: BufferPool, buffered: int, last_byte: float
     ) -> tuple[int, float]:
-        """Wait for the oldest chunk, check it, hand its items to the planner; return the new in-flight bytes."""
-        chunk, buffer, future = pending.popleft()
+        """Wait for the oldest chunk, check it, commit its items; return the new buffered bytes and last-byte time."""
+        chunk, future = pending.popleft()
         fetched = future.result()
         started = time.perf_counter()
-        data = memoryview(buffer)[: fetched.filled]
+        was_buffered = chunk.buffer is not None
+        if not fetched.placed:  # not our record layout after all: read it again, whole, here
+            chunk.targets, chunk.buffer = None, pool.take(chunk.length)
+            file = ShardFile(self.fs, join(self.path, chunk.relative_path))
+            try:
+                fetched = fetch_buffered(file, chunk.offset, chunk.length, chunk.buffer, self._expected is not None)
+            finally:
+                file.close()
         self._check(chunk, fetched)
-        self.bytes_read += fetched.filled
+        self.bytes_read += fetched.read_bytes
         self.chunks_read += 1
-        for request in chunk.requests:
-            self._place(chunk, request, data, planner)
-        pool.give(buffer)
+        if chunk.targets is not None:
+            for request, target in zip(chunk.requests, chunk.targets):
+                planner.commit_tensor(request, target)
+        else:
+            data = memoryview(chunk.buffer)[: fetched.filled]
+            for request in chunk.requests:
+                self._place(chunk, request, data, planner)
+            pool.give(chunk.buffer)
+        chunk.buffer = chunk.targets = None
         self.place_s += time.perf_counter() - started
-        return in_flight - chunk.length, max(last_byte, fetched.finished)
+        return buffered - (chunk.length if was_buffered else 0), max(last_byte, fetched.finished)
 
     def _place(self, chunk: _Chunk, request: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
         if request.type == LoadItemType.BYTE_IO:
@@ -336,9 +283,9 @@ class ShardReader(StorageReader):
         layout = self._chunk_layout.get(index)
         if layout is not None:
             sizes, dtype = layout
-            nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(sizes) * _element_size(dtype)
             try:
-                record = torch._C.PyTorchFileReader(_MemoryFile(data))
+                record = torch._C.PyTorchFileReader(PartsFile(len(data), [(0, data)]))
                 if record.get_all_records().count("data/0") == 1 and record.get_record_size("data/0") == nbytes:
                     offset = record.get_record_offset("data/0")
                     return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)
@@ -346,11 +293,11 @@ class ShardReader(StorageReader):
                 pass  # another record layout or torch version: the general path below
         return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
 
-    def _open_shard(self, relative_path: str, chunks: list[_Chunk]) -> _ShardFile:
+    def _open_shard(self, relative_path: str, chunks: list[_Chunk]) -> ShardFile:
         path = join(self.path, relative_path)
         safe_pickle.check_inside(self.fs, self.path, relative_path)
         try:
-            return _ShardFile(self.fs, path)
+            return ShardFile(self.fs, path)
         except FileNotFoundError as err:
             lost = sorted({request.storage_index.fqn for chunk in chunks if chunk.relative_path == relative_path for request in chunk.requests})
             raise CorruptCheckpoint(
@@ -359,7 +306,7 @@ class ShardReader(StorageReader):
                 problems=[{"file": relative_path, "tensor": fqn, "expected": "present", "actual": "missing"} for fqn in lost],
             ) from err
 
-    def _check(self, chunk: _Chunk, fetched: _Fetched) -> None:
+    def _check(self, chunk: _Chunk, fetched: Fetched) -> None:
         if self._expected is None:
             return
         expected = self._expected.get((chunk.relative_path, chunk.offset))
@@ -378,3 +325,6 @@ class ShardReader(StorageReader):
                 problems=[problem],
             )
 
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
