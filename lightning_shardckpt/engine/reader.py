@@ -90,6 +90,7 @@ class ShardReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.bytes_read = 0
         self.chunks_read = 0
+        self.chunks_reread = 0  # direct reads that found another record layout and were read again buffered
         # time-to-resume split for drills and metrics: .metadata (read, check, unpickle); shard bytes (wall
         # time from the first range read to the last chunk read and checksummed, placing overlapped); and
         # the calling thread's time placing tensors. The rest of a load is DCP's planning.
@@ -168,7 +169,10 @@ class ShardReader(StorageReader):
             for shard in files.values():
                 shard.close()
         self.read_s += last_byte - started
-        log.debug("read %d chunk(s), %d bytes for %d read item(s) in %.3fs", len(chunks), self.bytes_read, len(plan.items), self.read_s)
+        log.debug(
+            "read %d chunk(s) (%d read again buffered), %d bytes for %d read item(s) in %.3fs",
+            len(chunks), self.chunks_reread, self.bytes_read, len(plan.items), self.read_s,
+        )
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -240,6 +244,7 @@ class ShardReader(StorageReader):
         started = time.perf_counter()
         was_buffered = chunk.buffer is not None
         if not fetched.placed:  # not our record layout after all: read it again, whole, here
+            self.chunks_reread += 1
             chunk.targets, chunk.buffer = None, pool.take(chunk.length)
             file = ShardFile(self.fs, join(self.path, chunk.relative_path))
             try:
