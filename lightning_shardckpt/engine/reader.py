@@ -173,9 +173,9 @@ class ShardReader(StorageReader):
             "read %d chunk(s) (%d read again buffered), %d bytes for %d read item(s) in %.3fs",
             len(chunks), self.chunks_reread, self.bytes_read, len(plan.items), self.read_s,
         )
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     @property
     def checkpoint_id(self) -> str:
