@@ -4,6 +4,7 @@ checked, on a real counting filesystem (tests/helpers/counting_fs.py) and on S3 
 
 from __future__ import annotations
 
+import io
 import os
 import uuid
 
@@ -16,7 +17,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, LoadConfig, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import manifest as manifest_format
+from lightning_shardckpt.engine.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
 from lightning_shardckpt.engine.reader import ShardReader
+from lightning_shardckpt.engine.storage import save_record
 from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
 from tests.helpers.counting_fs import LOGS, counting_url
 
@@ -187,3 +190,20 @@ def test_on_s3_every_chunk_is_read_once_with_range_gets_in_parallel_and_a_flippe
     with pytest.raises(CorruptCheckpoint) as caught:
         load_checkpoint(zeros_like(state), s3_root.url, config=config)
     assert (caught.value.problems[0]["file"], caught.value.problems[0]["tensor"]) == (chunk["file"], "layer05")
+
+
+def test_a_record_is_located_from_its_head_and_tail_alone_and_another_layout_is_declined():
+    tensor = torch.randn(4096, COLUMNS)
+    ours = io.BytesIO()
+    save_record(tensor, ours)
+    data = ours.getvalue()
+    tail_start = len(data) - TAIL_BYTES
+    start = record_data_offset(bytearray(data[:HEAD_BYTES]), bytearray(data[tail_start:]), tail_start, len(data), tensor.nbytes)
+    assert start is not None and data[start : start + tensor.nbytes] == tensor.numpy().tobytes()
+
+    # torch.save of a view writes its whole storage: the storage is not the chunk's bytes, so it is declined
+    view = io.BytesIO()
+    torch.save(tensor[::2], view)
+    other = view.getvalue()
+    tail_start = len(other) - TAIL_BYTES
+    assert record_data_offset(bytearray(other[:HEAD_BYTES]), bytearray(other[tail_start:]), tail_start, len(other), tensor[::2].nbytes) is None
