@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 # benchmarks/common.py and save_load.py: run as a script, this file's folder is sys.path[0]
 from common import COLUMNS, checkpoint_workdir, environment, run_world, tensor_rows
+import save_load
 from save_load import evict_from_page_cache, mismatch, timed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -61,15 +62,10 @@ DEFAULT_OUT = "benchmarks/results/resume.json"
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    size_gib: float
-    tensors: int
-    repeats: int
-    warmup: int
-    settle_s: float
-    workdir: str
-    cold: bool
-    read_threads: int | None  # None: the engine's default
+class BenchConfig(save_load.BenchConfig):
+    """save_load.py's settings (size, tensors, repeats, warm-up, settle, workdir, cold) and the reader's threads."""
+
+    read_threads: int | None = None  # None: the engine's default
 
 
 def rows_of(config: BenchConfig) -> list[int]:
