@@ -12,6 +12,11 @@ def checksum(data: Any) -> str:
     return xxhash.xxh3_64(data).hexdigest()
 
 
+def streaming_checksum() -> Any:
+    """A hasher fed piece by piece (`update`, then `hexdigest`): equals `checksum` of the pieces joined."""
+    return xxhash.xxh3_64()
+
+
 def checksum_of_checksums(digests: list[str]) -> str:
     """A file's checksum: the digest of its chunk digests in offset order (its chunks tile the file)."""
     return xxhash.xxh3_64("".join(digests).encode()).hexdigest()

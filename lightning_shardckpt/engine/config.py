@@ -72,6 +72,10 @@ class SaveConfig:
             raise ConfigError(f"teardown_timeout_s={self.teardown_timeout_s} is negative; use 0 or more seconds")
 
 
+DEFAULT_READ_THREADS = 4  # several range reads in flight: what an object store needs; a local disk is not hurt
+DEFAULT_READ_AHEAD_BYTES = 256 * 2**20  # per rank, chunks read but not yet placed
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadConfig:
     """How the engine reads a checkpoint back."""
@@ -81,6 +85,14 @@ class LoadConfig:
     # class outside them is refused by name. True: only for checkpoints you trust; unpickling can run code
     trust_checkpoint: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
+    read_threads: int = DEFAULT_READ_THREADS  # range reads in flight per rank; object stores gain most, each costs a connection
+    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # per rank: chunks read but not yet placed (one larger chunk is read alone)
+
+    def __post_init__(self) -> None:
+        if self.read_threads < 1:
+            raise ConfigError(f"read_threads={self.read_threads} cannot read anything; use 1 or more")
+        if self.read_ahead_bytes < 1:
+            raise ConfigError(f"read_ahead_bytes={self.read_ahead_bytes} holds no chunk; use a positive byte count (e.g. 268435456)")
 
 
 def save_config_from(options: Any, **overrides: Any) -> SaveConfig:

@@ -3,7 +3,7 @@
 What bisect, compare and export share. A global tensor is rebuilt from the manifest alone: each chunk
 names its file, byte range, checksum and place (`offsets`, `sizes`) in the global tensor, so the
 checkpoint's world size does not matter and `.metadata` is never unpickled. Each chunk's bytes are
-checked against the manifest (storage.check_chunk, what every load uses) before they are decoded.
+checked against the manifest (chunk_reads.check_chunk, the check every reader makes) before they are decoded.
 
 Memory: the returned tensor plus one reused read buffer the size of the largest chunk read so far.
 Callers that walk a checkpoint drop each tensor before reading the next.
@@ -24,7 +24,7 @@ from . import safe_pickle
 from .catalog import CheckpointEntry
 from .fsio import Location
 from .layout import join
-from .storage import check_chunk, decode_tensor_record, read_at
+from .chunk_reads import check_chunk, decode_tensor_record, read_at
 
 log = logging.getLogger(__name__)
 

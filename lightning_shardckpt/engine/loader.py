@@ -25,7 +25,7 @@ from .config import LoadConfig
 from .fsio import Location
 from .layout import MANIFEST, join, parse_dirname
 from .safe_pickle import DCP_METADATA_FIELD
-from .storage import ShardReader
+from .reader import ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ class LoadResult:
     seconds: float
     bytes_read: int
     metadata_s: float = 0.0  # this rank: reading, checking and unpickling .metadata
-    read_s: float = 0.0  # this rank: reading and checksumming shard bytes (the rest of `seconds` is planning and placing)
+    read_s: float = 0.0  # this rank: first range read to last chunk read and checksummed (placing overlaps it)
+    place_s: float = 0.0  # this rank: the loading thread copying chunks into the state (mostly inside read_s)
+    chunks_read: int = 0  # this rank: stored chunks read, each once however many read items it feeds
 
 
 def load_checkpoint(
@@ -86,6 +88,7 @@ def _load_once(
         root.fs, entry.path, expected_checksums=expected,
         expected_metadata=entry.manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
         trust=config.trust_checkpoint,
+        read_threads=config.read_threads, read_ahead_bytes=config.read_ahead_bytes,
     )
     try:
         dcp.load(
@@ -105,7 +108,7 @@ def _load_once(
             ) from err
         raise _unwrap(err, entry.path) from err
     return LoadResult(join(root.url, entry.name), entry.checkpoint_id, entry.step, entry.manifest, 0.0, reader.bytes_read,
-                      metadata_s=reader.metadata_s, read_s=reader.read_s)
+                      metadata_s=reader.metadata_s, read_s=reader.read_s, place_s=reader.place_s, chunks_read=reader.chunks_read)
 
 
 def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:

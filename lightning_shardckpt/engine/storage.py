@@ -1,4 +1,4 @@
-"""DCP StorageWriter / StorageReader over fsspec, with a checksum on every chunk.
+"""DCP StorageWriter over fsspec, with a checksum on every chunk (the reader is in reader.py).
 
 Each rank writes one file of its own (`__<rank>_0.distcp`); no tensor bytes travel to rank 0. Bytes are
 laid out exactly as DCP's FileSystemWriter lays them out (each item a `torch.save` record at an
@@ -10,9 +10,7 @@ receipts (checksum, verification), which the coordinator turns into the manifest
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
-import math
 import pickle
 import random
 import time
@@ -22,25 +20,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CorruptCheckpoint
-from . import fsio, safe_pickle
+from . import fsio
 from .checksum import HashingWriter, checksum
 from .config import VerifyConfig
-from .layout import DCP_METADATA, join, shard_filename
+from .layout import join, shard_filename
+from .reader import ShardReader  # noqa: F401  (moved to reader.py; `engine.storage.ShardReader` keeps working)
 
 log = logging.getLogger(__name__)
 
@@ -341,214 +336,6 @@ def _plain_cpu_tensor(data: Any) -> torch.Tensor:
     return tensor
 
 
-def read_at(handle: Any, offset: int, view: memoryview) -> memoryview:
-    """Read `len(view)` bytes at `offset` into `view`; return the part filled (shorter at end of file)."""
-    handle.seek(offset)
-    filled = 0
-    while filled < len(view):
-        count = handle.readinto(view[filled:])
-        if not count:
-            break
-        filled += count
-    return view[:filled]
-
-
-class _MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: lets torch's zip reader find a record without a copy."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view, self._position = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = base + offset
-        return self._position
-
-    def readinto(self, target: Any) -> int:
-        count = max(0, min(len(target), len(self._view) - self._position))
-        target[:count] = self._view[self._position : self._position + count]
-        self._position += count
-        return count
-
-
 def storage_info_of(receipt: ChunkReceipt) -> _StorageInfo:
     """DCP's own record of where a chunk lives: what a plain `dcp.load` reads."""
     return _StorageInfo(relative_path=receipt.relative_path, offset=receipt.offset, length=receipt.length)
-
-
-class ShardReader(StorageReader):
-    """A DCP StorageReader over fsspec that checks every chunk it reads against the manifest."""
-
-    def __init__(
-        self,
-        fs: Any,
-        path: str,
-        *,
-        expected_checksums: dict[tuple[str, int], tuple[str, str]] | None,
-        expected_metadata: dict[str, Any] | None = None,
-        trust: bool = False,
-    ) -> None:
-        """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off.
-
-        `expected_metadata` is the manifest's `dcp_metadata` record (v2; None for v1): `.metadata`'s bytes
-        are checked against it before they are unpickled. `trust=False` unpickles `.metadata` and every
-        object only through allow-lists (safe_pickle.py); True is the user's opt-in for a trusted source.
-        """
-        super().__init__()
-        self.fs = fs
-        self.path = path
-        self._expected = expected_checksums
-        self._expected_metadata = expected_metadata
-        self._trust = trust
-        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
-        self.load_id = uuid.uuid4().hex
-        self.bytes_read = 0
-        # time-to-resume split for drills and metrics: .metadata (read, check, unpickle) and shard bytes
-        # (read + checksum); the rest of a load is planning and placing (resharding) tensors
-        self.metadata_s = 0.0
-        self.read_s = 0.0
-        self._chunk_layout: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        self.storage_data = {}
-        if checkpoint_id:
-            self.path = str(checkpoint_id)
-        self.load_id = uuid.uuid4().hex
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        started = time.perf_counter()
-        with self.fs.open(join(self.path, DCP_METADATA), "rb") as handle:
-            data = handle.read()
-        # checked, then unpickled through an allow-list: a crafted .metadata must not run code here
-        metadata = safe_pickle.load_dcp_metadata(data, self.path, expected=self._expected_metadata, trust=self._trust)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        self.metadata_s += time.perf_counter() - started
-        return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-        self._chunk_layout = {
-            MetadataIndex(fqn, chunk.offsets): (tuple(chunk.sizes), item.properties.dtype)
-            for fqn, item in metadata.state_dict_metadata.items()
-            if isinstance(item, TensorStorageMetadata)
-            for chunk in item.chunks
-        }
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[Any]] = {}
-        for request in plan.items:
-            per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
-        buffer = bytearray()  # reused for every chunk: reads land in memory that was used before
-        for relative_path, requests in per_file.items():
-            requests.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-            with self._open_shard(relative_path, requests) as handle:
-                for request in requests:
-                    info = self.storage_data[request.storage_index]
-                    if len(buffer) < info.length:
-                        buffer = bytearray(info.length)
-                    started = time.perf_counter()
-                    data = read_at(handle, info.offset, memoryview(buffer)[: info.length])
-                    self._check(relative_path, info, data, request.storage_index.fqn)
-                    self.read_s += time.perf_counter() - started
-                    self.bytes_read += len(data)
-                    if request.type == LoadItemType.BYTE_IO:
-                        # DCP's planner unpickles objects with weights_only=False: check them first
-                        safe_pickle.load_object_record(data, request.storage_index.fqn, self.path, trust=self._trust)
-                        planner.load_bytes(request, io.BytesIO(bytes(data)))
-                        continue
-                    tensor = self._tensor(data, request.storage_index)
-                    tensor = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
-                    target = planner.resolve_tensor(request).detach()
-                    if target.size() != tensor.size():
-                        raise CorruptCheckpoint(
-                            f"{relative_path}: chunk of {request.storage_index.fqn!r} has shape {tuple(tensor.size())}, "
-                            f"the load plan expects {tuple(target.size())}"
-                        )
-                    target.copy_(tensor)  # before the buffer is reused for the next chunk
-                    planner.commit_tensor(request, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
-
-    def _tensor(self, data: memoryview, index: MetadataIndex) -> torch.Tensor:
-        layout = self._chunk_layout.get(index)
-        return decode_tensor_record(data, *(layout if layout is not None else (None, None)))
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-    def _open_shard(self, relative_path: str, requests: list[Any]) -> Any:
-        path = join(self.path, relative_path)
-        safe_pickle.check_inside(self.fs, self.path, relative_path)
-        try:
-            return self.fs.open(path, "rb")
-        except FileNotFoundError as err:
-            lost = sorted({request.storage_index.fqn for request in requests})
-            raise CorruptCheckpoint(
-                f"{path} is missing: the manifest lists it but storage has no such file ({len(lost)} tensor(s) lost, "
-                f"e.g. {lost[:3]}). Restore it from a replica or load an older checkpoint; `shardckpt verify` lists every loss",
-                problems=[{"file": relative_path, "tensor": fqn, "expected": "present", "actual": "missing"} for fqn in lost],
-            ) from err
-
-    def _check(self, relative_path: str, info: _StorageInfo, data: memoryview, fqn: str) -> None:
-        if self._expected is None:
-            return
-        expected = self._expected.get((relative_path, info.offset))
-        if expected is None:
-            raise CorruptCheckpoint(
-                f"{join(self.path, relative_path)} @ {info.offset}: DCP metadata names a chunk of {fqn!r} "
-                "that the manifest does not list; the checkpoint's metadata was altered after commit"
-            )
-        check_chunk(self.path, relative_path, info.length, data, expected[0], fqn)
-
-
-def check_chunk(directory: str, relative_path: str, length: int, data: memoryview, expected: str, fqn: str) -> None:
-    """Raise CorruptCheckpoint, naming the file and the tensor, unless `data` is the chunk the manifest recorded."""
-    actual = checksum(data) if len(data) == length else f"<{len(data)} of {length} bytes>"
-    if actual != expected:
-        problem = {"file": relative_path, "tensor": fqn, "expected": expected, "actual": actual}
-        raise CorruptCheckpoint(
-            f"checksum mismatch in {join(directory, relative_path)} for {fqn!r}: expected {expected}, "
-            f"read {actual}. Restore this file from a replica or load an older checkpoint",
-            problems=[problem],
-        )
-
-
-def decode_tensor_record(data: memoryview, sizes: tuple[int, ...] | None, dtype: torch.dtype | None) -> torch.Tensor:
-    """A chunk's tensor as a view of `data` (no copy) when its record is what our writer makes.
-
-    `sizes` and `dtype` are the chunk's as the metadata records them (None: unknown, always the general path).
-    The view shares `data`: copy it out before the buffer is reused.
-    """
-    if sizes is not None and dtype is not None:
-        nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
-        try:
-            record = torch._C.PyTorchFileReader(_MemoryFile(data))
-            if record.get_all_records().count("data/0") == 1 and record.get_record_size("data/0") == nbytes:
-                offset = record.get_record_offset("data/0")
-                return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)
-        except (AttributeError, RuntimeError, TypeError, ValueError):
-            pass  # another record layout or torch version: the general path below
-    return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
