@@ -110,6 +110,7 @@ class CheckpointSaver:
         self._error_raised = False
         # overlapped copies not yet fenced, with the record their wait is added to (training thread only)
         self._unfenced: deque[tuple[DeferredCopy, CheckpointRecord]] = deque()
+        self.fence_wait_total_s = 0.0  # seconds the training thread blocked in fence() over this saver's life
         self.counters = RunCounters()
 
     # --- the training thread's side ---
@@ -179,6 +180,7 @@ class CheckpointSaver:
             # once this copy is done (a record emitted first shows 0)
             record.overlap_wait_s += seconds
             waited += seconds
+        self.fence_wait_total_s += waited
         return waited
 
     def guard(self, *optimizers: torch.optim.Optimizer) -> list[Any]:
