@@ -4,6 +4,7 @@ Run from the repository root:
 
     .venv/bin/python benchmarks/pause_inloop.py                   # 64 MiB of parameters per rank, 1 and 2 ranks, 3 rounds
     .venv/bin/python benchmarks/pause_inloop.py --params-mib 32 --repeats 1 --ranks 1
+    .venv/bin/python benchmarks/pause_inloop.py --report benchmarks/results/pause_inloop.json   # the table of a saved run
 
 For each rank count N, N gloo CPU ranks (spawned, --threads torch threads each) train the same MLP
 (--layers Linear layers of --width, about --params-mib MiB of float32 parameters) under DDP with AdamW,
@@ -274,28 +275,36 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str)
         entry["median_blocked_s"] = statistics.median(entry["blocked_s"]) if entry["blocked_s"] else None
     methods = summary["methods"]
     copy_s = methods["copy"]["median_blocked_s"]
-    overlap = methods["ours_overlap"]["median_delta_s"]
+    overlap = methods["ours_overlap"]
+    # the issue's targets are on the loop delta; the same ratios on the blocked time (measured directly,
+    # not a difference of two noisy loop times) say what the overlap itself achieves
     summary["targets"] = {
-        f"ours overlapped loop delta <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(overlap, copy_s),
+        f"ours overlapped loop delta <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(overlap["median_delta_s"], copy_s),
         f"ours overlapped loop delta >= {STALL_VS_PL_TARGET:.0f}x shorter than Lightning sync": ratio_or_none(
-            methods["pl_sync"]["median_delta_s"], overlap),
+            methods["pl_sync"]["median_delta_s"], overlap["median_delta_s"]),
+        f"ours overlapped blocked <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(overlap["median_blocked_s"], copy_s),
+        f"ours overlapped blocked >= {STALL_VS_PL_TARGET:.0f}x shorter than Lightning sync": ratio_or_none(
+            methods["pl_sync"]["median_blocked_s"], overlap["median_blocked_s"]),
     }
     return summary
 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
-    header = f"{'ranks':>5}  {'method':<28}  {'loop delta s':>12}  {'blocked s':>9}  {'delta/copy':>10}  {'pl_sync delta/delta':>19}"
+    header = (f"{'ranks':>5}  {'method':<28}  {'loop delta s':>12}  {'blocked s':>9}  {'delta/copy':>10}  {'pl_sync delta/delta':>19}"
+              f"  {'blocked/copy':>12}  {'pl_sync blocked/blocked':>23}")
     lines = [header, "-" * len(header)]
     for summary in summaries:
         methods = summary["methods"]
         copy_s = methods["copy"]["median_blocked_s"]
         pl_delta = methods["pl_sync"]["median_delta_s"]
+        pl_blocked = methods["pl_sync"]["median_blocked_s"]
         for method in METHODS:
             entry = methods[method]
             mark = "!" if entry["errors"] else ""
             lines.append(
                 f"{summary['ranks']:>5}  {LABELS[method] + mark:<28}  {_s(entry['median_delta_s'], 12)}  {_s(entry['median_blocked_s'], 9)}"
                 f"  {_x(ratio_or_none(entry['median_delta_s'], copy_s), 10)}  {_x(ratio_or_none(pl_delta, entry['median_delta_s']), 19)}"
+                f"  {_x(ratio_or_none(entry['median_blocked_s'], copy_s), 12)}  {_x(ratio_or_none(pl_blocked, entry['median_blocked_s']), 23)}"
             )
         lines.append("")
     for summary in summaries:
@@ -307,7 +316,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
                 verdict = "no result" if ratio is None else f"{'met' if ratio <= STALL_VS_COPY_TARGET else 'MISSED'} ({ratio:.2f}x)"
             else:
                 verdict = "no result" if ratio is None else f"{'met' if ratio >= STALL_VS_PL_TARGET else 'MISSED'} ({ratio:.1f}x shorter)"
-            lines.append(f"  target: {name:<62} {verdict}")
+            lines.append(f"  target: {name:<66} {verdict}")
         for method, entry in summary["methods"].items():
             lines.extend(f"  failure, {method}: {error}" for error in entry["errors"])
     return "\n".join(lines)
@@ -345,7 +354,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def rereport(path: str) -> str:
+    """The table of a saved pause_inloop.json, summarized again (by this version of the report)."""
+    with open(path) as handle:
+        report = json.load(handle)
+    every = report["config"]["every"]
+    summaries = [summarize(r["ranks"], every, [{"rounds": rounds, "state_bytes": r.get("state_bytes_per_rank", 0)}
+                                               for rounds in r["per_rank_rounds"]]) for r in report["results"]]
+    return format_table(summaries)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--report":
+        print(rereport(sys.argv[2]))
+        return 0
     args = parse_args(argv)
     width = int((args.params_mib * 2**20 / 4 / args.layers) ** 0.5)
     out_dir = os.path.abspath(args.out_dir)
