@@ -4,7 +4,8 @@ With `save.overlap_staging`, a checkpoint copies parameters and optimizer state 
 while the next batches' forward and backward run (engine/staging.py). They change only in the
 optimizer step, so the strategy fences there: after the closure (automatic optimization runs the
 forward and backward inside `optimizer.step(closure)`), before the update. A step pre-hook covers
-`step()` calls that bypass the strategy; a load and a blocking save fence too.
+`step()` calls that bypass the strategy; a load and a blocking save fence too. `zero_grad` (which
+Lightning calls inside the closure) needs no fence: gradients are not part of the saved state.
 """
 
 from __future__ import annotations
