@@ -161,7 +161,7 @@ def overlap_fits_on_rank(rank: int, world_size: int, workdir: str, parallelism: 
             "mismatched": mismatched,
             "deferred_copies": [r.overlap_copy_s for r in records],
             "waits": [r.overlap_wait_s for r in records],
-            "pauses": [r.pause_s for r in records],
+            "stages": [r.stage_s for r in records],  # the request's own copy (pause_s also holds a wait for a free slot)
             "outcomes": [r.outcome for r in records],
         }
     return out
