@@ -40,6 +40,10 @@ class SaveConfig:
 
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     async_save: bool = True  # write/verify/commit on a background thread; False: the caller waits for the commit
+    # copy parameters and optimizer state in the background while the next forward/backward runs; the training
+    # thread waits only before the optimizer step (and copies buffers, counters and pickled state at once).
+    # No effect when async_save is False (nothing is staged)
+    overlap_staging: bool = True
     max_in_flight: int = 1  # saves staged but not yet committed; each holds one host copy of the rank's state
     when_busy: WhenBusy = "wait"  # a save requested while max_in_flight are running: "wait" (counted as pause) or "skip"
     on_error: OnError = "log"  # a failed background save: "log" (training goes on) or "raise" at the next save/close
@@ -58,6 +62,10 @@ class SaveConfig:
         if self.collective_timeout_s <= 0:
             raise ConfigError(
                 f"collective_timeout_s={self.collective_timeout_s} must be > 0; it bounds how long ranks wait for a dead peer"
+            )
+        if not isinstance(self.overlap_staging, bool):
+            raise ConfigError(
+                f"overlap_staging={self.overlap_staging!r} must be true or false; true hides the staging copy behind the next step"
             )
         if self.max_in_flight < 1:
             raise ConfigError(

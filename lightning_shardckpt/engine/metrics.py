@@ -36,7 +36,9 @@ class CheckpointRecord:
     path: str | None = None
     cause: str | None = None  # why it failed or was skipped
     pause_s: float = 0.0  # time the training thread was blocked (waiting for a slot + staging)
-    stage_s: float = 0.0  # copy into staging buffers
+    stage_s: float = 0.0  # copy into staging buffers (with overlap_staging: only the part the training thread waits for)
+    overlap_copy_s: float = 0.0  # overlap_staging: the background copy of parameters and optimizer state
+    overlap_wait_s: float = 0.0  # overlap_staging: time the training thread blocked at the fence for that copy (the in-loop stall beyond pause_s)
     write_s: float = 0.0  # writing this rank's shard file
     verify_s: float = 0.0  # reading back the sampled chunks
     commit_s: float = 0.0  # coordinator: completeness check, metadata, manifest, latest

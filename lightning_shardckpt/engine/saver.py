@@ -3,6 +3,10 @@
 The training thread pays only for waiting on a free staging slot (policy `when_busy`) and for the copy
 into reused host buffers. One background thread runs saves in request order, so every rank runs the
 same checkpoint collectives in the same order on the dedicated checkpoint group.
+
+With `overlap_staging`, the part of the copy a caller marks `defer` (state that changes only in the
+optimizer step) runs in the background too; the training thread blocks only at `fence()`, which it
+calls (or an optimizer hook from `guard()` calls) before that state may change.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
 from .metrics import CheckpointRecord, RunCounters
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
-from .staging import StagingBuffers
+from .staging import DeferredCopy, StagingBuffers
 from .storage import FaultHook
 
 log = logging.getLogger(__name__)
@@ -104,6 +108,9 @@ class CheckpointSaver:
         self._listeners: list[Callable[[CheckpointRecord], None]] = []
         self._first_error: BaseException | None = None
         self._error_raised = False
+        # overlapped copies not yet fenced, with the record their wait is added to (training thread only)
+        self._unfenced: deque[tuple[DeferredCopy, CheckpointRecord]] = deque()
+        self.fence_wait_total_s = 0.0  # seconds the training thread blocked in fence() over this saver's life
         self.counters = RunCounters()
 
     # --- the training thread's side ---
@@ -118,6 +125,7 @@ class CheckpointSaver:
         extra: dict[str, Any] | None = None,
         identical: Callable[[str], bool] | None = None,
         never_skip: bool = False,
+        defer: Callable[[str], bool] | None = None,
     ) -> PendingSave:
         """Snapshot `state_dict` now and commit it as the checkpoint of `step` (in the background if async).
 
@@ -126,8 +134,13 @@ class CheckpointSaver:
         from rank 0's copy, unless `identical(flattened_key)` says every rank's copy is the same bytes
         (then the writes are spread across ranks). `never_skip` (every rank alike): wait for a staging slot
         even under when_busy="skip" — for a save that must happen, such as the last one of a run.
+
+        With `overlap_staging` (and async saves), tensors whose flattened key `defer(key)` accepts are
+        copied in the background: the caller may mutate everything else right away, and those only
+        after `fence()` (call it before the optimizer step, or let `guard(optimizer)` do it).
         """
         self._raise_first_error()
+        self.fence()  # one snapshot at a time: the previous overlapped copy is complete before this one starts
         requested = time.perf_counter()
         pending = PendingSave(step)
         record = CheckpointRecord(step=step, rank=self.rank, outcome=metrics.SKIPPED, run_id=self.config.run_id)
@@ -139,7 +152,9 @@ class CheckpointSaver:
             return pending
         staging_started = time.perf_counter()
         # synchronous: the caller waits for the write, so the live state is consistent without a copy
-        staged = slot.stage(state_dict) if self.config.async_save else state_dict
+        staged = slot.stage(state_dict, defer if self.config.overlap_staging else None) if self.config.async_save else state_dict
+        if slot.deferred is not None:
+            self._unfenced.append((slot.deferred, record))
         record.stage_s = time.perf_counter() - staging_started
         record.pause_s = time.perf_counter() - requested
         job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra, identical), record, pending, requested)
@@ -153,6 +168,35 @@ class CheckpointSaver:
             self._raise_first_error()
         return pending
 
+    def fence(self) -> float:
+        """Block until the state of every requested save is copied; returns the seconds this call blocked.
+
+        With `overlap_staging`, call it on the training thread before anything changes the state a save
+        deferred (the optimizer step). Without overlapped copies pending it returns at once.
+        """
+        waited = 0.0
+        while self._unfenced:
+            deferred, record = self._unfenced.popleft()
+            seconds = deferred.fence()
+            # added before the record is emitted in practice: that follows the whole write, which starts only
+            # once this copy is done (a record emitted first shows 0)
+            record.overlap_wait_s += seconds
+            waited += seconds
+        self.fence_wait_total_s += waited
+        return waited
+
+    def guard(self, *optimizers: torch.optim.Optimizer) -> list[Any]:
+        """Fence before every `step()` of `optimizers` (a step pre-hook); returns the hooks' handles.
+
+        Not for Lightning's automatic optimization, whose `step()` runs the next forward and backward
+        inside its closure: a pre-hook there would block before them (ShardedStrategy fences after them).
+        """
+
+        def fence_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.fence()  # a pre-hook must return None (or replacement arguments)
+
+        return [optimizer.register_step_pre_hook(fence_before_step) for optimizer in optimizers]
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every requested save finished; False if `timeout` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -165,6 +209,7 @@ class CheckpointSaver:
     def close(self, timeout: float | None = None) -> None:
         """Wait (bounded) for in-flight saves so the run's last checkpoint commits, then stop and join the worker."""
         timeout = self.config.teardown_timeout_s if timeout is None else timeout
+        self.fence()
         waiting = [p.step for p in self._in_flight if not p.done()]
         if waiting:
             log.info("rank %d: waiting up to %.0fs for checkpoint(s) of step %s to commit", self.rank, timeout, waiting)
@@ -253,7 +298,9 @@ class CheckpointSaver:
 
     def _run(self, job: _Job) -> None:
         try:
+            deferred = job.slot.deferred
             job.slot.wait_until_ready()
+            job.record.overlap_copy_s = deferred.seconds if deferred is not None else 0.0
             result = persist_checkpoint(self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook)
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)

@@ -34,6 +34,7 @@ from ..engine.saver import CheckpointSaver, PendingSave
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from . import lightning_state
 from .sampler_injection import restore_position, use_resumable_sampler
+from .staging_fence import StagingFence
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class _NothingToRestore(dict):
         return False
 
 
-class ShardedStrategy:
+class ShardedStrategy(StagingFence):
     """Base of the sharded strategies; calling it builds the one for `parallelism`."""
 
     parallelism: str = "unknown"
@@ -73,6 +74,7 @@ class ShardedStrategy:
         self.resumed_sampler_state: dict[str, Any] | None = None  # set by ShardedCheckpoint on load, applied in process_dataloader
         self._group: Any = None
         self._savers: dict[str, CheckpointSaver] = {}
+        self._init_staging_fence()
         self.fault_hook: Any = None  # tests only: inject failures at named points of the save (see storage.py)
 
     # --- what Lightning asks of a strategy ---
@@ -107,6 +109,7 @@ class ShardedStrategy:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; set save.storage_options")
         # One thread at a time on the checkpoint group: let background saves finish first.
+        self.wait_for_staging()
         for in_flight in self._savers.values():
             in_flight.wait()
         config = replace(self.save_config, async_save=False)
@@ -117,6 +120,7 @@ class ShardedStrategy:
             raise result.error or RuntimeError(f"checkpoint {filepath} did not commit")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
         started = time.perf_counter()
         root, which = self._resolve_source(str(checkpoint_path))
         if which == "latest" and not self._has_committed(root):
@@ -178,6 +182,7 @@ class ShardedStrategy:
 
     def teardown(self) -> None:
         savers, self._savers = list(self._savers.values()), {}
+        self._remove_optimizer_guards()
         try:
             for saver in savers:
                 saver.close()
@@ -211,6 +216,9 @@ class ShardedStrategy:
 
     def save_to_saver(self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any) -> PendingSave:
         state = lightning_state.to_dcp_state(checkpoint)
+        if saver.config.overlap_staging:
+            self._guard_optimizers()
+        parameters_or_optimizer_state = self._parameters_or_optimizer_state()
         return saver.save(
             state,
             step=int(checkpoint.get("global_step", 0)),
@@ -218,13 +226,19 @@ class ShardedStrategy:
             identity=identity,
             samples_consumed=meta.get("samples_consumed"),
             extra=meta.get("extra"),
-            identical=self._identical_on_all_ranks(),
+            identical=parameters_or_optimizer_state,
+            # they change only in the optimizer step, which fences: copied while the next batch runs
+            defer=parameters_or_optimizer_state,
             never_skip=bool(meta.get("never_skip", False)),
         )
 
-    def _identical_on_all_ranks(self):
-        """Parameters and optimizer state: gradient sync keeps every rank's copy bit-identical, so their
-        writes may be spread. Buffers (BatchNorm statistics) and the pickled rest are not: rank 0's copy."""
+    def _parameters_or_optimizer_state(self):
+        """Flattened keys of parameters and optimizer state.
+
+        Gradient sync keeps every rank's copy bit-identical, so their writes may be spread (buffers such
+        as BatchNorm statistics and the pickled rest are not: rank 0's copy); and only the optimizer
+        step changes them, so their staging copy may overlap the next forward and backward (buffers
+        change in forward: copied at the request)."""
         parameters = {f"{lightning_state.MODEL_KEY}.{name}" for name, _ in self.lightning_module.named_parameters()}
         optimizers = f"{lightning_state.OPTIMIZERS_KEY}."
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)

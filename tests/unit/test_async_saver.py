@@ -26,19 +26,21 @@ def rss_bytes() -> int:
 def test_staging_memory_stays_flat_across_100_consecutive_checkpoints(tmp_path):
     state = {"weights": torch.randn(2 * 2**20), "progress": {"step": 0}}  # 8 MiB
     saver = CheckpointSaver(str(tmp_path), SaveConfig(write_events=False))
-    rss_at_10 = None
+    rss_warm = None
     for step in range(100):
         state["weights"].add_(1.0)
         saver.save(state, step=step)
-        if step == 9:
+        if step == 29:
+            # after a warm-up: the first saves grow malloc arenas of the writer threads once (up to ~70 MiB
+            # measured here under load), which is not a leak and made a step-9 baseline flaky
             saver.wait()
-            rss_at_10 = rss_bytes()
+            rss_warm = rss_bytes()
     saver.close()
-    growth = rss_bytes() - rss_at_10
+    growth = rss_bytes() - rss_warm
     assert saver.slots[0].allocations == 1, "staging buffers were reallocated although the layout never changed"
     assert len(saver.slots) == 1
-    # 90 more checkpoints of 8 MiB each: a leak of one state per checkpoint would add 720 MiB
-    assert growth < 64 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB over 90 checkpoints"
+    # 70 more checkpoints of 8 MiB each: a leak of one state per checkpoint would add 560 MiB
+    assert growth < 64 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB over 70 checkpoints"
     assert saver.counters.snapshot()["committed"] == 100
 
 
