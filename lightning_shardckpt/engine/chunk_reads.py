@@ -89,6 +89,7 @@ class Fetched:
     digest: str | None  # None when checksums are off or the chunk was short
     finished: float  # perf_counter when the last byte landed
     placed: bool = True  # False: a direct read found another record layout and wrote nothing; read it buffered
+    blocks: dict[int, str] | None = None  # read by block: the digest of each block read (the chunk digest is None)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,12 @@ class DirectReader:
         self._hashing = hashing
         self._local = threading.local()
 
-    def fetch(self, shard: ShardFile, offset: int, length: int, data_bytes: int, destinations: list[Destination]) -> Fetched:
+    def fetch(
+        self, shard: ShardFile, offset: int, length: int, data_bytes: int, destinations: list[Destination],
+        block_size: int | None = None,
+    ) -> Fetched:
+        """Read the chunk at `offset` into `destinations`; with `block_size` (and hashing), only the blocks
+        holding destination bytes or the record's headers are read, each hashed on its own."""
         available = available_bytes(shard, offset, length)
         if available < length:
             return Fetched(available, 0, None, time.perf_counter())  # a short chunk fails its check unread
@@ -144,36 +150,78 @@ class DirectReader:
         data_start = record_data_offset(head, tail, tail_start, length, data_bytes)
         if data_start is None:
             return Fetched(length, read_bytes, None, time.perf_counter(), placed=False)
-        hasher = streaming_checksum() if self._hashing else None
-        for start, stop, view in _segments(length, data_start, destinations):
-            position = start
+        chunk = _ChunkBytes(shard, offset, length, head, tail, tail_start, _segments(length, data_start, destinations))
+        if block_size is None or not self._hashing:
+            hasher = streaming_checksum() if self._hashing else None
+            read_bytes, short_at = self._copy(chunk, 0, length, hasher, read_bytes)
+            if short_at is not None:
+                return Fetched(short_at, read_bytes, None, time.perf_counter())
+            return Fetched(length, read_bytes, hasher.hexdigest() if hasher is not None else None, time.perf_counter())
+        digests: dict[int, str] = {}
+        for index in needed_blocks(length, block_size, data_start, destinations):
+            hasher = streaming_checksum()
+            read_bytes, short_at = self._copy(chunk, index * block_size, min(length, (index + 1) * block_size), hasher, read_bytes)
+            if short_at is not None:
+                return Fetched(short_at, read_bytes, None, time.perf_counter())
+            digests[index] = hasher.hexdigest()
+        return Fetched(length, read_bytes, None, time.perf_counter(), blocks=digests)
+
+    def _copy(self, chunk: _ChunkBytes, low: int, high: int, hasher: Any, read_bytes: int) -> tuple[int, int | None]:
+        """Bytes [low, high) of the chunk to their segments' views, hashed in order; (read bytes, where a
+        short read stopped or None)."""
+        for start, stop, view in chunk.segments:
+            position, stop = max(start, low), min(stop, high)
             while position < stop:
-                if position < len(head) or position >= tail_start:
-                    source, base = (head, 0) if position < len(head) else (tail, tail_start)
+                if position < len(chunk.head) or position >= chunk.tail_start:
+                    source, base = (chunk.head, 0) if position < len(chunk.head) else (chunk.tail, chunk.tail_start)
                     count = min(stop, base + len(source)) - position
                     piece = memoryview(source)[position - base : position - base + count]
                     if view is not None:
                         view[position - start : position - start + count] = piece
                 else:
-                    count = min(stop, tail_start, position + PIECE_BYTES) - position
+                    count = min(stop, chunk.tail_start, position + PIECE_BYTES) - position
                     if view is None and hasher is None:
                         position += count  # checksums off: bytes no item needs are not read
                         continue
                     piece = view[position - start : position - start + count] if view is not None else self._scratch()[:count]
-                    got = shard.read_into(offset + position, piece)
+                    got = chunk.shard.read_into(chunk.offset + position, piece)
                     read_bytes += got
                     if got < count:  # the file shrank while it was read
-                        return Fetched(position + got, read_bytes, None, time.perf_counter())
+                        return read_bytes, position + got
                 if hasher is not None:
                     hasher.update(piece)
                 position += count
-        return Fetched(length, read_bytes, hasher.hexdigest() if hasher is not None else None, time.perf_counter())
+        return read_bytes, None
 
     def _scratch(self) -> memoryview:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
             scratch = self._local.scratch = memoryview(bytearray(PIECE_BYTES))
         return scratch
+
+
+@dataclass(frozen=True)
+class _ChunkBytes:
+    """One chunk being read directly: where it is, its headers already read, and where its bytes go."""
+
+    shard: ShardFile
+    offset: int
+    length: int
+    head: bytearray
+    tail: bytearray
+    tail_start: int
+    segments: list[tuple[int, int, memoryview | None]]
+
+
+def needed_blocks(length: int, block_size: int, data_start: int, destinations: list[Destination]) -> list[int]:
+    """Indices of the blocks holding destination bytes or the record's headers (head and tail), in order.
+
+    The headers are what locate the data; their blocks are checked too, so no byte that decides where
+    data goes is trusted unchecked.
+    """
+    ranges = [(0, min(HEAD_BYTES, length)), (max(0, length - TAIL_BYTES), length)]
+    ranges += [(data_start + d.start, data_start + d.stop) for d in destinations if d.stop > d.start]
+    return sorted({index for low, high in ranges for index in range(low // block_size, (high - 1) // block_size + 1)})
 
 
 def _segments(length: int, data_start: int, destinations: list[Destination]) -> list[tuple[int, int, memoryview | None]]:

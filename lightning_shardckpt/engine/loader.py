@@ -86,6 +86,7 @@ def _load_once(
     expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
     reader = ShardReader(
         root.fs, entry.path, expected_checksums=expected,
+        expected_blocks=manifest_format.expected_blocks(entry.manifest) if config.verify_checksums else None,
         expected_metadata=entry.manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
         trust=config.trust_checkpoint,
         read_threads=config.read_threads, read_ahead_bytes=config.read_ahead_bytes,

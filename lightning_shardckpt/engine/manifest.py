@@ -18,6 +18,7 @@ from ..errors import CorruptCheckpoint, IncompatibleCheckpoint
 from . import manifest_schema
 from .checksum import checksum, checksum_of_checksums
 from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION, READABLE_FORMAT_VERSIONS, parse_dirname
+from .manifest_schema import BLOCKS_FIELD
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
 # copied from the manifest into the commit record: what listing, `latest` and retention decide by
@@ -188,6 +189,15 @@ def expected_checksums(manifest: dict[str, Any]) -> dict[tuple[str, int], tuple[
     return table
 
 
+def expected_blocks(manifest: dict[str, Any]) -> dict[tuple[str, int], tuple[int, list[str]]]:
+    """(file, byte offset) -> (block size, block checksums) for every chunk checksummed by block too."""
+    return {
+        (chunk["file"], chunk["offset"]): (chunk[BLOCKS_FIELD]["size"], chunk[BLOCKS_FIELD]["checksums"])
+        for _, chunk in iter_chunks(manifest)
+        if BLOCKS_FIELD in chunk
+    }
+
+
 def iter_chunks(manifest: dict[str, Any]):
     """Yield (fqn, chunk) for every tensor chunk and object, each with file, offset, length, checksum."""
     for tensor in manifest["tensors"]:
@@ -202,7 +212,11 @@ def total_bytes(manifest: dict[str, Any]) -> int:
 
 
 def _where(receipt: Any) -> dict[str, Any]:
-    return {"file": receipt.relative_path, "offset": receipt.offset, "length": receipt.length, "checksum": receipt.checksum}
+    where = {"file": receipt.relative_path, "offset": receipt.offset, "length": receipt.length, "checksum": receipt.checksum}
+    blocks = getattr(receipt, "blocks", None)  # receipts pickled by an older writer have no such field
+    if blocks is not None:
+        where[BLOCKS_FIELD] = {"size": blocks[0], "checksums": list(blocks[1])}
+    return where
 
 
 def _files(receipts: Any) -> list[dict[str, Any]]:

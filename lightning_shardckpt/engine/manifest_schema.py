@@ -16,6 +16,7 @@ from .outcomes import metrics_problems
 
 HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)
 MAX_PROBLEMS = 5  # a broken tensor table would otherwise produce thousands of lines
+BLOCKS_FIELD = "blocks"  # optional on a tensor chunk: {"size": bytes, "checksums": [one per block]} (FORMAT.md §3)
 
 
 def is_int(value: Any) -> bool:
@@ -169,7 +170,21 @@ def _chunk_problems(chunk: Any, files: set[str], *, tensor_chunk: bool) -> list[
         problems.append(f"checksum {chunk.get('checksum')!r} is not 16 lowercase hex characters")
     if tensor_chunk and not (_int_list(chunk.get("offsets")) and _int_list(chunk.get("sizes"))):
         problems.append("offsets and sizes must be lists of integers >= 0")
+    if BLOCKS_FIELD in chunk:
+        problems.extend(_blocks_problems(chunk[BLOCKS_FIELD], chunk.get("length")))
     return problems
+
+
+def _blocks_problems(blocks: Any, length: Any) -> list[str]:
+    """Block checksums must tile the chunk exactly: a reader trusts them to cover every byte it reads."""
+    if not isinstance(blocks, dict) or not is_int(blocks.get("size")) or blocks["size"] < 1:
+        return [f"{BLOCKS_FIELD} is {blocks!r}, not {{'size': integer >= 1, 'checksums': [...]}}"]
+    digests = blocks.get("checksums")
+    if not isinstance(digests, list) or not all(_is_digest(digest) for digest in digests):
+        return [f"{BLOCKS_FIELD}.checksums is not a list of 16-hex-character digests"]
+    if is_int(length) and len(digests) != -(-length // blocks["size"]):
+        return [f"{BLOCKS_FIELD} has {len(digests)} checksum(s); a chunk of {length} bytes in blocks of {blocks['size']} has {-(-length // blocks['size'])}"]
+    return []
 
 
 def _is_digest(value: Any) -> bool:

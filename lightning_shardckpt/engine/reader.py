@@ -76,6 +76,7 @@ class ShardReader(StorageReader):
         *,
         expected_checksums: dict[tuple[str, int], tuple[str, str]] | None,
         expected_metadata: dict[str, Any] | None = None,
+        expected_blocks: dict[tuple[str, int], tuple[int, list[str]]] | None = None,
         trust: bool = False,
         read_threads: int = DEFAULT_READ_THREADS,
         read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
@@ -83,7 +84,9 @@ class ShardReader(StorageReader):
         """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off.
 
         `expected_metadata` is the manifest's `dcp_metadata` record (v2; None for v1): `.metadata`'s bytes
-        are checked against it before they are unpickled. `trust=False` unpickles `.metadata` and every
+        are checked against it before they are unpickled. `expected_blocks` maps (file, offset) to (block
+        size, block checksums) of the chunks checksummed by block too: a rank that needs only some rows of
+        such a chunk reads and checks only the blocks holding them (and the record's headers). `trust=False` unpickles `.metadata` and every
         object only through allow-lists (safe_pickle.py); True is the user's opt-in for a trusted source.
         `read_threads` range reads run at once; chunks read but not yet placed hold at most
         `read_ahead_bytes` (or one chunk, when a chunk is larger).
@@ -93,6 +96,7 @@ class ShardReader(StorageReader):
         self.path = path
         self._expected = expected_checksums
         self._expected_metadata = expected_metadata
+        self._expected_blocks = (expected_blocks or {}) if expected_checksums is not None else {}
         self._trust = trust
         self._threads = read_threads
         self._read_ahead_bytes = read_ahead_bytes
@@ -166,7 +170,10 @@ class ShardReader(StorageReader):
                     layout = self._chunk_layout[chunk.requests[0].storage_index]
                     destinations = self._destinations(chunk, layout)
                     data_bytes = math.prod(layout[0]) * _element_size(layout[1])
-                    future = executor.submit(direct.fetch, shard, chunk.offset, chunk.length, data_bytes, destinations)
+                    blocks = self._expected_blocks.get((chunk.relative_path, chunk.offset))
+                    future = executor.submit(
+                        direct.fetch, shard, chunk.offset, chunk.length, data_bytes, destinations, blocks[0] if blocks else None
+                    )
                 else:
                     chunk.buffer = pool.take(chunk.length)
                     future = executor.submit(fetch_buffered, shard, chunk.offset, chunk.length, chunk.buffer, self._expected is not None)
@@ -320,6 +327,12 @@ class ShardReader(StorageReader):
                 "that the manifest does not list; the checkpoint's metadata was altered after commit"
             )
         short = fetched.filled != chunk.length
+        if not short and fetched.blocks is not None:  # read by block: check each block read
+            expected_blocks = self._expected_blocks[(chunk.relative_path, chunk.offset)][1]
+            for index, digest in sorted(fetched.blocks.items()):
+                if digest != expected_blocks[index]:
+                    raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, f"block {index}: {expected_blocks[index]}", digest)
+            return
         actual = SHORT_READ.format(filled=fetched.filled, length=chunk.length) if short else fetched.digest
         if actual != expected[0]:
             raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, expected[0], actual)

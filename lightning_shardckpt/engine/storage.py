@@ -32,7 +32,7 @@ from torch.futures import Future
 
 from ..errors import CorruptCheckpoint
 from . import fsio
-from .checksum import HashingWriter, checksum
+from .checksum import HashingWriter, block_size_for, checksum
 from .config import VerifyConfig
 from .layout import join, shard_filename
 from .reader import ShardReader  # noqa: F401  (moved to reader.py; `engine.storage.ShardReader` keeps working)
@@ -55,6 +55,7 @@ class ChunkReceipt:
     verified: bool  # read back from storage and matched before the receipt was sent
     finite: bool | None = None  # a floating tensor chunk without NaN/Inf at save time (None: not a float tensor)
     write_s: float | None = None  # how long this rank took to write its whole file: per-rank throughput for health rules
+    blocks: tuple[int, tuple[str, ...]] | None = None  # (block size, digests): a large chunk checksummed by block too
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ChunkFileWriter:
         self._handle = fs.open(path, "wb")
         self._stream = HashingWriter(self._handle)
         self.chunks: list[tuple[int, int, str]] = []
+        self.blocks: list[tuple[int, tuple[str, ...]] | None] = []  # per chunk, as HashingWriter.chunk_blocks
 
     def add_bytes(self, data: Any) -> tuple[int, int, str]:
         self._stream.begin_chunk()
@@ -76,7 +78,7 @@ class ChunkFileWriter:
         return self._end()
 
     def add_tensor(self, tensor: torch.Tensor) -> tuple[int, int, str]:
-        self._stream.begin_chunk()
+        self._stream.begin_chunk(block_size_for(tensor.numel() * tensor.element_size()))
         save_record(tensor, self._stream)
         return self._end()
 
@@ -93,6 +95,7 @@ class ChunkFileWriter:
     def _end(self) -> tuple[int, int, str]:
         chunk = self._stream.end_chunk()
         self.chunks.append(chunk)
+        self.blocks.append(self._stream.chunk_blocks)
         return chunk
 
 
@@ -295,7 +298,10 @@ class ShardWriter(StorageWriter):
 
         results = []
         for position, (item, (offset, length, digest)) in enumerate(zip(items, writer.chunks)):
-            receipt = ChunkReceipt(relative, offset, length, digest, file_bytes, position in chosen, finite[position], written - started)
+            receipt = ChunkReceipt(
+                relative, offset, length, digest, file_bytes, position in chosen, finite[position], written - started,
+                writer.blocks[position],
+            )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=receipt))
         self.last_write_stats = {
             "bytes": file_bytes,

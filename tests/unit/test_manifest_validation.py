@@ -84,6 +84,9 @@ MUTATIONS = {
     "object checksum not hex": (lambda m: m["objects"][0].update(checksum=17), "checksum"),
     "identity a list": (lambda m: m.update(identity=[]), "identity"),
     "seq zero": (lambda m: m.update(seq=0), "seq"),
+    "block checksums that do not tile the chunk": (
+        lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 1024, "checksums": ["0123456789abcdef"]}), "blocks has 1 checksum"),
+    "block size zero": (lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 0, "checksums": []}), "blocks is"),
 }
 
 

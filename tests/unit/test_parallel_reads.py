@@ -15,8 +15,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, LoadConfig, SaveConfig, load_checkpoint
+from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, LoadConfig, SaveConfig, load_checkpoint, verify_checkpoint
 from lightning_shardckpt.engine import manifest as manifest_format
+from lightning_shardckpt.engine.checksum import block_size_for, checksum
 from lightning_shardckpt.engine.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
 from lightning_shardckpt.engine.reader import ShardReader
 from lightning_shardckpt.engine.storage import save_record
@@ -207,3 +208,70 @@ def test_a_record_is_located_from_its_head_and_tail_alone_and_another_layout_is_
     other = view.getvalue()
     tail_start = len(other) - TAIL_BYTES
     assert record_data_offset(bytearray(other[:HEAD_BYTES]), bytearray(other[tail_start:]), tail_start, len(other), tensor[::2].nbytes) is None
+
+
+# --- block checksums: a rank that needs part of a large chunk reads and checks only the blocks holding it ---
+BIG_ROWS, BIG_COLUMNS = 8192, 256  # 8 MiB of float32: blocks of 1 MiB (block_size_for), 9 of them with the record
+
+
+def big_chunk(tmp_path) -> tuple[torch.Tensor, str, str, dict, dict]:
+    weights = torch.randn(BIG_ROWS, BIG_COLUMNS)
+    root, directory, manifest = committed(tmp_path, {"w": weights})
+    return weights, root, directory, manifest, chunk_of(manifest, "w")
+
+
+def test_a_large_chunk_records_one_checksum_per_block_of_its_bytes_and_a_small_one_none(tmp_path):
+    _, _, directory, manifest, chunk = big_chunk(tmp_path)
+    blocks = chunk["blocks"]
+    assert blocks["size"] == block_size_for(BIG_ROWS * BIG_COLUMNS * 4) == 2**20
+    with open(os.path.join(directory, SHARD), "rb") as handle:
+        handle.seek(chunk["offset"])
+        data = handle.read(chunk["length"])
+    assert blocks["checksums"] == [checksum(data[i : i + blocks["size"]]) for i in range(0, len(data), blocks["size"])]
+    small = committed(tmp_path / "small", {"w": torch.randn(ROWS, COLUMNS)})[2]
+    assert "blocks" not in chunk_of(small, "w")
+
+
+def test_a_rank_that_needs_half_of_a_large_chunk_reads_and_checks_only_the_blocks_holding_it(tmp_path):
+    weights, _, directory, manifest, chunk = big_chunk(tmp_path)
+    options, _ = counting()
+    reader = reader_for(directory, manifest, options, expected_blocks=manifest_format.expected_blocks(manifest))
+    half = BIG_ROWS // 2
+    targets = {"bottom": torch.zeros(half, BIG_COLUMNS)}
+
+    read_items(reader, targets, [ReadItem(
+        type=LoadItemType.TENSOR, dest_index=MetadataIndex("bottom", (0, 0)), dest_offsets=torch.Size((0, 0)),
+        storage_index=MetadataIndex("w", (0, 0)), storage_offsets=torch.Size((half, 0)), lengths=torch.Size((half, BIG_COLUMNS)),
+    )])
+
+    assert torch.equal(targets["bottom"], weights[half:])
+    # the bottom half's 4 MiB and the block holding the record's head (the tail's block is the half's last)
+    assert reader.bytes_read <= half * BIG_COLUMNS * 4 + 2 * chunk["blocks"]["size"] + 2 * HEAD_BYTES
+    assert reader.bytes_read < 0.7 * chunk["length"]
+
+
+@pytest.mark.parametrize("half", ["needed", "not needed"])
+def test_a_flipped_byte_is_named_by_block_where_it_is_read_and_full_verify_finds_it_anywhere(tmp_path, half):
+    weights, root, directory, manifest, chunk = big_chunk(tmp_path)
+    path = os.path.join(directory, SHARD)
+    data = bytearray(open(path, "rb").read())
+    data[chunk["offset"] + chunk["length"] // (4 if half == "not needed" else 2) + 4096] ^= 0x01  # inside the data
+    open(path, "wb").write(bytes(data))
+    options, _ = counting()
+    reader = reader_for(directory, manifest, options, expected_blocks=manifest_format.expected_blocks(manifest))
+    bottom = BIG_ROWS // 2
+    item_bottom = ReadItem(
+        type=LoadItemType.TENSOR, dest_index=MetadataIndex("bottom", (0, 0)), dest_offsets=torch.Size((0, 0)),
+        storage_index=MetadataIndex("w", (0, 0)), storage_offsets=torch.Size((bottom, 0)), lengths=torch.Size((bottom, BIG_COLUMNS)),
+    )
+    targets = {"bottom": torch.zeros(bottom, BIG_COLUMNS)}
+
+    if half == "needed":
+        with pytest.raises(CorruptCheckpoint, match="block 4") as caught:
+            read_items(reader, targets, [item_bottom])
+        assert (caught.value.problems[0]["file"], caught.value.problems[0]["tensor"]) == (SHARD, "w")
+    else:  # a rank never reads a block it does not need: the damage is another rank's to find, or verify's
+        read_items(reader, targets, [item_bottom])
+        assert torch.equal(targets["bottom"], weights[bottom:])
+    report = verify_checkpoint(directory)
+    assert not report.ok and report.problems[0]["tensor"] == "w"
