@@ -72,6 +72,8 @@ def check_completeness(
                 problems.append(f"rank {rank} sent no receipt for {result.index.fqn}")
                 continue
             receipts[result.index] = receipt
+            if receipt.reference:  # incremental: held by an earlier checkpoint (checked by check_stored_sizes)
+                continue
             by_file.setdefault(receipt.relative_path, []).append(receipt)
         for path, chunks in by_file.items():
             problems.extend(_tiling_problems(path, chunks))
@@ -91,7 +93,8 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
     """
     stats = []
     for rank, rank_results in enumerate(results):
-        receipts = [result.storage_data for result in rank_results if isinstance(result.storage_data, ChunkReceipt)]
+        receipts = [result.storage_data for result in rank_results
+                    if isinstance(result.storage_data, ChunkReceipt) and not result.storage_data.reference]
         if not receipts or receipts[0].write_s is None:
             continue
         nbytes, seconds = receipts[0].file_bytes, receipts[0].write_s
@@ -101,9 +104,22 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
 
 
 def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> list[str]:
-    """Each file on storage has exactly the size its writer reported (catches truncated uploads)."""
+    """Each file on storage has exactly the size its writer reported (catches truncated uploads), and each
+    file an incremental checkpoint references still holds its chunks (retention never deletes it under us)."""
     problems = []
-    sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values()}
+    sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values() if not receipt.reference}
+    reach: dict[str, int] = {}
+    for receipt in receipts.values():
+        if receipt.reference:
+            reach[receipt.relative_path] = max(reach.get(receipt.relative_path, 0), receipt.offset + receipt.length)
+    for relative, end in sorted(reach.items()):
+        path = join(directory, relative)
+        try:
+            actual = retry.call("size", lambda: root.fs.size(path), target=path)
+        except FileNotFoundError:
+            actual = None
+        if actual is None or actual < end:
+            problems.append(f"{relative}: referenced file has {actual} bytes on storage, its chunks reach {end}")
     for relative, expected in sorted(sizes.items()):
         try:
             path = join(directory, relative)
