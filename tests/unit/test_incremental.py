@@ -345,3 +345,17 @@ def test_plain_dcp_fsspec_reader_on_s3_and_an_incremental_checkpoint(s3_root):
         dcp.load(target, storage_reader=FsspecReader(result.path, **options))
     errors = [error for error, _ in raised.value.failures.values()]
     assert any(isinstance(e, FileNotFoundError) and "/../step-" in str(e) for e in errors), errors
+
+
+def test_ls_shows_own_and_referenced_bytes_and_inspect_a_referenced_line(tmp_path, capsys):
+    from lightning_shardckpt.ops.cli import main
+
+    _, results, _, _ = run(tmp_path, 2)
+    assert main(["ls", "--json", str(tmp_path)]) == 0
+    rows = {row["step"]: row for row in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert rows[0]["bytes_referenced"] == 0 and rows[1]["bytes_referenced"] > rows[1]["bytes"]
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "REFERENCED" in capsys.readouterr().out.splitlines()[0]
+    assert main(["inspect", results[1].path]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("referenced"))
+    assert "earlier checkpoints" in line
