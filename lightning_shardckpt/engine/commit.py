@@ -215,11 +215,12 @@ def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:
 
 
 def _verification_summary(mode: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> dict[str, Any]:
-    verified = [r for r in receipts.values() if r.verified]
+    own = [r for r in receipts.values() if not r.reference]  # incremental: references were verified when written
+    verified = [r for r in own if r.verified]
     return {
         "mode": mode,
-        "chunks_total": len(receipts),
-        "bytes_total": sum(r.length for r in receipts.values()),
+        "chunks_total": len(own),
+        "bytes_total": sum(r.length for r in own),
         "chunks_verified": len(verified),
         "bytes_verified": sum(r.length for r in verified),
     }

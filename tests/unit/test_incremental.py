@@ -359,3 +359,18 @@ def test_ls_shows_own_and_referenced_bytes_and_inspect_a_referenced_line(tmp_pat
     assert main(["inspect", results[1].path]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("referenced"))
     assert "earlier checkpoints" in line
+
+
+def test_lightning_remove_checkpoint_goes_through_reachability(tmp_path):
+    """Lightning's `strategy.remove_checkpoint` (ModelCheckpoint's deletions) keeps referenced files too."""
+    from lightning_shardckpt import ShardedStrategy
+
+    snapshots, results, _, _ = run(tmp_path, 3)
+    strategy = ShardedStrategy(parallelism="ddp")
+    strategy.remove_checkpoint(results[0].path)  # the full one, which steps 1 and 2 reference
+    assert not (Path(results[0].path) / "manifest.json").exists()
+    assert (Path(results[0].path) / refs.RETIRED).exists()
+    target = zeros(snapshots[2])
+    load_checkpoint(target, results[2].path)
+    assert_equal(target, snapshots[2])
+    assert verify_checkpoint(str(tmp_path), 2).ok
