@@ -13,8 +13,9 @@ Measured, per save after the first (the first of a run is full in both modes):
   pause   until CheckpointSaver.save() returns (the copy into staging memory: what training waits for)
   total   until .result() returns (written, verified, committed)
 and, as the floor, a copy_ of the trainable state only (params + moments) into preallocated,
-already-used buffers, timed right before each save (the machine's load varies; a ratio of medians). Targets: incremental bytes <= 1.1x the trainable state; incremental
-pause <= 1.2x the copy of the trainable state.
+already-used buffers, timed right before each save (the machine's load varies; a ratio of medians).
+Targets: incremental bytes <= 1.1x the trainable state; incremental pause <= 1.2x the copy of the
+trainable state.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ Real saves, real files: no write path is mocked.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -317,7 +316,6 @@ def test_incremental_config_is_validated():
     with pytest.raises(ConfigError):
         SaveConfig(full_every_n=0)
     assert SaveConfig().incremental is False and SaveConfig().full_every_n == 10
-    assert os.environ.get("NOTHING") is None
 
 
 def test_plain_dcp_fsspec_reader_on_s3_and_an_incremental_checkpoint(s3_root):
@@ -374,3 +372,22 @@ def test_lightning_remove_checkpoint_goes_through_reachability(tmp_path):
     load_checkpoint(target, results[2].path)
     assert_equal(target, snapshots[2])
     assert verify_checkpoint(str(tmp_path), 2).ok
+
+
+def test_export_and_compare_follow_references(tmp_path):
+    from lightning_shardckpt.engine.global_tensors import GlobalTensorReader
+    from lightning_shardckpt.ops.compare import compare_readers, summary
+    from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
+
+    snapshots, results, _, _ = run(tmp_path, 3)
+    out = str(tmp_path / "out.pt")
+    export_checkpoint(results[2].path, out, ExportOptions(format="torch"))
+    exported = torch.load(out, weights_only=True)
+    for name, tensor in snapshots[2]["model"].items():
+        assert torch.equal(exported[f"model.{name}"], tensor), name  # the frozen base comes from step 0's file
+    location = fsio.resolve(str(tmp_path))
+    entries = {e.step: e for e in catalog.list_checkpoints(location)}
+    with GlobalTensorReader(location, entries[1]) as a, GlobalTensorReader(location, entries[2]) as b:
+        changes = {c.fqn: c for c in compare_readers(a, b)}
+    assert summary(list(changes.values()))["changed"] >= 2  # the adapters
+    assert changes["model.base.weight"].status == "equal" and changes["model.a"].status == "changed"
