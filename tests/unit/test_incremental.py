@@ -391,3 +391,35 @@ def test_export_and_compare_follow_references(tmp_path):
         changes = {c.fqn: c for c in compare_readers(a, b)}
     assert summary(list(changes.values()))["changed"] >= 2  # the adapters
     assert changes["model.base.weight"].status == "equal" and changes["model.a"].status == "changed"
+
+
+def test_after_a_failed_save_the_next_one_is_full_and_nothing_references_the_failed_one(tmp_path):
+    model = Lora(rank=16)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    failing = {"step": 1}
+
+    def fault(point):
+        if point == "before_manifest" and failing["step"] is not None and current["step"] == failing["step"]:
+            raise OSError("injected: storage refused the manifest")
+
+    current = {"step": 0}
+    saver = CheckpointSaver(str(tmp_path), SaveConfig(incremental=True, run_id="inc"), fault_hook=fault)
+    outcomes, snapshots = [], {}
+    try:
+        for step in range(4):
+            current["step"] = step
+            train_step(model, optimizer)
+            state = state_of(model, optimizer)
+            snapshots[step] = snapshot(state)
+            outcomes.append(saver.save(state, step).result(timeout=60).committed)
+    finally:
+        saver.close()
+    assert outcomes == [True, False, True, True]
+    table = manifests(tmp_path)
+    assert sorted(table) == [0, 2, 3]
+    assert table[2]["format_version"] == 2  # full: its base did not commit
+    assert table[3]["format_version"] == 3
+    assert all(refs.split(item["path"])[0].startswith("step-000000002-") for item in table[3]["references"])
+    target = zeros(snapshots[3])
+    load_checkpoint(target, str(tmp_path))
+    assert_equal(target, snapshots[3])
