@@ -423,3 +423,12 @@ def test_after_a_failed_save_the_next_one_is_full_and_nothing_references_the_fai
     target = zeros(snapshots[3])
     load_checkpoint(target, str(tmp_path))
     assert_equal(target, snapshots[3])
+
+
+def test_a_tensor_built_afresh_at_each_save_is_never_taken_for_unchanged():
+    """A fresh tensor of the same shape may land at the freed address of the previous one with version 0;
+    the tracker holds the previous storages so that cannot happen."""
+    tracker = ChangeTracker(full_every_n=100)
+    assert tracker.plan({"rng": torch.full((4096,), 0.0)}) == frozenset()
+    for value in range(1, 20):
+        assert tracker.plan({"rng": torch.full((4096,), float(value))}) == frozenset(), value
