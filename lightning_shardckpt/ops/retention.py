@@ -10,6 +10,10 @@ Retention works per run and in commit order, never across runs and never by step
 - the checkpoint just committed is kept whatever the order says;
 - the run's newest `keep_last_drilled` drilled checkpoints (default 1: the last known-good, see
   engine/drill_records.py) are kept on top of the window, so a rollback target always exists.
+
+Deletion goes by reachability (incremental checkpoints, docs/FORMAT.md §9): a deleted checkpoint is
+uncommitted first and keeps only the files a kept checkpoint references (engine/references.py's
+`pinned_files`, which gc uses too), until its last referrer goes.
 """
 
 from __future__ import annotations
