@@ -59,3 +59,25 @@ def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, optio
     fast_names = [e.name for e in catalog.list_checkpoints(fast_loc) if e.committed]
     return {"flushed": flushed, "counters": snapshot, "fast": fast_names, "pauses": pauses,
             "broken": repr(replicator.broken) if replicator.broken else None}
+
+
+def fit_tiers_on_rank(rank: int, world_size: int, tiers_options: dict, max_steps: int, ckpt_path: Any, every: int = 2) -> dict:
+    """A Lightning fit with ShardedCheckpoint(tiers=...) (see tests/helpers/lightning_run.py for the module)."""
+    import lightning.pytorch as pl
+
+    from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+    from tests.helpers.lightning_run import CaptureAtStart, CountingCallback, TinyData, TinyModule, _full, lightning_env
+
+    lightning_env(rank, world_size)
+    capture = CaptureAtStart()
+    checkpoint = ShardedCheckpoint(tiers=tiers_options, every_n_train_steps=every, log_artifact=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[checkpoint, CountingCallback(), capture],
+    )
+    module = TinyModule(parallelism="ddp")
+    trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
+    loaded = trainer.strategy.last_load
+    return {"at_start": capture.at_start, "final": _full(module, trainer.optimizers[0]), "global_step": trainer.global_step,
+            "loaded_from": loaded.path if loaded is not None else None, "counters": checkpoint._tiers.counters()}

@@ -1,0 +1,170 @@
+"""CheckpointTiers: what ShardedCheckpoint(tiers=...) adds on top of a single root.
+
+Saves commit on the fast tier (the callback's root, node-local when its dirpath has `{node_rank}`); a
+Replicator (engine/replicate.py) copies them, verified, to the durable tier and commits them there;
+retention runs per tier; a resume reads the newest checkpoint every rank can read, from either tier
+(engine/tier_restore.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from ..engine import catalog, fsio, ownership
+from ..engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group
+from ..engine.config import LoadConfig
+from ..engine.layout import parse_dirname
+from ..engine.replicate import UNREPLICATED_DROPPED, Replicator, missing_on_durable
+from ..engine.tier_restore import FAST, choose
+from ..engine.tiers import TiersConfig
+from ..errors import StorageUnavailable
+from ..ops import retention
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointTiers:
+    """Per rank: this node's view of the fast tier, the durable tier, and the replicator between them."""
+
+    def __init__(self, config: TiersConfig, node_rank: int, local_rank: int) -> None:
+        self.config = config
+        self.node_rank, self.local_rank = node_rank, local_rank
+        self.fast_dirpath = config.fast.dirpath_for(node_rank)
+        self.fast = fsio.resolve(self.fast_dirpath, config.fast.storage_options)
+        self.durable = fsio.resolve(config.durable.dirpath, config.durable.storage_options) if config.durable else None
+        self.replicator: Replicator | None = None
+        self._group: Any = None
+        self._dropped = 0
+
+    # --- before training ---
+    def preflight(self) -> None:
+        """Every rank checks every tier it writes (its node's fast root, the durable root); all raise the first problem."""
+        problem = None
+        for location in (self.fast, self.durable):
+            if location is None:
+                continue
+            try:
+                fsio.preflight(location)
+            except StorageUnavailable as err:
+                problem = f"{'fast' if location is self.fast else 'durable'} tier: {err}"
+                break
+        first = next((p for p in all_gather_objects("tiers-preflight", problem, None) if p), None)
+        if first is not None:
+            raise StorageUnavailable(first)
+
+    # --- training ---
+    def start(self, saver: Any, run_id: str, allow_shared_root: bool, is_global_zero: bool, fault_hook: Any = None) -> None:
+        """Once per fit, on every rank at the same point, after the saver exists: replicator, catch-up, listeners."""
+        if self.durable is None or self.replicator is not None:
+            return
+        # its own group (see replicate.py): the saver's thread owns the checkpoint group
+        self._group = new_checkpoint_group(self.config.collective_timeout_s)
+        ownership.ensure_owner(self.durable, run_id, allow_shared_root, self._group)
+        catch_up = None
+        if is_global_zero:
+            try:
+                catch_up = missing_on_durable(self.fast, self.durable, run_id)
+            except Exception:  # noqa: BLE001 - an unreachable durable tier: the first copy retries
+                log.warning("cannot compare the fast and durable tiers; no catch-up copy", exc_info=True)
+        catch_up = broadcast_from_coordinator("tiers-catch-up", catch_up, self._group)
+        self.replicator = Replicator(self.config, self.fast, self.durable, group=self._group,
+                                     on_committed=self._durable_retention if is_global_zero else None,
+                                     fault_hook=fault_hook)
+        if catch_up is not None:
+            log.info("%s is committed on the fast tier but not on %s: copying it", catch_up, self.durable.url)
+            self.replicator.submit(catch_up)
+        replicator = self.replicator
+        saver.add_listener(lambda record: replicator.submit(record.path.rstrip("/").rsplit("/", 1)[-1])
+                           if record.outcome == "committed" and record.path else None)
+        if self.config.fast.node_local and self.node_rank > 0 and self.local_rank == 0:
+            saver.add_listener(lambda record: self._prune_node_local())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Bounded flush of pending copies (flush_timeout_s), then stop; the group goes once the thread is gone."""
+        replicator, self.replicator = self.replicator, None
+        if replicator is None:
+            return
+        replicator.close(self.config.flush_timeout_s if timeout is None else timeout)
+        if replicator.stopped and self._group is not None and replicator.broken is None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._group)
+        self._group = None
+        self._last_counters = replicator.snapshot()
+
+    def counters(self) -> dict[str, int]:
+        source = self.replicator.snapshot() if self.replicator is not None else getattr(self, "_last_counters", {})
+        return {**source, **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {})}
+
+    # --- retention per tier ---
+    def fast_spare(self, keep_last: int, run_id: str | None) -> set[str]:
+        """Fast-tier checkpoints retention must keep although outside keep_last: newer than the newest durable copy,
+        at most `max_unreplicated` of them; older unreplicated ones are dropped (counted, logged)."""
+        if self.durable is None:
+            return set()
+        entries = catalog.committed_of_run(catalog.list_checkpoints(self.fast), run_id)
+        newest_durable = self.replicator.newest_durable if self.replicator is not None else None
+        names = [entry.name for entry in entries]
+        start = names.index(newest_durable) + 1 if newest_durable in names else 0
+        unreplicated = names[start:]
+        outside = [name for name in unreplicated if name not in names[-keep_last:]]
+        cap = self.config.fast.max_unreplicated
+        spare = set(outside[-cap:]) if cap else set()
+        dropped = [name for name in outside if name not in spare]
+        if dropped:
+            self._dropped += len(dropped)
+            log.warning("fast tier %s: deleting %d checkpoint(s) never copied to %s (%s): more than max_unreplicated=%d wait",
+                        self.fast.url, len(dropped), self.durable.url, ", ".join(dropped), cap)
+        return spare
+
+    def _durable_retention(self, name: str) -> None:
+        keep = self.config.durable.keep_last if self.config.durable is not None else None
+        if keep is not None:
+            run_id = (catalog.newest_committed(catalog.list_checkpoints(self.durable)) or None)
+            retention.apply(self.durable, keep, None, run_id=run_id.run_id if run_id else None, just_committed=name)
+
+    def _prune_node_local(self) -> None:
+        """A node other than 0 holds shards of checkpoints whose manifest is on node 0: keep its newest few only."""
+        keep = (self.config.fast.keep_last or 0) + self.config.fast.max_unreplicated + 1
+        if not self.config.fast.keep_last:
+            return
+        try:
+            names = sorted((info.rstrip("/").rsplit("/", 1)[-1] for info in self.fast.fs.ls(self.fast.path, detail=False)),
+                           key=lambda n: (parse_dirname(n).step if parse_dirname(n) else -1, n))
+            for name in [n for n in names if parse_dirname(n)][:-keep]:
+                self.fast.fs.rm(f"{self.fast.path}/{name}", recursive=True)
+        except Exception:  # noqa: BLE001 - the next commit retries
+            log.debug("pruning %s failed", self.fast.url, exc_info=True)
+
+    # --- restore ---
+    def pick(self, which: str, base: LoadConfig, group: Any) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]]:
+        """(checkpoint path to load, its load config, fallbacks) for `latest` / `last-good`; collective on every rank."""
+        choices = choose(self.fast, self.durable, which, group)
+        if not choices:
+            return self.fast_dirpath, base, []
+        first = choices[0]
+        if rank_zero():
+            log.info("resuming from the %s tier: %s (step %d); %s", first.tier, first.url, first.step, first.reason)
+        fallbacks = [(c.url, self._config_for(c.tier, base),
+                      f"the {first.tier} copy of {first.name} did not load; falling back to its {c.tier} copy at {c.url}")
+                     for c in choices[1:] if c.name == first.name]
+        return first.url, self._config_for(first.tier, base), fallbacks
+
+    def _config_for(self, tier: str, base: LoadConfig) -> LoadConfig:
+        options = self.config.fast.storage_options if tier == FAST else self.config.durable.storage_options
+        return replace(base, storage_options=dict(options))
+
+    def owns(self, path: str) -> bool:
+        """`path` is a checkpoint of the durable tier (a resume from it continues this run)."""
+        if self.durable is None:
+            return False
+        root = fsio.resolve(path.rstrip("/").rsplit("/", 1)[0], self.config.durable.storage_options)
+        return root.fs.protocol == self.durable.fs.protocol and root.path == self.durable.path
+
+
+def rank_zero() -> bool:
+    from ..engine.collectives import rank_and_world
+
+    return rank_and_world()[0] == 0
