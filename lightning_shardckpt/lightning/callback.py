@@ -286,9 +286,13 @@ class ShardedCheckpoint(Checkpoint):
         return ours or (self._tiers is not None and self._tiers.owns(checkpoint_path))
 
     def _saver(self, trainer: pl.Trainer):
+        if self._tiers is not None and self._tiers.degraded_saver is not None:
+            return self._tiers.degraded_saver  # degraded mode: the fast tier failed, saves go to the durable tier
         return trainer.strategy.saver(self.dirpath)
 
     def _save(self, trainer: pl.Trainer, blocking: bool = False, never_skip: bool = False) -> None:
+        if self._tiers is not None:
+            self._tiers.before_save(trainer.strategy)  # collective: degraded mode when the fast tier failed
         previous, self.last_saved_step = self.last_saved_step, trainer.global_step  # before the dump, so the snapshot records it too
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         sampler, _ = train_sampler(trainer)
@@ -437,6 +441,8 @@ class ShardedCheckpoint(Checkpoint):
     def _drain(self, trainer: pl.Trainer) -> None:
         """Log finished saves, on the training thread (rank 0 logs, all ranks drain); retention runs elsewhere."""
         saver = trainer.strategy._savers.get(self.dirpath)
+        if self._tiers is not None and self._tiers.degraded_saver is not None:
+            saver = self._tiers.degraded_saver
         if saver is None:
             return
         records = saver.poll_records()

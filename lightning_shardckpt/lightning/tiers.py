@@ -16,7 +16,7 @@ from ..engine import catalog, fsio, ownership
 from ..engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group
 from ..engine.config import LoadConfig
 from ..engine.layout import parse_dirname
-from ..engine.replicate import UNREPLICATED_DROPPED, Replicator, missing_on_durable
+from ..engine.replicate import DEGRADED_SAVES, UNREPLICATED_DROPPED, Replicator, missing_on_durable
 from ..engine.tier_restore import FAST, choose
 from ..engine.tiers import TiersConfig
 from ..errors import StorageUnavailable
@@ -37,6 +37,9 @@ class CheckpointTiers:
         self.replicator: Replicator | None = None
         self._group: Any = None
         self._dropped = 0
+        self._fast_failed = False  # a save on the fast tier failed (full, failing): degraded mode at the next save
+        self.degraded_saver: Any = None  # saves go straight to the durable tier (degraded mode)
+        self._degraded_saves = 0
 
     # --- before training ---
     def preflight(self) -> None:
@@ -75,6 +78,7 @@ class CheckpointTiers:
         if catch_up is not None:
             log.info("%s is committed on the fast tier but not on %s: copying it", catch_up, self.durable.url)
             self.replicator.submit(catch_up)
+        saver.add_listener(self._note_fast_outcome)
         replicator = self.replicator
         saver.add_listener(lambda record: replicator.submit(record.path.rstrip("/").rsplit("/", 1)[-1])
                            if record.outcome == "committed" and record.path else None)
@@ -83,6 +87,8 @@ class CheckpointTiers:
 
     def close(self, timeout: float | None = None) -> None:
         """Bounded flush of pending copies (flush_timeout_s), then stop; the group goes once the thread is gone."""
+        if self.degraded_saver is not None:
+            self.degraded_saver.close()
         replicator, self.replicator = self.replicator, None
         if replicator is None:
             return
@@ -96,7 +102,38 @@ class CheckpointTiers:
 
     def counters(self) -> dict[str, int]:
         source = self.replicator.snapshot() if self.replicator is not None else getattr(self, "_last_counters", {})
-        return {**source, **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {})}
+        return {**source, **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {}),
+                **({DEGRADED_SAVES: self._degraded_saves} if self._degraded_saves else {})}
+
+    # --- degraded mode: the fast tier is full or failing ---
+    def _note_fast_outcome(self, record: Any) -> None:
+        if record.outcome == "failed":
+            self._fast_failed = True
+
+    def before_save(self, strategy: Any) -> None:
+        """Every rank, before each save: one collective decides, for all alike, whether saves leave the fast tier.
+
+        After a fast-tier save failed (a full disk, a failing device), the rest of the fit saves directly to
+        the durable tier (counted as degraded_saves): slower saves, but checkpoints go on being made.
+        """
+        if self.durable is None:
+            return
+        if self.degraded_saver is not None:
+            self._degraded_saves += 1
+            return
+        if not strategy.reduce_boolean_decision(self._fast_failed, all=False):
+            return
+        from ..engine.saver import CheckpointSaver
+
+        fast = strategy._savers.get(self.fast_dirpath)
+        if fast is not None:
+            fast.wait()  # one saver thread at a time on the checkpoint group
+        config = replace(strategy.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
+        self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=strategy.checkpoint_group())
+        self._degraded_saves += 1
+        if rank_zero():
+            log.error("a save on the fast tier %s failed: degraded mode, the rest of this fit saves directly to %s",
+                      self.fast.url, self.durable.url)
 
     # --- retention per tier ---
     def fast_spare(self, keep_last: int, run_id: str | None) -> set[str]:

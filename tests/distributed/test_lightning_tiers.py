@@ -55,3 +55,24 @@ def test_lightning_run_replicates_to_s3_and_resume_picks_the_right_tier(tmp_path
 
 def _newest(root: str) -> str:
     return [e for e in catalog.list_checkpoints(fsio.resolve(root)) if e.committed][-1].name
+
+
+def test_full_fast_tier_degrades_to_saving_on_the_durable_tier_and_resume_reads_it(tmp_path):
+    """A real full disk (quota://, ENOSPC past its budget) under the fast tier: saves go on, to the durable tier."""
+    from tests.helpers.quota_fs import quota_options, quota_url
+
+    disk = tmp_path / "small-disk"
+    os.makedirs(disk)
+    # room for one ~100 KB checkpoint of the tiny model, not two
+    options = {"fast": {"dirpath": quota_url(disk / "fast"), "storage_options": quota_options(disk, 160_000)},
+               "durable": {"dirpath": str(tmp_path / "durable")}, "retry_backoff_s": 0.2, "retry_backoff_max_s": 1.0}
+    saved = run_ranks(fit_tiers_on_rank, 2, options, 8, None, timeout_s=240)
+    assert [e.step for e in catalog.list_checkpoints(fsio.resolve(str(disk / "fast"))) if e.committed] == [2]
+    durable = [e.step for e in catalog.list_checkpoints(fsio.resolve(str(tmp_path / "durable"))) if e.committed]
+    # step 4 failed on the full disk (step 6 was requested before that was known, and failed too); step 8 went
+    # straight to the durable tier
+    assert durable[-1] == 8 and 4 not in durable
+    assert saved[0].value["counters"]["degraded_saves"] >= 1
+    resumed = run_ranks(fit_tiers_on_rank, 2, options, 9, "latest", timeout_s=240)
+    assert resumed[0].value["loaded_from"].startswith(str(tmp_path / "durable"))
+    ts.assert_bit_exact(saved[0].value["final"], resumed[0].value["at_start"]["full"])

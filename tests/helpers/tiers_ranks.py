@@ -13,6 +13,7 @@ from lightning_shardckpt.engine import catalog, fsio, ownership
 from lightning_shardckpt.engine.collectives import new_checkpoint_group
 from lightning_shardckpt.engine.replicate import Replicator, missing_on_durable
 from lightning_shardckpt.engine.tiers import TierConfig, TiersConfig
+from tests.helpers import quota_fs  # noqa: F401  (registers quota:// in the ranks)
 
 KEYS = ("a", "b", "c", "d")
 
