@@ -8,7 +8,7 @@ Run from the repository root:
 2 gloo CPU ranks each hold --size-gib GiB of float32 tensors of their own (each rank writes its own
 shard file). The durable tier is moto's S3 server on loopback (tests/helpers/s3_server.py), in this
 process's memory; the local tier is a directory under --workdir. Per repeat, three saves, each from a
-barrier, each rank timing its own (the slowest rank counts):
+barrier, each rank timing its own (the slowest rank counts); the order of the three turns every repeat:
 
   local      CheckpointSaver(local).save(): pause (save() returns), commit (result() returns)
   s3         CheckpointSaver(s3://...).save(): pause, commit = durable
@@ -80,20 +80,32 @@ def bench_rank(rank: int, world_size: int, size_gib: float, workdir: str, s3_url
             out[f"{name}_durable"] = time.perf_counter() - started
         dist.barrier()
 
-    local = CheckpointSaver(f"{workdir}/local-{tag}", config)
-    timed(local, "local")
-    local.close()
-    s3 = CheckpointSaver(f"{s3_url}/single-{tag}", SaveConfig(write_events=False, allow_shared_root=True, storage_options=options))
-    timed(s3, "s3")
-    s3.close()
-    fast_url, durable_url = f"{workdir}/fast-{tag}", f"{s3_url}/durable-{tag}"
-    tiers = TiersConfig(fast=TierConfig(dirpath=fast_url), durable=TierConfig(dirpath=durable_url, storage_options=options))
-    fast = CheckpointSaver(fast_url, config)
-    replicator = Replicator(tiers, fsio.resolve(fast_url), fsio.resolve(durable_url, options), group=new_checkpoint_group(600))
-    fast.add_listener(lambda r: replicator.submit(r.path.rsplit("/", 1)[-1]) if r.outcome == "committed" else None)
-    timed(fast, "tiers", replicator)
-    replicator.close(60)
-    fast.close()
+    def run_local() -> None:
+        local = CheckpointSaver(f"{workdir}/local-{tag}", config)
+        timed(local, "local")
+        local.close()
+
+    def run_s3() -> None:
+        s3 = CheckpointSaver(f"{s3_url}/single-{tag}", SaveConfig(write_events=False, allow_shared_root=True, storage_options=options))
+        timed(s3, "s3")
+        s3.close()
+
+    def run_tiers() -> None:
+        fast_url, durable_url = f"{workdir}/fast-{tag}", f"{s3_url}/durable-{tag}"
+        tiers = TiersConfig(fast=TierConfig(dirpath=fast_url), durable=TierConfig(dirpath=durable_url, storage_options=options))
+        fast = CheckpointSaver(fast_url, config)
+        replicator = Replicator(tiers, fsio.resolve(fast_url), fsio.resolve(durable_url, options), group=new_checkpoint_group(600))
+        fast.add_listener(lambda r: replicator.submit(r.path.rsplit("/", 1)[-1]) if r.outcome == "committed" else None)
+        timed(fast, "tiers", replicator)
+        replicator.close(60)
+        fast.close()
+
+    # the order turns every repeat: no method always follows the S3 upload (moto frees its memory afterwards)
+    methods = [run_local, run_tiers, run_s3]
+    shift = int(tag[1:]) % len(methods)
+    for method in methods[shift:] + methods[:shift]:
+        method()
+        time.sleep(2)  # let the S3 server settle between methods
     return out
 
 
