@@ -120,7 +120,9 @@ class Replicator:
         flushed = self.flush(timeout) if self._thread.is_alive() else False
         self._stop_requested.set()
         self._queue.put(_STOP)
-        self._thread.join(max(1.0, timeout))
+        # bounded again: a copy still running when the flush gave up finishes its current file (or its collective
+        # times out), then sees the stop; the thread is a daemon, the run does not wait for it forever
+        self._thread.join(max(1.0, min(timeout, 30.0)))
         left = self._submitted - self._handled
         if left:
             log.error("rank %d: %d checkpoint(s) committed on the fast tier were not copied to %s before close; "
@@ -292,6 +294,11 @@ class Replicator:
                 actual = fs.size(join(directory, relative))
                 if actual != size:
                     return False, f"{relative}: {actual} bytes on the durable tier, {size} committed on the fast tier"
+            if fs.exists(join(directory, MANIFEST)):
+                # committed already (a retry after a lost response, a catch-up racing another): never rewrite its
+                # commit record, whose checksum names the manifest that is there
+                log.info("%s is already committed on %s", name, self.durable.url)
+                return True, ""
             durable_manifest = dict(manifest)
             durable_manifest[REPLICATED_FROM] = {
                 "tier": "fast", "url": join(self.fast.url, name),
@@ -305,7 +312,8 @@ class Replicator:
                 # manifest last: its existence is the commit, on this tier as on the fast one
                 fsio.create_if_absent(fs, join(directory, MANIFEST), data)
             except FileExistsError:
-                log.info("%s is already committed on %s", name, self.durable.url)
+                return False, f"{name}: another writer committed it on {self.durable.url} meanwhile; two runs may share this root"
+
             try:
                 fsio.replace_small_file(fs, join(self.durable.path, LATEST), (name + "\n").encode())
             except Exception:  # noqa: BLE001 - a hint only
@@ -320,6 +328,13 @@ class Replicator:
         except Exception:  # noqa: BLE001 - retention; the next commit retries it
             log.warning("after replicating %s: the commit listener failed", name, exc_info=True)
         return True, ""
+
+
+def newest_on_both(fast: Location, durable: Location, run_id: str | None) -> str | None:
+    """The newest committed checkpoint of `run_id` present on both tiers (where replication stands at start)."""
+    on_fast = {entry.name for entry in catalog.committed_of_run(catalog.list_checkpoints(fast), run_id)}
+    both = [entry for entry in catalog.committed_of_run(catalog.list_checkpoints(durable), run_id) if entry.name in on_fast]
+    return both[-1].name if both else None
 
 
 def missing_on_durable(fast: Location, durable: Location, run_id: str | None) -> str | None:

@@ -16,7 +16,7 @@ from ..engine import catalog, fsio, ownership
 from ..engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group
 from ..engine.config import LoadConfig
 from ..engine.layout import parse_dirname
-from ..engine.replicate import DEGRADED_SAVES, UNREPLICATED_DROPPED, Replicator, missing_on_durable
+from ..engine.replicate import DEGRADED_SAVES, UNREPLICATED_DROPPED, Replicator, missing_on_durable, newest_on_both
 from ..engine.tier_restore import FAST, choose
 from ..engine.tiers import TiersConfig
 from ..errors import StorageUnavailable
@@ -65,9 +65,10 @@ class CheckpointTiers:
         # its own group (see replicate.py): the saver's thread owns the checkpoint group
         self._group = new_checkpoint_group(self.config.collective_timeout_s)
         ownership.ensure_owner(self.durable, run_id, allow_shared_root, self._group)
-        catch_up = None
+        catch_up = newest_durable = None
         if is_global_zero:
             try:
+                newest_durable = newest_on_both(self.fast, self.durable, run_id)  # for the fast tier's retention rule
                 catch_up = missing_on_durable(self.fast, self.durable, run_id)
             except Exception:  # noqa: BLE001 - an unreachable durable tier: the first copy retries
                 log.warning("cannot compare the fast and durable tiers; no catch-up copy", exc_info=True)
@@ -75,6 +76,7 @@ class CheckpointTiers:
         self.replicator = Replicator(self.config, self.fast, self.durable, group=self._group,
                                      on_committed=self._durable_retention if is_global_zero else None,
                                      fault_hook=fault_hook)
+        self.replicator.newest_durable = newest_durable
         if catch_up is not None:
             log.info("%s is committed on the fast tier but not on %s: copying it", catch_up, self.durable.url)
             self.replicator.submit(catch_up)
@@ -130,6 +132,8 @@ class CheckpointTiers:
             fast.wait()  # one saver thread at a time on the checkpoint group
         config = replace(strategy.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
         self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=strategy.checkpoint_group())
+        # the strategy's savers: trainer.save_checkpoint waits for it, teardown closes it before the group goes
+        strategy._savers[self.config.durable.dirpath] = self.degraded_saver
         self._degraded_saves += 1
         if rank_zero():
             log.error("a save on the fast tier %s failed: degraded mode, the rest of this fit saves directly to %s",
@@ -159,8 +163,8 @@ class CheckpointTiers:
     def _durable_retention(self, name: str) -> None:
         keep = self.config.durable.keep_last if self.config.durable is not None else None
         if keep is not None:
-            run_id = (catalog.newest_committed(catalog.list_checkpoints(self.durable)) or None)
-            retention.apply(self.durable, keep, None, run_id=run_id.run_id if run_id else None, just_committed=name)
+            newest = catalog.newest_committed(catalog.list_checkpoints(self.durable))
+            retention.apply(self.durable, keep, None, run_id=newest.run_id if newest else None, just_committed=name)
 
     def _prune_node_local(self) -> None:
         """A node other than 0 holds shards of checkpoints whose manifest is on node 0: keep its newest few only."""

@@ -76,3 +76,15 @@ def test_full_fast_tier_degrades_to_saving_on_the_durable_tier_and_resume_reads_
     resumed = run_ranks(fit_tiers_on_rank, 2, options, 9, "latest", timeout_s=240)
     assert resumed[0].value["loaded_from"].startswith(str(tmp_path / "durable"))
     ts.assert_bit_exact(saved[0].value["final"], resumed[0].value["at_start"]["full"])
+
+
+def test_preemption_saves_on_the_fast_tier_then_flushes_the_copy_to_the_durable_tier(tmp_path):
+    options = {"fast": {"dirpath": str(tmp_path / "fast")}, "durable": {"dirpath": str(tmp_path / "durable")},
+               "flush_timeout_s": 60}
+    # SIGUSR1 at step 3; no periodic save before it (every 100): the preemption save is the only checkpoint
+    saved = run_ranks(fit_tiers_on_rank, 2, options, 20, None, 100, 3, timeout_s=240)
+    assert saved[0].value["global_step"] == 3
+    fast = [e for e in catalog.list_checkpoints(fsio.resolve(str(tmp_path / "fast"))) if e.committed]
+    durable = [e for e in catalog.list_checkpoints(fsio.resolve(str(tmp_path / "durable"))) if e.committed]
+    assert [e.step for e in fast] == [3]
+    assert [(e.checkpoint_id, e.step) for e in durable] == [(fast[0].checkpoint_id, 3)]  # flushed before the job ended

@@ -62,12 +62,13 @@ def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, optio
             "broken": repr(replicator.broken) if replicator.broken else None}
 
 
-def fit_tiers_on_rank(rank: int, world_size: int, tiers_options: dict, max_steps: int, ckpt_path: Any, every: int = 2) -> dict:
+def fit_tiers_on_rank(rank: int, world_size: int, tiers_options: dict, max_steps: int, ckpt_path: Any, every: int = 2,
+                      preempt_at: int | None = None) -> dict:
     """A Lightning fit with ShardedCheckpoint(tiers=...) (see tests/helpers/lightning_run.py for the module)."""
     import lightning.pytorch as pl
 
     from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-    from tests.helpers.lightning_run import CaptureAtStart, CountingCallback, TinyData, TinyModule, _full, lightning_env
+    from tests.helpers.lightning_run import CaptureAtStart, CountingCallback, PreemptAt, TinyData, TinyModule, _full, lightning_env
 
     lightning_env(rank, world_size)
     capture = CaptureAtStart()
@@ -75,7 +76,7 @@ def fit_tiers_on_rank(rank: int, world_size: int, tiers_options: dict, max_steps
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[checkpoint, CountingCallback(), capture],
+        callbacks=[checkpoint, CountingCallback(), capture, *([PreemptAt(preempt_at)] if preempt_at else [])],
     )
     module = TinyModule(parallelism="ddp")
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
