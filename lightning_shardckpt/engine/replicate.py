@@ -87,6 +87,7 @@ class Replicator:
         self._idle = threading.Condition()
         self._stop_requested = threading.Event()
         self._flush_deadline: float | None = None
+        self._owed: str | None = None  # coordinator: the newest checkpoint the cadence passed over since the last copy
         self._since_copy = 0  # fast commits since the last copy (every_n_checkpoints)
         self._last_copy_time = time.monotonic()
         self._thread = threading.Thread(target=self._work, name="shardckpt-replicator", daemon=True)
@@ -116,18 +117,21 @@ class Replicator:
         return self.broken is None
 
     def close(self, timeout: float) -> bool:
-        """Flush (bounded by `timeout`), then stop the thread; True when nothing was left behind."""
-        flushed = self.flush(timeout) if self._thread.is_alive() else False
+        """Copy the newest checkpoint not yet on the durable tier (whatever the cadence), then stop; bounded by
+        `timeout` (fit end, preemption: tiers.flush_timeout_s). True when nothing was left behind."""
+        deadline = time.monotonic() + timeout
+        self._flush_deadline = deadline
         self._stop_requested.set()
         self._queue.put(_STOP)
-        # bounded again: a copy still running when the flush gave up finishes its current file (or its collective
-        # times out), then sees the stop; the thread is a daemon, the run does not wait for it forever
-        self._thread.join(max(1.0, min(timeout, 30.0)))
+        # the thread stops itself once the owed copy committed or the deadline passed (a copy running then
+        # finishes its current attempt); it is a daemon: the run never waits for it without bound
+        self._thread.join(max(1.0, timeout + 5.0))
         left = self._submitted - self._handled
-        if left:
-            log.error("rank %d: %d checkpoint(s) committed on the fast tier were not copied to %s before close; "
-                      "the next run copies the newest one when it starts", self.rank, left, self.durable.url)
-        return flushed and not left
+        owed = self._owed is not None or left
+        if owed:
+            log.error("rank %d: checkpoint(s) committed on the fast tier were not copied to %s before close; "
+                      "the next run copies the newest one when it starts", self.rank, self.durable.url)
+        return self.broken is None and not owed
 
     @property
     def stopped(self) -> bool:
@@ -139,19 +143,25 @@ class Replicator:
     # --- the thread ---
     def _work(self) -> None:
         pending: list[str] = []
+        stopping = False
         try:
             while True:
-                item = self._queue.get()
-                stopping = item is _STOP
-                if not stopping:
-                    pending.append(item)
+                if not pending and not stopping:  # block only with nothing to decide on (every rank alike)
+                    item = self._queue.get()
+                    if item is _STOP:
+                        stopping = True
+                    else:
+                        pending.append(item)
                 if self.rank == 0:
                     pending, stopping = self._drain(pending, stopping)
                     decision = self._decide(pending, stopping)
                 else:
                     decision = None
                 decision = broadcast_from_coordinator("replicate-pick", decision, self.group)
-                action, name, manifest = decision
+                action, name, manifest, owed = decision
+                if action == "copy" and owed:
+                    self._copy_with_retries(name, manifest, counted=False)  # passed over earlier: consumed already
+                    continue
                 if action != "stop":
                     pending = self._consume_until(pending, name)
                 if action == "copy":
@@ -180,14 +190,22 @@ class Replicator:
             else:
                 pending.append(item)
 
-    def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None]:
-        """Coordinator: ("copy", name, manifest), ("skip", name, None) or ("stop", None, None)."""
+    def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None, bool]:
+        """Coordinator: (action, name, manifest, owed): ("copy", name, manifest, False) copies the newest pending,
+        ("copy", name, manifest, True) the one the cadence passed over (at close), ("skip", name, None, False)
+        passes `name` over, ("stop", None, None, False) ends the thread."""
         flushing = stopping or self._flush_deadline is not None
+        past_deadline = self._flush_deadline is not None and time.monotonic() > self._flush_deadline
+        if stopping and past_deadline:
+            return ("stop", None, None, False)
         if not pending:
-            return ("stop", None, None) if stopping else ("skip", None, None)
+            owed, self._owed = self._owed, None
+            if stopping and owed is not None:  # close: the newest commit goes to the durable tier whatever the cadence
+                manifest = self._read_fast_manifest(owed)
+                if manifest is not None:
+                    return ("copy", owed, manifest, True)
+            return ("stop", None, None, False)
         newest = pending[-1]
-        if stopping and self._stop_requested.is_set() and self._flush_deadline is not None and time.monotonic() > self._flush_deadline:
-            return ("stop", None, None)
         self._since_copy += 1
         durable = self.config.durable
         due = flushing
@@ -199,13 +217,20 @@ class Replicator:
             skipped = len(pending) - 1
             log.warning("replication is %d checkpoint(s) behind; copying the newest (%s) and skipping %d", len(pending), newest, skipped)
         if not due:
-            return ("skip", pending[0], None)
+            self._owed = pending[0]
+            return ("skip", pending[0], None, False)
+        manifest = self._read_fast_manifest(newest)
+        if manifest is None:
+            return ("skip", newest, None, False)
+        self._owed = None
+        return ("copy", newest, manifest, False)
+
+    def _read_fast_manifest(self, name: str) -> dict[str, Any] | None:
         try:
-            manifest = catalog.read_manifest(self.fast.fs, self._entry(newest))
+            return catalog.read_manifest(self.fast.fs, self._entry(name))
         except Exception as err:  # noqa: BLE001 - retention deleted it, or it rotted: nothing to copy
-            log.warning("cannot read the fast-tier manifest of %s (%s); not replicating it", newest, err)
-            return ("skip", newest, None)
-        return ("copy", newest, manifest)
+            log.warning("cannot read the fast-tier manifest of %s (%s); not replicating it", name, err)
+            return None
 
     def _entry(self, name: str) -> catalog.CheckpointEntry:
         parsed = parse_dirname(name)
@@ -233,7 +258,9 @@ class Replicator:
             self._handled += count
             self._idle.notify_all()
 
-    def _copy_with_retries(self, name: str, manifest: dict[str, Any]) -> None:
+    def _copy_with_retries(self, name: str, manifest: dict[str, Any], counted: bool = True) -> None:
+        """Copy until committed, the coordinator gives up (closing past its deadline) or a newer one waits.
+        `counted`: `name` is a submitted checkpoint not yet marked handled."""
         failures = 0
         while True:
             ok, message = self._copy_once(name, manifest)
@@ -242,9 +269,9 @@ class Replicator:
                 self._last_copy_time = time.monotonic()
                 with self._idle:
                     self.newest_durable = name
-                    self.lag = self._queue.qsize()  # what stays queued is still behind
+                    self.lag = sum(1 for item in list(self._queue.queue) if item is not _STOP)  # what stays queued is still behind
                 self.counters.note(REPLICATED)
-                self._mark_handled(1)
+                self._mark_handled(1 if counted else 0)
                 return
             failures += 1
             self.counters.note(REPLICATION_FAILED)
@@ -255,14 +282,14 @@ class Replicator:
                 self._flush_deadline is None or time.monotonic() + wait > self._flush_deadline)
             give_up = broadcast_from_coordinator("replicate-retry", give_up, self.group)
             if give_up:
-                self._mark_handled(1)
+                self._mark_handled(1 if counted else 0)
                 return
             self._sleep(wait)
-            newer = self._queue.qsize() > 0
+            newer = any(item is not _STOP for item in list(self._queue.queue))
             if broadcast_from_coordinator("replicate-newer", newer, self.group):
                 # behind: drop this one, the loop picks the newest (counted as skipped)
                 self.counters.note(REPLICATION_SKIPPED)
-                self._mark_handled(1)
+                self._mark_handled(1 if counted else 0)
                 return
 
     def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -151,3 +152,21 @@ def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path
     assert main(["ls", fast, "--durable", durable, "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["fast"], r["durable"]) for r in document["checkpoints"]] == [(1, "committed", "committed"), (2, "committed", None)]
+
+
+def test_replicator_copies_every_nth_commit_and_the_newest_at_close(tmp_path):
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    config = TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable, every_n_checkpoints=2))
+    replicator = Replicator(config, fsio.resolve(fast), fsio.resolve(durable), group=None)
+    names = []
+    for step in range(1, 6):
+        names.append(_commit(fast, step, run_id="run-b"))
+        replicator.submit(names[-1])
+        deadline = time.monotonic() + 30
+        while replicator._handled < replicator._submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+    on_durable = [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed]
+    assert on_durable == [2, 4]  # every 2nd
+    assert replicator.snapshot()["replication_lag_checkpoints"] >= 1  # step 5 waits for its turn
+    assert replicator.close(30)  # fit end / preemption: the newest is copied whatever the cadence
+    assert [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed] == [2, 4, 5]
