@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import CorruptCheckpoint
-from . import catalog, fsio
+from . import catalog, fsio, metrics
 from . import manifest as manifest_format
 from .collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from .fsio import Location
@@ -87,6 +87,7 @@ class Replicator:
         self._idle = threading.Condition()
         self._stop_requested = threading.Event()
         self._flush_deadline: float | None = None
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # coordinator: each attempt's event (health rules)
         self._owed: str | None = None  # coordinator: the newest checkpoint the cadence passed over since the last copy
         self._since_copy = 0  # fast commits since the last copy (every_n_checkpoints)
         self._last_copy_time = time.monotonic()
@@ -263,7 +264,9 @@ class Replicator:
         `counted`: `name` is a submitted checkpoint not yet marked handled."""
         failures = 0
         while True:
+            started = time.perf_counter()
             ok, message = self._copy_once(name, manifest)
+            self._event(name, manifest, ok, message, time.perf_counter() - started)
             if ok:
                 self._since_copy = 0
                 self._last_copy_time = time.monotonic()
@@ -291,6 +294,21 @@ class Replicator:
                 self.counters.note(REPLICATION_SKIPPED)
                 self._mark_handled(1 if counted else 0)
                 return
+
+    def _event(self, name: str, manifest: dict[str, Any], ok: bool, message: str, seconds: float) -> None:
+        """Coordinator: one event per copy attempt, in the fast root's event log and to the listeners (health rules)."""
+        if self.rank != 0:
+            return
+        lag = sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1)
+        event = {"event": "replication", "name": name, "step": manifest.get("step"), "run_id": manifest.get("run_id"),
+                 "outcome": "committed" if ok else "failed", "cause": message or None, "seconds": seconds,
+                 "durable": self.durable.url, "lag_checkpoints": lag, "created_at": time.time()}
+        metrics.write_json_event(self.fast, f"replicate-{name}-{event['outcome']}", event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - metrics never fail a copy
+                log.warning("a replication listener failed", exc_info=True)
 
     def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
         src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)

@@ -415,6 +415,8 @@ class ShardedCheckpoint(Checkpoint):
             resumed, self._resume_event = self._resume_event, None
             if trainer.is_global_zero:
                 self._health.watch(self._saver(trainer), resumed)
+                if self._tiers is not None and self._tiers.replicator is not None:  # replication_ok, replication_lag_checkpoints
+                    self._tiers.replicator.listeners.append(self._health.on_event)
 
     def _health_stop(self, trainer: pl.Trainer) -> bool:
         """A `stop_training` mitigation in force: one final blocking save, then a clean stop that says why."""

@@ -170,3 +170,19 @@ def test_replicator_copies_every_nth_commit_and_the_newest_at_close(tmp_path):
     assert replicator.snapshot()["replication_lag_checkpoints"] >= 1  # step 5 waits for its turn
     assert replicator.close(30)  # fit end / preemption: the newest is copied whatever the cadence
     assert [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed] == [2, 4, 5]
+
+
+def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
+    from lightning_shardckpt.engine.metrics import read_events
+    from lightning_shardckpt.ops.health_observe import observe
+    from lightning_shardckpt.ops.health_rules import health_config_from
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    _replicate(fast, durable, [_commit(fast, 1)])
+    events = [e for e in read_events(fast) if e.get("event") == "replication"]
+    assert [(e["outcome"], e["step"], e["lag_checkpoints"]) for e in events] == [("committed", 1, 0)]
+    seen = {(o.metric, o.value) for o in observe(events[0]) if o.slice == "run"}
+    assert seen == {("replication_ok", 1.0), ("replication_lag_checkpoints", 0.0)}
+    rule = {"name": "replication-behind", "metric": "replication_lag_checkpoints", "owner": "infra",
+            "range": {"kind": "static", "max": 3}}
+    assert health_config_from([rule]).rules[0].metric == "replication_lag_checkpoints"  # a rule may watch it
