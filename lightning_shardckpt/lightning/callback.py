@@ -9,6 +9,7 @@ Add it to the Trainer's callbacks together with a ShardedStrategy:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -506,6 +507,12 @@ class ShardedCheckpoint(Checkpoint):
         self.save_options = save_config_from(self.save_options, node_local=fast.node_local,
                                              **({"storage_options": fast.storage_options} if fast.storage_options else {}))
         trainer.strategy.tier_restore = self._tiers
+        if fast.node_local and trainer.num_nodes > 1 and self.drill_options.every_n_checkpoints:
+            # a drill restores from the coordinator's node, whose fast directory holds only its own ranks' shards
+            log.warning("restore drills are off: the fast tier %s is node-local on %d nodes, so no node holds a whole "
+                        "checkpoint; drill the durable tier with `shardckpt drill %s`", fast.dirpath, trainer.num_nodes,
+                        self.tiers_config.durable.dirpath if self.tiers_config.durable else "<durable root>")
+            self.drill_options = dataclasses.replace(self.drill_options, every_n_checkpoints=None)
 
     def _log_record(self, trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int]) -> None:
         if record.outcome == "failed":
