@@ -37,6 +37,7 @@ class CheckpointTarget:
     checkpoint_id: str
     step: int
     verify_mode: str
+    node_local: bool = False  # other nodes' files are not visible here (SaveConfig.node_local)
     manifest_fields: dict[str, Any] = field(default_factory=dict)  # epoch, samples_consumed, topology, identity, extra
 
     @property
@@ -100,7 +101,7 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
     return stats
 
 
-def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> list[str]:
+def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt], missing_ok: bool = False) -> list[str]:
     """Each file on storage has exactly the size its writer reported (catches truncated uploads)."""
     problems = []
     sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values()}
@@ -109,6 +110,8 @@ def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIn
             path = join(directory, relative)
             actual = retry.call("size", lambda: root.fs.size(path), target=path)
         except FileNotFoundError:
+            if missing_ok:
+                continue
             actual = None
         if actual != expected:
             problems.append(f"{relative}: {actual} bytes on storage, {expected} written")
@@ -136,7 +139,7 @@ class Committer:
         target, fs = self.target, self.target.root.fs
         receipts, problems = check_completeness(planned, results, target.verify_mode)
         if not problems:
-            problems = check_stored_sizes(target.root, target.path, receipts)
+            problems = check_stored_sizes(target.root, target.path, receipts, missing_ok=target.node_local)
         if problems:
             raise CommitFailed(f"step {target.step} ({target.dirname}) did not commit: " + "; ".join(problems))
         self.ranks = rank_write_stats(results)

@@ -54,6 +54,9 @@ class SaveConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, credentials)
     run_id: str | None = None  # recorded in every manifest and in ROOT/.owner.json; None: the saver generates one
     allow_shared_root: bool = False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
+    # each node writes its own root (a node-local tier, engine/tiers.py): the coordinator cannot see other nodes'
+    # files, so it checks the sizes of those it sees; each rank's read-back vouches for its own
+    node_local: bool = False
     keep_failed_attempts: bool = False  # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later); False: the coordinator removes it once every rank saw the save fail
 
     def __post_init__(self) -> None:
