@@ -37,6 +37,7 @@ class CheckpointTarget:
     checkpoint_id: str
     step: int
     verify_mode: str
+    node_local: bool = False  # other nodes' files are not visible here (SaveConfig.node_local)
     manifest_fields: dict[str, Any] = field(default_factory=dict)  # epoch, samples_consumed, topology, identity, extra
 
     @property
@@ -103,9 +104,10 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
     return stats
 
 
-def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> list[str]:
+def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt], missing_ok: bool = False) -> list[str]:
     """Each file on storage has exactly the size its writer reported (catches truncated uploads), and each
-    file an incremental checkpoint references still holds its chunks (retention never deletes it under us)."""
+    file an incremental checkpoint references still holds its chunks (retention never deletes it under us).
+    `missing_ok` (node-local tier): a file this node cannot see is skipped, referenced ones too."""
     problems = []
     sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values() if not receipt.reference}
     reach: dict[str, int] = {}
@@ -117,6 +119,8 @@ def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIn
         try:
             actual = retry.call("size", lambda: root.fs.size(path), target=path)
         except FileNotFoundError:
+            if missing_ok:
+                continue
             actual = None
         if actual is None or actual < end:
             problems.append(f"{relative}: referenced file has {actual} bytes on storage, its chunks reach {end}")
@@ -125,6 +129,8 @@ def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIn
             path = join(directory, relative)
             actual = retry.call("size", lambda: root.fs.size(path), target=path)
         except FileNotFoundError:
+            if missing_ok:
+                continue
             actual = None
         if actual != expected:
             problems.append(f"{relative}: {actual} bytes on storage, {expected} written")
@@ -152,7 +158,7 @@ class Committer:
         target, fs = self.target, self.target.root.fs
         receipts, problems = check_completeness(planned, results, target.verify_mode)
         if not problems:
-            problems = check_stored_sizes(target.root, target.path, receipts)
+            problems = check_stored_sizes(target.root, target.path, receipts, missing_ok=target.node_local)
         if problems:
             raise CommitFailed(f"step {target.step} ({target.dirname}) did not commit: " + "; ".join(problems))
         self.ranks = rank_write_stats(results)

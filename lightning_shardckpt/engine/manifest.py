@@ -100,7 +100,7 @@ def build_manifest(
         "extra": extra or {},
         "run_id": run_id,
     }
-    if referenced:  # v3 (FORMAT.md §11): chunks held by sibling checkpoints of the same root
+    if referenced:  # v3 (FORMAT.md §9): chunks held by sibling checkpoints of the same root
         by_path: dict[str, list[Any]] = {}
         for receipt in referenced:
             by_path.setdefault(receipt.relative_path, []).append(receipt)

@@ -100,7 +100,7 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
     return problems
 
 
-REFERENCES_FIELD = "references"  # v3 (FORMAT.md §11); the same name as references.REFERENCES_FIELD
+REFERENCES_FIELD = "references"  # v3 (FORMAT.md §9); the same name as references.REFERENCES_FIELD
 
 
 def _referenced(manifest: dict[str, Any]) -> set[str]:

@@ -84,6 +84,7 @@ def persist_checkpoint(
         checkpoint_id=checkpoint_id,
         step=step,
         verify_mode=config.verify.mode,
+        node_local=config.node_local,
         manifest_fields={
             "epoch": meta.epoch,
             "samples_consumed": meta.samples_consumed,

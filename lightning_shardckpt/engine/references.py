@@ -1,4 +1,4 @@
-"""References: a chunk of an incremental checkpoint stored in a sibling checkpoint's file (FORMAT.md §11).
+"""References: a chunk of an incremental checkpoint stored in a sibling checkpoint's file (FORMAT.md §9).
 
 A reference is the path `../<sibling checkpoint directory>/<file>`, relative to the referencing
 checkpoint's directory: one level up into the same root, one sibling, one file; never further. The

@@ -217,7 +217,7 @@ def load_dcp_metadata(data: bytes, where: str, *, expected: dict[str, Any] | Non
         raise CorruptCheckpoint(f"{where}: .metadata does not unpickle ({type(err).__name__}: {err}); the checkpoint is damaged") from err
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
         raise CorruptCheckpoint(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged")
-    from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §11)
+    from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
 
     for index, info in metadata.storage_data.items():
         path = getattr(info, "relative_path", None)

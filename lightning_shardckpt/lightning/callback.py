@@ -9,6 +9,7 @@ Add it to the Trainer's callbacks together with a ShardedStrategy:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -25,6 +26,7 @@ from ..engine.config import LoadConfig, save_config_from
 from ..engine.manifest import to_bytes
 from ..engine.metrics import CheckpointRecord
 from ..engine.outcomes import METRICS_EXTRA, encode_metrics
+from ..engine.tiers import tiers_config_from
 from ..errors import ConfigError, StorageUnavailable
 from ..identity import blocks as identity
 from ..identity.diff import IdentityPolicy, compare
@@ -36,6 +38,7 @@ from .drills import TrainingDrills, drill_config_from
 from .health import HealthWatch
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
+from .tiers import CheckpointTiers
 from .wandb_artifacts import log_checkpoint_artifact, wandb_run
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ class ShardedCheckpoint(Checkpoint):
 
     def __init__(
         self,
-        dirpath: str,
+        dirpath: str | None = None,
         *,
         every_n_train_steps: int | None = None,
         every_n_minutes: float | None = None,
@@ -70,10 +73,20 @@ class ShardedCheckpoint(Checkpoint):
         trust_checkpoint: bool = False,
         drill: Any = None,
         health: Any = None,
+        tiers: Any = None,
     ) -> None:
+        # a fast tier + a durable tier (lightning/tiers.py): dirpath is then the fast tier's (validated now)
+        self.tiers_config = tiers_config_from(tiers)
+        self._tiers: CheckpointTiers | None = None
+        if self.tiers_config is not None:
+            if dirpath and dirpath != self.tiers_config.fast.dirpath:
+                raise ConfigError(f"dirpath={dirpath!r} and tiers.fast.dirpath={self.tiers_config.fast.dirpath!r} differ; "
+                                  "with tiers, leave dirpath unset (the fast tier is where saves commit)")
+            dirpath = self.tiers_config.fast.dirpath
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
         self.dirpath = str(dirpath)
+        self._state_dirpath = self.dirpath  # with a node-local fast tier, the template: one state key on every node
         self.options = CallbackConfig(
             every_n_train_steps=every_n_train_steps,
             every_n_minutes=every_n_minutes,
@@ -85,6 +98,9 @@ class ShardedCheckpoint(Checkpoint):
             resume_required=resume_required,
         )
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
+        if self.tiers_config is not None and self.save_options.incremental:
+            raise ConfigError("save.incremental with tiers is not supported yet: the replicator copies a checkpoint's own "
+                              "files, not the earlier ones an incremental checkpoint references; use one or the other")
         self.verify_on_load = verify_on_load
         # False: a resume unpickles only allow-listed classes and refuses others by name; True runs whatever
         # the checkpoint's pickles name, so only for checkpoints from a source you trust
@@ -116,7 +132,7 @@ class ShardedCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return f"ShardedCheckpoint{{'dirpath': {self.dirpath!r}}}"
+        return f"ShardedCheckpoint{{'dirpath': {self._state_dirpath!r}}}"
 
     # --- set-up ---
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -126,6 +142,8 @@ class ShardedCheckpoint(Checkpoint):
                 f"ShardedCheckpoint needs a ShardedStrategy, the Trainer has {type(strategy).__name__}; "
                 "use Trainer(strategy=ShardedStrategy(parallelism='ddp' or 'fsdp')) or strategy='shardckpt_ddp'"
             )
+        if self.tiers_config is not None:
+            self._setup_tiers(trainer)
         strategy.save_config = save_config_from(self.save_options, parallelism=strategy.parallelism)
         strategy.load_config = LoadConfig(
             verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options,
@@ -142,6 +160,8 @@ class ShardedCheckpoint(Checkpoint):
             self._drills.listeners.append(self._health.on_event)
         if stage == "fit":
             self._preflight()
+            if self._tiers is not None:
+                self._tiers.preflight()
             if self.options.save_on_preemption:
                 self._install_signal_handler()
 
@@ -160,7 +180,10 @@ class ShardedCheckpoint(Checkpoint):
             self._restore_rng_state(trainer)
             self._compare_identity(trainer, pl_module)
         self._adopt_run_id(trainer)
-        self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
+        saver = self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
+        if self._tiers is not None:
+            self._tiers.start(saver, self._run_id, self.save_options.allow_shared_root, trainer.is_global_zero,
+                              fault_hook=trainer.strategy.fault_hook)
         self._attach_retention(trainer)
         self._start_health(trainer)
         self._log_resume(trainer)
@@ -199,6 +222,8 @@ class ShardedCheckpoint(Checkpoint):
         if self.options.save_on_fit_end and trainer.global_step != self.last_saved_step and trainer.global_step > 0:
             self._save(trainer, never_skip=True)  # the run's last state: waits for a slot even under when_busy=skip
         self._saver(trainer).close()  # the run's last checkpoint commits before teardown
+        if self._tiers is not None:
+            self._tiers.close()  # bounded flush (tiers.flush_timeout_s) of copies to the durable tier
         self._drain(trainer)
         if self._drills is not None and trainer.is_global_zero:
             # training is over: let the requested drills finish, so the final checkpoint's verdict is known
@@ -211,6 +236,8 @@ class ShardedCheckpoint(Checkpoint):
         saver = trainer.strategy._savers.get(self.dirpath) if isinstance(trainer.strategy, ShardedStrategy) else None
         if saver is not None:
             saver.close()  # let in-flight saves commit; a half-finished one stays uncommitted
+        if self._tiers is not None:
+            self._tiers.close()
         if self._drills is not None:
             self._drills.close(self.drill_options.timeout_s, finish_queued=False)
 
@@ -259,12 +286,17 @@ class ShardedCheckpoint(Checkpoint):
 
     def _in_our_root(self, checkpoint_path: str) -> bool:
         root = fsio.resolve(checkpoint_path.rstrip("/").rsplit("/", 1)[0], self.save_options.storage_options)
-        return root.fs.protocol == self._location.fs.protocol and root.path == self._location.path
+        ours = root.fs.protocol == self._location.fs.protocol and root.path == self._location.path
+        return ours or (self._tiers is not None and self._tiers.owns(checkpoint_path))
 
     def _saver(self, trainer: pl.Trainer):
+        if self._tiers is not None and self._tiers.degraded_saver is not None:
+            return self._tiers.degraded_saver  # degraded mode: the fast tier failed, saves go to the durable tier
         return trainer.strategy.saver(self.dirpath)
 
     def _save(self, trainer: pl.Trainer, blocking: bool = False, never_skip: bool = False) -> None:
+        if self._tiers is not None:
+            self._tiers.before_save(trainer.strategy)  # collective: degraded mode when the fast tier failed
         previous, self.last_saved_step = self.last_saved_step, trainer.global_step  # before the dump, so the snapshot records it too
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         sampler, _ = train_sampler(trainer)
@@ -387,6 +419,8 @@ class ShardedCheckpoint(Checkpoint):
             resumed, self._resume_event = self._resume_event, None
             if trainer.is_global_zero:
                 self._health.watch(self._saver(trainer), resumed)
+                if self._tiers is not None and self._tiers.replicator is not None:  # replication_ok, replication_lag_checkpoints
+                    self._tiers.replicator.listeners.append(self._health.on_event)
 
     def _health_stop(self, trainer: pl.Trainer) -> bool:
         """A `stop_training` mitigation in force: one final blocking save, then a clean stop that says why."""
@@ -413,6 +447,8 @@ class ShardedCheckpoint(Checkpoint):
     def _drain(self, trainer: pl.Trainer) -> None:
         """Log finished saves, on the training thread (rank 0 logs, all ranks drain); retention runs elsewhere."""
         saver = trainer.strategy._savers.get(self.dirpath)
+        if self._tiers is not None and self._tiers.degraded_saver is not None:
+            saver = self._tiers.degraded_saver
         if saver is None:
             return
         records = saver.poll_records()
@@ -425,6 +461,8 @@ class ShardedCheckpoint(Checkpoint):
         if not records:
             return
         counters = {**saver.counters.snapshot(), **saver.counters.notes()}  # notes: failed_dirs_removed, retention_errors, ...
+        if self._tiers is not None:
+            counters.update(self._tiers.counters())  # replicated, replication_failed, replication_lag_checkpoints, ...
         for record in records:
             self._log_record(trainer, record, counters)
             if record.outcome == metrics.COMMITTED and self._drills is not None:
@@ -438,7 +476,7 @@ class ShardedCheckpoint(Checkpoint):
         reach `on_train_batch_end` and fail `fit`.
         """
         saver = self._saver(trainer)
-        if self.options.keep_last is None or not trainer.is_global_zero or saver in self._retention_savers:
+        if self._keep_last() is None or not trainer.is_global_zero or saver in self._retention_savers:
             return
         self._retention_savers.add(saver)
         saver.add_listener(lambda record: self._apply_retention(saver, record))
@@ -449,13 +487,35 @@ class ShardedCheckpoint(Checkpoint):
             return
         just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
         try:
-            retention.apply(self._location, self.options.keep_last, self.options.keep_every_n_steps,
+            spare = set(self._drills.pending()) if self._drills is not None else set()
+            if self._tiers is not None:  # checkpoints not yet on the durable tier (bounded: tiers.fast.max_unreplicated)
+                spare |= self._tiers.fast_spare(self._keep_last(), self._run_id)
+            retention.apply(self._location, self._keep_last(), self.options.keep_every_n_steps,
                             run_id=self._run_id, just_committed=just_committed,
-                            keep_last_drilled=self.drill_options.keep_last_drilled,
-                            spare=self._drills.pending() if self._drills is not None else frozenset())
+                            keep_last_drilled=self.drill_options.keep_last_drilled, spare=frozenset(spare))
         except Exception:  # the next commit's pass deletes what this one could not
             saver.counters.note(metrics.RETENTION_ERRORS)
             log.warning("retention after the checkpoint of step %d failed; the next commit retries it", record.step, exc_info=True)
+
+    def _keep_last(self) -> int | None:
+        tier_keep = self.tiers_config.fast.keep_last if self.tiers_config is not None else None
+        return tier_keep if tier_keep is not None else self.options.keep_last
+
+    def _setup_tiers(self, trainer: pl.Trainer) -> None:
+        """This node's fast root becomes the callback's root; the strategy's resume considers both tiers."""
+        if self._tiers is None:
+            self._tiers = CheckpointTiers(self.tiers_config, trainer.node_rank, trainer.local_rank)
+        self.dirpath = self._tiers.fast_dirpath
+        fast = self.tiers_config.fast
+        self.save_options = save_config_from(self.save_options, node_local=fast.node_local,
+                                             **({"storage_options": fast.storage_options} if fast.storage_options else {}))
+        trainer.strategy.tier_restore = self._tiers
+        if fast.node_local and trainer.num_nodes > 1 and self.drill_options.every_n_checkpoints:
+            # a drill restores from the coordinator's node, whose fast directory holds only its own ranks' shards
+            log.warning("restore drills are off: the fast tier %s is node-local on %d nodes, so no node holds a whole "
+                        "checkpoint; drill the durable tier with `shardckpt drill %s`", fast.dirpath, trainer.num_nodes,
+                        self.tiers_config.durable.dirpath if self.tiers_config.durable else "<durable root>")
+            self.drill_options = dataclasses.replace(self.drill_options, every_n_checkpoints=None)
 
     def _log_record(self, trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int]) -> None:
         if record.outcome == "failed":

@@ -71,6 +71,7 @@ class ShardedStrategy(StagingFence):
         self.fallback_to_last_good = False  # set by ShardedCheckpoint (drill.fallback_to_last_good)
         self.checkpoint_root: str | None = None  # set by ShardedCheckpoint: where "latest", steps and ids are looked up
         self.resume_required = False
+        self.tier_restore: Any = None  # set by ShardedCheckpoint(tiers=...): `latest` / `last-good` consider every tier
         self.last_load: LoadResult | None = None
         self.resumed_sampler_state: dict[str, Any] | None = None  # set by ShardedCheckpoint on load, applied in process_dataloader
         self._group: Any = None
@@ -124,6 +125,10 @@ class ShardedStrategy(StagingFence):
         self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
         started = time.perf_counter()
         root, which = self._resolve_source(str(checkpoint_path))
+        load_config, tier_fallbacks = self.load_config, []
+        if self.tier_restore is not None and which in ("latest", catalog.LAST_GOOD) and root == self.checkpoint_root:
+            root, load_config, tier_fallbacks = self.tier_restore.pick(which, self.load_config, self.checkpoint_group())
+            which = "latest"
         if which == "latest" and not self._has_committed(root):
             if self.resume_required:
                 raise CheckpointNotFound(
@@ -146,18 +151,15 @@ class ShardedStrategy(StagingFence):
         strict = module.strict_loading  # Lightning's partial-checkpoint switch: missing keys keep their initial values
         try:
             self.last_load = load_checkpoint(
-                target, root, which, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
+                target, root, which, config=load_config, strict=strict, process_group=self.checkpoint_group()
             )
         except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
-            if which != "latest":
-                raise
-            good = self.broadcast(self._last_good_path(root))  # rank 0 lists: every rank decides alike
-            if good is None or not self.fallback_to_last_good:
-                raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
-            log.warning("the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good)
-            self.last_load = load_checkpoint(
-                target, good, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
-            )
+            if tier_fallbacks:  # the same checkpoint on the other tier (lightning/tiers.py)
+                path, config, message = tier_fallbacks[0]
+                log.warning("%s (%s)", message, err)
+                self.last_load = load_checkpoint(target, path, config=config, strict=strict, process_group=self.checkpoint_group())
+            else:
+                self.last_load = self._load_last_good(err, target, root, which, strict)
         for index, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
         checkpoint = lightning_state.lightning_rest(target, trust=self.load_config.trust_checkpoint, where=self.last_load.path)
@@ -285,6 +287,15 @@ class ShardedStrategy(StagingFence):
                 )
             return self.checkpoint_root, text
         return text, "latest"
+
+    def _load_last_good(self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool) -> LoadResult:
+        if which != "latest":
+            raise err
+        good = self.broadcast(self._last_good_path(root))  # rank 0 lists: every rank decides alike
+        if good is None or not self.fallback_to_last_good:
+            raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
+        log.warning("the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good)
+        return load_checkpoint(target, good, config=self.load_config, strict=strict, process_group=self.checkpoint_group())
 
     def _last_good_path(self, root: str) -> str | None:
         if self.global_rank != 0:

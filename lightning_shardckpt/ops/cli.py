@@ -30,7 +30,7 @@ from ..engine import manifest as manifest_format
 from ..engine.fsio import Location
 from ..engine.layout import join
 from ..errors import ShardCkptError
-from . import cli_drill, cli_health, cli_investigate, gc, investigate
+from . import cli_drill, cli_health, cli_investigate, cli_tiers, gc, investigate
 from .cli_format import human_bytes as _human_bytes
 from .cli_format import print_json as _print_json
 from .cli_format import print_table as _print_table
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 # --- subcommands ---
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.durable:  # tiers: both side by side (cli_tiers.py)
+        return cli_tiers.cmd_ls_tiers(args, _storage_option)
     location = investigate.open_root(args.root, args.storage_options)
     entries = catalog.list_checkpoints(location)
     latest = catalog.resolve_latest(location, entries)
@@ -372,6 +374,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = commands.add_parser("ls", parents=[common], help="list the checkpoints under a root")
     ls.add_argument("root", metavar="ROOT")
+    cli_tiers.add_arguments(ls)
     ls.set_defaults(run=cmd_ls)
     inspect = commands.add_parser("inspect", parents=[common], help="summarise one checkpoint's manifest")
     inspect.add_argument("path", metavar="PATH", help="a checkpoint directory, or a root (its latest)")

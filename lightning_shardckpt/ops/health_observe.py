@@ -15,6 +15,7 @@ from ..engine.metrics import COMMITTED, FAILED, SKIPPED
 from .health_rules import CAUSE, RANK, ROOT, RUN
 
 DRILL_EVENT, RESUME_EVENT, HEALTH_EVENT, RULES_EVENT = "drill", "resume", "health", "health_rules"
+REPLICATION_EVENT = "replication"  # engine/replicate.py: one copy attempt to the durable tier
 ALL_SERIES = None  # an observation's slice key that applies to every series of the rule (a commit clears every cause)
 PASSED = "passed"  # a drill's verdict (engine/drill_records.py)
 
@@ -85,6 +86,9 @@ def observe(event: dict[str, Any]) -> list[Observation]:
             each_scope("time_to_resume_s", float(event["time_to_resume_s"]))
         if event.get("lag_checkpoints") is not None:
             each_scope("drill_lag_checkpoints", float(event["lag_checkpoints"]))
+    elif kind == REPLICATION_EVENT:
+        each_scope("replication_ok", 1.0 if event.get("outcome") == COMMITTED else 0.0)
+        each_scope("replication_lag_checkpoints", float(event.get("lag_checkpoints") or 0))
     elif kind == RESUME_EVENT and event.get("seconds") is not None:
         each_scope("resume_s", float(event["seconds"]))
     return [Observation(metric, slice_, key, value, step, when) for metric, slice_, key, value in values]

@@ -31,6 +31,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "time_to_resume_s": (RESTORE, (RUN, ROOT), "seconds a restore drill took from process start to restored state"),
     "drill_lag_checkpoints": (RESTORE, (RUN, ROOT), "checkpoints committed since the newest drilled one, when a drill ends"),
     "resume_s": (RESTORE, (RUN, ROOT), "seconds a real resume took to load its checkpoint"),
+    # tiers (engine/replicate.py): one value per copy attempt to the durable tier
+    "replication_ok": (COMMIT_COMPLETENESS, (RUN, ROOT), "1 for a copy committed on the durable tier, 0 for a failed attempt"),
+    "replication_lag_checkpoints": (COMMIT_COMPLETENESS, (RUN, ROOT), "fast-tier commits not yet on the durable tier, after a copy attempt"),
 }
 SLICES = (RUN, RANK, CAUSE, ROOT)
 SEVERITIES = ("info", "warning", "error", "critical")

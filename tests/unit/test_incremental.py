@@ -432,3 +432,15 @@ def test_a_tensor_built_afresh_at_each_save_is_never_taken_for_unchanged():
     assert tracker.plan({"rng": torch.full((4096,), 0.0)}) == frozenset()
     for value in range(1, 20):
         assert tracker.plan({"rng": torch.full((4096,), float(value))}) == frozenset(), value
+
+
+def test_incremental_is_refused_with_tiers_and_node_local_roots():
+    """Not supported yet: a durable copy would reference files the replicator never copied."""
+    from lightning_shardckpt import ShardedCheckpoint
+    from lightning_shardckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="node_local"):
+        SaveConfig(incremental=True, node_local=True)
+    tiers = {"fast": {"dirpath": "/tmp/fast"}, "durable": {"dirpath": "/tmp/durable"}}
+    with pytest.raises(ConfigError, match="tiers"):
+        ShardedCheckpoint(tiers=tiers, save={"incremental": True})

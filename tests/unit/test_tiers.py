@@ -1,0 +1,188 @@
+"""Tiers in one process: config validation, the verified copy, which tier a resume picks, fast-tier retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
+from lightning_shardckpt.engine import catalog, fsio
+from lightning_shardckpt.engine.replicate import REPLICATED_FROM, Replicator
+from lightning_shardckpt.engine.tier_copy import copy_verified
+from lightning_shardckpt.engine.tier_restore import choose
+from lightning_shardckpt.engine.tiers import TierConfig, TiersConfig, tiers_config_from
+from lightning_shardckpt.errors import CorruptCheckpoint
+from lightning_shardckpt.lightning.tiers import CheckpointTiers
+
+
+# --- configuration ---
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fast": {"dirpath": ""}}, "dirpath='' is empty"),
+        ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r/{node_rank}"}}, "durable tier must be one place"),
+        ({"fast": {"dirpath": "/x/{host}"}}, "placeholder other than {node_rank}"),
+        ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r", "every_n_checkpoints": 0}}, "every_n_checkpoints=0"),
+        ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r", "every_n_checkpoints": 2, "every_minutes": 5}}, "not both"),
+        ({"fast": {"dirpath": "/x", "keep_last": 0}}, "keep_last=0 would delete"),
+        ({"fast": {"dirpath": "/x", "every_minutes": 3}}, "the fast tier receives every save"),
+        ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "/x"}}, "give the durable tier its own root"),
+        ({"fast": {"dirpath": "/x"}, "flush_timeout_s": -1}, "flush_timeout_s=-1"),
+        ({"fast": {"dirpath": "/x", "colour": 1}}, r"unknown tiers.fast option\(s\) \['colour'\]"),
+        ({"fast": {"dirpath": "/x"}, "slow": {}}, r"unknown tiers option\(s\) \['slow'\]"),
+    ],
+)
+def test_tier_config_rejects_nonsense_naming_the_option_and_fix(options, message):
+    with pytest.raises(ConfigError, match=message):
+        tiers_config_from(options)
+
+
+def test_tiers_config_from_hydra_dict_templates_the_node_rank():
+    config = tiers_config_from({"fast": {"dirpath": "/local/ckpt/node{node_rank}", "keep_last": 2},
+                                "durable": {"dirpath": "s3://b/run", "every_n_checkpoints": 3, "storage_options": {"anon": False}}})
+    assert config.fast.node_local and not config.durable.node_local
+    assert config.fast.dirpath_for(3) == "/local/ckpt/node3"
+    assert tiers_config_from(None) is None and tiers_config_from({"fast": None}) is None  # the `single` preset
+
+
+def test_callback_takes_its_root_from_the_fast_tier_and_refuses_a_second_one():
+    callback = ShardedCheckpoint(tiers={"fast": {"dirpath": "/tmp/fast{node_rank}"}, "durable": {"dirpath": "/tmp/durable"}})
+    assert callback.dirpath == "/tmp/fast{node_rank}"
+    with pytest.raises(ConfigError, match="leave dirpath unset"):
+        ShardedCheckpoint("/elsewhere", tiers={"fast": {"dirpath": "/tmp/fast"}})
+
+
+# --- the verified copy ---
+def _commit(root: str, step: int, value: float = 1.0, run_id: str | None = None) -> str:
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, run_id=run_id, allow_shared_root=True))
+    result = saver.save({"w": torch.full((2**16,), value), "meta": {"step": step}}, step=step).result(timeout=60)
+    saver.close()
+    assert result.committed, result.error
+    return result.path.rsplit("/", 1)[-1]
+
+
+def test_copy_verification_catches_a_flipped_byte(tmp_path):
+    name = _commit(str(tmp_path / "fast"), 1)
+    src = tmp_path / "fast" / name
+    manifest = json.loads((src / "manifest.json").read_text())
+    fs = fsio.resolve(str(tmp_path)).fs
+    os.makedirs(tmp_path / "ok")
+    assert copy_verified(fs, str(src), fs, str(tmp_path / "ok"), "__0_0.distcp", manifest, piece_bytes=4096) == (src / "__0_0.distcp").stat().st_size
+    data = bytearray((src / "__0_0.distcp").read_bytes())
+    data[-100] ^= 0x01
+    (src / "__0_0.distcp").write_bytes(bytes(data))
+    os.makedirs(tmp_path / "bad")
+    with pytest.raises(CorruptCheckpoint, match="the fast-tier copy is damaged"):
+        copy_verified(fs, str(src), fs, str(tmp_path / "bad"), "__0_0.distcp", manifest, piece_bytes=4096)
+    with pytest.raises(CorruptCheckpoint, match="not listed in the manifest"):
+        copy_verified(fs, str(src), fs, str(tmp_path / "bad"), "__9_0.distcp", manifest)
+
+
+def _replicate(fast: str, durable: str, names: list[str]) -> None:
+    config = TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable))
+    replicator = Replicator(config, fsio.resolve(fast), fsio.resolve(durable), group=None)
+    for name in names:
+        replicator.submit(name)
+        assert replicator.flush(30)
+    replicator.close(5)
+
+
+# --- which tier a resume reads ---
+def test_restore_prefers_the_fast_tier_at_equal_checkpoint_and_the_newer_one_otherwise(tmp_path):
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    first = _commit(fast, 1)
+    _replicate(fast, durable, [first])
+    choices = choose(fsio.resolve(fast), fsio.resolve(durable), "latest", None)
+    assert [(c.tier, c.name) for c in choices[:2]] == [("fast", first), ("durable", first)]
+    assert "fast tier wins at a tie" in choices[0].reason
+    manifest = json.loads((tmp_path / "durable" / first / "manifest.json").read_text())
+    assert manifest[REPLICATED_FROM]["tier"] == "fast" and manifest["id"] == first.rsplit("-", 1)[-1]
+    second = _commit(fast, 2)  # not replicated yet: the fast tier is newer
+    assert choose(fsio.resolve(fast), fsio.resolve(durable), "latest", None)[0].name == second
+
+
+def test_restore_skips_a_fast_copy_this_rank_cannot_read_completely(tmp_path):
+    """A node-local fast tier on another node: the manifest is there, a shard is not (or not whole)."""
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    first = _commit(fast, 1)
+    _replicate(fast, durable, [first])
+    second = _commit(fast, 2)
+    _replicate(fast, durable, [second])
+    os.remove(tmp_path / "fast" / second / "__0_0.distcp")
+    choices = choose(fsio.resolve(fast), fsio.resolve(durable), "latest", None)
+    assert (choices[0].tier, choices[0].name) == ("durable", second)
+    assert "not readable by every rank" in choices[0].reason
+    assert choose(fsio.resolve(str(tmp_path / "nothing")), None, "latest", None) == []
+
+
+# --- fast-tier retention ---
+def test_fast_retention_spares_unreplicated_checkpoints_up_to_max_unreplicated_then_counts_drops(tmp_path):
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    run = "run-a"
+    names = [_commit(fast, step, run_id=run) for step in range(1, 7)]
+    config = TiersConfig(fast=TierConfig(dirpath=fast, keep_last=1, max_unreplicated=2), durable=TierConfig(dirpath=durable))
+    tiers = CheckpointTiers(config, node_rank=0, local_rank=0)
+    tiers.replicator = SimpleNamespace(newest_durable=names[1], snapshot=lambda: {})  # steps 1-2 are durable
+    spare = tiers.fast_spare(keep_last=1, run_id=run)
+    # unreplicated: steps 3-6; keep_last keeps 6; of 3-5 the newest two are spared, step 3 is dropped and counted
+    assert spare == {names[3], names[4]}
+    assert tiers.counters()["unreplicated_dropped"] == 1
+    tiers.replicator = SimpleNamespace(newest_durable=names[5], snapshot=lambda: {})
+    assert tiers.fast_spare(keep_last=1, run_id=run) == set()  # all replicated: plain keep_last
+    assert [e.step for e in catalog.list_checkpoints(fsio.resolve(fast)) if e.committed] == [1, 2, 3, 4, 5, 6]
+
+
+def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path, capsys):
+    from lightning_shardckpt.ops.cli import main
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    first = _commit(fast, 1)
+    _replicate(fast, durable, [first])
+    second = _commit(fast, 2)
+    assert main(["ls", fast, "--durable", durable]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert lines["1"][2:4] == ["committed", "committed"] and lines["2"][2:4] == ["committed", "-"]
+    assert lines["2"][5] == "fast" and f"resumes the fast copy of {second}" in out
+    assert main(["ls", fast, "--durable", durable, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["fast"], r["durable"]) for r in document["checkpoints"]] == [(1, "committed", "committed"), (2, "committed", None)]
+
+
+def test_replicator_copies_every_nth_commit_and_the_newest_at_close(tmp_path):
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    config = TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable, every_n_checkpoints=2))
+    replicator = Replicator(config, fsio.resolve(fast), fsio.resolve(durable), group=None)
+    names = []
+    for step in range(1, 6):
+        names.append(_commit(fast, step, run_id="run-b"))
+        replicator.submit(names[-1])
+        deadline = time.monotonic() + 30
+        while replicator._handled < replicator._submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+    on_durable = [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed]
+    assert on_durable == [2, 4]  # every 2nd
+    assert replicator.snapshot()["replication_lag_checkpoints"] >= 1  # step 5 waits for its turn
+    assert replicator.close(30)  # fit end / preemption: the newest is copied whatever the cadence
+    assert [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed] == [2, 4, 5]
+
+
+def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
+    from lightning_shardckpt.engine.metrics import read_events
+    from lightning_shardckpt.ops.health_observe import observe
+    from lightning_shardckpt.ops.health_rules import health_config_from
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    _replicate(fast, durable, [_commit(fast, 1)])
+    events = [e for e in read_events(fast) if e.get("event") == "replication"]
+    assert [(e["outcome"], e["step"], e["lag_checkpoints"]) for e in events] == [("committed", 1, 0)]
+    seen = {(o.metric, o.value) for o in observe(events[0]) if o.slice == "run"}
+    assert seen == {("replication_ok", 1.0), ("replication_lag_checkpoints", 0.0)}
+    rule = {"name": "replication-behind", "metric": "replication_lag_checkpoints", "owner": "infra",
+            "range": {"kind": "static", "max": 3}}
+    assert health_config_from([rule]).rules[0].metric == "replication_lag_checkpoints"  # a rule may watch it
