@@ -73,6 +73,8 @@ def check_completeness(
                 problems.append(f"rank {rank} sent no receipt for {result.index.fqn}")
                 continue
             receipts[result.index] = receipt
+            if receipt.reference:  # incremental: held by an earlier checkpoint (checked by check_stored_sizes)
+                continue
             by_file.setdefault(receipt.relative_path, []).append(receipt)
         for path, chunks in by_file.items():
             problems.extend(_tiling_problems(path, chunks))
@@ -92,7 +94,8 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
     """
     stats = []
     for rank, rank_results in enumerate(results):
-        receipts = [result.storage_data for result in rank_results if isinstance(result.storage_data, ChunkReceipt)]
+        receipts = [result.storage_data for result in rank_results
+                    if isinstance(result.storage_data, ChunkReceipt) and not result.storage_data.reference]
         if not receipts or receipts[0].write_s is None:
             continue
         nbytes, seconds = receipts[0].file_bytes, receipts[0].write_s
@@ -102,9 +105,25 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
 
 
 def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt], missing_ok: bool = False) -> list[str]:
-    """Each file on storage has exactly the size its writer reported (catches truncated uploads)."""
+    """Each file on storage has exactly the size its writer reported (catches truncated uploads), and each
+    file an incremental checkpoint references still holds its chunks (retention never deletes it under us).
+    `missing_ok` (node-local tier): a file this node cannot see is skipped, referenced ones too."""
     problems = []
-    sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values()}
+    sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values() if not receipt.reference}
+    reach: dict[str, int] = {}
+    for receipt in receipts.values():
+        if receipt.reference:
+            reach[receipt.relative_path] = max(reach.get(receipt.relative_path, 0), receipt.offset + receipt.length)
+    for relative, end in sorted(reach.items()):
+        path = join(directory, relative)
+        try:
+            actual = retry.call("size", lambda: root.fs.size(path), target=path)
+        except FileNotFoundError:
+            if missing_ok:
+                continue
+            actual = None
+        if actual is None or actual < end:
+            problems.append(f"{relative}: referenced file has {actual} bytes on storage, its chunks reach {end}")
     for relative, expected in sorted(sizes.items()):
         try:
             path = join(directory, relative)
@@ -202,11 +221,12 @@ def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:
 
 
 def _verification_summary(mode: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> dict[str, Any]:
-    verified = [r for r in receipts.values() if r.verified]
+    own = [r for r in receipts.values() if not r.reference]  # incremental: references were verified when written
+    verified = [r for r in own if r.verified]
     return {
         "mode": mode,
-        "chunks_total": len(receipts),
-        "bytes_total": sum(r.length for r in receipts.values()),
+        "chunks_total": len(own),
+        "bytes_total": sum(r.length for r in own),
         "chunks_verified": len(verified),
         "bytes_verified": sum(r.length for r in verified),
     }

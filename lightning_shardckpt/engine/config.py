@@ -54,6 +54,10 @@ class SaveConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, credentials)
     run_id: str | None = None  # recorded in every manifest and in ROOT/.owner.json; None: the saver generates one
     allow_shared_root: bool = False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
+    # write only what changed since the last save; unchanged chunks are references into the earlier checkpoint
+    # that holds their bytes (engine/incremental.py, docs/FORMAT.md §9). Off by default until proven
+    incremental: bool = False
+    full_every_n: int = 10  # with incremental: every N-th save is full, so references reach back at most N-1 saves
     # each node writes its own root (a node-local tier, engine/tiers.py): the coordinator cannot see other nodes'
     # files, so it checks the sizes of those it sees; each rank's read-back vouches for its own
     node_local: bool = False
@@ -70,6 +74,13 @@ class SaveConfig:
             raise ConfigError(
                 f"overlap_staging={self.overlap_staging!r} must be true or false; true hides the staging copy behind the next step"
             )
+        if not isinstance(self.incremental, bool):
+            raise ConfigError(f"incremental={self.incremental!r} must be true or false")
+        if self.incremental and self.node_local:
+            raise ConfigError("incremental=true with node_local=true is not supported yet (references would have to be "
+                              "resolved per node); use one or the other")
+        if not isinstance(self.full_every_n, int) or self.full_every_n < 1:
+            raise ConfigError(f"full_every_n={self.full_every_n!r} must be an integer >= 1 (1: every save is full)")
         if self.max_in_flight < 1:
             raise ConfigError(
                 f"max_in_flight={self.max_in_flight} leaves no room for the save being written; use >= 1 "

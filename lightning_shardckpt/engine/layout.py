@@ -15,7 +15,8 @@ LATEST = "latest"
 OWNER = ".owner.json"  # ROOT/.owner.json: which run writes into this root (see ownership.py)
 SHARD_SUFFIX = ".distcp"
 FORMAT_VERSION = 2  # what this writer emits (docs/FORMAT.md)
-READABLE_FORMAT_VERSIONS = (1, 2)  # v1: no commit record, no `seq`; listing parses the manifest itself
+READABLE_FORMAT_VERSIONS = (1, 2, 3)  # v1: no commit record, no `seq`; listing parses the manifest itself
+INCREMENTAL_FORMAT_VERSION = 3  # what an incremental checkpoint (one with references) emits; full ones stay v2
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 _SHARD_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
@@ -59,10 +60,17 @@ def parse_dirname(name: str) -> DirName | None:
 
 
 def join(root: str, *parts: str) -> str:
-    """Join storage paths with '/', whatever the backend (fsspec paths always use '/')."""
+    """Join storage paths with '/', whatever the backend (fsspec paths always use '/').
+
+    A part starting with `../` (a reference into a sibling checkpoint, references.py) goes up one level,
+    lexically: object stores have no `..`. Callers check such a part first (safe_pickle.check_inside).
+    """
     out = root.rstrip("/")
     for part in parts:
-        out = f"{out}/{part.strip('/')}"
+        part = part.strip("/")
+        while part.startswith("../") and "/" in out:
+            out, part = out.rsplit("/", 1)[0], part[3:]
+        out = f"{out}/{part}"
     return out
 
 EVENTS_DIR = "events"  # one JSON file per checkpoint attempt, written once (see metrics.py)

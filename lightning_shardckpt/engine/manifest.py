@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint
 from . import manifest_schema
 from .checksum import checksum, checksum_of_checksums
-from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION, READABLE_FORMAT_VERSIONS, parse_dirname
+from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, parse_dirname
+from .references import REFERENCES_FIELD
 from .manifest_schema import BLOCKS_FIELD
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
@@ -77,8 +78,10 @@ def build_manifest(
             objects.append({"fqn": fqn, **_where(receipts[MetadataIndex(fqn)])})
     identity_block = empty_identity()
     identity_block.update(identity or {})
-    return {
-        "format_version": FORMAT_VERSION,
+    own = [receipt for receipt in receipts.values() if not getattr(receipt, "reference", False)]
+    referenced = [receipt for receipt in receipts.values() if getattr(receipt, "reference", False)]
+    manifest = {
+        "format_version": INCREMENTAL_FORMAT_VERSION if referenced else FORMAT_VERSION,
         "id": checkpoint_id,
         "parent": parent,
         "seq": seq,
@@ -89,7 +92,7 @@ def build_manifest(
         "writer": writer_versions(),
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "topology": topology,
-        "files": _files(receipts.values()),
+        "files": _files(own),
         "tensors": tensors,
         "objects": objects,
         "identity": identity_block,
@@ -97,6 +100,14 @@ def build_manifest(
         "extra": extra or {},
         "run_id": run_id,
     }
+    if referenced:  # v3 (FORMAT.md §9): chunks held by sibling checkpoints of the same root
+        by_path: dict[str, list[Any]] = {}
+        for receipt in referenced:
+            by_path.setdefault(receipt.relative_path, []).append(receipt)
+        manifest[REFERENCES_FIELD] = [
+            {"path": path, "bytes": sum(r.length for r in chunks), "chunks": len(chunks)} for path, chunks in sorted(by_path.items())
+        ]
+    return manifest
 
 
 def to_bytes(manifest: dict[str, Any]) -> bytes:
@@ -123,6 +134,8 @@ def build_commit_record(manifest: dict[str, Any], manifest_bytes: bytes) -> dict
     """The commit record of `manifest`: its listing fields, its size, and a checksum of its exact bytes."""
     record = {name: manifest.get(name) for name in RECORD_FIELDS}
     record["bytes_total"] = total_bytes(manifest)
+    if manifest.get(REFERENCES_FIELD):
+        record["bytes_referenced"] = referenced_bytes(manifest)
     record["manifest_checksum"] = checksum(manifest_bytes)
     return record
 
@@ -208,7 +221,13 @@ def iter_chunks(manifest: dict[str, Any]):
 
 
 def total_bytes(manifest: dict[str, Any]) -> int:
+    """The bytes this checkpoint's own files hold (an incremental one's references are not counted)."""
     return sum(entry["bytes"] for entry in manifest["files"])
+
+
+def referenced_bytes(manifest: dict[str, Any]) -> int:
+    """The bytes of chunks this checkpoint references in earlier checkpoints (0 for a full one)."""
+    return sum(entry["bytes"] for entry in manifest.get(REFERENCES_FIELD) or [])
 
 
 def _where(receipt: Any) -> dict[str, Any]:

@@ -83,6 +83,7 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
             problems.extend(f"files[{index}]: {p}" for p in _file_problems(item))
             if isinstance(item, dict) and isinstance(item.get("path"), str):
                 names.add(item["path"])
+    problems.extend(_references_problems(manifest, names))
     for table in ("tensors", "objects"):
         if not isinstance(manifest.get(table), list):
             problems.append(f"{table} is not a list")
@@ -93,9 +94,48 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
                 break
     if isinstance(manifest.get("objects"), list):
         for index, item in enumerate(manifest["objects"]):
-            problems.extend(f"objects[{index}]: {p}" for p in _chunk_problems(item, names, tensor_chunk=False))
+            problems.extend(f"objects[{index}]: {p}" for p in _chunk_problems(item, names - _referenced(manifest), tensor_chunk=False))
             if len(problems) > MAX_PROBLEMS:
                 break
+    return problems
+
+
+REFERENCES_FIELD = "references"  # v3 (FORMAT.md §9); the same name as references.REFERENCES_FIELD
+
+
+def _referenced(manifest: dict[str, Any]) -> set[str]:
+    items = manifest.get(REFERENCES_FIELD)
+    return {item["path"] for item in items if isinstance(item, dict) and isinstance(item.get("path"), str)} if isinstance(items, list) else set()
+
+
+def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]:
+    """v3: each reference names one file of a sibling checkpoint ('../<dir>/<file>'), never a reference
+    (a chain) and never anything outside the root; adds the referenced paths to `names`."""
+    from .references import problem
+
+    if REFERENCES_FIELD not in manifest:
+        return []
+    items = manifest[REFERENCES_FIELD]
+    if manifest["format_version"] < 3:
+        return [f"{REFERENCES_FIELD} is present in a format v{manifest['format_version']} manifest (references need v3)"]
+    if not isinstance(items, list):
+        return [f"{REFERENCES_FIELD} is not a list"]
+    problems = []
+    own_dir = manifest.get("id")
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            problems.append(f"{REFERENCES_FIELD}[{index}]: {item!r} is not an object")
+            continue
+        path_problem = problem(item.get("path"))
+        if path_problem:
+            problems.append(f"{REFERENCES_FIELD}[{index}]: {path_problem}")
+            continue
+        if isinstance(own_dir, str) and item["path"].split("/")[1].endswith(f"-{own_dir}"):
+            problems.append(f"{REFERENCES_FIELD}[{index}]: {item['path']!r} references the checkpoint itself")
+            continue
+        if not is_int(item.get("bytes")) or item["bytes"] < 0:
+            problems.append(f"{REFERENCES_FIELD}[{index}]: bytes is {item.get('bytes')!r}, not an integer >= 0")
+        names.add(item["path"])
     return problems
 
 

@@ -60,6 +60,8 @@ class SaveMeta:
     # flattened keys whose replicas are bit-identical on every rank (e.g. DDP parameters): their writes
     # may be spread across ranks; every other replicated item is written by rank 0 (see RankZeroSavePlanner)
     identical: Callable[[str], bool] | None = None
+    # incremental: (fqn, chunk offsets) -> chunk record of an unchanged chunk to reference (references.chunk_map)
+    references: dict[Any, dict[str, Any]] | None = None
 
 
 def persist_checkpoint(
@@ -93,7 +95,8 @@ def persist_checkpoint(
         },
     )
     committer = Committer(target, fault_hook)
-    writer = ShardWriter(root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook)
+    writer = ShardWriter(root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook,
+                         references=meta.references)
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))

@@ -217,8 +217,11 @@ def load_dcp_metadata(data: bytes, where: str, *, expected: dict[str, Any] | Non
         raise CorruptCheckpoint(f"{where}: .metadata does not unpickle ({type(err).__name__}: {err}); the checkpoint is damaged") from err
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
         raise CorruptCheckpoint(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged")
+    from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
+
     for index, info in metadata.storage_data.items():
-        problem = relative_path_problem(getattr(info, "relative_path", None))
+        path = getattr(info, "relative_path", None)
+        problem = references.problem(path) if references.is_reference(path) else relative_path_problem(path)
         if problem:
             raise CorruptCheckpoint(
                 f"{where}: .metadata places {getattr(index, 'fqn', index)!r} at {problem}; a checkpoint reads only "
@@ -248,9 +251,16 @@ def check_inside(fs: Any, directory: str, relative: str) -> None:
     Beyond the name rules, on local storage a symlink must not lead out of the directory: a crafted
     checkpoint could otherwise make a load read `/etc/passwd` as a shard.
     """
-    problem = relative_path_problem(relative)
+    from . import references  # the one exception: a file of a sibling checkpoint of the same root
+
+    if references.is_reference(relative):
+        problem = references.problem(relative)
+        base_dir = directory.rstrip("/").rsplit("/", 1)[0]  # the root: confined to it, one sibling deep
+    else:
+        problem = relative_path_problem(relative)
+        base_dir = directory
     if problem is None and _is_local(fs):
-        base = os.path.realpath(directory)
+        base = os.path.realpath(base_dir)
         target = os.path.realpath(os.path.join(directory, relative))
         if os.path.commonpath([base, target]) != base:
             problem = f"path {relative!r}, which resolves to {target}, outside the checkpoint directory"

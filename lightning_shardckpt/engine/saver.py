@@ -26,8 +26,11 @@ import torch.distributed as dist
 from ..errors import CommitFailed
 from . import fsio, metrics, ownership
 from . import manifest as manifest_format
+from . import references as refs
 from .collectives import is_distributed, new_checkpoint_group, rank_and_world
 from .config import SaveConfig
+from .incremental import ChangeTracker
+from .layout import checkpoint_dirname
 from .metrics import CheckpointRecord, RunCounters
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import DeferredCopy, StagingBuffers
@@ -67,6 +70,7 @@ class _Job:
     record: CheckpointRecord
     pending: PendingSave
     requested_at: float
+    unchanged: frozenset[str] = frozenset()  # incremental: keys unchanged since the previous save (not staged)
 
 
 class CheckpointSaver:
@@ -112,6 +116,11 @@ class CheckpointSaver:
         self._unfenced: deque[tuple[DeferredCopy, CheckpointRecord]] = deque()
         self.fence_wait_total_s = 0.0  # seconds the training thread blocked in fence() over this saver's life
         self.counters = RunCounters()
+        # incremental saves: the tracker runs on the training thread; the base (the previous save's directory,
+        # None unless it committed) is set by whichever thread runs the saves, in request order
+        self._tracker = ChangeTracker(self.config.full_every_n) if self.config.incremental else None
+        self._base: str | None = None
+        self._base_failed = False
 
     # --- the training thread's side ---
     def save(
@@ -151,13 +160,21 @@ class CheckpointSaver:
             self._finish(record, pending, SaveResult(step=step, checkpoint_id=None, path=None, committed=False, skipped=True))
             return pending
         staging_started = time.perf_counter()
+        unchanged: frozenset[str] = frozenset()
+        if self._tracker is not None:
+            if self._base_failed:  # the previous save did not commit: nothing to reference, this one is full
+                self._base_failed = False
+                self._tracker.reset()
+            unchanged = self._tracker.plan(state_dict)
         # synchronous: the caller waits for the write, so the live state is consistent without a copy
-        staged = slot.stage(state_dict, defer if self.config.overlap_staging else None) if self.config.async_save else state_dict
+        staged = (slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
+                  if self.config.async_save else state_dict)
         if slot.deferred is not None:
             self._unfenced.append((slot.deferred, record))
         record.stage_s = time.perf_counter() - staging_started
         record.pause_s = time.perf_counter() - requested
-        job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra, identical), record, pending, requested)
+        job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra, identical), record, pending, requested,
+                   unchanged)
         self._in_flight.append(pending)
         if self.config.async_save:
             self._ensure_worker()
@@ -301,13 +318,24 @@ class CheckpointSaver:
             deferred = job.slot.deferred
             job.slot.wait_until_ready()
             job.record.overlap_copy_s = deferred.seconds if deferred is not None else 0.0
+            if job.unchanged:
+                if self._base is None:
+                    raise CommitFailed(
+                        f"step {job.step}: incremental save, but the save it builds on did not commit; "
+                        "its unchanged tensors were not copied, so it cannot be written. The next save is full"
+                    )
+                job.meta.references = refs.chunk_map(refs.read_base(self.root, self._base), self._base, job.unchanged)
             result = persist_checkpoint(self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook)
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)
             result = SaveResult(step=job.step, checkpoint_id=None, path=None, committed=False, error=err)
         finally:
             job.state = {}
-            self._free_slots.put(job.slot)
+            job.meta.references = None
+        if self._tracker is not None:  # before the slot is free: the next request sees whether it may reference
+            self._base = checkpoint_dirname(job.step, result.checkpoint_id) if result.committed else None
+            self._base_failed = self._base_failed or not result.committed
+        self._free_slots.put(job.slot)
         if result.error is not None:
             # kept (first error, records): its frames, finished now, must not keep the save's objects alive
             release_frames(result.error)

@@ -119,20 +119,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def _fill(state: Any, buffers: Any, prefix: str, defer: Callable[[str], bool], now: Pairs, later: Pairs) -> Any:
+def _fill(state: Any, buffers: Any, prefix: str, defer: Callable[[str], bool], now: Pairs, later: Pairs,
+          skip: frozenset[str] = frozenset()) -> Any:
     """The staged tree: `buffers`' tensors in `state`'s containers, copies split into `now` and `later`.
 
     `prefix` is the flattened key DCP gives the item ("model.net.0.weight", "optimizers.0.state....").
     Non-tensor leaves are immutable or deep-copied here, so later changes never reach the snapshot.
     """
     if isinstance(state, torch.Tensor):
+        if prefix in skip:  # incremental save, unchanged: the writer references it, never reads it (no copy)
+            return state
         (later if defer(prefix) else now).append((_local(state), _local(buffers)))
         return buffers
     if isinstance(state, dict):
-        return {key: _fill(value, buffers[key], f"{prefix}.{key}" if prefix else str(key), defer, now, later)
+        return {key: _fill(value, buffers[key], f"{prefix}.{key}" if prefix else str(key), defer, now, later, skip)
                 for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        items = [_fill(value, buffers[index], f"{prefix}.{index}" if prefix else str(index), defer, now, later)
+        items = [_fill(value, buffers[index], f"{prefix}.{index}" if prefix else str(index), defer, now, later, skip)
                  for index, value in enumerate(state)]
         return tuple(items) if isinstance(state, tuple) else items
     if state is None or isinstance(state, (int, float, str, bytes)):
@@ -156,13 +159,16 @@ class StagingBuffers:
         self.nbytes = 0
         self.deferred: DeferredCopy | None = None  # the overlapped part of the last stage(), until waited for
 
-    def stage(self, state_dict: dict[str, Any], defer: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any], defer: Callable[[str], bool] | None = None,
+              skip: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Copy `state_dict` into the buffers; return a state dict that owns no training memory.
 
         Tensors are copied into the reused buffers; containers are rebuilt and other objects deep-copied,
         so changes the training loop makes after this returns never reach the checkpoint. Tensors whose
         flattened key `defer` accepts are copied in the background instead (`self.deferred`): until its
-        `fence()` returned, the caller must not change them.
+        `fence()` returned, the caller must not change them. Tensors named in `skip` (unchanged since an
+        incremental save's base) are not copied: the staged tree holds the live tensor, which the writer
+        never reads (it writes a reference).
         """
         signature = layout_signature(state_dict)
         on_cuda = _has_cuda_tensors(state_dict)
@@ -170,7 +176,7 @@ class StagingBuffers:
             self._allocate(state_dict, signature, pin=on_cuda)
         now: Pairs = []
         later: Pairs = []
-        staged = _fill(state_dict, self._buffers, "", defer or _nothing, now, later)
+        staged = _fill(state_dict, self._buffers, "", defer or _nothing, now, later, skip)
         if not on_cuda:
             with torch.no_grad():
                 for source, target in now:

@@ -56,6 +56,7 @@ class ChunkReceipt:
     finite: bool | None = None  # a floating tensor chunk without NaN/Inf at save time (None: not a float tensor)
     write_s: float | None = None  # how long this rank took to write its whole file: per-rank throughput for health rules
     blocks: tuple[int, tuple[str, ...]] | None = None  # (block size, digests): a large chunk checksummed by block too
+    reference: bool = False  # incremental: not written; `relative_path` is '../<sibling>/<file>' holding the bytes
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,12 @@ class ShardWriter(StorageWriter):
         verify: VerifyConfig,
         commit: Callable[[Metadata, list[list[WriteResult]], list[list[MetadataIndex]]], None],
         fault_hook: FaultHook | None = None,
+        references: dict[tuple[str, tuple[int, ...]], dict[str, Any]] | None = None,
     ) -> None:
+        """`references` (incremental saves): (fqn, chunk offsets) -> the chunk record, from an earlier
+        checkpoint of the same root, of a chunk that did not change; it is referenced, not written."""
         super().__init__()
+        self.references = references or {}
         self.fs = fs
         self.path = path
         self.verify = verify
@@ -268,8 +273,13 @@ class ShardWriter(StorageWriter):
         started = time.perf_counter()
         relative = shard_filename(rank)
         full_path = join(self.path, relative)
-        # Byte items first, then tensors, as DCP orders them.
-        items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        # Byte items first, then tensors, as DCP orders them. Unchanged chunks (incremental) are referenced.
+        referenced = [(item, self._reference_of(item)) for item in plan.items]
+        items = sorted([item for item, ref in referenced if ref is None], key=lambda item: item.type != WriteItemType.BYTE_IO)
+        reference_results = [_reference_result(item, ref) for item, ref in referenced if ref is not None]
+        if not items:
+            self.last_write_stats["chunks"] = len(reference_results)
+            return reference_results
         writer = ChunkFileWriter(self.fs, full_path)
         finite: list[bool | None] = []
         try:
@@ -310,8 +320,27 @@ class ShardWriter(StorageWriter):
             "verified_bytes": sum(writer.chunks[i][1] for i in chosen),
             "write_s": written - started,
             "verify_s": time.perf_counter() - written,
+            "referenced_chunks": len(reference_results),
         }
-        return results
+        return results + reference_results
+
+    def _reference_of(self, item: Any) -> dict[str, Any] | None:
+        if item.type == WriteItemType.BYTE_IO or not self.references or item.tensor_data is None:
+            return None
+        entry = self.references.get((item.index.fqn, tuple(item.index.offset)))
+        if entry is None or list(entry["sizes"]) != list(item.tensor_data.chunk.sizes):
+            return None
+        return entry
+
+
+def _reference_result(item: Any, entry: dict[str, Any]) -> WriteResult:
+    """The receipt of an unchanged chunk: the earlier checkpoint's record of it, byte for byte."""
+    blocks = entry.get("blocks")
+    receipt = ChunkReceipt(
+        entry["file"], entry["offset"], entry["length"], entry["checksum"], 0, False, entry.get("finite"), None,
+        (blocks["size"], tuple(blocks["checksums"])) if blocks else None, reference=True,
+    )
+    return WriteResult(index=item.index, size_in_bytes=entry["length"], storage_data=receipt)
 
 
 def is_finite(tensor: torch.Tensor) -> bool | None:

@@ -98,6 +98,9 @@ class ShardedCheckpoint(Checkpoint):
             resume_required=resume_required,
         )
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
+        if self.tiers_config is not None and self.save_options.incremental:
+            raise ConfigError("save.incremental with tiers is not supported yet: the replicator copies a checkpoint's own "
+                              "files, not the earlier ones an incremental checkpoint references; use one or the other")
         self.verify_on_load = verify_on_load
         # False: a resume unpickles only allow-listed classes and refuses others by name; True runs whatever
         # the checkpoint's pickles name, so only for checkpoints from a source you trust

@@ -31,6 +31,7 @@ from ..engine.config import LoadConfig, SaveConfig
 from ..engine.layout import join, parse_dirname
 from ..engine.loader import LoadResult, load_checkpoint
 from ..engine.saver import CheckpointSaver, PendingSave
+from ..ops import retention
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from . import lightning_state
 from .sampler_injection import restore_position, use_resumable_sampler
@@ -179,6 +180,13 @@ class ShardedStrategy(StagingFence):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             location = fsio.resolve(str(filepath), self.save_config.storage_options)
+            name = location.path.rstrip("/").rsplit("/", 1)[-1]
+            if parse_dirname(name) is not None:  # a checkpoint of a root: retention's path (references, crash order)
+                root = fsio.resolve(str(filepath).rstrip("/").rsplit("/", 1)[0], self.save_config.storage_options)
+                entry = next((e for e in catalog.list_checkpoints(root) if e.name == name and e.committed), None)
+                if entry is not None:
+                    retention.delete_checkpoint(root, entry)
+                    return
             if location.fs.exists(location.path):
                 location.fs.rm(location.path, recursive=True)
 

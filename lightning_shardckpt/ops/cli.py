@@ -76,13 +76,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints in {location.url}")
         return EXIT_OK
-    table = [("STEP", "ID", "STATE", "TRUST", "SIZE", "AGE", "LATEST", "NAME")]
+    table = [("STEP", "ID", "STATE", "TRUST", "SIZE", "REFERENCED", "AGE", "LATEST", "NAME")]
     for row in rows:
         marks = ("*" if row["latest"] else "") + (" good" if row["last_good"] else "")
         table.append((str(row["step"]), row["id"], row["state"], row["trust"] or "-", _human_bytes(row["bytes"]),
+                      _human_bytes(row["bytes_referenced"]) if row["bytes_referenced"] else "-",
                       _human_age(row["age_s"]), marks.strip(), row["name"]))
     _print_table(table)
     print("LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'")
+    if any(row["bytes_referenced"] for row in rows):
+        print("SIZE: the checkpoint's own files; REFERENCED: unchanged chunks it reads from earlier checkpoints (incremental saves)")
     for row in rows:
         if row["problem"]:
             print(f"{row['name']}: {row['problem']}")
@@ -106,6 +109,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "writer": manifest.get("writer"),
         "topology": manifest["topology"],
         "files": {"count": len(manifest["files"]), "bytes": manifest_format.total_bytes(manifest)},
+        "referenced": {"files": len(manifest.get("references") or []), "bytes": manifest_format.referenced_bytes(manifest)},
         "tensors": len(manifest["tensors"]),
         "objects": len(manifest["objects"]),
         "verification": manifest.get("verification"),
@@ -116,6 +120,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     files = summary["files"]
     summary["files"] = f"{files['count']} ({_human_bytes(files['bytes'])}, {files['bytes']} bytes)"
+    referenced = summary["referenced"]
+    summary["referenced"] = (f"{referenced['bytes']} bytes in {referenced['files']} file(s) of earlier checkpoints"
+                             if referenced["files"] else "none (a full checkpoint)")
     summary["identity"] = ", ".join(f"{key}{'' if key in summary['identity']['filled'] else ' (empty)'}"
                                     for key in summary["identity"]["keys"])
     width = max(len(key) for key in summary)
@@ -333,6 +340,7 @@ def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.
         "id": entry.checkpoint_id,
         "state": entry.state,
         "bytes": catalog.size_bytes(entry, location),
+        "bytes_referenced": (entry.record or {}).get("bytes_referenced", 0),  # incremental (FORMAT.md §9)
         "age_s": None if age is None else round(age, 3),
         "latest": latest is not None and entry.name == latest.name,
         "trust": trust.get(entry.name),  # committed | drilled | drill-failed | not-drilled (None: not committed)

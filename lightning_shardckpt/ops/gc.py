@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..engine import catalog
+from ..engine import references as refs
 from ..engine.fsio import Location, is_object_store
 from ..engine.layout import MANIFEST, join
 from ..errors import ConfigError
@@ -51,6 +52,7 @@ KEEP_CORRUPT = "corrupt: report only"
 KEEP_YOUNG = "uncommitted but younger than the grace: may be a save in flight"
 KEEP_UNDATED = "uncommitted, but no file has a modification time: age unknown"
 KEEP_CHANGED = "changed while being collected"
+KEEP_REFERENCED = "uncommitted, but a committed incremental checkpoint references its files"
 
 
 @dataclass
@@ -113,7 +115,9 @@ def plan(location: Location, grace_s: float = DEFAULT_GRACE_S) -> list[GcItem]:
     """What `collect` would do with each checkpoint directory under the root, oldest step first."""
     if grace_s < 0:
         raise ConfigError(f"grace={grace_s}s is negative; use 0 (remove every uncommitted directory) or more seconds")
-    return [_decide(entry, location, grace_s) for entry in catalog.list_checkpoints(location)]
+    entries = catalog.list_checkpoints(location)
+    pinned = refs.pinned_files(location, entries)  # the reachability retention uses (engine/references.py)
+    return [_decide(entry, location, grace_s, pinned) for entry in entries]
 
 
 def collect(location: Location, grace_s: float = DEFAULT_GRACE_S, *, dry_run: bool = True) -> GcReport:
@@ -128,7 +132,7 @@ def collect(location: Location, grace_s: float = DEFAULT_GRACE_S, *, dry_run: bo
 
 # --- internals ---
 
-def _decide(entry: catalog.CheckpointEntry, location: Location, grace_s: float) -> GcItem:
+def _decide(entry: catalog.CheckpointEntry, location: Location, grace_s: float, pinned: dict[str, set[str]] | None = None) -> GcItem:
     item = GcItem(entry.name, join(location.url, entry.name), entry.step, entry.checkpoint_id, entry.state, "keep", "")
     if entry.state == catalog.COMMITTED:
         item.reason = KEEP_COMMITTED
@@ -142,7 +146,9 @@ def _decide(entry: catalog.CheckpointEntry, location: Location, grace_s: float) 
     item.bytes = sum(int(info.get("size") or 0) for info in files)
     age = _age(location, entry, files)
     item.age_s = None if age is None else round(age, 3)
-    if not files and is_object_store(location.fs):
+    if pinned is not None and (refs.everything_pinned(pinned) or pinned.get(entry.name)):
+        item.reason = KEEP_REFERENCED  # retention removes it once its last referrer goes
+    elif not files and is_object_store(location.fs):
         item.action, item.reason = "remove", REMOVE_EMPTY
     elif age is None:
         item.reason = KEEP_UNDATED
@@ -185,7 +191,9 @@ def _remove(location: Location, item: GcItem, grace_s: float) -> None:
         if fs.exists(join(path, MANIFEST)):  # a save slower than the grace committed after all
             item.action, item.reason = "keep", f"{KEEP_CHANGED}: {MANIFEST} appeared"
             return
-        again = _decide(catalog.CheckpointEntry(item.name, path, item.step, item.id, catalog.UNCOMMITTED), location, grace_s)
+        entries = catalog.list_checkpoints(location)
+        again = _decide(catalog.CheckpointEntry(item.name, path, item.step, item.id, catalog.UNCOMMITTED), location, grace_s,
+                        refs.pinned_files(location, entries))
         if again.action != "remove":
             item.action, item.reason, item.age_s = "keep", f"{KEEP_CHANGED}: {again.reason}", again.age_s
             return

@@ -20,6 +20,7 @@ from ..engine.catalog import CheckpointEntry
 from ..engine.checksum import checksum, checksum_of_checksums
 from ..engine.fsio import Location
 from ..engine.layout import DCP_METADATA, join
+from ..engine.references import REFERENCES_FIELD
 from ..engine.safe_pickle import DCP_METADATA_FIELD
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 
@@ -75,7 +76,13 @@ def verify_checkpoint(
     for fqn, chunk in manifest_format.iter_chunks(entry.manifest):
         chunks_by_file.setdefault(chunk["file"], []).append((fqn, chunk))
     listed = {item["path"]: item for item in entry.manifest["files"]}
-    for relative in sorted(set(chunks_by_file) - set(listed)):
+    referenced = {item["path"] for item in entry.manifest.get(REFERENCES_FIELD) or []}
+    for relative in sorted(referenced & set(chunks_by_file)):
+        # incremental: bytes held by a sibling checkpoint, checked against this manifest's checksums
+        chunks = sorted(chunks_by_file[relative], key=lambda pair: pair[1]["offset"])
+        report.chunks += len(chunks)
+        _verify_referenced(location.fs, entry.path, relative, chunks, report)
+    for relative in sorted(set(chunks_by_file) - set(listed) - referenced):
         report.problems.append(_problem(TILING, relative, None, "an entry in the manifest's files", "none"))
     for relative, item in sorted(listed.items()):
         chunks = sorted(chunks_by_file.get(relative, []), key=lambda pair: pair[1]["offset"])
@@ -141,6 +148,32 @@ def _verify_file(
     file_digest = checksum_of_checksums(digests)
     if file_digest != item["checksum"]:
         report.problems.append(_problem(FILE_CHECKSUM, relative, None, item["checksum"], file_digest))
+
+
+def _verify_referenced(fs: Any, directory: str, relative: str, chunks: list[tuple[str, dict]], report: VerifyReport) -> None:
+    """Every chunk an incremental checkpoint references: its bytes in the sibling's file, against this
+    manifest's checksums (the holder may be deleted or damaged independently of this checkpoint)."""
+    path = join(directory, relative)
+    try:
+        safe_pickle.check_inside(fs, directory, relative)  # only a sibling checkpoint of the same root
+    except CorruptCheckpoint:
+        report.problems.append(_problem(OUTSIDE, relative, None, "a file of a sibling checkpoint", path))
+        return
+    try:
+        handle = fs.open(path, "rb")
+    except FileNotFoundError:
+        report.problems.append(_problem(MISSING_FILE, relative, None, "present (referenced)", None))
+        for fqn, chunk in chunks:
+            report.problems.append(_problem(CHUNK_CHECKSUM, relative, fqn, chunk["checksum"], "<file missing>"))
+        return
+    with handle:
+        for fqn, chunk in chunks:
+            handle.seek(chunk["offset"])
+            data = handle.read(chunk["length"])
+            report.bytes_read += len(data)
+            actual = checksum(data) if len(data) == chunk["length"] else f"<{len(data)} of {chunk['length']} bytes>"
+            if actual != chunk["checksum"]:
+                report.problems.append(_problem(CHUNK_CHECKSUM, relative, fqn, chunk["checksum"], actual))
 
 
 def _tiling_problems(relative: str, file_bytes: int, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:

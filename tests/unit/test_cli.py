@@ -57,7 +57,7 @@ def test_ls_prints_a_table_with_state_and_latest_marker(root, capsys):
     code, out, _ = run(capsys, "ls", root)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "ID", "STATE", "TRUST", "SIZE", "AGE", "LATEST", "NAME"]
+    assert lines[0].split() == ["STEP", "ID", "STATE", "TRUST", "SIZE", "REFERENCED", "AGE", "LATEST", "NAME"]
     by_step = {line.split()[0]: line for line in lines[1:]}
     assert "uncommitted" in by_step["9"] and "*" not in by_step["9"]
     assert by_step["5"].split()[3] == "committed"  # committed, never drilled
