@@ -287,13 +287,14 @@ def test_the_schema_refuses_a_reference_that_escapes_or_chains(tmp_path, path):
     _tamper(tmp_path, 1, path)
 
 
-def test_incremental_round_trip_on_s3_through_our_loader(s3_root):
-    options = s3_root.storage_options
+def save_incremental_on_s3(s3_root, run_id: str, steps: int):
+    """`steps` incremental saves of a LoRA-style model on the S3 root: (the last state saved, its result)."""
     model = Lora(width=64)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
-    saver = CheckpointSaver(s3_root.url, SaveConfig(incremental=True, storage_options=options, run_id="s3-inc"))
+    saver = CheckpointSaver(s3_root.url, SaveConfig(incremental=True, storage_options=s3_root.storage_options,
+                                                    run_id=run_id))
     try:
-        for step in range(3):
+        for step in range(steps):
             train_step(model, optimizer)
             state = state_of(model, optimizer)
             want = snapshot(state)
@@ -301,6 +302,12 @@ def test_incremental_round_trip_on_s3_through_our_loader(s3_root):
             assert result.committed, result.error
     finally:
         saver.close()
+    return want, result
+
+
+def test_incremental_round_trip_on_s3_through_our_loader(s3_root):
+    options = s3_root.storage_options
+    want, _ = save_incremental_on_s3(s3_root, "s3-inc", steps=3)
     location = fsio.resolve(s3_root.url, options)
     newest = catalog.list_checkpoints(location)[-1]
     assert catalog.read_manifest(location.fs, newest)["format_version"] == 3
@@ -325,22 +332,10 @@ def test_plain_dcp_fsspec_reader_on_s3_and_an_incremental_checkpoint(s3_root):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    options = s3_root.storage_options
-    model = Lora(width=64)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
-    saver = CheckpointSaver(s3_root.url, SaveConfig(incremental=True, storage_options=options, run_id="s3-plain"))
-    try:
-        for step in range(2):
-            train_step(model, optimizer)
-            state = state_of(model, optimizer)
-            want = snapshot(state)
-            result = saver.save(state, step).result(timeout=60)
-            assert result.committed, result.error
-    finally:
-        saver.close()
+    want, result = save_incremental_on_s3(s3_root, "s3-plain", steps=2)
     target = {"model": zeros(want["model"])}
     with pytest.raises(CheckpointException) as raised:
-        dcp.load(target, storage_reader=FsspecReader(result.path, **options))
+        dcp.load(target, storage_reader=FsspecReader(result.path, **s3_root.storage_options))
     errors = [error for error, _ in raised.value.failures.values()]
     assert any(isinstance(e, FileNotFoundError) and "/../step-" in str(e) for e in errors), errors
 
