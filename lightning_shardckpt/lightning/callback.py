@@ -20,26 +20,23 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
 from ..engine import fsio, metrics, ownership
-from ..engine.checksum import checksum
 from ..engine.collectives import all_gather_objects, rank_and_world
 from ..engine.config import LoadConfig, save_config_from
-from ..engine.manifest import to_bytes
 from ..engine.metrics import CheckpointRecord
 from ..engine.outcomes import METRICS_EXTRA, encode_metrics
 from ..engine.tiers import tiers_config_from
 from ..errors import ConfigError, StorageUnavailable
-from ..identity import blocks as identity
-from ..identity.diff import IdentityPolicy, compare
 from ..ops import retention
-from .callback_config import CallbackConfig, options_from
-from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from ..ops.health_rules import health_config_from
+from .callback_config import CallbackConfig
+from .checkpoint_logging import log_record, log_resume
+from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from .drills import TrainingDrills, drill_config_from
 from .health import HealthWatch
+from .run_identity import RunIdentity
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
 from .tiers import CheckpointTiers
-from .wandb_artifacts import log_checkpoint_artifact, wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +104,7 @@ class ShardedCheckpoint(Checkpoint):
         self.trust_checkpoint = trust_checkpoint
         self.log_metrics = log_metrics
         self.log_artifact = log_artifact
-        self.run_config = run_config
-        self.identity_policy = _identity_policy(identity_policy)
-        self.dataset_version = dataset_version
+        self.identity = RunIdentity(run_config, dataset_version, identity_policy)  # validated now
         self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints (lightning/drills.py)
         self._drills: TrainingDrills | None = None
         self.health_config = health_config_from(health)  # health rules (lightning/health.py); validated now
@@ -117,7 +112,6 @@ class ShardedCheckpoint(Checkpoint):
         self._loaded_health_state: dict[str, Any] | None = None
         self._stopped_by_health = False
         self.last_saved_step: int | None = None
-        self._static_identity: dict[str, Any] | None = None  # config, model, code, run: computed once per fit
         self._pending_batches = 0  # trained on, not yet applied by an optimizer step
         self._step_at_last_batch = 0
         self._loaded_data_state: dict[str, Any] | None = None
@@ -174,11 +168,11 @@ class ShardedCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_save_time = time.monotonic()
         self._step_at_last_batch = trainer.global_step
-        self._static_identity = None
+        self.identity.forget()
         if trainer.strategy.last_load is not None:
             self.last_saved_step = trainer.global_step
             self._restore_rng_state(trainer)
-            self._compare_identity(trainer, pl_module)
+            self._check_identity(trainer, pl_module)
         self._adopt_run_id(trainer)
         saver = self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
         if self._tiers is not None:
@@ -186,7 +180,9 @@ class ShardedCheckpoint(Checkpoint):
                               fault_hook=trainer.strategy.fault_hook)
         self._attach_retention(trainer)
         self._start_health(trainer)
-        self._log_resume(trainer)
+        if trainer.strategy.last_load is not None and trainer.is_global_zero and not self._resume_logged:
+            self._resume_logged = True
+            log_resume(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._count_consumed(trainer)
@@ -301,7 +297,7 @@ class ShardedCheckpoint(Checkpoint):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         sampler, _ = train_sampler(trainer)
         samples = sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
-        current = self._current_identity(trainer, trainer.lightning_module) if trainer.is_global_zero else None
+        current = self.identity.current(trainer, trainer.lightning_module) if trainer.is_global_zero else None
         extra = self._drills.probe_extra(trainer.lightning_module) if self._drills is not None else None  # every rank
         # the outcome next to the identity: what the run logged by the time it saved (floats only)
         extra = {**(extra or {}), METRICS_EXTRA: encode_metrics(trainer.callback_metrics)}
@@ -354,43 +350,11 @@ class ShardedCheckpoint(Checkpoint):
         # the sampler's position was restored earlier, as Lightning built the training loader
         # (ShardedStrategy.process_dataloader), so the epoch is sized and counted as an uninterrupted one
 
-    def _current_identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        if self._static_identity is None:
-            run = wandb_run(trainer.loggers)
-            self._static_identity = {
-                "config": identity.config_identity(self.run_config, hyperparameters=dict(pl_module.hparams) or None),
-                "model": identity.model_identity(pl_module),
-                "code": identity.code_identity(),
-                "run": identity.run_identity(
-                    device_type=trainer.strategy.root_device.type,
-                    wandb_run_id=getattr(run, "id", None),
-                    wandb_url=getattr(run, "url", None),
-                ),
-            }
-        sampler, _ = train_sampler(trainer)
-        dataset = sampler.dataset if sampler is not None else None
-        data = identity.data_identity(
-            dataset,
-            dataset_version=self.dataset_version,
-            seed=sampler.seed if sampler is not None else None,
-            epoch=trainer.current_epoch,
-            samples_consumed=sampler.global_position if sampler is not None else None,
-        )
-        return {**self._static_identity, "data": data}
-
-    def _compare_identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Before the first step of a resumed run: the checkpoint's identity against this run's."""
-        loaded = trainer.strategy.last_load
-        current = self._current_identity(trainer, pl_module)
-        report = compare(loaded.manifest.get("identity"), current, self.identity_policy, where=loaded.path)
-        if trainer.is_global_zero:
-            log.info("identity of %s: %s", loaded.path, report.render() or "matches the current run")
-            event = {"event": "resume", "from": loaded.path, "step": loaded.step, "seconds": loaded.seconds,
-                     "from_id": loaded.checkpoint_id, "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
-                     "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
-                     "differences": report.differences, "unrecorded": report.unrecorded,
-                     "run_id": loaded.manifest.get("run_id"), "created_at": time.time()}
-            metrics.write_json_event(self._location, f"resume-step-{loaded.step:09d}", event)
+    def _check_identity(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before the first step of a resumed run (raises under policy `error`); rank 0 records the resume event."""
+        event = self.identity.check_resume(trainer, pl_module)
+        if event is not None:
+            metrics.write_json_event(self._location, f"resume-step-{event['step']:09d}", event)
             self._resume_event = event  # evaluated by the health rules once they start (on_train_start)
 
     def _due_by_time(self, trainer: pl.Trainer) -> bool:
@@ -464,7 +428,7 @@ class ShardedCheckpoint(Checkpoint):
         if self._tiers is not None:
             counters.update(self._tiers.counters())  # replicated, replication_failed, replication_lag_checkpoints, ...
         for record in records:
-            self._log_record(trainer, record, counters)
+            log_record(trainer, record, counters, log_metrics=self.log_metrics, log_artifact=self.log_artifact)
             if record.outcome == metrics.COMMITTED and self._drills is not None:
                 self._drills.on_committed(record.path)  # a queue put: the drill runs on its own thread and processes
 
@@ -516,30 +480,3 @@ class ShardedCheckpoint(Checkpoint):
                         "checkpoint; drill the durable tier with `shardckpt drill %s`", fast.dirpath, trainer.num_nodes,
                         self.tiers_config.durable.dirpath if self.tiers_config.durable else "<durable root>")
             self.drill_options = dataclasses.replace(self.drill_options, every_n_checkpoints=None)
-
-    def _log_record(self, trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int]) -> None:
-        if record.outcome == "failed":
-            log.error("checkpoint of step %d failed: %s", record.step, record.cause)
-        if self.log_metrics:
-            metrics = record.metrics()
-            metrics.update({f"checkpoint/{name}": float(value) for name, value in counters.items()})
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        if self.log_artifact and record.outcome == "committed":
-            manifest = record.manifest
-            digest = checksum(to_bytes(manifest)) if manifest else None
-            log_checkpoint_artifact(trainer.loggers, record, digest)
-
-    def _log_resume(self, trainer: pl.Trainer) -> None:
-        loaded = trainer.strategy.last_load
-        if loaded is None or self._resume_logged or not trainer.is_global_zero:
-            return
-        self._resume_logged = True
-        log.info("resumed from %s (step %d) in %.2fs", loaded.path, loaded.step, loaded.seconds)
-        for logger in trainer.loggers:
-            logger.log_metrics({"checkpoint/resume_s": loaded.seconds, "checkpoint/resumed_step": float(loaded.step)}, step=trainer.global_step)
-            logger.log_hyperparams({"shardckpt/resumed_from": loaded.path})
-
-
-def _identity_policy(value: Any) -> IdentityPolicy:
-    return options_from(IdentityPolicy, value, "identity_policy block")

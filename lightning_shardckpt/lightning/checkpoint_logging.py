@@ -1,0 +1,40 @@
+"""What rank 0 tells the Trainer's loggers about checkpoints: one record per save, one line per resume."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+
+from ..engine.checksum import checksum
+from ..engine.manifest import to_bytes
+from ..engine.metrics import CheckpointRecord
+from .wandb_artifacts import log_checkpoint_artifact
+
+log = logging.getLogger(__name__)
+
+
+def log_record(trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int], *,
+               log_metrics: bool, log_artifact: bool) -> None:
+    """A finished save: its metrics plus the saver's running counters, and the committed one as a W&B artifact."""
+    if record.outcome == "failed":
+        log.error("checkpoint of step %d failed: %s", record.step, record.cause)
+    if log_metrics:
+        values = record.metrics()
+        values.update({f"checkpoint/{name}": float(value) for name, value in counters.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+    if log_artifact and record.outcome == "committed":
+        manifest = record.manifest
+        digest = checksum(to_bytes(manifest)) if manifest else None
+        log_checkpoint_artifact(trainer.loggers, record, digest)
+
+
+def log_resume(trainer: pl.Trainer) -> None:
+    """Where the run resumed from and how long the load took (rank 0 calls it once per fit)."""
+    loaded = trainer.strategy.last_load
+    log.info("resumed from %s (step %d) in %.2fs", loaded.path, loaded.step, loaded.seconds)
+    for logger in trainer.loggers:
+        logger.log_metrics({"checkpoint/resume_s": loaded.seconds, "checkpoint/resumed_step": float(loaded.step)},
+                           step=trainer.global_step)
+        logger.log_hyperparams({"shardckpt/resumed_from": loaded.path})
