@@ -94,6 +94,28 @@ def committed_steps(dirpath: str, storage_options: dict[str, Any]) -> list[int]:
         return []
 
 
+def roots_to_check(cfg: DictConfig) -> list[tuple[str, str, dict[str, Any]]]:
+    """(option, root, storage options) of every root a new run would write: checkpoint.dirpath, or with
+    tiers this node's fast root (`{node_rank}` from the launcher's environment) and the durable root."""
+    tiers = cfg.get("tiers") or {}
+    fast, durable = tiers.get("fast"), tiers.get("durable")
+    if not fast:
+        return [("checkpoint.dirpath", cfg.checkpoint.dirpath,
+                 OmegaConf.to_container(cfg.checkpoint.save.storage_options, resolve=True))]
+    # torchrun sets GROUP_RANK, SLURM SLURM_NODEID, Lightning's own launcher NODE_RANK
+    node_rank = next((os.environ[k] for k in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID") if k in os.environ), "0")
+    roots = [("tiers.fast.dirpath", str(fast.dirpath).replace("{node_rank}", node_rank),
+              _options(fast.get("storage_options")))]
+    if durable:
+        roots.append(("tiers.durable.dirpath", str(durable.dirpath),
+                      _options(durable.get("storage_options"))))
+    return roots
+
+
+def _options(node: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+
 def redact(value: Any, inside_storage_options: bool = False) -> Any:
     """The config with credentials replaced: it is written into every manifest and the W&B run."""
     if isinstance(value, dict):
@@ -184,13 +206,14 @@ def main(cfg: DictConfig) -> None:
         raise InvalidConfig(problems)
     dirpath = cfg.checkpoint.dirpath
     if cfg.resume is None:
-        steps = committed_steps(dirpath, OmegaConf.to_container(cfg.checkpoint.save.storage_options, resolve=True))
-        if steps:
-            raise InvalidConfig([
-                f"checkpoint.dirpath={dirpath} already holds committed checkpoints (latest step {max(steps)}) and resume=null "
-                f"would start a second run on top of them; continue it with resume=latest, or start a new run with "
-                f"run_name=<new name> (or checkpoint.dirpath=<empty location>)"
-            ])
+        for name, root, options in roots_to_check(cfg):
+            steps = committed_steps(root, options)
+            if steps:
+                raise InvalidConfig([
+                    f"{name}={root} already holds committed checkpoints (latest step {max(steps)}) and resume=null "
+                    f"would start a second run on top of them; continue it with resume=latest, or start a new run with "
+                    f"run_name=<new name> (or {name}=<empty location>)"
+                ])
 
     pl.seed_everything(cfg.seed, workers=True)
     run_config = redact(OmegaConf.to_container(cfg, resolve=True))

@@ -153,6 +153,21 @@ def test_fresh_start_on_a_root_with_committed_checkpoints_is_refused(make_cfg, t
     assert f"checkpoint.dirpath={root}" in message and "resume=latest" in message and "run_name=" in message
 
 
+def test_fresh_start_over_this_nodes_fast_tier_with_checkpoints_is_refused(make_cfg, tmp_path, monkeypatch):
+    """With tiers, the check looks at this node's fast root ({node_rank} from the launcher's environment)."""
+    from tests.helpers.checkpoints import save_checkpoint
+
+    monkeypatch.setenv("SHARDCKPT_LOCAL_ROOT", str(tmp_path / "local"))
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's node rank
+    node1 = tmp_path / "local" / "refuse" / "node1"
+    save_checkpoint(str(node1), step=5)
+    cfg = make_cfg("tiers=local+s3", "run_name=refuse", "tiers.durable.dirpath=memory://durable-refuse", "resume=null")
+    with pytest.raises(train.InvalidConfig) as info:
+        train.main.__wrapped__(cfg)
+    message = str(info.value)
+    assert f"tiers.fast.dirpath={node1}" in message and "latest step 5" in message and "{node_rank}" not in message
+
+
 def test_invalid_model_options_name_the_option(make_cfg):
     from lm import CharLM
 
