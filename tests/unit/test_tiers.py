@@ -172,6 +172,31 @@ def test_replicator_copies_every_nth_commit_and_the_newest_at_close(tmp_path):
     assert [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed] == [2, 4, 5]
 
 
+def test_replicator_with_every_minutes_copies_the_newest_once_the_interval_passed(tmp_path):
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    config = TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable, every_minutes=0.05))  # 3 s
+    replicator = Replicator(config, fsio.resolve(fast), fsio.resolve(durable), group=None)
+
+    def commit_and_wait(step: int) -> None:
+        replicator.submit(_commit(fast, step, run_id="run-m"))
+        deadline = time.monotonic() + 30
+        while replicator._handled < replicator._submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def on_durable() -> list[int]:
+        return [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed]
+
+    commit_and_wait(1)
+    assert on_durable() == []  # within 3 s of the start: waits
+    time.sleep(3.2)
+    commit_and_wait(2)
+    assert on_durable() == [2]  # the interval passed: the newest is copied (step 1 is passed over)
+    commit_and_wait(3)
+    assert on_durable() == [2]  # the interval restarts at the copy
+    assert replicator.close(30)
+    assert on_durable() == [2, 3]  # close copies the newest whatever the interval
+
+
 def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
     from lightning_shardckpt.engine.metrics import read_events
     from lightning_shardckpt.ops.health_observe import observe
