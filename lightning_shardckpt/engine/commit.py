@@ -10,6 +10,7 @@ import logging
 import pickle
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,28 +184,44 @@ class Committer:
         )
         # v2: readers check .metadata's bytes against this before they unpickle it (safe_pickle.py)
         manifest[DCP_METADATA_FIELD] = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
-        manifest_bytes = manifest_format.to_bytes(manifest)
-        # the commit record before the manifest: whenever a manifest exists, so does its record (what
-        # listing reads); a record alone commits nothing
-        fsio.write_new_file(fs, join(target.path, COMMIT_RECORD), manifest_format.to_bytes(
-            manifest_format.build_commit_record(manifest, manifest_bytes)))
-        self._fault("before_manifest")
+
+        def committed() -> None:
+            self.manifest = manifest
+            self._fault("after_manifest")
+
         try:
-            # manifest last: its existence is the commit, so it must follow every shard and .metadata
-            fsio.create_if_absent(fs, join(target.path, MANIFEST), manifest_bytes)
+            publish(fs, target.root.path, target.dirname, manifest,
+                    before_manifest=lambda: self._fault("before_manifest"), after_manifest=committed)
         except FileExistsError as err:
             raise CommitFailed(
                 f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
                 "directory. Two runs may share this root: give each run its own dirpath"
             ) from err
-        self.manifest = manifest
-        self._fault("after_manifest")
-        # `latest` is a hint for people and tools; readers confirm it against the manifests.
-        try:
-            fsio.replace_small_file(fs, join(target.root.path, LATEST), (target.dirname + "\n").encode())
-        except Exception:  # committed all the same: readers go by the manifests
-            log.warning("committed %s but could not update %s; readers fall back to the manifests", target.path, LATEST, exc_info=True)
         log.info("committed %s (%d files, %d bytes)", target.path, len(manifest["files"]), manifest_format.total_bytes(manifest))
+
+
+def publish(fs: Any, root_path: str, dirname: str, manifest: dict[str, Any], *,
+            before_manifest: Callable[[], None] | None = None, after_manifest: Callable[[], None] | None = None) -> None:
+    """The commit point of `root_path/dirname`, whose data files and `.metadata` are all written.
+
+    The commit record first (whenever a manifest exists, so does its record, which listing reads; a
+    record alone commits nothing), then the manifest by create-if-absent — its existence is the commit —
+    then the `latest` hint, which readers confirm against the manifests. Raises FileExistsError when
+    the directory has a manifest already: another writer committed it.
+    """
+    directory = join(root_path, dirname)
+    manifest_bytes = manifest_format.to_bytes(manifest)
+    fsio.write_new_file(fs, join(directory, COMMIT_RECORD), manifest_format.to_bytes(
+        manifest_format.build_commit_record(manifest, manifest_bytes)))
+    if before_manifest is not None:
+        before_manifest()
+    fsio.create_if_absent(fs, join(directory, MANIFEST), manifest_bytes)
+    if after_manifest is not None:
+        after_manifest()
+    try:
+        fsio.replace_small_file(fs, join(root_path, LATEST), (dirname + "\n").encode())
+    except Exception:  # committed all the same: readers go by the manifests
+        log.warning("committed %s but could not update %s; readers fall back to the manifests", directory, LATEST, exc_info=True)
 
 
 def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:

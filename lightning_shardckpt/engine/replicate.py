@@ -33,10 +33,10 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint
 from . import catalog, fsio, metrics
-from . import manifest as manifest_format
 from .collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from .commit import publish
 from .fsio import Location
-from .layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join, parse_dirname, shard_rank
+from .layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
 from .metrics import RunCounters
 from .tier_copy import copy_verified
 from .tiers import TiersConfig
@@ -349,20 +349,12 @@ class Replicator:
                 "tier": "fast", "url": join(self.fast.url, name),
                 "replicated_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             }
-            data = manifest_format.to_bytes(durable_manifest)
-            fsio.write_new_file(fs, join(directory, COMMIT_RECORD),
-                                manifest_format.to_bytes(manifest_format.build_commit_record(durable_manifest, data)))
-            self._fault("replicate_before_manifest")
             try:
-                # manifest last: its existence is the commit, on this tier as on the fast one
-                fsio.create_if_absent(fs, join(directory, MANIFEST), data)
+                # the same commit point as a save: record, manifest by create-if-absent, `latest`
+                publish(fs, self.durable.path, name, durable_manifest,
+                        before_manifest=lambda: self._fault("replicate_before_manifest"))
             except FileExistsError:
                 return False, f"{name}: another writer committed it on {self.durable.url} meanwhile; two runs may share this root"
-
-            try:
-                fsio.replace_small_file(fs, join(self.durable.path, LATEST), (name + "\n").encode())
-            except Exception:  # noqa: BLE001 - a hint only
-                log.warning("committed %s on %s but could not update %s", name, self.durable.url, LATEST, exc_info=True)
         except CorruptCheckpoint as err:
             return False, str(err)
         except Exception as err:  # noqa: BLE001 - unreachable storage: retried
