@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..engine import catalog, fsio, ownership
-from ..engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group
+from ..engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
 from ..engine.config import LoadConfig
 from ..engine.layout import parse_dirname
 from ..engine.replicate import DEGRADED_SAVES, UNREPLICATED_DROPPED, Replicator, missing_on_durable, newest_on_both
@@ -40,6 +40,7 @@ class CheckpointTiers:
         self._fast_failed = False  # a save on the fast tier failed (full, failing): degraded mode at the next save
         self.degraded_saver: Any = None  # saves go straight to the durable tier (degraded mode)
         self._degraded_saves = 0
+        self._last_counters: dict[str, int] = {}  # the replicator's counters when it stopped (logged after close)
 
     # --- before training ---
     def preflight(self) -> None:
@@ -103,7 +104,7 @@ class CheckpointTiers:
         self._last_counters = replicator.snapshot()
 
     def counters(self) -> dict[str, int]:
-        source = self.replicator.snapshot() if self.replicator is not None else getattr(self, "_last_counters", {})
+        source = self.replicator.snapshot() if self.replicator is not None else self._last_counters
         return {**source, **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {}),
                 **({DEGRADED_SAVES: self._degraded_saves} if self._degraded_saves else {})}
 
@@ -168,13 +169,13 @@ class CheckpointTiers:
 
     def _prune_node_local(self) -> None:
         """A node other than 0 holds shards of checkpoints whose manifest is on node 0: keep its newest few only."""
-        keep = (self.config.fast.keep_last or 0) + self.config.fast.max_unreplicated + 1
         if not self.config.fast.keep_last:
             return
+        keep = self.config.fast.keep_last + self.config.fast.max_unreplicated + 1
         try:
-            names = sorted((info.rstrip("/").rsplit("/", 1)[-1] for info in self.fast.fs.ls(self.fast.path, detail=False)),
-                           key=lambda n: (parse_dirname(n).step if parse_dirname(n) else -1, n))
-            for name in [n for n in names if parse_dirname(n)][:-keep]:
+            listed = (info.rstrip("/").rsplit("/", 1)[-1] for info in self.fast.fs.ls(self.fast.path, detail=False))
+            checkpoints = sorted((parsed.step, name) for name in listed if (parsed := parse_dirname(name)) is not None)
+            for _, name in checkpoints[:-keep]:
                 self.fast.fs.rm(f"{self.fast.path}/{name}", recursive=True)
         except Exception:  # noqa: BLE001 - the next commit retries
             log.debug("pruning %s failed", self.fast.url, exc_info=True)
@@ -206,6 +207,4 @@ class CheckpointTiers:
 
 
 def rank_zero() -> bool:
-    from ..engine.collectives import rank_and_world
-
     return rank_and_world()[0] == 0
