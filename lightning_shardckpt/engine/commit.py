@@ -207,15 +207,19 @@ def publish(fs: Any, root_path: str, dirname: str, manifest: dict[str, Any], *,
     The commit record first (whenever a manifest exists, so does its record, which listing reads; a
     record alone commits nothing), then the manifest by create-if-absent — its existence is the commit —
     then the `latest` hint, which readers confirm against the manifests. Raises FileExistsError when
-    the directory has a manifest already: another writer committed it.
+    the directory has a manifest already (another writer committed it), before anything is written:
+    rewriting the commit record of a committed checkpoint would make its manifest read as edited.
     """
     directory = join(root_path, dirname)
+    manifest_path = join(directory, MANIFEST)
+    if retry.call("exists", lambda: fs.exists(manifest_path), target=manifest_path):
+        raise FileExistsError(f"{manifest_path} exists: {dirname} is already committed")
     manifest_bytes = manifest_format.to_bytes(manifest)
     fsio.write_new_file(fs, join(directory, COMMIT_RECORD), manifest_format.to_bytes(
         manifest_format.build_commit_record(manifest, manifest_bytes)))
     if before_manifest is not None:
         before_manifest()
-    fsio.create_if_absent(fs, join(directory, MANIFEST), manifest_bytes)
+    fsio.create_if_absent(fs, manifest_path, manifest_bytes)  # a writer racing past the check above still loses here
     if after_manifest is not None:
         after_manifest()
     try:
