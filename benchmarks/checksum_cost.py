@@ -52,10 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         plain.append(write_seconds(tensors, blocks=False) / gib)
         blocked.append(write_seconds(tensors, blocks=True) / gib)
-    print(f"chunk checksum only:        {statistics.median(plain):.3f} s/GiB (min {min(plain):.3f}, max {max(plain):.3f})")
-    print(f"chunk + block checksums:    {statistics.median(blocked):.3f} s/GiB (min {min(blocked):.3f}, max {max(blocked):.3f})")
-    print(f"added by block checksums:   {statistics.median(blocked) - statistics.median(plain):+.3f} s/GiB, "
-          f"{statistics.median(blocked) / statistics.median(plain):.2f}x the writer's CPU")
+    print(
+        f"chunk checksum only:        {statistics.median(plain):.3f} s/GiB (min {min(plain):.3f}, max {max(plain):.3f})"
+    )
+    print(
+        f"chunk + block checksums:    {statistics.median(blocked):.3f} s/GiB (min {min(blocked):.3f}, max {max(blocked):.3f})"
+    )
+    print(
+        f"added by block checksums:   {statistics.median(blocked) - statistics.median(plain):+.3f} s/GiB, "
+        f"{statistics.median(blocked) / statistics.median(plain):.2f}x the writer's CPU"
+    )
     return 0
 
 

@@ -15,9 +15,10 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,10 @@ def run_world(
     queue = mp.get_context("spawn").Queue()
     try:
         mp.start_processes(
-            _rank_main, args=(world_size, port, rank_body, config, timeout_s, queue), nprocs=world_size, start_method="spawn"
+            _rank_main,
+            args=(world_size, port, rank_body, config, timeout_s, queue),
+            nprocs=world_size,
+            start_method="spawn",
         )
         return queue.get(timeout=RESULT_WAIT_S)
     except Exception as err:
@@ -87,11 +91,21 @@ def run_world(
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, rank_body: Callable[[int, int, Any], Any], config: Any, timeout_s: float, queue: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    rank_body: Callable[[int, int, Any], Any],
+    config: Any,
+    timeout_s: float,
+    queue: Any,
 ) -> None:
     """One spawned rank: join the gloo group, run `rank_body`, gather every rank's result onto rank 0's queue."""
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
     )
     try:
         result = rank_body(rank, world_size, config)
@@ -136,7 +150,9 @@ def environment() -> dict[str, Any]:
     }
 
 
-def add_shared_arguments(parser: argparse.ArgumentParser, *, size_help: str, repeats_help: str, warmup_help: str) -> None:
+def add_shared_arguments(
+    parser: argparse.ArgumentParser, *, size_help: str, repeats_help: str, warmup_help: str
+) -> None:
     """The options both benchmarks start with, with the same defaults: --size-gib, --ranks, --repeats, --warmup.
 
     The help texts are the caller's: what --size-gib measures (per rank or in all) and what a round is differ.

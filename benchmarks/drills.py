@@ -45,19 +45,46 @@ def slowdown(args: argparse.Namespace) -> dict[str, Any]:
         for cadence in order:
             times[cadence] = _train(args, cadence)
         off, on = times[None], times[args.every_n_checkpoints]
-        pairs.append({"without_s": off["loop_s"], "with_s": on["loop_s"], "slowdown": on["loop_s"] / off["loop_s"] - 1,
-                      "drills": on.get("drills"), "checkpoints": on.get("checkpoints")})
-        print(f"  run {run + 1}: without drills {off['loop_s']:.2f}s, with {on['loop_s']:.2f}s "
-              f"({pairs[-1]['slowdown'] * 100:+.1f}%), drills finished {on.get('drills')}", flush=True)
+        pairs.append(
+            {
+                "without_s": off["loop_s"],
+                "with_s": on["loop_s"],
+                "slowdown": on["loop_s"] / off["loop_s"] - 1,
+                "drills": on.get("drills"),
+                "checkpoints": on.get("checkpoints"),
+            }
+        )
+        print(
+            f"  run {run + 1}: without drills {off['loop_s']:.2f}s, with {on['loop_s']:.2f}s "
+            f"({pairs[-1]['slowdown'] * 100:+.1f}%), drills finished {on.get('drills')}",
+            flush=True,
+        )
     slow = [pair["slowdown"] for pair in pairs]
-    return {"pairs": pairs, "slowdown_min": min(slow), "slowdown_median": statistics.median(slow), "slowdown_max": max(slow)}
+    return {
+        "pairs": pairs,
+        "slowdown_min": min(slow),
+        "slowdown_median": statistics.median(slow),
+        "slowdown_max": max(slow),
+    }
 
 
 def _train(args: argparse.Namespace, cadence: int | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="shardckpt-drillbench-") as workdir:
         out = os.path.join(workdir, "result.json")
-        command = [sys.executable, str(TRAIN_SCRIPT), "--root", os.path.join(workdir, "ckpt"), "--out", out,
-                   "--steps", str(args.steps), "--save-every", str(args.save_every), "--d-model", str(args.d_model)]
+        command = [
+            sys.executable,
+            str(TRAIN_SCRIPT),
+            "--root",
+            os.path.join(workdir, "ckpt"),
+            "--out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--save-every",
+            str(args.save_every),
+            "--d-model",
+            str(args.d_model),
+        ]
         if cadence is not None:
             command += ["--drill-every", str(cadence)]
         subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -78,12 +105,15 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         path = outcome[0]
         samples: dict[int, list[dict[str, Any]]] = {2: [], 1: []}
         for run in range(args.runs):
-            for world_size in ((2, 1) if run % 2 == 0 else (1, 2)):
+            for world_size in (2, 1) if run % 2 == 0 else (1, 2):
                 record = run_drill(path, DrillOptions(world_size=world_size, timeout_s=1200, nice=0))
                 if record["verdict"] != "passed":
                     raise RuntimeError(f"drill failed: {record.get('cause')}")
                 samples[world_size].append(record)
-                print(f"  run {run + 1}: drill on {world_size} rank(s): time to resume {record['time_to_resume_s']:.2f}s", flush=True)
+                print(
+                    f"  run {run + 1}: drill on {world_size} rank(s): time to resume {record['time_to_resume_s']:.2f}s",
+                    flush=True,
+                )
         bytes_total = samples[2][0]["bytes_read"]
         return {"bytes": bytes_total, "by_world_size": {ws: _stats(records) for ws, records in samples.items()}}
 
@@ -107,8 +137,11 @@ def _stats(records: list[dict[str, Any]]) -> dict[str, Any]:
         return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
     split = {key: spread([r["timings"][key] for r in records]) for key in records[0]["timings"]}
-    return {"time_to_resume_s": spread([r["time_to_resume_s"] for r in records]),
-            "read_gbps": spread([r["read_gbps"] for r in records]), "split_s": split}
+    return {
+        "time_to_resume_s": spread([r["time_to_resume_s"] for r in records]),
+        "read_gbps": spread([r["read_gbps"] for r in records]),
+        "split_s": split,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,23 +158,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.every_n_checkpoints is None:
         import yaml
 
-        args.every_n_checkpoints = yaml.safe_load((REPO / "conf/checkpoint/default.yaml").read_text())["drill"]["every_n_checkpoints"]
+        args.every_n_checkpoints = yaml.safe_load((REPO / "conf/checkpoint/default.yaml").read_text())["drill"][
+            "every_n_checkpoints"
+        ]
     report: dict[str, Any] = {"args": vars(args), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if args.part in ("both", "slowdown"):
-        print(f"slowdown: 2 DDP ranks, {args.steps} steps, checkpoint every {args.save_every}, "
-              f"drill every {args.every_n_checkpoints} checkpoint(s); {args.runs} pairs", flush=True)
+        print(
+            f"slowdown: 2 DDP ranks, {args.steps} steps, checkpoint every {args.save_every}, "
+            f"drill every {args.every_n_checkpoints} checkpoint(s); {args.runs} pairs",
+            flush=True,
+        )
         report["slowdown"] = result = slowdown(args)
-        print(f"training slowdown with drills: min {result['slowdown_min'] * 100:+.1f}%, median "
-              f"{result['slowdown_median'] * 100:+.1f}%, max {result['slowdown_max'] * 100:+.1f}% (target <= +5%)")
+        print(
+            f"training slowdown with drills: min {result['slowdown_min'] * 100:+.1f}%, median "
+            f"{result['slowdown_median'] * 100:+.1f}%, max {result['slowdown_max'] * 100:+.1f}% (target <= +5%)"
+        )
     if args.part in ("both", "resume"):
-        print(f"resume: {args.size_gib} GiB per rank written on 2 ranks; drills on 2 and on 1 rank, {args.runs} each", flush=True)
+        print(
+            f"resume: {args.size_gib} GiB per rank written on 2 ranks; drills on 2 and on 1 rank, {args.runs} each",
+            flush=True,
+        )
         report["resume"] = result = resume(args)
         for world_size, stats in result["by_world_size"].items():
             ttr, split = stats["time_to_resume_s"], stats["split_s"]
-            print(f"  drill on {world_size} rank(s){' (= writer)' if world_size == 2 else ' (resharded)'}: time to resume "
-                  f"min {ttr['min']:.2f} / median {ttr['median']:.2f} / max {ttr['max']:.2f} s; median split: "
-                  + ", ".join(f"{k} {v['median']:.2f}" for k, v in split.items() if k != "time_to_resume_s")
-                  + f"; read {stats['read_gbps']['median']:.2f} GB/s")
+            print(
+                f"  drill on {world_size} rank(s){' (= writer)' if world_size == 2 else ' (resharded)'}: time to resume "
+                f"min {ttr['min']:.2f} / median {ttr['median']:.2f} / max {ttr['max']:.2f} s; median split: "
+                + ", ".join(f"{k} {v['median']:.2f}" for k, v in split.items() if k != "time_to_resume_s")
+                + f"; read {stats['read_gbps']['median']:.2f} GB/s"
+            )
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "drills.json")
     Path(path).write_text(json.dumps(report, indent=1, default=str))

@@ -20,8 +20,8 @@ import lightning.pytorch as pl  # noqa: E402
 import lm  # noqa: E402
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy  # noqa: E402
-from lightning_shardckpt.engine.fsio import resolve  # noqa: E402
 from lightning_shardckpt.engine import drill_records  # noqa: E402
+from lightning_shardckpt.engine.fsio import resolve  # noqa: E402
 
 
 class LoopTimer(pl.Callback):
@@ -50,19 +50,32 @@ def main() -> None:
     data = lm.CharDataModule(num_chars=400_000, batch_size=16)
     model = lm.CharLM(vocab_size=len(lm.ALPHABET), d_model=args.d_model, n_layers=4, n_heads=4, decay_steps=args.steps)
     drill = {"every_n_checkpoints": args.drill_every, "probe": "lm:probe"} if args.drill_every else None
-    checkpoint = ShardedCheckpoint(args.root, every_n_train_steps=args.save_every, keep_last=2, log_artifact=False, drill=drill)
+    checkpoint = ShardedCheckpoint(
+        args.root, every_n_train_steps=args.save_every, keep_last=2, log_artifact=False, drill=drill
+    )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ShardedStrategy(parallelism="ddp"), max_steps=args.steps,
-        callbacks=[timer := LoopTimer(), checkpoint], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=args.steps,
+        callbacks=[timer := LoopTimer(), checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(model, data)
     if trainer.is_global_zero:
         drills = drill_records.list_record_names(resolve(args.root))
-        Path(args.out).write_text(json.dumps({
-            "loop_s": timer.loop_s, "checkpoints": trainer.global_step // args.save_every,
-            "drills": sum(len(records) for records in drills.values()),
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "loop_s": timer.loop_s,
+                    "checkpoints": trainer.global_step // args.save_every,
+                    "drills": sum(len(records) for records in drills.values()),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -80,9 +80,14 @@ def main() -> None:
         _python(_SAVE, root, str(count), str(numel))
         baseline = [_python(_BASELINE)["peak_kib"] / 1024 for _ in range(args.runs)]
         base = statistics.median(baseline)
-        print(f"state: {count} float32 tensors of {largest_mib:.0f} MiB = {count * largest_mib / 1024:.2f} GiB; "
-              f"interpreter baseline (import only) median {base:.0f} MiB; load {os.getloadavg()[0]:.2f}")
-        print(f"{'format':<12} {'peak RSS MiB min/median/max':<30} {'(peak-base)/largest':<22} {'seconds median':<15} target <= {TARGET_RATIO:g}x")
+        print(
+            f"state: {count} float32 tensors of {largest_mib:.0f} MiB = {count * largest_mib / 1024:.2f} GiB; "
+            f"interpreter baseline (import only) median {base:.0f} MiB; load {os.getloadavg()[0]:.2f}"
+        )
+        print(
+            f"{'format':<12} {'peak RSS MiB min/median/max':<30} {'(peak-base)/largest':<22} {'seconds median':<15} "
+            f"target <= {TARGET_RATIO:g}x"
+        )
         for fmt in FORMATS:
             peaks, seconds = [], []
             for run in range(args.runs):

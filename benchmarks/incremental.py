@@ -73,8 +73,9 @@ class TrainableCopy:
         return time.perf_counter() - started
 
 
-def run_mode(root: str, state: dict, changing: list[torch.Tensor], incremental: bool, saves: int,
-             floor: TrainableCopy) -> list[dict]:
+def run_mode(
+    root: str, state: dict, changing: list[torch.Tensor], incremental: bool, saves: int, floor: TrainableCopy
+) -> list[dict]:
     config = SaveConfig(incremental=incremental, full_every_n=1000, overlap_staging=False, write_events=False)
     saver = CheckpointSaver(root, config)
     rows = []
@@ -123,19 +124,31 @@ def main() -> None:
         return statistics.median(row[key] for row in results[mode])
 
     copy_s = median("incremental", "copy")
-    print(f"model {model_bytes / 2**30:.2f} GiB, {args.frozen:.0%} frozen; trainable state (params + 2 moments) "
-          f"{trainable_state / 2**20:.0f} MiB; copy of the trainable state {copy_s:.4f} s "
-          "(median, measured right before each incremental save)")
-    print(f"{'mode':<12} {'bytes MiB':>10} {'pause s':>9} {'total s':>9}   (medians over {args.saves} saves after the first)")
+    print(
+        f"model {model_bytes / 2**30:.2f} GiB, {args.frozen:.0%} frozen; trainable state (params + 2 moments) "
+        f"{trainable_state / 2**20:.0f} MiB; copy of the trainable state {copy_s:.4f} s "
+        "(median, measured right before each incremental save)"
+    )
+    print(
+        f"{'mode':<12} {'bytes MiB':>10} {'pause s':>9} {'total s':>9}   (medians over {args.saves} saves after the first)"
+    )
     for mode in ("full", "incremental"):
-        print(f"{mode:<12} {median(mode, 'bytes') / 2**20:>10.1f} {median(mode, 'pause'):>9.4f} {median(mode, 'total'):>9.3f}")
+        print(
+            f"{mode:<12} {median(mode, 'bytes') / 2**20:>10.1f} {median(mode, 'pause'):>9.4f} {median(mode, 'total'):>9.3f}"
+        )
     bytes_ratio = median("incremental", "bytes") / trainable_state
     pause_ratio = median("incremental", "pause") / copy_s
-    print(f"incremental vs full: bytes {median('incremental', 'bytes') / median('full', 'bytes'):.3f}x, "
-          f"pause {median('incremental', 'pause') / median('full', 'pause'):.3f}x, "
-          f"total {median('incremental', 'total') / median('full', 'total'):.3f}x")
-    print(f"incremental bytes / trainable state = {bytes_ratio:.3f} (target <= 1.1: {'met' if bytes_ratio <= 1.1 else 'MISSED'})")
-    print(f"incremental pause / copy of trainable state = {pause_ratio:.3f} (target <= 1.2: {'met' if pause_ratio <= 1.2 else 'MISSED'})")
+    print(
+        f"incremental vs full: bytes {median('incremental', 'bytes') / median('full', 'bytes'):.3f}x, "
+        f"pause {median('incremental', 'pause') / median('full', 'pause'):.3f}x, "
+        f"total {median('incremental', 'total') / median('full', 'total'):.3f}x"
+    )
+    print(
+        f"incremental bytes / trainable state = {bytes_ratio:.3f} (target <= 1.1: {'met' if bytes_ratio <= 1.1 else 'MISSED'})"
+    )
+    print(
+        f"incremental pause / copy of trainable state = {pause_ratio:.3f} (target <= 1.2: {'met' if pause_ratio <= 1.2 else 'MISSED'})"
+    )
 
 
 if __name__ == "__main__":

@@ -29,30 +29,55 @@ OPERATIONS = ("ls", "resolve_latest", "retention")
 RUN_ID = "listing-bench-run"
 
 
-def synthetic_manifest(step: int, checkpoint_id: str, parent: str | None, seq: int, created_at: str,
-                       tensors: int, version: int = 2) -> dict:
+def synthetic_manifest(
+    step: int, checkpoint_id: str, parent: str | None, seq: int, created_at: str, tensors: int, version: int = 2
+) -> dict:
     """A manifest with `tensors` one-chunk tensors in one shard file, as the writer lays them out."""
     table, offset = [], 0
     for index in range(tensors):
         length = 4096 + index
-        table.append({
-            "fqn": f"model.layers.{index // 6}.block.{index % 6}.weight", "shape": [64, 16], "dtype": "torch.float32",
-            "chunks": [{"offsets": [0, 0], "sizes": [64, 16], "file": "__0_0.distcp", "offset": offset,
-                        "length": length, "checksum": f"{(index * 2654435761) % 2**64:016x}"}],
-        })
+        table.append(
+            {
+                "fqn": f"model.layers.{index // 6}.block.{index % 6}.weight",
+                "shape": [64, 16],
+                "dtype": "torch.float32",
+                "chunks": [
+                    {
+                        "offsets": [0, 0],
+                        "sizes": [64, 16],
+                        "file": "__0_0.distcp",
+                        "offset": offset,
+                        "length": length,
+                        "checksum": f"{(index * 2654435761) % 2**64:016x}",
+                    }
+                ],
+            }
+        )
         offset += length
     manifest = {
-        "format_version": version, "id": checkpoint_id, "parent": parent, "step": step, "epoch": 0,
-        "samples_consumed": step * 32, "created_at": created_at,
+        "format_version": version,
+        "id": checkpoint_id,
+        "parent": parent,
+        "step": step,
+        "epoch": 0,
+        "samples_consumed": step * 32,
+        "created_at": created_at,
         "writer": {"lightning_shardckpt": "bench", "torch": "bench", "python": "3"},
         "checksum_algorithm": "xxh3_64",
         "topology": {"world_size": 1, "device_type": "cpu", "parallelism": "ddp", "mesh_shape": None},
         "files": [{"path": "__0_0.distcp", "bytes": offset, "checksum": f"{step:016x}"}],
-        "tensors": table, "objects": [],
+        "tensors": table,
+        "objects": [],
         "identity": {"config": None, "data": None, "model": None, "code": None, "run": None},
-        "verification": {"mode": "sample", "chunks_total": tensors, "bytes_total": offset,
-                         "chunks_verified": 1, "bytes_verified": 4096},
-        "extra": {}, "run_id": RUN_ID,
+        "verification": {
+            "mode": "sample",
+            "chunks_total": tensors,
+            "bytes_total": offset,
+            "chunks_verified": 1,
+            "bytes_verified": 4096,
+        },
+        "extra": {},
+        "run_id": RUN_ID,
     }
     if version >= 2:
         manifest["seq"] = seq
@@ -149,22 +174,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         started = time.perf_counter()
         make_root(root, args.checkpoints, args.tensors, version=int(args.format[1]))
-        print(f"built {args.checkpoints} checkpoints x {args.tensors} tensors ({args.format}) in "
-              f"{time.perf_counter() - started:.1f}s at {root}", file=sys.stderr)
+        print(
+            f"built {args.checkpoints} checkpoints x {args.tensors} tensors ({args.format}) in "
+            f"{time.perf_counter() - started:.1f}s at {root}",
+            file=sys.stderr,
+        )
         results: dict[str, list[dict]] = {operation: [] for operation in OPERATIONS}
         for repeat in range(args.repeats):
             for operation in OPERATIONS:  # rotated order would not matter: each is its own process
-                out = subprocess.run([sys.executable, __file__, "--child", operation, "--root", root],
-                                     check=True, capture_output=True, text=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", operation, "--root", root],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
                 result = json.loads(out.stdout.strip().splitlines()[-1])
                 print(json.dumps({"repeat": repeat, **result}))
                 results[operation].append(result)
-        print(f"\n{args.checkpoints} checkpoints x {args.tensors}-tensor manifests, format {args.format}, local disk; "
-              f"{args.repeats} fresh processes each: min / median / max")
+        print(
+            f"\n{args.checkpoints} checkpoints x {args.tensors}-tensor manifests, format {args.format}, local disk; "
+            f"{args.repeats} fresh processes each: min / median / max"
+        )
         print(f"{'operation':<16}{'seconds':<26}{'extra RSS (MiB)'}")
         for operation, rows in results.items():
-            print(f"{operation:<16}{_spread([r['seconds'] for r in rows], '.3f'):<26}"
-                  f"{_spread([r['extra_rss_mib'] for r in rows], '.1f')}")
+            print(
+                f"{operation:<16}{_spread([r['seconds'] for r in rows], '.3f'):<26}"
+                f"{_spread([r['extra_rss_mib'] for r in rows], '.1f')}"
+            )
     finally:
         if not args.root:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -69,7 +69,15 @@ import torch
 import torch.distributed as dist
 
 # benchmarks/*.py: run as a script, this file's folder is sys.path[0]
-from common import add_shared_arguments, checkpoint_workdir, environment, error_text, make_state, parse_rank_counts, run_world
+from common import (
+    add_shared_arguments,
+    checkpoint_workdir,
+    environment,
+    error_text,
+    make_state,
+    parse_rank_counts,
+    run_world,
+)
 from pause_methods import FINISHES, METHODS, STARTS, BenchConfig, RankContext, make_full_state, state_rows
 from pause_profile import profile_ours
 from pause_report import format_table, plot, summarize
@@ -168,10 +176,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temp dir)")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where pause.json and pause.png go")
-    parser.add_argument("--profile", action="store_true", help="cProfile extra saves of ours on rank 0 and time the pause's pieces")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile extra saves of ours on rank 0 and time the pause's pieces"
+    )
     parser.add_argument("--profile-saves", type=int, default=5, help="saves profiled with --profile")
     args = parser.parse_args(argv)
-    if args.size_gib <= 0 or args.repeats < 1 or args.tensors < 1 or args.warmup < 1 or args.threads < 1 or args.profile_saves < 1:
+    if (
+        args.size_gib <= 0
+        or args.repeats < 1
+        or args.tensors < 1
+        or args.warmup < 1
+        or args.threads < 1
+        or args.profile_saves < 1
+    ):
         parser.error("--size-gib must be > 0; --repeats, --warmup, --tensors, --threads, --profile-saves >= 1")
     return args
 
@@ -182,13 +199,29 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.abspath(args.out_dir)
     with checkpoint_workdir(args.workdir, prefix="shardckpt-pause-") as workdir:
         config = BenchConfig(
-            size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
-            workdir=workdir, out_dir=out_dir, profile=args.profile, profile_saves=args.profile_saves,
+            size_gib=args.size_gib,
+            tensors=args.tensors,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            threads=args.threads,
+            workdir=workdir,
+            out_dir=out_dir,
+            profile=args.profile,
+            profile_saves=args.profile_saves,
         )
-        report: dict[str, Any] = {"config": {**asdict(config), "ranks": rank_counts}, "environment": environment(), "results": []}
+        report: dict[str, Any] = {
+            "config": {**asdict(config), "ranks": rank_counts},
+            "environment": environment(),
+            "results": [],
+        }
         for world_size in rank_counts:
-            print(f"running {world_size} rank(s), {args.size_gib} GiB per rank, {args.repeats} repeat(s) in {workdir} ...", flush=True)
-            report["results"].append(summarize(world_size, config, run_world(world_size, rank_main, config, RANK_TIMEOUT_S)))
+            print(
+                f"running {world_size} rank(s), {args.size_gib} GiB per rank, {args.repeats} repeat(s) in {workdir} ...",
+                flush=True,
+            )
+            report["results"].append(
+                summarize(world_size, config, run_world(world_size, rank_main, config, RANK_TIMEOUT_S))
+            )
     table = format_table(report["results"])
     report["table"] = table.splitlines()
     os.makedirs(out_dir, exist_ok=True)

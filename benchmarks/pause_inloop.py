@@ -58,9 +58,10 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,15 +116,22 @@ class Loop:
 
         self.rank, self.world_size, self.config = rank, world_size, config
         torch.manual_seed(0)
-        layers = [torch.nn.Sequential(torch.nn.Linear(config.width, config.width), torch.nn.ReLU()) for _ in range(config.layers)]
+        layers = [
+            torch.nn.Sequential(torch.nn.Linear(config.width, config.width), torch.nn.ReLU())
+            for _ in range(config.layers)
+        ]
         self.module = torch.nn.Sequential(*layers)
         self.model = DistributedDataParallel(self.module)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
         self.generator = torch.Generator().manual_seed(rank)
         self.step()  # AdamW's moments exist from the first step on: the saved state has its final layout
         self.copy_buffers = [torch.empty_like(t) for t in self._tensors()]
-        self.blocking = CheckpointSaver(os.path.join(config.workdir, f"ours-block-{world_size}"), SaveConfig(overlap_staging=False))
-        self.overlapped = CheckpointSaver(os.path.join(config.workdir, f"ours-overlap-{world_size}"), SaveConfig(overlap_staging=True))
+        self.blocking = CheckpointSaver(
+            os.path.join(config.workdir, f"ours-block-{world_size}"), SaveConfig(overlap_staging=False)
+        )
+        self.overlapped = CheckpointSaver(
+            os.path.join(config.workdir, f"ours-overlap-{world_size}"), SaveConfig(overlap_staging=True)
+        )
         self.overlapped.guard(self.optimizer)
         self.floor_buffers = [torch.empty_like(t) for t in self._tensors()]
         self.floor_thread: threading.Thread | None = None
@@ -148,11 +156,21 @@ class Loop:
 
     def state(self) -> dict[str, Any]:
         """What our strategy and DCP save: the model and optimizer state dicts keyed by parameter name."""
-        return {"model": get_model_state_dict(self.module), "optim": get_optimizer_state_dict(self.module, self.optimizer)}
+        return {
+            "model": get_model_state_dict(self.module),
+            "optim": get_optimizer_state_dict(self.module, self.optimizer),
+        }
 
     def lightning_checkpoint(self) -> dict[str, Any]:
-        return {"epoch": 0, "global_step": self.saved_step, "state_dict": self.module.state_dict(),
-                "optimizer_states": [self.optimizer.state_dict()], "loops": {}, "callbacks": {}, "lr_schedulers": []}
+        return {
+            "epoch": 0,
+            "global_step": self.saved_step,
+            "state_dict": self.module.state_dict(),
+            "optimizer_states": [self.optimizer.state_dict()],
+            "loops": {},
+            "callbacks": {},
+            "lr_schedulers": [],
+        }
 
     def checkpoint(self, method: str, directory: str) -> None:
         self.saved_step += 1
@@ -179,8 +197,11 @@ class Loop:
         elif method == "dcp_async":
             if self.dcp_future is not None:
                 self.dcp_future.result()  # one in flight, like ours
-            self.dcp_future = dcp.async_save(self.state(), checkpoint_id=os.path.join(directory, f"step-{self.saved_step}"),
-                                             process_group=self.dcp_group)
+            self.dcp_future = dcp.async_save(
+                self.state(),
+                checkpoint_id=os.path.join(directory, f"step-{self.saved_step}"),
+                process_group=self.dcp_group,
+            )
         self.blocked.append(time.perf_counter() - started)
 
     def _write_floor(self, path: str) -> None:
@@ -230,8 +251,13 @@ class Loop:
         dist.barrier()
         seconds = time.perf_counter() - started
         self.finish(method)
-        return {"method": method, "seconds": seconds, "steps": steps, "blocked": self.blocked,
-                "checkpoints": len(self.blocked)}
+        return {
+            "method": method,
+            "seconds": seconds,
+            "steps": steps,
+            "blocked": self.blocked,
+            "checkpoints": len(self.blocked),
+        }
 
     def close(self) -> None:
         self.blocking.close()
@@ -275,7 +301,10 @@ def _delta(segment: dict[str, Any], lead: int) -> float:
 
 
 def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str) -> dict[str, Any]:
-    summary: dict[str, Any] = {"ranks": world_size, "methods": {m: {"delta_s": [], "blocked_s": [], "errors": []} for m in METHODS}}
+    summary: dict[str, Any] = {
+        "ranks": world_size,
+        "methods": {m: {"delta_s": [], "blocked_s": [], "errors": []} for m in METHODS},
+    }
     if isinstance(per_rank, str):
         for entry in summary["methods"].values():
             entry["errors"].append(per_rank)
@@ -311,15 +340,22 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str)
     # the issue's targets are on the loop delta; the same ratios on the blocked time (measured directly,
     # not a difference of two noisy loop times) say what the overlap itself achieves
     summary["targets"] = {
-        f"ours overlapped loop delta <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(overlap["median_delta_s"], copy_s),
+        f"ours overlapped loop delta <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(
+            overlap["median_delta_s"], copy_s
+        ),
         f"ours overlapped loop delta >= {STALL_VS_PL_TARGET:.0f}x shorter than Lightning sync": ratio_or_none(
-            methods["pl_sync"]["median_delta_s"], overlap["median_delta_s"]),
+            methods["pl_sync"]["median_delta_s"], overlap["median_delta_s"]
+        ),
         # what ours costs the loop beyond persisting the same bytes with bare writes (the OS's share on this machine)
         f"ours overlapped loop delta beyond a bare write <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(
-            _minus(overlap["median_delta_s"], methods["write_floor"]["median_delta_s"]), copy_s),
-        f"ours overlapped blocked <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(overlap["median_blocked_s"], copy_s),
+            _minus(overlap["median_delta_s"], methods["write_floor"]["median_delta_s"]), copy_s
+        ),
+        f"ours overlapped blocked <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(
+            overlap["median_blocked_s"], copy_s
+        ),
         f"ours overlapped blocked >= {STALL_VS_PL_TARGET:.0f}x shorter than Lightning sync": ratio_or_none(
-            methods["pl_sync"]["median_blocked_s"], overlap["median_blocked_s"]),
+            methods["pl_sync"]["median_blocked_s"], overlap["median_blocked_s"]
+        ),
     }
     return summary
 
@@ -329,8 +365,10 @@ def _minus(a: float | None, b: float | None) -> float | None:
 
 
 def format_table(summaries: list[dict[str, Any]]) -> str:
-    header = (f"{'ranks':>5}  {'method':<28}  {'loop delta s':>12}  {'blocked s':>9}  {'delta/copy':>10}  {'pl_sync delta/delta':>19}"
-              f"  {'blocked/copy':>12}  {'pl_sync blocked/blocked':>23}")
+    header = (
+        f"{'ranks':>5}  {'method':<28}  {'loop delta s':>12}  {'blocked s':>9}  {'delta/copy':>10}  {'pl_sync delta/delta':>19}"
+        f"  {'blocked/copy':>12}  {'pl_sync blocked/blocked':>23}"
+    )
     lines = [header, "-" * len(header)]
     for summary in summaries:
         methods = summary["methods"]
@@ -342,19 +380,32 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             mark = "!" if entry["errors"] else ""
             lines.append(
                 f"{summary['ranks']:>5}  {LABELS[method] + mark:<28}  {_s(entry['median_delta_s'], 12)}  {_s(entry['median_blocked_s'], 9)}"
-                f"  {_x(ratio_or_none(entry['median_delta_s'], copy_s), 10)}  {_x(ratio_or_none(pl_delta, entry['median_delta_s']), 19)}"
-                f"  {_x(ratio_or_none(entry['median_blocked_s'], copy_s), 12)}  {_x(ratio_or_none(pl_blocked, entry['median_blocked_s']), 23)}"
+                f"  {_x(ratio_or_none(entry['median_delta_s'], copy_s), 10)}"
+                f"  {_x(ratio_or_none(pl_delta, entry['median_delta_s']), 19)}"
+                f"  {_x(ratio_or_none(entry['median_blocked_s'], copy_s), 12)}"
+                f"  {_x(ratio_or_none(pl_blocked, entry['median_blocked_s']), 23)}"
             )
         lines.append("")
     for summary in summaries:
         mib = (summary.get("state_bytes_per_rank") or 0) / 2**20
-        lines.append(f"{summary['ranks']} rank(s): {mib:.0f} MiB saved state per rank, baseline step {_s(summary.get('baseline_step_s'), 0).strip()} s, "
-                     f"raw copy {_s(summary['methods']['copy']['median_blocked_s'], 0).strip()} s")
+        lines.append(
+            f"{summary['ranks']} rank(s): {mib:.0f} MiB saved state per rank, "
+            f"baseline step {_s(summary.get('baseline_step_s'), 0).strip()} s, "
+            f"raw copy {_s(summary['methods']['copy']['median_blocked_s'], 0).strip()} s"
+        )
         for name, ratio in summary.get("targets", {}).items():
             if "<=" in name:
-                verdict = "no result" if ratio is None else f"{'met' if ratio <= STALL_VS_COPY_TARGET else 'MISSED'} ({ratio:.2f}x)"
+                verdict = (
+                    "no result"
+                    if ratio is None
+                    else f"{'met' if ratio <= STALL_VS_COPY_TARGET else 'MISSED'} ({ratio:.2f}x)"
+                )
             else:
-                verdict = "no result" if ratio is None else f"{'met' if ratio >= STALL_VS_PL_TARGET else 'MISSED'} ({ratio:.1f}x shorter)"
+                verdict = (
+                    "no result"
+                    if ratio is None
+                    else f"{'met' if ratio >= STALL_VS_PL_TARGET else 'MISSED'} ({ratio:.1f}x shorter)"
+                )
             lines.append(f"  target: {name:<66} {verdict}")
         for method, entry in summary["methods"].items():
             lines.extend(f"  failure, {method}: {error}" for error in entry["errors"])
@@ -374,13 +425,17 @@ def _x(ratio: float | None, width: int) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params-mib", type=float, default=64.0, help="float32 parameters per rank, MiB (saved state: 3x with AdamW)")
+    parser.add_argument(
+        "--params-mib", type=float, default=64.0, help="float32 parameters per rank, MiB (saved state: 3x with AdamW)"
+    )
     parser.add_argument("--layers", type=int, default=8, help="Linear layers of the MLP")
     parser.add_argument("--batch", type=int, default=64, help="rows per step (a longer step hides more)")
     parser.add_argument("--steps", type=int, default=20, help="steps per segment with checkpoints")
     # every method keeps one write in flight: an interval shorter than the write (192 MiB takes 0.1-1.5 s to reach
     # this VM's disk) makes the next checkpoint wait for the previous one, and the table then measures the disk
-    parser.add_argument("--every", type=int, default=10, help="a checkpoint every N steps; N more steps end the segment")
+    parser.add_argument(
+        "--every", type=int, default=10, help="a checkpoint every N steps; N more steps end the segment"
+    )
     parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
@@ -388,7 +443,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temp dir)")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where pause_inloop.json goes")
     args = parser.parse_args(argv)
-    if min(args.params_mib, args.layers, args.batch, args.steps, args.every, args.repeats, args.threads) <= 0 or args.warmup < 0:
+    if (
+        min(args.params_mib, args.layers, args.batch, args.steps, args.every, args.repeats, args.threads) <= 0
+        or args.warmup < 0
+    ):
         parser.error("sizes, --steps, --every, --repeats, --threads must be > 0; --warmup >= 0")
     if args.steps % args.every:
         parser.error(f"--steps={args.steps} must be a multiple of --every={args.every}")
@@ -400,8 +458,14 @@ def _load_summaries(path: str) -> list[dict[str, Any]]:
     with open(path) as handle:
         report = json.load(handle)
     every = report["config"]["every"]
-    return [summarize(r["ranks"], every, [{"rounds": rounds, "state_bytes": r.get("state_bytes_per_rank", 0)}
-                                          for rounds in r["per_rank_rounds"]]) for r in report["results"]]
+    return [
+        summarize(
+            r["ranks"],
+            every,
+            [{"rounds": rounds, "state_bytes": r.get("state_bytes_per_rank", 0)} for rounds in r["per_rank_rounds"]],
+        )
+        for r in report["results"]
+    ]
 
 
 def rereport(paths: list[str]) -> str:
@@ -409,18 +473,24 @@ def rereport(paths: list[str]) -> str:
     if len(paths) == 1:
         return format_table(_load_summaries(paths[0]))
     runs = [_load_summaries(path) for path in paths]
-    lines = ["| ranks | method | blocked s | loop delta s | loop delta beyond the bare write s | blocked / raw copy"
-             " | Lightning sync blocked / blocked |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| ranks | method | blocked s | loop delta s | loop delta beyond the bare write s | blocked / raw copy"
+        " | Lightning sync blocked / blocked |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for first in runs[0]:
         summaries = [summary for run in runs for summary in run if summary["ranks"] == first["ranks"]]
 
-        def cell(value: Callable[[dict[str, Any]], float | None], digits: int, suffix: str = "") -> str:
+        def cell(
+            value: Callable[[dict[str, Any]], float | None], digits: int, suffix: str = "", summaries=summaries
+        ) -> str:
             values = sorted(v for v in (value(summary) for summary in summaries) if v is not None)
             if not values:
                 return ""
             return " / ".join(f"{v:.{digits}f}" for v in (values[0], statistics.median(values), values[-1])) + suffix
 
         for method in METHODS:
+
             def entry(summary: dict[str, Any], key: str, of: str = method) -> float | None:
                 return summary["methods"][of][key]
 
@@ -443,12 +513,27 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.abspath(args.out_dir)
     report: dict[str, Any] = {"environment": environment(), "results": []}
     with checkpoint_workdir(args.workdir, prefix="shardckpt-inloop-") as workdir:
-        config = InLoopConfig(params_mib=args.params_mib, width=width, layers=args.layers, batch=args.batch, steps=args.steps,
-                              every=args.every, repeats=args.repeats, warmup=args.warmup, threads=args.threads, workdir=workdir)
+        config = InLoopConfig(
+            params_mib=args.params_mib,
+            width=width,
+            layers=args.layers,
+            batch=args.batch,
+            steps=args.steps,
+            every=args.every,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            threads=args.threads,
+            workdir=workdir,
+        )
         report["config"] = {**asdict(config), "ranks": args.ranks}
         for world_size in parse_rank_counts(args.ranks):
-            print(f"running {world_size} rank(s): {args.layers} x Linear({width}, {width}), {args.repeats} round(s) ...", flush=True)
-            report["results"].append(summarize(world_size, config.every, run_world(world_size, rank_main, config, RANK_TIMEOUT_S)))
+            print(
+                f"running {world_size} rank(s): {args.layers} x Linear({width}, {width}), {args.repeats} round(s) ...",
+                flush=True,
+            )
+            report["results"].append(
+                summarize(world_size, config.every, run_world(world_size, rank_main, config, RANK_TIMEOUT_S))
+            )
     report["load_average_at_end"] = os.getloadavg()
     table = format_table(report["results"])
     report["table"] = table.splitlines()
@@ -457,7 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as handle:
         json.dump(report, handle, indent=2)
     print(table)
-    print(f"load average at start {report['environment']['load_average_at_start']}, at end {report['load_average_at_end']}; wrote {path}")
+    print(
+        f"load average at start {report['environment']['load_average_at_start']}, at end {report['load_average_at_end']}; wrote {path}"
+    )
     return 1 if any(e["errors"] for s in report["results"] for e in s["methods"].values()) else 0
 
 

@@ -7,8 +7,9 @@ until the checkpoint is complete (the total). The docstring of pause.py says wha
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp

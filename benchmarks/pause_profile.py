@@ -28,7 +28,11 @@ def profile_ours(ctx: RankContext) -> dict[str, Any]:
     from lightning_shardckpt.engine import staging
 
     pieces: dict[str, list[float]] = {
-        "save_call": [], "layout_signature": [], "has_cuda_tensors": [], "copy_state_dict": [], "copy_loop": [],
+        "save_call": [],
+        "layout_signature": [],
+        "has_cuda_tensors": [],
+        "copy_state_dict": [],
+        "copy_loop": [],
         "stage_s(record)": [],
     }
     profiler = cProfile.Profile()
@@ -55,8 +59,16 @@ def profile_ours(ctx: RankContext) -> dict[str, Any]:
         for name, fn in (
             ("layout_signature", lambda: staging.layout_signature(ctx.state)),
             ("has_cuda_tensors", lambda: staging._has_cuda_tensors(ctx.state)),
-            ("copy_state_dict", lambda: _copy_state_dict(ctx.state, buffers, non_blocking=False, type_check=False)),
-            ("copy_loop", lambda: [b.to_local().copy_(s.to_local()) for s, b in zip(ctx.state.values(), buffers.values())]),
+            (
+                "copy_state_dict",
+                lambda buffers=buffers: _copy_state_dict(ctx.state, buffers, non_blocking=False, type_check=False),
+            ),
+            (
+                "copy_loop",
+                lambda buffers=buffers: [
+                    b.to_local().copy_(s.to_local()) for s, b in zip(ctx.state.values(), buffers.values())
+                ],
+            ),
         ):
             started = time.perf_counter()
             fn()
@@ -65,9 +77,13 @@ def profile_ours(ctx: RankContext) -> dict[str, Any]:
     if ctx.rank == 0:
         stream = io.StringIO()
         stats = pstats.Stats(profiler, stream=stream).strip_dirs()
-        stream.write(f"cProfile of {ctx.config.profile_saves} CheckpointSaver.save() calls on rank 0 of {ctx.world_size}, "
-                     f"{ctx.config.size_gib} GiB/rank, {ctx.config.tensors} tensors\n\n")
-        stream.write("pieces timed one by one (median s): " + json.dumps({k: round(v, 5) for k, v in medians.items()}) + "\n\n")
+        stream.write(
+            f"cProfile of {ctx.config.profile_saves} CheckpointSaver.save() calls on rank 0 of {ctx.world_size}, "
+            f"{ctx.config.size_gib} GiB/rank, {ctx.config.tensors} tensors\n\n"
+        )
+        stream.write(
+            "pieces timed one by one (median s): " + json.dumps({k: round(v, 5) for k, v in medians.items()}) + "\n\n"
+        )
         stats.sort_stats("cumulative").print_stats(35)
         stats.sort_stats("tottime").print_stats(20)
         os.makedirs(ctx.config.out_dir, exist_ok=True)

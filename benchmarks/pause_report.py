@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from common import phase_medians, ratio_or_none
 from pause_methods import LABELS, METHODS, OUR_PHASES, BenchConfig, bytes_per_rank
@@ -18,7 +19,10 @@ def summarize(world_size: int, config: BenchConfig, per_rank: list[dict[str, Any
     summary: dict[str, Any] = {
         "ranks": world_size,
         "bytes_per_rank": bytes_per_rank(config, world_size),
-        "methods": {m: {"pause_s": [], "total_s": [], "warmup_pause_s": [], "warmup_total_s": [], "errors": []} for m in (*METHODS, "ours_cold")},
+        "methods": {
+            m: {"pause_s": [], "total_s": [], "warmup_pause_s": [], "warmup_total_s": [], "errors": []}
+            for m in (*METHODS, "ours_cold")
+        },
     }
     methods = summary["methods"]
     phases: list[list[dict[str, float]]] = []
@@ -34,7 +38,9 @@ def summarize(world_size: int, config: BenchConfig, per_rank: list[dict[str, Any
             head = same[0]
             entry = methods[head["method"]]
             errors = [f"rank {rank}: {s['error']}" for rank, s in enumerate(same) if s["error"]]
-            entry["errors"].extend(f"{'warm-up' if head['warmup'] else 'timed'} round {head['round']}: {e}" for e in errors)
+            entry["errors"].extend(
+                f"{'warm-up' if head['warmup'] else 'timed'} round {head['round']}: {e}" for e in errors
+            )
             cold = head["method"] == "ours" and first_ours
             if head["method"] == "ours":
                 first_ours = False
@@ -64,7 +70,9 @@ def summarize(world_size: int, config: BenchConfig, per_rank: list[dict[str, Any
         }
     ours_pause, ours_total = median["ours"]
     summary["targets"] = {
-        f"ours pause <= {PAUSE_VS_COPY_TARGET}x raw copy": _verdict(ratio_or_none(ours_pause, copy_s), lambda r: r <= PAUSE_VS_COPY_TARGET, "{:.2f}x"),
+        f"ours pause <= {PAUSE_VS_COPY_TARGET}x raw copy": _verdict(
+            ratio_or_none(ours_pause, copy_s), lambda r: r <= PAUSE_VS_COPY_TARGET, "{:.2f}x"
+        ),
         f"ours pause >= {PAUSE_VS_PL_TARGET:.0f}x shorter than Lightning sync": _verdict(
             ratio_or_none(pl_s, ours_pause), lambda r: r >= PAUSE_VS_PL_TARGET, "{:.1f}x shorter"
         ),
@@ -106,7 +114,10 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
         lines.append("")
     for summary in summaries:
         gib = summary["bytes_per_rank"] / 2**30
-        lines.append(f"{summary['ranks']} rank(s), {gib:.2f} GiB per rank ({summary['ranks'] * gib:.2f} GiB in all; Lightning saves all of it from rank 0):")
+        lines.append(
+            f"{summary['ranks']} rank(s), {gib:.2f} GiB per rank ({summary['ranks'] * gib:.2f} GiB in all; "
+            "Lightning saves all of it from rank 0):"
+        )
         for name, verdict in summary["targets"].items():
             lines.append(f"  target: {name:<48} {verdict['text']}")
         phases = summary["ours_phases"]["median_of_slowest_rank_s"]
@@ -114,8 +125,10 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
         lines.append(f"  ours, the saver's own record (median of the slowest rank, s): {breakdown}")
         pieces = [p for p in summary.get("pause_pieces_median_s_per_rank", []) if p]
         if pieces:
-            lines.append("  ours pause, pieces timed one by one (--profile, median s, rank 0): "
-                         + ", ".join(f"{k} {v:.4f}" for k, v in pieces[0].items()))
+            lines.append(
+                "  ours pause, pieces timed one by one (--profile, median s, rank 0): "
+                + ", ".join(f"{k} {v:.4f}" for k, v in pieces[0].items())
+            )
     if failures:
         lines.append("failures (! marks a median over fewer samples than asked):")
         lines.extend(f"  {failure}" for failure in failures)
@@ -142,29 +155,59 @@ def plot(summaries: list[dict[str, Any]], path: str, config: BenchConfig) -> Non
     width = 0.38
     for ax, summary in zip(axes[0], summaries):
         xs = range(len(order))
-        for offset, key, color, label in ((-width / 2, "median_pause_s", "#d62728", "pause (training blocked)"),
-                                          (width / 2, "median_total_s", "#1f77b4", "total (until complete)")):
+        for offset, key, color, label in (
+            (-width / 2, "median_pause_s", "#d62728", "pause (training blocked)"),
+            (width / 2, "median_total_s", "#1f77b4", "total (until complete)"),
+        ):
             values = [summary["methods"][m][key] or 0.0 for m in order]
-            bars = ax.bar([x + offset for x in xs], [v if v > 0 else float("nan") for v in values], width, color=color, label=label)
+            bars = ax.bar(
+                [x + offset for x in xs],
+                [v if v > 0 else float("nan") for v in values],
+                width,
+                color=color,
+                label=label,
+            )
             for bar, value in zip(bars, values):
                 if value > 0:
-                    ax.annotate(f"{value:.2g}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
-                                fontsize=7, xytext=(0, 2), textcoords="offset points")
+                    ax.annotate(
+                        f"{value:.2g}",
+                        (bar.get_x() + bar.get_width() / 2, value),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        xytext=(0, 2),
+                        textcoords="offset points",
+                    )
         copy_s = summary["methods"]["copy"]["median_total_s"]
         if copy_s:
-            ax.axhline(copy_s * PAUSE_VS_COPY_TARGET, color="#d62728", linestyle=":", linewidth=1,
-                       label=f"pause target: {PAUSE_VS_COPY_TARGET}x raw copy")
+            ax.axhline(
+                copy_s * PAUSE_VS_COPY_TARGET,
+                color="#d62728",
+                linestyle=":",
+                linewidth=1,
+                label=f"pause target: {PAUSE_VS_COPY_TARGET}x raw copy",
+            )
         ax.set_yscale("log")
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([LABELS[m].replace(" ", "\n", 1) if m != "ours_cold" else "ours,\n1st save" for m in order], fontsize=8)
+        ax.set_xticklabels(
+            [LABELS[m].replace(" ", "\n", 1) if m != "ours_cold" else "ours,\n1st save" for m in order], fontsize=8
+        )
         gib = summary["bytes_per_rank"] / 2**30
         ax.set_title(f"{summary['ranks']} gloo rank(s), {gib:.2f} GiB per rank")
         ax.grid(axis="y", which="both", alpha=0.3)
     axes[0][0].set_ylabel("seconds (median, slowest rank; log scale)")
     axes[0][0].legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"Checkpoint pause vs total, {config.tensors} float32 tensors, CPU, {config.repeats} repeat(s)", fontsize=11)
-    fig.text(0.5, 0.005, "pause = training thread blocked; total = until the checkpoint is complete. Lightning's methods write the whole "
-             "state (ranks x size) from rank 0; the others write each rank's shard. Dotted: our pause target.", ha="center", fontsize=8)
+    fig.suptitle(
+        f"Checkpoint pause vs total, {config.tensors} float32 tensors, CPU, {config.repeats} repeat(s)", fontsize=11
+    )
+    fig.text(
+        0.5,
+        0.005,
+        "pause = training thread blocked; total = until the checkpoint is complete. Lightning's methods write the whole "
+        "state (ranks x size) from rank 0; the others write each rank's shard. Dotted: our pause target.",
+        ha="center",
+        fontsize=8,
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

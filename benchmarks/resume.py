@@ -35,12 +35,12 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import save_load
 import torch
 import torch.distributed.checkpoint as dcp
 
 # benchmarks/common.py and save_load.py: run as a script, this file's folder is sys.path[0]
 from common import COLUMNS, checkpoint_workdir, environment, run_world, tensor_rows
-import save_load
 from save_load import evict_from_page_cache, mismatch, timed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -51,7 +51,13 @@ from lightning_shardckpt.engine.layout import shard_filename
 SAVED_WORLDS = (2, 3, 4)  # every checkpoint is saved once, on this many ranks
 # restoring world -> (label, method, saved world); the first row of each world is its same-size reference
 CASES = {
-    2: [("same 2->2", "ours", 2), ("resharded 4->2", "ours", 4), ("resharded 3->2", "ours", 3), ("raw 2", "raw", 2), ("dcp.load 2->2", "dcp", 2)],
+    2: [
+        ("same 2->2", "ours", 2),
+        ("resharded 4->2", "ours", 4),
+        ("resharded 3->2", "ours", 3),
+        ("raw 2", "raw", 2),
+        ("dcp.load 2->2", "dcp", 2),
+    ],
     4: [("same 4->4", "ours", 4), ("resharded 2->4", "ours", 2), ("raw 4", "raw", 4), ("dcp.load 4->4", "dcp", 4)],
 }
 ROW_MULTIPLE = 12  # rows divisible by 2, 3 and 4: every world holds even shards
@@ -85,7 +91,9 @@ def make_state(rows: list[int], rank: int, world_size: int, *, zeros: bool) -> d
         else:
             row_values = torch.arange(first, first + local_rows, dtype=torch.float32)[:, None] * 0.25
             local = row_values + torch.arange(COLUMNS, dtype=torch.float32)[None, :] * 1e-3 + index
-        state[f"layer{index:02d}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size((global_rows, COLUMNS)), stride=(COLUMNS, 1))
+        state[f"layer{index:02d}.weight"] = DTensor.from_local(
+            local, mesh, [Shard(0)], shape=torch.Size((global_rows, COLUMNS)), stride=(COLUMNS, 1)
+        )
     return state
 
 
@@ -127,13 +135,21 @@ def load_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict[str,
             if method == "raw":
                 seconds, value, error = timed(config.settle_s, _read_raw, shard_file, raw_buffer)
             elif method == "dcp":
-                seconds, value, error = timed(config.settle_s, lambda: dcp.load(target, checkpoint_id=directory))
+                seconds, value, error = timed(
+                    config.settle_s, lambda directory=directory: dcp.load(target, checkpoint_id=directory)
+                )
             else:
-                seconds, value, error = timed(config.settle_s, lambda: load_checkpoint(target, directory, config=load_config))
+                seconds, value, error = timed(
+                    config.settle_s, lambda directory=directory: load_checkpoint(target, directory, config=load_config)
+                )
             error = error or (None if method == "raw" else mismatch(expected, target))
             sample = {"case": label, "seconds": seconds, "error": error, "warmup": round_index < config.warmup}
             if method == "ours" and value is not None:
-                sample.update(read_s=getattr(value, "read_s", None), place_s=getattr(value, "place_s", None), bytes_read=value.bytes_read)
+                sample.update(
+                    read_s=getattr(value, "read_s", None),
+                    place_s=getattr(value, "place_s", None),
+                    bytes_read=value.bytes_read,
+                )
             samples.append(sample)
     return samples
 
@@ -160,7 +176,18 @@ def _committed_dir(root: str) -> str:
 
 def summarize(world_size: int, per_rank: list[list[dict[str, Any]]] | str) -> list[dict[str, Any]]:
     """Per case: the slowest rank's seconds per timed round (min/median/max), errors, our reader's split."""
-    rows = {label: {"case": label, "ranks": world_size, "seconds": [], "read_s": [], "place_s": [], "bytes_read": 0, "errors": []} for label, _, _ in CASES[world_size]}
+    rows = {
+        label: {
+            "case": label,
+            "ranks": world_size,
+            "seconds": [],
+            "read_s": [],
+            "place_s": [],
+            "bytes_read": 0,
+            "errors": [],
+        }
+        for label, _, _ in CASES[world_size]
+    }
     if isinstance(per_rank, str):
         for row in rows.values():
             row["errors"].append(f"run failed: {per_rank}")
@@ -215,9 +242,17 @@ def format_table(rows: list[dict[str, Any]], size_bytes: int) -> str:
         )
     lines.append("")
     for row in rows:
-        target = RESHARD_TARGET if row["case"].startswith("resharded") else RAW_TARGET if row["case"].startswith("same") else None
+        target = (
+            RESHARD_TARGET
+            if row["case"].startswith("resharded")
+            else RAW_TARGET
+            if row["case"].startswith("same")
+            else None
+        )
         if target and row["ratio"]:
-            lines.append(f"target {row['case']} <= {target}x {row['vs']}: {'met' if row['ratio'] <= target else 'MISSED'} ({row['ratio']:.2f}x)")
+            lines.append(
+                f"target {row['case']} <= {target}x {row['vs']}: {'met' if row['ratio'] <= target else 'MISSED'} ({row['ratio']:.2f}x)"
+            )
     if failures:
         lines.append("failures:")
         lines.extend(f"  {failure}" for failure in failures)
@@ -229,10 +264,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size-gib", type=float, default=1.0, help="state size over all ranks, GiB")
     parser.add_argument("--tensors", type=int, default=16, help="number of tensors in the state")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; min/median/max over them")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (first touch of buffers, lazy imports)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed rounds first (first touch of buffers, lazy imports)"
+    )
     parser.add_argument("--settle-s", type=float, default=0.5, help="pause after a sync before each timed load")
-    parser.add_argument("--cold", action="store_true", help="drop each checkpoint's pages from the page cache before a load")
-    parser.add_argument("--read-threads", type=int, default=None, help="LoadConfig.read_threads (default: the engine's)")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop each checkpoint's pages from the page cache before a load"
+    )
+    parser.add_argument(
+        "--read-threads", type=int, default=None, help="LoadConfig.read_threads (default: the engine's)"
+    )
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a fresh dir in the temp dir)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON file with every sample")
     args = parser.parse_args(argv)
@@ -245,8 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with checkpoint_workdir(args.workdir, prefix="shardckpt-resume-") as workdir:
         config = BenchConfig(
-            size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup,
-            settle_s=args.settle_s, workdir=workdir, cold=args.cold, read_threads=args.read_threads,
+            size_gib=args.size_gib,
+            tensors=args.tensors,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            settle_s=args.settle_s,
+            workdir=workdir,
+            cold=args.cold,
+            read_threads=args.read_threads,
         )
         report: dict[str, Any] = {"config": asdict(config), "environment": environment(), "results": []}
         for world_size in SAVED_WORLDS:
@@ -257,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         for world_size in CASES:
             print(f"restoring on {world_size} rank(s), {args.repeats} repeat(s)", flush=True)
-            report["results"].extend(with_ratios(summarize(world_size, run_world(world_size, load_rank, config, RANK_TIMEOUT_S))))
+            report["results"].extend(
+                with_ratios(summarize(world_size, run_world(world_size, load_rank, config, RANK_TIMEOUT_S)))
+            )
     table = format_table(report["results"], sum(rows_of(config)) * COLUMNS * 4)
     report["table"] = table.splitlines()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -46,8 +46,9 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -304,8 +305,13 @@ def summarize(world_size: int, config: BenchConfig, per_rank: list[list[dict[str
             entry = summary[op][method]
             entry["median_s"] = statistics.median(entry["seconds"]) if entry["seconds"] else None
         medians = {method: summary[op][method]["median_s"] for method in METHODS}
-        summary[op]["ratios"] = {f"ours/{other}": ratio_or_none(medians["ours"], medians[other]) for other in ("dcp", "raw")}
-    summary["ours_save_phases"] = {"per_save_per_rank": phases, "median_of_slowest_rank_s": phase_medians(phases, OUR_PHASES)}
+        summary[op]["ratios"] = {
+            f"ours/{other}": ratio_or_none(medians["ours"], medians[other]) for other in ("dcp", "raw")
+        }
+    summary["ours_save_phases"] = {
+        "per_save_per_rank": phases,
+        "median_of_slowest_rank_s": phase_medians(phases, OUR_PHASES),
+    }
     return summary
 
 
@@ -376,14 +382,21 @@ def main(argv: list[str] | None = None) -> int:
     rank_counts = parse_rank_counts(args.ranks)
     with checkpoint_workdir(args.workdir, prefix="shardckpt-bench-") as workdir:
         config = BenchConfig(
-            size_gib=args.size_gib, tensors=args.tensors, repeats=args.repeats, warmup=args.warmup,
-            settle_s=args.settle_s, workdir=workdir, cold=args.cold,
+            size_gib=args.size_gib,
+            tensors=args.tensors,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            settle_s=args.settle_s,
+            workdir=workdir,
+            cold=args.cold,
         )
         report: dict[str, Any] = {"config": {**asdict(config), "ranks": rank_counts}, "environment": environment()}
         report["results"] = []
         for world_size in rank_counts:
             print(f"running {world_size} rank(s): {args.size_gib} GiB, {args.repeats} repeat(s), {workdir}", flush=True)
-            report["results"].append(summarize(world_size, config, run_world(world_size, rank_main, config, RANK_TIMEOUT_S)))
+            report["results"].append(
+                summarize(world_size, config, run_world(world_size, rank_main, config, RANK_TIMEOUT_S))
+            )
     table = format_table(report["results"])
     report["table"] = table.splitlines()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -66,7 +66,9 @@ class SoakConfig:
 
     def __post_init__(self) -> None:
         if self.checkpoints <= MEMORY_MARK:
-            raise ValueError(f"checkpoints={self.checkpoints}: use more than {MEMORY_MARK} (memory is compared from checkpoint {MEMORY_MARK} on)")
+            raise ValueError(
+                f"checkpoints={self.checkpoints}: use more than {MEMORY_MARK} (memory is compared from checkpoint {MEMORY_MARK} on)"
+            )
         if self.keep_last < 1:
             raise ValueError(f"keep_last={self.keep_last} must be >= 1")
 
@@ -105,11 +107,15 @@ def state_bytes(state: Any) -> int:
 def run_soak(config: SoakConfig, root: str) -> dict[str, Any]:
     """Run the soak into `root` (a fresh directory) and return the report; `report["ok"]` sums it up."""
     torch.manual_seed(config.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(config.width, config.width), torch.nn.ReLU(), torch.nn.Linear(config.width, config.width))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(config.width, config.width), torch.nn.ReLU(), torch.nn.Linear(config.width, config.width)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hook = RandomFailures(config.failure_rate, seed=config.seed, saves=config.checkpoints)
     # failed attempts stay (keep_failed_attempts): the soak checks `shardckpt gc`, the backstop for crashed runs, on them
-    save_config = SaveConfig(run_id=f"soak-{config.seed}", verify=VerifyConfig(seed=config.seed), keep_failed_attempts=True)
+    save_config = SaveConfig(
+        run_id=f"soak-{config.seed}", verify=VerifyConfig(seed=config.seed), keep_failed_attempts=True
+    )
     saver = CheckpointSaver(root, save_config, fault_hook=hook)
     location = resolve(root)
     outcomes: dict[int, str] = {}
@@ -154,51 +160,75 @@ def run_soak(config: SoakConfig, root: str) -> dict[str, Any]:
         and counters["committed"] + counters["failed"] == config.checkpoints
         and counters["skipped"] == 0
         and counters["failed"] == len(hook.injected) == expected_failures,
-        **counters, "injected": len(hook.injected), "expected_failures": expected_failures,
+        **counters,
+        "injected": len(hook.injected),
+        "expected_failures": expected_failures,
     }
 
     committed_steps = sorted(step for step, outcome in outcomes.items() if outcome == "committed")
-    expected = committed_steps[-config.keep_last:]
+    expected = committed_steps[-config.keep_last :]
     entries = catalog.list_checkpoints(location)
     on_storage = [entry.step for entry in entries if entry.committed]
-    checks["retention"] = {"ok": on_storage == expected and len(outcomes) == config.checkpoints,
-                           "expected": expected, "on_storage": on_storage, "deleted": len(deleted)}
+    checks["retention"] = {
+        "ok": on_storage == expected and len(outcomes) == config.checkpoints,
+        "expected": expected,
+        "on_storage": on_storage,
+        "deleted": len(deleted),
+    }
 
     reports = [verify_checkpoint(location, entry) for entry in entries if entry.committed]
     latest_step = _load_latest_step(root, model, optimizer) if expected else None
     checks["verify"] = {
         "ok": bool(reports) and all(report.ok for report in reports) and latest_step == expected[-1],
-        "verified": sum(report.ok for report in reports), "committed": len(reports),
+        "verified": sum(report.ok for report in reports),
+        "committed": len(reports),
         "problems": [problem for report in reports for problem in report.problems][:10],
         "latest_loaded_step": latest_step,
     }
 
     graced = gc.collect(location, config.grace_s, dry_run=False)
-    old_left = [item.name for item in graced.items if item.state == catalog.UNCOMMITTED and item.action == "keep"
-                and (item.age_s is None or item.age_s >= config.grace_s)]
+    old_left = [
+        item.name
+        for item in graced.items
+        if item.state == catalog.UNCOMMITTED
+        and item.action == "keep"
+        and (item.age_s is None or item.age_s >= config.grace_s)
+    ]
     swept = gc.collect(location, 0.0, dry_run=False)
     after = catalog.list_checkpoints(location)
     uncommitted_left = [entry.name for entry in after if not entry.committed]
     committed_after = [entry.step for entry in after if entry.committed]
     checks["gc"] = {
-        "ok": not old_left and not uncommitted_left and committed_after == expected
+        "ok": not old_left
+        and not uncommitted_left
+        and committed_after == expected
         and len([i for i in swept.items if i.removed]) == sum(1 for e in entries if not e.committed),
         "grace_s": config.grace_s,
         "removed_with_grace": len([item for item in graced.items if item.removed]),
         "kept_younger_than_grace": len([item for item in graced.items if item.reason == gc.KEEP_YOUNG]),
         "removed_with_grace_0": len([item for item in swept.items if item.removed]),
-        "uncommitted_left": uncommitted_left, "older_than_grace_left": old_left,
+        "uncommitted_left": uncommitted_left,
+        "older_than_grace_left": old_left,
     }
 
     growth_rss = at_end["rss"] - at_mark["rss"]
     growth_peak = at_end["peak"] - at_mark["peak"]
-    bound = max(32 * MIB, 2 * one_state)  # room for the allocator keeping a freed state or two, not for one per checkpoint
+    bound = max(
+        32 * MIB, 2 * one_state
+    )  # room for the allocator keeping a freed state or two, not for one per checkpoint
     leak = one_state * (config.checkpoints - MEMORY_MARK)
     checks["memory"] = {
         "ok": growth_rss < bound and growth_peak < bound,
-        "rss_at_10": at_mark["rss"], "rss_at_n": at_end["rss"], "peak_at_10": at_mark["peak"], "peak_at_n": at_end["peak"],
-        "rss_growth": growth_rss, "peak_growth": growth_peak, "bound": bound, "state_bytes": one_state,
-        "leak_of_one_state_per_checkpoint": leak, "peak_was_reset": peak_reset,
+        "rss_at_10": at_mark["rss"],
+        "rss_at_n": at_end["rss"],
+        "peak_at_10": at_mark["peak"],
+        "peak_at_n": at_end["peak"],
+        "rss_growth": growth_rss,
+        "peak_growth": growth_peak,
+        "bound": bound,
+        "state_bytes": one_state,
+        "leak_of_one_state_per_checkpoint": leak,
+        "peak_was_reset": peak_reset,
     }
 
     committed_records = [record for record in records if record.outcome == "committed"]
@@ -219,7 +249,11 @@ def run_soak(config: SoakConfig, root: str) -> dict[str, Any]:
 
 def _load_latest_step(root: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    target = {"model": {k: torch.zeros_like(v) for k, v in model_sd.items()}, "optim": optim_sd, "progress": {"step": -1}}
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in model_sd.items()},
+        "optim": optim_sd,
+        "progress": {"step": -1},
+    }
     load_checkpoint(target, root)
     return int(target["progress"]["step"])
 
@@ -238,14 +272,16 @@ def render(report: dict[str, Any]) -> str:
         f"(injected {c['injected']}: {report['failure_points']}), skipped {c['skipped']}  {flag('counters')}",
         f"  retention  committed on storage {r['on_storage']}, the last {config['keep_last']} committed: {r['expected']} "
         f"({r['deleted']} deleted)  {flag('retention')}",
-        f"  verify     {v['verified']}/{v['committed']} committed checkpoints verify; latest loads step {v['latest_loaded_step']}  {flag('verify')}",
+        f"  verify     {v['verified']}/{v['committed']} committed checkpoints verify; "
+        f"latest loads step {v['latest_loaded_step']}  {flag('verify')}",
         f"  gc         grace {g['grace_s'] / 60:g} min: removed {g['removed_with_grace']}, kept {g['kept_younger_than_grace']} younger; "
         f"grace 0: removed {g['removed_with_grace_0']}; uncommitted left {len(g['uncommitted_left'])}  {flag('gc')}",
         f"  memory     RSS {mib(mem['rss_at_10'])} -> {mib(mem['rss_at_n'])} MiB ({mem['rss_growth'] / MIB:+.1f}), "
         f"peak {mib(mem['peak_at_10'])} -> {mib(mem['peak_at_n'])} MiB ({mem['peak_growth'] / MIB:+.1f}) from checkpoint "
         f"{MEMORY_MARK} to {config['checkpoints']}; bound {mib(mem['bound'])} MiB, a leak of one state per checkpoint "
         f"would add {mib(mem['leak_of_one_state_per_checkpoint'])} MiB  {flag('memory')}",
-        f"  time       median pause {report['pause_s_median'] * 1e3:.1f} ms, median save (committed) {report['total_s_median'] * 1e3:.1f} ms",
+        f"  time       median pause {report['pause_s_median'] * 1e3:.1f} ms, "
+        f"median save (committed) {report['total_s_median'] * 1e3:.1f} ms",
         "PASSED" if report["ok"] else "FAILED",
     ]
     return "\n".join(lines)
@@ -253,25 +289,49 @@ def render(report: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoints", type=int, default=200, help="consecutive async checkpoints (default: %(default)s)")
-    parser.add_argument("--failure-rate", type=float, default=0.1, help="share of saves failed on purpose (default: %(default)s)")
-    parser.add_argument("--keep-last", type=int, default=3, help="retention: committed checkpoints kept (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="which saves fail, where, and the training data (default: %(default)s)")
-    parser.add_argument("--width", type=int, default=512, help="model width; the state is about 12 x width^2 bytes (default: %(default)s)")
-    parser.add_argument("--workdir", help="where the checkpoint root goes (default: a temporary directory, deleted after)")
+    parser.add_argument(
+        "--checkpoints", type=int, default=200, help="consecutive async checkpoints (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--failure-rate", type=float, default=0.1, help="share of saves failed on purpose (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--keep-last", type=int, default=3, help="retention: committed checkpoints kept (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="which saves fail, where, and the training data (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=512,
+        help="model width; the state is about 12 x width^2 bytes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workdir", help="where the checkpoint root goes (default: a temporary directory, deleted after)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    parser.add_argument("--verbose", action="store_true", help="show the package's log, including every injected failure")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show the package's log, including every injected failure"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = SoakConfig(checkpoints=args.checkpoints, failure_rate=args.failure_rate, keep_last=args.keep_last,
-                        seed=args.seed, width=args.width)
+    config = SoakConfig(
+        checkpoints=args.checkpoints,
+        failure_rate=args.failure_rate,
+        keep_last=args.keep_last,
+        seed=args.seed,
+        width=args.width,
+    )
     if not args.verbose:  # the injected failures are expected; the report counts them
         logging.getLogger("lightning_shardckpt").setLevel(logging.CRITICAL)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    torch.set_num_threads(1)  # the saver's thread needs a core too: an oversubscribed CPU measures contention, not leaks
+    torch.set_num_threads(
+        1
+    )  # the saver's thread needs a core too: an oversubscribed CPU measures contention, not leaks
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
         report = run_soak(config, tempfile.mkdtemp(prefix="soak-", dir=args.workdir))

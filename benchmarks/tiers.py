@@ -86,15 +86,21 @@ def bench_rank(rank: int, world_size: int, size_gib: float, workdir: str, s3_url
         local.close()
 
     def run_s3() -> None:
-        s3 = CheckpointSaver(f"{s3_url}/single-{tag}", SaveConfig(write_events=False, allow_shared_root=True, storage_options=options))
+        s3 = CheckpointSaver(
+            f"{s3_url}/single-{tag}", SaveConfig(write_events=False, allow_shared_root=True, storage_options=options)
+        )
         timed(s3, "s3")
         s3.close()
 
     def run_tiers() -> None:
         fast_url, durable_url = f"{workdir}/fast-{tag}", f"{s3_url}/durable-{tag}"
-        tiers = TiersConfig(fast=TierConfig(dirpath=fast_url), durable=TierConfig(dirpath=durable_url, storage_options=options))
+        tiers = TiersConfig(
+            fast=TierConfig(dirpath=fast_url), durable=TierConfig(dirpath=durable_url, storage_options=options)
+        )
         fast = CheckpointSaver(fast_url, config)
-        replicator = Replicator(tiers, fsio.resolve(fast_url), fsio.resolve(durable_url, options), group=new_checkpoint_group(600))
+        replicator = Replicator(
+            tiers, fsio.resolve(fast_url), fsio.resolve(durable_url, options), group=new_checkpoint_group(600)
+        )
         fast.add_listener(lambda r: replicator.submit(r.path.rsplit("/", 1)[-1]) if r.outcome == "committed" else None)
         timed(fast, "tiers", replicator)
         replicator.close(60)
@@ -123,8 +129,17 @@ def main() -> None:
     rows: list[dict[str, float]] = []
     try:
         for repeat in range(args.repeats):
-            outcomes = run_ranks(bench_rank, 2, args.size_gib, workdir, "s3://bench/run", server.storage_options(), f"r{repeat}",
-                                 timeout_s=3600, pg_timeout_s=900)
+            outcomes = run_ranks(
+                bench_rank,
+                2,
+                args.size_gib,
+                workdir,
+                "s3://bench/run",
+                server.storage_options(),
+                f"r{repeat}",
+                timeout_s=3600,
+                pg_timeout_s=900,
+            )
             row = {key: max(o.value[key] for o in outcomes) for key in outcomes[0].value}
             rows.append(row)
             print(f"repeat {repeat + 1}: " + "  ".join(f"{k}={v:.2f}s" for k, v in row.items()), flush=True)
@@ -134,14 +149,18 @@ def main() -> None:
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\n{args.size_gib} GiB per rank, 2 ranks, {len(rows)} repeats (slowest rank per repeat): min / median / max seconds")
+    print(
+        f"\n{args.size_gib} GiB per rank, 2 ranks, {len(rows)} repeats (slowest rank per repeat): min / median / max seconds"
+    )
     for key in rows[0]:
         values = sorted(row[key] for row in rows)
         print(f"  {key:<16} {values[0]:7.2f} {statistics.median(values):7.2f} {values[-1]:7.2f}")
     medians = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-    print(f"targets (medians): tiers pause / local pause = {medians['tiers_pause'] / medians['local_pause']:.2f} (~1); "
-          f"tiers fast commit / local commit = {medians['tiers_commit'] / medians['local_commit']:.2f} (<= 1.2); "
-          f"time until durable: s3 {medians['s3_commit']:.1f}s, tiers {medians['tiers_durable']:.1f}s")
+    print(
+        f"targets (medians): tiers pause / local pause = {medians['tiers_pause'] / medians['local_pause']:.2f} (~1); "
+        f"tiers fast commit / local commit = {medians['tiers_commit'] / medians['local_commit']:.2f} (<= 1.2); "
+        f"time until durable: s3 {medians['s3_commit']:.1f}s, tiers {medians['tiers_durable']:.1f}s"
+    )
 
 
 if __name__ == "__main__":

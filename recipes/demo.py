@@ -37,7 +37,9 @@ def checksum_of(model) -> float:
 
 
 def rank_main(rank: int, world_size: int, port: int, mode: str, dirpath: str, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     model, optimizer = build(world_size, seed=0 if mode == "save" else 123)
     if mode == "save":
         for _ in range(3):
@@ -51,7 +53,9 @@ def rank_main(rank: int, world_size: int, port: int, mode: str, dirpath: str, qu
         saver = CheckpointSaver(dirpath, SaveConfig(parallelism="fsdp", run_id="demo"))
         result = saver.save(state, step=3).result()
         saver.close()
-        message = f"saved step 3 -> {result.path} (committed={result.committed}, {result.bytes_rank} bytes from this rank)"
+        message = (
+            f"saved step 3 -> {result.path} (committed={result.committed}, {result.bytes_rank} bytes from this rank)"
+        )
     else:
         result = load_checkpoint(state, dirpath)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -68,7 +72,9 @@ def run(world_size: int, mode: str, dirpath: str):
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(rank_main, args=(world_size, port, mode, dirpath, queue), nprocs=world_size, start_method="spawn")
+    mp.start_processes(
+        rank_main, args=(world_size, port, mode, dirpath, queue), nprocs=world_size, start_method="spawn"
+    )
     return queue.get()
 
 

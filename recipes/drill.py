@@ -25,12 +25,31 @@ def main(cfg: DictConfig) -> int:
     from lightning_shardckpt.ops.drill import DrillOptions, run_drill
 
     options = DrillOptions(
-        world_size=cfg.world_size, timeout_s=cfg.timeout_s, threads=cfg.threads, probe=cfg.probe, tolerance=cfg.tolerance,
+        world_size=cfg.world_size,
+        timeout_s=cfg.timeout_s,
+        threads=cfg.threads,
+        probe=cfg.probe,
+        tolerance=cfg.tolerance,
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
     )
     record = run_drill(str(cfg.which), options, root=cfg.root)
-    print(json.dumps({key: record.get(key) for key in ("checkpoint", "verdict", "cause", "world_size", "writer_world_size",
-                                                         "time_to_resume_s", "read_gbps")}, indent=1))
+    print(
+        json.dumps(
+            {
+                key: record.get(key)
+                for key in (
+                    "checkpoint",
+                    "verdict",
+                    "cause",
+                    "world_size",
+                    "writer_world_size",
+                    "time_to_resume_s",
+                    "read_gbps",
+                )
+            },
+            indent=1,
+        )
+    )
     if record["verdict"] != "passed":
         sys.exit(1)
     return 0

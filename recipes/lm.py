@@ -27,9 +27,27 @@ ALPHABET = "\n !',.?abcdefghijklmnopqrstuvwxyz"
 
 # --------------------------------------------------------------------------------------------- data
 
-_SUBJECTS = ["the fox", "a small bird", "the old miller", "my sister", "the river", "a tired horse", "the wind", "our teacher"]
+_SUBJECTS = [
+    "the fox",
+    "a small bird",
+    "the old miller",
+    "my sister",
+    "the river",
+    "a tired horse",
+    "the wind",
+    "our teacher",
+]
 _VERBS = ["sees", "follows", "finds", "carries", "remembers", "paints", "crosses", "hears"]
-_OBJECTS = ["the bridge", "a red lantern", "the quiet field", "an apple", "the long road", "a letter", "the harbour", "some bread"]
+_OBJECTS = [
+    "the bridge",
+    "a red lantern",
+    "the quiet field",
+    "an apple",
+    "the long road",
+    "a letter",
+    "the harbour",
+    "some bread",
+]
 _ADVERBS = ["slowly", "at dawn", "every morning", "without a word", "again", "in the rain", "by the mill", "with care"]
 _ENDINGS = [".", ".", ".", "!", "?"]
 
@@ -75,15 +93,23 @@ class CharWindows(Dataset):
 
     def __getitem__(self, sample_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         start = sample_id * self.seq_len
-        chunk = self.tokens[start:start + self.seq_len + 1]
+        chunk = self.tokens[start : start + self.seq_len + 1]
         return chunk[:-1], chunk[1:], sample_id
 
 
 class CharDataModule(pl.LightningDataModule):
     """The generated corpus, cut into windows; the distributed sampler is Lightning's (added per rank)."""
 
-    def __init__(self, *, num_chars: int = 200_000, corpus_seed: int = 0, seq_len: int = 64,
-                 batch_size: int = 16, num_workers: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        num_chars: int = 200_000,
+        corpus_seed: int = 0,
+        seq_len: int = 64,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         super().__init__()
         for name, value, low in (("num_chars", num_chars, 2), ("seq_len", seq_len, 1), ("batch_size", batch_size, 1)):
             if value < low:
@@ -109,11 +135,18 @@ class CharDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         # shuffle=True: Lightning swaps in a DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED) per rank.
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
 
 # -------------------------------------------------------------------------------------------- model
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then an MLP; the unit FSDP2 shards."""
@@ -125,7 +158,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(), nn.Linear(mlp_ratio * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(), nn.Linear(mlp_ratio * d_model, d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
@@ -136,8 +171,17 @@ class Block(nn.Module):
 
 
 class CharTransformer(nn.Module):
-    def __init__(self, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, seq_len: int,
-                 mlp_ratio: int, dropout: float) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        seq_len: int,
+        mlp_ratio: int,
+        dropout: float,
+    ) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
@@ -164,15 +208,33 @@ def warmup_cosine(step: int, *, warmup_steps: int, decay_steps: int, min_lr_rati
 class CharLM(pl.LightningModule):
     """Causal character LM; AdamW with warmup + cosine; FSDP2 per block and on the root under the fsdp strategy."""
 
-    def __init__(self, *, vocab_size: int, seq_len: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 mlp_ratio: int = 4, dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 10, decay_steps: int = 200,
-                 min_lr_ratio: float = 0.1, init_seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int = 64,
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        decay_steps: int = 200,
+        min_lr_ratio: float = 0.1,
+        init_seed: int | None = 0,
+    ) -> None:
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(f"model.d_model={d_model} is not divisible by model.n_heads={n_heads}; pick n_heads dividing d_model")
+            raise ValueError(
+                f"model.d_model={d_model} is not divisible by model.n_heads={n_heads}; pick n_heads dividing d_model"
+            )
         if warmup_steps < 0 or decay_steps < 0:
-            raise ValueError(f"model.warmup_steps={warmup_steps} and model.decay_steps={decay_steps} must be >= 0 (steps)")
+            raise ValueError(
+                f"model.warmup_steps={warmup_steps} and model.decay_steps={decay_steps} must be >= 0 (steps)"
+            )
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"model.min_lr_ratio={min_lr_ratio} is outside [0, 1]")
         self.save_hyperparameters()
@@ -180,8 +242,15 @@ class CharLM(pl.LightningModule):
         with torch.random.fork_rng(devices=[]):
             if init_seed is not None:
                 torch.manual_seed(init_seed)
-            self.net = CharTransformer(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                                       seq_len=seq_len, mlp_ratio=mlp_ratio, dropout=dropout)
+            self.net = CharTransformer(
+                vocab_size=vocab_size,
+                d_model=d_model,
+                n_layers=n_layers,
+                n_heads=n_heads,
+                seq_len=seq_len,
+                mlp_ratio=mlp_ratio,
+                dropout=dropout,
+            )
 
     def configure_model(self) -> None:
         mesh = self.device_mesh  # set by Lightning's ModelParallelStrategy (our fsdp); None under DDP
@@ -215,10 +284,12 @@ class CharLM(pl.LightningModule):
             (no_decay if param.ndim < 2 or name.endswith("_emb.weight") else decay).append(param)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas),
+            lr=hp.lr,
+            betas=tuple(hp.betas),
         )
         schedule = lambda step: warmup_cosine(  # noqa: E731
-            step, warmup_steps=hp.warmup_steps, decay_steps=hp.decay_steps, min_lr_ratio=hp.min_lr_ratio)
+            step, warmup_steps=hp.warmup_steps, decay_steps=hp.decay_steps, min_lr_ratio=hp.min_lr_ratio
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -235,7 +306,9 @@ def _data_parallel_mesh(mesh):
                 "parallelism; set strategy.tensor_parallel_size=1 and strategy.data_parallel_size=<world size>"
             )
         return mesh["data_parallel"]
-    raise ValueError(f"cannot tell which dimension of the device mesh {names} is data-parallel; name it 'data_parallel'")
+    raise ValueError(
+        f"cannot tell which dimension of the device mesh {names} is data-parallel; name it 'data_parallel'"
+    )
 
 
 # -------------------------------------------------------------------------------------- drill probe
@@ -256,8 +329,15 @@ def probe(model_state: dict[str, torch.Tensor]) -> float:
     seq_len = state["pos_emb.weight"].shape[0]
     n_layers = len({name.split(".")[1] for name in state if name.startswith("blocks.")})
     mlp_ratio = state["blocks.0.mlp.0.weight"].shape[0] // d_model
-    net = CharTransformer(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=1, seq_len=seq_len,
-                          mlp_ratio=mlp_ratio, dropout=0.0)
+    net = CharTransformer(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=1,
+        seq_len=seq_len,
+        mlp_ratio=mlp_ratio,
+        dropout=0.0,
+    )
     net.load_state_dict(state)
     ids = encode(PROBE_TEXT)[: seq_len + 1]
     with torch.no_grad():

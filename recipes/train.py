@@ -62,7 +62,9 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> list[str]:
     if not (devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)):
         problems.append(f"trainer.devices={devices!r} must be an integer >= 1 (ranks on this node) or 'auto'")
     if not isinstance(cfg.trainer.max_steps, int) or cfg.trainer.max_steps < 1:
-        problems.append(f"trainer.max_steps={cfg.trainer.max_steps!r} must be an integer >= 1 (total optimizer steps of the run)")
+        problems.append(
+            f"trainer.max_steps={cfg.trainer.max_steps!r} must be an integer >= 1 (total optimizer steps of the run)"
+        )
     parallelism = cfg.strategy.get("parallelism")
     if parallelism not in PARALLELISMS:
         problems.append(f"strategy.parallelism={parallelism!r} is unknown; use strategy=ddp or strategy=fsdp")
@@ -71,15 +73,20 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> list[str]:
         if isinstance(dp, int) and isinstance(tp, int) and dp * tp != devices * num_nodes:
             problems.append(
                 f"strategy.data_parallel_size={dp} × strategy.tensor_parallel_size={tp} must equal the world size "
-                f"trainer.devices × trainer.num_nodes = {devices * num_nodes}; set strategy.data_parallel_size={devices * num_nodes // max(tp, 1)}"
+                f"trainer.devices × trainer.num_nodes = {devices * num_nodes}; "
+                f"set strategy.data_parallel_size={devices * num_nodes // max(tp, 1)}"
             )
     resume = cfg.get("resume")
     if isinstance(resume, bool) or (isinstance(resume, int) and resume < 0):
-        problems.append(f"resume={resume!r} names no checkpoint; use resume=latest, last-good, a step (>= 0), a checkpoint id or a path")
+        problems.append(
+            f"resume={resume!r} names no checkpoint; use resume=latest, last-good, a step (>= 0), a checkpoint id or a path"
+        )
     elif resume is not None and not isinstance(resume, (int, str)):
         problems.append(f"resume={resume!r} must be null, latest, last-good, a step, a checkpoint id or a path")
     if cfg.model.seq_len != cfg.data.seq_len:
-        problems.append(f"model.seq_len={cfg.model.seq_len} differs from data.seq_len={cfg.data.seq_len}; leave model.seq_len at ${{data.seq_len}}")
+        problems.append(
+            f"model.seq_len={cfg.model.seq_len} differs from data.seq_len={cfg.data.seq_len}; leave model.seq_len at ${{data.seq_len}}"
+        )
     return problems
 
 
@@ -100,15 +107,24 @@ def roots_to_check(cfg: DictConfig) -> list[tuple[str, str, dict[str, Any]]]:
     tiers = cfg.get("tiers") or {}
     fast, durable = tiers.get("fast"), tiers.get("durable")
     if not fast:
-        return [("checkpoint.dirpath", cfg.checkpoint.dirpath,
-                 OmegaConf.to_container(cfg.checkpoint.save.storage_options, resolve=True))]
+        return [
+            (
+                "checkpoint.dirpath",
+                cfg.checkpoint.dirpath,
+                OmegaConf.to_container(cfg.checkpoint.save.storage_options, resolve=True),
+            )
+        ]
     # torchrun sets GROUP_RANK, SLURM SLURM_NODEID, Lightning's own launcher NODE_RANK
     node_rank = next((os.environ[k] for k in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID") if k in os.environ), "0")
-    roots = [("tiers.fast.dirpath", str(fast.dirpath).replace("{node_rank}", node_rank),
-              _options(fast.get("storage_options")))]
+    roots = [
+        (
+            "tiers.fast.dirpath",
+            str(fast.dirpath).replace("{node_rank}", node_rank),
+            _options(fast.get("storage_options")),
+        )
+    ]
     if durable:
-        roots.append(("tiers.durable.dirpath", str(durable.dirpath),
-                      _options(durable.get("storage_options"))))
+        roots.append(("tiers.durable.dirpath", str(durable.dirpath), _options(durable.get("storage_options"))))
     return roots
 
 
@@ -122,8 +138,14 @@ def redact(value: Any, inside_storage_options: bool = False) -> Any:
         out = {}
         for key, item in value.items():
             lowered = str(key).lower()
-            secret = any(word in lowered for word in SECRET_WORDS) or (inside_storage_options and lowered in SECRET_KEYS)
-            out[key] = "<redacted>" if secret and item is not None else redact(item, inside_storage_options or key == "storage_options")
+            secret = any(word in lowered for word in SECRET_WORDS) or (
+                inside_storage_options and lowered in SECRET_KEYS
+            )
+            out[key] = (
+                "<redacted>"
+                if secret and item is not None
+                else redact(item, inside_storage_options or key == "storage_options")
+            )
         return out
     if isinstance(value, list):
         return [redact(item, inside_storage_options) for item in value]
@@ -154,7 +176,11 @@ def build(cfg: DictConfig, run_config: dict[str, Any]):
     # A Lightning Checkpoint callback needs enable_checkpointing=True; anything else must keep Lightning
     # from adding its own ModelCheckpoint (a second, unsharded, synchronous save path).
     trainer = make(
-        "trainer", cfg.trainer, strategy=strategy, callbacks=[callback], logger=logger,
+        "trainer",
+        cfg.trainer,
+        strategy=strategy,
+        callbacks=[callback],
+        logger=logger,
         enable_checkpointing=isinstance(callback, Checkpoint),
     )
     return datamodule, model, callback, logger, trainer
@@ -169,14 +195,23 @@ def explain(err: BaseException) -> str:
 
 def resume_command(cfg: DictConfig, dirpath: str) -> str:
     """The exact command that continues this run on a different device count."""
-    overrides = [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") not in RESUME_COMMAND_KEYS]
+    overrides = [
+        o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") not in RESUME_COMMAND_KEYS
+    ]
     devices = cfg.trainer.devices
     new_devices = devices + 1 if isinstance(devices, int) else 2
     script = os.path.relpath(os.path.abspath(sys.argv[0]), hydra.utils.get_original_cwd())
     if script.startswith(".."):
         script = os.path.abspath(sys.argv[0])
-    parts = ["python", script, *overrides, f"trainer.devices={new_devices}",
-             f"trainer.max_steps={2 * cfg.trainer.max_steps}", "resume=latest", f"checkpoint.dirpath={dirpath}"]
+    parts = [
+        "python",
+        script,
+        *overrides,
+        f"trainer.devices={new_devices}",
+        f"trainer.max_steps={2 * cfg.trainer.max_steps}",
+        "resume=latest",
+        f"checkpoint.dirpath={dirpath}",
+    ]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -209,11 +244,13 @@ def main(cfg: DictConfig) -> None:
         for name, root, options in roots_to_check(cfg):
             steps = committed_steps(root, options)
             if steps:
-                raise InvalidConfig([
-                    f"{name}={root} already holds committed checkpoints (latest step {max(steps)}) and resume=null "
-                    f"would start a second run on top of them; continue it with resume=latest, or start a new run with "
-                    f"run_name=<new name> (or {name}=<empty location>)"
-                ])
+                raise InvalidConfig(
+                    [
+                        f"{name}={root} already holds committed checkpoints (latest step {max(steps)}) and resume=null "
+                        f"would start a second run on top of them; continue it with resume=latest, or start a new run with "
+                        f"run_name=<new name> (or {name}=<empty location>)"
+                    ]
+                )
 
     pl.seed_everything(cfg.seed, workers=True)
     run_config = redact(OmegaConf.to_container(cfg, resolve=True))

@@ -118,7 +118,8 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
         entry = CheckpointEntry(name, join(root, name), parsed.step, parsed.checkpoint_id, UNCOMMITTED, _fs=fs)
         if info.get("type") != "directory":
             entry.state = CORRUPT
-            entry.problem = f"{entry.path} is a {info.get('type') or 'non-directory'} named like a checkpoint directory; move it out of the root"
+            kind = info.get("type") or "non-directory"
+            entry.problem = f"{entry.path} is a {kind} named like a checkpoint directory; move it out of the root"
         entries.append(entry)
     candidates = [entry for entry in entries if entry.state == UNCOMMITTED]
     with_manifest = _with_manifest(fs, candidates)
@@ -134,7 +135,7 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
         except ShardCkptError as err:
             entry.state, entry.problem = CORRUPT, str(err)
     for start in range(0, len(without_record), V1_BATCH):  # batches: a listing never holds every manifest at once
-        batch = without_record[start:start + V1_BATCH]
+        batch = without_record[start : start + V1_BATCH]
         for entry, document in zip(batch, _read_all(fs, [join(entry.path, MANIFEST) for entry in batch])):
             if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
                 continue
@@ -220,7 +221,10 @@ def resolve_latest(
     if newest is not None and pointer != newest.name:
         log.warning(
             "%s: `latest` points to %r but the newest committed checkpoint is %r; using %r",
-            location.url, pointer, newest.name, newest.name,
+            location.url,
+            pointer,
+            newest.name,
+            newest.name,
         )
     return newest
 
@@ -228,7 +232,9 @@ def resolve_latest(
 LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/drill_records.py): proven to restore
 
 
-def last_good(location: Location, entries: list[CheckpointEntry], run_id: str | None = None, keep: int = 1) -> list[CheckpointEntry]:
+def last_good(
+    location: Location, entries: list[CheckpointEntry], run_id: str | None = None, keep: int = 1
+) -> list[CheckpointEntry]:
     """The newest `keep` drilled checkpoints (newest last) of the run `latest` would come from.
 
     In the run's commit order, like `latest`: after a rollback, a drilled checkpoint of the abandoned
@@ -285,8 +291,7 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
     else:
         text = str(which)
         matches = [
-            e for e in entries
-            if e.name == text or e.checkpoint_id == text or (text.isdigit() and e.step == int(text))
+            e for e in entries if e.name == text or e.checkpoint_id == text or (text.isdigit() and e.step == int(text))
         ]
         uncommitted = [e for e in matches if not e.committed]
         matches = [e for e in matches if e.committed]
@@ -294,7 +299,8 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
             raise CheckpointNotFound(
                 f"{uncommitted[-1].path} is {uncommitted[-1].state}, not committed"
                 + (f" ({uncommitted[-1].problem})" if uncommitted[-1].problem else "")
-                + "; it will never be loaded. Pick a committed one: shardckpt ls " + location.url
+                + "; it will never be loaded. Pick a committed one: shardckpt ls "
+                + location.url
             )
         if matches:
             return _with_manifest_read(matches[-1])  # a corrupt or vanished one raises, naming itself
@@ -302,7 +308,9 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
     hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
     corrupt = [e for e in entries if e.state == CORRUPT]
     if corrupt:
-        hint += f"; corrupt: {corrupt[-1].name} ({corrupt[-1].problem})" + (f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else "")
+        hint += f"; corrupt: {corrupt[-1].name} ({corrupt[-1].problem})" + (
+            f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else ""
+        )
     raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
 
 
@@ -348,7 +356,9 @@ def size_bytes(entry: CheckpointEntry, location: Location) -> int | None:
     if entry.record is not None:
         return entry.record["bytes_total"]
     try:
-        return sum(info.get("size") or 0 for info in location.fs.ls(entry.path, detail=True) if info.get("type") == "file")
+        return sum(
+            info.get("size") or 0 for info in location.fs.ls(entry.path, detail=True) if info.get("type") == "file"
+        )
     except (FileNotFoundError, NotADirectoryError):  # gone meanwhile, or a stray file named like a checkpoint
         return None
 
@@ -372,7 +382,10 @@ def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEn
         if isinstance(result, FileNotFoundError):
             continue
         if isinstance(result, (IsADirectoryError, NotADirectoryError)):
-            entry.state, entry.problem = CORRUPT, f"{join(entry.path, MANIFEST)} is not a file ({type(result).__name__})"
+            entry.state, entry.problem = (
+                CORRUPT,
+                f"{join(entry.path, MANIFEST)} is not a file ({type(result).__name__})",
+            )
         elif isinstance(result, BaseException):
             raise result  # a transient read error must not make a committed checkpoint look uncommitted
         else:

@@ -135,7 +135,12 @@ class DirectReader:
         self._local = threading.local()
 
     def fetch(
-        self, shard: ShardFile, offset: int, length: int, data_bytes: int, destinations: list[Destination],
+        self,
+        shard: ShardFile,
+        offset: int,
+        length: int,
+        data_bytes: int,
+        destinations: list[Destination],
         block_size: int | None = None,
     ) -> Fetched:
         """Read the chunk at `offset` into `destinations`; with `block_size` (and hashing), only the blocks
@@ -160,7 +165,9 @@ class DirectReader:
         digests: dict[int, str] = {}
         for index in needed_blocks(length, block_size, data_start, destinations):
             hasher = streaming_checksum()
-            read_bytes, short_at = self._copy(chunk, index * block_size, min(length, (index + 1) * block_size), hasher, read_bytes)
+            read_bytes, short_at = self._copy(
+                chunk, index * block_size, min(length, (index + 1) * block_size), hasher, read_bytes
+            )
             if short_at is not None:
                 return Fetched(short_at, read_bytes, None, time.perf_counter())
             digests[index] = hasher.hexdigest()
@@ -183,7 +190,11 @@ class DirectReader:
                     if view is None and hasher is None:
                         position += count  # checksums off: bytes no item needs are not read
                         continue
-                    piece = view[position - start : position - start + count] if view is not None else self._scratch()[:count]
+                    piece = (
+                        view[position - start : position - start + count]
+                        if view is not None
+                        else self._scratch()[:count]
+                    )
                     got = chunk.shard.read_into(chunk.offset + position, piece)
                     read_bytes += got
                     if got < count:  # the file shrank while it was read
@@ -224,7 +235,9 @@ def needed_blocks(length: int, block_size: int, data_start: int, destinations: l
     return sorted({index for low, high in ranges for index in range(low // block_size, (high - 1) // block_size + 1)})
 
 
-def _segments(length: int, data_start: int, destinations: list[Destination]) -> list[tuple[int, int, memoryview | None]]:
+def _segments(
+    length: int, data_start: int, destinations: list[Destination]
+) -> list[tuple[int, int, memoryview | None]]:
     """The chunk's bytes in order as (start, stop, where to): a destination's view, or None (hash only)."""
     segments: list[tuple[int, int, memoryview | None]] = []
     cursor = 0

@@ -95,17 +95,28 @@ def rank_write_stats(results: list[list[WriteResult]]) -> list[dict[str, Any]]:
     """
     stats = []
     for rank, rank_results in enumerate(results):
-        receipts = [result.storage_data for result in rank_results
-                    if isinstance(result.storage_data, ChunkReceipt) and not result.storage_data.reference]
+        receipts = [
+            result.storage_data
+            for result in rank_results
+            if isinstance(result.storage_data, ChunkReceipt) and not result.storage_data.reference
+        ]
         if not receipts or receipts[0].write_s is None:
             continue
         nbytes, seconds = receipts[0].file_bytes, receipts[0].write_s
-        stats.append({"rank": rank, "bytes": nbytes, "write_s": seconds,
-                      "write_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0})
+        stats.append(
+            {
+                "rank": rank,
+                "bytes": nbytes,
+                "write_s": seconds,
+                "write_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            }
+        )
     return stats
 
 
-def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt], missing_ok: bool = False) -> list[str]:
+def check_stored_sizes(
+    root: Location, directory: str, receipts: dict[MetadataIndex, ChunkReceipt], missing_ok: bool = False
+) -> list[str]:
     """Each file on storage has exactly the size its writer reported (catches truncated uploads), and each
     file an incremental checkpoint references still holds its chunks (retention never deletes it under us).
     `missing_ok` (node-local tier): a file this node cannot see is skipped, referenced ones too."""
@@ -118,7 +129,7 @@ def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIn
     for relative, end in sorted(reach.items()):
         path = join(directory, relative)
         try:
-            actual = retry.call("size", lambda: root.fs.size(path), target=path)
+            actual = retry.call("size", lambda path=path: root.fs.size(path), target=path)
         except FileNotFoundError:
             if missing_ok:
                 continue
@@ -128,7 +139,7 @@ def check_stored_sizes(root: Location, directory: str, receipts: dict[MetadataIn
     for relative, expected in sorted(sizes.items()):
         try:
             path = join(directory, relative)
-            actual = retry.call("size", lambda: root.fs.size(path), target=path)
+            actual = retry.call("size", lambda path=path: root.fs.size(path), target=path)
         except FileNotFoundError:
             if missing_ok:
                 continue
@@ -148,7 +159,9 @@ class Committer:
         self.seconds = 0.0
         self.ranks: list[dict[str, Any]] = []  # per rank: bytes, write_s, write_gbps (from the receipts)
 
-    def __call__(self, metadata: Metadata, results: list[list[WriteResult]], planned: list[list[MetadataIndex]]) -> None:
+    def __call__(
+        self, metadata: Metadata, results: list[list[WriteResult]], planned: list[list[MetadataIndex]]
+    ) -> None:
         started = time.perf_counter()
         try:
             self._commit(metadata, results, planned)
@@ -190,18 +203,36 @@ class Committer:
             self._fault("after_manifest")
 
         try:
-            publish(fs, target.root.path, target.dirname, manifest,
-                    before_manifest=lambda: self._fault("before_manifest"), after_manifest=committed)
+            publish(
+                fs,
+                target.root.path,
+                target.dirname,
+                manifest,
+                before_manifest=lambda: self._fault("before_manifest"),
+                after_manifest=committed,
+            )
         except FileExistsError as err:
             raise CommitFailed(
                 f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
                 "directory. Two runs may share this root: give each run its own dirpath"
             ) from err
-        log.info("committed %s (%d files, %d bytes)", target.path, len(manifest["files"]), manifest_format.total_bytes(manifest))
+        log.info(
+            "committed %s (%d files, %d bytes)",
+            target.path,
+            len(manifest["files"]),
+            manifest_format.total_bytes(manifest),
+        )
 
 
-def publish(fs: Any, root_path: str, dirname: str, manifest: dict[str, Any], *,
-            before_manifest: Callable[[], None] | None = None, after_manifest: Callable[[], None] | None = None) -> None:
+def publish(
+    fs: Any,
+    root_path: str,
+    dirname: str,
+    manifest: dict[str, Any],
+    *,
+    before_manifest: Callable[[], None] | None = None,
+    after_manifest: Callable[[], None] | None = None,
+) -> None:
     """The commit point of `root_path/dirname`, whose data files and `.metadata` are all written.
 
     The commit record first (whenever a manifest exists, so does its record, which listing reads; a
@@ -215,8 +246,11 @@ def publish(fs: Any, root_path: str, dirname: str, manifest: dict[str, Any], *,
     if retry.call("exists", lambda: fs.exists(manifest_path), target=manifest_path):
         raise FileExistsError(f"{manifest_path} exists: {dirname} is already committed")
     manifest_bytes = manifest_format.to_bytes(manifest)
-    fsio.write_new_file(fs, join(directory, COMMIT_RECORD), manifest_format.to_bytes(
-        manifest_format.build_commit_record(manifest, manifest_bytes)))
+    fsio.write_new_file(
+        fs,
+        join(directory, COMMIT_RECORD),
+        manifest_format.to_bytes(manifest_format.build_commit_record(manifest, manifest_bytes)),
+    )
     if before_manifest is not None:
         before_manifest()
     fsio.create_if_absent(fs, manifest_path, manifest_bytes)  # a writer racing past the check above still loses here
@@ -225,7 +259,9 @@ def publish(fs: Any, root_path: str, dirname: str, manifest: dict[str, Any], *,
     try:
         fsio.replace_small_file(fs, join(root_path, LATEST), (dirname + "\n").encode())
     except Exception:  # committed all the same: readers go by the manifests
-        log.warning("committed %s but could not update %s; readers fall back to the manifests", directory, LATEST, exc_info=True)
+        log.warning(
+            "committed %s but could not update %s; readers fall back to the manifests", directory, LATEST, exc_info=True
+        )
 
 
 def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:
@@ -271,4 +307,3 @@ def _tiling_problems(path: str, chunks: list[ChunkReceipt]) -> list[str]:
 def _sample(keys: Any) -> str:
     names = sorted({getattr(key, "fqn", str(key)) for key in keys})
     return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
-

@@ -45,15 +45,21 @@ class SaveConfig:
     # No effect when async_save is False (nothing is staged)
     overlap_staging: bool = True
     max_in_flight: int = 1  # saves staged but not yet committed; each holds one host copy of the rank's state
-    when_busy: WhenBusy = "wait"  # a save requested while max_in_flight are running: "wait" (counted as pause) or "skip"
+    when_busy: WhenBusy = (
+        "wait"  # a save requested while max_in_flight are running: "wait" (counted as pause) or "skip"
+    )
     on_error: OnError = "log"  # a failed background save: "log" (training goes on) or "raise" at the next save/close
     teardown_timeout_s: float = 600.0  # close() waits at most this long for in-flight saves to commit
-    collective_timeout_s: float = 600.0  # every checkpoint collective aborts after this; a dead rank cannot hang the save
+    collective_timeout_s: float = (
+        600.0  # every checkpoint collective aborts after this; a dead rank cannot hang the save
+    )
     parallelism: str = "unknown"  # recorded in the manifest's topology ("ddp", "fsdp", ...)
     write_events: bool = True  # one JSON event file per attempt under ROOT/events (coordinator only)
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, credentials)
     run_id: str | None = None  # recorded in every manifest and in ROOT/.owner.json; None: the saver generates one
-    allow_shared_root: bool = False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
+    allow_shared_root: bool = (
+        False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
+    )
     # write only what changed since the last save; unchanged chunks are references into the earlier checkpoint
     # that holds their bytes (engine/incremental.py, docs/FORMAT.md §9). Off by default until proven
     incremental: bool = False
@@ -61,7 +67,9 @@ class SaveConfig:
     # each node writes its own root (a node-local tier, engine/tiers.py): the coordinator cannot see other nodes'
     # files, so it checks the sizes of those it sees; each rank's read-back vouches for its own
     node_local: bool = False
-    keep_failed_attempts: bool = False  # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later); False: the coordinator removes it once every rank saw the save fail
+    # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later);
+    # False: the coordinator removes it once every rank saw the save fail
+    keep_failed_attempts: bool = False
 
     def __post_init__(self) -> None:
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
@@ -77,8 +85,10 @@ class SaveConfig:
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"incremental={self.incremental!r} must be true or false")
         if self.incremental and self.node_local:
-            raise ConfigError("incremental=true with node_local=true is not supported yet (references would have to be "
-                              "resolved per node); use one or the other")
+            raise ConfigError(
+                "incremental=true with node_local=true is not supported yet (references would have to be "
+                "resolved per node); use one or the other"
+            )
         if not isinstance(self.full_every_n, int) or self.full_every_n < 1:
             raise ConfigError(f"full_every_n={self.full_every_n!r} must be an integer >= 1 (1: every save is full)")
         if self.max_in_flight < 1:
@@ -107,14 +117,20 @@ class LoadConfig:
     # class outside them is refused by name. True: only for checkpoints you trust; unpickling can run code
     trust_checkpoint: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
-    read_threads: int = DEFAULT_READ_THREADS  # range reads in flight per rank; object stores gain most, each costs a connection
-    read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES  # per rank: chunks read but not yet placed (one larger chunk is read alone)
+    read_threads: int = (
+        DEFAULT_READ_THREADS  # range reads in flight per rank; object stores gain most, each costs a connection
+    )
+    read_ahead_bytes: int = (
+        DEFAULT_READ_AHEAD_BYTES  # per rank: chunks read but not yet placed (one larger chunk is read alone)
+    )
 
     def __post_init__(self) -> None:
         if self.read_threads < 1:
             raise ConfigError(f"read_threads={self.read_threads} cannot read anything; use 1 or more")
         if self.read_ahead_bytes < 1:
-            raise ConfigError(f"read_ahead_bytes={self.read_ahead_bytes} holds no chunk; use a positive byte count (e.g. 268435456)")
+            raise ConfigError(
+                f"read_ahead_bytes={self.read_ahead_bytes} holds no chunk; use a positive byte count (e.g. 268435456)"
+            )
 
 
 def save_config_from(options: Any, **overrides: Any) -> SaveConfig:
@@ -125,12 +141,16 @@ def save_config_from(options: Any, **overrides: Any) -> SaveConfig:
         values = _plain(options or {})
         unknown = set(values) - set(SaveConfig.__dataclass_fields__)
         if unknown:
-            raise ConfigError(f"unknown save option(s) {sorted(unknown)}; known: {sorted(SaveConfig.__dataclass_fields__)}")
+            raise ConfigError(
+                f"unknown save option(s) {sorted(unknown)}; known: {sorted(SaveConfig.__dataclass_fields__)}"
+            )
         verify = values.get("verify")
         if verify is not None and not isinstance(verify, VerifyConfig):
             unknown = set(verify) - set(VerifyConfig.__dataclass_fields__)
             if unknown:
-                raise ConfigError(f"unknown save.verify option(s) {sorted(unknown)}; known: {sorted(VerifyConfig.__dataclass_fields__)}")
+                raise ConfigError(
+                    f"unknown save.verify option(s) {sorted(unknown)}; known: {sorted(VerifyConfig.__dataclass_fields__)}"
+                )
             values["verify"] = VerifyConfig(**verify)
     values.update(overrides)
     return SaveConfig(**values)

@@ -18,9 +18,7 @@ import logging
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import fsio
 from .fsio import Location
@@ -110,13 +108,13 @@ def trust_state(records: list[RecordName] | None) -> str:
     return TRUST_OF_VERDICT[records[-1].verdict]
 
 
-def trust_states(location: Location, entries: list["CheckpointEntry"]) -> dict[str, str]:
+def trust_states(location: Location, entries: list[CheckpointEntry]) -> dict[str, str]:
     """Trust state of every committed entry, by directory name."""
     records = list_record_names(location)
     return {entry.name: trust_state(records.get(entry.name)) for entry in entries if entry.committed}
 
 
-def newest_drilled(ordered: list["CheckpointEntry"], states: dict[str, str], keep: int = 1) -> list["CheckpointEntry"]:
+def newest_drilled(ordered: list[CheckpointEntry], states: dict[str, str], keep: int = 1) -> list[CheckpointEntry]:
     """The newest `keep` drilled checkpoints of `ordered` (oldest commit first), newest last."""
     drilled = [entry for entry in ordered if entry.committed and states.get(entry.name) == DRILLED]
     return drilled[-keep:] if keep > 0 else []

@@ -67,7 +67,9 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     protocol = fsspec.core.split_protocol(text)[0]
     if protocol in OBJECT_STORE_PROTOCOLS:
         if options.get("use_listings_cache"):
-            log.warning("%s: ignoring use_listings_cache=True: a cached listing hides checkpoints other processes commit", text)
+            log.warning(
+                "%s: ignoring use_listings_cache=True: a cached listing hides checkpoints other processes commit", text
+            )
         # never cache listings: the catalog must see what other processes committed since the last look
         options["use_listings_cache"] = False
     try:
@@ -301,10 +303,18 @@ def _count_s3_http_retries(fs: Any) -> None:
         log.debug("could not hook botocore's retry counter", exc_info=True)
 
 
-_CREDENTIAL_CODES = frozenset({
-    "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "TokenRefreshRequired",
-    "InvalidClientTokenId", "UnrecognizedClientException", "AuthorizationHeaderMalformed",
-})
+_CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "AuthorizationHeaderMalformed",
+    }
+)
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
 
 
@@ -322,10 +332,7 @@ def _explain(location: Location, action: str, err: BaseException) -> str:
     if code == "NoSuchBucket":
         return f"{url}: bucket {bucket!r} does not exist: create it or fix dirpath"
     if code in _CREDENTIAL_CODES or _has_class(err, _NO_CREDENTIALS):
-        return (
-            f"{url}: credentials rejected by {endpoint} ({detail}): "
-            "set storage_options key/secret or AWS_* env vars"
-        )
+        return f"{url}: credentials rejected by {endpoint} ({detail}): set storage_options key/secret or AWS_* env vars"
     if isinstance(err, PermissionError) or code in ("AccessDenied", "AllAccessDisabled"):
         return (
             f"{url}: access denied when trying to {action} ({detail}): the credentials need s3:PutObject, "

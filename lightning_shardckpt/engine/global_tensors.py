@@ -22,9 +22,9 @@ import torch
 from ..errors import CorruptCheckpoint
 from . import safe_pickle
 from .catalog import CheckpointEntry
+from .chunk_reads import check_chunk, decode_tensor_record, read_at
 from .fsio import Location
 from .layout import join
-from .chunk_reads import check_chunk, decode_tensor_record, read_at
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,20 @@ class TensorSpec:
 
 def dtype_of(name: str) -> torch.dtype:
     """`"torch.float32"` -> torch.float32; anything else is a damaged manifest."""
-    dtype = getattr(torch, name[len(DTYPE_PREFIX):], None) if name.startswith(DTYPE_PREFIX) else None
+    dtype = getattr(torch, name[len(DTYPE_PREFIX) :], None) if name.startswith(DTYPE_PREFIX) else None
     if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpoint(f"the manifest names dtype {name!r}, which is not a torch dtype; the manifest is damaged")
+        raise CorruptCheckpoint(
+            f"the manifest names dtype {name!r}, which is not a torch dtype; the manifest is damaged"
+        )
     return dtype
 
 
 def tensor_specs(manifest: dict[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor of a manifest by fqn, in the manifest's (sorted) order."""
     return {
-        item["fqn"]: TensorSpec(item["fqn"], tuple(item["shape"]), dtype_of(item["dtype"]), tuple(item["chunks"]), item.get("finite"))
+        item["fqn"]: TensorSpec(
+            item["fqn"], tuple(item["shape"]), dtype_of(item["dtype"]), tuple(item["chunks"]), item.get("finite")
+        )
         for item in manifest["tensors"]
     }
 
@@ -78,7 +82,9 @@ class GlobalTensorReader:
 
     def __init__(self, location: Location, entry: CheckpointEntry) -> None:
         if not entry.committed:
-            raise CorruptCheckpoint(f"{entry.path} is {entry.state}, not committed; only committed checkpoints are read")
+            raise CorruptCheckpoint(
+                f"{entry.path} is {entry.state}, not committed; only committed checkpoints are read"
+            )
         self.location = location
         self.entry = entry
         self.manifest = entry.manifest
@@ -110,7 +116,9 @@ class GlobalTensorReader:
         if out is None:
             out = torch.empty(spec.shape, dtype=spec.dtype)
         elif tuple(out.shape) != spec.shape or out.dtype != spec.dtype:
-            raise ValueError(f"{fqn}: out is {tuple(out.shape)} {out.dtype}, the checkpoint holds {spec.shape} {spec.dtype}")
+            raise ValueError(
+                f"{fqn}: out is {tuple(out.shape)} {out.dtype}, the checkpoint holds {spec.shape} {spec.dtype}"
+            )
         # in file and byte order: a sequential read of each file
         for chunk in sorted(spec.chunks, key=lambda c: (c["file"], c["offset"])):
             data = self._read_chunk(chunk, fqn)

@@ -36,7 +36,9 @@ def _signature(tensor: torch.Tensor) -> Key:
     )
 
 
-def signatures(state: Any, prefix: str = "", out: dict[str, Key] | None = None, held: list | None = None) -> dict[str, Key]:
+def signatures(
+    state: Any, prefix: str = "", out: dict[str, Key] | None = None, held: list | None = None
+) -> dict[str, Key]:
     """Flattened key (as DCP and staging name it) -> change signature, for every tensor in `state`.
 
     `held` collects each tensor's storage: holding it keeps its memory from being reused (see ChangeTracker).

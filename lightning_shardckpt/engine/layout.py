@@ -73,5 +73,8 @@ def join(root: str, *parts: str) -> str:
         out = f"{out}/{part}"
     return out
 
+
 EVENTS_DIR = "events"  # one JSON file per checkpoint attempt, written once (see metrics.py)
-DRILLS_DIR = "drills"  # ROOT/drills/<checkpoint>--<drill id>--<verdict>.json: write-once drill records (ops/drill_records.py)
+DRILLS_DIR = (
+    "drills"  # ROOT/drills/<checkpoint>--<drill id>--<verdict>.json: write-once drill records (ops/drill_records.py)
+)

@@ -24,8 +24,8 @@ from .collectives import broadcast_from_coordinator, rank_and_world
 from .config import LoadConfig
 from .fsio import Location
 from .layout import MANIFEST, join, parse_dirname
-from .safe_pickle import DCP_METADATA_FIELD
 from .reader import ShardReader
+from .safe_pickle import DCP_METADATA_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +78,23 @@ def _load_once(
 ) -> LoadResult:
     # collective "pick-checkpoint": rank 0 lists and decides, so every rank loads the same directory
     is_coordinator = rank_and_world(process_group)[0] == 0
-    picked = broadcast_from_coordinator("pick-checkpoint", _pick(dirpath, which, config) if is_coordinator else None, process_group)
+    picked = broadcast_from_coordinator(
+        "pick-checkpoint", _pick(dirpath, which, config) if is_coordinator else None, process_group
+    )
     if isinstance(picked, ShardCkptError):
         raise picked
     root, entry = picked
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
     expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
     reader = ShardReader(
-        root.fs, entry.path, expected_checksums=expected,
+        root.fs,
+        entry.path,
+        expected_checksums=expected,
         expected_blocks=manifest_format.expected_blocks(entry.manifest) if config.verify_checksums else None,
         expected_metadata=entry.manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
         trust=config.trust_checkpoint,
-        read_threads=config.read_threads, read_ahead_bytes=config.read_ahead_bytes,
+        read_threads=config.read_threads,
+        read_ahead_bytes=config.read_ahead_bytes,
     )
     try:
         dcp.load(
@@ -101,15 +106,27 @@ def _load_once(
     except CheckpointException as err:
         # every rank got the same failure (DCP gathers them); rank 0 looks whether the checkpoint is still
         # there, so all ranks raise alike. Retention deletes the manifest first: no manifest, deleted.
-        gone = broadcast_from_coordinator("checkpoint-gone", _gone(root, entry) if is_coordinator else None, process_group)
+        gone = broadcast_from_coordinator(
+            "checkpoint-gone", _gone(root, entry) if is_coordinator else None, process_group
+        )
         if gone:
             raise CheckpointDeleted(
                 f"{entry.path} was deleted while it was being loaded (retention of another job writing into "
                 f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
             ) from err
         raise _unwrap(err, entry.path) from err
-    return LoadResult(join(root.url, entry.name), entry.checkpoint_id, entry.step, entry.manifest, 0.0, reader.bytes_read,
-                      metadata_s=reader.metadata_s, read_s=reader.read_s, place_s=reader.place_s, chunks_read=reader.chunks_read)
+    return LoadResult(
+        join(root.url, entry.name),
+        entry.checkpoint_id,
+        entry.step,
+        entry.manifest,
+        0.0,
+        reader.bytes_read,
+        metadata_s=reader.metadata_s,
+        read_s=reader.read_s,
+        place_s=reader.place_s,
+        chunks_read=reader.chunks_read,
+    )
 
 
 def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:
@@ -119,7 +136,9 @@ def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:
         return False
 
 
-def _pick(dirpath: str, which: str | int, config: LoadConfig) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
+def _pick(
+    dirpath: str, which: str | int, config: LoadConfig
+) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
     try:
         return catalog.open_checkpoint(dirpath, which, config.storage_options)
     except ShardCkptError as err:  # sent to every rank, raised everywhere
@@ -149,7 +168,10 @@ def check_compatible(state_dict: dict[str, Any], manifest: dict[str, Any], where
         unused = sorted((set(saved_shapes) | saved_objects) - set(flat))
         if unused:
             lines.append(f"  only in the checkpoint ({len(unused)}): " + ", ".join(unused[:20]))
-        lines.append("Load it into a model with the saved layout" + (", or pass strict=False to skip missing keys" if not reshaped else ""))
+        lines.append(
+            "Load it into a model with the saved layout"
+            + (", or pass strict=False to skip missing keys" if not reshaped else "")
+        )
         raise IncompatibleCheckpoint("\n".join(lines))
 
 

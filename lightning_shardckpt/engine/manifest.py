@@ -17,9 +17,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint
 from . import manifest_schema
 from .checksum import checksum, checksum_of_checksums
-from .layout import CHECKSUM_ALGORITHM, FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION, READABLE_FORMAT_VERSIONS, parse_dirname
-from .references import REFERENCES_FIELD
+from .layout import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_VERSION,
+    INCREMENTAL_FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
+    parse_dirname,
+)
 from .manifest_schema import BLOCKS_FIELD
+from .references import REFERENCES_FIELD
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
 # copied from the manifest into the commit record: what listing, `latest` and retention decide by
@@ -105,7 +111,8 @@ def build_manifest(
         for receipt in referenced:
             by_path.setdefault(receipt.relative_path, []).append(receipt)
         manifest[REFERENCES_FIELD] = [
-            {"path": path, "bytes": sum(r.length for r in chunks), "chunks": len(chunks)} for path, chunks in sorted(by_path.items())
+            {"path": path, "bytes": sum(r.length for r in chunks), "chunks": len(chunks)}
+            for path, chunks in sorted(by_path.items())
         ]
     return manifest
 
@@ -171,7 +178,9 @@ def _json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
     try:
         document = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCheckpoint(f"{where}: {what} is not valid JSON ({err}); the checkpoint is damaged, load an older one") from err
+        raise CorruptCheckpoint(
+            f"{where}: {what} is not valid JSON ({err}); the checkpoint is damaged, load an older one"
+        ) from err
     if not isinstance(document, dict):
         raise CorruptCheckpoint(f"{where}: {what} is not a JSON object; the checkpoint is damaged, load an older one")
     return document
@@ -180,7 +189,9 @@ def _json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
 def _version(document: dict[str, Any], where: str, what: str) -> int:
     version = document.get("format_version")
     if not manifest_schema.is_int(version) or version < 1:
-        raise CorruptCheckpoint(f"{where}: {what} has no integer format_version; it was not written by lightning_shardckpt")
+        raise CorruptCheckpoint(
+            f"{where}: {what} has no integer format_version; it was not written by lightning_shardckpt"
+        )
     if version not in READABLE_FORMAT_VERSIONS:
         raise IncompatibleCheckpoint(
             f"{where}: manifest format v{version} is newer than this lightning_shardckpt reads (v{FORMAT_VERSION}); "
@@ -190,7 +201,9 @@ def _version(document: dict[str, Any], where: str, what: str) -> int:
 
 
 def _invalid(where: str, what: str, version: int, problems: list[str]) -> str:
-    shown = "; ".join(problems[: manifest_schema.MAX_PROBLEMS]) + (" …" if len(problems) > manifest_schema.MAX_PROBLEMS else "")
+    shown = "; ".join(problems[: manifest_schema.MAX_PROBLEMS]) + (
+        " …" if len(problems) > manifest_schema.MAX_PROBLEMS else ""
+    )
     return f"{where}: {what} (format v{version}) is invalid: {shown}. The checkpoint is damaged or was altered; load another one"
 
 
@@ -231,7 +244,12 @@ def referenced_bytes(manifest: dict[str, Any]) -> int:
 
 
 def _where(receipt: Any) -> dict[str, Any]:
-    where = {"file": receipt.relative_path, "offset": receipt.offset, "length": receipt.length, "checksum": receipt.checksum}
+    where = {
+        "file": receipt.relative_path,
+        "offset": receipt.offset,
+        "length": receipt.length,
+        "checksum": receipt.checksum,
+    }
     blocks = getattr(receipt, "blocks", None)  # receipts pickled by an older writer have no such field
     if blocks is not None:
         where[BLOCKS_FIELD] = {"size": blocks[0], "checksums": list(blocks[1])}
@@ -245,5 +263,11 @@ def _files(receipts: Any) -> list[dict[str, Any]]:
     files = []
     for path, chunks in sorted(by_file.items()):
         chunks.sort(key=lambda r: r.offset)
-        files.append({"path": path, "bytes": chunks[0].file_bytes, "checksum": checksum_of_checksums([c.checksum for c in chunks])})
+        files.append(
+            {
+                "path": path,
+                "bytes": chunks[0].file_bytes,
+                "checksum": checksum_of_checksums([c.checksum for c in chunks]),
+            }
+        )
     return files

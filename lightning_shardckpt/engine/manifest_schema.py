@@ -41,12 +41,16 @@ def identity_problems(document: dict[str, Any], dirname: DirName | None) -> list
     if not isinstance(checkpoint_id, str):
         problems.append(f"id is {checkpoint_id!r}, not a string")
     elif dirname is not None and checkpoint_id != dirname.checkpoint_id:
-        problems.append(f"id {checkpoint_id!r} does not match the directory name's id {dirname.checkpoint_id!r} "
-                        "(a checkpoint copied or renamed?)")
+        problems.append(
+            f"id {checkpoint_id!r} does not match the directory name's id {dirname.checkpoint_id!r} "
+            "(a checkpoint copied or renamed?)"
+        )
     if not is_int(step) or step < 0:
         problems.append(f"step is {step!r}, not an integer >= 0")
     elif dirname is not None and step != dirname.step:
-        problems.append(f"step {step} does not match the directory name's step {dirname.step} (a checkpoint copied or renamed?)")
+        problems.append(
+            f"step {step} does not match the directory name's step {dirname.step} (a checkpoint copied or renamed?)"
+        )
     if parse_time(document.get("created_at")) is None:
         problems.append(f"created_at {document.get('created_at')!r} is not an ISO 8601 time with a timezone")
     for name in ("parent", "run_id"):
@@ -72,8 +76,11 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
         problems.extend(metrics_problems(manifest["extra"]))
     identity = manifest.get("identity")
     if isinstance(identity, dict):
-        problems.extend(f"identity.{block} is not an object or null" for block, value in identity.items()
-                        if value is not None and not isinstance(value, dict))
+        problems.extend(
+            f"identity.{block} is not an object or null"
+            for block, value in identity.items()
+            if value is not None and not isinstance(value, dict)
+        )
     files = manifest.get("files")
     names: set[str] = set()
     if not isinstance(files, list):
@@ -94,7 +101,10 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
                 break
     if isinstance(manifest.get("objects"), list):
         for index, item in enumerate(manifest["objects"]):
-            problems.extend(f"objects[{index}]: {p}" for p in _chunk_problems(item, names - _referenced(manifest), tensor_chunk=False))
+            problems.extend(
+                f"objects[{index}]: {p}"
+                for p in _chunk_problems(item, names - _referenced(manifest), tensor_chunk=False)
+            )
             if len(problems) > MAX_PROBLEMS:
                 break
     return problems
@@ -105,7 +115,11 @@ REFERENCES_FIELD = "references"  # v3 (FORMAT.md §9); the same name as referenc
 
 def _referenced(manifest: dict[str, Any]) -> set[str]:
     items = manifest.get(REFERENCES_FIELD)
-    return {item["path"] for item in items if isinstance(item, dict) and isinstance(item.get("path"), str)} if isinstance(items, list) else set()
+    return (
+        {item["path"] for item in items if isinstance(item, dict) and isinstance(item.get("path"), str)}
+        if isinstance(items, list)
+        else set()
+    )
 
 
 def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]:
@@ -117,7 +131,9 @@ def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]
         return []
     items = manifest[REFERENCES_FIELD]
     if manifest["format_version"] < 3:
-        return [f"{REFERENCES_FIELD} is present in a format v{manifest['format_version']} manifest (references need v3)"]
+        return [
+            f"{REFERENCES_FIELD} is present in a format v{manifest['format_version']} manifest (references need v3)"
+        ]
     if not isinstance(items, list):
         return [f"{REFERENCES_FIELD} is not a list"]
     problems = []
@@ -223,7 +239,10 @@ def _blocks_problems(blocks: Any, length: Any) -> list[str]:
     if not isinstance(digests, list) or not all(_is_digest(digest) for digest in digests):
         return [f"{BLOCKS_FIELD}.checksums is not a list of 16-hex-character digests"]
     if is_int(length) and len(digests) != -(-length // blocks["size"]):
-        return [f"{BLOCKS_FIELD} has {len(digests)} checksum(s); a chunk of {length} bytes in blocks of {blocks['size']} has {-(-length // blocks['size'])}"]
+        return [
+            f"{BLOCKS_FIELD} has {len(digests)} checksum(s); "
+            f"a chunk of {length} bytes in blocks of {blocks['size']} has {-(-length // blocks['size'])}"
+        ]
     return []
 
 

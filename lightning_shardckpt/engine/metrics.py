@@ -36,9 +36,12 @@ class CheckpointRecord:
     path: str | None = None
     cause: str | None = None  # why it failed or was skipped
     pause_s: float = 0.0  # time the training thread was blocked (waiting for a slot + staging)
-    stage_s: float = 0.0  # copy into staging buffers (with overlap_staging: only the part the training thread waits for)
+    stage_s: float = (
+        0.0  # copy into staging buffers (with overlap_staging: only the part the training thread waits for)
+    )
     overlap_copy_s: float = 0.0  # overlap_staging: the background copy of parameters and optimizer state
-    overlap_wait_s: float = 0.0  # overlap_staging: time the training thread blocked at the fence for that copy (the in-loop stall beyond pause_s)
+    # overlap_staging: time the training thread blocked at the fence for that copy (the in-loop stall beyond pause_s)
+    overlap_wait_s: float = 0.0
     write_s: float = 0.0  # writing this rank's shard file
     verify_s: float = 0.0  # reading back the sampled chunks
     commit_s: float = 0.0  # coordinator: completeness check, metadata, manifest, latest
@@ -48,7 +51,9 @@ class CheckpointRecord:
     write_gbps: float = 0.0  # this rank's bytes / write_s, in GB/s
     storage_retries: int = 0  # transient storage errors retried while this save ran (timeouts, 5xx)
     cleanup: str | None = None  # coordinator, failed save: "removed" (its directory) or "left" (for `shardckpt gc`)
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # coordinator, committed: per rank bytes, write_s, write_gbps
+    ranks: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # coordinator, committed: per rank bytes, write_s, write_gbps
     run_id: str | None = None  # the run this attempt belongs to (the saver's run id)
     created_at: float = field(default_factory=time.time)
     manifest: dict[str, Any] | None = field(default=None, repr=False)  # the coordinator's, when committed
@@ -63,7 +68,9 @@ class CheckpointRecord:
         numeric = {
             key: float(value)
             for key, value in self.as_dict().items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "rank", "created_at")
+            if isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and key not in ("step", "rank", "created_at")
         }
         return {f"{prefix}{key}": value for key, value in numeric.items()}
 
@@ -103,7 +110,9 @@ class RunCounters:
             return dict(self._notes)
 
 
-def event_payload(record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None) -> dict[str, Any]:
+def event_payload(
+    record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None
+) -> dict[str, Any]:
     """What an attempt's event file holds: the record, the run's outcome counters and housekeeping notes.
 
     Health rules evaluate exactly this document, online (from the saver) and offline (from ROOT/events/),
@@ -112,7 +121,9 @@ def event_payload(record: CheckpointRecord, counters: dict[str, int], notes: dic
     return {**record.as_dict(), "counters": counters, **({"housekeeping": notes} if notes else {})}
 
 
-def write_event(root: Location, record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None) -> None:
+def write_event(
+    root: Location, record: CheckpointRecord, counters: dict[str, int], notes: dict[str, int] | None = None
+) -> None:
     """Write the record as this attempt's event file; never raises (metrics must not fail a run)."""
     prefix = f"step-{record.step:09d}-{record.checkpoint_id or 'none'}-{record.outcome}"
     write_json_event(root, prefix, event_payload(record, counters, notes))

@@ -102,8 +102,12 @@ def ensure_owner(root: Location, run_id: str, allow_shared_root: bool, group: An
                 if not allow_shared_root:
                     decision = (run_id, "config", message)
                 else:
-                    log.warning("%s is owned by run %s; writing into it as run %s because allow_shared_root=true",
-                                root.url, owner["run_id"], run_id)
+                    log.warning(
+                        "%s is owned by run %s; writing into it as run %s because allow_shared_root=true",
+                        root.url,
+                        owner["run_id"],
+                        run_id,
+                    )
         except ConfigError as err:
             if allow_shared_root:
                 log.warning("%s; going on because allow_shared_root=true", err)

@@ -46,7 +46,9 @@ class SaveResult:
     cleanup: str | None = None  # coordinator, failed save: REMOVED (its directory) or LEFT (for `shardckpt gc`)
     storage_retries: int = 0  # transient storage errors retried during this save (process-wide count)
     timings: dict[str, float] = field(default_factory=dict)  # write_s, verify_s, commit_s, persist_s
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # coordinator, committed: every rank's bytes/write_s/write_gbps
+    ranks: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # coordinator, committed: every rank's bytes/write_s/write_gbps
 
 
 @dataclass
@@ -95,8 +97,9 @@ def persist_checkpoint(
         },
     )
     committer = Committer(target, fault_hook)
-    writer = ShardWriter(root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook,
-                         references=meta.references)
+    writer = ShardWriter(
+        root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook, references=meta.references
+    )
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))
@@ -146,7 +149,10 @@ class RankZeroSavePlanner(DefaultSavePlanner):
             if len(ranks) > 1 and not self._identical(index.fqn):
                 for rank in ranks[1:]:
                     dropped[rank].add(index)
-        kept = [dataclasses.replace(plan, items=[i for i in plan.items if i.index not in dropped[r]]) for r, plan in enumerate(all_plans)]
+        kept = [
+            dataclasses.replace(plan, items=[i for i in plan.items if i.index not in dropped[r]])
+            for r, plan in enumerate(all_plans)
+        ]
         return dedup_save_plans(kept, save_to_lowest_rank=False)  # what is still duplicated is identical: balance it
 
 
@@ -168,7 +174,11 @@ def remove_failed_attempt(root: Location, directory: str, group: Any, err: BaseE
     if rank != 0:
         return None
     if is_distributed() and not isinstance(err, CheckpointException):
-        log.warning("rank 0: %s stays for `shardckpt gc`: the ranks did not reach a common verdict (%s)", directory, type(err).__name__)
+        log.warning(
+            "rank 0: %s stays for `shardckpt gc`: the ranks did not reach a common verdict (%s)",
+            directory,
+            type(err).__name__,
+        )
         return LEFT
     try:
         if retry.call("exists", lambda: root.fs.exists(join(directory, MANIFEST)), target=directory):
@@ -201,7 +211,9 @@ def release_frames(err: BaseException) -> None:
             traceback.clear_frames(current.__traceback__)  # skips frames still executing
         pending.extend((current.__cause__, current.__context__))
         if isinstance(current, CheckpointException):  # DCP keeps each rank's (exception, stack summary)
-            pending.extend(failure[0] for failure in current.failures.values() if isinstance(failure, tuple) and failure)
+            pending.extend(
+                failure[0] for failure in current.failures.values() if isinstance(failure, tuple) and failure
+            )
 
 
 def _retries() -> int:

@@ -172,11 +172,19 @@ class ShardReader(StorageReader):
                     data_bytes = math.prod(layout[0]) * _element_size(layout[1])
                     blocks = self._expected_blocks.get((chunk.relative_path, chunk.offset))
                     future = executor.submit(
-                        direct.fetch, shard, chunk.offset, chunk.length, data_bytes, destinations, blocks[0] if blocks else None
+                        direct.fetch,
+                        shard,
+                        chunk.offset,
+                        chunk.length,
+                        data_bytes,
+                        destinations,
+                        blocks[0] if blocks else None,
                     )
                 else:
                     chunk.buffer = pool.take(chunk.length)
-                    future = executor.submit(fetch_buffered, shard, chunk.offset, chunk.length, chunk.buffer, self._expected is not None)
+                    future = executor.submit(
+                        fetch_buffered, shard, chunk.offset, chunk.length, chunk.buffer, self._expected is not None
+                    )
                 pending.append((chunk, future))
                 buffered += needs
             while pending:
@@ -188,7 +196,11 @@ class ShardReader(StorageReader):
         self.read_s += last_byte - started
         log.debug(
             "read %d chunk(s) (%d read again buffered), %d bytes for %d read item(s) in %.3fs",
-            len(chunks), self.chunks_reread, self.bytes_read, len(plan.items), self.read_s,
+            len(chunks),
+            self.chunks_reread,
+            self.bytes_read,
+            len(plan.items),
+            self.read_s,
         )
         done: Future[None] = Future()
         done.set_result(None)
@@ -237,7 +249,12 @@ class ShardReader(StorageReader):
         targets = []
         for request in chunk.requests:
             target = planner.resolve_tensor(request).detach()
-            if target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous() or list(target.size()) != list(request.lengths):
+            if (
+                target.device.type != "cpu"
+                or target.dtype != dtype
+                or not target.is_contiguous()
+                or list(target.size()) != list(request.lengths)
+            ):
                 return None
             targets.append(target)
         return targets
@@ -310,11 +327,20 @@ class ShardReader(StorageReader):
         try:
             return ShardFile(self.fs, path)
         except FileNotFoundError as err:
-            lost = sorted({request.storage_index.fqn for chunk in chunks if chunk.relative_path == relative_path for request in chunk.requests})
+            lost = sorted(
+                {
+                    request.storage_index.fqn
+                    for chunk in chunks
+                    if chunk.relative_path == relative_path
+                    for request in chunk.requests
+                }
+            )
             raise CorruptCheckpoint(
                 f"{path} is missing: the manifest lists it but storage has no such file ({len(lost)} tensor(s) lost, "
                 f"e.g. {lost[:3]}). Restore it from a replica or load an older checkpoint; `shardckpt verify` lists every loss",
-                problems=[{"file": relative_path, "tensor": fqn, "expected": "present", "actual": "missing"} for fqn in lost],
+                problems=[
+                    {"file": relative_path, "tensor": fqn, "expected": "present", "actual": "missing"} for fqn in lost
+                ],
             ) from err
 
     def _check(self, chunk: _Chunk, fetched: Fetched) -> None:
@@ -331,7 +357,9 @@ class ShardReader(StorageReader):
             expected_blocks = self._expected_blocks[(chunk.relative_path, chunk.offset)][1]
             for index, digest in sorted(fetched.blocks.items()):
                 if digest != expected_blocks[index]:
-                    raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, f"block {index}: {expected_blocks[index]}", digest)
+                    raise chunk_mismatch(
+                        self.path, chunk.relative_path, chunk.fqn, f"block {index}: {expected_blocks[index]}", digest
+                    )
             return
         actual = SHORT_READ.format(filled=fetched.filled, length=chunk.length) if short else fetched.digest
         if actual != expected[0]:

@@ -36,7 +36,7 @@ def split(path: str) -> tuple[str, str] | None:
     """(sibling directory, file) of a well-formed reference, or None for anything else."""
     if not is_reference(path):
         return None
-    parts = path[len(PREFIX):].split("/")
+    parts = path[len(PREFIX) :].split("/")
     if len(parts) != 2 or parse_dirname(parts[0]) is None or parts[0] != parts[0].strip() or not parts[1]:
         return None
     if parts[1] in (".", "..") or "\\" in path or ":" in parts[1]:
@@ -47,8 +47,10 @@ def split(path: str) -> tuple[str, str] | None:
 def problem(path: Any) -> str | None:
     """Why `path` is not an acceptable reference (None when it is one)."""
     if split(path) is None:
-        return (f"path {path!r}, outside the checkpoint directory and not '../<sibling checkpoint directory>/<file>' "
-                "(a reference may name only a file of a sibling checkpoint of the same root)")
+        return (
+            f"path {path!r}, outside the checkpoint directory and not '../<sibling checkpoint directory>/<file>' "
+            "(a reference may name only a file of a sibling checkpoint of the same root)"
+        )
     return None
 
 
@@ -83,7 +85,9 @@ def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None
         try:
             manifest = catalog.read_manifest(location.fs, entry)
         except Exception:  # a damaged manifest: be conservative, its references cannot be known
-            log.warning("reachability: cannot read %s; nothing it might reference is deleted now", entry.path, exc_info=True)
+            log.warning(
+                "reachability: cannot read %s; nothing it might reference is deleted now", entry.path, exc_info=True
+            )
             return {"*": set()}
         for sibling, files in referenced_files(manifest).items():
             pinned.setdefault(sibling, set()).update(files)
@@ -99,7 +103,9 @@ def manifest_path(root_path: str, dirname: str) -> str:
     return join(root_path, dirname, MANIFEST)
 
 
-def chunk_map(manifest: dict[str, Any], dirname: str, keys: frozenset[str]) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
+def chunk_map(
+    manifest: dict[str, Any], dirname: str, keys: frozenset[str]
+) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
     """(fqn, chunk offsets) -> chunk record to reference, for the tensors `keys` of checkpoint `dirname`.
 
     The record is the holder's own (offset, length, checksum, block checksums), its file rewritten as a

@@ -130,8 +130,12 @@ class Replicator:
         left = self._submitted - self._handled
         owed = self._owed is not None or left
         if owed:
-            log.error("rank %d: checkpoint(s) committed on the fast tier were not copied to %s before close; "
-                      "the next run copies the newest one when it starts", self.rank, self.durable.url)
+            log.error(
+                "rank %d: checkpoint(s) committed on the fast tier were not copied to %s before close; "
+                "the next run copies the newest one when it starts",
+                self.rank,
+                self.durable.url,
+            )
         return self.broken is None and not owed
 
     @property
@@ -175,8 +179,12 @@ class Replicator:
         except BaseException as err:  # a collective timed out (a rank died) or a bug: the group is unusable now
             self.broken = err
             self.counters.note(REPLICATION_FAILED)
-            log.error("rank %d: replication to %s stopped: %s; checkpoints stay on the fast tier, the next run copies the newest",
-                      self.rank, self.durable.url, err)
+            log.error(
+                "rank %d: replication to %s stopped: %s; checkpoints stay on the fast tier, the next run copies the newest",
+                self.rank,
+                self.durable.url,
+                err,
+            )
             with self._idle:
                 self._idle.notify_all()
 
@@ -216,7 +224,12 @@ class Replicator:
             due = due or self._since_copy >= (durable.every_n_checkpoints or 1)
         if len(pending) > 1 and due:
             skipped = len(pending) - 1
-            log.warning("replication is %d checkpoint(s) behind; copying the newest (%s) and skipping %d", len(pending), newest, skipped)
+            log.warning(
+                "replication is %d checkpoint(s) behind; copying the newest (%s) and skipping %d",
+                len(pending),
+                newest,
+                skipped,
+            )
         if not due:
             self._owed = pending[0]
             return ("skip", pending[0], None, False)
@@ -235,7 +248,9 @@ class Replicator:
 
     def _entry(self, name: str) -> catalog.CheckpointEntry:
         parsed = parse_dirname(name)
-        return catalog.CheckpointEntry(name, join(self.fast.path, name), parsed.step, parsed.checkpoint_id, catalog.COMMITTED)
+        return catalog.CheckpointEntry(
+            name, join(self.fast.path, name), parsed.step, parsed.checkpoint_id, catalog.COMMITTED
+        )
 
     def _consume_until(self, pending: list[str], name: str | None) -> list[str]:
         """Drop `name` and everything before it from `pending` (waiting for it if this rank has not seen it yet)."""
@@ -252,7 +267,7 @@ class Replicator:
             for _ in range(index):
                 self.counters.note(REPLICATION_SKIPPED)
             self._mark_handled(index)
-        return pending[index + 1:]
+        return pending[index + 1 :]
 
     def _mark_handled(self, count: int) -> None:
         with self._idle:
@@ -272,17 +287,29 @@ class Replicator:
                 self._last_copy_time = time.monotonic()
                 with self._idle:
                     self.newest_durable = name
-                    self.lag = sum(1 for item in list(self._queue.queue) if item is not _STOP)  # what stays queued is still behind
+                    self.lag = sum(
+                        1 for item in list(self._queue.queue) if item is not _STOP
+                    )  # what stays queued is still behind
                 self.counters.note(REPLICATED)
                 self._mark_handled(1 if counted else 0)
                 return
             failures += 1
             self.counters.note(REPLICATION_FAILED)
             wait = self.config.backoff_s(failures)
-            log.warning("rank %d: copying %s to %s failed (%s); retrying in %.1fs", self.rank, name, self.durable.url, message, wait)
+            log.warning(
+                "rank %d: copying %s to %s failed (%s); retrying in %.1fs",
+                self.rank,
+                name,
+                self.durable.url,
+                message,
+                wait,
+            )
             # coordinator decides, for every rank alike: retry, or give up (stopping past the flush deadline)
-            give_up = self.rank == 0 and self._stop_requested.is_set() and (
-                self._flush_deadline is None or time.monotonic() + wait > self._flush_deadline)
+            give_up = (
+                self.rank == 0
+                and self._stop_requested.is_set()
+                and (self._flush_deadline is None or time.monotonic() + wait > self._flush_deadline)
+            )
             give_up = broadcast_from_coordinator("replicate-retry", give_up, self.group)
             if give_up:
                 self._mark_handled(1 if counted else 0)
@@ -300,9 +327,18 @@ class Replicator:
         if self.rank != 0:
             return
         lag = sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1)
-        event = {"event": "replication", "name": name, "step": manifest.get("step"), "run_id": manifest.get("run_id"),
-                 "outcome": "committed" if ok else "failed", "cause": message or None, "seconds": seconds,
-                 "durable": self.durable.url, "lag_checkpoints": lag, "created_at": time.time()}
+        event = {
+            "event": "replication",
+            "name": name,
+            "step": manifest.get("step"),
+            "run_id": manifest.get("run_id"),
+            "outcome": "committed" if ok else "failed",
+            "cause": message or None,
+            "seconds": seconds,
+            "durable": self.durable.url,
+            "lag_checkpoints": lag,
+            "created_at": time.time(),
+        }
         metrics.write_json_event(self.fast, f"replicate-{name}-{event['outcome']}", event)
         for listener in self.listeners:
             try:
@@ -320,8 +356,15 @@ class Replicator:
             fsio.makedirs(self.durable.fs, dst_dir)
             for relative in mine:
                 self._fault("replicate_before_file")
-                copy_verified(self.fast.fs, src_dir, self.durable.fs, dst_dir, relative, manifest,
-                              on_piece=lambda: self._fault("replicate_mid_upload"))
+                copy_verified(
+                    self.fast.fs,
+                    src_dir,
+                    self.durable.fs,
+                    dst_dir,
+                    relative,
+                    manifest,
+                    on_piece=lambda: self._fault("replicate_mid_upload"),
+                )
         except Exception as err:  # noqa: BLE001 - reported to the coordinator, which decides for all
             problem = f"rank {self.rank}: {type(err).__name__}: {err}"
         problems = [p for p in all_gather_objects("replicate-receipts", problem, self.group) if p]
@@ -346,15 +389,24 @@ class Replicator:
                 return True, ""
             durable_manifest = dict(manifest)
             durable_manifest[REPLICATED_FROM] = {
-                "tier": "fast", "url": join(self.fast.url, name),
+                "tier": "fast",
+                "url": join(self.fast.url, name),
                 "replicated_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             }
             try:
                 # the same commit point as a save: record, manifest by create-if-absent, `latest`
-                publish(fs, self.durable.path, name, durable_manifest,
-                        before_manifest=lambda: self._fault("replicate_before_manifest"))
+                publish(
+                    fs,
+                    self.durable.path,
+                    name,
+                    durable_manifest,
+                    before_manifest=lambda: self._fault("replicate_before_manifest"),
+                )
             except FileExistsError:
-                return False, f"{name}: another writer committed it on {self.durable.url} meanwhile; two runs may share this root"
+                return (
+                    False,
+                    f"{name}: another writer committed it on {self.durable.url} meanwhile; two runs may share this root",
+                )
         except CorruptCheckpoint as err:
             return False, str(err)
         except Exception as err:  # noqa: BLE001 - unreachable storage: retried
@@ -370,7 +422,9 @@ class Replicator:
 def newest_on_both(fast: Location, durable: Location, run_id: str | None) -> str | None:
     """The newest committed checkpoint of `run_id` present on both tiers (where replication stands at start)."""
     on_fast = {entry.name for entry in catalog.committed_of_run(catalog.list_checkpoints(fast), run_id)}
-    both = [entry for entry in catalog.committed_of_run(catalog.list_checkpoints(durable), run_id) if entry.name in on_fast]
+    both = [
+        entry for entry in catalog.committed_of_run(catalog.list_checkpoints(durable), run_id) if entry.name in on_fast
+    ]
     return both[-1].name if both else None
 
 

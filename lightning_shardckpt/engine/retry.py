@@ -34,38 +34,46 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # S3 error codes that mean "try again", whatever HTTP status carried them.
-TRANSIENT_CODES = frozenset({
-    "InternalError",
-    "ServiceUnavailable",
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeout",
-    "RequestTimeoutException",
-    "RequestLimitExceeded",
-    "TooManyRequestsException",
-    "ConditionalRequestConflict",  # 409: a concurrent conditional write on the same key; AWS says retry
-    "500", "502", "503", "504",
-})
+TRANSIENT_CODES = frozenset(
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "ConditionalRequestConflict",  # 409: a concurrent conditional write on the same key; AWS says retry
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
 # errno values s3fs and the OS use for transient conditions (s3fs maps 503 to EBUSY, 500 to EREMOTEIO).
 TRANSIENT_ERRNOS = frozenset(
-    getattr(errno, name) for name in ("EBUSY", "EREMOTEIO", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EAGAIN", "EPIPE")
+    getattr(errno, name)
+    for name in ("EBUSY", "EREMOTEIO", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EAGAIN", "EPIPE")
     if hasattr(errno, name)
 )
 # Network errors of botocore / aiohttp, matched by class name so neither has to be installed.
-TRANSIENT_CLASS_NAMES = frozenset({
-    "HTTPClientError",
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-    "ConnectTimeoutError",
-    "ReadTimeoutError",
-    "ResponseStreamingError",
-    "IncompleteReadError",
-    "ClientPayloadError",
-    "ServerDisconnectedError",
-    "ClientConnectionError",
-    "FSTimeoutError",
-})
+TRANSIENT_CLASS_NAMES = frozenset(
+    {
+        "HTTPClientError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+        "FSTimeoutError",
+    }
+)
 # Errors that no retry can fix: the answer would be the same.
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -185,7 +193,12 @@ def call(operation: str, fn: Callable[[], T], *, policy: RetryPolicy | None = No
             counters.add(f"retried.{operation}")
             log.warning(
                 "%s %s: transient storage error (%s); retry %d of %d in %.2fs",
-                operation, target, _describe(err), attempt, policy.attempts - 1, delay,
+                operation,
+                target,
+                _describe(err),
+                attempt,
+                policy.attempts - 1,
+                delay,
             )
             time.sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover

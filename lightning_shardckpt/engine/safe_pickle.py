@@ -33,29 +33,31 @@ log = logging.getLogger(__name__)
 
 # What DCP's `.metadata` of our checkpoints names (found by recording find_class on DDP and FSDP2 saves
 # with optimizer states, bytes objects and RNG tensors), and the aliases older DCP versions pickled.
-DCP_METADATA_GLOBALS = frozenset({
-    "torch.distributed.checkpoint.metadata.Metadata",
-    "torch.distributed.checkpoint.metadata.MetadataIndex",
-    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorProperties",
-    "torch.distributed.checkpoint.metadata.StorageMeta",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
-    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
-    "torch.distributed._shard.metadata.ShardMetadata",
-    "torch.Size",
-    "torch.serialization._get_layout",
-    "collections.OrderedDict",
-    "builtins.set",
-    "builtins.frozenset",
-    "builtins.bytearray",
-    "builtins.complex",
-    "builtins.slice",
-    "_codecs.encode",  # how protocol 2 pickles bytes
-})
+DCP_METADATA_GLOBALS = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata.Metadata",
+        "torch.distributed.checkpoint.metadata.MetadataIndex",
+        "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+        "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+        "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+        "torch.distributed.checkpoint.metadata.TensorProperties",
+        "torch.distributed.checkpoint.metadata.StorageMeta",
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+        "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+        "torch.distributed._shard.metadata.ShardMetadata",
+        "torch.Size",
+        "torch.serialization._get_layout",
+        "collections.OrderedDict",
+        "builtins.set",
+        "builtins.frozenset",
+        "builtins.bytearray",
+        "builtins.complex",
+        "builtins.slice",
+        "_codecs.encode",  # how protocol 2 pickles bytes
+    }
+)
 
 DCP_METADATA_FIELD = "dcp_metadata"  # manifest v2: {"checksum", "bytes"} of `.metadata` as committed
 
@@ -102,28 +104,41 @@ class RestrictedUnpickler(pickle.Unpickler):
 # loader allows (safe_pickle.torch_safe_globals): hyperparameters are an AttributeDict, and a model built
 # by Hydra's `instantiate` keeps OmegaConf containers in them (recipes/train.py: `betas` is a ListConfig),
 # whose metadata names builtin types. Each is data: unpickling it sets fields and calls nothing else.
-LIGHTNING_STATE_GLOBALS = frozenset({
-    "lightning.fabric.utilities.data.AttributeDict",
-    "lightning.pytorch.utilities.parsing.AttributeDict",
-    "lightning_fabric.utilities.data.AttributeDict",
-    "pytorch_lightning.utilities.parsing.AttributeDict",
-    "omegaconf.dictconfig.DictConfig",
-    "omegaconf.listconfig.ListConfig",
-    "omegaconf.base.ContainerMetadata",
-    "omegaconf.base.Metadata",
-    "omegaconf.nodes.AnyNode",
-    "omegaconf.nodes.StringNode",
-    "omegaconf.nodes.IntegerNode",
-    "omegaconf.nodes.FloatNode",
-    "omegaconf.nodes.BooleanNode",
-    "omegaconf.nodes.BytesNode",
-    "omegaconf.nodes.PathNode",
-    "typing.Any",
-    "collections.defaultdict",
-    "builtins.dict", "builtins.list", "builtins.tuple", "builtins.int", "builtins.float", "builtins.str",
-    "builtins.bool", "builtins.bytes", "builtins.object", "builtins.frozenset",
-    "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
-})
+LIGHTNING_STATE_GLOBALS = frozenset(
+    {
+        "lightning.fabric.utilities.data.AttributeDict",
+        "lightning.pytorch.utilities.parsing.AttributeDict",
+        "lightning_fabric.utilities.data.AttributeDict",
+        "pytorch_lightning.utilities.parsing.AttributeDict",
+        "omegaconf.dictconfig.DictConfig",
+        "omegaconf.listconfig.ListConfig",
+        "omegaconf.base.ContainerMetadata",
+        "omegaconf.base.Metadata",
+        "omegaconf.nodes.AnyNode",
+        "omegaconf.nodes.StringNode",
+        "omegaconf.nodes.IntegerNode",
+        "omegaconf.nodes.FloatNode",
+        "omegaconf.nodes.BooleanNode",
+        "omegaconf.nodes.BytesNode",
+        "omegaconf.nodes.PathNode",
+        "typing.Any",
+        "collections.defaultdict",
+        "builtins.dict",
+        "builtins.list",
+        "builtins.tuple",
+        "builtins.int",
+        "builtins.float",
+        "builtins.str",
+        "builtins.bool",
+        "builtins.bytes",
+        "builtins.object",
+        "builtins.frozenset",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+    }
+)
 
 
 def _is_torch_constant(module: str, name: str) -> bool:
@@ -192,7 +207,9 @@ def _blocked_name(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def load_dcp_metadata(data: bytes, where: str, *, expected: dict[str, Any] | None = None, trust: bool = False) -> Metadata:
+def load_dcp_metadata(
+    data: bytes, where: str, *, expected: dict[str, Any] | None = None, trust: bool = False
+) -> Metadata:
     """DCP's `.metadata` from its bytes, checked before and after unpickling.
 
     `expected` is the manifest's `dcp_metadata` record (v2: `checksum`, `bytes`); None (a v1 manifest)
@@ -214,9 +231,13 @@ def load_dcp_metadata(data: bytes, where: str, *, expected: dict[str, Any] | Non
             problems=[{"file": ".metadata", "tensor": None, "expected": "DCP metadata classes", "actual": err.name}],
         ) from err
     except Exception as err:  # truncated or garbled: not a pickle at all
-        raise CorruptCheckpoint(f"{where}: .metadata does not unpickle ({type(err).__name__}: {err}); the checkpoint is damaged") from err
+        raise CorruptCheckpoint(
+            f"{where}: .metadata does not unpickle ({type(err).__name__}: {err}); the checkpoint is damaged"
+        ) from err
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
-        raise CorruptCheckpoint(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged")
+        raise CorruptCheckpoint(
+            f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged"
+        )
     from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
 
     for index, info in metadata.storage_data.items():
@@ -226,8 +247,14 @@ def load_dcp_metadata(data: bytes, where: str, *, expected: dict[str, Any] | Non
             raise CorruptCheckpoint(
                 f"{where}: .metadata places {getattr(index, 'fqn', index)!r} at {problem}; a checkpoint reads only "
                 "its own files, so this one is corrupt (or crafted) and is not read",
-                problems=[{"file": ".metadata", "tensor": getattr(index, "fqn", None), "expected": "a file in the directory",
-                           "actual": getattr(info, "relative_path", None)}],
+                problems=[
+                    {
+                        "file": ".metadata",
+                        "tensor": getattr(index, "fqn", None),
+                        "expected": "a file in the directory",
+                        "actual": getattr(info, "relative_path", None),
+                    }
+                ],
             )
     return metadata
 
@@ -240,7 +267,13 @@ def relative_path_problem(path: Any) -> str | None:
     if not isinstance(path, str) or not path:
         return f"path {path!r}, not a file name"
     parts = path.split("/")
-    if path.startswith("/") or "\\" in path or "\x00" in path or ":" in parts[0] or any(part in ("", ".", "..") for part in parts):
+    if (
+        path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or ":" in parts[0]
+        or any(part in ("", ".", "..") for part in parts)
+    ):
         return f"path {path!r}, outside the checkpoint directory"
     return None
 
@@ -281,7 +314,9 @@ def _is_local(fs: Any) -> bool:
 def check_metadata_bytes(data: bytes, where: str, expected: Any) -> None:
     """Raise CorruptCheckpoint unless `data` is the `.metadata` the manifest's `dcp_metadata` recorded."""
     if not isinstance(expected, dict) or not isinstance(expected.get("checksum"), str):
-        raise CorruptCheckpoint(f"{where}: the manifest's {DCP_METADATA_FIELD} is {expected!r}, not {{checksum, bytes}}; the manifest is damaged")
+        raise CorruptCheckpoint(
+            f"{where}: the manifest's {DCP_METADATA_FIELD} is {expected!r}, not {{checksum, bytes}}; the manifest is damaged"
+        )
     actual = checksum(data)
     if actual != expected.get("checksum") or len(data) != expected.get("bytes", len(data)):
         raise CorruptCheckpoint(

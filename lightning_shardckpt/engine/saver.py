@@ -155,9 +155,13 @@ class CheckpointSaver:
         record = CheckpointRecord(step=step, rank=self.rank, outcome=metrics.SKIPPED, run_id=self.config.run_id)
         slot = self._acquire_slot(step, never_skip)
         if slot is None:
-            record.cause = f"a previous save was still in flight (max_in_flight={self.config.max_in_flight}, when_busy='skip')"
+            record.cause = (
+                f"a previous save was still in flight (max_in_flight={self.config.max_in_flight}, when_busy='skip')"
+            )
             record.pause_s = record.total_s = time.perf_counter() - requested
-            self._finish(record, pending, SaveResult(step=step, checkpoint_id=None, path=None, committed=False, skipped=True))
+            self._finish(
+                record, pending, SaveResult(step=step, checkpoint_id=None, path=None, committed=False, skipped=True)
+            )
             return pending
         staging_started = time.perf_counter()
         unchanged: frozenset[str] = frozenset()
@@ -167,14 +171,25 @@ class CheckpointSaver:
                 self._tracker.reset()
             unchanged = self._tracker.plan(state_dict)
         # synchronous: the caller waits for the write, so the live state is consistent without a copy
-        staged = (slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
-                  if self.config.async_save else state_dict)
+        staged = (
+            slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
+            if self.config.async_save
+            else state_dict
+        )
         if slot.deferred is not None:
             self._unfenced.append((slot.deferred, record))
         record.stage_s = time.perf_counter() - staging_started
         record.pause_s = time.perf_counter() - requested
-        job = _Job(staged, slot, step, SaveMeta(epoch, samples_consumed, identity, extra, identical), record, pending, requested,
-                   unchanged)
+        job = _Job(
+            staged,
+            slot,
+            step,
+            SaveMeta(epoch, samples_consumed, identity, extra, identical),
+            record,
+            pending,
+            requested,
+            unchanged,
+        )
         self._in_flight.append(pending)
         if self.config.async_save:
             self._ensure_worker()
@@ -232,8 +247,12 @@ class CheckpointSaver:
             log.info("rank %d: waiting up to %.0fs for checkpoint(s) of step %s to commit", self.rank, timeout, waiting)
         deadline = time.monotonic() + timeout
         if not self.wait(timeout):
-            log.error("rank %d: checkpoint(s) of step %s did not finish within %.0fs; they stay uncommitted",
-                      self.rank, [p.step for p in self._in_flight if not p.done()], timeout)
+            log.error(
+                "rank %d: checkpoint(s) of step %s did not finish within %.0fs; they stay uncommitted",
+                self.rank,
+                [p.step for p in self._in_flight if not p.done()],
+                timeout,
+            )
         worker = self._worker
         if worker is not None and worker.is_alive():
             self._jobs.put(None)
@@ -241,8 +260,11 @@ class CheckpointSaver:
             # group or the interpreter exits aborts the process ("terminate called without an active exception")
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
-                log.error("rank %d: the checkpoint worker did not stop within %.0fs; its process group must stay until it does",
-                          self.rank, timeout)
+                log.error(
+                    "rank %d: the checkpoint worker did not stop within %.0fs; its process group must stay until it does",
+                    self.rank,
+                    timeout,
+                )
         self._raise_first_error()
 
     @property
@@ -292,7 +314,9 @@ class CheckpointSaver:
     def _acquire_slot(self, step: int, never_skip: bool = False) -> StagingBuffers | None:
         if self.config.when_busy == "skip" and not never_skip:
             if _any_rank(self._free_slots.empty()):  # every rank must take the same decision
-                log.warning("rank %d: skipping the checkpoint of step %d: a previous save is still in flight", self.rank, step)
+                log.warning(
+                    "rank %d: skipping the checkpoint of step %d: a previous save is still in flight", self.rank, step
+                )
                 return None
             return self._free_slots.get()
         try:
@@ -325,7 +349,9 @@ class CheckpointSaver:
                         "its unchanged tensors were not copied, so it cannot be written. The next save is full"
                     )
                 job.meta.references = refs.chunk_map(refs.read_base(self.root, self._base), self._base, job.unchanged)
-            result = persist_checkpoint(self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook)
+            result = persist_checkpoint(
+                self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook
+            )
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)
             result = SaveResult(step=job.step, checkpoint_id=None, path=None, committed=False, error=err)

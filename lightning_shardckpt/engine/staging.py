@@ -111,7 +111,9 @@ class DeferredCopy:
             self._event.synchronize()
         self._done.wait()
         if self.error is not None:
-            raise StagingFailed(f"the overlapped staging copy failed: {type(self.error).__name__}: {self.error}") from self.error
+            raise StagingFailed(
+                f"the overlapped staging copy failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,8 +121,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def _fill(state: Any, buffers: Any, prefix: str, defer: Callable[[str], bool], now: Pairs, later: Pairs,
-          skip: frozenset[str] = frozenset()) -> Any:
+def _fill(
+    state: Any,
+    buffers: Any,
+    prefix: str,
+    defer: Callable[[str], bool],
+    now: Pairs,
+    later: Pairs,
+    skip: frozenset[str] = frozenset(),
+) -> Any:
     """The staged tree: `buffers`' tensors in `state`'s containers, copies split into `now` and `later`.
 
     `prefix` is the flattened key DCP gives the item ("model.net.0.weight", "optimizers.0.state....").
@@ -132,11 +141,15 @@ def _fill(state: Any, buffers: Any, prefix: str, defer: Callable[[str], bool], n
         (later if defer(prefix) else now).append((_local(state), _local(buffers)))
         return buffers
     if isinstance(state, dict):
-        return {key: _fill(value, buffers[key], f"{prefix}.{key}" if prefix else str(key), defer, now, later, skip)
-                for key, value in state.items()}
+        return {
+            key: _fill(value, buffers[key], f"{prefix}.{key}" if prefix else str(key), defer, now, later, skip)
+            for key, value in state.items()
+        }
     if isinstance(state, (list, tuple)):
-        items = [_fill(value, buffers[index], f"{prefix}.{index}" if prefix else str(index), defer, now, later, skip)
-                 for index, value in enumerate(state)]
+        items = [
+            _fill(value, buffers[index], f"{prefix}.{index}" if prefix else str(index), defer, now, later, skip)
+            for index, value in enumerate(state)
+        ]
         return tuple(items) if isinstance(state, tuple) else items
     if state is None or isinstance(state, (int, float, str, bytes)):
         return state
@@ -159,8 +172,9 @@ class StagingBuffers:
         self.nbytes = 0
         self.deferred: DeferredCopy | None = None  # the overlapped part of the last stage(), until waited for
 
-    def stage(self, state_dict: dict[str, Any], defer: Callable[[str], bool] | None = None,
-              skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def stage(
+        self, state_dict: dict[str, Any], defer: Callable[[str], bool] | None = None, skip: frozenset[str] = frozenset()
+    ) -> dict[str, Any]:
         """Copy `state_dict` into the buffers; return a state dict that owns no training memory.
 
         Tensors are copied into the reused buffers; containers are rebuilt and other objects deep-copied,
@@ -209,7 +223,9 @@ class StagingBuffers:
             return
         self._allocate(state_dict, signature, pin=_has_cuda_tensors(state_dict))
         for tensor in iter_tensors(self._buffers):
-            (tensor.to_local() if isinstance(tensor, DTensor) else tensor).zero_()  # first touch, off the training thread
+            (
+                tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            ).zero_()  # first touch, off the training thread
 
     def wait_until_ready(self) -> None:
         """Block until every copy of the last stage() has landed (device-to-host and overlapped ones).
@@ -227,7 +243,5 @@ class StagingBuffers:
         self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
         self._signature = signature
         self.allocations += 1
-        self.nbytes = sum(
-            (t.to_local() if isinstance(t, DTensor) else t).nbytes for t in iter_tensors(self._buffers)
-        )
+        self.nbytes = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in iter_tensors(self._buffers))
         log.info("allocated %.1f MiB of %s staging memory", self.nbytes / 2**20, "pinned" if pin else "host")

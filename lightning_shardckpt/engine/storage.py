@@ -54,7 +54,9 @@ class ChunkReceipt:
     file_bytes: int  # size of the whole file as this rank wrote it
     verified: bool  # read back from storage and matched before the receipt was sent
     finite: bool | None = None  # a floating tensor chunk without NaN/Inf at save time (None: not a float tensor)
-    write_s: float | None = None  # how long this rank took to write its whole file: per-rank throughput for health rules
+    write_s: float | None = (
+        None  # how long this rank took to write its whole file: per-rank throughput for health rules
+    )
     blocks: tuple[int, tuple[str, ...]] | None = None  # (block size, digests): a large chunk checksummed by block too
     reference: bool = False  # incremental: not written; `relative_path` is '../<sibling>/<file>' holding the bytes
 
@@ -267,7 +269,14 @@ class ShardWriter(StorageWriter):
     # --- our part ---
     def _write_rank_file(self, rank: int, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         self._fault("before_write")
-        self.last_write_stats = {"bytes": 0, "chunks": 0, "verified_chunks": 0, "verified_bytes": 0, "write_s": 0.0, "verify_s": 0.0}
+        self.last_write_stats = {
+            "bytes": 0,
+            "chunks": 0,
+            "verified_chunks": 0,
+            "verified_bytes": 0,
+            "write_s": 0.0,
+            "verify_s": 0.0,
+        }
         if not plan.items:
             return []
         started = time.perf_counter()
@@ -275,7 +284,9 @@ class ShardWriter(StorageWriter):
         full_path = join(self.path, relative)
         # Byte items first, then tensors, as DCP orders them. Unchanged chunks (incremental) are referenced.
         referenced = [(item, self._reference_of(item)) for item in plan.items]
-        items = sorted([item for item, ref in referenced if ref is None], key=lambda item: item.type != WriteItemType.BYTE_IO)
+        items = sorted(
+            [item for item, ref in referenced if ref is None], key=lambda item: item.type != WriteItemType.BYTE_IO
+        )
         reference_results = [_reference_result(item, ref) for item, ref in referenced if ref is not None]
         if not items:
             self.last_write_stats["chunks"] = len(reference_results)
@@ -309,7 +320,14 @@ class ShardWriter(StorageWriter):
         results = []
         for position, (item, (offset, length, digest)) in enumerate(zip(items, writer.chunks)):
             receipt = ChunkReceipt(
-                relative, offset, length, digest, file_bytes, position in chosen, finite[position], written - started,
+                relative,
+                offset,
+                length,
+                digest,
+                file_bytes,
+                position in chosen,
+                finite[position],
+                written - started,
                 writer.blocks[position],
             )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=receipt))
@@ -337,8 +355,16 @@ def _reference_result(item: Any, entry: dict[str, Any]) -> WriteResult:
     """The receipt of an unchanged chunk: the earlier checkpoint's record of it, byte for byte."""
     blocks = entry.get("blocks")
     receipt = ChunkReceipt(
-        entry["file"], entry["offset"], entry["length"], entry["checksum"], 0, False, entry.get("finite"), None,
-        (blocks["size"], tuple(blocks["checksums"])) if blocks else None, reference=True,
+        entry["file"],
+        entry["offset"],
+        entry["length"],
+        entry["checksum"],
+        0,
+        False,
+        entry.get("finite"),
+        None,
+        (blocks["size"], tuple(blocks["checksums"])) if blocks else None,
+        reference=True,
     )
     return WriteResult(index=item.index, size_in_bytes=entry["length"], storage_data=receipt)
 

@@ -25,8 +25,11 @@ def expected_ranges(manifest: dict[str, Any], relative: str) -> list[tuple[int, 
     if relative == DCP_METADATA:
         meta = manifest.get(DCP_METADATA_FIELD) or {}
         return [(0, meta["bytes"], meta["checksum"])] if meta else []
-    return sorted((chunk["offset"], chunk["length"], chunk["checksum"])
-                  for _, chunk in manifest_format.iter_chunks(manifest) if chunk["file"] == relative)
+    return sorted(
+        (chunk["offset"], chunk["length"], chunk["checksum"])
+        for _, chunk in manifest_format.iter_chunks(manifest)
+        if chunk["file"] == relative
+    )
 
 
 def file_size(manifest: dict[str, Any], relative: str) -> int | None:
@@ -35,8 +38,16 @@ def file_size(manifest: dict[str, Any], relative: str) -> int | None:
     return next((entry["bytes"] for entry in manifest["files"] if entry["path"] == relative), None)
 
 
-def copy_verified(src_fs: Any, src_dir: str, dst_fs: Any, dst_dir: str, relative: str, manifest: dict[str, Any],
-                  piece_bytes: int = PIECE_BYTES, on_piece: Any = None) -> int:
+def copy_verified(
+    src_fs: Any,
+    src_dir: str,
+    dst_fs: Any,
+    dst_dir: str,
+    relative: str,
+    manifest: dict[str, Any],
+    piece_bytes: int = PIECE_BYTES,
+    on_piece: Any = None,
+) -> int:
     """Copy `src_dir/relative` to `dst_dir/relative`, checking every listed range; returns the bytes copied.
 
     Raises CorruptCheckpoint naming the range when the source's bytes do not match the manifest (the
@@ -45,7 +56,9 @@ def copy_verified(src_fs: Any, src_dir: str, dst_fs: Any, dst_dir: str, relative
     ranges = expected_ranges(manifest, relative)
     size = file_size(manifest, relative)
     if size is None or not ranges:
-        raise CorruptCheckpoint(f"{relative}: not listed in the manifest of {src_dir}; refusing to copy an unverifiable file")
+        raise CorruptCheckpoint(
+            f"{relative}: not listed in the manifest of {src_dir}; refusing to copy an unverifiable file"
+        )
     src_path, dst_path = join(src_dir, relative), join(dst_dir, relative)
     position, index = 0, 0
     hasher = streaming_checksum()
@@ -64,7 +77,7 @@ def copy_verified(src_fs: Any, src_dir: str, dst_fs: Any, dst_dir: str, relative
                     offset, length, expected = ranges[index]
                     end = offset + length
                     take = min(len(view) - start, end - (position + start))
-                    hasher.update(view[start:start + take])
+                    hasher.update(view[start : start + take])
                     start += take
                     if position + start == end:
                         actual = hasher.hexdigest()
@@ -81,7 +94,9 @@ def copy_verified(src_fs: Any, src_dir: str, dst_fs: Any, dst_dir: str, relative
                 if on_piece is not None:
                     on_piece()  # tests: a rank dying mid-upload
             if position != size or index != len(ranges):
-                raise CorruptCheckpoint(f"{src_path}: {position} bytes, its manifest lists {size}; the fast-tier copy is truncated")
+                raise CorruptCheckpoint(
+                    f"{src_path}: {position} bytes, its manifest lists {size}; the fast-tier copy is truncated"
+                )
             fsio.sync_local_file(sink)
             sink.close()
         except BaseException:

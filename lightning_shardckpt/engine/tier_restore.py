@@ -35,8 +35,10 @@ class TierChoice:
 def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
     """Every file of the committed checkpoint `entry` is present (at its committed size) in this rank's view."""
     try:
-        listing = {str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: info.get("size")
-                   for info in location.fs.ls(entry.path, detail=True)}
+        listing = {
+            str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: info.get("size")
+            for info in location.fs.ls(entry.path, detail=True)
+        }
         if MANIFEST not in listing or DCP_METADATA not in listing:
             return False
         manifest = entry.manifest
@@ -59,7 +61,11 @@ def _candidates(location: Location | None, which: str) -> tuple[list[catalog.Che
     if newest is None:
         return [], set()
     mine = catalog.committed_of_run(entries, newest.run_id)
-    drilled = {entry.name for entry in catalog.last_good(location, entries, newest.run_id, keep=len(mine))} if which == catalog.LAST_GOOD else set()
+    drilled = (
+        {entry.name for entry in catalog.last_good(location, entries, newest.run_id, keep=len(mine))}
+        if which == catalog.LAST_GOOD
+        else set()
+    )
     return list(reversed(mine))[:CANDIDATES_PER_TIER] if which != catalog.LAST_GOOD else list(reversed(mine)), drilled
 
 
@@ -76,9 +82,15 @@ def choose(fast: Location | None, durable: Location | None, which: str, group: A
         found[tier], tier_drilled = _candidates(location, which)
         drilled |= tier_drilled
     if which == catalog.LAST_GOOD:
-        found = {tier: [e for e in entries if e.name in drilled][:CANDIDATES_PER_TIER] for tier, entries in found.items()}
-    mine = {(tier, entry.name) for tier, entries in found.items() for entry in entries if readable_here(tiers[tier], entry)}
-    everywhere = set.intersection(*[set(map(tuple, view)) for view in all_gather_objects("tier-readable", sorted(mine), group)])
+        found = {
+            tier: [e for e in entries if e.name in drilled][:CANDIDATES_PER_TIER] for tier, entries in found.items()
+        }
+    mine = {
+        (tier, entry.name) for tier, entries in found.items() for entry in entries if readable_here(tiers[tier], entry)
+    }
+    everywhere = set.intersection(
+        *[set(map(tuple, view)) for view in all_gather_objects("tier-readable", sorted(mine), group)]
+    )
     ranked = []
     for tier, entries in found.items():
         for entry in entries:
@@ -91,10 +103,18 @@ def choose(fast: Location | None, durable: Location | None, which: str, group: A
         location = tiers[tier]
         others = [t for t in found if t != tier and any(e.name == entry.name for e in found[t])]
         if tier == FAST:
-            reason = "newest commit every rank can read; the fast tier wins at a tie" if others else "newest commit every rank can read"
+            reason = (
+                "newest commit every rank can read; the fast tier wins at a tie"
+                if others
+                else "newest commit every rank can read"
+            )
         else:
             unreadable = [e.name for e in found[FAST] if (FAST, e.name) not in everywhere]
-            reason = ("newest commit every rank can read; the fast tier's newer or equal copies are not readable by every rank "
-                      f"({', '.join(unreadable[:3])})" if unreadable else "newest commit every rank can read")
+            reason = (
+                "newest commit every rank can read; the fast tier's newer or equal copies are not readable by every rank "
+                f"({', '.join(unreadable[:3])})"
+                if unreadable
+                else "newest commit every rank can read"
+            )
         choices.append(TierChoice(tier, entry.name, join(location.url, entry.name), entry.step, reason))
     return choices

@@ -169,7 +169,9 @@ def _config_container(config: Any) -> Any:
         try:
             return OmegaConf.to_container(config, resolve=True, enum_to_str=True)
         except OmegaConfBaseException as err:
-            raise ConfigError(f"the config cannot be resolved for the checkpoint's identity: {err}; fix the interpolation") from err
+            raise ConfigError(
+                f"the config cannot be resolved for the checkpoint's identity: {err}; fix the interpolation"
+            ) from err
     return dict(config) if hasattr(config, "keys") and not isinstance(config, dict) else config
 
 
@@ -215,8 +217,12 @@ def _items_fingerprint(dataset: Any, length: int) -> str:
         try:
             digests.append(checksum(_item_bytes(dataset[index])))
         except Exception as err:  # identity is a record, not a gate: a dataset that cannot be indexed still trains
-            log.warning("data identity: item %d of %s could not be read (%s); fingerprinting by length only",
-                        index, _qualname(type(dataset)), err)
+            log.warning(
+                "data identity: item %d of %s could not be read (%s); fingerprinting by length only",
+                index,
+                _qualname(type(dataset)),
+                err,
+            )
             return _digest({"length": length})
     return _digest({"length": length, "items": digests})
 
@@ -228,7 +234,13 @@ def _item_bytes(item: Any) -> bytes:
     if type(item).__module__ == "numpy" and hasattr(item, "tobytes"):
         return f"{item.dtype}{list(getattr(item, 'shape', []))}".encode() + item.tobytes()
     if isinstance(item, dict):
-        return b"{" + b",".join(_item_bytes(k) + b":" + _item_bytes(v) for k, v in sorted(item.items(), key=lambda kv: repr(kv[0]))) + b"}"
+        return (
+            b"{"
+            + b",".join(
+                _item_bytes(k) + b":" + _item_bytes(v) for k, v in sorted(item.items(), key=lambda kv: repr(kv[0]))
+            )
+            + b"}"
+        )
     if isinstance(item, (list, tuple)):
         return b"[" + b",".join(_item_bytes(v) for v in item) + b"]"
     if isinstance(item, (set, frozenset)):  # pickled set order depends on the process's hash seed

@@ -35,7 +35,9 @@ class IdentityPolicy:
     """What a difference in each identity block does on load: "error" (refuse), "warn" (log) or "ignore"."""
 
     model: PolicyAction = ERROR  # changed tensors rarely load; "warn" for deliberate model surgery
-    config: PolicyAction = WARN  # a changed learning rate is a normal fine-tune; a changed model config shows up in `model`
+    config: PolicyAction = (
+        WARN  # a changed learning rate is a normal fine-tune; a changed model config shows up in `model`
+    )
     data: PolicyAction = WARN  # a new dataset version is sometimes the point of a resume
     code: PolicyAction = IGNORE  # every commit changes it
     run: PolicyAction = IGNORE  # world size, hosts and command change on every elastic resume
@@ -105,16 +107,26 @@ def compare(
     rank = rank_and_world()[0]
     for diff in report.diffs:
         if diff.action == WARN and rank == 0:  # every rank compares (and raises); one tells
-            log.warning("rank %d: %s differs from the current run in %s (identity_policy.%s=warn):\n%s",
-                        rank, where, diff.block, diff.block, diff.render())
+            log.warning(
+                "rank %d: %s differs from the current run in %s (identity_policy.%s=warn):\n%s",
+                rank,
+                where,
+                diff.block,
+                diff.block,
+                diff.render(),
+            )
     refused = [d for d in report.diffs if d.action == ERROR]
     if refused:
         names = ", ".join(d.block for d in refused)
         fixes = "\n".join(
-            f"To load anyway set identity_policy.{d.block}=warn (or ignore); to match, {_FIXES[d.block]}." for d in refused
+            f"To load anyway set identity_policy.{d.block}=warn (or ignore); to match, {_FIXES[d.block]}."
+            for d in refused
         )
         raise IncompatibleCheckpoint(
-            f"{where} does not match the current run ({names}):\n" + "\n".join(d.render() for d in refused) + "\n" + fixes
+            f"{where} does not match the current run ({names}):\n"
+            + "\n".join(d.render() for d in refused)
+            + "\n"
+            + fixes
         )
     return report
 
@@ -122,10 +134,19 @@ def compare(
 def _diff_config(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     lines = []
     if saved.get("digest") != current.get("digest"):
-        lines += _capped(list(difflib.unified_diff(
-            (saved.get("yaml") or "").splitlines(), (current.get("yaml") or "").splitlines(),
-            fromfile="checkpoint", tofile="current", lineterm="", n=1,
-        )), limit=3 * MAX_DIFF_LINES)
+        lines += _capped(
+            list(
+                difflib.unified_diff(
+                    (saved.get("yaml") or "").splitlines(),
+                    (current.get("yaml") or "").splitlines(),
+                    fromfile="checkpoint",
+                    tofile="current",
+                    lineterm="",
+                    n=1,
+                )
+            ),
+            limit=3 * MAX_DIFF_LINES,
+        )
     if saved.get("hyperparameters") is not None and current.get("hyperparameters") is not None:
         lines += _diff_mapping("hyperparameter", saved["hyperparameters"], current["hyperparameters"])
     return lines
@@ -138,8 +159,11 @@ def _diff_model(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     before, after = saved.get("tensors"), current.get("tensors")
     if before is None or after is None:
         return lines + [f"tensor digest {saved.get('digest')} -> {current.get('digest')}"]
-    changed = [f"changed  {n}: {_spec(before[n])} -> {_spec(after[n])}" for n in sorted(before.keys() & after.keys())
-               if before[n] != after[n]]
+    changed = [
+        f"changed  {n}: {_spec(before[n])} -> {_spec(after[n])}"
+        for n in sorted(before.keys() & after.keys())
+        if before[n] != after[n]
+    ]
     appeared = [f"appeared {n}: {_spec(after[n])}" for n in sorted(after.keys() - before.keys())]
     vanished = [f"vanished {n}: {_spec(before[n])}" for n in sorted(before.keys() - after.keys())]
     return lines + _capped(changed) + _capped(appeared) + _capped(vanished)
@@ -153,8 +177,13 @@ def _diff_data(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         lines.append(f"fingerprint {saved.get('fingerprint')} -> {current.get('fingerprint')}")
         before = {f["path"]: f["bytes"] for f in saved.get("files") or []}
         after = {f["path"]: f["bytes"] for f in current.get("files") or []}
-        lines += _capped([f"file {p}: {before[p]} -> {after[p]} bytes" for p in sorted(before.keys() & after.keys())
-                          if before[p] != after[p]])
+        lines += _capped(
+            [
+                f"file {p}: {before[p]} -> {after[p]} bytes"
+                for p in sorted(before.keys() & after.keys())
+                if before[p] != after[p]
+            ]
+        )
         lines += _capped([f"file added {p}" for p in sorted(after.keys() - before.keys())])
         lines += _capped([f"file removed {p}" for p in sorted(before.keys() - after.keys())])
     return lines
@@ -177,7 +206,11 @@ def _diff_fields(saved: dict[str, Any], current: dict[str, Any], names: tuple[st
 
 
 def _diff_mapping(label: str, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    lines = [f"{label} {k}: {before[k]!r} -> {after[k]!r}" for k in sorted(before.keys() & after.keys()) if before[k] != after[k]]
+    lines = [
+        f"{label} {k}: {before[k]!r} -> {after[k]!r}"
+        for k in sorted(before.keys() & after.keys())
+        if before[k] != after[k]
+    ]
     lines += [f"{label} {k} added: {after[k]!r}" for k in sorted(after.keys() - before.keys())]
     lines += [f"{label} {k} removed (was {before[k]!r})" for k in sorted(before.keys() - after.keys())]
     return lines

@@ -77,8 +77,10 @@ class ShardedCheckpoint(Checkpoint):
         self._tiers: CheckpointTiers | None = None
         if self.tiers_config is not None:
             if dirpath and dirpath != self.tiers_config.fast.dirpath:
-                raise ConfigError(f"dirpath={dirpath!r} and tiers.fast.dirpath={self.tiers_config.fast.dirpath!r} differ; "
-                                  "with tiers, leave dirpath unset (the fast tier is where saves commit)")
+                raise ConfigError(
+                    f"dirpath={dirpath!r} and tiers.fast.dirpath={self.tiers_config.fast.dirpath!r} differ; "
+                    "with tiers, leave dirpath unset (the fast tier is where saves commit)"
+                )
             dirpath = self.tiers_config.fast.dirpath
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
@@ -96,8 +98,10 @@ class ShardedCheckpoint(Checkpoint):
         )
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
         if self.tiers_config is not None and self.save_options.incremental:
-            raise ConfigError("save.incremental with tiers is not supported yet: the replicator copies a checkpoint's own "
-                              "files, not the earlier ones an incremental checkpoint references; use one or the other")
+            raise ConfigError(
+                "save.incremental with tiers is not supported yet: the replicator copies a checkpoint's own "
+                "files, not the earlier ones an incremental checkpoint references; use one or the other"
+            )
         self.verify_on_load = verify_on_load
         # False: a resume unpickles only allow-listed classes and refuses others by name; True runs whatever
         # the checkpoint's pickles name, so only for checkpoints from a source you trust
@@ -121,7 +125,9 @@ class ShardedCheckpoint(Checkpoint):
         self._resume_logged = False
         self._staging_prepared = False
         self._run_id: str | None = None  # this run's id, kept across fits of one callback (see _adopt_run_id)
-        self._retention_savers: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention (see _attach_retention)
+        self._retention_savers: weakref.WeakSet = (
+            weakref.WeakSet()
+        )  # savers whose commits run retention (see _attach_retention)
         self._resume_event: dict[str, Any] | None = None
 
     @property
@@ -140,7 +146,8 @@ class ShardedCheckpoint(Checkpoint):
             self._setup_tiers(trainer)
         strategy.save_config = save_config_from(self.save_options, parallelism=strategy.parallelism)
         strategy.load_config = LoadConfig(
-            verify_checksums=self.verify_on_load, storage_options=self.save_options.storage_options,
+            verify_checksums=self.verify_on_load,
+            storage_options=self.save_options.storage_options,
             trust_checkpoint=self.trust_checkpoint,
         )
         strategy.checkpoint_root = self.dirpath
@@ -174,10 +181,17 @@ class ShardedCheckpoint(Checkpoint):
             self._restore_rng_state(trainer)
             self._check_identity(trainer, pl_module)
         self._adopt_run_id(trainer)
-        saver = self._saver(trainer)  # created now: a root another run owns is refused before the first step, not at the first save
+        saver = self._saver(
+            trainer
+        )  # created now: a root another run owns is refused before the first step, not at the first save
         if self._tiers is not None:
-            self._tiers.start(saver, self._run_id, self.save_options.allow_shared_root, trainer.is_global_zero,
-                              fault_hook=trainer.strategy.fault_hook)
+            self._tiers.start(
+                saver,
+                self._run_id,
+                self.save_options.allow_shared_root,
+                trainer.is_global_zero,
+                fault_hook=trainer.strategy.fault_hook,
+            )
         self._attach_retention(trainer)
         self._start_health(trainer)
         if trainer.strategy.last_load is not None and trainer.is_global_zero and not self._resume_logged:
@@ -293,7 +307,10 @@ class ShardedCheckpoint(Checkpoint):
     def _save(self, trainer: pl.Trainer, blocking: bool = False, never_skip: bool = False) -> None:
         if self._tiers is not None:
             self._tiers.before_save(trainer.strategy)  # collective: degraded mode when the fast tier failed
-        previous, self.last_saved_step = self.last_saved_step, trainer.global_step  # before the dump, so the snapshot records it too
+        previous, self.last_saved_step = (
+            self.last_saved_step,
+            trainer.global_step,
+        )  # before the dump, so the snapshot records it too
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         sampler, _ = train_sampler(trainer)
         samples = sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
@@ -301,8 +318,14 @@ class ShardedCheckpoint(Checkpoint):
         extra = self._drills.probe_extra(trainer.lightning_module) if self._drills is not None else None  # every rank
         # the outcome next to the identity: what the run logged by the time it saved (floats only)
         extra = {**(extra or {}), METRICS_EXTRA: encode_metrics(trainer.callback_metrics)}
-        pending = trainer.strategy.save_to_saver(self._saver(trainer), checkpoint, identity=current, samples_consumed=samples,
-                                                 extra=extra, never_skip=never_skip or blocking)
+        pending = trainer.strategy.save_to_saver(
+            self._saver(trainer),
+            checkpoint,
+            identity=current,
+            samples_consumed=samples,
+            extra=extra,
+            never_skip=never_skip or blocking,
+        )
         if pending.done() and pending.result().skipped:
             self.last_saved_step = previous  # nothing was saved: the fit-end save must still happen
         self._last_save_time = time.monotonic()
@@ -366,7 +389,9 @@ class ShardedCheckpoint(Checkpoint):
 
     def _preemption_requested(self, trainer: pl.Trainer) -> bool:
         """Any rank's preemption signal; with health rules the same collective carries rank 0's control state."""
-        local = self.options.save_on_preemption and (self._preempted or bool(getattr(trainer, "received_sigterm", False)))
+        local = self.options.save_on_preemption and (
+            self._preempted or bool(getattr(trainer, "received_sigterm", False))
+        )
         if self._health is not None and self._health.enabled:
             preempted = self._health.sync(trainer, local)
             self._health.apply_when_busy(trainer.strategy._savers.get(self.dirpath), self.save_options.when_busy)
@@ -383,7 +408,9 @@ class ShardedCheckpoint(Checkpoint):
             resumed, self._resume_event = self._resume_event, None
             if trainer.is_global_zero:
                 self._health.watch(self._saver(trainer), resumed)
-                if self._tiers is not None and self._tiers.replicator is not None:  # replication_ok, replication_lag_checkpoints
+                if (
+                    self._tiers is not None and self._tiers.replicator is not None
+                ):  # replication_ok, replication_lag_checkpoints
                     self._tiers.replicator.listeners.append(self._health.on_event)
 
     def _health_stop(self, trainer: pl.Trainer) -> bool:
@@ -424,7 +451,10 @@ class ShardedCheckpoint(Checkpoint):
             self._health.drain(trainer, self._drills.request_now)  # alerts, health/<rule>/firing, drill_now
         if not records:
             return
-        counters = {**saver.counters.snapshot(), **saver.counters.notes()}  # notes: failed_dirs_removed, retention_errors, ...
+        counters = {
+            **saver.counters.snapshot(),
+            **saver.counters.notes(),
+        }  # notes: failed_dirs_removed, retention_errors, ...
         if self._tiers is not None:
             counters.update(self._tiers.counters())  # replicated, replication_failed, replication_lag_checkpoints, ...
         for record in records:
@@ -452,14 +482,26 @@ class ShardedCheckpoint(Checkpoint):
         just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
         try:
             spare = set(self._drills.pending()) if self._drills is not None else set()
-            if self._tiers is not None:  # checkpoints not yet on the durable tier (bounded: tiers.fast.max_unreplicated)
+            if (
+                self._tiers is not None
+            ):  # checkpoints not yet on the durable tier (bounded: tiers.fast.max_unreplicated)
                 spare |= self._tiers.fast_spare(self._keep_last(), self._run_id)
-            retention.apply(self._location, self._keep_last(), self.options.keep_every_n_steps,
-                            run_id=self._run_id, just_committed=just_committed,
-                            keep_last_drilled=self.drill_options.keep_last_drilled, spare=frozenset(spare))
+            retention.apply(
+                self._location,
+                self._keep_last(),
+                self.options.keep_every_n_steps,
+                run_id=self._run_id,
+                just_committed=just_committed,
+                keep_last_drilled=self.drill_options.keep_last_drilled,
+                spare=frozenset(spare),
+            )
         except Exception:  # the next commit's pass deletes what this one could not
             saver.counters.note(metrics.RETENTION_ERRORS)
-            log.warning("retention after the checkpoint of step %d failed; the next commit retries it", record.step, exc_info=True)
+            log.warning(
+                "retention after the checkpoint of step %d failed; the next commit retries it",
+                record.step,
+                exc_info=True,
+            )
 
     def _keep_last(self) -> int | None:
         tier_keep = self.tiers_config.fast.keep_last if self.tiers_config is not None else None
@@ -471,12 +513,19 @@ class ShardedCheckpoint(Checkpoint):
             self._tiers = CheckpointTiers(self.tiers_config, trainer.node_rank, trainer.local_rank)
         self.dirpath = self._tiers.fast_dirpath
         fast = self.tiers_config.fast
-        self.save_options = save_config_from(self.save_options, node_local=fast.node_local,
-                                             **({"storage_options": fast.storage_options} if fast.storage_options else {}))
+        self.save_options = save_config_from(
+            self.save_options,
+            node_local=fast.node_local,
+            **({"storage_options": fast.storage_options} if fast.storage_options else {}),
+        )
         trainer.strategy.tier_restore = self._tiers
         if fast.node_local and trainer.num_nodes > 1 and self.drill_options.every_n_checkpoints:
             # a drill restores from the coordinator's node, whose fast directory holds only its own ranks' shards
-            log.warning("restore drills are off: the fast tier %s is node-local on %d nodes, so no node holds a whole "
-                        "checkpoint; drill the durable tier with `shardckpt drill %s`", fast.dirpath, trainer.num_nodes,
-                        self.tiers_config.durable.dirpath if self.tiers_config.durable else "<durable root>")
+            log.warning(
+                "restore drills are off: the fast tier %s is node-local on %d nodes, so no node holds a whole "
+                "checkpoint; drill the durable tier with `shardckpt drill %s`",
+                fast.dirpath,
+                trainer.num_nodes,
+                self.tiers_config.durable.dirpath if self.tiers_config.durable else "<durable root>",
+            )
             self.drill_options = dataclasses.replace(self.drill_options, every_n_checkpoints=None)

@@ -25,11 +25,17 @@ class CallbackConfig:
     resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
 
     def __post_init__(self) -> None:
-        _positive_or_none("every_n_train_steps", self.every_n_train_steps, "every_n_train_steps=100 saves every 100 steps")
+        _positive_or_none(
+            "every_n_train_steps", self.every_n_train_steps, "every_n_train_steps=100 saves every 100 steps"
+        )
         _positive_or_none("every_n_minutes", self.every_n_minutes, "every_n_minutes=30 saves every half hour")
-        _positive_or_none("keep_every_n_steps", self.keep_every_n_steps, "keep_every_n_steps=1000 keeps every 1000th step")
+        _positive_or_none(
+            "keep_every_n_steps", self.keep_every_n_steps, "keep_every_n_steps=1000 keeps every 1000th step"
+        )
         if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigError(f"keep_last={self.keep_last} would delete the checkpoint being written; use >= 1 (or null to keep all)")
+            raise ConfigError(
+                f"keep_last={self.keep_last} would delete the checkpoint being written; use >= 1 (or null to keep all)"
+            )
 
 
 def _positive_or_none(name: str, value: float | None, example: str) -> None:

@@ -14,8 +14,9 @@ from .wandb_artifacts import log_checkpoint_artifact
 log = logging.getLogger(__name__)
 
 
-def log_record(trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int], *,
-               log_metrics: bool, log_artifact: bool) -> None:
+def log_record(
+    trainer: pl.Trainer, record: CheckpointRecord, counters: dict[str, int], *, log_metrics: bool, log_artifact: bool
+) -> None:
     """A finished save: its metrics plus the saver's running counters, and the committed one as a W&B artifact."""
     if record.outcome == "failed":
         log.error("checkpoint of step %d failed: %s", record.step, record.cause)
@@ -35,6 +36,8 @@ def log_resume(trainer: pl.Trainer) -> None:
     loaded = trainer.strategy.last_load
     log.info("resumed from %s (step %d) in %.2fs", loaded.path, loaded.step, loaded.seconds)
     for logger in trainer.loggers:
-        logger.log_metrics({"checkpoint/resume_s": loaded.seconds, "checkpoint/resumed_step": float(loaded.step)},
-                           step=trainer.global_step)
+        logger.log_metrics(
+            {"checkpoint/resume_s": loaded.seconds, "checkpoint/resumed_step": float(loaded.step)},
+            step=trainer.global_step,
+        )
         logger.log_hyperparams({"shardckpt/resumed_from": loaded.path})

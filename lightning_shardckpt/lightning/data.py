@@ -102,7 +102,9 @@ class ResumableDistributedSampler(DistributedSampler):
         `batch_size`: the count stops at the end of the rank's stream.
         """
         if batches < 0 or batch_size < 1:
-            raise ValueError(f"mark_consumed(batches={batches}, batch_size={batch_size}): use batches >= 0 and batch_size >= 1")
+            raise ValueError(
+                f"mark_consumed(batches={batches}, batch_size={batch_size}): use batches >= 0 and batch_size >= 1"
+            )
         self._consumed_per_rank = min(self._consumed_per_rank + batches * batch_size, self.num_samples)
         # the consumed union is the prefix remaining[:k * N]; padding lies past `_pass_kept`, never counted
         self.global_position = self._pass_start + min(self._consumed_per_rank * self.num_replicas, self._pass_kept)
@@ -179,12 +181,20 @@ class ResumableDistributedSampler(DistributedSampler):
         for option in ("seed", "shuffle"):
             if state[option] != getattr(self, option):
                 # the epoch in progress was ordered with the saved value: keep it, or samples repeat and go missing
-                log.warning("sampler %s=%r differs from the checkpoint's %r; using the checkpoint's for an exact resume",
-                            option, getattr(self, option), state[option])
+                log.warning(
+                    "sampler %s=%r differs from the checkpoint's %r; using the checkpoint's for an exact resume",
+                    option,
+                    getattr(self, option),
+                    state[option],
+                )
                 setattr(self, option, state[option])
         if state.get("drop_last", self.drop_last) != self.drop_last:
-            log.warning("sampler drop_last=%r differs from the checkpoint's %r; keeping %r",
-                        self.drop_last, state["drop_last"], self.drop_last)
+            log.warning(
+                "sampler drop_last=%r differs from the checkpoint's %r; keeping %r",
+                self.drop_last,
+                state["drop_last"],
+                self.drop_last,
+            )
         position = int(state["global_position"])
         if not 0 <= position <= self.dataset_length:
             raise IncompatibleCheckpoint(f"sampler global_position={position} is outside [0, {self.dataset_length}]")

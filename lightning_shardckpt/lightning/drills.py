@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -35,18 +36,26 @@ class DrillConfig:
 
     every_n_checkpoints: int | None = None  # drill every N-th committed checkpoint; None: no drills during training
     world_size: int | None = None  # drill ranks; None: differs from the writer's (1, or 2 for a 1-rank run)
-    probe: str | None = None  # "module:function" of the model's state dict -> float; recorded at save, compared in the drill
+    probe: str | None = (
+        None  # "module:function" of the model's state dict -> float; recorded at save, compared in the drill
+    )
     tolerance: float = 1e-4  # relative tolerance of the probe comparison
     timeout_s: float = 600.0  # a drill still running then is killed and recorded as failed
     threads: int = 1  # torch threads per drill rank: bounds the CPU a drill takes from training
-    keep_last_drilled: int = 1  # retention keeps the newest K drilled checkpoints (the last known-good) on top of keep_last
-    fallback_to_last_good: bool = False  # ckpt_path="latest" that fails to load resumes from the last known-good instead
+    keep_last_drilled: int = (
+        1  # retention keeps the newest K drilled checkpoints (the last known-good) on top of keep_last
+    )
+    fallback_to_last_good: bool = (
+        False  # ckpt_path="latest" that fails to load resumes from the last known-good instead
+    )
 
     def __post_init__(self) -> None:
         if self.every_n_checkpoints is not None and self.every_n_checkpoints < 1:
             raise ConfigError(f"drill.every_n_checkpoints={self.every_n_checkpoints} must be >= 1 or null (off)")
         if self.keep_last_drilled < 0:
-            raise ConfigError(f"drill.keep_last_drilled={self.keep_last_drilled} must be >= 0 (0 lets retention delete the last known-good)")
+            raise ConfigError(
+                f"drill.keep_last_drilled={self.keep_last_drilled} must be >= 0 (0 lets retention delete the last known-good)"
+            )
         self.options()  # validates world_size, timeout_s, threads, probe
 
     @property
@@ -54,8 +63,14 @@ class DrillConfig:
         return self.every_n_checkpoints is not None
 
     def options(self, storage_options: dict[str, Any] | None = None) -> DrillOptions:
-        return DrillOptions(world_size=self.world_size, timeout_s=self.timeout_s, threads=self.threads, probe=self.probe,
-                            tolerance=self.tolerance, storage_options=dict(storage_options or {}))
+        return DrillOptions(
+            world_size=self.world_size,
+            timeout_s=self.timeout_s,
+            threads=self.threads,
+            probe=self.probe,
+            tolerance=self.tolerance,
+            storage_options=dict(storage_options or {}),
+        )
 
 
 def drill_config_from(value: Any) -> DrillConfig:
@@ -128,7 +143,13 @@ class TrainingDrills:
                 self.counters.not_drilled += 1
             self.counters.results.append(record)
             lag = self.counters.committed_since_drilled
-        event = {"event": "drill", **_summary(record), "lag_checkpoints": lag, "run_id": self.run_id, "created_at": time.time()}
+        event = {
+            "event": "drill",
+            **_summary(record),
+            "lag_checkpoints": lag,
+            "run_id": self.run_id,
+            "created_at": time.time(),
+        }
         metrics.write_json_event(self._location, f"drill-step-{int(record.get('step') or 0):09d}", event)
         for listener in self.listeners:
             try:
@@ -141,8 +162,11 @@ class TrainingDrills:
         """Log finished drills through the Trainer's loggers; returns them."""
         with self._lock:
             results, self.counters.results = self.counters.results, []
-            counters = {"drills_passed": self.counters.passed, "drills_failed": self.counters.failed,
-                        "drills_not_run": self.counters.not_drilled}
+            counters = {
+                "drills_passed": self.counters.passed,
+                "drills_failed": self.counters.failed,
+                "drills_not_run": self.counters.not_drilled,
+            }
             lag = self.counters.committed_since_drilled
         for record in results:
             values = {
@@ -157,7 +181,9 @@ class TrainingDrills:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
             if record.get("verdict") != PASSED:
-                log.warning("restore drill of %s: %s (%s)", record.get("checkpoint"), record.get("verdict"), record.get("cause"))
+                log.warning(
+                    "restore drill of %s: %s (%s)", record.get("checkpoint"), record.get("verdict"), record.get("cause")
+                )
         return results
 
     def pending(self) -> set[str]:
@@ -177,8 +203,20 @@ def _full(value: Any) -> Any:
 
 
 def _summary(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("checkpoint", "checkpoint_id", "step", "drill_id", "verdict", "cause", "world_size", "writer_world_size",
-            "time_to_resume_s", "read_gbps", "bytes_read", "timings")
+    keys = (
+        "checkpoint",
+        "checkpoint_id",
+        "step",
+        "drill_id",
+        "verdict",
+        "cause",
+        "world_size",
+        "writer_world_size",
+        "time_to_resume_s",
+        "read_gbps",
+        "bytes_read",
+        "timings",
+    )
     out = {key: record.get(key) for key in keys if key in record}
     out["trust"] = {PASSED: DRILLED, FAILED: "drill-failed"}.get(record.get("verdict"), NOT_DRILLED)
     return out

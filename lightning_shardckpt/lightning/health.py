@@ -65,9 +65,16 @@ class HealthWatch:
     def record_rules(self) -> None:
         """Write the rules into the root once per fit, so `shardckpt health ROOT` replays with them."""
         if self.enabled:
-            metrics.write_json_event(self._location, f"health-rules-{self.run_id or 'run'}", {
-                "event": RULES_EVENT, "run_id": self.run_id, "alert_every_s": self.config.alert_every_s,
-                "rules": [rule.as_dict() for rule in self.config.rules]})
+            metrics.write_json_event(
+                self._location,
+                f"health-rules-{self.run_id or 'run'}",
+                {
+                    "event": RULES_EVENT,
+                    "run_id": self.run_id,
+                    "alert_every_s": self.config.alert_every_s,
+                    "rules": [rule.as_dict() for rule in self.config.rules],
+                },
+            )
 
     def watch(self, saver: Any, resume_event: dict[str, Any] | None) -> None:
         """Rank 0, at train start: record the rules, evaluate each attempt's event as the saver writes it."""
@@ -75,8 +82,11 @@ class HealthWatch:
             return
         self._watched.add(saver)
         self.record_rules()
-        saver.add_listener(lambda record: self.on_event(
-            metrics.event_payload(record, saver.counters.snapshot(), saver.counters.notes())))
+        saver.add_listener(
+            lambda record: self.on_event(
+                metrics.event_payload(record, saver.counters.snapshot(), saver.counters.notes())
+            )
+        )
         if resume_event is not None:
             self.on_event(resume_event)  # a real resume's time is a health metric (resume_s)
 
@@ -102,14 +112,24 @@ class HealthWatch:
         text = transition.describe() + (f"; done: {changed}" if changed else "")
         (log.warning if transition.kind == FIRED else log.info)("%s", text)
         metrics.write_json_event(
-            self._location, f"health-{transition.rule.name}-{transition.kind}-step-{transition.step:09d}",
-            {"event": HEALTH_EVENT, **transition.as_dict(), "created_at": time.time(), "mitigation_result": changed,
-             "run_id": self.run_id})
+            self._location,
+            f"health-{transition.rule.name}-{transition.kind}-step-{transition.step:09d}",
+            {
+                "event": HEALTH_EVENT,
+                **transition.as_dict(),
+                "created_at": time.time(),
+                "mitigation_result": changed,
+                "run_id": self.run_id,
+            },
+        )
         self._alerts.append((transition, changed))
 
     def _firing_metrics(self) -> dict[str, float]:
-        return {f"{METRIC_PREFIX}{name}/firing": float(any(state.firing for state in series.values()))
-                for name, series in self.evaluator.series.items() if series}
+        return {
+            f"{METRIC_PREFIX}{name}/firing": float(any(state.firing for state in series.values()))
+            for name, series in self.evaluator.series.items()
+            if series
+        }
 
     # --- the training thread, every rank ---
     def sync(self, trainer: pl.Trainer, preempted: bool) -> bool:
@@ -153,7 +173,7 @@ class HealthWatch:
             alerts, self._alerts = self._alerts, []
             logged, self._metrics = self._metrics, []
             actions, self.context.actions = self.context.actions, []
-        for step, values in logged:
+        for _step, values in logged:
             if values:
                 for logger in trainer.loggers:
                     logger.log_metrics(values, step=trainer.global_step)
@@ -180,7 +200,9 @@ class HealthWatch:
         try:
             import wandb
 
-            run.alert(title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=self.config.alert_every_s)
+            run.alert(
+                title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=self.config.alert_every_s
+            )
         except Exception:  # an alert that cannot be sent is logged, never raised into training
             log.warning("could not send the W&B alert %r", title, exc_info=True)
 
@@ -202,7 +224,9 @@ class HealthWatch:
         with self._lock:
             for name, series in self.evaluator.series.items():
                 for key in [key for key in series if _rank_of(key) is not None and _rank_of(key) >= world_size]:
-                    log.info("health rule %s: dropping the series of %s (the run now has %d ranks)", name, key, world_size)
+                    log.info(
+                        "health rule %s: dropping the series of %s (the run now has %d ranks)", name, key, world_size
+                    )
                     del series[key]
                     self.context.control.release(name, key)
             self._release_unless_firing()

@@ -37,8 +37,6 @@ def load_target(model_state: dict[str, Any], optimizer_states: list[dict[str, An
     }
 
 
-
-
 def lightning_rest(loaded: dict[str, Any], *, trust: bool = False, where: str = "checkpoint") -> dict[str, Any]:
     """The non-tensor part of Lightning's checkpoint dict from a loaded DCP state.
 
@@ -48,4 +46,6 @@ def lightning_rest(loaded: dict[str, Any], *, trust: bool = False, where: str = 
     try:
         return safe_pickle.loads(loaded[LIGHTNING_KEY], safe_pickle.LIGHTNING_STATE_GLOBALS, trust=trust)
     except safe_pickle.BlockedGlobal as err:
-        raise safe_pickle.untrusted(where, f"the Lightning state ({LIGHTNING_KEY!r}: loops, callbacks, hyperparameters)", err.name) from err
+        raise safe_pickle.untrusted(
+            where, f"the Lightning state ({LIGHTNING_KEY!r}: loops, callbacks, hyperparameters)", err.name
+        ) from err

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import ConfigError
 from ..ops.health_eval import FIRED, Transition
@@ -65,8 +66,12 @@ class HealthControl:
         return [self.interval_factor, 1.0 if self.skip_rules else 0.0, 1.0 if self.stop_reason else 0.0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"factors": dict(self.factors), "max_factor": self.max_factor, "skip_rules": sorted(self.skip_rules),
-                "holders": {rule: list(keys) for rule, keys in self.holders.items()}}
+        return {
+            "factors": dict(self.factors),
+            "max_factor": self.max_factor,
+            "skip_rules": sorted(self.skip_rules),
+            "holders": {rule: list(keys) for rule, keys in self.holders.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state:
@@ -110,7 +115,9 @@ def mitigation_for(name: str) -> Mitigation:
         try:
             found = getattr(importlib.import_module(module), attribute)
         except (ImportError, AttributeError) as err:
-            raise ConfigError(f"mitigation {name!r} cannot be imported ({err}); check the module is importable on every rank") from err
+            raise ConfigError(
+                f"mitigation {name!r} cannot be imported ({err}); check the module is importable on every rank"
+            ) from err
         if callable(found):
             return found
     raise ConfigError(f"mitigation {name!r} is unknown; registered: {sorted(_REGISTRY)}; or give 'module:function'")
@@ -163,6 +170,11 @@ def stop_training(context: MitigationContext, transition: Transition) -> str | N
     return "final blocking save, then stop"
 
 
-for _name, _fn in (("alert", alert), ("lower_frequency", lower_frequency), ("skip_when_busy", skip_when_busy),
-                   ("drill_now", drill_now), ("stop_training", stop_training)):
+for _name, _fn in (
+    ("alert", alert),
+    ("lower_frequency", lower_frequency),
+    ("skip_when_busy", skip_when_busy),
+    ("drill_now", drill_now),
+    ("stop_training", stop_training),
+):
     register_mitigation(_name, _fn)

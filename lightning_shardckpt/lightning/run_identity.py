@@ -62,12 +62,22 @@ class RunIdentity:
         """Before the first step of a resumed run: the checkpoint's identity against this run's (raises under
         policy `error`). On rank 0, returns the `resume` event to record; elsewhere None."""
         loaded = trainer.strategy.last_load
-        report = compare(loaded.manifest.get("identity"), self.current(trainer, pl_module), self.policy, where=loaded.path)
+        report = compare(
+            loaded.manifest.get("identity"), self.current(trainer, pl_module), self.policy, where=loaded.path
+        )
         if not trainer.is_global_zero:
             return None
         log.info("identity of %s: %s", loaded.path, report.render() or "matches the current run")
-        return {"event": "resume", "from": loaded.path, "step": loaded.step, "seconds": loaded.seconds,
-                "from_id": loaded.checkpoint_id, "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
-                "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
-                "differences": report.differences, "unrecorded": report.unrecorded,
-                "run_id": loaded.manifest.get("run_id"), "created_at": time.time()}
+        return {
+            "event": "resume",
+            "from": loaded.path,
+            "step": loaded.step,
+            "seconds": loaded.seconds,
+            "from_id": loaded.checkpoint_id,
+            "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
+            "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
+            "differences": report.differences,
+            "unrecorded": report.unrecorded,
+            "run_id": loaded.manifest.get("run_id"),
+            "created_at": time.time(),
+        }

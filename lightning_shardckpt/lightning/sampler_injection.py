@@ -25,7 +25,12 @@ def use_resumable_sampler(dataloader: Any) -> Any:
         return dataloader
     plain = dataloader.sampler
     sampler = ResumableDistributedSampler(
-        plain.dataset, num_replicas=plain.num_replicas, rank=plain.rank, shuffle=plain.shuffle, seed=plain.seed, drop_last=plain.drop_last
+        plain.dataset,
+        num_replicas=plain.num_replicas,
+        rank=plain.rank,
+        shuffle=plain.shuffle,
+        seed=plain.seed,
+        drop_last=plain.drop_last,
     )
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
@@ -69,8 +74,14 @@ def restore_position(trainer: Any, dataloader: Any, state: dict[str, Any]) -> bo
     progress.started += shift
     progress.processed += shift
     progress.completed += shift
-    log.info("resuming epoch %d at global sample %d of %d: batch %d of %d on this rank",
-             sampler.epoch, sampler.global_position, sampler.dataset_length, done, _batches(len(sampler), batch_size, drop_last))
+    log.info(
+        "resuming epoch %d at global sample %d of %d: batch %d of %d on this rank",
+        sampler.epoch,
+        sampler.global_position,
+        sampler.dataset_length,
+        done,
+        _batches(len(sampler), batch_size, drop_last),
+    )
     return True
 
 

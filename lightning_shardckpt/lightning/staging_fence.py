@@ -56,7 +56,9 @@ class StagingFence:
         `optimizer.step()` does not. Inside optimizer_step the hook does nothing: the closure fences
         after the forward and backward that automatic optimization runs inside `step()`.
         """
-        for optimizer in (getattr(opt, "_optimizer", opt) for opt in self.optimizers):  # LightningOptimizer wraps the real one
+        for optimizer in (
+            getattr(opt, "_optimizer", opt) for opt in self.optimizers
+        ):  # LightningOptimizer wraps the real one
             if id(optimizer) not in self._guarded:
                 self._guarded[id(optimizer)] = optimizer.register_step_pre_hook(self._fence_unless_in_step)
 

@@ -31,8 +31,8 @@ from ..engine.config import LoadConfig, SaveConfig
 from ..engine.layout import join, parse_dirname
 from ..engine.loader import LoadResult, load_checkpoint
 from ..engine.saver import CheckpointSaver, PendingSave
-from ..ops import retention
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from ..ops import retention
 from . import lightning_state
 from .sampler_injection import restore_position, use_resumable_sampler
 from .staging_fence import StagingFence
@@ -61,7 +61,9 @@ class ShardedStrategy(StagingFence):
     def __new__(cls, *args: Any, parallelism: str = "fsdp", **kwargs: Any):
         if cls is ShardedStrategy:
             if parallelism not in PARALLELISMS:
-                raise ConfigError(f"parallelism={parallelism!r} is unknown; use 'ddp' (replicated) or 'fsdp' (FSDP2 sharded)")
+                raise ConfigError(
+                    f"parallelism={parallelism!r} is unknown; use 'ddp' (replicated) or 'fsdp' (FSDP2 sharded)"
+                )
             cls = ShardedDDPStrategy if parallelism == "ddp" else ShardedFSDPStrategy
         return super().__new__(cls)
 
@@ -73,7 +75,9 @@ class ShardedStrategy(StagingFence):
         self.resume_required = False
         self.tier_restore: Any = None  # set by ShardedCheckpoint(tiers=...): `latest` / `last-good` consider every tier
         self.last_load: LoadResult | None = None
-        self.resumed_sampler_state: dict[str, Any] | None = None  # set by ShardedCheckpoint on load, applied in process_dataloader
+        self.resumed_sampler_state: dict[str, Any] | None = (
+            None  # set by ShardedCheckpoint on load, applied in process_dataloader
+        )
         self._group: Any = None
         self._savers: dict[str, CheckpointSaver] = {}
         self._init_staging_fence()
@@ -109,7 +113,9 @@ class ShardedStrategy(StagingFence):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """`trainer.save_checkpoint(path)`: a blocking save; `path` becomes a checkpoint root."""
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; set save.storage_options")
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; set save.storage_options"
+            )
         # One thread at a time on the checkpoint group: let background saves finish first.
         self.wait_for_staging()
         for in_flight in self._savers.values():
@@ -143,8 +149,10 @@ class ShardedStrategy(StagingFence):
         # The model loads into fresh tensors (this rank's shards only), not into the live parameters:
         # Lightning's on_load_checkpoint hooks see and may edit checkpoint["state_dict"] before
         # load_model_state_dict applies it, as with a plain Lightning checkpoint.
-        model_target = {key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value
-                        for key, value in get_model_state_dict(module).items()}
+        model_target = {
+            key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+            for key, value in get_model_state_dict(module).items()
+        }
         target = lightning_state.load_target(
             model_target, [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
         )
@@ -157,12 +165,16 @@ class ShardedStrategy(StagingFence):
             if tier_fallbacks:  # the same checkpoint on the other tier (lightning/tiers.py)
                 path, config, message = tier_fallbacks[0]
                 log.warning("%s (%s)", message, err)
-                self.last_load = load_checkpoint(target, path, config=config, strict=strict, process_group=self.checkpoint_group())
+                self.last_load = load_checkpoint(
+                    target, path, config=config, strict=strict, process_group=self.checkpoint_group()
+                )
             else:
                 self.last_load = self._load_last_good(err, target, root, which, strict)
         for index, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
-        checkpoint = lightning_state.lightning_rest(target, trust=self.load_config.trust_checkpoint, where=self.last_load.path)
+        checkpoint = lightning_state.lightning_rest(
+            target, trust=self.load_config.trust_checkpoint, where=self.last_load.path
+        )
         checkpoint["state_dict"] = self._present_in_checkpoint(target[lightning_state.MODEL_KEY])
         self.last_load.seconds = time.perf_counter() - started  # pick + read; load_model_state_dict adds the apply
         return checkpoint
@@ -224,7 +236,9 @@ class ShardedStrategy(StagingFence):
             get_model_state_dict(module), [get_optimizer_state_dict(module, _unwrap(opt)) for opt in self.optimizers]
         )
 
-    def save_to_saver(self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any) -> PendingSave:
+    def save_to_saver(
+        self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any
+    ) -> PendingSave:
         state = lightning_state.to_dcp_state(checkpoint)
         if saver.config.overlap_staging:
             self._guard_optimizers()
@@ -266,7 +280,9 @@ class ShardedStrategy(StagingFence):
         if left and self.is_global_zero:
             log.warning(
                 "strict_loading=False: %d model key(s) are not in %s and keep their initialised values: %s",
-                len(left), self.last_load.path, ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""),
+                len(left),
+                self.last_load.path,
+                ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""),
             )
         return {key: value for key, value in model_state.items() if key not in missing}
 
@@ -278,7 +294,12 @@ class ShardedStrategy(StagingFence):
 
     def _resolve_source(self, text: str) -> tuple[str, str]:
         """(root, which) for `ckpt_path`: a selector relative to the callback's root, or a path."""
-        is_selector = text in ("latest", catalog.LAST_GOOD) or text.isdigit() or parse_dirname(text) is not None or _looks_like_id(text)
+        is_selector = (
+            text in ("latest", catalog.LAST_GOOD)
+            or text.isdigit()
+            or parse_dirname(text) is not None
+            or _looks_like_id(text)
+        )
         if is_selector and "/" not in text:
             if self.checkpoint_root is None:
                 raise ConfigError(
@@ -288,14 +309,20 @@ class ShardedStrategy(StagingFence):
             return self.checkpoint_root, text
         return text, "latest"
 
-    def _load_last_good(self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool) -> LoadResult:
+    def _load_last_good(
+        self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool
+    ) -> LoadResult:
         if which != "latest":
             raise err
         good = self.broadcast(self._last_good_path(root))  # rank 0 lists: every rank decides alike
         if good is None or not self.fallback_to_last_good:
             raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
-        log.warning("the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good)
-        return load_checkpoint(target, good, config=self.load_config, strict=strict, process_group=self.checkpoint_group())
+        log.warning(
+            "the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good
+        )
+        return load_checkpoint(
+            target, good, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
+        )
 
     def _last_good_path(self, root: str) -> str | None:
         if self.global_rank != 0:
@@ -317,10 +344,14 @@ class ShardedStrategy(StagingFence):
 
 def _last_good_hint(path: str | None) -> str:
     if path is None:
-        return ("No checkpoint of this root has passed a restore drill, so there is no known-good one to fall back to; "
-                "pick an older one with `shardckpt ls` and resume with ckpt_path=<its path>")
-    return (f"The last known-good checkpoint (newest that passed a restore drill) is {path}: resume from it with "
-            "ckpt_path='last-good' (Hydra: resume=last-good), or set drill.fallback_to_last_good=true to do so automatically")
+        return (
+            "No checkpoint of this root has passed a restore drill, so there is no known-good one to fall back to; "
+            "pick an older one with `shardckpt ls` and resume with ckpt_path=<its path>"
+        )
+    return (
+        f"The last known-good checkpoint (newest that passed a restore drill) is {path}: resume from it with "
+        "ckpt_path='last-good' (Hydra: resume=last-good), or set drill.fallback_to_last_good=true to do so automatically"
+    )
 
 
 class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
@@ -375,7 +406,11 @@ def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size:
     if data_parallel == "auto" and tensor_parallel == "auto":
         return world_size, 1
     if data_parallel == "auto" or tensor_parallel == "auto":
-        given_name, given = ("tensor_parallel_size", tensor_parallel) if data_parallel == "auto" else ("data_parallel_size", data_parallel)
+        given_name, given = (
+            ("tensor_parallel_size", tensor_parallel)
+            if data_parallel == "auto"
+            else ("data_parallel_size", data_parallel)
+        )
         if not isinstance(given, int) or given < 1 or world_size % given:
             raise ConfigError(
                 f"{given_name}={given!r} does not divide the world size {world_size}; give both data_parallel_size "

@@ -59,7 +59,9 @@ class CheckpointTiers:
             raise StorageUnavailable(first)
 
     # --- training ---
-    def start(self, saver: Any, run_id: str, allow_shared_root: bool, is_global_zero: bool, fault_hook: Any = None) -> None:
+    def start(
+        self, saver: Any, run_id: str, allow_shared_root: bool, is_global_zero: bool, fault_hook: Any = None
+    ) -> None:
         """Once per fit, on every rank at the same point, after the saver exists: replicator, catch-up, listeners."""
         if self.durable is None or self.replicator is not None:
             return
@@ -74,17 +76,27 @@ class CheckpointTiers:
             except Exception:  # noqa: BLE001 - an unreachable durable tier: the first copy retries
                 log.warning("cannot compare the fast and durable tiers; no catch-up copy", exc_info=True)
         catch_up = broadcast_from_coordinator("tiers-catch-up", catch_up, self._group)
-        self.replicator = Replicator(self.config, self.fast, self.durable, group=self._group,
-                                     on_committed=self._durable_retention if is_global_zero else None,
-                                     fault_hook=fault_hook)
+        self.replicator = Replicator(
+            self.config,
+            self.fast,
+            self.durable,
+            group=self._group,
+            on_committed=self._durable_retention if is_global_zero else None,
+            fault_hook=fault_hook,
+        )
         self.replicator.newest_durable = newest_durable
         if catch_up is not None:
             log.info("%s is committed on the fast tier but not on %s: copying it", catch_up, self.durable.url)
             self.replicator.submit(catch_up)
         saver.add_listener(self._note_fast_outcome)
         replicator = self.replicator
-        saver.add_listener(lambda record: replicator.submit(record.path.rstrip("/").rsplit("/", 1)[-1])
-                           if record.outcome == "committed" and record.path else None)
+        saver.add_listener(
+            lambda record: (
+                replicator.submit(record.path.rstrip("/").rsplit("/", 1)[-1])
+                if record.outcome == "committed" and record.path
+                else None
+            )
+        )
         if self.config.fast.node_local and self.node_rank > 0 and self.local_rank == 0:
             saver.add_listener(lambda record: self._prune_node_local())
 
@@ -105,8 +117,11 @@ class CheckpointTiers:
 
     def counters(self) -> dict[str, int]:
         source = self.replicator.snapshot() if self.replicator is not None else self._last_counters
-        return {**source, **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {}),
-                **({DEGRADED_SAVES: self._degraded_saves} if self._degraded_saves else {})}
+        return {
+            **source,
+            **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {}),
+            **({DEGRADED_SAVES: self._degraded_saves} if self._degraded_saves else {}),
+        }
 
     # --- degraded mode: the fast tier is full or failing ---
     def _note_fast_outcome(self, record: Any) -> None:
@@ -131,14 +146,19 @@ class CheckpointTiers:
         fast = strategy._savers.get(self.fast_dirpath)
         if fast is not None:
             fast.wait()  # one saver thread at a time on the checkpoint group
-        config = replace(strategy.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
+        config = replace(
+            strategy.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False
+        )
         self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=strategy.checkpoint_group())
         # the strategy's savers: trainer.save_checkpoint waits for it, teardown closes it before the group goes
         strategy._savers[self.config.durable.dirpath] = self.degraded_saver
         self._degraded_saves += 1
         if rank_zero():
-            log.error("a save on the fast tier %s failed: degraded mode, the rest of this fit saves directly to %s",
-                      self.fast.url, self.durable.url)
+            log.error(
+                "a save on the fast tier %s failed: degraded mode, the rest of this fit saves directly to %s",
+                self.fast.url,
+                self.durable.url,
+            )
 
     # --- retention per tier ---
     def fast_spare(self, keep_last: int, run_id: str | None) -> set[str]:
@@ -157,8 +177,14 @@ class CheckpointTiers:
         dropped = [name for name in outside if name not in spare]
         if dropped:
             self._dropped += len(dropped)
-            log.warning("fast tier %s: deleting %d checkpoint(s) never copied to %s (%s): more than max_unreplicated=%d wait",
-                        self.fast.url, len(dropped), self.durable.url, ", ".join(dropped), cap)
+            log.warning(
+                "fast tier %s: deleting %d checkpoint(s) never copied to %s (%s): more than max_unreplicated=%d wait",
+                self.fast.url,
+                len(dropped),
+                self.durable.url,
+                ", ".join(dropped),
+                cap,
+            )
         return spare
 
     def _durable_retention(self, name: str) -> None:
@@ -181,7 +207,9 @@ class CheckpointTiers:
             log.debug("pruning %s failed", self.fast.url, exc_info=True)
 
     # --- restore ---
-    def pick(self, which: str, base: LoadConfig, group: Any) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]]:
+    def pick(
+        self, which: str, base: LoadConfig, group: Any
+    ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]]:
         """(checkpoint path to load, its load config, fallbacks) for `latest` / `last-good`; collective on every rank."""
         choices = choose(self.fast, self.durable, which, group)
         if not choices:
@@ -189,9 +217,15 @@ class CheckpointTiers:
         first = choices[0]
         if rank_zero():
             log.info("resuming from the %s tier: %s (step %d); %s", first.tier, first.url, first.step, first.reason)
-        fallbacks = [(c.url, self._config_for(c.tier, base),
-                      f"the {first.tier} copy of {first.name} did not load; falling back to its {c.tier} copy at {c.url}")
-                     for c in choices[1:] if c.name == first.name]
+        fallbacks = [
+            (
+                c.url,
+                self._config_for(c.tier, base),
+                f"the {first.tier} copy of {first.name} did not load; falling back to its {c.tier} copy at {c.url}",
+            )
+            for c in choices[1:]
+            if c.name == first.name
+        ]
         return first.url, self._config_for(first.tier, base), fallbacks
 
     def _config_for(self, tier: str, base: LoadConfig) -> LoadConfig:

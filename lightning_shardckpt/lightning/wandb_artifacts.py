@@ -31,8 +31,13 @@ def log_checkpoint_artifact(loggers: list[Any], record: CheckpointRecord, manife
             artifact = wandb.Artifact(
                 name=f"checkpoints-{run.id}",
                 type="checkpoint",
-                metadata={"step": record.step, "checkpoint_id": record.checkpoint_id, "uri": record.path,
-                          "manifest_digest": manifest_digest, "bytes_total": record.bytes_total},
+                metadata={
+                    "step": record.step,
+                    "checkpoint_id": record.checkpoint_id,
+                    "uri": record.path,
+                    "manifest_digest": manifest_digest,
+                    "bytes_total": record.bytes_total,
+                },
             )
             artifact.add_reference(_uri(record.path), name=f"step-{record.step:09d}", checksum=False)
             run.log_artifact(artifact, aliases=[f"step-{record.step}", "latest"])

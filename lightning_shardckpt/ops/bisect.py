@@ -50,7 +50,9 @@ class _Search:
         if index not in self.results:
             entry = self.lineage[index]
             result = safely(self.check, CheckpointHandle(self.location, entry))
-            log.info("bisect: %s (step %d): %s, %s", entry.name, entry.step, "BAD" if result.bad else "good", result.summary)
+            log.info(
+                "bisect: %s (step %d): %s, %s", entry.name, entry.step, "BAD" if result.bad else "good", result.summary
+            )
             self.results[index] = result
             self.order.append(index)
         return self.results[index].bad
@@ -65,19 +67,35 @@ def lineage_of(location: Location, run_id: str | None = None) -> list[catalog.Ch
     return catalog.committed_of_run(entries, newest.run_id)
 
 
-def bisect(location: Location, check: Check, *, kind: str = NUMERIC, linear: bool = False, run_id: str | None = None,
-           top: int = DEFAULT_TOP, check_name: str = "") -> dict[str, Any]:
+def bisect(
+    location: Location,
+    check: Check,
+    *,
+    kind: str = NUMERIC,
+    linear: bool = False,
+    run_id: str | None = None,
+    top: int = DEFAULT_TOP,
+    check_name: str = "",
+) -> dict[str, Any]:
     """Search the lineage and report the boundary (module doc); JSON-ready."""
     lineage = lineage_of(location, run_id)
     search = _Search(location, lineage, check)
     first_bad = _first_bad_linear(search) if linear else _first_bad_binary(search)
     report: dict[str, Any] = {
-        "root": location.url, "check": check_name, "mode": LINEAR if linear else BINARY,
-        "run_id": lineage[-1].run_id, "lineage": len(lineage), "checks_run": len(search.order),
+        "root": location.url,
+        "check": check_name,
+        "mode": LINEAR if linear else BINARY,
+        "run_id": lineage[-1].run_id,
+        "lineage": len(lineage),
+        "checks_run": len(search.order),
         "max_checks": len(lineage) if linear else max_checks(len(lineage)),
         "checked": [_checked_row(lineage[i], search.results[i]) for i in search.order],
-        "first_bad": None, "last_good": None, "earliest_known_bad_at": None,
-        "identity": None, "affected": None, "resume": None,
+        "first_bad": None,
+        "last_good": None,
+        "earliest_known_bad_at": None,
+        "identity": None,
+        "affected": None,
+        "resume": None,
     }
     if first_bad is None:
         return report
@@ -112,15 +130,24 @@ def _first_bad_linear(search: _Search) -> int | None:
     return next((index for index in range(len(search.lineage)) if search.bad(index)), None)
 
 
-def _affected(location: Location, good: catalog.CheckpointEntry | None, bad: catalog.CheckpointEntry,
-              result: CheckResult, kind: str, top: int) -> dict[str, Any]:
+def _affected(
+    location: Location,
+    good: catalog.CheckpointEntry | None,
+    bad: catalog.CheckpointEntry,
+    result: CheckResult,
+    kind: str,
+    top: int,
+) -> dict[str, Any]:
     """The smallest affected slice: what the check blamed (tensors, files, ranks) and, for a check about
     values, every tensor ranked by its change from the known-good counterexample."""
     files = sorted(set(result.files) | {name for item in result.tensors for name in item.get("files") or []})
     affected: dict[str, Any] = {
-        "summary": result.summary, "tensors": result.tensors, "files": files,
+        "summary": result.summary,
+        "tensors": result.tensors,
+        "files": files,
         "ranks": sorted({rank for rank in map(shard_rank, files) if rank is not None}),
-        "changes": None, "change_summary": None,
+        "changes": None,
+        "change_summary": None,
     }
     if kind == NUMERIC and good is not None:
         good_handle, bad_handle = CheckpointHandle(location, good), CheckpointHandle(location, bad)
@@ -142,8 +169,12 @@ def resume_commands(location: Location, entry: catalog.CheckpointEntry) -> dict[
 
 
 def _header(location: Location, entry: catalog.CheckpointEntry, result: CheckResult) -> dict[str, Any]:
-    return {**_checked_row(entry, result), "path": join(location.url, entry.name), "id": entry.checkpoint_id,
-            "created_at": entry.record["created_at"]}
+    return {
+        **_checked_row(entry, result),
+        "path": join(location.url, entry.name),
+        "id": entry.checkpoint_id,
+        "created_at": entry.record["created_at"],
+    }
 
 
 def _checked_row(entry: catalog.CheckpointEntry, result: CheckResult) -> dict[str, Any]:

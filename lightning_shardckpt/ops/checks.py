@@ -116,10 +116,14 @@ def parse_check(spec: str, *, storage_options: dict[str, Any] | None = None) -> 
         try:
             function = load_callable(spec)
         except (DrillFailed, ImportError) as err:
-            raise ConfigError(f"--bad {spec!r}: cannot import the user check ({err}); it must be importable as module:function") from err
+            raise ConfigError(
+                f"--bad {spec!r}: cannot import the user check ({err}); it must be importable as module:function"
+            ) from err
         return lambda handle: user_result(spec, function(handle)), NUMERIC
-    raise ConfigError(f"--bad {spec!r} is not a check; use nonfinite, nonfinite:recorded, verify, drill, "
-                      "metric:NAME>VALUE or module:function")
+    raise ConfigError(
+        f"--bad {spec!r} is not a check; use nonfinite, nonfinite:recorded, verify, drill, "
+        "metric:NAME>VALUE or module:function"
+    )
 
 
 def check_nonfinite(handle: CheckpointHandle, *, recorded: bool = False) -> CheckResult:
@@ -153,7 +157,9 @@ def check_verify(handle: CheckpointHandle) -> CheckResult:
             item["files"] = sorted(set(item["files"]) | {problem["file"]})
             item["problems"].append(problem["kind"])
     files = sorted({problem["file"] for problem in report.problems})
-    summary = "every byte matches its checksum" if report.ok else f"{len(report.problems)} problem(s): {report.problems[0]}"
+    summary = (
+        "every byte matches its checksum" if report.ok else f"{len(report.problems)} problem(s): {report.problems[0]}"
+    )
     return CheckResult(not report.ok, summary, list(tensors.values()), files)
 
 
@@ -191,7 +197,9 @@ def user_result(spec: str, value: Any) -> CheckResult:
         return value
     if isinstance(value, (bool, int)) or value is None:
         return CheckResult(bool(value), f"{spec} returned {value!r}")
-    raise ConfigError(f"user check {spec} returned {type(value).__name__}; return True (bad), False (good) or a CheckResult")
+    raise ConfigError(
+        f"user check {spec} returned {type(value).__name__}; return True (bad), False (good) or a CheckResult"
+    )
 
 
 def safely(check: Check, handle: CheckpointHandle) -> CheckResult:
@@ -200,5 +208,9 @@ def safely(check: Check, handle: CheckpointHandle) -> CheckResult:
         return check(handle)
     except CorruptCheckpoint as err:
         files = sorted({problem.get("file") for problem in err.problems if problem.get("file")})
-        tensors = [{"fqn": problem["tensor"], "files": [problem.get("file")]} for problem in err.problems if problem.get("tensor")]
+        tensors = [
+            {"fqn": problem["tensor"], "files": [problem.get("file")]}
+            for problem in err.problems
+            if problem.get("tensor")
+        ]
         return CheckResult(True, f"unreadable: {' '.join(str(err).split())}", tensors, files)

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- subcommands ---
 
+
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.durable:  # tiers: both side by side (cli_tiers.py)
         return cli_tiers.cmd_ls_tiers(args, _storage_option)
@@ -70,8 +71,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     good = catalog.last_good(location, entries)
     rows = [_ls_row(entry, location, latest, trust, good[-1] if good else None) for entry in entries]
     if args.json:
-        _print_json({"root": location.url, "latest": latest.name if latest else None, "last_good": good[-1].name if good else None,
-                     "latest_pointer": catalog.read_latest_pointer(location), "checkpoints": rows})
+        _print_json(
+            {
+                "root": location.url,
+                "latest": latest.name if latest else None,
+                "last_good": good[-1].name if good else None,
+                "latest_pointer": catalog.read_latest_pointer(location),
+                "checkpoints": rows,
+            }
+        )
         return EXIT_OK
     if not rows:
         print(f"no checkpoints in {location.url}")
@@ -79,13 +87,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
     table = [("STEP", "ID", "STATE", "TRUST", "SIZE", "REFERENCED", "AGE", "LATEST", "NAME")]
     for row in rows:
         marks = ("*" if row["latest"] else "") + (" good" if row["last_good"] else "")
-        table.append((str(row["step"]), row["id"], row["state"], row["trust"] or "-", _human_bytes(row["bytes"]),
-                      _human_bytes(row["bytes_referenced"]) if row["bytes_referenced"] else "-",
-                      _human_age(row["age_s"]), marks.strip(), row["name"]))
+        table.append(
+            (
+                str(row["step"]),
+                row["id"],
+                row["state"],
+                row["trust"] or "-",
+                _human_bytes(row["bytes"]),
+                _human_bytes(row["bytes_referenced"]) if row["bytes_referenced"] else "-",
+                _human_age(row["age_s"]),
+                marks.strip(),
+                row["name"],
+            )
+        )
     _print_table(table)
-    print("LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'")
+    print(
+        "LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'"
+    )
     if any(row["bytes_referenced"] for row in rows):
-        print("SIZE: the checkpoint's own files; REFERENCED: unchanged chunks it reads from earlier checkpoints (incremental saves)")
+        print(
+            "SIZE: the checkpoint's own files; REFERENCED: unchanged chunks it reads from earlier checkpoints (incremental saves)"
+        )
     for row in rows:
         if row["problem"]:
             print(f"{row['name']}: {row['problem']}")
@@ -109,7 +131,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "writer": manifest.get("writer"),
         "topology": manifest["topology"],
         "files": {"count": len(manifest["files"]), "bytes": manifest_format.total_bytes(manifest)},
-        "referenced": {"files": len(manifest.get("references") or []), "bytes": manifest_format.referenced_bytes(manifest)},
+        "referenced": {
+            "files": len(manifest.get("references") or []),
+            "bytes": manifest_format.referenced_bytes(manifest),
+        },
         "tensors": len(manifest["tensors"]),
         "objects": len(manifest["objects"]),
         "verification": manifest.get("verification"),
@@ -121,10 +146,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     files = summary["files"]
     summary["files"] = f"{files['count']} ({_human_bytes(files['bytes'])}, {files['bytes']} bytes)"
     referenced = summary["referenced"]
-    summary["referenced"] = (f"{referenced['bytes']} bytes in {referenced['files']} file(s) of earlier checkpoints"
-                             if referenced["files"] else "none (a full checkpoint)")
-    summary["identity"] = ", ".join(f"{key}{'' if key in summary['identity']['filled'] else ' (empty)'}"
-                                    for key in summary["identity"]["keys"])
+    summary["referenced"] = (
+        f"{referenced['bytes']} bytes in {referenced['files']} file(s) of earlier checkpoints"
+        if referenced["files"]
+        else "none (a full checkpoint)"
+    )
+    summary["identity"] = ", ".join(
+        f"{key}{'' if key in summary['identity']['filled'] else ' (empty)'}" for key in summary["identity"]["keys"]
+    )
     width = max(len(key) for key in summary)
     for key, value in summary.items():
         text = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
@@ -138,14 +167,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report.to_dict())
     elif report.ok:
-        print(f"OK {report.path}: {report.files} file(s), {report.chunks} chunks, "
-              f"{_human_bytes(report.bytes_read)} checked in {report.seconds:.2f}s")
+        print(
+            f"OK {report.path}: {report.files} file(s), {report.chunks} chunks, "
+            f"{_human_bytes(report.bytes_read)} checked in {report.seconds:.2f}s"
+        )
     else:
-        print(f"CORRUPT {report.path}: {len(report.problems)} problem(s) in {report.files} file(s), {report.chunks} chunks")
+        print(
+            f"CORRUPT {report.path}: {len(report.problems)} problem(s) in {report.files} file(s), {report.chunks} chunks"
+        )
         table = [("KIND", "FILE", "TENSOR", "EXPECTED", "ACTUAL")]
         for problem in report.problems:
-            table.append((problem["kind"], problem["file"], problem["tensor"] or "-",
-                          str(problem["expected"]), str(problem["actual"])))
+            table.append(
+                (
+                    problem["kind"],
+                    problem["file"],
+                    problem["tensor"] or "-",
+                    str(problem["expected"]),
+                    str(problem["actual"]),
+                )
+            )
         _print_table(table)
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
@@ -186,6 +226,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 # --- printing gc, diff and timeline ---
 
+
 def _print_gc(report: gc.GcReport, grace_minutes: float) -> None:
     remove, kept = report.to_remove, report.kept
     committed = [item for item in kept if item.state == catalog.COMMITTED and not item.problem]
@@ -196,23 +237,28 @@ def _print_gc(report: gc.GcReport, grace_minutes: float) -> None:
         for item in [*remove, *shown]:
             reason = item.reason + (f" ({item.problem})" if item.problem else "")
             action = verb if item.action == "remove" else "KEEP"
-            table.append((action, str(item.step), item.id, item.state, _human_bytes(item.bytes), _human_age(item.age_s), reason))
+            table.append(
+                (action, str(item.step), item.id, item.state, _human_bytes(item.bytes), _human_age(item.age_s), reason)
+            )
         _print_table(table)
     size = _human_bytes(sum(item.bytes or 0 for item in remove))
     summary = f"{len(remove)} uncommitted director{'y' if len(remove) == 1 else 'ies'} ({size})"
     if report.dry_run:
-        print(f"dry run: would remove {summary} older than {grace_minutes:g} min; nothing was deleted"
-              + ("; run again with --yes to delete" if remove else ""))
+        print(
+            f"dry run: would remove {summary} older than {grace_minutes:g} min; nothing was deleted"
+            + ("; run again with --yes to delete" if remove else "")
+        )
     else:
         print(f"removed {summary} older than {grace_minutes:g} min")
     print(f"kept {len(committed)} committed checkpoint(s) untouched")
 
 
-
 def _print_diff(result: dict[str, Any]) -> None:
     for side in ("a", "b"):
         head = result[side]
-        print(f"{side.upper()}  {head['name']}  step {head['step']}  created {_short_time(head['created_at'])}  {head['path']}")
+        print(
+            f"{side.upper()}  {head['name']}  step {head['step']}  created {_short_time(head['created_at'])}  {head['path']}"
+        )
     unrecorded = []
     for name in investigate.SHOWN:
         block = result["blocks"][name]
@@ -225,14 +271,20 @@ def _print_diff(result: dict[str, Any]) -> None:
         for key in [*a, *(key for key in b if key not in a)]:
             table.append((f"  {key}", _cell(a.get(key)), _cell(b.get(key)), "*" if a.get(key) != b.get(key) else ""))
         _print_table(table)
-        details = block["lines"] if name in ("config", "model") else [l for l in block["lines"] if l.startswith("file ")]
+        details = (
+            block["lines"]
+            if name in ("config", "model")
+            else [line for line in block["lines"] if line.startswith("file ")]
+        )
         for line in details:
             print(f"  {line}")
     if result["identical"]:
         matched = [name for name in result["compared"] if name not in unrecorded]
-        print(f"\nidentical: {', '.join(matched) or 'nothing recorded'} match"
-              + (f" (recorded in neither: {', '.join(unrecorded)})" if unrecorded else "")
-              + "; position and run are not compared")
+        print(
+            f"\nidentical: {', '.join(matched) or 'nothing recorded'} match"
+            + (f" (recorded in neither: {', '.join(unrecorded)})" if unrecorded else "")
+            + "; position and run are not compared"
+        )
     else:
         print(f"\ndifferent: {', '.join(result['differs'])}")
 
@@ -254,15 +306,39 @@ def _print_timeline(result: dict[str, Any], metrics: list[str]) -> None:
     if not rows:
         print(f"no checkpoints in {result['root']}")
         return
-    table = [("", "STEP", "ID", "PARENT", "CREATED (UTC)", "SIZE", "STATE", "TRUST", "VERIFIED",
-              *(name.upper() for name in metrics), "IDENTITY CHANGED")]
+    table = [
+        (
+            "",
+            "STEP",
+            "ID",
+            "PARENT",
+            "CREATED (UTC)",
+            "SIZE",
+            "STATE",
+            "TRUST",
+            "VERIFIED",
+            *(name.upper() for name in metrics),
+            "IDENTITY CHANGED",
+        )
+    ]
     for row in rows:
         trust = (row.get("trust") or "-") + (" (last good)" if row.get("last_good") else "")
         recorded = row.get("metrics") or {}
-        table.append(("*" if row["identity_changed"] else "", str(row["step"]), row["id"] or "-", row["parent"] or "-",
-                      _short_time(row["created_at"]), _human_bytes(row["bytes"]), _timeline_state(row), trust,
-                      _verified(row["verification"]), *(f"{recorded[name]:.6g}" if name in recorded else "-" for name in metrics),
-                      ", ".join(row["identity_changed"])))
+        table.append(
+            (
+                "*" if row["identity_changed"] else "",
+                str(row["step"]),
+                row["id"] or "-",
+                row["parent"] or "-",
+                _short_time(row["created_at"]),
+                _human_bytes(row["bytes"]),
+                _timeline_state(row),
+                trust,
+                _verified(row["verification"]),
+                *(f"{recorded[name]:.6g}" if name in recorded else "-" for name in metrics),
+                ", ".join(row["identity_changed"]),
+            )
+        )
     _print_table(table)
     for row in rows:
         if row.get("resume"):
@@ -270,12 +346,16 @@ def _print_timeline(result: dict[str, Any], metrics: list[str]) -> None:
         elif row["cause"]:
             print(f"step {row['step']} {row['id'] or '(no id)'}: {row['state']}: {row['cause']}")
     if any(row["state"] == investigate.IN_FLIGHT for row in rows):
-        print(f"in-flight: no manifest yet and no failure event, last written less than {result['grace_s']:.0f}s ago (--grace)")
+        print(
+            f"in-flight: no manifest yet and no failure event, last written less than {result['grace_s']:.0f}s ago (--grace)"
+        )
     for row in rows:
         if row["identity_changed"]:
             before = join(result["root"], row["compared_with"])
-            print(f"* step {row['step']} {row['id']}: {', '.join(row['identity_changed'])} changed since {row['compared_with']}; "
-                  f"see {PROG} diff {before} {row['path']}")
+            print(
+                f"* step {row['step']} {row['id']}: {', '.join(row['identity_changed'])} changed since {row['compared_with']}; "
+                f"see {PROG} diff {before} {row['path']}"
+            )
 
 
 def _timeline_state(row: dict[str, Any]) -> str:
@@ -325,13 +405,19 @@ def _verified(verification: dict[str, Any] | None) -> str:
 
 # --- helpers ---
 
+
 def _open(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog.CheckpointEntry]:
     """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
     return investigate.open_path(path, storage_options)
 
 
-def _ls_row(entry: catalog.CheckpointEntry, location: Location, latest: catalog.CheckpointEntry | None,
-            trust: dict[str, str], last_good: catalog.CheckpointEntry | None) -> dict[str, Any]:
+def _ls_row(
+    entry: catalog.CheckpointEntry,
+    location: Location,
+    latest: catalog.CheckpointEntry | None,
+    trust: dict[str, str],
+    last_good: catalog.CheckpointEntry | None,
+) -> dict[str, Any]:
     age = catalog.age_seconds(entry, location)
     return {
         "name": entry.name,
@@ -367,7 +453,12 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     common.add_argument(
-        "--storage-option", dest="storage_option", metavar="KEY=VALUE", action="append", type=_storage_option, default=[],
+        "--storage-option",
+        dest="storage_option",
+        metavar="KEY=VALUE",
+        action="append",
+        type=_storage_option,
+        default=[],
         help="passed to fsspec (repeatable); VALUE is parsed as JSON when it can be, e.g. anon=true",
     )
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
@@ -383,33 +474,55 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("path", metavar="PATH", help="a checkpoint directory, a root or ROOT/latest")
     verify.set_defaults(run=cmd_verify)
     diff = commands.add_parser(
-        "diff", parents=[common], help="compare two checkpoints' identity and topology; exit 1 if they differ",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_DIFF_EPILOG,
+        "diff",
+        parents=[common],
+        help="compare two checkpoints' identity and topology; exit 1 if they differ",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_DIFF_EPILOG,
     )
     diff.add_argument("a", metavar="A", help="a checkpoint reference (below)")
     diff.add_argument("b", metavar="B", help="a checkpoint reference (below)")
-    diff.add_argument("--root", metavar="ROOT", help="the root in which selectors (references without '/') are resolved")
+    diff.add_argument(
+        "--root", metavar="ROOT", help="the root in which selectors (references without '/') are resolved"
+    )
     diff.set_defaults(run=cmd_diff)
     timeline = commands.add_parser(
-        "timeline", parents=[common], help="every checkpoint and attempt in order: state, cause, identity changes",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_TIMELINE_EPILOG,
+        "timeline",
+        parents=[common],
+        help="every checkpoint and attempt in order: state, cause, identity changes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_TIMELINE_EPILOG,
     )
     timeline.add_argument("root", metavar="ROOT")
     timeline.add_argument(
-        "--grace", type=float, default=investigate.IN_FLIGHT_GRACE_S, metavar="SECONDS",
+        "--grace",
+        type=float,
+        default=investigate.IN_FLIGHT_GRACE_S,
+        metavar="SECONDS",
         help="an uncommitted directory last written less than this ago, with no failure event, is in-flight "
         "(default: %(default).0f)",
     )
-    timeline.add_argument("--metric", action="append", default=[], metavar="NAME",
-                          help="a metric recorded at save time (trainer.callback_metrics) as a column, e.g. train/loss (repeatable)")
+    timeline.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a metric recorded at save time (trainer.callback_metrics) as a column, e.g. train/loss (repeatable)",
+    )
     timeline.set_defaults(run=cmd_timeline)
     collect = commands.add_parser(
-        "gc", parents=[common], help="remove uncommitted checkpoint directories older than the grace (dry run by default)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_GC_EPILOG,
+        "gc",
+        parents=[common],
+        help="remove uncommitted checkpoint directories older than the grace (dry run by default)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_GC_EPILOG,
     )
     collect.add_argument("root", metavar="ROOT")
     collect.add_argument(
-        "--grace-minutes", type=_non_negative, default=gc.DEFAULT_GRACE_S / 60, metavar="N",
+        "--grace-minutes",
+        type=_non_negative,
+        default=gc.DEFAULT_GRACE_S / 60,
+        metavar="N",
         help="only directories whose newest file is older than this are removed; a younger one may be a save "
         "in flight (default: %(default).0f)",
     )

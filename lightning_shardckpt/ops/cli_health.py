@@ -15,14 +15,23 @@ EXIT_HEALTHY, EXIT_FIRING = 0, 1
 
 def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     health = commands.add_parser(
-        "health", parents=[common],
+        "health",
+        parents=[common],
         help="evaluate health rules over a root's event history: owner, normal range, firing since, mitigation; exit 1 while one fires",
     )
     health.add_argument("root", metavar="ROOT")
-    health.add_argument("--rules", metavar="FILE", default=None,
-                        help="a rules file (e.g. conf/health/default.yaml); default: the rules the run recorded in the root")
-    health.add_argument("--plot", metavar="OUT.png", default=None,
-                        help="also draw each metric over steps with its normal band and firing periods shaded (matplotlib)")
+    health.add_argument(
+        "--rules",
+        metavar="FILE",
+        default=None,
+        help="a rules file (e.g. conf/health/default.yaml); default: the rules the run recorded in the root",
+    )
+    health.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw each metric over steps with its normal band and firing periods shaded (matplotlib)",
+    )
     health.set_defaults(run=cmd_health)
 
 
@@ -47,7 +56,10 @@ def cmd_health(args: argparse.Namespace) -> int:
         for row in rows:
             print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
         firing = [row for row in report.rows() if row["firing"]]
-        print(f"{len(firing)} firing" + (": " + ", ".join(f"{r['rule']} ({r['severity']}, owner {r['owner']})" for r in firing) if firing else ""))
+        print(
+            f"{len(firing)} firing"
+            + (": " + ", ".join(f"{r['rule']} ({r['severity']}, owner {r['owner']})" for r in firing) if firing else "")
+        )
         if args.plot:
             print(f"plot: {args.plot} ({panels} panels)")
     return EXIT_FIRING if report.firing else EXIT_HEALTHY

@@ -75,8 +75,15 @@ def summary(changes: list[TensorChange]) -> dict[str, int]:
 
 def _compare_one(a: GlobalTensorReader, b: GlobalTensorReader, fqn: str) -> TensorChange:
     spec_a, spec_b = a.specs.get(fqn), b.specs.get(fqn)
-    change = TensorChange(fqn, CHANGED, _shape(spec_a), _shape(spec_b),
-                          str((spec_b or spec_a).dtype), files_a=_files(spec_a), files_b=_files(spec_b))
+    change = TensorChange(
+        fqn,
+        CHANGED,
+        _shape(spec_a),
+        _shape(spec_b),
+        str((spec_b or spec_a).dtype),
+        files_a=_files(spec_a),
+        files_b=_files(spec_b),
+    )
     if spec_a is None or spec_b is None:
         change.status = ONLY_B if spec_a is None else ONLY_A
         count = nonfinite_count((b if spec_a is None else a).read(fqn))
@@ -98,7 +105,7 @@ def nonfinite_count(tensor: torch.Tensor) -> int:
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return 0
     flat = tensor.reshape(-1)
-    return sum(int((~torch.isfinite(flat[start:start + BLOCK])).sum()) for start in range(0, flat.numel(), BLOCK))
+    return sum(int((~torch.isfinite(flat[start : start + BLOCK])).sum()) for start in range(0, flat.numel(), BLOCK))
 
 
 def _differences(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, bool]:
@@ -107,7 +114,7 @@ def _differences(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, bool]:
     equal = a.dtype == b.dtype
     max_abs = scale = 0.0
     for start in range(0, flat_a.numel(), BLOCK):
-        block_a, block_b = flat_a[start:start + BLOCK], flat_b[start:start + BLOCK]
+        block_a, block_b = flat_a[start : start + BLOCK], flat_b[start : start + BLOCK]
         if equal:  # bit for bit: NaN == NaN here, and -0.0 != 0.0
             equal = bool(torch.equal(_bits(block_a), _bits(block_b)))
         wide_a, wide_b = block_a.to(torch.float64), block_b.to(torch.float64)

@@ -25,9 +25,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from ..engine import catalog, drill_records
 from ..engine.drill_records import FAILED, NOT_DRILLED, PASSED
@@ -52,7 +53,9 @@ class DrillOptions:
     probe: str | None = None  # "module:function": state dict of the model -> float, compared with the saved value
     tolerance: float = 1e-4  # relative tolerance of the probe comparison
     nice: int = NICE_INCREMENT  # added to the drill processes' niceness (0: same priority as training)
-    trust_checkpoint: bool = False  # True: the drill unpickles any class the checkpoint names (trusted checkpoints only)
+    trust_checkpoint: bool = (
+        False  # True: the drill unpickles any class the checkpoint names (trusted checkpoints only)
+    )
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,7 +82,9 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
     """
     options = options or DrillOptions()
     _check_probe_importable(options.probe)  # the operator's mistake is not the checkpoint's: refuse, record nothing
-    location, entry = catalog.open_checkpoint(root or checkpoint, checkpoint if root else "latest", options.storage_options)
+    location, entry = catalog.open_checkpoint(
+        root or checkpoint, checkpoint if root else "latest", options.storage_options
+    )
     path = join(location.url, entry.name)
     writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)
     world_size = options.world_size or default_world_size(writer_world)
@@ -101,8 +106,14 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
         record["finished_at"] = _now()
         drill_records.write_record(location, record)
     level = logging.INFO if record["verdict"] == PASSED else logging.WARNING
-    log.log(level, "drill of %s on %d rank(s): %s%s", entry.name, world_size, record["verdict"],
-            f" ({record['cause']})" if record.get("cause") else "")
+    log.log(
+        level,
+        "drill of %s on %d rank(s): %s%s",
+        entry.name,
+        world_size,
+        record["verdict"],
+        f" ({record['cause']})" if record.get("cause") else "",
+    )
     return record
 
 
@@ -131,7 +142,9 @@ def _run_ranks(path: str, world_size: int, options: DrillOptions, header: dict[s
         try:
             port = _free_port()
             processes = [
-                _start_rank(path, rank, world_size, port, out, os.path.join(scratch, f"rank{rank}.log"), spawned_at, options)
+                _start_rank(
+                    path, rank, world_size, port, out, os.path.join(scratch, f"rank{rank}.log"), spawned_at, options
+                )
                 for rank in range(world_size)
             ]
         except OSError as err:  # no processes, no memory, no port: not a verdict on the checkpoint
@@ -140,7 +153,11 @@ def _run_ranks(path: str, world_size: int, options: DrillOptions, header: dict[s
         codes = _wait_all(processes, deadline)
         logs = [_tail(os.path.join(scratch, f"rank{rank}.log")) for rank in range(world_size)]
         if any(code is None for code in codes):
-            return {"verdict": FAILED, "cause": f"the drill did not finish within timeout_s={options.timeout_s:g}; killed", "logs": logs}
+            return {
+                "verdict": FAILED,
+                "cause": f"the drill did not finish within timeout_s={options.timeout_s:g}; killed",
+                "logs": logs,
+            }
         if any(code != 0 for code in codes):
             rank, code = next((r, c) for r, c in enumerate(codes) if c != 0)
             how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
@@ -152,8 +169,11 @@ def _run_ranks(path: str, world_size: int, options: DrillOptions, header: dict[s
             return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": logs}
     if outcome.get("ok") and outcome.get("record"):
         return {"verdict": PASSED, "record": outcome["record"]}
-    return {"verdict": FAILED, "cause": outcome.get("cause", "drill rank 0 reported success but filed no record"),
-            **outcome_details(outcome)}
+    return {
+        "verdict": FAILED,
+        "cause": outcome.get("cause", "drill rank 0 reported success but filed no record"),
+        **outcome_details(outcome),
+    }
 
 
 def outcome_details(outcome: dict[str, Any]) -> dict[str, Any]:
@@ -185,25 +205,61 @@ def _start_rank(
     path: str, rank: int, world_size: int, port: int, out: str, log_path: str, spawned_at: float, options: DrillOptions
 ) -> subprocess.Popen:
     command = [
-        sys.executable, "-c", _WORKER_BOOTSTRAP, _PACKAGE_DIR,
-        "--checkpoint", path, "--rank", str(rank), "--world-size", str(world_size), "--port", str(port),
-        "--out", out, "--record-header", os.path.join(os.path.dirname(out), "header.json"),
-        "--spawned-at", repr(spawned_at), "--threads", str(options.threads),
-        "--tolerance", repr(options.tolerance), "--storage-options", json.dumps(options.storage_options),
+        sys.executable,
+        "-c",
+        _WORKER_BOOTSTRAP,
+        _PACKAGE_DIR,
+        "--checkpoint",
+        path,
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--port",
+        str(port),
+        "--out",
+        out,
+        "--record-header",
+        os.path.join(os.path.dirname(out), "header.json"),
+        "--spawned-at",
+        repr(spawned_at),
+        "--threads",
+        str(options.threads),
+        "--tolerance",
+        repr(options.tolerance),
+        "--storage-options",
+        json.dumps(options.storage_options),
     ]
     if options.probe:
         command += ["--probe", options.probe]
     if options.trust_checkpoint:
         command.append("--trust")
     threads = str(options.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
-           # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
-           "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry)}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "PYTHONUNBUFFERED": "1",
+        # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
+        "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry),
+    }
+    for name in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "NODE_RANK",
+    ):
         env.pop(name, None)  # the drill is not part of the training job's world
     with open(log_path, "wb") as output:  # a file, not a pipe: a chatty rank can never block on a full pipe
         process = subprocess.Popen(
-            command, env=env, stdout=output, stderr=subprocess.STDOUT,
+            command,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
             # its own process group, so a Ctrl-C or a preemption signal of the training job is not the drill's;
             # the same session, so the same scheduler autogroup: with a new session Linux gives the drill a
             # group of its own, weighted like the whole training job, and its nice value means nothing
@@ -273,7 +329,9 @@ class DrillRunner:
     Requests beyond `max_queued` drop the oldest waiting one (the newest checkpoint matters most).
     """
 
-    def __init__(self, options: DrillOptions, on_result: Callable[[dict[str, Any]], None], *, max_queued: int = 2) -> None:
+    def __init__(
+        self, options: DrillOptions, on_result: Callable[[dict[str, Any]], None], *, max_queued: int = 2
+    ) -> None:
         self.options = options
         self._on_result = on_result
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -326,11 +384,14 @@ class DrillRunner:
             try:
                 record = run_drill(path, self.options)
             except Exception as err:  # nothing to drill (deleted by retention meanwhile), storage down
-                record = {"checkpoint": path.rstrip("/").rsplit("/", 1)[-1], "verdict": NOT_DRILLED, "cause": f"{type(err).__name__}: {err}"}
+                record = {
+                    "checkpoint": path.rstrip("/").rsplit("/", 1)[-1],
+                    "verdict": NOT_DRILLED,
+                    "cause": f"{type(err).__name__}: {err}",
+                }
                 log.warning("drill of %s did not run: %s", path, record["cause"])
             self._forget(path)
             try:
                 self._on_result(record)
             except Exception:  # a logger error must not stop later drills
                 log.exception("drill result handler failed")
-

@@ -26,8 +26,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         if args.world_size > 1:
             dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world_size,
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{args.port}",
+                rank=args.rank,
+                world_size=args.world_size,
                 timeout=timedelta(seconds=args.collective_timeout_s),
             )
         timings["init_s"] = time.time() - started
@@ -121,13 +125,18 @@ def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dic
 
     with open(args.record_header) as handle:
         record = json.load(handle)
-    record.update(verdict=drill_records.PASSED, finished_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-                  **outcome_details(outcome))
+    record.update(
+        verdict=drill_records.PASSED,
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        **outcome_details(outcome),
+    )
     root = resolve(args.checkpoint.rstrip("/").rsplit("/", 1)[0], json.loads(args.storage_options or "{}"))
     try:
         drill_records.write_record(root, record)
     except Exception as err:  # the starter files a failure instead: a pass nobody can see is not a pass
-        outcome.update(ok=False, cause=f"the drill passed but its record could not be written: {type(err).__name__}: {err}")
+        outcome.update(
+            ok=False, cause=f"the drill passed but its record could not be written: {type(err).__name__}: {err}"
+        )
         return None
     return record
 
@@ -155,7 +164,9 @@ def check_shapes(manifest: dict[str, Any], target: dict[str, Any]) -> None:
     for tensor in manifest["tensors"]:
         value = target[tensor["fqn"]]
         if list(value.shape) != tensor["shape"] or str(value.dtype) != tensor["dtype"]:
-            wrong.append(f"{tensor['fqn']}: saved {tensor['dtype']}{tensor['shape']}, restored {value.dtype}{list(value.shape)}")
+            wrong.append(
+                f"{tensor['fqn']}: saved {tensor['dtype']}{tensor['shape']}, restored {value.dtype}{list(value.shape)}"
+            )
     if wrong:
         raise DrillFailed(f"{len(wrong)} tensor(s) restored with the wrong dtype or shape: " + "; ".join(wrong[:5]))
 
@@ -238,7 +249,7 @@ def check_probe(spec: str, manifest: dict[str, Any], target: dict[str, Any], tol
     for fqn, value in target.items():
         if fqn.startswith(MODEL_PREFIX) and isinstance(value, torch.Tensor):
             full = value.full_tensor() if hasattr(value, "full_tensor") else value  # collective on every rank
-            model_state[fqn[len(MODEL_PREFIX):]] = full
+            model_state[fqn[len(MODEL_PREFIX) :]] = full
     if dist.is_initialized() and dist.get_rank() != 0:
         return {"name": spec, "ran_on": "rank 0"}
     value = float(load_callable(spec)(model_state))
@@ -249,7 +260,9 @@ def check_probe(spec: str, manifest: dict[str, Any], target: dict[str, Any], tol
     if expected is None:
         return report  # nothing recorded at save time (no probe configured then): the model rebuilt and ran
     if abs(value - float(expected)) > tolerance * max(1.0, abs(float(expected))):
-        raise DrillFailed(f"probe {spec} gave {value!r} on the restored state, {expected!r} at save time (tolerance {tolerance})")
+        raise DrillFailed(
+            f"probe {spec} gave {value!r} on the restored state, {expected!r} at save time (tolerance {tolerance})"
+        )
     return report
 
 
@@ -301,20 +314,26 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="one rank of a restore drill (started by lightning_shardckpt.ops.drill)")
+    parser = argparse.ArgumentParser(
+        description="one rank of a restore drill (started by lightning_shardckpt.ops.drill)"
+    )
     parser.add_argument("--checkpoint", required=True, help="the checkpoint directory (URL)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--out", required=True, help="rank 0 writes its outcome here as JSON")
-    parser.add_argument("--record-header", required=True, help="JSON the starter knows of the record; rank 0 completes and files it")
+    parser.add_argument(
+        "--record-header", required=True, help="JSON the starter knows of the record; rank 0 completes and files it"
+    )
     parser.add_argument("--spawned-at", type=float, required=True, help="wall time the parent started the ranks")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--probe", default=None, help="module:function taking the model state dict, returning a float")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--storage-options", default="", help="JSON for fsspec")
     parser.add_argument("--collective-timeout-s", type=float, default=300.0)
-    parser.add_argument("--trust", action="store_true", help="unpickle any class the checkpoint names (trusted checkpoints only)")
+    parser.add_argument(
+        "--trust", action="store_true", help="unpickle any class the checkpoint names (trusted checkpoints only)"
+    )
     return parser.parse_args(argv)
 
 

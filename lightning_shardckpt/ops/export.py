@@ -64,7 +64,9 @@ class ExportOptions:
         if self.format not in FORMATS:
             raise ConfigError(f"export format={self.format!r}; use one of {FORMATS}")
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"export dtype={self.dtype!r}; use one of {sorted(DTYPES)}, or none to keep the saved dtypes")
+            raise ConfigError(
+                f"export dtype={self.dtype!r}; use one of {sorted(DTYPES)}, or none to keep the saved dtypes"
+            )
         if self.max_shard_size is not None and (self.max_shard_size < 1 or self.format != SAFETENSORS):
             raise ConfigError(f"max_shard_size={self.max_shard_size} needs format=safetensors and a size >= 1 byte")
 
@@ -84,7 +86,9 @@ class ExportResult:
         return asdict(self)
 
 
-def export_checkpoint(checkpoint: str, out: str, options: ExportOptions | None = None, *, which: str = "latest") -> ExportResult:
+def export_checkpoint(
+    checkpoint: str, out: str, options: ExportOptions | None = None, *, which: str = "latest"
+) -> ExportResult:
     """Export a committed checkpoint (a directory, or a root with `which`) to OUT; see the module doc."""
     options = options or ExportOptions()
     started = time.perf_counter()
@@ -96,8 +100,11 @@ def export_checkpoint(checkpoint: str, out: str, options: ExportOptions | None =
     with GlobalTensorReader(location, entry) as reader:
         plan, sources = export_plan(reader.specs, options)
         if not plan:
-            raise ConfigError(f"{entry.path} holds no tensor to export" + (" under model." if options.model_only else ""))
+            raise ConfigError(
+                f"{entry.path} holds no tensor to export" + (" under model." if options.model_only else "")
+            )
         with _progress(sum(item.nbytes for item in plan), options.progress) as bar:
+
             def read_one(planned: Planned) -> torch.Tensor:
                 # returned straight into a write: no name keeps it alive while the next one is read
                 tensor = reader.read(sources[planned.key])
@@ -105,10 +112,24 @@ def export_checkpoint(checkpoint: str, out: str, options: ExportOptions | None =
                 return tensor if tensor.dtype == planned.dtype else tensor.to(planned.dtype)
 
             files = _write(target, plan, read_one, options)
-        result = ExportResult(join(location.url, entry.name), out, options.format, files, len(plan),
-                              sum(target.fs.size(path) for path in files), reader.bytes_read, time.perf_counter() - started)
-    log.info("exported %s to %s: %d tensors, %d bytes in %.2fs", result.checkpoint, out, result.tensors,
-             result.bytes_written, result.seconds)
+        result = ExportResult(
+            join(location.url, entry.name),
+            out,
+            options.format,
+            files,
+            len(plan),
+            sum(target.fs.size(path) for path in files),
+            reader.bytes_read,
+            time.perf_counter() - started,
+        )
+    log.info(
+        "exported %s to %s: %d tensors, %d bytes in %.2fs",
+        result.checkpoint,
+        out,
+        result.tensors,
+        result.bytes_written,
+        result.seconds,
+    )
     return result
 
 
@@ -119,10 +140,12 @@ def export_plan(specs: dict[str, TensorSpec], options: ExportOptions) -> tuple[l
     for fqn, spec in specs.items():
         if options.model_only and not fqn.startswith(MODEL_PREFIX):
             continue
-        key = fqn[len(options.prefix):] if options.prefix and fqn.startswith(options.prefix) else fqn
+        key = fqn[len(options.prefix) :] if options.prefix and fqn.startswith(options.prefix) else fqn
         if key in sources:
-            raise ConfigError(f"--prefix {options.prefix!r} maps {sources[key]!r} and {fqn!r} to one name {key!r}; "
-                              "export with --model-only or another prefix")
+            raise ConfigError(
+                f"--prefix {options.prefix!r} maps {sources[key]!r} and {fqn!r} to one name {key!r}; "
+                "export with --model-only or another prefix"
+            )
         dtype = cast if cast is not None and spec.dtype.is_floating_point else spec.dtype
         plan.append(Planned(key, spec.shape, dtype))
         sources[key] = fqn
@@ -139,8 +162,12 @@ def _write(target: fsio.Location, plan: list[Planned], read_one: Any, options: E
         return [_write_file(target.fs, target.path, lambda handle: _safetensors_body(handle, plan, read_one))]
     fsio.makedirs(target.fs, target.path)
     names = shard_names(len(shards))
-    paths = [_write_file(target.fs, join(target.path, name), lambda handle, part=part: _safetensors_body(handle, part, read_one))
-             for part, name in zip(shards, names)]
+    paths = [
+        _write_file(
+            target.fs, join(target.path, name), lambda handle, part=part: _safetensors_body(handle, part, read_one)
+        )
+        for part, name in zip(shards, names)
+    ]
     index = safetensors_index(shards, names)
     return [*paths, _write_file(target.fs, join(target.path, SAFETENSORS_INDEX), lambda handle: handle.write(index))]
 

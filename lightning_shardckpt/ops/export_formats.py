@@ -34,10 +34,21 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SHARD = "model-{index:05d}-of-{count:05d}.safetensors"
 SAFETENSORS_ALIGN = 8  # the header is padded so the data starts 8-byte aligned
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 ZIP_ARCHIVE_VERSION = "1"  # torch.save's `.format_version` record
 COMPUTE_CRC32 = True  # an export leaves our format: its zip must pass `unzip -t` (our shards skip the CRC)
@@ -64,6 +75,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 # --- torch.save zip ---
 
+
 class _StorageStub:
     """Stands for a storage while pickling: persistent_id turns it into torch's storage reference."""
 
@@ -83,7 +95,14 @@ class _TensorStub:
         for size in reversed(shape):
             stride.insert(0, step)
             step *= max(size, 1)
-        return torch._utils._rebuild_tensor_v2, (self.storage, 0, torch.Size(shape), tuple(stride), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, (
+            self.storage,
+            0,
+            torch.Size(shape),
+            tuple(stride),
+            False,
+            collections.OrderedDict(),
+        )
 
 
 class _Pickler(pickle.Pickler):
@@ -133,15 +152,21 @@ class TorchZipWriter:
 
 # --- safetensors ---
 
+
 def safetensors_header(plan: list[Planned], metadata: dict[str, str] | None = None) -> bytes:
     """The length-prefixed, padded JSON header of one safetensors file holding `plan` in order."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for planned in plan:
         if planned.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{planned.key}: safetensors has no dtype for {planned.dtype}; export it with --format torch")
-        header[planned.key] = {"dtype": SAFETENSORS_DTYPES[planned.dtype], "shape": list(planned.shape),
-                               "data_offsets": [offset, offset + planned.nbytes]}
+            raise ValueError(
+                f"{planned.key}: safetensors has no dtype for {planned.dtype}; export it with --format torch"
+            )
+        header[planned.key] = {
+            "dtype": SAFETENSORS_DTYPES[planned.dtype],
+            "shape": list(planned.shape),
+            "data_offsets": [offset, offset + planned.nbytes],
+        }
         offset += planned.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % SAFETENSORS_ALIGN)
@@ -166,7 +191,9 @@ def shard_plan(plan: list[Planned], max_shard_size: int | None) -> list[list[Pla
 def safetensors_index(shards: list[list[Planned]], names: list[str]) -> bytes:
     weight_map = {planned.key: name for shard, name in zip(shards, names) for planned in shard}
     total = sum(planned.nbytes for shard in shards for planned in shard)
-    return (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n").encode()
+    return (
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
+    ).encode()
 
 
 def shard_names(count: int) -> list[str]:

@@ -98,7 +98,9 @@ class GcReport:
     @property
     def failed(self) -> list[GcItem]:
         """Items that were to be removed and could not be (never in a dry run)."""
-        return [item for item in self.items if item.action == "keep" and item.problem and item.state == catalog.UNCOMMITTED]
+        return [
+            item for item in self.items if item.action == "keep" and item.problem and item.state == catalog.UNCOMMITTED
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,7 +134,10 @@ def collect(location: Location, grace_s: float = DEFAULT_GRACE_S, *, dry_run: bo
 
 # --- internals ---
 
-def _decide(entry: catalog.CheckpointEntry, location: Location, grace_s: float, pinned: dict[str, set[str]] | None = None) -> GcItem:
+
+def _decide(
+    entry: catalog.CheckpointEntry, location: Location, grace_s: float, pinned: dict[str, set[str]] | None = None
+) -> GcItem:
     item = GcItem(entry.name, join(location.url, entry.name), entry.step, entry.checkpoint_id, entry.state, "keep", "")
     if entry.state == catalog.COMMITTED:
         item.reason = KEEP_COMMITTED
@@ -192,8 +197,12 @@ def _remove(location: Location, item: GcItem, grace_s: float) -> None:
             item.action, item.reason = "keep", f"{KEEP_CHANGED}: {MANIFEST} appeared"
             return
         entries = catalog.list_checkpoints(location)
-        again = _decide(catalog.CheckpointEntry(item.name, path, item.step, item.id, catalog.UNCOMMITTED), location, grace_s,
-                        refs.pinned_files(location, entries))
+        again = _decide(
+            catalog.CheckpointEntry(item.name, path, item.step, item.id, catalog.UNCOMMITTED),
+            location,
+            grace_s,
+            refs.pinned_files(location, entries),
+        )
         if again.action != "remove":
             item.action, item.reason, item.age_s = "keep", f"{KEEP_CHANGED}: {again.reason}", again.age_s
             return

@@ -9,8 +9,9 @@ every checkpoint, so persistence counters and learned baselines survive a restar
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from .health_observe import ALL_SERIES, Observation, observe
 from .health_rules import ABOVE, BELOW, LEARNED, HealthConfig, HealthRule
@@ -54,13 +55,27 @@ class Transition:
     def describe(self) -> str:
         normal = range_text(self.low, self.high)
         verb = "fires" if self.kind == FIRED else "resolved"
-        return (f"health rule {self.rule.name} {verb} on {self.rule.slice}={self.key}: {self.rule.metric}={self.value:.4g} "
-                f"(normal {normal}) at step {self.step}; owner: {self.rule.owner}; mitigation: {self.rule.mitigation}")
+        return (
+            f"health rule {self.rule.name} {verb} on {self.rule.slice}={self.key}: {self.rule.metric}={self.value:.4g} "
+            f"(normal {normal}) at step {self.step}; owner: {self.rule.owner}; mitigation: {self.rule.mitigation}"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule.name, "metric": self.rule.metric, "slice": self.rule.slice, "key": self.key,
-                "transition": self.kind, "value": self.value, "low": self.low, "high": self.high, "step": self.step,
-                "time": self.time, "owner": self.rule.owner, "severity": self.rule.severity, "mitigation": self.rule.mitigation}
+        return {
+            "rule": self.rule.name,
+            "metric": self.rule.metric,
+            "slice": self.rule.slice,
+            "key": self.key,
+            "transition": self.kind,
+            "value": self.value,
+            "low": self.low,
+            "high": self.high,
+            "step": self.step,
+            "time": self.time,
+            "owner": self.rule.owner,
+            "severity": self.rule.severity,
+            "mitigation": self.rule.mitigation,
+        }
 
 
 class HealthEvaluator:
@@ -90,11 +105,18 @@ class HealthEvaluator:
         return transitions
 
     def firing(self) -> list[tuple[HealthRule, str, SeriesState]]:
-        return [(rule, key, state) for rule in self.config.rules for key, state in self.series[rule.name].items() if state.firing]
+        return [
+            (rule, key, state)
+            for rule in self.config.rules
+            for key, state in self.series[rule.name].items()
+            if state.firing
+        ]
 
     def state_dict(self) -> dict[str, Any]:
-        series = {name: {key: {k: v for k, v in asdict(state).items() if k != "history"} for key, state in by_key.items()}
-                  for name, by_key in self.series.items()}
+        series = {
+            name: {key: {k: v for k, v in asdict(state).items() if k != "history"} for key, state in by_key.items()}
+            for name, by_key in self.series.items()
+        }
         return {"version": STATE_VERSION, "series": series}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -104,8 +126,10 @@ class HealthEvaluator:
         known = set(SeriesState.__dataclass_fields__)
         for name, by_key in (state.get("series") or {}).items():
             if name in self.series:
-                self.series[name] = {key: SeriesState(**{k: v for k, v in fields.items() if k in known})
-                                     for key, fields in by_key.items()}
+                self.series[name] = {
+                    key: SeriesState(**{k: v for k, v in fields.items() if k in known})
+                    for key, fields in by_key.items()
+                }
 
     # --- one evaluation ---
     def _evaluate(self, rule: HealthRule, key: str, state: SeriesState, observation: Observation) -> Transition | None:
@@ -125,9 +149,16 @@ class HealthEvaluator:
         else:
             state.out_count, state.in_count = state.out_count + 1, 0
             state.out_since = observation.time if state.out_since is None else state.out_since
-            long_enough = rule.persistence.fire_after_s is not None and observation.time - state.out_since >= rule.persistence.fire_after_s
+            long_enough = (
+                rule.persistence.fire_after_s is not None
+                and observation.time - state.out_since >= rule.persistence.fire_after_s
+            )
             if not state.firing and (state.out_count >= rule.persistence.fire_after or long_enough):
-                state.firing, state.firing_since_step, state.firing_since_time = True, observation.step, observation.time
+                state.firing, state.firing_since_step, state.firing_since_time = (
+                    True,
+                    observation.step,
+                    observation.time,
+                )
                 transition = Transition(rule, key, FIRED, value, low, high, observation.step, observation.time)
         if self.keep_history:
             state.history.append([observation.step, value, low, high, state.firing])

@@ -36,26 +36,61 @@ class HealthReport:
         for rule in self.config.rules:
             series = self.evaluator.series[rule.name]
             if not series:
-                rows.append({"rule": rule.name, "metric": rule.metric, "owner": rule.owner, "slice": rule.slice, "key": None,
-                             "severity": rule.severity, "normal": "no data", "value": None, "firing": False,
-                             "firing_since_step": None, "firing_since": None, "mitigation": rule.mitigation,
-                             "mitigation_taken": None, "evaluations": 0})
+                rows.append(
+                    {
+                        "rule": rule.name,
+                        "metric": rule.metric,
+                        "owner": rule.owner,
+                        "slice": rule.slice,
+                        "key": None,
+                        "severity": rule.severity,
+                        "normal": "no data",
+                        "value": None,
+                        "firing": False,
+                        "firing_since_step": None,
+                        "firing_since": None,
+                        "mitigation": rule.mitigation,
+                        "mitigation_taken": None,
+                        "evaluations": 0,
+                    }
+                )
                 continue
             for key, state in sorted(series.items()):
                 action = self.actions.get((rule.name, key))
-                taken = action.get("mitigation_result") if action and action.get("transition") == FIRED and state.firing else None
-                rows.append({
-                    "rule": rule.name, "metric": rule.metric, "owner": rule.owner, "slice": rule.slice, "key": key,
-                    "severity": rule.severity, "normal": range_text(state.low, state.high), "low": state.low, "high": state.high,
-                    "value": state.last_value, "firing": state.firing, "firing_since_step": state.firing_since_step,
-                    "firing_since": _iso(state.firing_since_time), "mitigation": rule.mitigation,
-                    "mitigation_taken": taken, "evaluations": state.seen,
-                })
+                taken = (
+                    action.get("mitigation_result")
+                    if action and action.get("transition") == FIRED and state.firing
+                    else None
+                )
+                rows.append(
+                    {
+                        "rule": rule.name,
+                        "metric": rule.metric,
+                        "owner": rule.owner,
+                        "slice": rule.slice,
+                        "key": key,
+                        "severity": rule.severity,
+                        "normal": range_text(state.low, state.high),
+                        "low": state.low,
+                        "high": state.high,
+                        "value": state.last_value,
+                        "firing": state.firing,
+                        "firing_since_step": state.firing_since_step,
+                        "firing_since": _iso(state.firing_since_time),
+                        "mitigation": rule.mitigation,
+                        "mitigation_taken": taken,
+                        "evaluations": state.seen,
+                    }
+                )
         return rows
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rules_source": self.rules_source, "firing": self.firing, "rules": self.rows(),
-                "transitions": [transition.as_dict() for transition in self.transitions]}
+        return {
+            "rules_source": self.rules_source,
+            "firing": self.firing,
+            "rules": self.rows(),
+            "transitions": [transition.as_dict() for transition in self.transitions],
+        }
 
 
 def evaluate_root(location: Location, config: HealthConfig | None = None) -> HealthReport:
@@ -69,7 +104,9 @@ def evaluate_root(location: Location, config: HealthConfig | None = None) -> Hea
                 f"{location.url} has no recorded health rules (the run had none, or predates them); "
                 "pass the rules to evaluate, e.g. --rules conf/health/default.yaml"
             )
-        config = health_config_from({"rules": recorded[-1]["rules"], "alert_every_s": recorded[-1].get("alert_every_s", 600.0)})
+        config = health_config_from(
+            {"rules": recorded[-1]["rules"], "alert_every_s": recorded[-1].get("alert_every_s", 600.0)}
+        )
         source = f"recorded by run {recorded[-1].get('run_id')} at {_iso(recorded[-1].get('created_at'))}"
     evaluator = HealthEvaluator(config, keep_history=True)
     transitions: list[Transition] = []
@@ -91,8 +128,12 @@ def plot(report: HealthReport, path: str) -> int:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib (it is in the dev extra)") from err
-    panels = [(rule, key, state) for rule in report.config.rules for key, state in sorted(report.evaluator.series[rule.name].items())
-              if state.history]
+    panels = [
+        (rule, key, state)
+        for rule in report.config.rules
+        for key, state in sorted(report.evaluator.series[rule.name].items())
+        if state.history
+    ]
     if not panels:
         raise ConfigError("nothing to plot: no rule has observed a value in this root yet")
     figure, axes = plt.subplots(len(panels), 1, figsize=(9, 2.3 * len(panels)), squeeze=False, sharex=False)
@@ -102,14 +143,23 @@ def plot(report: HealthReport, path: str) -> int:
         lows = [row[2] for row in state.history]
         highs = [row[3] for row in state.history]
         bottom, top = axis.get_ylim()
-        axis.fill_between(steps, [bottom if v is None else v for v in lows], [top if v is None else v for v in highs],
-                          where=[lo is not None or hi is not None for lo, hi in zip(lows, highs)],
-                          color="tab:green", alpha=0.15, step="mid", label="normal range")
+        axis.fill_between(
+            steps,
+            [bottom if v is None else v for v in lows],
+            [top if v is None else v for v in highs],
+            where=[lo is not None or hi is not None for lo, hi in zip(lows, highs)],
+            color="tab:green",
+            alpha=0.15,
+            step="mid",
+            label="normal range",
+        )
         for start, end in _firing_spans(state.history):
             axis.axvspan(start, end, color="tab:red", alpha=0.2, label="firing")
         axis.set_ylim(bottom, top)
-        axis.set_title(f"{rule.name} — {rule.metric} on {rule.slice}={key} (owner: {rule.owner}; mitigation: {rule.mitigation})",
-                       fontsize=8)
+        axis.set_title(
+            f"{rule.name} — {rule.metric} on {rule.slice}={key} (owner: {rule.owner}; mitigation: {rule.mitigation})",
+            fontsize=8,
+        )
         handles, labels = axis.get_legend_handles_labels()
         unique = dict(zip(labels, handles))
         axis.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")

@@ -20,20 +20,48 @@ RUN, RANK, CAUSE, ROOT = "run", "rank", "cause", "root"
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "pause_s": (CHECKPOINT_PAUSE, (RUN, ROOT), "seconds the training thread was blocked by one save (rank 0)"),
     "total_s": (CHECKPOINT_PAUSE, (RUN, ROOT), "seconds from the save request until it committed or failed"),
-    "write_gbps": (CHECKPOINT_PAUSE, (RANK, RUN, ROOT), "GB/s one rank wrote its shard file at (RUN/ROOT: the slowest rank)"),
+    "write_gbps": (
+        CHECKPOINT_PAUSE,
+        (RANK, RUN, ROOT),
+        "GB/s one rank wrote its shard file at (RUN/ROOT: the slowest rank)",
+    ),
     "skipped": (CHECKPOINT_PAUSE, (RUN, ROOT), "1 for a save skipped because the previous one was in flight, else 0"),
-    "committed": (COMMIT_COMPLETENESS, (RUN, ROOT), "1 for an attempt that committed, 0 for one that failed (skips excluded)"),
+    "committed": (
+        COMMIT_COMPLETENESS,
+        (RUN, ROOT),
+        "1 for an attempt that committed, 0 for one that failed (skips excluded)",
+    ),
     "commit_ratio": (COMMIT_COMPLETENESS, (RUN, ROOT), "committed / (committed + failed) over the run so far"),
-    "failed": (COMMIT_COMPLETENESS, (CAUSE, RUN, ROOT), "1 for a failed attempt, else 0; CAUSE slices by failure cause"),
-    "failed_dirs_left": (COMMIT_COMPLETENESS, (RUN, ROOT), "1 when a failed attempt's directory was left for `shardckpt gc`, else 0"),
+    "failed": (
+        COMMIT_COMPLETENESS,
+        (CAUSE, RUN, ROOT),
+        "1 for a failed attempt, else 0; CAUSE slices by failure cause",
+    ),
+    "failed_dirs_left": (
+        COMMIT_COMPLETENESS,
+        (RUN, ROOT),
+        "1 when a failed attempt's directory was left for `shardckpt gc`, else 0",
+    ),
     "storage_retries": (COMMIT_COMPLETENESS, (RUN, ROOT), "transient storage errors retried during one save"),
     "drill_ok": (RESTORE, (RUN, ROOT), "1 for a restore drill that passed, 0 for one that failed or could not run"),
     "time_to_resume_s": (RESTORE, (RUN, ROOT), "seconds a restore drill took from process start to restored state"),
-    "drill_lag_checkpoints": (RESTORE, (RUN, ROOT), "checkpoints committed since the newest drilled one, when a drill ends"),
+    "drill_lag_checkpoints": (
+        RESTORE,
+        (RUN, ROOT),
+        "checkpoints committed since the newest drilled one, when a drill ends",
+    ),
     "resume_s": (RESTORE, (RUN, ROOT), "seconds a real resume took to load its checkpoint"),
     # tiers (engine/replicate.py): one value per copy attempt to the durable tier
-    "replication_ok": (COMMIT_COMPLETENESS, (RUN, ROOT), "1 for a copy committed on the durable tier, 0 for a failed attempt"),
-    "replication_lag_checkpoints": (COMMIT_COMPLETENESS, (RUN, ROOT), "fast-tier commits not yet on the durable tier, after a copy attempt"),
+    "replication_ok": (
+        COMMIT_COMPLETENESS,
+        (RUN, ROOT),
+        "1 for a copy committed on the durable tier, 0 for a failed attempt",
+    ),
+    "replication_lag_checkpoints": (
+        COMMIT_COMPLETENESS,
+        (RUN, ROOT),
+        "fast-tier commits not yet on the durable tier, after a copy attempt",
+    ),
 }
 SLICES = (RUN, RANK, CAUSE, ROOT)
 SEVERITIES = ("info", "warning", "error", "critical")
@@ -65,17 +93,25 @@ class NormalRange:
 
     def __post_init__(self) -> None:
         if self.kind not in (STATIC, LEARNED):
-            raise ConfigError(f"range.kind={self.kind!r} is unknown; use 'static' (min/max) or 'learned' (median ± k·MAD)")
+            raise ConfigError(
+                f"range.kind={self.kind!r} is unknown; use 'static' (min/max) or 'learned' (median ± k·MAD)"
+            )
         if self.kind == STATIC and self.min is None and self.max is None:
             raise ConfigError("a static range needs min, max or both (e.g. range: {kind: static, max: 30})")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ConfigError(f"range.min={self.min} is above range.max={self.max}")
         if self.warmup < 1 or self.window < 2 or self.window < self.warmup:
-            raise ConfigError(f"range needs warmup >= 1 and window >= max(2, warmup); got warmup={self.warmup}, window={self.window}")
+            raise ConfigError(
+                f"range needs warmup >= 1 and window >= max(2, warmup); got warmup={self.warmup}, window={self.window}"
+            )
         if self.k <= 0 or self.floor < 0 or self.relative_floor < 0:
-            raise ConfigError(f"range.k={self.k} must be > 0, range.floor={self.floor} and range.relative_floor={self.relative_floor} >= 0")
+            raise ConfigError(
+                f"range.k={self.k} must be > 0, range.floor={self.floor} and range.relative_floor={self.relative_floor} >= 0"
+            )
         if self.direction not in (ABOVE, BELOW, BOTH):
-            raise ConfigError(f"range.direction={self.direction!r} is unknown; use 'above', 'below' or 'both' (the bad side)")
+            raise ConfigError(
+                f"range.direction={self.direction!r} is unknown; use 'above', 'below' or 'both' (the bad side)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +124,9 @@ class Persistence:
 
     def __post_init__(self) -> None:
         if self.fire_after < 1 or self.resolve_after < 1:
-            raise ConfigError(f"persistence needs fire_after >= 1 and resolve_after >= 1; got {self.fire_after}, {self.resolve_after}")
+            raise ConfigError(
+                f"persistence needs fire_after >= 1 and resolve_after >= 1; got {self.fire_after}, {self.resolve_after}"
+            )
         if self.fire_after_s is not None and self.fire_after_s <= 0:
             raise ConfigError(f"persistence.fire_after_s={self.fire_after_s} must be > 0 or null")
 
@@ -110,20 +148,30 @@ class HealthRule:
 
     def __post_init__(self) -> None:
         if not self.name or not all(ch.isalnum() or ch in "_-" for ch in self.name):
-            raise ConfigError(f"health rule name {self.name!r} must be non-empty letters, digits, '_' or '-' (it names metrics and events)")
+            raise ConfigError(
+                f"health rule name {self.name!r} must be non-empty letters, digits, '_' or '-' (it names metrics and events)"
+            )
         if self.metric not in METRICS:
             raise ConfigError(f"health rule {self.name!r}: metric {self.metric!r} is unknown; known: {sorted(METRICS)}")
         slices = METRICS[self.metric][1]
         if self.slice not in slices:
-            raise ConfigError(f"health rule {self.name!r}: metric {self.metric!r} has no values per {self.slice!r}; use one of {list(slices)}")
+            raise ConfigError(
+                f"health rule {self.name!r}: metric {self.metric!r} has no values per {self.slice!r}; use one of {list(slices)}"
+            )
         if not self.owner or not str(self.owner).strip():
-            raise ConfigError(f"health rule {self.name!r} has no owner; name the team or contact every alert should show")
+            raise ConfigError(
+                f"health rule {self.name!r} has no owner; name the team or contact every alert should show"
+            )
         if self.severity not in SEVERITIES:
-            raise ConfigError(f"health rule {self.name!r}: severity {self.severity!r} is unknown; use one of {list(SEVERITIES)}")
+            raise ConfigError(
+                f"health rule {self.name!r}: severity {self.severity!r} is unknown; use one of {list(SEVERITIES)}"
+            )
         # the name is checked against the registry where mitigations run (lightning/mitigations.py), before
         # training starts; offline evaluation only reports it
         if not isinstance(self.mitigation, str) or not self.mitigation.strip():
-            raise ConfigError(f"health rule {self.name!r} has no mitigation; use one of {list(BUILTIN_MITIGATIONS)} or 'module:function'")
+            raise ConfigError(
+                f"health rule {self.name!r} has no mitigation; use one of {list(BUILTIN_MITIGATIONS)} or 'module:function'"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,14 +207,19 @@ def rule_from(value: Any) -> HealthRule:
     known = set(HealthRule.__dataclass_fields__)
     unknown = set(value) - known
     if unknown:
-        raise ConfigError(f"health rule {value.get('name')!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise ConfigError(
+            f"health rule {value.get('name')!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
+        )
     blocks = {"range": NormalRange, "persistence": Persistence}
     converted = dict(value)
     for key, cls in blocks.items():
         if isinstance(converted.get(key), dict):
             fields = set(cls.__dataclass_fields__)
             if set(converted[key]) - fields:
-                raise ConfigError(f"health rule {value.get('name')!r}: unknown {key} field(s) {sorted(set(converted[key]) - fields)}; known: {sorted(fields)}")
+                raise ConfigError(
+                    f"health rule {value.get('name')!r}: unknown {key} field(s) {sorted(set(converted[key]) - fields)}; "
+                    f"known: {sorted(fields)}"
+                )
             converted[key] = cls(**converted[key])
     try:
         return HealthRule(**converted)
@@ -186,7 +239,9 @@ def health_config_from(value: Any) -> HealthConfig:
     if isinstance(value, list):
         value = {"rules": value}
     if not isinstance(value, dict):
-        raise ConfigError(f"health must be a mapping with `rules`, a list of rules or a rules file; got {type(value).__name__}")
+        raise ConfigError(
+            f"health must be a mapping with `rules`, a list of rules or a rules file; got {type(value).__name__}"
+        )
     unknown = set(value) - {"rules", "alert_every_s"}
     if unknown:
         raise ConfigError(f"unknown health option(s) {sorted(unknown)}; known: ['alert_every_s', 'rules']")

@@ -61,6 +61,7 @@ class Resolved:
 
 # --- references ---
 
+
 def open_path(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog.CheckpointEntry]:
     """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
     head, sep, tail = path.rstrip("/").rpartition("/")
@@ -88,7 +89,9 @@ def open_root(url: str, storage_options: dict[str, Any]) -> Location:
     return location
 
 
-def resolve_pair(ref_a: str, ref_b: str, root: str | None, storage_options: dict[str, Any]) -> tuple[Resolved, Resolved]:
+def resolve_pair(
+    ref_a: str, ref_b: str, root: str | None, storage_options: dict[str, Any]
+) -> tuple[Resolved, Resolved]:
     """Resolve A and B. Selectors go to `root`, else to the root of the other reference, which is a path."""
     root_location = open_root(root, storage_options) if root is not None else None
     resolved: dict[str, Resolved] = {}
@@ -119,6 +122,7 @@ def _find(root: Location, selector: str) -> catalog.CheckpointEntry:
 
 # --- diff ---
 
+
 def diff(a: Resolved, b: Resolved) -> dict[str, Any]:
     """Identity blocks, topology and position of A and B side by side; `identical` per the module doc."""
     blocks = compare_manifests(a.entry.manifest, b.entry.manifest, labels=(a.entry.name, b.entry.name))
@@ -133,7 +137,9 @@ def diff(a: Resolved, b: Resolved) -> dict[str, Any]:
     }
 
 
-def compare_manifests(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")) -> dict[str, dict[str, Any]]:
+def compare_manifests(
+    a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")
+) -> dict[str, dict[str, Any]]:
     """Per block: status, whether it counts, each side's summary and the readable differences."""
     id_a, id_b = a.get("identity") or {}, b.get("identity") or {}
     report = compare(id_a, id_b, _ALL_IGNORE, where=labels[0])  # all-ignore: reports, never raises
@@ -148,8 +154,13 @@ def compare_manifests(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, s
         block_lines = lines.get(block, [])
         if block == "config":
             block_lines = _relabel(block_lines, labels)
-        blocks[block] = {"status": status, "compared": block in COMPARED, "lines": block_lines,
-                         "a": _summary(block, value_a), "b": _summary(block, value_b)}
+        blocks[block] = {
+            "status": status,
+            "compared": block in COMPARED,
+            "lines": block_lines,
+            "a": _summary(block, value_a),
+            "b": _summary(block, value_b),
+        }
     blocks[TOPOLOGY] = _plain_block(a.get(TOPOLOGY), b.get(TOPOLOGY), compared=True)
     blocks[POSITION] = _plain_block(_position(a), _position(b), compared=False)
     return blocks
@@ -164,8 +175,14 @@ def changed_blocks(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], dic
 
 def _header(side: Resolved) -> dict[str, Any]:
     manifest = side.entry.manifest
-    return {"ref": side.ref, "path": side.path, "name": side.entry.name, "id": manifest["id"],
-            "step": manifest["step"], "created_at": manifest["created_at"]}
+    return {
+        "ref": side.ref,
+        "path": side.path,
+        "name": side.entry.name,
+        "id": manifest["id"],
+        "step": manifest["step"],
+        "created_at": manifest["created_at"],
+    }
 
 
 def _summary(block: str, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -175,8 +192,10 @@ def _summary(block: str, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return {"digest": value.get("digest")}
     if block == "model":
         tensors = value.get("tensors")
-        return {**_pick(value, "class", "parameters", "trainable_parameters", "digest"),
-                "tensors": len(tensors) if isinstance(tensors, dict) else None}
+        return {
+            **_pick(value, "class", "parameters", "trainable_parameters", "digest"),
+            "tensors": len(tensors) if isinstance(tensors, dict) else None,
+        }
     if block == "data":  # epoch and samples consumed are position: shown in that block
         return _pick(value, "kind", "class", "version", "fingerprint", "length", "file_count", "seed")
     if block == "code":
@@ -188,7 +207,9 @@ def _summary(block: str, value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _plain_block(a: dict[str, Any] | None, b: dict[str, Any] | None, *, compared: bool) -> dict[str, Any]:
     a, b = a or {}, b or {}
-    lines = [f"{key} {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+    lines = [
+        f"{key} {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)
+    ]
     return {"status": DIFFERS if lines else SAME, "compared": compared, "lines": lines, "a": a, "b": b}
 
 
@@ -207,7 +228,9 @@ def _relabel(lines: list[str], labels: tuple[str, str]) -> list[str]:
 
 
 def _recorded_note(status: str) -> str:
-    return {ONLY_A: "recorded in the earlier checkpoint only", ONLY_B: "recorded in this checkpoint only"}.get(status, status)
+    return {ONLY_A: "recorded in the earlier checkpoint only", ONLY_B: "recorded in this checkpoint only"}.get(
+        status, status
+    )
 
 
 def _pick(value: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -215,6 +238,7 @@ def _pick(value: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 
 # --- timeline ---
+
 
 def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str, Any]:
     """The root's checkpoints and attempts in the order they happened, with state, cause and identity changes."""
@@ -254,12 +278,19 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
             row["identity_changed"], row["identity_changes"] = changed_blocks(previous[0], manifest)
             row["compared_with"] = previous[1]
         previous = (manifest, row["name"])
-    return {"root": location.url, "grace_s": grace_s, "events": len(all_events), "events_problem": events_problem,
-            "last_good": good[-1].name if good else None, "checkpoints": [row for _, row, _ in items]}
+    return {
+        "root": location.url,
+        "grace_s": grace_s,
+        "events": len(all_events),
+        "events_problem": events_problem,
+        "last_good": good[-1].name if good else None,
+        "checkpoints": [row for _, row, _ in items],
+    }
 
 
-def _entry_item(entry: catalog.CheckpointEntry, location: Location, event: dict[str, Any] | None,
-                grace_s: float) -> tuple[float | None, dict[str, Any], dict[str, Any] | None]:
+def _entry_item(
+    entry: catalog.CheckpointEntry, location: Location, event: dict[str, Any] | None, grace_s: float
+) -> tuple[float | None, dict[str, Any], dict[str, Any] | None]:
     try:
         manifest = entry.manifest  # read now; a bad or vanished one marks the entry, never stops the timeline
     except ShardCkptError:
@@ -277,7 +308,10 @@ def _entry_item(entry: catalog.CheckpointEntry, location: Location, event: dict[
     elif entry.state == catalog.CORRUPT:
         state, cause = catalog.CORRUPT, entry.problem
     elif event is not None and event.get("outcome") == COMMITTED:
-        state, cause = catalog.UNCOMMITTED, "committed when saved, but manifest.json is gone: deleted, or a deletion was interrupted"
+        state, cause = (
+            catalog.UNCOMMITTED,
+            "committed when saved, but manifest.json is gone: deleted, or a deletion was interrupted",
+        )
     elif event is not None:
         state, cause = FAILED, event.get("cause") or event.get("outcome")
         stamp = event.get("created_at", stamp)
@@ -309,16 +343,26 @@ def _event_item(event: dict[str, Any]) -> tuple[float | None, dict[str, Any], No
     stamp = event.get("created_at")
     outcome = event.get("outcome")
     row = {
-        "name": None, "path": event.get("path"), "id": event.get("checkpoint_id"), "parent": None,
-        "step": event.get("step"), "epoch": None, "created_at": _iso(stamp),
-        "age_s": None if stamp is None else round(time.time() - stamp, 3), "bytes": None,
+        "name": None,
+        "path": event.get("path"),
+        "id": event.get("checkpoint_id"),
+        "parent": None,
+        "step": event.get("step"),
+        "epoch": None,
+        "created_at": _iso(stamp),
+        "age_s": None if stamp is None else round(time.time() - stamp, 3),
+        "bytes": None,
         "state": SKIPPED if outcome == SKIPPED else FAILED,
-        "cause": event.get("cause") or outcome, "verification": None, "event": _event_summary(event),
+        "cause": event.get("cause") or outcome,
+        "verification": None,
+        "event": _event_summary(event),
     }
     return stamp, row, None
 
 
-def _resume_item(event: dict[str, Any], by_name: dict[str, catalog.CheckpointEntry]) -> tuple[float | None, dict[str, Any], None]:
+def _resume_item(
+    event: dict[str, Any], by_name: dict[str, catalog.CheckpointEntry]
+) -> tuple[float | None, dict[str, Any], None]:
     """A run resumed: from which checkpoint, on how many ranks before and after, how long it took."""
     stamp = event.get("created_at")
     source = str(event.get("from") or "")
@@ -330,14 +374,30 @@ def _resume_item(event: dict[str, Any], by_name: dict[str, catalog.CheckpointEnt
         except ShardCkptError:
             before = None
     parsed = parse_dirname(name) if name else None
-    resume = {"from": name, "from_path": source or None, "from_id": event.get("from_id") or (parsed.checkpoint_id if parsed else None),
-              "world_size_before": before, "world_size_after": event.get("world_size"), "seconds": event.get("seconds"),
-              "identity_differences": sorted(event.get("differences") or {})}
+    resume = {
+        "from": name,
+        "from_path": source or None,
+        "from_id": event.get("from_id") or (parsed.checkpoint_id if parsed else None),
+        "world_size_before": before,
+        "world_size_after": event.get("world_size"),
+        "seconds": event.get("seconds"),
+        "identity_differences": sorted(event.get("differences") or {}),
+    }
     row = {
-        "name": None, "path": None, "id": None, "parent": resume["from_id"],
-        "step": event.get("step"), "epoch": None, "created_at": _iso(stamp),
-        "age_s": None if stamp is None else round(time.time() - stamp, 3), "bytes": None,
-        "state": RESUMED, "cause": None, "verification": None, "event": None, "resume": resume,
+        "name": None,
+        "path": None,
+        "id": None,
+        "parent": resume["from_id"],
+        "step": event.get("step"),
+        "epoch": None,
+        "created_at": _iso(stamp),
+        "age_s": None if stamp is None else round(time.time() - stamp, 3),
+        "bytes": None,
+        "state": RESUMED,
+        "cause": None,
+        "verification": None,
+        "event": None,
+        "resume": resume,
     }
     return stamp, row, None
 

@@ -73,7 +73,9 @@ def delete_checkpoint(
     step = fault or (lambda point: None)
     if pinned is None:
         entries = catalog.list_checkpoints(location)
-        pinned = refs.pinned_files(location, entries, keep={e.name for e in entries if e.committed and e.name != entry.name})
+        pinned = refs.pinned_files(
+            location, entries, keep={e.name for e in entries if e.committed and e.name != entry.name}
+        )
     fs.pipe_file(join(entry.path, refs.RETIRED), b"retired by retention\n")
     step("retired")
     fs.rm_file(join(entry.path, MANIFEST))
@@ -82,7 +84,9 @@ def delete_checkpoint(
     log.info("retention: deleted %s", entry.path)
 
 
-def sweep_retired(location: Location, entries: list[catalog.CheckpointEntry], pinned: dict[str, set[str]], fault: Any = None) -> list[str]:
+def sweep_retired(
+    location: Location, entries: list[catalog.CheckpointEntry], pinned: dict[str, set[str]], fault: Any = None
+) -> list[str]:
     """Finish retired directories (uncommitted, with a RETIRED marker) whose files are no longer referenced."""
     done = []
     for entry in entries:
@@ -129,15 +133,23 @@ def apply(
     """
     deleted = []
     entries = catalog.list_checkpoints(location)
-    drilled = {entry.name for entry in catalog.last_good(location, entries, run_id, keep=keep_last_drilled)} if keep_last_drilled else set()
+    drilled = (
+        {entry.name for entry in catalog.last_good(location, entries, run_id, keep=keep_last_drilled)}
+        if keep_last_drilled
+        else set()
+    )
     drilled |= set(spare)  # e.g. checkpoints a drill is about to restore: deleting them would fail the drill
-    doomed = to_delete(entries, keep_last, keep_every_n_steps, run_id=run_id, just_committed=just_committed, drilled=drilled)
+    doomed = to_delete(
+        entries, keep_last, keep_every_n_steps, run_id=run_id, just_committed=just_committed, drilled=drilled
+    )
     gone = {entry.name for entry in doomed}
     # one reachability computation (the files every kept checkpoint references), shared with gc
     pinned = refs.pinned_files(location, entries, keep={e.name for e in entries if e.committed and e.name not in gone})
     for entry in doomed:
         delete_checkpoint(location, entry, pinned)
-        drill_records.remove_records(location, entry.name)  # after the checkpoint: a crash leaves records, never a drilled-looking hole
+        drill_records.remove_records(
+            location, entry.name
+        )  # after the checkpoint: a crash leaves records, never a drilled-looking hole
         deleted.append(entry.name)
     sweep_retired(location, entries, pinned)  # earlier deletions whose files no kept checkpoint references any more
     return deleted

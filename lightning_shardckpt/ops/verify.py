@@ -92,8 +92,14 @@ def verify_checkpoint(
     _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report, entry.manifest.get(DCP_METADATA_FIELD))
     report.seconds = time.perf_counter() - started
     if report.ok:
-        log.info("verified %s: %d files, %d chunks, %d bytes in %.2fs",
-                 report.path, report.files, report.chunks, report.bytes_read, report.seconds)
+        log.info(
+            "verified %s: %d files, %d chunks, %d bytes in %.2fs",
+            report.path,
+            report.files,
+            report.chunks,
+            report.bytes_read,
+            report.seconds,
+        )
     else:
         # reported, not raised: the caller decides (the CLI prints every problem, a drill records them)
         log.info("verify %s: %d problem(s), first: %s", report.path, len(report.problems), report.problems[0])
@@ -150,7 +156,9 @@ def _verify_file(
         report.problems.append(_problem(FILE_CHECKSUM, relative, None, item["checksum"], file_digest))
 
 
-def _verify_referenced(fs: Any, directory: str, relative: str, chunks: list[tuple[str, dict]], report: VerifyReport) -> None:
+def _verify_referenced(
+    fs: Any, directory: str, relative: str, chunks: list[tuple[str, dict]], report: VerifyReport
+) -> None:
     """Every chunk an incremental checkpoint references: its bytes in the sibling's file, against this
     manifest's checksums (the holder may be deleted or damaged independently of this checkpoint)."""
     path = join(directory, relative)
@@ -180,7 +188,9 @@ def _tiling_problems(relative: str, file_bytes: int, chunks: list[dict[str, Any]
     position = 0
     for chunk in chunks:
         if chunk["offset"] != position:
-            return [_problem(TILING, relative, None, f"a chunk at byte {position}", f"the next at byte {chunk['offset']}")]
+            return [
+                _problem(TILING, relative, None, f"a chunk at byte {position}", f"the next at byte {chunk['offset']}")
+            ]
         position += chunk["length"]
     if position != file_bytes:
         return [_problem(TILING, relative, None, f"chunks covering {file_bytes} bytes", f"{position} bytes covered")]
@@ -218,11 +228,15 @@ def _verify_dcp_metadata(
         pointed.add(where)
         if listed.get(where) != (index.fqn, info.length):
             found = listed.get(where)
-            report.problems.append(_problem(
-                DCP_METADATA_PROBLEM, DCP_METADATA, index.fqn,
-                f"{index.fqn} at {where[0]}@{where[1]}+{info.length}",
-                f"{found[0]} at {where[0]}@{where[1]}+{found[1]}" if found else "no manifest chunk there",
-            ))
+            report.problems.append(
+                _problem(
+                    DCP_METADATA_PROBLEM,
+                    DCP_METADATA,
+                    index.fqn,
+                    f"{index.fqn} at {where[0]}@{where[1]}+{info.length}",
+                    f"{found[0]} at {where[0]}@{where[1]}+{found[1]}" if found else "no manifest chunk there",
+                )
+            )
     for where in sorted(set(listed) - pointed):
         expected = f"an entry for {where[0]}@{where[1]}"
         report.problems.append(_problem(DCP_METADATA_PROBLEM, DCP_METADATA, listed[where][0], expected, "none"))

@@ -72,8 +72,12 @@ def skip_worker(rank, world_size, root):
     time.sleep(0.3)
     last = saver.save({"weights": state["weights"]}, step=3, never_skip=True)  # a run's last save waits instead
     saver.close()
-    return {"first": first.result().committed, "second_skipped": second.result().skipped, "last": last.result().committed,
-            "counters": saver.counters.snapshot()}
+    return {
+        "first": first.result().committed,
+        "second_skipped": second.result().skipped,
+        "last": last.result().committed,
+        "counters": saver.counters.snapshot(),
+    }
 
 
 def test_skip_policy_decides_the_same_on_every_rank(tmp_path):

@@ -7,7 +7,8 @@ For every failure point a save is attempted after a committed one, and the test 
 (a) the failed attempt is never visible as committed; (b) the previous committed checkpoint stays the
 one `load_checkpoint(..., "latest")` picks, and it loads bit-exact; (c) the failed attempt's directory is
 listed as uncommitted (kept with `keep_failed_attempts=True` where every rank saw the failure, so its
-evidence can be checked; where a rank died there is no common verdict and it stays anyway). The exception is the coordinator failing after the manifest: that checkpoint IS
+evidence can be checked; where a rank died there is no common verdict and it stays anyway). The exception is
+the coordinator failing after the manifest: that checkpoint IS
 committed and readers pick it although `latest` still names the previous one (a stale `latest`).
 
 What differs per backend, because the storage differs:
@@ -186,16 +187,36 @@ class Case:
 CASES = [
     Case("rank_fails_before_write", Fault("before_write", rank=1), "injected fault at before_write on rank 1"),
     Case("rank_fails_after_half_its_shard", Fault("mid_shard", rank=2), "injected fault at mid_shard on rank 2"),
-    Case("rank_fails_after_write_before_verify", Fault("after_write", rank=0), "injected fault at after_write on rank 0"),
-    Case("rank_fails_after_write_before_receipt", Fault("before_receipt", rank=1), "injected fault at before_receipt on rank 1"),
-    Case("readback_catches_a_flipped_byte", Fault("after_write", rank=2, action="none", effect="corrupt_own_file"),
-         "read-back verification failed"),
-    Case("coordinator_fails_before_metadata", Fault("before_metadata", rank=0), "injected fault at before_metadata on rank 0"),
-    Case("coordinator_fails_during_manifest_write", Fault("before_manifest", rank=0, effect="interrupted_manifest_write"),
-         "injected fault at before_manifest on rank 0"),
+    Case(
+        "rank_fails_after_write_before_verify", Fault("after_write", rank=0), "injected fault at after_write on rank 0"
+    ),
+    Case(
+        "rank_fails_after_write_before_receipt",
+        Fault("before_receipt", rank=1),
+        "injected fault at before_receipt on rank 1",
+    ),
+    Case(
+        "readback_catches_a_flipped_byte",
+        Fault("after_write", rank=2, action="none", effect="corrupt_own_file"),
+        "read-back verification failed",
+    ),
+    Case(
+        "coordinator_fails_before_metadata",
+        Fault("before_metadata", rank=0),
+        "injected fault at before_metadata on rank 0",
+    ),
+    Case(
+        "coordinator_fails_during_manifest_write",
+        Fault("before_manifest", rank=0, effect="interrupted_manifest_write"),
+        "injected fault at before_manifest on rank 0",
+    ),
     # this one commits, so it changes which checkpoint is latest: after every case that must not
-    Case("coordinator_fails_after_manifest", Fault("after_manifest", rank=0), "injected fault at after_manifest on rank 0",
-         COMMITS_LATEST_STALE),
+    Case(
+        "coordinator_fails_after_manifest",
+        Fault("after_manifest", rank=0),
+        "injected fault at after_manifest on rank 0",
+        COMMITS_LATEST_STALE,
+    ),
 ]
 # S3 only: one 503 at each retried point of one save, on three ranks; the save must commit
 TRANSIENT = Case("transient_s3_errors_on_every_rank_are_retried", None, None, COMMITS)
@@ -216,8 +237,9 @@ def raising_cases_worker(rank, world_size, backend, proxied):
     hook = FaultHook(backend)
     # keep_failed_attempts: each failure point's evidence (half files, temp manifests) stays to be checked;
     # by default the coordinator removes a failed attempt (tests/distributed/test_failed_attempt_cleanup.py)
-    config = backend.save_config(verify=VerifyConfig(mode="full"), collective_timeout_s=10, parallelism="fsdp",
-                                 keep_failed_attempts=True)
+    config = backend.save_config(
+        verify=VerifyConfig(mode="full"), collective_timeout_s=10, parallelism="fsdp", keep_failed_attempts=True
+    )
     saver = CheckpointSaver(backend.url, config, fault_hook=hook)
     references = {}  # step -> full state (rank 0), for bit-exact comparison of what `latest` loads
 
@@ -231,7 +253,11 @@ def raising_cases_worker(rank, world_size, backend, proxied):
         started = time.monotonic()
         result = saver.save(state, step=step).result(timeout=RESULT_TIMEOUT_S)
         hook.arm(None)
-        retries = {k: v - retries_before.get(k, 0) for k, v in retry.counters.snapshot().items() if v != retries_before.get(k, 0)}
+        retries = {
+            k: v - retries_before.get(k, 0)
+            for k, v in retry.counters.snapshot().items()
+            if v != retries_before.get(k, 0)
+        }
         return {**_summary(result, time.monotonic() - started), "fired": hook.fired[fired_before:], "retries": retries}
 
     def load_latest():
@@ -244,7 +270,9 @@ def raising_cases_worker(rank, world_size, backend, proxied):
         if rank != COORDINATOR:
             return None
         expected = references[loaded.step]
-        mismatched = sorted(name for name in expected if name not in full or not torch.equal(expected[name], full[name]))
+        mismatched = sorted(
+            name for name in expected if name not in full or not torch.equal(expected[name], full[name])
+        )
         return {"step": loaded.step, "progress": state["progress"], "mismatched": mismatched, "keys": len(expected)}
 
     baseline = save(1, None)
@@ -333,7 +361,9 @@ def test_no_failure_point_of_a_raising_rank_exposes_a_partial_checkpoint_or_move
     assert ".metadata" not in files["coordinator_fails_before_metadata"]
     interrupted = records["coordinator_fails_during_manifest_write"]["attempt"]["dirname"]
     if not backend.is_s3:
-        assert shard_filename(2) in files["rank_fails_after_half_its_shard"], "rank 2 should have left half a shard file"
+        assert shard_filename(2) in files["rank_fails_after_half_its_shard"], (
+            "rank 2 should have left half a shard file"
+        )
         assert PARTIAL_TMP in files["coordinator_fails_during_manifest_write"]
         return
 
@@ -341,7 +371,11 @@ def test_no_failure_point_of_a_raising_rank_exposes_a_partial_checkpoint_or_move
     assert shard_filename(2) not in files["rank_fails_after_half_its_shard"]
     assert shard_filename(0) in files["rank_fails_after_half_its_shard"]
     # the interrupted manifest create: no manifest object, only the pending upload; nothing else pending, ever
-    assert files["coordinator_fails_during_manifest_write"] == [".metadata", *(shard_filename(r) for r in range(WORLD)), COMMIT_RECORD]
+    assert files["coordinator_fails_during_manifest_write"] == [
+        ".metadata",
+        *(shard_filename(r) for r in range(WORLD)),
+        COMMIT_RECORD,
+    ]
     left_from = [case.name for case in cases].index("coordinator_fails_during_manifest_write")
     for number, case in enumerate(cases):
         expected = [f"{interrupted}/{MANIFEST}"] if number >= left_from else []
@@ -360,6 +394,7 @@ def test_no_failure_point_of_a_raising_rank_exposes_a_partial_checkpoint_or_move
 
 # --- a rank that really dies or hangs: one spawn per case ---
 
+
 def _identical_tensors(fqn: str) -> bool:
     """The t<i> tensors are the same bytes on every rank (same seed): declared so, their writes are spread
     over the ranks and every rank has a shard to die in; `progress` is written from rank 0's copy."""
@@ -377,8 +412,11 @@ def _plain_state(seed: int) -> dict:
 
 def dying_rank_worker(rank, world_size, backend, fault, timeout_s):
     hook = FaultHook(backend)
-    saver = CheckpointSaver(backend.url, backend.save_config(verify=VerifyConfig(mode="full"), collective_timeout_s=timeout_s),
-                            fault_hook=hook)
+    saver = CheckpointSaver(
+        backend.url,
+        backend.save_config(verify=VerifyConfig(mode="full"), collective_timeout_s=timeout_s),
+        fault_hook=hook,
+    )
     first = saver.save(_plain_state(1), step=1, identical=_identical_tensors).result(timeout=RESULT_TIMEOUT_S)
     assert first.committed, first.error
     hook.arm(Fault(**{**fault.__dict__, "step": 2}))
@@ -410,14 +448,19 @@ def _assert_equal_states(expected: dict, actual: dict) -> None:
 DEATHS = [
     # (fault, the checkpoint `latest` must resolve to afterwards: 1 = previous, 2 = the attempt)
     pytest.param(Fault("mid_shard", rank=1, action="exit"), 1, id="rank_dies_after_half_its_shard"),
-    pytest.param(Fault("before_manifest", rank=0, action="exit", effect="interrupted_manifest_write"), 1,
-                 id="coordinator_dies_during_manifest_write"),
+    pytest.param(
+        Fault("before_manifest", rank=0, action="exit", effect="interrupted_manifest_write"),
+        1,
+        id="coordinator_dies_during_manifest_write",
+    ),
     pytest.param(Fault("after_manifest", rank=0, action="exit"), 2, id="coordinator_dies_after_manifest_latest_stale"),
 ]
 
 
 @pytest.mark.parametrize("fault,latest_step", DEATHS)
-def test_rank_dying_with_os_exit_fails_the_save_on_survivors_without_waiting_for_the_timeout(backend, fault, latest_step):
+def test_rank_dying_with_os_exit_fails_the_save_on_survivors_without_waiting_for_the_timeout(
+    backend, fault, latest_step
+):
     timeout_s = 10.0
     outcomes = run_ranks(dying_rank_worker, WORLD, backend, fault, timeout_s, allow_failures=True, timeout_s=90)
 
@@ -450,7 +493,11 @@ def test_rank_dying_with_os_exit_fails_the_save_on_survivors_without_waiting_for
         if backend.is_s3:
             # died mid-PUT: S3 dropped the request, there is no manifest object, not even a pending upload
             assert not fs.exists(join(root, attempt, MANIFEST))
-            assert names(location, join(root, attempt)) == [".metadata", *(shard_filename(r) for r in range(WORLD)), COMMIT_RECORD]
+            assert names(location, join(root, attempt)) == [
+                ".metadata",
+                *(shard_filename(r) for r in range(WORLD)),
+                COMMIT_RECORD,
+            ]
         else:
             assert PARTIAL_TMP in names(location, join(root, attempt))
     if fault.point == "mid_shard":

@@ -48,8 +48,14 @@ def transient_disk_full_worker(rank: int, world_size: int, disk: str) -> dict:
     later = saver.save(_state(rank, 3), step=3).result(timeout=60)
     saver.close()
     return {
-        "first": first.committed, "failed": failed.committed, "failed_error": str(failed.error), "failed_path": failed.path,
-        "cleanup": failed.cleanup, "later": later.committed, "later_error": str(later.error), "notes": saver.counters.notes(),
+        "first": first.committed,
+        "failed": failed.committed,
+        "failed_error": str(failed.error),
+        "failed_path": failed.path,
+        "cleanup": failed.cleanup,
+        "later": later.committed,
+        "later_error": str(later.error),
+        "notes": saver.counters.notes(),
     }
 
 

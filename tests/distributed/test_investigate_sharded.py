@@ -48,8 +48,10 @@ def fsdp_roots(tmp_path_factory):
     reference = run_ranks(save_fsdp, 4, four)[0].value
     assert run_ranks(reshard_onto, 2, four, two)[0].value == 2
     # the checkpoint's names for the gathered state: optim.<param>.<key> is optim.state.<param>.<key> there
-    expected = {name if name.startswith("model.") else OPTIM_STATE + name.removeprefix("optim."): tensor
-                for name, tensor in reference.items()}
+    expected = {
+        name if name.startswith("model.") else OPTIM_STATE + name.removeprefix("optim."): tensor
+        for name, tensor in reference.items()
+    }
     return four, two, expected
 
 

@@ -52,7 +52,9 @@ def test_strict_loading_false_loads_a_partial_checkpoint_like_plain_lightning(tm
             plain, sharded, fresh = outcome[pattern]["plain"], outcome[pattern]["sharded"], outcome[pattern]["fresh"]
             assert _equal(sharded["model"], plain["model"]), pattern
             backbone = [k for k in fresh if k.startswith("backbone.")]
-            assert all(torch.equal(sharded["model"][k], fresh[k]) for k in backbone), "the backbone keeps its initial values"
+            assert all(torch.equal(sharded["model"][k], fresh[k]) for k in backbone), (
+                "the backbone keeps its initial values"
+            )
             assert not torch.equal(sharded["model"]["head.weight"], fresh["head.weight"]), "the head is restored"
     named = [m for m in outcomes[0]["log"] if "keep their initialised values" in m and "backbone.0.weight" in m]
     assert len(named) == 2, outcomes[0]["log"]  # the log names what was left as initialised, in both patterns
@@ -68,8 +70,13 @@ def test_fsdp_quickstart_shards_over_every_rank_like_model_parallel_with_explici
 
 
 def _merged(before: dict, after: dict) -> dict:
-    applied = {e: before["applied"].get(e, []) + after["applied"].get(e, []) for e in set(before["applied"]) | set(after["applied"])}
-    steps = {e: before["steps"].get(e, 0) + after["steps"].get(e, 0) for e in set(before["steps"]) | set(after["steps"])}
+    applied = {
+        e: before["applied"].get(e, []) + after["applied"].get(e, [])
+        for e in set(before["applied"]) | set(after["applied"])
+    }
+    steps = {
+        e: before["steps"].get(e, 0) + after["steps"].get(e, 0) for e in set(before["steps"]) | set(after["steps"])
+    }
     return {"applied": applied, "steps": steps, "validated_at": before["validated_at"] + after["validated_at"]}
 
 

@@ -35,13 +35,23 @@ def drill_fit(rank: int, world_size: int, root: str, max_steps: int, ckpt_path: 
     capture, at_six = CaptureAtStart(), CaptureAtStep(6)
     checkpoint = ShardedCheckpoint(root, every_n_train_steps=3, keep_last=None, log_artifact=False, drill=drill)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=ShardedStrategy(parallelism="ddp"), max_steps=max_steps,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, capture, at_six],
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint, capture, at_six],
     )
     module = TinyModule(parallelism="ddp")
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
-    return {"at_start": capture.at_start, "at_six": at_six.state, "final": _full(module, trainer.optimizers[0]),
-            "global_step": trainer.global_step}
+    return {
+        "at_start": capture.at_start,
+        "at_six": at_six.state,
+        "final": _full(module, trainer.optimizers[0]),
+        "global_step": trainer.global_step,
+    }
 
 
 def test_drills_prove_checkpoints_during_training_and_last_good_resumes_them_bit_exact(tmp_path):

@@ -26,11 +26,16 @@ from tests.helpers.wandb_reader import find_run_file, read_run
 
 OWNER = "storage-oncall@example"
 THROUGHPUT_RULE = {
-    "name": "write_throughput", "metric": "write_gbps", "slice": "rank", "owner": OWNER, "severity": "warning",
+    "name": "write_throughput",
+    "metric": "write_gbps",
+    "slice": "rank",
+    "owner": OWNER,
+    "severity": "warning",
     # a ~60 KB shard file written in under 0.3 s is above this; a write held up 0.8 s is below
     "range": {"kind": "static", "min": 2e-4},
     "persistence": {"fire_after": 2, "resolve_after": 2},
-    "mitigation": "lower_frequency", "mitigation_options": {"factor": 2},
+    "mitigation": "lower_frequency",
+    "mitigation_options": {"factor": 2},
 }
 SLOW_STEPS = [6, 8, 10, 12, 14]  # the saves whose shard writes are throttled
 
@@ -57,28 +62,57 @@ class ScheduleProbe(pl.Callback):
             time.sleep(self.step_sleep_s)  # a step that takes a while, so a drill can finish during training
 
 
-def health_fit(rank: int, world_size: int, root: str, workdir: str, max_steps: int, ckpt_path: Any, health: dict,
-               storage: dict, drill: dict | None = None, step_sleep_s: float = 0.0, fault_hook: Any = None,
-               every: int = 2) -> dict:
+def health_fit(
+    rank: int,
+    world_size: int,
+    root: str,
+    workdir: str,
+    max_steps: int,
+    ckpt_path: Any,
+    health: dict,
+    storage: dict,
+    drill: dict | None = None,
+    step_sleep_s: float = 0.0,
+    fault_hook: Any = None,
+    every: int = 2,
+) -> dict:
     lightning_env(rank, world_size)
     # scripted:// only where a test scripts slow saves: drills run in fresh processes that know no test protocol
     dirpath = scripted_url(root) if storage else root
-    checkpoint = ShardedCheckpoint(dirpath, every_n_train_steps=every, keep_last=None, log_artifact=False,
-                                   health=health, drill=drill, save={"storage_options": storage})
+    checkpoint = ShardedCheckpoint(
+        dirpath,
+        every_n_train_steps=every,
+        keep_last=None,
+        log_artifact=False,
+        health=health,
+        drill=drill,
+        save={"storage_options": storage},
+    )
     probe = ScheduleProbe(checkpoint, step_sleep_s)
     logger = WandbLogger(project="health", save_dir=workdir, offline=True)
     strategy = ShardedStrategy(parallelism="ddp")
     strategy.fault_hook = fault_hook
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
-        logger=logger, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, probe],
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint, probe],
     )
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData(), ckpt_path=ckpt_path)
     health_watch = checkpoint._health
     if trainer.is_global_zero:
         logger.experiment.finish()  # flush the offline run file: a spawned rank exits without W&B's atexit hook
-    return {"factors": probe.factors, "when_busy": probe.when_busy, "at_start": probe.at_start, "global_step": trainer.global_step,
-            "transitions": [t.as_dict() for t in health_watch.transitions] if trainer.is_global_zero else None}
+    return {
+        "factors": probe.factors,
+        "when_busy": probe.when_busy,
+        "at_start": probe.at_start,
+        "global_step": trainer.global_step,
+        "transitions": [t.as_dict() for t in health_watch.transitions] if trainer.is_global_zero else None,
+    }
 
 
 def _committed_steps(root: str) -> list[int]:
@@ -89,11 +123,14 @@ def _health_events(root: str) -> list[dict[str, Any]]:
     return [e for e in metrics.read_events(fsio.resolve(root)) if e.get("event") == "health"]
 
 
-def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interval_alerts_and_resolves(tmp_path, capsys):
+def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interval_alerts_and_resolves(
+    tmp_path, capsys
+):
     root, workdir = str(tmp_path / "ckpt"), str(tmp_path / "wandb")
     storage = {"slow_steps": SLOW_STEPS, "delay_s": 0.8}
-    results = run_ranks(health_fit, 2, root, workdir, 30, None, {"rules": [THROUGHPUT_RULE], "alert_every_s": 0}, storage,
-                        timeout_s=300)
+    results = run_ranks(
+        health_fit, 2, root, workdir, 30, None, {"rules": [THROUGHPUT_RULE], "alert_every_s": 0}, storage, timeout_s=300
+    )
     online = results[0].value["transitions"]
     # both ranks were throttled; each rank's series fires at the second slow save and resolves at the
     # second fast one after the throttle ends (saves at 16 and 20: the interval was 4 by then)
@@ -112,14 +149,19 @@ def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interv
     assert any(step > 20 and step % 4 == 2 for step in steps), steps  # every 2 steps again once resolved
 
     events = _health_events(root)
-    assert {(e["key"], e["transition"], e["step"]) for e in events} == {(k, "fired", s) for k, s in fired} | {(k, "resolved", s) for k, s in resolved}
+    assert {(e["key"], e["transition"], e["step"]) for e in events} == {(k, "fired", s) for k, s in fired} | {
+        (k, "resolved", s) for k, s in resolved
+    }
     assert all("save interval" in e["mitigation_result"] for e in events)
     run = read_run(find_run_file(workdir))
     firing = [value for _, value in run.series("health/write_throughput/firing")]
     assert 1.0 in firing and firing[-1] == 0.0, firing  # the metric operators chart: up while firing, down after
     alerts = run.alerts
     titles = [alert["title"] for alert in alerts]
-    assert "shardckpt health: write_throughput firing" in titles and "shardckpt health: write_throughput resolved" in titles
+    assert (
+        "shardckpt health: write_throughput firing" in titles
+        and "shardckpt health: write_throughput resolved" in titles
+    )
     assert any(OWNER in alert["text"] and alert["level"] == "WARN" for alert in alerts)
 
     # offline: the same rules (recorded in the root by the run) give the same verdicts
@@ -135,8 +177,17 @@ def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interv
     # resumed on 1 rank from step 12, while the rule fired: counters, firing state and the doubled interval
     # come back, and the rule resolves at the same step as in the uninterrupted run
     resume_from = next(e for e in catalog.list_checkpoints(fsio.resolve(root)) if e.step == 12)
-    again = run_ranks(health_fit, 1, root, workdir + "2", 22, scripted_url(resume_from.path),
-                      {"rules": [THROUGHPUT_RULE], "alert_every_s": 0}, {"slow_steps": []}, timeout_s=300)[0].value
+    again = run_ranks(
+        health_fit,
+        1,
+        root,
+        workdir + "2",
+        22,
+        scripted_url(resume_from.path),
+        {"rules": [THROUGHPUT_RULE], "alert_every_s": 0},
+        {"slow_steps": []},
+        timeout_s=300,
+    )[0].value
     assert ("write_throughput", "rank0") in again["at_start"]["firing"], again["at_start"]
     assert again["factors"][14] == 2.0  # applied by the first batch end's exchange, before any save
     resumed_resolved = [(t["key"], t["step"]) for t in again["transitions"] if t["transition"] == "resolved"]
@@ -144,18 +195,45 @@ def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interv
 
 
 COMMIT_RULES = [
-    {"name": "commit_failures", "metric": "committed", "owner": "infra", "range": {"kind": "static", "min": 1},
-     "persistence": {"fire_after": 2, "resolve_after": 1}, "mitigation": "drill_now", "severity": "error"},
-    {"name": "failures_by_cause", "metric": "failed", "slice": "cause", "owner": "storage", "range": {"kind": "static", "max": 0},
-     "persistence": {"fire_after": 1, "resolve_after": 3}, "mitigation": "alert", "severity": "error"},
+    {
+        "name": "commit_failures",
+        "metric": "committed",
+        "owner": "infra",
+        "range": {"kind": "static", "min": 1},
+        "persistence": {"fire_after": 2, "resolve_after": 1},
+        "mitigation": "drill_now",
+        "severity": "error",
+    },
+    {
+        "name": "failures_by_cause",
+        "metric": "failed",
+        "slice": "cause",
+        "owner": "storage",
+        "range": {"kind": "static", "max": 0},
+        "persistence": {"fire_after": 1, "resolve_after": 3},
+        "mitigation": "alert",
+        "severity": "error",
+    },
 ]
 
 
 def test_failed_commits_fire_commit_completeness_and_drill_the_newest_committed_checkpoint(tmp_path):
     root = str(tmp_path / "ckpt")
     disk_full = DiskFullOnOccurrences("before_write", occurrences=(3, 4))  # the saves of steps 6 and 8
-    value = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 12, None, {"rules": COMMIT_RULES}, {},
-                      {"timeout_s": 120}, 0.3, disk_full, timeout_s=300)[0].value
+    value = run_ranks(
+        health_fit,
+        2,
+        root,
+        str(tmp_path / "wandb"),
+        12,
+        None,
+        {"rules": COMMIT_RULES},
+        {},
+        {"timeout_s": 120},
+        0.3,
+        disk_full,
+        timeout_s=300,
+    )[0].value
     transitions = [(t["rule"], t["key"], t["transition"], t["step"]) for t in value["transitions"]]
     assert ("failures_by_cause", "storage_full", "fired", 6) in transitions
     fired = [t for t in value["transitions"] if t["rule"] == "commit_failures" and t["transition"] == "fired"]
@@ -169,16 +247,23 @@ def test_failed_commits_fire_commit_completeness_and_drill_the_newest_committed_
     assert _committed_steps(root) == [2, 4, 10, 12]
 
 
-STOP_RULE = {"name": "restore_drills", "metric": "drill_ok", "owner": "infra", "severity": "critical",
-             "range": {"kind": "static", "min": 1}, "persistence": {"fire_after": 1, "resolve_after": 1},
-             "mitigation": "stop_training"}
+STOP_RULE = {
+    "name": "restore_drills",
+    "metric": "drill_ok",
+    "owner": "infra",
+    "severity": "critical",
+    "range": {"kind": "static", "min": 1},
+    "persistence": {"fire_after": 1, "resolve_after": 1},
+    "mitigation": "stop_training",
+}
 
 
 def test_failing_drill_fires_restore_rule_and_stop_training_saves_then_stops(tmp_path):
     root = str(tmp_path / "ckpt")
     drill = {"every_n_checkpoints": 1, "probe": "tests.helpers.drill_probes:differs_every_call", "timeout_s": 120}
-    results = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 200, None, {"rules": [STOP_RULE]}, {}, drill, 0.1,
-                        timeout_s=300)
+    results = run_ranks(
+        health_fit, 2, root, str(tmp_path / "wandb"), 200, None, {"rules": [STOP_RULE]}, {}, drill, 0.1, timeout_s=300
+    )
     value = results[0].value
     assert value["global_step"] < 200, "training stopped early"
     assert [result.value["global_step"] for result in results] == [value["global_step"]] * 2
@@ -191,8 +276,9 @@ def test_default_rules_stay_quiet_over_a_clean_run_of_100_checkpoints(tmp_path, 
     """The learned ranges leave warm-up and hold this machine's normal noise (two ranks sharing two cores)."""
     root = str(tmp_path / "ckpt")
     default_rules = str(Path(__file__).resolve().parents[2] / "conf" / "health" / "default.yaml")
-    value = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 200, None, default_rules, {}, None, 0.0, None,
-                      1, timeout_s=600)[0].value
+    value = run_ranks(
+        health_fit, 2, root, str(tmp_path / "wandb"), 200, None, default_rules, {}, None, 0.0, None, 1, timeout_s=600
+    )[0].value
     assert value["transitions"] == [], value["transitions"]
     assert len(_committed_steps(root)) >= 100
     assert cli.main(["health", root, "--json"]) == 0
@@ -202,17 +288,34 @@ def test_default_rules_stay_quiet_over_a_clean_run_of_100_checkpoints(tmp_path, 
     assert {key for rule, key in rows if rule == "write_throughput"} == {"rank0", "rank1"}
 
 
-PAUSE_RULE = {"name": "checkpoint_pause", "metric": "pause_s", "owner": "training-infra", "severity": "warning",
-              "range": {"kind": "static", "max": 0.4}, "persistence": {"fire_after": 2, "resolve_after": 2},
-              "mitigation": "skip_when_busy"}
+PAUSE_RULE = {
+    "name": "checkpoint_pause",
+    "metric": "pause_s",
+    "owner": "training-infra",
+    "severity": "warning",
+    "range": {"kind": "static", "max": 0.4},
+    "persistence": {"fire_after": 2, "resolve_after": 2},
+    "mitigation": "skip_when_busy",
+}
 
 
 def test_saves_queueing_behind_slow_storage_fire_the_pause_rule_and_skip_when_busy_until_it_resolves(tmp_path):
     root = str(tmp_path / "ckpt")
     # each slow save holds the only staging slot 1 s: the next save, 2 fast steps later, waits for it
     storage = {"slow_steps": [4, 6, 8, 10], "delay_s": 1.0}
-    results = run_ranks(health_fit, 2, root, str(tmp_path / "wandb"), 40, None, {"rules": [PAUSE_RULE]}, storage,
-                        None, 0.05, timeout_s=300)  # 50 ms steps: storage is fast again well before the end
+    results = run_ranks(
+        health_fit,
+        2,
+        root,
+        str(tmp_path / "wandb"),
+        40,
+        None,
+        {"rules": [PAUSE_RULE]},
+        storage,
+        None,
+        0.05,
+        timeout_s=300,
+    )  # 50 ms steps: storage is fast again well before the end
     transitions = [(t["transition"], t["step"]) for t in results[0].value["transitions"]]
     assert transitions[0] == ("fired", 8), transitions  # saves 6 and 8 each waited for the slow one before
     assert transitions[-1][0] == "resolved", transitions

@@ -25,7 +25,9 @@ class LoraModule(pl.LightningModule):
         super().__init__()
         self.parallelism = parallelism
         torch.manual_seed(7)
-        self.net = torch.nn.Sequential(torch.nn.Linear(13, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 5))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(13, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 5)
+        )
         self.net[1].requires_grad_(False)  # the frozen base: 1 MiB of the 1.06 MiB
 
     def configure_model(self) -> None:
@@ -49,9 +51,17 @@ class LoraModule(pl.LightningModule):
 def fit(rank: int, world_size: int, root: str, parallelism: str) -> None:
     lightning_env(rank, world_size)
     checkpoint = ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False, save={"incremental": True})
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism=parallelism),
-                         max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[checkpoint])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=ShardedStrategy(parallelism=parallelism),
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint],
+    )
     trainer.fit(LoraModule(parallelism), datamodule=TinyData())
 
 

@@ -36,8 +36,14 @@ class ScaledLoss(TinyModule):
 def fit(rank: int, world_size: int, root: str, loss_scale: float, max_steps: int, ckpt_path: Any) -> int:
     lightning_env(rank, world_size)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)],
     )
     trainer.fit(ScaledLoss(loss_scale=loss_scale), datamodule=TinyData(), ckpt_path=ckpt_path)

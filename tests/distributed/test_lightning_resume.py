@@ -41,6 +41,14 @@ def test_latest_on_an_empty_root_starts_fresh_or_fails_when_resume_is_required(t
     fresh = run_ranks(fit_on_rank, 2, root, "ddp", 2, "latest", {"every": 100})
     assert fresh[0].value["at_start"]["global_step"] == 0
     assert fresh[0].value["global_step"] == 2
-    required = run_ranks(fit_on_rank, 2, str(tmp_path / "empty2"), "ddp", 2, "latest",
-                         {"every": 100, "resume_required": True}, allow_failures=True)
+    required = run_ranks(
+        fit_on_rank,
+        2,
+        str(tmp_path / "empty2"),
+        "ddp",
+        2,
+        "latest",
+        {"every": 100, "resume_required": True},
+        allow_failures=True,
+    )
     assert all(not o.ok and "resume_required=true" in o.error for o in required)

@@ -28,9 +28,17 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def fit(spec: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fit_on_faulty_storage", json.dumps(spec)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.fit_on_faulty_storage", json.dumps(spec)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, (
         f"the training process exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
     )
@@ -41,7 +49,9 @@ def test_a_lightning_run_whose_saves_hit_enospc_on_a_tmpfs_finishes_fit_and_exit
     """A 160 KiB tmpfs holds one ~85 KB checkpoint of this run: the later saves run out of space mid-record."""
     try:
         with mounted_tmpfs(tmp_path / "tmpfs", "160k") as disk:
-            report = fit({"root": str(disk / "root"), "keep_last": None, "every": 2, "max_steps": 6, "scenario": "plain"})
+            report = fit(
+                {"root": str(disk / "root"), "keep_last": None, "every": 2, "max_steps": 6, "scenario": "plain"}
+            )
     except PermissionError as err:
         pytest.skip(f"cannot mount a tmpfs here ({err}); the quota:// test below covers disk-full through Lightning")
     assert report["global_step"] == 6
@@ -51,8 +61,16 @@ def test_a_lightning_run_whose_saves_hit_enospc_on_a_tmpfs_finishes_fit_and_exit
 def test_with_keep_last_1_a_transient_disk_full_fails_one_save_and_the_later_ones_commit(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
-    report = fit({"root": quota_fs.quota_url(disk / "root"), "storage_options": quota_fs.quota_options(disk, 10**9),
-                  "keep_last": 1, "every": 2, "max_steps": 10, "scenario": "transient_disk_full"})
+    report = fit(
+        {
+            "root": quota_fs.quota_url(disk / "root"),
+            "storage_options": quota_fs.quota_options(disk, 10**9),
+            "keep_last": 1,
+            "every": 2,
+            "max_steps": 10,
+            "scenario": "transient_disk_full",
+        }
+    )
     assert report["global_step"] == 10
     # step 4 ran out of space; its directory went at once, so 6, 8 and 10 had their room (before: all failed)
     assert report["counters"] == {"attempted": 5, "committed": 4, "failed": 1, "skipped": 0}, report
@@ -62,8 +80,17 @@ def test_with_keep_last_1_a_transient_disk_full_fails_one_save_and_the_later_one
 
 def test_retention_errors_are_counted_never_fail_fit_and_the_next_pass_catches_up(tmp_path):
     marker = tmp_path / "deny-deletes"
-    report = fit({"root": flaky_fs.flaky_url(tmp_path / "root"), "storage_options": {"refuse_deletes_while": str(marker)},
-                  "marker": str(marker), "keep_last": 1, "every": 2, "max_steps": 10, "scenario": "refused_deletes"})
+    report = fit(
+        {
+            "root": flaky_fs.flaky_url(tmp_path / "root"),
+            "storage_options": {"refuse_deletes_while": str(marker)},
+            "marker": str(marker),
+            "keep_last": 1,
+            "every": 2,
+            "max_steps": 10,
+            "scenario": "refused_deletes",
+        }
+    )
     assert report["global_step"] == 10
     assert report["counters"]["committed"] == 5, report
     assert report["notes"] == {"retention_errors": 3}, report  # the passes after the step-4, -6 and -8 commits

@@ -16,9 +16,13 @@ pytestmark = pytest.mark.timeout(400)
 
 def test_lightning_run_replicates_to_s3_and_resume_picks_the_right_tier(tmp_path, s3_root):
     fast = str(tmp_path / "fast")
-    options = {"fast": {"dirpath": fast, "keep_last": 2},
-               "durable": {"dirpath": s3_root.url, "storage_options": s3_root.storage_options, "keep_last": 2},
-               "retry_backoff_s": 0.2, "retry_backoff_max_s": 1.0, "flush_timeout_s": 60}
+    options = {
+        "fast": {"dirpath": fast, "keep_last": 2},
+        "durable": {"dirpath": s3_root.url, "storage_options": s3_root.storage_options, "keep_last": 2},
+        "retry_backoff_s": 0.2,
+        "retry_backoff_max_s": 1.0,
+        "flush_timeout_s": 60,
+    }
     saved = run_ranks(fit_tiers_on_rank, 2, options, 6, None, timeout_s=240)
     durable = [e for e in catalog.list_checkpoints(fsio.resolve(s3_root.url, s3_root.storage_options)) if e.committed]
     fast_entries = [e for e in catalog.list_checkpoints(fsio.resolve(fast)) if e.committed]
@@ -64,8 +68,12 @@ def test_full_fast_tier_degrades_to_saving_on_the_durable_tier_and_resume_reads_
     disk = tmp_path / "small-disk"
     os.makedirs(disk)
     # room for one ~100 KB checkpoint of the tiny model, not two
-    options = {"fast": {"dirpath": quota_url(disk / "fast"), "storage_options": quota_options(disk, 160_000)},
-               "durable": {"dirpath": str(tmp_path / "durable")}, "retry_backoff_s": 0.2, "retry_backoff_max_s": 1.0}
+    options = {
+        "fast": {"dirpath": quota_url(disk / "fast"), "storage_options": quota_options(disk, 160_000)},
+        "durable": {"dirpath": str(tmp_path / "durable")},
+        "retry_backoff_s": 0.2,
+        "retry_backoff_max_s": 1.0,
+    }
     saved = run_ranks(fit_tiers_on_rank, 2, options, 8, None, timeout_s=240)
     assert [e.step for e in catalog.list_checkpoints(fsio.resolve(str(disk / "fast"))) if e.committed] == [2]
     durable = [e.step for e in catalog.list_checkpoints(fsio.resolve(str(tmp_path / "durable"))) if e.committed]
@@ -79,8 +87,11 @@ def test_full_fast_tier_degrades_to_saving_on_the_durable_tier_and_resume_reads_
 
 
 def test_preemption_saves_on_the_fast_tier_then_flushes_the_copy_to_the_durable_tier(tmp_path):
-    options = {"fast": {"dirpath": str(tmp_path / "fast")}, "durable": {"dirpath": str(tmp_path / "durable")},
-               "flush_timeout_s": 60}
+    options = {
+        "fast": {"dirpath": str(tmp_path / "fast")},
+        "durable": {"dirpath": str(tmp_path / "durable")},
+        "flush_timeout_s": 60,
+    }
     # SIGUSR1 at step 3; no periodic save before it (every 100): the preemption save is the only checkpoint
     saved = run_ranks(fit_tiers_on_rank, 2, options, 20, None, 100, 3, timeout_s=240)
     assert saved[0].value["global_step"] == 3

@@ -21,8 +21,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _other_job(root: str) -> None:
-    code = ("from tests.unit.test_load_races_retention import other_job_commits_and_retains; "
-            f"other_job_commits_and_retains({root!r}, 4)")
+    code = (
+        "from tests.unit.test_load_races_retention import other_job_commits_and_retains; "
+        f"other_job_commits_and_retains({root!r}, 4)"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 

@@ -34,7 +34,9 @@ def engine_worker(rank, world_size, root, fence):
     expected = ts.full_state(model, optimizer)
     gate = threading.Event()
     with held_staging_copy(gate=gate):
-        pending = saver.save({**ts.sharded_state(model, optimizer), "buffers": buffers}, step=1, defer=_parameters_and_optimizer)
+        pending = saver.save(
+            {**ts.sharded_state(model, optimizer), "buffers": buffers}, step=1, defer=_parameters_and_optimizer
+        )
         for value in buffers.values():
             value.add_(1)  # forward changes buffers right after the request: they were copied at it
         if fence:
@@ -53,8 +55,13 @@ def engine_worker(rank, world_size, root, fence):
     state = {**ts.sharded_state(fresh_model, fresh_optimizer), "buffers": loaded_buffers}
     load_checkpoint(state, root)
     ts.apply_state(fresh_model, fresh_optimizer, state)
-    return {"expected": expected, "loaded": ts.full_state(fresh_model, fresh_optimizer), "buffers": loaded_buffers,
-            "wait_s": record.overlap_wait_s, "pause_s": record.pause_s}
+    return {
+        "expected": expected,
+        "loaded": ts.full_state(fresh_model, fresh_optimizer),
+        "buffers": loaded_buffers,
+        "wait_s": record.overlap_wait_s,
+        "pause_s": record.pause_s,
+    }
 
 
 def test_engine_overlapped_copy_holds_the_request_when_the_optimizer_step_is_guarded(tmp_path):

@@ -124,7 +124,9 @@ class _RecordsSaves:
         return saver
 
     def _record(self, record: Any) -> None:  # on the saver's background thread
-        self.save_records.append({"step": record.step, "outcome": record.outcome, "cause": record.cause, "at": time.time()})
+        self.save_records.append(
+            {"step": record.step, "outcome": record.outcome, "cause": record.cause, "at": time.time()}
+        )
 
 
 class RecordingDDPStrategy(_RecordsSaves, ShardedDDPStrategy):
@@ -148,21 +150,31 @@ class ResumedFrom(pl.Callback):
             self.resumed_from = {"step": loaded.step, "name": loaded.path.rstrip("/").rsplit("/", 1)[-1]}
 
 
-def run_on_rank(rank: int, world_size: int, parallelism: str, root: str, markers: str | None, max_steps: int,
-                ckpt_path: Any) -> dict:
+def run_on_rank(
+    rank: int, world_size: int, parallelism: str, root: str, markers: str | None, max_steps: int, ckpt_path: Any
+) -> dict:
     """One rank of a Lightning fit; `markers` set: rank 2 is SIGKILLed mid-shard in the second save."""
     lightning_env(rank, world_size)
     strategy = STRATEGIES[parallelism]()
     if markers is not None:
         strategy.fault_hook = KillAtMidShard(VICTIM, save_number=2, markers=markers)
     checkpoint = ShardedCheckpoint(
-        root, every_n_train_steps=EVERY, log_artifact=False,
+        root,
+        every_n_train_steps=EVERY,
+        log_artifact=False,
         save={"collective_timeout_s": COLLECTIVE_TIMEOUT_S, "teardown_timeout_s": TEARDOWN_TIMEOUT_S},
     )
     at_step, at_start, resumed = CaptureAtStep(FIRST_STEP), CaptureAtStart(), ResumedFrom()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, num_nodes=1, strategy=strategy, max_steps=max_steps,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True,
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=True,
         callbacks=[checkpoint, at_step, at_start, resumed],
     )
     error = None
@@ -203,8 +215,18 @@ def test_sigkilled_rank_leaves_an_uncommitted_attempt_and_the_job_resumes_on_4_a
     markers = tmp_path / "markers"
     markers.mkdir()
     started = time.monotonic()
-    outcomes = run_ranks(run_on_rank, WORLD, parallelism, root, str(markers), 40, None,
-                         allow_failures=True, timeout_s=RUN_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
+    outcomes = run_ranks(
+        run_on_rank,
+        WORLD,
+        parallelism,
+        root,
+        str(markers),
+        40,
+        None,
+        allow_failures=True,
+        timeout_s=RUN_TIMEOUT_S,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
     returned_at = time.time()
     killed = json.loads((markers / "killed").read_text())
     survivors = [outcome for outcome in outcomes if outcome.rank != VICTIM]
@@ -213,13 +235,17 @@ def test_sigkilled_rank_leaves_an_uncommitted_attempt_and_the_job_resumes_on_4_a
         "crashed_run_s": round(time.monotonic() - started, 1),
         "run_ranks_returned_after_kill_s": round(returned_at - killed["at"], 2),
         "survivors": {
-            o.rank: o.error if not o.ok else {
+            o.rank: o.error
+            if not o.ok
+            else {
                 "fit_error": o.value["error"] and f"{o.value['error']['type']}: {o.value['error']['message'][:200]}",
                 "fit_failed_after_kill_s": o.value["error"] and round(o.value["error"]["at"] - killed["at"], 2),
                 "returned_after_kill_s": round(o.value["ended"] - killed["at"], 2),
                 "global_step": o.value["global_step"],
-                "saves": [{**r, "at": round(r["at"] - killed["at"], 2), "cause": (r["cause"] or "")[-130:]}
-                          for r in o.value["records"]],
+                "saves": [
+                    {**r, "at": round(r["at"] - killed["at"], 2), "cause": (r["cause"] or "")[-130:]}
+                    for r in o.value["records"]
+                ],
             }
             for o in survivors
         },
@@ -283,8 +309,17 @@ def test_sigkilled_rank_leaves_an_uncommitted_attempt_and_the_job_resumes_on_4_a
         restart_root = str(tmp_path / f"restart-{world}")
         shutil.copytree(root, restart_root)
         began = time.monotonic()
-        resumed = run_ranks(run_on_rank, world, parallelism, restart_root, None, RESUMED_MAX_STEPS, "latest",
-                            timeout_s=RUN_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
+        resumed = run_ranks(
+            run_on_rank,
+            world,
+            parallelism,
+            restart_root,
+            None,
+            RESUMED_MAX_STEPS,
+            "latest",
+            timeout_s=RUN_TIMEOUT_S,
+            pg_timeout_s=PG_TIMEOUT_S,
+        )
         report[f"restart_{world}_s"] = round(time.monotonic() - began, 1)
         for outcome in resumed:
             value = outcome.value
@@ -305,6 +340,7 @@ def test_sigkilled_rank_leaves_an_uncommitted_attempt_and_the_job_resumes_on_4_a
 
 
 # --- single process, cheap ---
+
 
 class _RaiseAtMidShard:
     def __call__(self, point: str) -> None:

@@ -28,8 +28,12 @@ def save_worker(rank, world_size, root, parallelism):
     ts.train_steps(model, optimizer, steps=2, seed=2)
     state = ts.sharded_state(model, optimizer)
     torch.manual_seed(42)  # the same generator state on every rank: a replicated tensor, written once
-    state["progress"] = {"global_step": 2, "note": "saved-on-%d" % world_size, "rng": torch.get_rng_state(),
-                         "object": Progress(tokens_seen=1234, history=[0.5, 0.25])}
+    state["progress"] = {
+        "global_step": 2,
+        "note": f"saved-on-{world_size}",
+        "rng": torch.get_rng_state(),
+        "object": Progress(tokens_seen=1234, history=[0.5, 0.25]),
+    }
     saver = CheckpointSaver(root, SaveConfig(verify=VerifyConfig(mode="full"), parallelism=parallelism))
     # DDP keeps parameters and optimizer state bit-identical on every rank: declared so, their writes are
     # spread over the ranks; everything else replicated is written from rank 0's copy
@@ -82,9 +86,18 @@ BLOCK_ROWS, BLOCK_COLUMNS = 4096, 1024  # 16 MiB of float32: an 8 MiB chunk per 
 def _row_sharded(rank: int, world_size: int, *, zeros: bool) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     rows = BLOCK_ROWS // world_size
-    local = torch.zeros(rows, BLOCK_COLUMNS) if zeros else torch.arange(
-        rank * rows * BLOCK_COLUMNS, (rank + 1) * rows * BLOCK_COLUMNS, dtype=torch.float32).view(rows, BLOCK_COLUMNS)
-    return {"w": DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size((BLOCK_ROWS, BLOCK_COLUMNS)), stride=(BLOCK_COLUMNS, 1))}
+    local = (
+        torch.zeros(rows, BLOCK_COLUMNS)
+        if zeros
+        else torch.arange(rank * rows * BLOCK_COLUMNS, (rank + 1) * rows * BLOCK_COLUMNS, dtype=torch.float32).view(
+            rows, BLOCK_COLUMNS
+        )
+    )
+    return {
+        "w": DTensor.from_local(
+            local, mesh, [Shard(0)], shape=torch.Size((BLOCK_ROWS, BLOCK_COLUMNS)), stride=(BLOCK_COLUMNS, 1)
+        )
+    }
 
 
 def save_row_sharded(rank, world_size, root):
@@ -92,7 +105,9 @@ def save_row_sharded(rank, world_size, root):
     result = saver.save(_row_sharded(rank, world_size, zeros=False), step=1).result(timeout=60)
     saver.close()
     assert result.committed, result.error
-    return [chunk["length"] for tensor in result.manifest["tensors"] for chunk in tensor["chunks"]] if rank == 0 else None
+    return (
+        [chunk["length"] for tensor in result.manifest["tensors"] for chunk in tensor["chunks"]] if rank == 0 else None
+    )
 
 
 def load_row_sharded(rank, world_size, root):

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt.engine import drill_records
 from lightning_shardckpt.engine.checksum import checksum, checksum_of_checksums
 from lightning_shardckpt.engine.fsio import resolve
 from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.manifest import to_bytes
-from lightning_shardckpt.engine import drill_records
 from lightning_shardckpt.ops.drill import DrillOptions, run_drill
 from tests.helpers import drill_probes
 from tests.helpers.spawn import run_ranks
@@ -61,7 +61,7 @@ def _rewrite_tensor(checkpoint: str, fqn: str, replace) -> None:
     old_bytes = _raw_bytes(old)
     new_bytes = _raw_bytes(replace(old.clone()))
     at = record.index(old_bytes)
-    record = record[:at] + new_bytes + record[at + len(new_bytes):]
+    record = record[:at] + new_bytes + record[at + len(new_bytes) :]
     blob[chunk["offset"] : chunk["offset"] + chunk["length"]] = record
     shard.write_bytes(bytes(blob))
     chunk["checksum"] = checksum(record)
@@ -104,7 +104,15 @@ def test_a_sound_checkpoint_is_drilled_on_another_world_size_with_its_probe(tmp_
     assert record["world_size"] == 2 and record["writer_world_size"] == 1  # resharded 1 -> 2 by default
     assert record["checks"]["probe"]["value"] == pytest.approx(record["checks"]["probe"]["saved"])
     assert record["time_to_resume_s"] > 0 and record["bytes_read"] > 0
-    assert set(record["timings"]) >= {"process_start_s", "listing_s", "load_s", "metadata_s", "read_s", "reshard_s", "time_to_resume_s"}
+    assert set(record["timings"]) >= {
+        "process_start_s",
+        "listing_s",
+        "load_s",
+        "metadata_s",
+        "read_s",
+        "reshard_s",
+        "time_to_resume_s",
+    }
     assert _trust(tmp_path / "root", checkpoint) == "drilled"
 
 
@@ -143,7 +151,9 @@ def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage,
 def test_a_drill_process_that_dies_or_hangs_is_a_failed_drill_not_a_pass(tmp_path, probe, timeout_s, cause):
     root = tmp_path / "root"
     checkpoint = _save(root)
-    record = run_drill(checkpoint, DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=timeout_s))
+    record = run_drill(
+        checkpoint, DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=timeout_s)
+    )
     assert record["verdict"] == "failed" and cause in record["cause"], record
     assert _trust(root, checkpoint) == "drill-failed"
 
@@ -199,7 +209,12 @@ def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_
     saver.close()
     manifest = json.loads((Path(path) / MANIFEST).read_text())
     flags = {t["fqn"]: t.get("finite") for t in manifest["tensors"]}
-    assert flags == {"model.head.weight": True, "model.layer.bias": False, "model.layer.weight": True, "model.steps": None}
+    assert flags == {
+        "model.head.weight": True,
+        "model.layer.bias": False,
+        "model.layer.weight": True,
+        "model.steps": None,
+    }
     record = run_drill(path, DrillOptions(world_size=1, timeout_s=120))
     assert record["verdict"] == "passed", record
     assert record["checks"]["nonfinite"] == ["model.layer.bias"]
@@ -215,7 +230,9 @@ def test_retention_spares_a_checkpoint_while_a_drill_of_it_is_queued_or_running(
     saver = CheckpointSaver(str(root), SaveConfig(async_save=False))
     first = saver.save({"model": _model_state()}, step=1).result(60).path
     results: list[dict] = []
-    runner = DrillRunner(DrillOptions(world_size=1, timeout_s=8, probe="tests.helpers.drill_probes:hangs"), results.append)
+    runner = DrillRunner(
+        DrillOptions(world_size=1, timeout_s=8, probe="tests.helpers.drill_probes:hangs"), results.append
+    )
     runner.request(first)
     time.sleep(0.5)  # the drill thread has picked it up
     assert runner.pending() == {Path(first).name}

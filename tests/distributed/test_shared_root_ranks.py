@@ -32,7 +32,9 @@ def test_a_fresh_fit_into_another_runs_root_fails_before_training_and_a_resumed_
 
     fresh = run_ranks(fit_on_rank, 2, root, "ddp", 4, None, {"every": 100}, timeout_s=120, allow_failures=True)
     for outcome in fresh:  # every rank raised; none waited for the others
-        assert not outcome.ok and "belongs to another run" in outcome.error and "resume=latest" in outcome.error, outcome.error
+        assert not outcome.ok and "belongs to another run" in outcome.error and "resume=latest" in outcome.error, (
+            outcome.error
+        )
     assert [e.step for e in catalog.list_checkpoints(fsio.resolve(root))] == [2]
 
     resumed = run_ranks(fit_on_rank, 2, root, "ddp", 4, "latest", {"every": 100}, timeout_s=120)

@@ -27,10 +27,20 @@ def run_job(root: Path, saves: int) -> list[tuple[int, str]]:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.teardown_rank", str(root), str(saves)], cwd=REPO,
-            env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                     OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "tests.helpers.teardown_rank", str(root), str(saves)],
+            cwd=REPO,
+            env=dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(WORLD),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(REPO),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in range(WORLD)
     ]
@@ -41,5 +51,7 @@ def test_closing_a_saver_joins_its_worker_so_every_rank_exits_0(tmp_path):
     for run in range(2):
         outcomes = run_job(tmp_path / f"root{run}", saves=3)
         for rank, (code, output) in enumerate(outcomes):
-            assert code == 0 and "terminate called" not in output, f"run {run} rank {rank} exited {code}:\n{output[-3000:]}"
+            assert code == 0 and "terminate called" not in output, (
+                f"run {run} rank {rank} exited {code}:\n{output[-3000:]}"
+            )
             assert "'committed': 3" in output, f"run {run} rank {rank}: not every save committed:\n{output[-3000:]}"

@@ -57,8 +57,9 @@ def test_durable_outage_fast_saves_go_on_and_replication_catches_up(tmp_path, s3
 
 def test_rank_killed_mid_upload_durable_never_commits_fast_stays_good_next_replication_succeeds(tmp_path, s3_root):
     fast_url = str(tmp_path / "fast")
-    outcomes = run_ranks(replicate_on_rank, 2, fast_url, s3_root.url, s3_root.storage_options, "kill",
-                         allow_failures=True, timeout_s=120)
+    outcomes = run_ranks(
+        replicate_on_rank, 2, fast_url, s3_root.url, s3_root.storage_options, "kill", allow_failures=True, timeout_s=120
+    )
     assert outcomes[1].exitcode == 17
     assert committed(s3_root.url, s3_root.storage_options) == []  # never committed on the durable tier
     fast = committed(fast_url)
@@ -85,8 +86,14 @@ def test_corrupt_fast_copy_is_never_replicated(tmp_path, s3_root):
     shard.write_bytes(bytes(data))
     durable = fsio.resolve(s3_root.url, s3_root.storage_options)
     with pytest.raises(CorruptCheckpoint, match="checksum"):
-        copy_verified(fsio.resolve(str(tmp_path / "fast")).fs, str(tmp_path / "fast" / entry.name), durable.fs,
-                      f"{durable.path}/{entry.name}", "__1_0.distcp", json.loads((tmp_path / "fast" / entry.name / "manifest.json").read_text()))
+        copy_verified(
+            fsio.resolve(str(tmp_path / "fast")).fs,
+            str(tmp_path / "fast" / entry.name),
+            durable.fs,
+            f"{durable.path}/{entry.name}",
+            "__1_0.distcp",
+            json.loads((tmp_path / "fast" / entry.name / "manifest.json").read_text()),
+        )
     assert not durable.fs.exists(f"{durable.path}/{entry.name}/__1_0.distcp")  # the upload was aborted
 
 

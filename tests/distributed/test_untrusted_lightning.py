@@ -33,9 +33,17 @@ class ModuleWithOpaqueExtra(TinyModule):
 
 def _fit(root: str, world_size: int, max_steps: int, ckpt_path: Any, trust: bool) -> ModuleWithOpaqueExtra:
     callback = ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False, trust_checkpoint=trust)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
-                         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     module = ModuleWithOpaqueExtra()
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
     return module

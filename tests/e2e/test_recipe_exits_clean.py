@@ -34,13 +34,28 @@ def launch_ranks(workdir: Path, *overrides: str, world: int = WORLD, timeout: fl
     procs = []
     for rank in range(world):
         env = dict(
-            os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0",
+            os.environ,
+            OMP_NUM_THREADS="1",
+            WANDB_MODE="offline",
+            WANDB_SILENT="true",
+            PYTHONUNBUFFERED="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            NODE_RANK="0",
+            GROUP_RANK="0",
         )
         command = [
-            sys.executable, str(TRAIN), f"hydra.run.dir={workdir / 'hydra'}", f"checkpoint.dirpath={workdir / 'ckpt'}",
-            f"trainer.devices={world}", "trainer.enable_progress_bar=false", *overrides,
+            sys.executable,
+            str(TRAIN),
+            f"hydra.run.dir={workdir / 'hydra'}",
+            f"checkpoint.dirpath={workdir / 'ckpt'}",
+            f"trainer.devices={world}",
+            "trainer.enable_progress_bar=false",
+            *overrides,
         ]
         log = open(workdir / f"rank{rank}.log", "w+")
         procs.append((subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT), log))
@@ -64,9 +79,13 @@ def test_every_rank_of_the_recipe_exits_0_without_an_abort_in_teardown(tmp_path)
     for run in range(RUNS):
         workdir = tmp_path / f"run{run}"
         workdir.mkdir()
-        for rank, (code, output) in enumerate(launch_ranks(workdir, "trainer.max_steps=40", "checkpoint.every_n_train_steps=10")):
+        for rank, (code, output) in enumerate(
+            launch_ranks(workdir, "trainer.max_steps=40", "checkpoint.every_n_train_steps=10")
+        ):
             if code != 0 or ABORT_LINE in output:
                 tail = "\n".join(output.splitlines()[-25:])
                 problems.append(f"run {run} rank {rank}: exit {code}, {output.count(ABORT_LINE)} abort line(s)\n{tail}")
-        assert (workdir / "ckpt" / "latest").read_text().startswith("step-000000040-"), f"run {run} did not commit its last step"
+        assert (workdir / "ckpt" / "latest").read_text().startswith("step-000000040-"), (
+            f"run {run} did not commit its last step"
+        )
     assert not problems, "\n\n".join(problems)

@@ -30,17 +30,31 @@ pytestmark = pytest.mark.timeout(600)
 def _env(tmp_path: Path, s3_root) -> dict[str, str]:
     options = s3_root.storage_options
     return dict(
-        os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1",
+        os.environ,
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
         PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        SHARDCKPT_LOCAL_ROOT=str(tmp_path / "local"), SHARDCKPT_S3_BUCKET=s3_root.bucket,
-        AWS_ENDPOINT_URL=options["endpoint_url"], AWS_ACCESS_KEY_ID=options["key"], AWS_SECRET_ACCESS_KEY=options["secret"],
+        SHARDCKPT_LOCAL_ROOT=str(tmp_path / "local"),
+        SHARDCKPT_S3_BUCKET=s3_root.bucket,
+        AWS_ENDPOINT_URL=options["endpoint_url"],
+        AWS_ACCESS_KEY_ID=options["key"],
+        AWS_SECRET_ACCESS_KEY=options["secret"],
     )
 
 
 def _overrides(tmp_path: Path, phase: str, run_name: str) -> list[str]:
-    return [f"hydra.run.dir={tmp_path / phase}", "tiers=local+s3", f"run_name={run_name}", "~logger",
-            "checkpoint.every_n_train_steps=4", "trainer.enable_progress_bar=false",
-            "tiers.retry_backoff_s=0.5", "tiers.retry_backoff_max_s=2", "tiers.collective_timeout_s=120"]
+    return [
+        f"hydra.run.dir={tmp_path / phase}",
+        "tiers=local+s3",
+        f"run_name={run_name}",
+        "~logger",
+        "checkpoint.every_n_train_steps=4",
+        "trainer.enable_progress_bar=false",
+        "tiers.retry_backoff_s=0.5",
+        "tiers.retry_backoff_max_s=2",
+        "tiers.collective_timeout_s=120",
+    ]
 
 
 def _check(proc: subprocess.CompletedProcess | subprocess.Popen, out: str, what: str) -> None:
@@ -54,10 +68,24 @@ def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_fr
     port = free_port()
     nodes = []
     for node in (0, 1):
-        command = [str(TORCHRUN), "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
-                   f"--master-port={port}", str(TRAIN), "trainer.num_nodes=2", "trainer.devices=2", "trainer.max_steps=8",
-                   *_overrides(tmp_path, f"node{node}", run_name)]
-        nodes.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        command = [
+            str(TORCHRUN),
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            f"--node-rank={node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(TRAIN),
+            "trainer.num_nodes=2",
+            "trainer.devices=2",
+            "trainer.max_steps=8",
+            *_overrides(tmp_path, f"node{node}", run_name),
+        ]
+        nodes.append(
+            subprocess.Popen(
+                command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = [proc.communicate(timeout=400)[0] for proc in nodes]
     for node, (proc, out) in enumerate(zip(nodes, outputs)):
         _check(proc, out, f"node {node}")
@@ -79,18 +107,30 @@ def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_fr
     assert sorted(written) == sorted(f["path"] for f in manifest["files"])
     assert {p.name for p in node1.glob("__*_0.distcp")} <= {"__2_0.distcp", "__3_0.distcp"}
     for name, path in written.items():  # the durable copy is bit-exact, file by file
-        assert s3_root.server.object_bytes(s3_root.bucket, f"checkpoints/{run_name}/{newest.name}/{name}") == path.read_bytes(), name
+        assert (
+            s3_root.server.object_bytes(s3_root.bucket, f"checkpoints/{run_name}/{newest.name}/{name}")
+            == path.read_bytes()
+        ), name
 
     # a resized cluster: 1 node × 3 ranks; the fast tier here (node0) lacks node 1's shards
-    command = [sys.executable, str(TRAIN), "trainer.devices=3", "trainer.max_steps=10", "resume=latest",
-               "checkpoint.drill.every_n_checkpoints=null", *_overrides(tmp_path, "resume", run_name)]
+    command = [
+        sys.executable,
+        str(TRAIN),
+        "trainer.devices=3",
+        "trainer.max_steps=10",
+        "resume=latest",
+        "checkpoint.drill.every_n_checkpoints=null",
+        *_overrides(tmp_path, "resume", run_name),
+    ]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     _check(proc, out, "resume on 3 ranks")
     assert f"resuming from the durable tier: {durable_url}/{newest.name} (step 8)" in out, out[-4000:]
     assert "not readable by every rank" in out
     events = [json.loads(p.read_text()) for p in (local / "node0" / "events").glob("resume-*.json")]
-    assert [(e["from"], e["step"], e["world_size"], e["from_world_size"]) for e in events] == [(f"{durable_url}/{newest.name}", 8, 3, 4)]
+    assert [(e["from"], e["step"], e["world_size"], e["from_world_size"]) for e in events] == [
+        (f"{durable_url}/{newest.name}", 8, 3, 4)
+    ]
     # it trained on and saved on both tiers, as one run (the resumed run id)
     again = [e for e in catalog.list_checkpoints(durable) if e.committed]
     assert again[-1].step == 10 and again[-1].run_id == newest.run_id

@@ -33,10 +33,10 @@ from lm import warmup_cosine  # noqa: E402  (the recipe's own schedule: the expe
 
 pytestmark = pytest.mark.timeout(420)
 
-EVERY = 4          # checkpoint.every_n_train_steps
-LR = 3e-3          # model.lr
-WARMUP = 4         # model.warmup_steps
-DECAY = 60         # model.decay_steps, pinned so raising max_steps on resume keeps one schedule
+EVERY = 4  # checkpoint.every_n_train_steps
+LR = 3e-3  # model.lr
+WARMUP = 4  # model.warmup_steps
+DECAY = 60  # model.decay_steps, pinned so raising max_steps on resume keeps one schedule
 MIN_LR_RATIO = 0.1
 TIMING_KEYS = ("pause_s", "stage_s", "write_s", "verify_s", "commit_s", "total_s", "bytes_rank", "write_gbps")
 COUNTER_KEYS = ("committed", "failed", "skipped")
@@ -46,19 +46,25 @@ def run_recipe(workdir: Path, phase: str, *overrides: str) -> subprocess.Complet
     """One invocation of the recipe; its Hydra directory (and W&B offline run) is workdir/phase."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     command = [
-        sys.executable, str(TRAIN),
+        sys.executable,
+        str(TRAIN),
         f"hydra.run.dir={workdir / phase}",
         f"checkpoint.dirpath={workdir / 'ckpt'}",
         f"checkpoint.every_n_train_steps={EVERY}",
         "checkpoint.keep_last=null",
         "trainer.log_every_n_steps=1",
         "trainer.enable_progress_bar=false",
-        f"model.lr={LR}", f"model.warmup_steps={WARMUP}", f"model.decay_steps={DECAY}", f"model.min_lr_ratio={MIN_LR_RATIO}",
+        f"model.lr={LR}",
+        f"model.warmup_steps={WARMUP}",
+        f"model.decay_steps={DECAY}",
+        f"model.min_lr_ratio={MIN_LR_RATIO}",
         *overrides,
     ]
     proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        pytest.fail(f"{phase} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"{phase} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -103,7 +109,9 @@ def assert_loss_continues(before: OfflineRun, after: OfflineRun, fresh_loss: flo
     first = [loss for _, loss in losses(after)[:3]]
     last_mean, first_mean = sum(last) / len(last), sum(first) / len(first)
     progress = fresh_loss - last_mean
-    assert progress > 0.3, f"the first phase barely trained (fresh {fresh_loss:.3f} -> {last_mean:.3f}); the check would mean nothing"
+    assert progress > 0.3, (
+        f"the first phase barely trained (fresh {fresh_loss:.3f} -> {last_mean:.3f}); the check would mean nothing"
+    )
     tolerance = 0.25 * progress
     assert abs(first_mean - last_mean) <= tolerance, (
         f"loss jumped across the resume: last before {last} (mean {last_mean:.3f}), first after {first} "
@@ -125,14 +133,18 @@ def assert_checkpoint_metrics(run: OfflineRun, committed_in_phase: int) -> None:
     missing = [f"checkpoint/{k}" for k in TIMING_KEYS + COUNTER_KEYS if f"checkpoint/{k}" not in keys]
     assert not missing, f"W&B history lacks {missing}; it has {sorted(k for k in keys if k.startswith('checkpoint/'))}"
     counts = {k: max(v for _, v in run.series(f"checkpoint/{k}")) for k in COUNTER_KEYS}
-    assert counts["committed"] == committed_in_phase, f"checkpoint/committed reached {counts['committed']}, {committed_in_phase} committed"
+    assert counts["committed"] == committed_in_phase, (
+        f"checkpoint/committed reached {counts['committed']}, {committed_in_phase} committed"
+    )
     assert counts["failed"] == 0, f"checkpoint/failed = {counts['failed']}"
     assert all(v > 0 for _, v in run.series("checkpoint/bytes_rank"))
     assert all(v >= 0 for _, v in run.series("checkpoint/total_s"))
     artifacts = [a for a in run.artifacts if a["type"] == "checkpoint"]
     assert artifacts, "no W&B artifact of type 'checkpoint' was logged"
     refs = [entry["ref"] for a in artifacts for entry in a["entries"]]
-    assert refs and all(ref.startswith("file://") for ref in refs), f"artifact entries are not references to the checkpoint files: {refs[:3]}"
+    assert refs and all(ref.startswith("file://") for ref in refs), (
+        f"artifact entries are not references to the checkpoint files: {refs[:3]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +153,9 @@ def ddp_runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("recipe")
     procs = {
         # drills of every second checkpoint (8 and 16), with the recipe's probe (lm:probe)
-        "first": run_recipe(workdir, "first", "trainer.devices=2", "trainer.max_steps=16", "checkpoint.drill.every_n_checkpoints=2"),
+        "first": run_recipe(
+            workdir, "first", "trainer.devices=2", "trainer.max_steps=16", "checkpoint.drill.every_n_checkpoints=2"
+        ),
     }
     manifests = {"first": committed(workdir / "ckpt")}
     latest_after_first = (workdir / "ckpt" / "latest").read_text().strip()
@@ -150,7 +164,13 @@ def ddp_runs(tmp_path_factory):
     procs["on3"] = run_recipe(workdir, "on3", "trainer.devices=3", "trainer.max_steps=28", "resume=latest")
     manifests["on3"] = committed(workdir / "ckpt")
     runs = {phase: read_run(find_run_file(str(workdir / phase))) for phase in procs}
-    return {"workdir": workdir, "procs": procs, "manifests": manifests, "runs": runs, "latest_after_first": latest_after_first}
+    return {
+        "workdir": workdir,
+        "procs": procs,
+        "manifests": manifests,
+        "runs": runs,
+        "latest_after_first": latest_after_first,
+    }
 
 
 def test_first_run_commits_every_n_steps_and_at_fit_end(ddp_runs):
@@ -201,7 +221,11 @@ def test_drills_of_the_main_job_prove_its_checkpoints_and_reach_wandb(ddp_runs):
     entries = [entry for entry in catalog.list_checkpoints(location) if entry.committed]
     states = drill_records.trust_states(location, entries)
     assert {entry.step: states[entry.name] for entry in entries if entry.step <= 16} == {
-        4: "committed", 8: "drilled", 12: "committed", 16: "drilled"}
+        4: "committed",
+        8: "drilled",
+        12: "committed",
+        16: "drilled",
+    }
     for step in (8, 16):
         name = next(entry.name for entry in entries if entry.step == step)
         (record_name,) = drill_records.list_record_names(location)[name]
@@ -218,7 +242,13 @@ def test_run_prints_where_things_are_and_the_resume_command(ddp_runs):
     assert f"checkpoints:      {ckpt}" in out
     assert "W&B offline run:" in out and str(ddp_runs["workdir"] / "first" / "wandb") in out
     command = next(line.strip() for line in out.splitlines() if line.strip().startswith("python "))
-    for part in ("trainer.devices=3", "resume=latest", f"checkpoint.dirpath={ckpt}", "trainer.max_steps=32", "model.decay_steps=60"):
+    for part in (
+        "trainer.devices=3",
+        "resume=latest",
+        f"checkpoint.dirpath={ckpt}",
+        "trainer.max_steps=32",
+        "model.decay_steps=60",
+    ):
         assert part in command, f"{part!r} missing from the printed resume command: {command}"
 
 

@@ -116,7 +116,7 @@ def pending_uploads(location: Location, under: str) -> list[str]:
         return []
     bucket, prefix = bucket_and_key(under.rstrip("/") + "/")
     response = location.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-    return sorted(upload["Key"][len(prefix):] for upload in response.get("Uploads", []))
+    return sorted(upload["Key"][len(prefix) :] for upload in response.get("Uploads", []))
 
 
 def abort_pending_uploads(location: Location, under: str) -> int:

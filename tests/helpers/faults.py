@@ -63,8 +63,9 @@ class RandomFailures:
     (save index, point) of each failure raised in this process.
     """
 
-    def __init__(self, rate: float = 0.1, seed: int = 0, saves: int | None = None,
-                 points: tuple[str, ...] = PRE_COMMIT_POINTS) -> None:
+    def __init__(
+        self, rate: float = 0.1, seed: int = 0, saves: int | None = None, points: tuple[str, ...] = PRE_COMMIT_POINTS
+    ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate={rate} is outside [0, 1]")
         self.rate, self.points = rate, tuple(points)

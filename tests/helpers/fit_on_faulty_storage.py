@@ -48,7 +48,9 @@ class TransientDiskFull(pl.Callback):
             # engine's small local files (manifest, .metadata) are never refused, only counted
             (shard,) = glob.glob(os.path.join(saver.root.path, "step-*", "__0_0.distcp"))
             shard_bytes = os.path.getsize(shard)
-            fs.budget_bytes = quota_fs.used_bytes(fs.quota_root) + int(1.3 * shard_bytes)  # room for one more: two in all
+            fs.budget_bytes = quota_fs.used_bytes(fs.quota_root) + int(
+                1.3 * shard_bytes
+            )  # room for one more: two in all
             self.ballast = os.path.join(fs.quota_root, "someone-elses-file")
             with open(self.ballast, "wb") as handle:  # leaves 0.4 shards of room for step 4
                 handle.write(b"\0" * int(0.9 * shard_bytes))
@@ -114,17 +116,36 @@ def main(spec: dict) -> int:
         callbacks.append(TransientDiskFull(root))
     elif spec["scenario"] == "refused_deletes":
         callbacks.append(RefusedDeletes(root, spec["marker"]))
-    checkpoint = ShardedCheckpoint(root, every_n_train_steps=spec["every"], keep_last=spec.get("keep_last"), log_artifact=False,
-                                   save={"storage_options": options, "teardown_timeout_s": 60, "write_events": False})
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ShardedStrategy(parallelism="ddp"), max_steps=spec["max_steps"],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, checkpoint])
+    checkpoint = ShardedCheckpoint(
+        root,
+        every_n_train_steps=spec["every"],
+        keep_last=spec.get("keep_last"),
+        log_artifact=False,
+        save={"storage_options": options, "teardown_timeout_s": 60, "write_events": False},
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=spec["max_steps"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, checkpoint],
+    )
     trainer.fit(TinyModule(), datamodule=TinyData())
     location = fsio.resolve(root, options)
     committed = sorted(entry.step for entry in catalog.list_checkpoints(location) if entry.committed)
     uncommitted = sorted(entry.step for entry in catalog.list_checkpoints(location) if not entry.committed)
     saver = keeper.saver
-    report = {"global_step": trainer.global_step, "counters": saver.counters.snapshot(), "notes": saver.counters.notes(),
-              "committed_on_storage": committed, "uncommitted_on_storage": uncommitted, "retention_threads": retention_threads}
+    report = {
+        "global_step": trainer.global_step,
+        "counters": saver.counters.snapshot(),
+        "notes": saver.counters.notes(),
+        "committed_on_storage": committed,
+        "uncommitted_on_storage": uncommitted,
+        "retention_threads": retention_threads,
+    }
     gc.collect()
     print(json.dumps(report))
     sys.stdout.flush()

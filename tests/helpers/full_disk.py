@@ -19,8 +19,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 def mounted_tmpfs(directory: Path, size: str) -> Iterator[Path]:
     """Mount a tmpfs of `size` (e.g. "4m") on `directory` for the duration; raises PermissionError if refused."""
     directory.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise PermissionError(f"mount -t tmpfs refused ({proc.returncode}): {proc.stderr.strip()}")
     try:
@@ -38,7 +40,9 @@ def mounted_tmpfs(directory: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(directory)], capture_output=True)
 
 
-def run_saves(root_url: str, options: dict, budgets: list, *, async_save: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_saves(
+    root_url: str, options: dict, budgets: list, *, async_save: bool = False, timeout: float = 120
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "tests.helpers.full_disk", root_url, json.dumps(options), json.dumps(budgets)]
     if async_save:
         command.append("--async")
@@ -72,13 +76,21 @@ def main(argv: list[str]) -> int:
         storage_options = dict(options)
         if budget is not None:  # a quota:// root: each save gets a disk of its own, `budget` bytes large
             storage_options.update(quota_fs.quota_options(root_url.split("://", 1)[1] + f"/b{index}", budget))
-        config = SaveConfig(async_save=async_save, on_error="log", storage_options=storage_options, teardown_timeout_s=60)
+        config = SaveConfig(
+            async_save=async_save, on_error="log", storage_options=storage_options, teardown_timeout_s=60
+        )
         saver = CheckpointSaver(f"{root_url}/b{index}", config)
         result = saver.save(state(), step=index + 1).result(timeout=60)
         saver.close()
         kept.append((saver, result))  # a training loop keeps its saver, and the saver its first error
-        report.append({"budget": budget, "committed": result.committed, "cause": None if result.error is None else str(result.error),
-                       "counters": saver.counters.snapshot()})
+        report.append(
+            {
+                "budget": budget,
+                "committed": result.committed,
+                "cause": None if result.error is None else str(result.error),
+                "counters": saver.counters.snapshot(),
+            }
+        )
     gc.collect()
     print(json.dumps(report))
     sys.stdout.flush()

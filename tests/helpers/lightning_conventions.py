@@ -17,7 +17,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
 from tests.helpers.lightning_run import lightning_env
 
-COMMON = {"accelerator": "cpu", "num_nodes": 1, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+COMMON = {
+    "accelerator": "cpu",
+    "num_nodes": 1,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
 
 
 def _data(size: int = 64, batch_size: int = 4, **loader: Any) -> DataLoader:
@@ -41,23 +47,43 @@ class AtStart(pl.Callback):
         self.seen = {"model": _own(pl_module), **(self.probe(trainer, pl_module) if self.probe else {})}
 
 
-def _plain_save(world_size: int, module: pl.LightningModule, path: str, steps: int, callbacks: list, **trainer: Any) -> str:
+def _plain_save(
+    world_size: int, module: pl.LightningModule, path: str, steps: int, callbacks: list, **trainer: Any
+) -> str:
     saving = ModelCheckpoint(dirpath=path, every_n_train_steps=steps, save_top_k=-1)
-    pl.Trainer(strategy=DDPStrategy(), devices=world_size, max_steps=steps, callbacks=[saving, *callbacks], **COMMON, **trainer).fit(
-        module, train_dataloaders=_data())
+    pl.Trainer(
+        strategy=DDPStrategy(), devices=world_size, max_steps=steps, callbacks=[saving, *callbacks], **COMMON, **trainer
+    ).fit(module, train_dataloaders=_data())
     return saving.best_model_path
 
 
-def _sharded_save(world_size: int, module: pl.LightningModule, root: str, steps: int, callbacks: list, **trainer: Any) -> None:
-    pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), devices=world_size, max_steps=steps,
-               callbacks=[ShardedCheckpoint(root, every_n_train_steps=steps, log_artifact=False), *callbacks], **COMMON, **trainer).fit(
-        module, train_dataloaders=_data())
+def _sharded_save(
+    world_size: int, module: pl.LightningModule, root: str, steps: int, callbacks: list, **trainer: Any
+) -> None:
+    pl.Trainer(
+        strategy=ShardedStrategy(parallelism="ddp"),
+        devices=world_size,
+        max_steps=steps,
+        callbacks=[ShardedCheckpoint(root, every_n_train_steps=steps, log_artifact=False), *callbacks],
+        **COMMON,
+        **trainer,
+    ).fit(module, train_dataloaders=_data())
 
 
-def _resume(world_size: int, module: pl.LightningModule, strategy: Any, ckpt_path: str, callbacks: list, steps: int) -> None:
-    saves = any(isinstance(cb, pl.callbacks.Checkpoint) for cb in callbacks)  # else no default ModelCheckpoint in the cwd
-    pl.Trainer(strategy=strategy, devices=world_size, max_steps=steps, callbacks=callbacks, enable_checkpointing=saves, **COMMON).fit(
-        module, train_dataloaders=_data(), ckpt_path=ckpt_path)
+def _resume(
+    world_size: int, module: pl.LightningModule, strategy: Any, ckpt_path: str, callbacks: list, steps: int
+) -> None:
+    saves = any(
+        isinstance(cb, pl.callbacks.Checkpoint) for cb in callbacks
+    )  # else no default ModelCheckpoint in the cwd
+    pl.Trainer(
+        strategy=strategy,
+        devices=world_size,
+        max_steps=steps,
+        callbacks=callbacks,
+        enable_checkpointing=saves,
+        **COMMON,
+    ).fit(module, train_dataloaders=_data(), ckpt_path=ckpt_path)
 
 
 # --- 1. replicated-but-different state comes from rank 0 ---
@@ -69,7 +95,9 @@ class BatchNormModule(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(7)
-        self.net = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(13, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+        )
         self.loaded_extra: Any = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -114,9 +142,20 @@ def rank_sources_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     _sharded_save(world_size, sharded_module, f"{workdir}/sharded", 3, [RankState()])
     plain, sharded = AtStart(_probe_rank_sources), AtStart(_probe_rank_sources)
     _resume(world_size, BatchNormModule(), DDPStrategy(), plain_path, [RankState(), plain], 4)
-    _resume(world_size, BatchNormModule(), ShardedStrategy(parallelism="ddp"), "latest",
-            [ShardedCheckpoint(f"{workdir}/sharded", log_artifact=False), RankState(), sharded], 4)
-    return {"saved_plain": _own(plain_module), "saved_sharded": _own(sharded_module), "plain": plain.seen, "sharded": sharded.seen}
+    _resume(
+        world_size,
+        BatchNormModule(),
+        ShardedStrategy(parallelism="ddp"),
+        "latest",
+        [ShardedCheckpoint(f"{workdir}/sharded", log_artifact=False), RankState(), sharded],
+        4,
+    )
+    return {
+        "saved_plain": _own(plain_module),
+        "saved_sharded": _own(sharded_module),
+        "plain": plain.seen,
+        "sharded": sharded.seen,
+    }
 
 
 # --- 2. checkpoint hooks see checkpoint["state_dict"] on save and on load ---
@@ -152,6 +191,7 @@ def hooks_on_rank(rank: int, world_size: int, workdir: str) -> dict:
 
     lightning_env(rank, world_size)
     results: dict[str, Any] = {}
+
     # EMA: on save it puts the average in "state_dict" and the live weights beside it; on load it reads both
     def ema() -> EMAWeightAveraging:
         return EMAWeightAveraging(decay=0.5)
@@ -160,8 +200,14 @@ def hooks_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     _sharded_save(world_size, SmallModule(), f"{workdir}/ema-sharded", 3, [ema()])
     plain, sharded = AtStart(_probe_average), AtStart(_probe_average)
     _resume(world_size, SmallModule(seed=8), DDPStrategy(), plain_path, [ema(), plain], 4)
-    _resume(world_size, SmallModule(seed=8), ShardedStrategy(parallelism="ddp"), "latest",
-            [ShardedCheckpoint(f"{workdir}/ema-sharded", log_artifact=False), ema(), sharded], 4)
+    _resume(
+        world_size,
+        SmallModule(seed=8),
+        ShardedStrategy(parallelism="ddp"),
+        "latest",
+        [ShardedCheckpoint(f"{workdir}/ema-sharded", log_artifact=False), ema(), sharded],
+        4,
+    )
     results["ema"] = {"plain": plain.seen, "sharded": sharded.seen}
     # a module's on_load_checkpoint edits the weights before Lightning applies them
     plain_path = _plain_save(world_size, SmallModule(), f"{workdir}/edit-plain", 3, [])
@@ -169,8 +215,14 @@ def hooks_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     _sharded_save(world_size, saved, f"{workdir}/edit-sharded", 3, [])
     plain, sharded = AtStart(), AtStart()
     _resume(world_size, SmallModule(seed=8, edit_on_load=True), DDPStrategy(), plain_path, [plain], 4)
-    _resume(world_size, SmallModule(seed=8, edit_on_load=True), ShardedStrategy(parallelism="ddp"), "latest",
-            [ShardedCheckpoint(f"{workdir}/edit-sharded", log_artifact=False), sharded], 4)
+    _resume(
+        world_size,
+        SmallModule(seed=8, edit_on_load=True),
+        ShardedStrategy(parallelism="ddp"),
+        "latest",
+        [ShardedCheckpoint(f"{workdir}/edit-sharded", log_artifact=False), sharded],
+        4,
+    )
     results["edit"] = {"plain": plain.seen, "sharded": sharded.seen, "saved": _own(saved)}
     return results
 
@@ -200,7 +252,9 @@ class FrozenBackbone(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.pattern == "hook":
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}
+            checkpoint["state_dict"] = {
+                k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")
+            }
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.head(torch.relu(self.backbone(batch[0]))).pow(2).mean()
@@ -223,13 +277,18 @@ def partial_on_rank(rank: int, world_size: int, workdir: str) -> dict:
         _sharded_save(world_size, FrozenBackbone(7, pattern), f"{workdir}/{pattern}-sharded", 3, [])
         plain, sharded = AtStart(), AtStart()
         _resume(world_size, FrozenBackbone(8, pattern), DDPStrategy(), plain_path, [plain], 4)
-        _resume(world_size, FrozenBackbone(8, pattern), ShardedStrategy(parallelism="ddp"), "latest",
-                [ShardedCheckpoint(f"{workdir}/{pattern}-sharded", log_artifact=False), sharded], 4)
+        _resume(
+            world_size,
+            FrozenBackbone(8, pattern),
+            ShardedStrategy(parallelism="ddp"),
+            "latest",
+            [ShardedCheckpoint(f"{workdir}/{pattern}-sharded", log_artifact=False), sharded],
+            4,
+        )
         # the whole module (backbone included) as each fit started
         results[pattern] = {"plain": plain.seen, "sharded": sharded.seen, "fresh": _own(FrozenBackbone(8, pattern))}
     results["log"] = messages
     return results
-
 
 
 # --- 5. the FSDP quickstart shards over every rank ---
@@ -260,12 +319,21 @@ def fsdp_mesh_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     for name, strategy in runs.items():
         module = QuickstartFSDP()
         callbacks = [ShardedCheckpoint(f"{workdir}/{name}", log_artifact=False)] if name == "sharded" else []
-        pl.Trainer(strategy=strategy, devices=world_size, max_steps=3, callbacks=callbacks, enable_checkpointing=bool(callbacks), **COMMON).fit(module, train_dataloaders=_data())
+        pl.Trainer(
+            strategy=strategy,
+            devices=world_size,
+            max_steps=3,
+            callbacks=callbacks,
+            enable_checkpointing=bool(callbacks),
+            **COMMON,
+        ).fit(module, train_dataloaders=_data())
         weight = module.net[0].weight
         results[name] = {
             "mesh": tuple(strategy.device_mesh.shape),
             "local_rows": weight.to_local().shape[0],
-            "full": {k: v.full_tensor().clone() for k, v in module.net.state_dict().items()},  # collective, same order on all ranks
+            "full": {
+                k: v.full_tensor().clone() for k, v in module.net.state_dict().items()
+            },  # collective, same order on all ranks
         }
     return results
 
@@ -300,33 +368,69 @@ class EpochLedger(SmallModule):
         self.validated_at.append((self.current_epoch, self.global_step))
 
     def ledger(self) -> dict[str, Any]:
-        return {"applied": self.applied, "steps": self.steps, "validated_at": self.validated_at, "unapplied": self.pending}
+        return {
+            "applied": self.applied,
+            "steps": self.steps,
+            "validated_at": self.validated_at,
+            "unapplied": self.pending,
+        }
 
 
-def mid_epoch_on_rank(rank: int, world_size: int, workdir: str, size: int, accumulate: int, stop_at: int, phase: str = "all") -> dict:
+def mid_epoch_on_rank(
+    rank: int, world_size: int, workdir: str, size: int, accumulate: int, stop_at: int, phase: str = "all"
+) -> dict:
     lightning_env(rank, world_size)
     common = dict(devices=world_size, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, **COMMON)
     data = {"train_dataloaders": _data(size), "val_dataloaders": _data(8)}
 
     def fit(strategy: Any, callbacks: list, module: EpochLedger, ckpt_path: Any = None, **limits: Any) -> dict:
-        pl.Trainer(strategy=strategy, callbacks=callbacks, enable_checkpointing=bool(callbacks), **limits, **common).fit(
-            module, **data, ckpt_path=ckpt_path)
+        pl.Trainer(
+            strategy=strategy, callbacks=callbacks, enable_checkpointing=bool(callbacks), **limits, **common
+        ).fit(module, **data, ckpt_path=ckpt_path)
         return module.ledger()
 
     if phase == "before":  # only the interrupted part, to be resumed by another spawn (another world size)
-        return {"before": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/stopped", log_artifact=False)],
-                              EpochLedger(), max_epochs=2, max_steps=stop_at)}
+        return {
+            "before": fit(
+                ShardedStrategy(parallelism="ddp"),
+                [ShardedCheckpoint(f"{workdir}/stopped", log_artifact=False)],
+                EpochLedger(),
+                max_epochs=2,
+                max_steps=stop_at,
+            )
+        }
     if phase == "after":
-        return {"after": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/stopped", log_artifact=False)],
-                             EpochLedger(), "latest", max_epochs=2)}
+        return {
+            "after": fit(
+                ShardedStrategy(parallelism="ddp"),
+                [ShardedCheckpoint(f"{workdir}/stopped", log_artifact=False)],
+                EpochLedger(),
+                "latest",
+                max_epochs=2,
+            )
+        }
     results = {
         "plain": fit(DDPStrategy(), [], EpochLedger(), max_epochs=2),
-        "uninterrupted": fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(f"{workdir}/whole", log_artifact=False)],
-                             EpochLedger(), max_epochs=2),
+        "uninterrupted": fit(
+            ShardedStrategy(parallelism="ddp"),
+            [ShardedCheckpoint(f"{workdir}/whole", log_artifact=False)],
+            EpochLedger(),
+            max_epochs=2,
+        ),
     }
     root = f"{workdir}/stopped"
-    results["before"] = fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(root, log_artifact=False)], EpochLedger(),
-                            max_epochs=2, max_steps=stop_at)
-    results["after"] = fit(ShardedStrategy(parallelism="ddp"), [ShardedCheckpoint(root, log_artifact=False)], EpochLedger(),
-                           "latest", max_epochs=2)
+    results["before"] = fit(
+        ShardedStrategy(parallelism="ddp"),
+        [ShardedCheckpoint(root, log_artifact=False)],
+        EpochLedger(),
+        max_epochs=2,
+        max_steps=stop_at,
+    )
+    results["after"] = fit(
+        ShardedStrategy(parallelism="ddp"),
+        [ShardedCheckpoint(root, log_artifact=False)],
+        EpochLedger(),
+        "latest",
+        max_epochs=2,
+    )
     return results

@@ -103,14 +103,18 @@ class CaptureAtStart(pl.Callback):
             "scheduler_last_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
             "extra": pl_module.extra_loaded,
             "datamodule_batches": trainer.datamodule.batches_served,
-            "callback_batches": next((cb.batches for cb in trainer.callbacks if isinstance(cb, CountingCallback)), None),
+            "callback_batches": next(
+                (cb.batches for cb in trainer.callbacks if isinstance(cb, CountingCallback)), None
+            ),
         }
 
 
 def _full(module: TinyModule, optimizer: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_sd, optim_sd = get_state_dict(
+        module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     flat = {f"model.{k}": v.clone() for k, v in model_sd.items()}
     for name, state in optim_sd.get("state", {}).items():
         for key, value in state.items():
@@ -120,27 +124,53 @@ def _full(module: TinyModule, optimizer: Any) -> dict[str, torch.Tensor]:
 
 def lightning_env(rank: int, world_size: int) -> None:
     # torchelastic-style variables: Lightning uses the existing process group and launches nothing
-    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
-                       "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"})
+    os.environ.update(
+        {
+            "LOCAL_RANK": str(rank),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29555",
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+        }
+    )
 
 
-def fit_on_rank(rank: int, world_size: int, root: str, parallelism: str, max_steps: int, ckpt_path: Any, extra: dict) -> dict:
+def fit_on_rank(
+    rank: int, world_size: int, root: str, parallelism: str, max_steps: int, ckpt_path: Any, extra: dict
+) -> dict:
     lightning_env(rank, world_size)
     capture = CaptureAtStart()
-    checkpoint = ShardedCheckpoint(root, every_n_train_steps=extra.get("every", 3), keep_last=extra.get("keep_last"),
-                                   resume_required=extra.get("resume_required", False), log_artifact=False)
+    checkpoint = ShardedCheckpoint(
+        root,
+        every_n_train_steps=extra.get("every", 3),
+        keep_last=extra.get("keep_last"),
+        resume_required=extra.get("resume_required", False),
+        log_artifact=False,
+    )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, num_nodes=1,
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
         strategy=ShardedStrategy(parallelism=parallelism),
-        max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[checkpoint, CountingCallback(), capture], use_distributed_sampler=True,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint, CountingCallback(), capture],
+        use_distributed_sampler=True,
     )
     module = TinyModule(parallelism=parallelism)
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
     optimizer = trainer.optimizers[0]
-    return {"at_start": capture.at_start, "final": _full(module, optimizer), "global_step": trainer.global_step,
-            "last_saved_step": checkpoint.last_saved_step}
+    return {
+        "at_start": capture.at_start,
+        "final": _full(module, optimizer),
+        "global_step": trainer.global_step,
+        "last_saved_step": checkpoint.last_saved_step,
+    }
 
 
 class PreemptAt(pl.Callback):
@@ -162,13 +192,22 @@ def features_on_rank(rank: int, world_size: int, workdir: str) -> dict:
     from lightning.pytorch.loggers import CSVLogger
 
     lightning_env(rank, world_size)
-    common = dict(accelerator="cpu", devices=world_size, num_nodes=1, enable_progress_bar=False, enable_model_summary=False)
+    common = dict(
+        accelerator="cpu", devices=world_size, num_nodes=1, enable_progress_bar=False, enable_model_summary=False
+    )
 
     # 1. our callback with retention, Lightning's ModelCheckpoint beside it, metrics into a CSVLogger
-    sharded = ShardedCheckpoint(f"{workdir}/run", every_n_train_steps=2, keep_last=2, keep_every_n_steps=4, log_artifact=False)
+    sharded = ShardedCheckpoint(
+        f"{workdir}/run", every_n_train_steps=2, keep_last=2, keep_every_n_steps=4, log_artifact=False
+    )
     lightning_ckpt = ModelCheckpoint(dirpath=f"{workdir}/lightning", every_n_train_steps=3, save_top_k=1, monitor=None)
-    trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=10, logger=CSVLogger(f"{workdir}/csv", name="run"),
-                         callbacks=[sharded, lightning_ckpt], **common)
+    trainer = pl.Trainer(
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=10,
+        logger=CSVLogger(f"{workdir}/csv", name="run"),
+        callbacks=[sharded, lightning_ckpt],
+        **common,
+    )
     trainer.fit(TinyModule(), datamodule=TinyData())
     manual = f"{workdir}/manual.ckpt"
     trainer.save_checkpoint(manual)
@@ -176,15 +215,25 @@ def features_on_rank(rank: int, world_size: int, workdir: str) -> dict:
 
     # 2. preemption: SIGUSR1 on every rank at step 3 -> a blocking save of step 3, then stop
     preempted = ShardedCheckpoint(f"{workdir}/preempt", every_n_train_steps=100, log_artifact=False)
-    trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=50, logger=False,
-                         callbacks=[PreemptAt(3), preempted], **common)
+    trainer = pl.Trainer(
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=50,
+        logger=False,
+        callbacks=[PreemptAt(3), preempted],
+        **common,
+    )
     trainer.fit(TinyModule(), datamodule=TinyData())
     second = {"stopped_at": trainer.global_step}
 
     # 3. resume from the root that trainer.save_checkpoint wrote
     capture = CaptureAtStart()
-    trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=12, logger=False,
-                         callbacks=[ShardedCheckpoint(f"{workdir}/after-manual", log_artifact=False), capture], **common)
+    trainer = pl.Trainer(
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=12,
+        logger=False,
+        callbacks=[ShardedCheckpoint(f"{workdir}/after-manual", log_artifact=False), capture],
+        **common,
+    )
     trainer.fit(TinyModule(), datamodule=TinyData(), ckpt_path=manual)
     return {**first, **second, "manual_resume_step": capture.at_start["global_step"]}
 
@@ -230,20 +279,33 @@ class RngProbe(pl.Callback):
         self.at_batch_end[trainer.global_step] = torch.get_rng_state()
 
 
-def ids_on_rank(rank: int, world_size: int, root: str, size: int, max_steps: int, ckpt_path: Any, accumulate: int = 1) -> dict:
+def ids_on_rank(
+    rank: int, world_size: int, root: str, size: int, max_steps: int, ckpt_path: Any, accumulate: int = 1
+) -> dict:
     lightning_env(rank, world_size)
     torch.manual_seed(1000 + rank)  # every rank's generator differs, so restoring the wrong one shows
     module = IdModule()
     probe = RngProbe()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps, max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         accumulate_grad_batches=accumulate,
         callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False), probe],
     )
     trainer.fit(module, datamodule=IdData(size), ckpt_path=ckpt_path)
-    return {"seen": module.seen, "global_step": trainer.global_step, "rng_at_step": probe.at_batch_end,
-            "rng_at_first_batch": probe.at_first_batch}
+    return {
+        "seen": module.seen,
+        "global_step": trainer.global_step,
+        "rng_at_step": probe.at_batch_end,
+        "rng_at_first_batch": probe.at_first_batch,
+    }
 
 
 def triggers_on_rank(rank: int, world_size: int, workdir: str) -> dict:
@@ -256,13 +318,23 @@ def triggers_on_rank(rank: int, world_size: int, workdir: str) -> dict:
         def on_train_batch_end(self, *args: Any) -> None:
             time_module.sleep(0.05)
 
-    common = dict(accelerator="cpu", devices=world_size, num_nodes=1, logger=False, enable_progress_bar=False,
-                  enable_model_summary=False)
-    by_time = ShardedCheckpoint(f"{workdir}/by-time", every_n_minutes=0.1 / 60, save_on_fit_end=False, log_artifact=False)
+    common = dict(
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    by_time = ShardedCheckpoint(
+        f"{workdir}/by-time", every_n_minutes=0.1 / 60, save_on_fit_end=False, log_artifact=False
+    )
     trainer = pl.Trainer(strategy="shardckpt_ddp", max_steps=4, callbacks=[SlowStep(), by_time], **common)
     trainer.fit(TinyModule(), datamodule=TinyData())
     strategy_type = type(trainer.strategy).__name__
-    by_epoch = ShardedCheckpoint(f"{workdir}/by-epoch", save_on_epoch_end=True, save_on_fit_end=False, log_artifact=False)
+    by_epoch = ShardedCheckpoint(
+        f"{workdir}/by-epoch", save_on_epoch_end=True, save_on_fit_end=False, log_artifact=False
+    )
     trainer = pl.Trainer(strategy="shardckpt_ddp", max_epochs=2, callbacks=[by_epoch], **common)
     trainer.fit(TinyModule(), datamodule=TinyData())
     return {"strategy": strategy_type, "epoch_steps": trainer.num_training_batches}
@@ -271,9 +343,15 @@ def triggers_on_rank(rank: int, world_size: int, workdir: str) -> dict:
 def preflight_on_rank(rank: int, world_size: int, dirpath: str, storage_options: dict) -> dict:
     lightning_env(rank, world_size)
     module = TinyModule()
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=ShardedStrategy(parallelism="ddp"), max_steps=1,
-                         logger=False, enable_progress_bar=False,
-                         callbacks=[ShardedCheckpoint(dirpath, save={"storage_options": storage_options})])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[ShardedCheckpoint(dirpath, save={"storage_options": storage_options})],
+    )
     try:
         trainer.fit(module, datamodule=TinyData())
     except Exception as err:  # the error type and message are the result

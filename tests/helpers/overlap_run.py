@@ -26,7 +26,9 @@ HOLD_S = 0.3  # how long each background copy is held: longer than a step of the
 def bn_net() -> torch.nn.Sequential:
     torch.manual_seed(11)
     # BatchNorm: running statistics and num_batches_tracked change in every forward; Dropout draws from the RNG
-    return torch.nn.Sequential(torch.nn.Linear(13, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(13, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 5)
+    )
 
 
 class BNModule(pl.LightningModule):
@@ -138,16 +140,28 @@ def overlap_fits_on_rank(rank: int, world_size: int, workdir: str, parallelism: 
     lightning_env(rank, world_size)
     torch.manual_seed(100 + rank)
     out: dict[str, Any] = {}
-    for name, module_type, accumulate in (("auto_accumulate", BNModule, 2), ("manual_two_optimizers", ManualTwoOptimizers, 1)):
+    for name, module_type, accumulate in (
+        ("auto_accumulate", BNModule, 2),
+        ("manual_two_optimizers", ManualTwoOptimizers, 1),
+    ):
         root = f"{workdir}/{name}"
         strategy = ShardedStrategy(parallelism=parallelism)
         captured: dict[int, dict[str, Any]] = {}
         records: list = []
         capture_requests(strategy, captured, records)
         trainer = pl.Trainer(
-            accelerator="cpu", devices=world_size, num_nodes=1, strategy=strategy, max_steps=6,
-            accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False, save={"overlap_staging": True})],
+            accelerator="cpu",
+            devices=world_size,
+            num_nodes=1,
+            strategy=strategy,
+            max_steps=6,
+            accumulate_grad_batches=accumulate,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[
+                ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False, save={"overlap_staging": True})
+            ],
         )
         with held_staging_copy(delay_s=HOLD_S):
             trainer.fit(module_type(parallelism), train_dataloaders=data())
@@ -161,7 +175,9 @@ def overlap_fits_on_rank(rank: int, world_size: int, workdir: str, parallelism: 
             "mismatched": mismatched,
             "deferred_copies": [r.overlap_copy_s for r in records],
             "waits": [r.overlap_wait_s for r in records],
-            "stages": [r.stage_s for r in records],  # the request's own copy (pause_s also holds a wait for a free slot)
+            "stages": [
+                r.stage_s for r in records
+            ],  # the request's own copy (pause_s also holds a wait for a free slot)
             "outcomes": [r.outcome for r in records],
         }
     return out

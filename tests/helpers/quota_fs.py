@@ -40,7 +40,7 @@ def used_bytes(root: str) -> int:
 class _QuotaRaw(io.FileIO):
     """The raw file under Python's buffer, where a real disk would refuse bytes: checks the budget."""
 
-    def __init__(self, path: str, mode: str, fs: "QuotaFileSystem") -> None:
+    def __init__(self, path: str, mode: str, fs: QuotaFileSystem) -> None:
         super().__init__(path, mode.replace("b", ""))
         self._fs = fs
 

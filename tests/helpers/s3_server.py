@@ -13,10 +13,11 @@ import logging
 import re
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 REGION = "us-east-1"
 ACCESS_KEY = "testing"  # moto accepts any credentials unless `enforce_auth` is on
@@ -77,7 +78,9 @@ class S3Server:
         try:
             yield
         finally:
-            self._post_or_put("POST", "/moto-api/reset-auth", json.loads(previous)["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"].encode())
+            self._post_or_put(
+                "POST", "/moto-api/reset-auth", json.loads(previous)["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"].encode()
+            )
 
     def stop(self) -> None:
         self._server.stop()
@@ -111,7 +114,11 @@ class Fault:
     hits: int = 0
 
     def matches(self, method: str, path: str) -> bool:
-        return method == self.method and re.search(self.pattern, path) is not None and (self.times is None or self.hits < self.times)
+        return (
+            method == self.method
+            and re.search(self.pattern, path) is not None
+            and (self.times is None or self.hits < self.times)
+        )
 
 
 @dataclass
@@ -202,7 +209,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 continue
             self.send_header(name, value)
         # HEAD answers carry the object's length with no body
-        self.send_header("Content-Length", length if self.command == "HEAD" and length is not None else str(len(response_body)))
+        self.send_header(
+            "Content-Length", length if self.command == "HEAD" and length is not None else str(len(response_body))
+        )
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(response_body)
@@ -224,7 +233,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _forward(self, body: bytes, headers: dict[str, str]) -> tuple[int, str, list[tuple[str, str]], bytes]:
         conn = http.client.HTTPConnection(*self.owner.upstream, timeout=60)
         try:
-            out = {name: value for name, value in headers.items() if name not in _HOP_BY_HOP and name != "content-length"}
+            out = {
+                name: value for name, value in headers.items() if name not in _HOP_BY_HOP and name != "content-length"
+            }
             if body or self.command in ("PUT", "POST"):
                 out["content-length"] = str(len(body))
             conn.request(self.command, self.path, body=body or None, headers=out)

@@ -12,11 +12,18 @@ import os
 import pickle
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "lightning.pytorch", "lightning_shardckpt", "s3fs"]  # s3fs: absent is fine (ImportError is ignored)
+_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "lightning.pytorch",
+    "lightning_shardckpt",
+    "s3fs",
+]  # s3fs: absent is fine (ImportError is ignored)
 _context = None
 
 
@@ -120,8 +127,14 @@ def run_ranks(
             proc.join()
     for rank, proc in enumerate(procs):
         if rank not in outcomes:
-            reason = "timed out" if proc.exitcode in (-9, None) and time.monotonic() >= deadline else "died without reporting"
-            outcomes[rank] = RankOutcome(rank, False, error=f"rank {rank} {reason} (exit code {proc.exitcode})", exitcode=proc.exitcode)
+            reason = (
+                "timed out"
+                if proc.exitcode in (-9, None) and time.monotonic() >= deadline
+                else "died without reporting"
+            )
+            outcomes[rank] = RankOutcome(
+                rank, False, error=f"rank {rank} {reason} (exit code {proc.exitcode})", exitcode=proc.exitcode
+            )
         else:
             outcomes[rank].exitcode = proc.exitcode
             if outcomes[rank].ok:

@@ -23,8 +23,13 @@ def state(step: int) -> dict[str, Any]:
 
 
 def tiers(fast: str, durable: str, options: dict, timeout_s: float = 30.0) -> TiersConfig:
-    return TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable, storage_options=options),
-                       retry_backoff_s=0.2, retry_backoff_max_s=1.0, collective_timeout_s=timeout_s)
+    return TiersConfig(
+        fast=TierConfig(dirpath=fast),
+        durable=TierConfig(dirpath=durable, storage_options=options),
+        retry_backoff_s=0.2,
+        retry_backoff_max_s=1.0,
+        collective_timeout_s=timeout_s,
+    )
 
 
 def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, options: dict, scenario: str) -> dict:
@@ -32,8 +37,9 @@ def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, optio
     config = tiers(fast, durable, options, timeout_s=6.0 if scenario == "kill" else 30.0)
     fast_loc, durable_loc = fsio.resolve(fast), fsio.resolve(durable, options)
     owner = ownership.read_owner(fast_loc)  # a later run of the same job continues its run id
-    saver = CheckpointSaver(fast, SaveConfig(write_events=False, collective_timeout_s=30.0,
-                                             run_id=owner["run_id"] if owner else None))
+    saver = CheckpointSaver(
+        fast, SaveConfig(write_events=False, collective_timeout_s=30.0, run_id=owner["run_id"] if owner else None)
+    )
     group = new_checkpoint_group(config.collective_timeout_s)
     catch_up = missing_on_durable(fast_loc, durable_loc, saver.run_id) if scenario == "catch_up" else None
 
@@ -58,28 +64,59 @@ def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, optio
         replicator.close(10.0)
         saver.close()
     fast_names = [e.name for e in catalog.list_checkpoints(fast_loc) if e.committed]
-    return {"flushed": flushed, "counters": snapshot, "fast": fast_names, "pauses": pauses,
-            "broken": repr(replicator.broken) if replicator.broken else None}
+    return {
+        "flushed": flushed,
+        "counters": snapshot,
+        "fast": fast_names,
+        "pauses": pauses,
+        "broken": repr(replicator.broken) if replicator.broken else None,
+    }
 
 
-def fit_tiers_on_rank(rank: int, world_size: int, tiers_options: dict, max_steps: int, ckpt_path: Any, every: int = 2,
-                      preempt_at: int | None = None) -> dict:
+def fit_tiers_on_rank(
+    rank: int,
+    world_size: int,
+    tiers_options: dict,
+    max_steps: int,
+    ckpt_path: Any,
+    every: int = 2,
+    preempt_at: int | None = None,
+) -> dict:
     """A Lightning fit with ShardedCheckpoint(tiers=...) (see tests/helpers/lightning_run.py for the module)."""
     import lightning.pytorch as pl
 
     from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-    from tests.helpers.lightning_run import CaptureAtStart, CountingCallback, PreemptAt, TinyData, TinyModule, _full, lightning_env
+    from tests.helpers.lightning_run import (
+        CaptureAtStart,
+        CountingCallback,
+        PreemptAt,
+        TinyData,
+        TinyModule,
+        _full,
+        lightning_env,
+    )
 
     lightning_env(rank, world_size)
     capture = CaptureAtStart()
     checkpoint = ShardedCheckpoint(tiers=tiers_options, every_n_train_steps=every, log_artifact=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, num_nodes=1, strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[checkpoint, CountingCallback(), capture, *([PreemptAt(preempt_at)] if preempt_at else [])],
     )
     module = TinyModule(parallelism="ddp")
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
     loaded = trainer.strategy.last_load
-    return {"at_start": capture.at_start, "final": _full(module, trainer.optimizers[0]), "global_step": trainer.global_step,
-            "loaded_from": loaded.path if loaded is not None else None, "counters": checkpoint._tiers.counters()}
+    return {
+        "at_start": capture.at_start,
+        "final": _full(module, trainer.optimizers[0]),
+        "global_step": trainer.global_step,
+        "loaded_from": loaded.path if loaded is not None else None,
+        "counters": checkpoint._tiers.counters(),
+    }

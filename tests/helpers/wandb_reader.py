@@ -23,8 +23,9 @@ import glob
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from wandb.proto import wandb_internal_pb2 as pb
 
@@ -57,7 +58,7 @@ def iter_records(path: str) -> Iterator[pb.Record]:
             continue
         if start + length > len(data):
             return  # torn write at the end
-        payload, pos = data[start:start + length], start + length
+        payload, pos = data[start : start + length], start + length
         if kind == FULL:
             pending = bytearray()
             yield _parse(payload)
@@ -118,15 +119,18 @@ def read_run(path: str) -> OfflineRun:
             run.artifacts.append(_artifact(record.artifact))
         elif kind == "alert":
             alert = record.alert
-            run.alerts.append({"title": alert.title, "text": alert.text, "level": alert.level,
-                               "wait_duration": alert.wait_duration})
+            run.alerts.append(
+                {"title": alert.title, "text": alert.text, "level": alert.level, "wait_duration": alert.wait_duration}
+            )
     return run
 
 
 def find_run_file(save_dir: str) -> str:
     """The one `.wandb` file under `save_dir` (searched recursively); fails if there are none or several."""
     # `wandb/latest-run` is a symlink to the run directory: count each real file once.
-    found = sorted({os.path.realpath(p) for p in glob.glob(os.path.join(save_dir, "**", "run-*.wandb"), recursive=True)})
+    found = sorted(
+        {os.path.realpath(p) for p in glob.glob(os.path.join(save_dir, "**", "run-*.wandb"), recursive=True)}
+    )
     if len(found) != 1:
         raise FileNotFoundError(f"expected one W&B run file under {save_dir}, found {found}")
     return found[0]

@@ -29,10 +29,18 @@ POISONED = ("model.layer.weight", "optimizers.0.state.layer.weight.exp_avg")
 
 def state_at(step: int) -> dict:
     generator = torch.Generator().manual_seed(step)
-    model = {"layer.weight": torch.randn(16, 8, generator=generator), "layer.bias": torch.randn(16, generator=generator),
-             "head.weight": torch.randn(4, 16, generator=generator) * (1000.0 if step >= NAN_FROM else 1.0)}
-    optimizer = {"0": {"state": {"layer.weight": {"exp_avg": torch.randn(16, 8, generator=generator),
-                                                  "step": torch.tensor(float(step))}}}}
+    model = {
+        "layer.weight": torch.randn(16, 8, generator=generator),
+        "layer.bias": torch.randn(16, generator=generator),
+        "head.weight": torch.randn(4, 16, generator=generator) * (1000.0 if step >= NAN_FROM else 1.0),
+    }
+    optimizer = {
+        "0": {
+            "state": {
+                "layer.weight": {"exp_avg": torch.randn(16, 8, generator=generator), "step": torch.tensor(float(step))}
+            }
+        }
+    }
     if step >= NAN_FROM:
         model["layer.weight"][3, 2] = float("nan")
         optimizer["0"]["state"]["layer.weight"]["exp_avg"][0, 0] = float("inf")
@@ -44,8 +52,12 @@ def save_run(root: str, identity_at, metrics_at=lambda step: None) -> None:
     try:
         for step in STEPS:
             metrics = metrics_at(step)
-            result = saver.save(state_at(step), step, identity=identity_at(step),
-                                extra=None if metrics is None else {"metrics": encode_metrics(metrics)}).result(timeout=60)
+            result = saver.save(
+                state_at(step),
+                step,
+                identity=identity_at(step),
+                extra=None if metrics is None else {"metrics": encode_metrics(metrics)},
+            ).result(timeout=60)
             assert result.committed, result.error
     finally:
         saver.close()
@@ -53,8 +65,10 @@ def save_run(root: str, identity_at, metrics_at=lambda step: None) -> None:
 
 def nan_identity(step: int) -> dict:
     # the data changed where the weights went bad: the identity diff must name it
-    return {"config": config_identity({"lr": 0.1}),
-            "data": data_identity(dataset_version="v1" if step < NAN_FROM else "v2-bad-shard", seed=0)}
+    return {
+        "config": config_identity({"lr": 0.1}),
+        "data": data_identity(dataset_version="v1" if step < NAN_FROM else "v2-bad-shard", seed=0),
+    }
 
 
 def loss_at(step: int) -> dict:
@@ -86,8 +100,11 @@ def test_nonfinite_bisect_names_the_first_nan_checkpoint_and_the_one_before_in_l
     assert all(change["nonfinite_b"] > change["nonfinite_a"] for change in affected["changes"][:2])
     assert report["identity"]["differs"] == ["data"]
     good = report["last_good"]["path"]
-    assert report["resume"] == {"ckpt_path": good, "python": f'trainer.fit(model, datamodule, ckpt_path="{good}")',
-                                "hydra": f"python recipes/train.py checkpoint.dirpath={nan_root} resume={good}"}
+    assert report["resume"] == {
+        "ckpt_path": good,
+        "python": f'trainer.fit(model, datamodule, ckpt_path="{good}")',
+        "hydra": f"python recipes/train.py checkpoint.dirpath={nan_root} resume={good}",
+    }
 
 
 def test_linear_bisect_checks_oldest_first_and_stops_at_the_first_bad(nan_root):
@@ -178,7 +195,7 @@ def test_timeline_shows_recorded_metrics_as_columns(nan_root, capsys):
     assert main(["timeline", nan_root, "--metric", "train/loss", "--metric", "lr"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = lines[0].split()
-    assert header[header.index("VERIFIED") + 1:header.index("VERIFIED") + 3] == ["TRAIN/LOSS", "LR"]
+    assert header[header.index("VERIFIED") + 1 : header.index("VERIFIED") + 3] == ["TRAIN/LOSS", "LR"]
     rows = [line.lstrip("* ").split() for line in lines[1:]]
     by_step = {row[0]: row for row in rows if row and row[0].isdigit()}
     assert by_step["6"][-2:] == ["0.0833333", "0.1"] and by_step["7"][-3:] == ["47", "3", "data"]
@@ -190,10 +207,20 @@ def test_drill_bisect_uses_recorded_verdicts_without_starting_a_drill(nan_root):
     location = resolve(nan_root)
     for entry in catalog.list_checkpoints(location):  # as drills would have filed them: fail from the NaN on
         verdict = drill_records.FAILED if entry.step >= NAN_FROM else drill_records.PASSED
-        drill_records.write_record(location, {"checkpoint": entry.name, "drill_id": drill_records.new_drill_id(),
-                                              "verdict": verdict, "cause": "restored tensors hold NaN" if entry.step >= NAN_FROM else None})
+        drill_records.write_record(
+            location,
+            {
+                "checkpoint": entry.name,
+                "drill_id": drill_records.new_drill_id(),
+                "verdict": verdict,
+                "cause": "restored tensors hold NaN" if entry.step >= NAN_FROM else None,
+            },
+        )
     check, kind = parse_check("drill")
     report = bisect(location, check, kind=kind)
     assert (report["last_good"]["step"], report["first_bad"]["step"]) == (NAN_FROM - 1, NAN_FROM)
-    assert report["first_bad"]["summary"].startswith("recorded drill ") and "failed (restored tensors hold NaN)" in report["first_bad"]["summary"]
+    assert (
+        report["first_bad"]["summary"].startswith("recorded drill ")
+        and "failed (restored tensors hold NaN)" in report["first_bad"]["summary"]
+    )
     assert report["affected"]["changes"] is None

@@ -150,13 +150,22 @@ def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, capsys):
     assert run(capsys, "last-good", root)[0] == 2  # nothing drilled yet: an error that says how to drill
     location = resolve(root)
     for step, verdict in ((3, "passed"), (5, "failed")):
-        drill_records.write_record(location, {"checkpoint": names[step], "drill_id": drill_records.new_drill_id(),
-                                              "verdict": verdict, "cause": None if verdict == "passed" else "probe moved"})
+        drill_records.write_record(
+            location,
+            {
+                "checkpoint": names[step],
+                "drill_id": drill_records.new_drill_id(),
+                "verdict": verdict,
+                "cause": None if verdict == "passed" else "probe moved",
+            },
+        )
     rows = {row["step"]: row for row in json.loads(run(capsys, "ls", root, "--json")[1])["checkpoints"]}
     assert (rows[3]["trust"], rows[5]["trust"], rows[9]["trust"]) == ("drilled", "drill-failed", None)
     assert rows[3]["last_good"] and not rows[5]["last_good"] and rows[5]["latest"]
     code, out, _ = run(capsys, "last-good", root)
     assert code == 0 and out.strip().endswith(names[3])
-    timeline = {row["step"]: row for row in json.loads(run(capsys, "timeline", root, "--json")[1])["checkpoints"] if row["name"]}
+    timeline = {
+        row["step"]: row for row in json.loads(run(capsys, "timeline", root, "--json")[1])["checkpoints"] if row["name"]
+    }
     assert (timeline[3]["trust"], timeline[3]["last_good"], timeline[5]["trust"]) == ("drilled", True, "drill-failed")
     assert "drilled (last good)" in run(capsys, "timeline", root)[1]

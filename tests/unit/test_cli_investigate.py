@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.identity.blocks import code_identity, config_identity, data_identity, model_identity, run_identity
+from lightning_shardckpt.identity.blocks import (
+    code_identity,
+    config_identity,
+    data_identity,
+    model_identity,
+    run_identity,
+)
 from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import SHARD
 from tests.helpers.faults import FailOnce
@@ -37,8 +43,13 @@ def root(tmp_path_factory):
     plan = [(1, small, 0.1), (2, small, 0.1), (3, small, 0.1), (4, small, 0.2), (5, wide, 0.2)]
     try:
         for step, model, lr in plan:
-            result = saver.save({"model": model.state_dict()}, step, epoch=0, samples_consumed=8 * step,
-                                identity=identity_of(model, lr, step)).result(timeout=60)
+            result = saver.save(
+                {"model": model.state_dict()},
+                step,
+                epoch=0,
+                samples_consumed=8 * step,
+                identity=identity_of(model, lr, step),
+            ).result(timeout=60)
             assert result.committed == (step != 1), result.error
     finally:
         saver.close()
@@ -57,6 +68,7 @@ def directory(root: str, step: int) -> str:
 
 # --- diff ---
 
+
 def test_diff_of_checkpoints_with_the_same_identity_exits_0_and_shows_the_position(root, capsys):
     code, out, _ = run(capsys, "diff", "--root", root, "step-2", "3")
     assert code == 0, out
@@ -64,7 +76,9 @@ def test_diff_of_checkpoints_with_the_same_identity_exits_0_and_shows_the_positi
     position = out.split("position:")[1].split("\n\n")[0]
     assert "differs (shown, not compared)" in position
     assert [line.split() for line in position.splitlines() if line.split()[:1] == ["step"]] == [["step", "2", "3", "*"]]
-    assert [line.split() for line in position.splitlines() if "samples_consumed" in line] == [["samples_consumed", "16", "24", "*"]]
+    assert [line.split() for line in position.splitlines() if "samples_consumed" in line] == [
+        ["samples_consumed", "16", "24", "*"]
+    ]
 
 
 def test_diff_of_a_changed_config_exits_1_with_the_unified_diff(root, capsys):
@@ -116,6 +130,7 @@ def test_diff_help_documents_selectors_and_the_root_option(capsys):
 
 # --- timeline ---
 
+
 @pytest.fixture
 def stuck_root(root):
     """The module's root plus a fresh uncommitted directory (no manifest, no event); removed afterwards."""
@@ -131,7 +146,19 @@ def test_timeline_lists_failed_attempt_with_its_cause_and_marks_identity_changes
     code, out, _ = run(capsys, "timeline", root)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "ID", "PARENT", "CREATED", "(UTC)", "SIZE", "STATE", "TRUST", "VERIFIED", "IDENTITY", "CHANGED"]
+    assert lines[0].split() == [
+        "STEP",
+        "ID",
+        "PARENT",
+        "CREATED",
+        "(UTC)",
+        "SIZE",
+        "STATE",
+        "TRUST",
+        "VERIFIED",
+        "IDENTITY",
+        "CHANGED",
+    ]
     rows = {int(line.split()[1] if line.startswith("*") else line.split()[0]): line for line in lines[1:6]}
     assert sorted(rows) == [1, 2, 3, 4, 5]
     assert " failed " in rows[1] and all(" committed " in rows[s] for s in (2, 3, 4, 5))

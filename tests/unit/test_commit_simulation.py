@@ -144,7 +144,9 @@ def plan_attempt(rng: random.Random, step: int, writers: int = WRITERS) -> Attem
     return Attempt(step=step, checkpoint_id=f"{rng.getrandbits(48):012x}", data=data, planned=planned)
 
 
-def run_writer(fs, directory: str, writer: int, attempt: Attempt, policy: VerifyConfig, rng: random.Random) -> list[WriteResult]:
+def run_writer(
+    fs, directory: str, writer: int, attempt: Attempt, policy: VerifyConfig, rng: random.Random
+) -> list[WriteResult]:
     """One rank's part with the real storage code; raises WriterDied / CorruptCheckpoint when it fails."""
     failure = attempt.failure if attempt.failing_writer == writer else None
     if failure == "writer_dies_before_write":
@@ -169,7 +171,11 @@ def run_writer(fs, directory: str, writer: int, attempt: Attempt, policy: Verify
     if failure == "writer_dies_before_receipt":
         raise WriterDied(failure)
     return [
-        WriteResult(index=key, size_in_bytes=length, storage_data=ChunkReceipt(relative, offset, length, digest, file_bytes, i in chosen))
+        WriteResult(
+            index=key,
+            size_in_bytes=length,
+            storage_data=ChunkReceipt(relative, offset, length, digest, file_bytes, i in chosen),
+        )
         for i, (key, (offset, length, digest)) in enumerate(zip(keys, file.chunks))
     ]
 
@@ -224,7 +230,9 @@ def run_attempt(world: World, attempt: Attempt, rng: random.Random) -> BaseExcep
             world.violations.append(f"step {attempt.step}: commit refused without reason ({attempt.failure}): {err}")
         return err
     except Exception as err:  # the committer must refuse with CommitFailed, never crash on bad receipts
-        world.violations.append(f"step {attempt.step}: committer crashed on {attempt.failure}/{attempt.delivery}: {err!r}")
+        world.violations.append(
+            f"step {attempt.step}: committer crashed on {attempt.failure}/{attempt.delivery}: {err!r}"
+        )
         return err
     if point is not None or (attempt.failure is not None and attempt.failure not in COORDINATOR_FAILURES):
         world.violations.append(f"step {attempt.step}: committed although {attempt.failure} ({attempt.delivery})")
@@ -240,7 +248,9 @@ def deliver_adversarially(attempt: Attempt, results: list, failed_writer: int) -
         lengths = [len(attempt.data[key.fqn]) for key in keys]
         half, offset = [], 0
         for key, length in zip(keys, lengths):
-            receipt = ChunkReceipt(shard_filename(failed_writer), offset, length, checksum(attempt.data[key.fqn]), sum(lengths), True)
+            receipt = ChunkReceipt(
+                shard_filename(failed_writer), offset, length, checksum(attempt.data[key.fqn]), sum(lengths), True
+            )
             half.append(WriteResult(index=key, size_in_bytes=length, storage_data=receipt))
             offset += length
         return [half if r is None else r for r in results]
@@ -331,8 +341,9 @@ def _flip_byte(fs, path: str, position: int) -> None:
     fs.pipe_file(path, bytes(data))
 
 
-def simulate(root_url: str, storage_options: dict | None, rng: random.Random, *, writers: int, min_trials: int,
-             draw_failure) -> tuple[Counter, list[str]]:
+def simulate(
+    root_url: str, storage_options: dict | None, rng: random.Random, *, writers: int, min_trials: int, draw_failure
+) -> tuple[Counter, list[str]]:
     """Attempt checkpoints under fresh roots below `root_url` until `min_trials` failures were injected,
     checking the invariants after every attempt; return the failures injected and every violation."""
     trials: Counter = Counter()
@@ -360,10 +371,14 @@ def simulate(root_url: str, storage_options: dict | None, rng: random.Random, *,
                 break
         # (d) S3: the only uploads left pending are the manifest creates the simulation abandoned on purpose
         if is_s3(world.location):
-            abandoned = sorted(f"{a.dirname}/{MANIFEST}" for a in world.failed if a.failure == "coordinator_dies_during_manifest")
+            abandoned = sorted(
+                f"{a.dirname}/{MANIFEST}" for a in world.failed if a.failure == "coordinator_dies_during_manifest"
+            )
             pending = pending_uploads(world.location, world.location.path)
             if pending != abandoned:
-                world.violations.append(f"round {rounds}: multipart uploads left pending {pending}, expected {abandoned}")
+                world.violations.append(
+                    f"round {rounds}: multipart uploads left pending {pending}, expected {abandoned}"
+                )
         violations.extend(world.violations)
         _forget(world.location)
         rounds += 1
@@ -372,8 +387,14 @@ def simulate(root_url: str, storage_options: dict | None, rng: random.Random, *,
 
 def test_64_writer_commit_protocol_keeps_its_invariants_under_random_failures():
     rng = random.Random(20240607)
-    trials, violations = simulate(f"memory://commit-sim-{uuid.uuid4().hex}", None, rng, writers=WRITERS,
-                                  min_trials=MIN_TRIALS, draw_failure=lambda rng: rng.choice(FAILURES))
+    trials, violations = simulate(
+        f"memory://commit-sim-{uuid.uuid4().hex}",
+        None,
+        rng,
+        writers=WRITERS,
+        min_trials=MIN_TRIALS,
+        draw_failure=lambda rng: rng.choice(FAILURES),
+    )
 
     assert not violations, f"{len(violations)} violation(s):\n" + "\n".join(violations[:20])
     assert sum(trials.values()) >= MIN_TRIALS
@@ -386,8 +407,14 @@ def test_commit_protocol_keeps_its_invariants_on_s3(s3_root):
     rng = random.Random(20240608)
     deck = list(FAILURES) * (S3_TRIALS // len(FAILURES))
     rng.shuffle(deck)
-    trials, violations = simulate(s3_root.url, s3_root.storage_options, rng, writers=S3_WRITERS, min_trials=S3_TRIALS,
-                                  draw_failure=lambda rng: deck.pop())
+    trials, violations = simulate(
+        s3_root.url,
+        s3_root.storage_options,
+        rng,
+        writers=S3_WRITERS,
+        min_trials=S3_TRIALS,
+        draw_failure=lambda rng: deck.pop(),
+    )
 
     assert not violations, f"{len(violations)} violation(s):\n" + "\n".join(violations[:20])
     assert trials == Counter({failure: S3_TRIALS // len(FAILURES) for failure in FAILURES}), trials

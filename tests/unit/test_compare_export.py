@@ -23,10 +23,13 @@ from tests.helpers.checkpoints import SHARD, save_checkpoint
 def full_state(seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     return {
-        "model": {"encoder.weight": torch.randn(33, 17, generator=generator),
-                  "encoder.bias": torch.randn(33, generator=generator).to(torch.bfloat16),
-                  "steps": torch.tensor(12), "mask": torch.tensor([True, False, True]),
-                  "empty": torch.empty(0, 4)},
+        "model": {
+            "encoder.weight": torch.randn(33, 17, generator=generator),
+            "encoder.bias": torch.randn(33, generator=generator).to(torch.bfloat16),
+            "steps": torch.tensor(12),
+            "mask": torch.tensor([True, False, True]),
+            "empty": torch.empty(0, 4),
+        },
         "optimizers": {"0": {"state": {"encoder.weight": {"exp_avg": torch.randn(33, 17, generator=generator)}}}},
     }
 
@@ -45,8 +48,10 @@ def assert_bit_exact(expected: dict[str, torch.Tensor], actual: dict[str, torch.
     assert sorted(expected) == sorted(actual)
     for name, tensor in expected.items():
         assert actual[name].dtype == tensor.dtype and actual[name].shape == tensor.shape, name
-        assert torch.equal(actual[name].view(torch.uint8) if tensor.is_floating_point() else actual[name],
-                           tensor.view(torch.uint8) if tensor.is_floating_point() else tensor), name
+        assert torch.equal(
+            actual[name].view(torch.uint8) if tensor.is_floating_point() else actual[name],
+            tensor.view(torch.uint8) if tensor.is_floating_point() else tensor,
+        ), name
 
 
 @pytest.fixture
@@ -58,6 +63,7 @@ def saved(tmp_path) -> tuple[str, dict]:
 
 
 # --- export ---
+
 
 def test_torch_export_loads_with_weights_only_and_equals_the_saved_tensors_bit_exactly(saved, tmp_path):
     root, expected = saved
@@ -104,7 +110,9 @@ def test_sharded_safetensors_export_writes_a_hugging_face_index(saved, tmp_path)
 
 def test_export_reads_from_s3_with_checksums(s3_root, tmp_path):
     state = full_state(seed=3)
-    saver = CheckpointSaver(s3_root.url, SaveConfig(async_save=False, write_events=False, storage_options=s3_root.storage_options))
+    saver = CheckpointSaver(
+        s3_root.url, SaveConfig(async_save=False, write_events=False, storage_options=s3_root.storage_options)
+    )
     try:
         assert saver.save(state, step=2).result(timeout=60).committed
     finally:
@@ -136,6 +144,7 @@ def test_a_prefix_that_merges_two_names_is_refused(tmp_path):
 
 # --- compare ---
 
+
 def test_compare_ranks_changed_tensors_by_relative_change_and_counts_non_finite(tmp_path, capsys):
     state_a = full_state()
     state_b = full_state()
@@ -151,21 +160,33 @@ def test_compare_ranks_changed_tensors_by_relative_change_and_counts_non_finite(
     assert [row["fqn"] for row in rows[:2]] == ["optimizers.0.state.encoder.weight.exp_avg", "model.encoder.weight"]
     assert rows[0]["nonfinite_b"] == 1 and rows[0]["max_abs"] == 0.0  # the rest of it is unchanged
     assert rows[1]["max_abs"] == pytest.approx(0.5, abs=1e-6) and rows[1]["relative"] > 0.1
-    assert document["summary"] == {"equal": 4, "changed": 2, "shape_differs": 0, "only_a": 0, "only_b": 0, "became_nonfinite": 1}
+    assert document["summary"] == {
+        "equal": 4,
+        "changed": 2,
+        "shape_differs": 0,
+        "only_a": 0,
+        "only_b": 0,
+        "became_nonfinite": 1,
+    }
     assert main(["compare", "--root", root, "1", "1"]) == 0
 
 
 # --- outcomes ---
 
+
 def test_metrics_round_trip_with_non_finite_values_as_strings(tmp_path):
-    encoded = encode_metrics({"loss": torch.tensor(float("nan")), "lr": 0.1, "grad": float("-inf"), "vec": torch.ones(3), "flag": True})
+    encoded = encode_metrics(
+        {"loss": torch.tensor(float("nan")), "lr": 0.1, "grad": float("-inf"), "vec": torch.ones(3), "flag": True}
+    )
     assert encoded == {"grad": "-inf", "loss": "nan", "lr": 0.1}
     root = str(tmp_path / "root")
     saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
     saver.save({"model": {"w": torch.ones(1)}}, step=1, extra={"metrics": encoded}).result(timeout=60)
     saver.close()
     entry = catalog.find(catalog.fsio.resolve(root))
-    json.loads(open(os.path.join(entry.path, "manifest.json")).read(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    json.loads(
+        open(os.path.join(entry.path, "manifest.json")).read(), parse_constant=lambda c: pytest.fail(f"{c} in JSON")
+    )
     metrics = decode_metrics(entry.manifest)
     assert metrics["lr"] == 0.1 and metrics["grad"] == float("-inf") and metrics["loss"] != metrics["loss"]
 

@@ -35,9 +35,14 @@ def root(tmp_path):
     save_checkpoint(path, step=5)
     for name in (OLD, OLD_EMPTY, YOUNG, CORRUPT, "step-12-notachecpoint", "scratch"):
         os.makedirs(os.path.join(path, name))
-    for name, filename, data in [(OLD, SHARD, b"half a shard"), (OLD, f".{MANIFEST}.deadbeef.tmp", b"{\"id\""),
-                                 (YOUNG, SHARD, b"being written"), (CORRUPT, MANIFEST, b"not json"),
-                                 (CORRUPT, SHARD, b"bytes"), ("scratch", "notes.txt", b"mine")]:
+    for name, filename, data in [
+        (OLD, SHARD, b"half a shard"),
+        (OLD, f".{MANIFEST}.deadbeef.tmp", b'{"id"'),
+        (YOUNG, SHARD, b"being written"),
+        (CORRUPT, MANIFEST, b"not json"),
+        (CORRUPT, SHARD, b"bytes"),
+        ("scratch", "notes.txt", b"mine"),
+    ]:
         with open(os.path.join(path, name, filename), "wb") as handle:
             handle.write(data)
     for name in (OLD, CORRUPT, "step-12-notachecpoint", "scratch"):
@@ -67,7 +72,11 @@ def test_dry_run_is_the_default_and_deletes_nothing(root, capsys):
     assert sorted(os.listdir(root)) == before
     assert "dry run" in out and "--yes" in out
     removable = [line for line in out.splitlines() if line.startswith("REMOVE ")]
-    assert len(removable) == 2 and any(OLD[-12:] in line for line in removable) and any(OLD_EMPTY[-12:] in line for line in removable)
+    assert (
+        len(removable) == 2
+        and any(OLD[-12:] in line for line in removable)
+        and any(OLD_EMPTY[-12:] in line for line in removable)
+    )
 
 
 def test_yes_removes_old_uncommitted_directories_only(root, capsys):
@@ -94,7 +103,7 @@ def test_json_lists_removed_and_kept_with_reasons(root, capsys):
     assert kept[YOUNG]["reason"] == gc.KEEP_YOUNG
     assert kept[CORRUPT]["reason"] == gc.KEEP_CORRUPT and "not valid JSON" in kept[CORRUPT]["problem"]
     assert sorted(item["step"] for item in kept.values() if item["reason"] == gc.KEEP_COMMITTED) == [3, 5]
-    assert report["bytes_reclaimed"] == len(b"half a shard") + len(b"{\"id\"")
+    assert report["bytes_reclaimed"] == len(b"half a shard") + len(b'{"id"')
 
 
 def test_grace_zero_removes_every_uncommitted_directory_and_still_no_committed_or_corrupt_one(root):

@@ -19,15 +19,28 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "health"
 
 
 def _rule(**overrides):
-    rule = {"name": "pause", "metric": "pause_s", "owner": "infra", "range": {"kind": "static", "max": 1.0},
-            "persistence": {"fire_after": 3, "resolve_after": 2}}
+    rule = {
+        "name": "pause",
+        "metric": "pause_s",
+        "owner": "infra",
+        "range": {"kind": "static", "max": 1.0},
+        "persistence": {"fire_after": 3, "resolve_after": 2},
+    }
     rule.update(overrides)
     return rule
 
 
 def _attempt(step, outcome="committed", run_id="r1", **fields):
-    return {"outcome": outcome, "step": step, "created_at": 1000.0 + step, "run_id": run_id, "pause_s": 0.1,
-            "total_s": 1.0, "counters": {}, **fields}
+    return {
+        "outcome": outcome,
+        "step": step,
+        "created_at": 1000.0 + step,
+        "run_id": run_id,
+        "pause_s": 0.1,
+        "total_s": 1.0,
+        "counters": {},
+        **fields,
+    }
 
 
 def _feed(evaluator, pauses, start=1):
@@ -53,14 +66,18 @@ def test_alternating_values_neither_fire_nor_resolve_a_rule_in_the_other_state()
 
 
 def test_duration_persistence_fires_once_out_of_range_long_enough():
-    evaluator = HealthEvaluator(health_config_from([_rule(persistence={"fire_after": 100, "fire_after_s": 2.5, "resolve_after": 1})]))
+    evaluator = HealthEvaluator(
+        health_config_from([_rule(persistence={"fire_after": 100, "fire_after_s": 2.5, "resolve_after": 1})])
+    )
     assert _feed(evaluator, [2.0, 2.0, 2.0]) == []  # 0 s, 1 s, 2 s out of range
     assert _feed(evaluator, [2.0], start=4) == [(FIRED, 4)]  # 3 s
 
 
 def test_learned_range_waits_for_its_warmup_and_never_learns_from_out_of_range_values():
-    rule = _rule(range={"kind": "learned", "warmup": 5, "window": 20, "k": 3.0, "floor": 0.05, "direction": "above"},
-                 persistence={"fire_after": 1, "resolve_after": 1})
+    rule = _rule(
+        range={"kind": "learned", "warmup": 5, "window": 20, "k": 3.0, "floor": 0.05, "direction": "above"},
+        persistence={"fire_after": 1, "resolve_after": 1},
+    )
     evaluator = HealthEvaluator(health_config_from([rule]))
     assert _feed(evaluator, [5.0, 5.0, 5.0, 5.0]) == []  # warming up: no verdict, however large
     assert _feed(evaluator, [1.0] * 20, start=5) == []  # the window now holds mostly 1.0
@@ -72,22 +89,35 @@ def test_learned_range_waits_for_its_warmup_and_never_learns_from_out_of_range_v
 
 
 def test_relative_floor_keeps_a_steady_run_quiet_and_a_halving_fires():
-    rule = {"name": "tput", "metric": "write_gbps", "slice": "rank", "owner": "storage",
-            "range": {"kind": "learned", "warmup": 5, "k": 4.0, "relative_floor": 0.6, "direction": "below"},
-            "persistence": {"fire_after": 2, "resolve_after": 2}}
+    rule = {
+        "name": "tput",
+        "metric": "write_gbps",
+        "slice": "rank",
+        "owner": "storage",
+        "range": {"kind": "learned", "warmup": 5, "k": 4.0, "relative_floor": 0.6, "direction": "below"},
+        "persistence": {"fire_after": 2, "resolve_after": 2},
+    }
     evaluator = HealthEvaluator(health_config_from([rule]))
     noise = random.Random(0)
     for step in range(1, 101):  # ±30 % noise around 2 GB/s on two ranks
         ranks = [{"rank": r, "write_gbps": 2.0 * noise.uniform(0.7, 1.3)} for r in (0, 1)]
         assert evaluator.observe_event(_attempt(step, ranks=ranks)) == []
     slow = [{"rank": 0, "write_gbps": 2.0}, {"rank": 1, "write_gbps": 0.5}]
-    transitions = evaluator.observe_event(_attempt(101, ranks=slow)) + evaluator.observe_event(_attempt(102, ranks=slow))
+    transitions = evaluator.observe_event(_attempt(101, ranks=slow)) + evaluator.observe_event(
+        _attempt(102, ranks=slow)
+    )
     assert [(t.key, t.kind, t.step) for t in transitions] == [("rank1", FIRED, 102)]  # names the slow rank
 
 
 def test_a_commit_clears_every_failure_cause_series():
-    rule = {"name": "causes", "metric": "failed", "slice": "cause", "owner": "storage",
-            "range": {"kind": "static", "max": 0}, "persistence": {"fire_after": 1, "resolve_after": 1}}
+    rule = {
+        "name": "causes",
+        "metric": "failed",
+        "slice": "cause",
+        "owner": "storage",
+        "range": {"kind": "static", "max": 0},
+        "persistence": {"fire_after": 1, "resolve_after": 1},
+    }
     evaluator = HealthEvaluator(health_config_from([rule]))
     full = evaluator.observe_event(_attempt(1, "failed", cause="rank 0: OSError: [Errno 28] No space left on device"))
     late = evaluator.observe_event(_attempt(2, "failed", cause="collective 'checkpoint-id' timed out after 600s"))
@@ -96,12 +126,15 @@ def test_a_commit_clears_every_failure_cause_series():
     assert sorted((t.key, t.kind) for t in cleared) == [("storage_full", RESOLVED), ("timeout", RESOLVED)]
 
 
-@pytest.mark.parametrize("cause, expected", [
-    ("rank 1 did not report 3 planned chunk(s)", "rank_incomplete"),
-    ("cannot reach http://127.0.0.1:9/ (Connection refused)", "storage_unavailable"),
-    ("checksum mismatch in __0_0.distcp", "corrupt"),
-    ("something else", "other"),
-])
+@pytest.mark.parametrize(
+    "cause, expected",
+    [
+        ("rank 1 did not report 3 planned chunk(s)", "rank_incomplete"),
+        ("cannot reach http://127.0.0.1:9/ (Connection refused)", "storage_unavailable"),
+        ("checksum mismatch in __0_0.distcp", "corrupt"),
+        ("something else", "other"),
+    ],
+)
 def test_failure_causes_are_classified_for_the_cause_slice(cause, expected):
     assert failure_cause(cause) == expected
 
@@ -117,31 +150,52 @@ def test_state_is_json_and_a_restored_evaluator_continues_the_counters():
 
 
 def test_drill_and_resume_events_feed_the_restore_rules():
-    rules = [{"name": "drills", "metric": "drill_ok", "owner": "infra", "range": {"kind": "static", "min": 1},
-              "persistence": {"fire_after": 1, "resolve_after": 1}},
-             {"name": "lag", "metric": "drill_lag_checkpoints", "owner": "infra", "range": {"kind": "static", "max": 2},
-              "persistence": {"fire_after": 1, "resolve_after": 1}},
-             {"name": "resume", "metric": "resume_s", "owner": "infra", "range": {"kind": "static", "max": 60},
-              "persistence": {"fire_after": 1, "resolve_after": 1}}]
+    rules = [
+        {
+            "name": "drills",
+            "metric": "drill_ok",
+            "owner": "infra",
+            "range": {"kind": "static", "min": 1},
+            "persistence": {"fire_after": 1, "resolve_after": 1},
+        },
+        {
+            "name": "lag",
+            "metric": "drill_lag_checkpoints",
+            "owner": "infra",
+            "range": {"kind": "static", "max": 2},
+            "persistence": {"fire_after": 1, "resolve_after": 1},
+        },
+        {
+            "name": "resume",
+            "metric": "resume_s",
+            "owner": "infra",
+            "range": {"kind": "static", "max": 60},
+            "persistence": {"fire_after": 1, "resolve_after": 1},
+        },
+    ]
     evaluator = HealthEvaluator(health_config_from(rules))
-    failed = evaluator.observe_event({"event": "drill", "verdict": "failed", "step": 4, "created_at": 1.0, "lag_checkpoints": 3,
-                                      "run_id": "r1"})
+    failed = evaluator.observe_event(
+        {"event": "drill", "verdict": "failed", "step": 4, "created_at": 1.0, "lag_checkpoints": 3, "run_id": "r1"}
+    )
     slow = evaluator.observe_event({"event": "resume", "seconds": 75.0, "step": 4, "created_at": 2.0, "run_id": "r1"})
     assert sorted(t.rule.name for t in failed + slow) == ["drills", "lag", "resume"]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"metric": "pause"}, "metric 'pause' is unknown"),
-    ({"slice": "rank"}, "has no values per 'rank'"),
-    ({"owner": " "}, "has no owner"),
-    ({"mitigation": ""}, "has no mitigation"),
-    ({"severity": "loud"}, "severity 'loud' is unknown"),
-    ({"range": {"kind": "static"}}, "needs min, max or both"),
-    ({"range": {"kind": "learned", "warmup": 10, "window": 5}}, "window >= max(2, warmup)"),
-    ({"persistence": {"fire_after": 0}}, "fire_after >= 1"),
-    ({"threshold": 3}, "unknown field(s) ['threshold']"),
-    ({"range": {"kind": "static", "max": 1, "ceiling": 2}}, "unknown range field(s) ['ceiling']"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"metric": "pause"}, "metric 'pause' is unknown"),
+        ({"slice": "rank"}, "has no values per 'rank'"),
+        ({"owner": " "}, "has no owner"),
+        ({"mitigation": ""}, "has no mitigation"),
+        ({"severity": "loud"}, "severity 'loud' is unknown"),
+        ({"range": {"kind": "static"}}, "needs min, max or both"),
+        ({"range": {"kind": "learned", "warmup": 10, "window": 5}}, "window >= max(2, warmup)"),
+        ({"persistence": {"fire_after": 0}}, "fire_after >= 1"),
+        ({"threshold": 3}, "unknown field(s) ['threshold']"),
+        ({"range": {"kind": "static", "max": 1, "ceiling": 2}}, "unknown range field(s) ['ceiling']"),
+    ],
+)
 def test_a_bad_rule_is_refused_with_the_field_and_the_fix(change, message):
     with pytest.raises(ConfigError) as err:
         rule_from(_rule(**change))
@@ -171,14 +225,18 @@ def test_a_registered_mitigation_is_called_on_fire_and_resolve_and_its_result_re
         return f"paged {transition.rule.owner}"
 
     register_mitigation("page_oncall", page_oncall)
-    watch = HealthWatch(health_config_from([_rule(mitigation="page_oncall", persistence={"fire_after": 1, "resolve_after": 1})]),
-                        fsio.resolve(str(tmp_path)))
+    watch = HealthWatch(
+        health_config_from([_rule(mitigation="page_oncall", persistence={"fire_after": 1, "resolve_after": 1})]),
+        fsio.resolve(str(tmp_path)),
+    )
     watch.on_event(_attempt(1, pause_s=3.0))
     watch.on_event(_attempt(2, pause_s=0.1))
     assert calls == [(FIRED, "r1"), (RESOLVED, "r1")]
     events = [e for e in metrics.read_events(str(tmp_path)) if e.get("event") == "health"]
     assert [(e["transition"], e["mitigation_result"], e["owner"]) for e in events] == [
-        (FIRED, "paged infra", "infra"), (RESOLVED, "paged infra", "infra")]
+        (FIRED, "paged infra", "infra"),
+        (RESOLVED, "paged infra", "infra"),
+    ]
 
 
 def test_an_unknown_mitigation_fails_before_training(tmp_path):
@@ -189,9 +247,16 @@ def test_an_unknown_mitigation_fails_before_training(tmp_path):
 
 
 def test_lower_frequency_holds_while_any_rank_fires_and_lifts_when_the_last_resolves(tmp_path):
-    rule = {"name": "tput", "metric": "write_gbps", "slice": "rank", "owner": "storage", "range": {"kind": "static", "min": 1.0},
-            "persistence": {"fire_after": 1, "resolve_after": 1}, "mitigation": "lower_frequency",
-            "mitigation_options": {"factor": 3}}
+    rule = {
+        "name": "tput",
+        "metric": "write_gbps",
+        "slice": "rank",
+        "owner": "storage",
+        "range": {"kind": "static", "min": 1.0},
+        "persistence": {"fire_after": 1, "resolve_after": 1},
+        "mitigation": "lower_frequency",
+        "mitigation_options": {"factor": 3},
+    }
     watch = HealthWatch(health_config_from([rule]), fsio.resolve(str(tmp_path)))
     both_slow = [{"rank": 0, "write_gbps": 0.1}, {"rank": 1, "write_gbps": 0.1}]
     watch.on_event(_attempt(1, ranks=both_slow))

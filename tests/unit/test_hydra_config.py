@@ -89,8 +89,12 @@ def test_s3_storage_reads_endpoint_credentials_and_region_from_the_environment(m
     cfg = make_cfg("storage=s3")
     assert cfg.checkpoint.dirpath == "s3://bucket-7/checkpoints/tinylm"
     options = OmegaConf.to_container(cfg.checkpoint.save.storage_options, resolve=True)
-    assert options == {"endpoint_url": "http://127.0.0.1:9000", "key": "AKIDEXAMPLE", "secret": "s3cr3t",
-                       "client_kwargs": {"region_name": "eu-west-3"}}
+    assert options == {
+        "endpoint_url": "http://127.0.0.1:9000",
+        "key": "AKIDEXAMPLE",
+        "secret": "s3cr3t",
+        "client_kwargs": {"region_name": "eu-west-3"},
+    }
 
 
 def test_s3_storage_without_environment_leaves_credentials_to_boto(make_cfg, monkeypatch):
@@ -122,7 +126,11 @@ def test_unknown_option_is_rejected_naming_it(make_cfg):
     ("overrides", "named", "fix"),
     [
         (["strategy.parallelism=tp"], "strategy.parallelism='tp'", "strategy=fsdp"),
-        (["strategy=fsdp", "strategy.data_parallel_size=4"], "strategy.data_parallel_size=4", "strategy.data_parallel_size=2"),
+        (
+            ["strategy=fsdp", "strategy.data_parallel_size=4"],
+            "strategy.data_parallel_size=4",
+            "strategy.data_parallel_size=2",
+        ),
         (["trainer.devices=0"], "trainer.devices=0", ">= 1"),
         (["trainer.max_steps=0"], "trainer.max_steps=0", ">= 1"),
         (["resume=true"], "resume=True", "resume=latest"),
@@ -178,6 +186,7 @@ def test_invalid_model_options_name_the_option(make_cfg):
 
 # --- the lead's API: the callback and strategy refuse what cannot work, before training ---
 
+
 @pytest.mark.parametrize(
     ("override", "named"),
     [
@@ -223,7 +232,9 @@ def test_every_config_file_starts_with_its_command_and_comments_every_option(pat
     lines = path.read_text().splitlines()
     if lines[0].startswith("# @package "):  # Hydra reads a package header only as the file's first lines
         lines = lines[1:]
-    assert lines[0].startswith("# ") and re.search(r"python recipes/\w+\.py", lines[0]), f"{path.name} must start with the command that uses it"
+    assert lines[0].startswith("# ") and re.search(r"python recipes/\w+\.py", lines[0]), (
+        f"{path.name} must start with the command that uses it"
+    )
     undocumented = []
     for number, line in enumerate(lines, start=1):
         match = re.match(r"^\s*([A-Za-z_][\w.]*):", line)
@@ -237,8 +248,14 @@ def test_every_config_file_starts_with_its_command_and_comments_every_option(pat
 def test_config_groups_exist_with_their_options():
     for group in ("trainer", "strategy", "checkpoint", "storage", "model", "data", "logger"):
         assert (CONF / group / "default.yaml").is_file(), group
-    for group, option in (("strategy", "ddp"), ("strategy", "fsdp"), ("storage", "local"), ("storage", "s3"),
-                          ("logger", "wandb"), ("logger", "csv")):
+    for group, option in (
+        ("strategy", "ddp"),
+        ("strategy", "fsdp"),
+        ("storage", "local"),
+        ("storage", "s3"),
+        ("logger", "wandb"),
+        ("logger", "csv"),
+    ):
         assert (CONF / group / f"{option}.yaml").is_file(), f"{group}/{option}"
 
 

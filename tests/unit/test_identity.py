@@ -12,7 +12,13 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from lightning_shardckpt.errors import ConfigError, IncompatibleCheckpoint
-from lightning_shardckpt.identity.blocks import code_identity, config_identity, data_identity, model_identity, run_identity
+from lightning_shardckpt.identity.blocks import (
+    code_identity,
+    config_identity,
+    data_identity,
+    model_identity,
+    run_identity,
+)
 from lightning_shardckpt.identity.diff import IdentityPolicy, compare
 
 CONFIG = {"model": {"width": 64, "depth": "${trainer.depth}"}, "trainer": {"depth": 2, "lr": 0.1}}
@@ -150,8 +156,15 @@ def test_code_identity_outside_a_repository_has_no_commit(tmp_path):
 
 
 def test_run_identity_records_the_launch():
-    block = run_identity(world_size=8, device_type="cuda", mesh_shape=[2, 4], num_hosts=2,
-                         argv=["train.py", "lr=0.1"], wandb_run_id="abc", wandb_url="https://wandb.ai/x/abc")
+    block = run_identity(
+        world_size=8,
+        device_type="cuda",
+        mesh_shape=[2, 4],
+        num_hosts=2,
+        argv=["train.py", "lr=0.1"],
+        wandb_run_id="abc",
+        wandb_url="https://wandb.ai/x/abc",
+    )
     assert block["command"] == "train.py lr=0.1" and block["mesh_shape"] == [2, 4]
     assert block["wandb"] == {"run_id": "abc", "url": "https://wandb.ai/x/abc"}
     assert run_identity()["world_size"] == 1
@@ -173,8 +186,11 @@ def test_changed_model_refuses_the_load_naming_the_tensors_and_the_fix():
 
 
 def test_vanished_tensor_and_dtype_change_are_named():
-    report = compare(identity(model=model_identity(Net(extra=True))), identity(model=model_identity(Net(head_dtype=torch.float64))),
-                     IdentityPolicy(model="ignore"))
+    report = compare(
+        identity(model=model_identity(Net(extra=True))),
+        identity(model=model_identity(Net(head_dtype=torch.float64))),
+        IdentityPolicy(model="ignore"),
+    )
     lines = report.differences["model"]
     assert "vanished adapter.weight: [8, 8] torch.float32" in lines
     assert "changed  head.weight: [2, 8] torch.float32 -> [2, 8] torch.float64" in lines
@@ -249,6 +265,8 @@ def test_same_files_under_another_mount_are_the_same_data(tmp_path):
 def test_a_long_model_diff_is_capped_and_counted():
     wide = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(2, 2) for i in range(30)})
     wider = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(2, 3) for i in range(30)})
-    report = compare(identity(model=model_identity(wide)), identity(model=model_identity(wider)), IdentityPolicy(model="warn"))
+    report = compare(
+        identity(model=model_identity(wide)), identity(model=model_identity(wider)), IdentityPolicy(model="warn")
+    )
     lines = report.differences["model"]
     assert len(lines) == 21 and lines[-1] == "... and 40 more like these"

@@ -51,11 +51,17 @@ def state_of(model: Lora, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def snapshot(state: dict) -> dict:
-    return {k: snapshot(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return {
+        k: snapshot(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
 
 
 def zeros(state: dict) -> dict:
-    return {k: zeros(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return {
+        k: zeros(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
 
 
 def assert_equal(got: dict, want: dict) -> None:
@@ -66,7 +72,9 @@ def assert_equal(got: dict, want: dict) -> None:
             assert torch.equal(got[key], value), key
 
 
-def run(root: Path, saves: int, *, full_every_n: int = 10, keep_last: int | None = None, between=None, width: int = 256):
+def run(
+    root: Path, saves: int, *, full_every_n: int = 10, keep_last: int | None = None, between=None, width: int = 256
+):
     """`saves` incremental saves of a LoRA-style model, one optimizer step before each; returns
     (snapshots by step, results)."""
     model = Lora(width, rank=16)
@@ -101,6 +109,7 @@ def own_bytes(path: str) -> int:
 
 
 # --- detection ---
+
 
 def test_tracker_tells_unchanged_from_modified_in_place_and_reassigned():
     a, b, c = torch.ones(4), torch.ones(4), torch.ones(4)
@@ -188,6 +197,7 @@ def test_plain_dcp_load_restores_an_incremental_checkpoint_on_local_disk(tmp_pat
 
 # --- retention and gc by reachability ---
 
+
 def test_retention_keep_last_2_over_30_checkpoints_leaves_only_reachable_files(tmp_path):
     snapshots, results, _, _ = run(tmp_path, 30, full_every_n=10, keep_last=2)
     location = fsio.resolve(str(tmp_path))
@@ -261,6 +271,7 @@ def test_deleting_the_referenced_checkpoint_keeps_its_file_until_the_last_referr
 
 # --- the format ---
 
+
 def _tamper(root: Path, step: int, path: str) -> None:
     entry = next(e for e in catalog.list_checkpoints(fsio.resolve(str(root))) if e.step == step)
     manifest_path = Path(entry.path) / "manifest.json"
@@ -276,12 +287,15 @@ def _tamper(root: Path, step: int, path: str) -> None:
         manifest_format.parse(data, entry.path)
 
 
-@pytest.mark.parametrize("path", [
-    "../../elsewhere/__0_0.distcp",  # escapes the root
-    "../step-000000000-aaaaaaaaaaaa/../step-000000001-bbbbbbbbbbbb/__0_0.distcp",  # a chain of references
-    "../not-a-checkpoint/__0_0.distcp",
-    "/etc/passwd",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../../elsewhere/__0_0.distcp",  # escapes the root
+        "../step-000000000-aaaaaaaaaaaa/../step-000000001-bbbbbbbbbbbb/__0_0.distcp",  # a chain of references
+        "../not-a-checkpoint/__0_0.distcp",
+        "/etc/passwd",
+    ],
+)
 def test_the_schema_refuses_a_reference_that_escapes_or_chains(tmp_path, path):
     run(tmp_path, 2)
     _tamper(tmp_path, 1, path)
@@ -291,8 +305,9 @@ def save_incremental_on_s3(s3_root, run_id: str, steps: int):
     """`steps` incremental saves of a LoRA-style model on the S3 root: (the last state saved, its result)."""
     model = Lora(width=64)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
-    saver = CheckpointSaver(s3_root.url, SaveConfig(incremental=True, storage_options=s3_root.storage_options,
-                                                    run_id=run_id))
+    saver = CheckpointSaver(
+        s3_root.url, SaveConfig(incremental=True, storage_options=s3_root.storage_options, run_id=run_id)
+    )
     try:
         for step in range(steps):
             train_step(model, optimizer)

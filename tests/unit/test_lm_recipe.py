@@ -26,7 +26,11 @@ def test_windows_are_shifted_pairs_with_their_sample_id():
     assert sample_id == 5 and inputs.shape == targets.shape == (16,)
     assert decode(inputs)[1:] == decode(targets)[:-1]
     assert decode(inputs) == data.text[80:96]
-    assert data.fingerprint == CharDataModule(num_chars=1000, seq_len=16).fingerprint != CharDataModule(num_chars=1000, corpus_seed=1).fingerprint
+    assert (
+        data.fingerprint
+        == CharDataModule(num_chars=1000, seq_len=16).fingerprint
+        != CharDataModule(num_chars=1000, corpus_seed=1).fingerprint
+    )
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

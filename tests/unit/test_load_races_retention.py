@@ -51,7 +51,9 @@ def test_latest_deleted_mid_load_re_resolves_to_the_new_latest(tmp_path, retenti
     assert result.step == 4 and torch.equal(target["weights"], torch.full((32,), 4.0))
 
 
-def test_an_explicit_checkpoint_deleted_mid_load_is_reported_deleted_not_corrupt(tmp_path, retention_after_metadata_read):
+def test_an_explicit_checkpoint_deleted_mid_load_is_reported_deleted_not_corrupt(
+    tmp_path, retention_after_metadata_read
+):
     root = str(tmp_path / "run")
     for step in (1, 2, 3):
         save(root, step)

@@ -79,14 +79,22 @@ MUTATIONS = {
     "file path absolute": (lambda m: m["files"][0].update(path="/etc/passwd"), "relative path"),
     "negative size": (lambda m: m["files"][0].update(bytes=-1), "bytes"),
     "bad checksum": (lambda m: m["files"][0].update(checksum="XYZ"), "checksum"),
-    "chunk in an unlisted file": (lambda m: m["tensors"][0]["chunks"][0].update(file="__9_0.distcp"), "not listed in files"),
+    "chunk in an unlisted file": (
+        lambda m: m["tensors"][0]["chunks"][0].update(file="__9_0.distcp"),
+        "not listed in files",
+    ),
     "chunk length negative": (lambda m: m["tensors"][0]["chunks"][0].update(length=-5), "length"),
     "object checksum not hex": (lambda m: m["objects"][0].update(checksum=17), "checksum"),
     "identity a list": (lambda m: m.update(identity=[]), "identity"),
     "seq zero": (lambda m: m.update(seq=0), "seq"),
     "block checksums that do not tile the chunk": (
-        lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 1024, "checksums": ["0123456789abcdef"]}), "blocks has 1 checksum"),
-    "block size zero": (lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 0, "checksums": []}), "blocks is"),
+        lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 1024, "checksums": ["0123456789abcdef"]}),
+        "blocks has 1 checksum",
+    ),
+    "block size zero": (
+        lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 0, "checksums": []}),
+        "blocks is",
+    ),
 }
 
 

@@ -15,12 +15,12 @@ from tests.helpers.held_staging import held_staging_copy
 def model_like_state() -> dict:
     return {
         "model": {"weight": torch.randn(256, 64), "running_mean": torch.zeros(64)},
-        "optim": {"state": {"weight": {"exp_avg": torch.randn(256, 64), "step": torch.tensor(3.0)}},
-                  "param_groups": [{"lr": 0.1, "params": ["weight"]}]},
+        "optim": {
+            "state": {"weight": {"exp_avg": torch.randn(256, 64), "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "params": ["weight"]}],
+        },
         "progress": {"step": 3},
     }
-
-
 
 
 def defer(fqn: str) -> bool:
@@ -34,7 +34,10 @@ def test_overlap_staging_must_be_a_bool():
 
 def test_deferred_tensors_are_copied_after_stage_returns_and_the_rest_before():
     state = model_like_state()
-    expected = {"weight": state["model"]["weight"].clone(), "exp_avg": state["optim"]["state"]["weight"]["exp_avg"].clone()}
+    expected = {
+        "weight": state["model"]["weight"].clone(),
+        "exp_avg": state["optim"]["state"]["weight"]["exp_avg"].clone(),
+    }
     slot = StagingBuffers()
     gate = threading.Event()
     with held_staging_copy(gate=gate):
@@ -89,8 +92,18 @@ def test_saver_guard_fences_before_the_optimizer_step_and_the_checkpoint_holds_t
     assert result.committed, result.error
     assert record.overlap_wait_s > 0.1, "the optimizer step did not wait for the held copy"
     assert record.pause_s < 0.3, "the request waited for the deferred copy"
-    target = {"model": {"weight": torch.zeros(512, 32)}, "optim": {"state": {"weight": {
-        "exp_avg": torch.zeros(512, 32), "exp_avg_sq": torch.zeros(512, 32), "step": torch.tensor(0.0)}}}}
+    target = {
+        "model": {"weight": torch.zeros(512, 32)},
+        "optim": {
+            "state": {
+                "weight": {
+                    "exp_avg": torch.zeros(512, 32),
+                    "exp_avg_sq": torch.zeros(512, 32),
+                    "step": torch.tensor(0.0),
+                }
+            }
+        },
+    }
     load_checkpoint(target, str(tmp_path))
     assert torch.equal(target["model"]["weight"], expected["weight"])
     assert torch.equal(target["optim"]["state"]["weight"]["exp_avg"], expected["exp_avg"])

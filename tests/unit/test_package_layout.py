@@ -55,7 +55,9 @@ def test_every_module_lives_in_a_room_except_the_public_api_and_errors():
     assert top_level == ["__init__.py", "errors.py"]
     for room in ROOMS:
         init = PACKAGE / room / "__init__.py"
-        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} must open with a docstring saying what lives there"
+        assert ast.get_docstring(ast.parse(init.read_text())), (
+            f"{init} must open with a docstring saying what lives there"
+        )
 
 
 def test_the_engine_never_imports_lightning():

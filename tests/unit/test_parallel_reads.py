@@ -15,7 +15,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, LoadConfig, SaveConfig, load_checkpoint, verify_checkpoint
+from lightning_shardckpt import (
+    CheckpointSaver,
+    CorruptCheckpoint,
+    LoadConfig,
+    SaveConfig,
+    load_checkpoint,
+    verify_checkpoint,
+)
 from lightning_shardckpt.engine import manifest as manifest_format
 from lightning_shardckpt.engine.checksum import block_size_for, checksum
 from lightning_shardckpt.engine.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
@@ -57,8 +64,12 @@ def read_items(reader: ShardReader, targets: dict, items: list[ReadItem]) -> Non
 def item(dest: str, storage_offsets: tuple[int, int], lengths: tuple[int, int]) -> ReadItem:
     """A read item taking rows/columns of the stored tensor `w` into the whole of target `dest`."""
     return ReadItem(
-        type=LoadItemType.TENSOR, dest_index=MetadataIndex(dest, (0, 0)), dest_offsets=torch.Size((0, 0)),
-        storage_index=MetadataIndex("w", (0, 0)), storage_offsets=torch.Size(storage_offsets), lengths=torch.Size(lengths),
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(dest, (0, 0)),
+        dest_offsets=torch.Size((0, 0)),
+        storage_index=MetadataIndex("w", (0, 0)),
+        storage_offsets=torch.Size(storage_offsets),
+        lengths=torch.Size(lengths),
     )
 
 
@@ -69,11 +80,17 @@ def test_two_row_shards_from_one_stored_chunk_are_filled_from_a_single_read_of_i
     reader = reader_for(directory, manifest, options)
     targets = {"top": torch.zeros(ROWS // 2, COLUMNS), "bottom": torch.zeros(ROWS // 2, COLUMNS)}
 
-    read_items(reader, targets, [item("top", (0, 0), (ROWS // 2, COLUMNS)), item("bottom", (ROWS // 2, 0), (ROWS // 2, COLUMNS))])
+    read_items(
+        reader,
+        targets,
+        [item("top", (0, 0), (ROWS // 2, COLUMNS)), item("bottom", (ROWS // 2, 0), (ROWS // 2, COLUMNS))],
+    )
 
     assert torch.equal(targets["top"], weights[: ROWS // 2]) and torch.equal(targets["bottom"], weights[ROWS // 2 :])
     chunk = chunk_of(manifest, "w")
-    parts = sorted(LOGS[log_id].bytes_read(os.path.join(directory, SHARD), chunk["offset"], chunk["offset"] + chunk["length"]))
+    parts = sorted(
+        LOGS[log_id].bytes_read(os.path.join(directory, SHARD), chunk["offset"], chunk["offset"] + chunk["length"])
+    )
     assert sum(stop - start for start, stop in parts) == chunk["length"]  # every byte of the chunk, once
     assert all(previous[1] <= following[0] for previous, following in zip(parts, parts[1:]))
     assert (reader.chunks_read, reader.bytes_read) == (1, chunk["length"])
@@ -86,9 +103,15 @@ def test_two_column_slices_of_one_stored_chunk_are_cut_from_a_single_buffered_re
     reader = reader_for(directory, manifest, options)
     targets = {"left": torch.zeros(ROWS, COLUMNS // 2), "right": torch.zeros(ROWS, COLUMNS // 2)}
 
-    read_items(reader, targets, [item("left", (0, 0), (ROWS, COLUMNS // 2)), item("right", (0, COLUMNS // 2), (ROWS, COLUMNS // 2))])
+    read_items(
+        reader,
+        targets,
+        [item("left", (0, 0), (ROWS, COLUMNS // 2)), item("right", (0, COLUMNS // 2), (ROWS, COLUMNS // 2))],
+    )
 
-    assert torch.equal(targets["left"], weights[:, : COLUMNS // 2]) and torch.equal(targets["right"], weights[:, COLUMNS // 2 :])
+    assert torch.equal(targets["left"], weights[:, : COLUMNS // 2]) and torch.equal(
+        targets["right"], weights[:, COLUMNS // 2 :]
+    )
     chunk = chunk_of(manifest, "w")
     parts = LOGS[log_id].bytes_read(os.path.join(directory, SHARD), chunk["offset"], chunk["offset"] + chunk["length"])
     assert sum(stop - start for start, stop in parts) == chunk["length"]
@@ -139,7 +162,9 @@ def test_read_ahead_bytes_holds_buffered_chunks_to_one_at_a_time(tmp_path):
     options, log_id = counting(latency_s=0.02)
     target = {key: None for key in state}
 
-    load_checkpoint(target, counting_url(root), config=LoadConfig(storage_options=options, read_threads=4, read_ahead_bytes=1))
+    load_checkpoint(
+        target, counting_url(root), config=LoadConfig(storage_options=options, read_threads=4, read_ahead_bytes=1)
+    )
 
     assert target == state
     assert LOGS[log_id].peak_running == 1
@@ -169,7 +194,9 @@ def test_read_settings_that_cannot_work_are_refused_with_the_fix():
 
 def test_on_s3_every_chunk_is_read_once_with_range_gets_in_parallel_and_a_flipped_byte_is_named(s3_root):
     state = many_tensors()
-    saver = CheckpointSaver(s3_root.url, SaveConfig(async_save=False, write_events=False, storage_options=s3_root.storage_options))
+    saver = CheckpointSaver(
+        s3_root.url, SaveConfig(async_save=False, write_events=False, storage_options=s3_root.storage_options)
+    )
     try:
         saved = saver.save(state, step=1).result(timeout=120)
     finally:
@@ -199,7 +226,9 @@ def test_a_record_is_located_from_its_head_and_tail_alone_and_another_layout_is_
     save_record(tensor, ours)
     data = ours.getvalue()
     tail_start = len(data) - TAIL_BYTES
-    start = record_data_offset(bytearray(data[:HEAD_BYTES]), bytearray(data[tail_start:]), tail_start, len(data), tensor.nbytes)
+    start = record_data_offset(
+        bytearray(data[:HEAD_BYTES]), bytearray(data[tail_start:]), tail_start, len(data), tensor.nbytes
+    )
     assert start is not None and data[start : start + tensor.nbytes] == tensor.numpy().tobytes()
 
     # torch.save of a view writes its whole storage: the storage is not the chunk's bytes, so it is declined
@@ -207,7 +236,12 @@ def test_a_record_is_located_from_its_head_and_tail_alone_and_another_layout_is_
     torch.save(tensor[::2], view)
     other = view.getvalue()
     tail_start = len(other) - TAIL_BYTES
-    assert record_data_offset(bytearray(other[:HEAD_BYTES]), bytearray(other[tail_start:]), tail_start, len(other), tensor[::2].nbytes) is None
+    assert (
+        record_data_offset(
+            bytearray(other[:HEAD_BYTES]), bytearray(other[tail_start:]), tail_start, len(other), tensor[::2].nbytes
+        )
+        is None
+    )
 
 
 # --- block checksums: a rank that needs part of a large chunk reads and checks only the blocks holding it ---
@@ -239,10 +273,20 @@ def test_a_rank_that_needs_half_of_a_large_chunk_reads_and_checks_only_the_block
     half = BIG_ROWS // 2
     targets = {"bottom": torch.zeros(half, BIG_COLUMNS)}
 
-    read_items(reader, targets, [ReadItem(
-        type=LoadItemType.TENSOR, dest_index=MetadataIndex("bottom", (0, 0)), dest_offsets=torch.Size((0, 0)),
-        storage_index=MetadataIndex("w", (0, 0)), storage_offsets=torch.Size((half, 0)), lengths=torch.Size((half, BIG_COLUMNS)),
-    )])
+    read_items(
+        reader,
+        targets,
+        [
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex("bottom", (0, 0)),
+                dest_offsets=torch.Size((0, 0)),
+                storage_index=MetadataIndex("w", (0, 0)),
+                storage_offsets=torch.Size((half, 0)),
+                lengths=torch.Size((half, BIG_COLUMNS)),
+            )
+        ],
+    )
 
     assert torch.equal(targets["bottom"], weights[half:])
     # the bottom half's 4 MiB and the block holding the record's head (the tail's block is the half's last)
@@ -261,8 +305,12 @@ def test_a_flipped_byte_is_named_by_block_where_it_is_read_and_full_verify_finds
     reader = reader_for(directory, manifest, options, expected_blocks=manifest_format.expected_blocks(manifest))
     bottom = BIG_ROWS // 2
     item_bottom = ReadItem(
-        type=LoadItemType.TENSOR, dest_index=MetadataIndex("bottom", (0, 0)), dest_offsets=torch.Size((0, 0)),
-        storage_index=MetadataIndex("w", (0, 0)), storage_offsets=torch.Size((bottom, 0)), lengths=torch.Size((bottom, BIG_COLUMNS)),
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("bottom", (0, 0)),
+        dest_offsets=torch.Size((0, 0)),
+        storage_index=MetadataIndex("w", (0, 0)),
+        storage_offsets=torch.Size((bottom, 0)),
+        lengths=torch.Size((bottom, BIG_COLUMNS)),
     )
     targets = {"bottom": torch.zeros(bottom, BIG_COLUMNS)}
 

@@ -19,8 +19,9 @@ def state(step: int) -> dict:
 
 def save(root: str, step: int, run_id: str = RUN, fault_hook=None, **options) -> dict | None:
     """Commit `step` as run `run_id`, as a resumed (or first) process of that run would; return the manifest."""
-    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, run_id=run_id, **options),
-                            fault_hook=fault_hook)
+    saver = CheckpointSaver(
+        root, SaveConfig(async_save=False, write_events=False, run_id=run_id, **options), fault_hook=fault_hook
+    )
     try:
         result = saver.save(state(step), step=step).result(timeout=60)
     finally:

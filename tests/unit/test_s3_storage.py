@@ -34,7 +34,11 @@ def model_state(seed: int = 0) -> dict:
 
 def zeros_like(state: dict) -> dict:
     return {
-        key: zeros_like(value) if isinstance(value, dict) else torch.zeros_like(value) if isinstance(value, torch.Tensor) else None
+        key: zeros_like(value)
+        if isinstance(value, dict)
+        else torch.zeros_like(value)
+        if isinstance(value, torch.Tensor)
+        else None
         for key, value in state.items()
     }
 
@@ -100,7 +104,9 @@ def test_manifest_create_sends_if_none_match_and_a_second_create_is_refused(s3_s
     assert s3_server.object_bytes(s3_root.bucket, f"{s3_root.prefix}/manifest.json") == b"first"
 
 
-def test_a_big_multipart_create_is_conditional_and_leaves_no_upload_behind(s3_server, s3_root, s3_fault_proxy, monkeypatch):
+def test_a_big_multipart_create_is_conditional_and_leaves_no_upload_behind(
+    s3_server, s3_root, s3_fault_proxy, monkeypatch
+):
     monkeypatch.setattr(fsio, "MULTIPART_CHUNK_BYTES", 5 * 2**20)  # S3's smallest part: 11 MiB is 3 parts
     options = s3_server.storage_options(s3_fault_proxy.endpoint)
     fs = resolve(s3_root.url, options).fs
@@ -208,7 +214,9 @@ def test_a_create_whose_response_was_lost_is_recognised_as_ours(s3_server, s3_ro
     assert len(manifest_puts) == 2 and manifest_puts[0].faulted
 
 
-def test_a_persistent_error_fails_that_save_only_and_the_next_one_commits(s3_server, s3_root, s3_fault_proxy, fast_retries):
+def test_a_persistent_error_fails_that_save_only_and_the_next_one_commits(
+    s3_server, s3_root, s3_fault_proxy, fast_retries
+):
     options = s3_server.storage_options(s3_fault_proxy.endpoint, **NO_HTTP_RETRIES)
     fault = s3_fault_proxy.fail("PUT", r"__0_0\.distcp", times=None)  # the shard upload never succeeds
     saver = CheckpointSaver(s3_root.url, SaveConfig(storage_options=options))
@@ -224,7 +232,9 @@ def test_a_persistent_error_fails_that_save_only_and_the_next_one_commits(s3_ser
     assert states == {1: "uncommitted", 2: "committed"} or states == {2: "committed"}
 
 
-def test_a_persistent_error_on_the_manifest_gives_up_after_the_bounded_attempts(s3_server, s3_root, s3_fault_proxy, fast_retries):
+def test_a_persistent_error_on_the_manifest_gives_up_after_the_bounded_attempts(
+    s3_server, s3_root, s3_fault_proxy, fast_retries
+):
     options = s3_server.storage_options(s3_fault_proxy.endpoint, **NO_HTTP_RETRIES)
     fault = s3_fault_proxy.fail("PUT", r"/manifest\.json$", times=None, code="InternalError", status=500)
     before = retry.counters.snapshot().get("gave_up.create_if_absent", 0)
@@ -244,7 +254,9 @@ def test_preflight_passes_and_leaves_nothing_behind(s3_server, s3_root):
 
 def test_preflight_names_a_missing_bucket_and_the_fix(s3_server):
     location = resolve("s3://no-such-bucket/run-1", s3_server.storage_options())
-    with pytest.raises(StorageUnavailable, match=r"bucket 'no-such-bucket' does not exist: create it or fix dirpath") as caught:
+    with pytest.raises(
+        StorageUnavailable, match=r"bucket 'no-such-bucket' does not exist: create it or fix dirpath"
+    ) as caught:
         preflight(location)
     assert "s3://no-such-bucket/run-1" in str(caught.value)
 
@@ -252,12 +264,16 @@ def test_preflight_names_a_missing_bucket_and_the_fix(s3_server):
 def test_preflight_names_rejected_credentials_and_the_fix(s3_server, s3_root):
     location = resolve(s3_root.url, s3_server.storage_options(key="AKIAWRONGWRONGWRONG1", secret="nope"))
     with s3_server.enforce_auth():
-        with pytest.raises(StorageUnavailable, match=r"credentials rejected .*set storage_options key/secret or AWS_\* env vars") as caught:
+        with pytest.raises(
+            StorageUnavailable, match=r"credentials rejected .*set storage_options key/secret or AWS_\* env vars"
+        ) as caught:
             preflight(location)
     assert s3_root.url in str(caught.value) and "InvalidAccessKeyId" in str(caught.value)
 
 
-def test_a_shard_upload_failing_mid_multipart_is_aborted_not_left_behind(s3_server, s3_root, s3_fault_proxy, fast_retries):
+def test_a_shard_upload_failing_mid_multipart_is_aborted_not_left_behind(
+    s3_server, s3_root, s3_fault_proxy, fast_retries
+):
     # 5 MiB parts (S3's smallest) so a 6 MiB shard is a multipart upload; its second part always fails
     options = s3_server.storage_options(s3_fault_proxy.endpoint, default_block_size=5 * 2**20, **NO_HTTP_RETRIES)
     s3_fault_proxy.fail("PUT", r"__0_0\.distcp\?partNumber=2&", times=None)
@@ -289,15 +305,30 @@ def test_transient_and_permanent_errors_are_told_apart():
 
     def s3_error(code: str, status: int) -> OSError:
         err = OSError(5, code)
-        err.__cause__ = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+        err.__cause__ = ClientError(
+            {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+        )
         return err
 
-    for transient in (s3_error("ServiceUnavailable", 503), s3_error("SlowDown", 503), s3_error("InternalError", 500),
-                      s3_error("RequestTimeout", 400), OSError(16, "busy"), TimeoutError(), ConnectionResetError(),
-                      EndpointConnectionError(endpoint_url="http://x")):
+    for transient in (
+        s3_error("ServiceUnavailable", 503),
+        s3_error("SlowDown", 503),
+        s3_error("InternalError", 500),
+        s3_error("RequestTimeout", 400),
+        OSError(16, "busy"),
+        TimeoutError(),
+        ConnectionResetError(),
+        EndpointConnectionError(endpoint_url="http://x"),
+    ):
         assert retry.is_transient(transient), transient
-    for permanent in (s3_error("AccessDenied", 403), s3_error("NoSuchBucket", 404), FileNotFoundError("x"),
-                      FileExistsError("x"), PermissionError("x"), ValueError("x")):
+    for permanent in (
+        s3_error("AccessDenied", 403),
+        s3_error("NoSuchBucket", 404),
+        FileNotFoundError("x"),
+        FileExistsError("x"),
+        PermissionError("x"),
+        ValueError("x"),
+    ):
         assert not retry.is_transient(permanent), permanent
 
 
@@ -312,7 +343,12 @@ def test_the_callback_refuses_an_unreachable_root_before_training_starts():
     from tests.helpers.lightning_run import preflight_on_rank
     from tests.helpers.spawn import run_ranks
 
-    options = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
+    options = {
+        "endpoint_url": "http://127.0.0.1:9",
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     outcome = run_ranks(preflight_on_rank, 1, "s3://no-such-bucket-here/run", options)[0].value
     assert outcome["error"].startswith("StorageUnavailable") and "no-such-bucket-here" in outcome["error"]
     assert outcome["global_step"] == 0

@@ -9,7 +9,10 @@ from lightning_shardckpt.engine.persist import RankZeroSavePlanner
 
 
 def _plans(world_size: int, fqns: list[str]) -> list[SavePlan]:
-    return [SavePlan([WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in fqns]) for _ in range(world_size)]
+    return [
+        SavePlan([WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in fqns])
+        for _ in range(world_size)
+    ]
 
 
 def _writer_of(plans: list[SavePlan]) -> dict[str, list[int]]:

@@ -101,6 +101,7 @@ def test_an_empty_run_id_is_rejected():
 
 # --- the callback: which run id a fit uses ---
 
+
 class FakeStrategy:
     """What ShardedCheckpoint._adopt_run_id reads and writes on a ShardedStrategy."""
 
@@ -136,7 +137,9 @@ def test_the_callback_adopts_the_run_id_of_a_checkpoint_resumed_from_its_own_roo
 def test_the_callback_starts_a_new_run_id_when_resuming_from_another_root(tmp_path):
     # a warm start or fine-tune from someone else's checkpoint is a new run: two of them into one
     # new root must still be told apart
-    run_id = adopt(make_callback(str(tmp_path / "finetune")), FakeStrategy(loaded_from(str(tmp_path / "base"), "run-a")))
+    run_id = adopt(
+        make_callback(str(tmp_path / "finetune")), FakeStrategy(loaded_from(str(tmp_path / "base"), "run-a"))
+    )
     assert run_id and run_id != "run-a"
 
 

@@ -29,8 +29,10 @@ soak = load_soak()
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    return soak.run_soak(soak.SoakConfig(checkpoints=30, failure_rate=0.1, keep_last=3, seed=0),
-                         str(tmp_path_factory.mktemp("soak") / "root"))
+    return soak.run_soak(
+        soak.SoakConfig(checkpoints=30, failure_rate=0.1, keep_last=3, seed=0),
+        str(tmp_path_factory.mktemp("soak") / "root"),
+    )
 
 
 def test_counters_add_up_and_every_injected_failure_is_counted_once(report):
@@ -69,7 +71,15 @@ def test_random_failures_are_seeded_exact_and_picklable():
     failed = []
     for save in range(60):
         try:
-            for point in ("before_write", "mid_shard", "after_write", "before_receipt", "before_metadata", "before_manifest", "after_manifest"):
+            for point in (
+                "before_write",
+                "mid_shard",
+                "after_write",
+                "before_receipt",
+                "before_metadata",
+                "before_manifest",
+                "after_manifest",
+            ):
                 hook(point)
         except OSError as err:
             failed.append(save)

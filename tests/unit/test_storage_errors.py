@@ -26,7 +26,8 @@ SIGABRT_EXIT = 134
 
 def _report(proc) -> list[dict]:
     assert proc.returncode == 0, (
-        f"the saving process exited {proc.returncode}" + (" (SIGABRT)" if proc.returncode in (SIGABRT_EXIT, -6) else "")
+        f"the saving process exited {proc.returncode}"
+        + (" (SIGABRT)" if proc.returncode in (SIGABRT_EXIT, -6) else "")
         + f"\n--- stdout ---\n{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -84,7 +85,9 @@ def test_a_background_save_running_out_of_quota_fails_and_the_process_exits_0(tm
 def test_a_failed_save_keeps_its_error_without_the_frames_local_variables(tmp_path):
     """The kept error must not keep the failed save's objects (record writers, staged state) alive."""
     options = quota_fs.quota_options(tmp_path / "quota", 5_000)
-    saver = CheckpointSaver(quota_fs.quota_url(tmp_path / "quota"), SaveConfig(async_save=False, storage_options=options))
+    saver = CheckpointSaver(
+        quota_fs.quota_url(tmp_path / "quota"), SaveConfig(async_save=False, storage_options=options)
+    )
     result = saver.save(state(), step=1).result()
     saver.close()
     assert not result.committed and "No space left on device" in str(result.error)
@@ -172,11 +175,15 @@ def test_on_s3_a_failed_attempt_is_removed_and_the_committed_one_stays(s3_server
     from lightning_shardckpt.engine.fsio import resolve
     from tests.helpers.faults import FailOnce
 
-    saver = CheckpointSaver(s3_root.url, SaveConfig(storage_options=s3_root.storage_options), fault_hook=FailOnce("after_write"))
+    saver = CheckpointSaver(
+        s3_root.url, SaveConfig(storage_options=s3_root.storage_options), fault_hook=FailOnce("after_write")
+    )
     failed = saver.save(state(), step=1).result(timeout=60)  # its shard object was uploaded, then the rank failed
     committed = saver.save(state(), step=2).result(timeout=60)
     saver.close()
     assert not failed.committed and failed.cleanup == "removed" and committed.committed
     attempt = failed.path.rstrip("/").rsplit("/", 1)[-1]
     assert not s3_server.fs.find(f"{s3_root.bucket}/{s3_root.prefix}/{attempt}")
-    assert [(e.step, e.state) for e in list_checkpoints(resolve(s3_root.url, s3_root.storage_options))] == [(2, "committed")]
+    assert [(e.step, e.state) for e in list_checkpoints(resolve(s3_root.url, s3_root.storage_options))] == [
+        (2, "committed")
+    ]

@@ -27,8 +27,17 @@ from lightning_shardckpt.lightning.tiers import CheckpointTiers
         ({"fast": {"dirpath": ""}}, "dirpath='' is empty"),
         ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r/{node_rank}"}}, "durable tier must be one place"),
         ({"fast": {"dirpath": "/x/{host}"}}, "placeholder other than {node_rank}"),
-        ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r", "every_n_checkpoints": 0}}, "every_n_checkpoints=0"),
-        ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r", "every_n_checkpoints": 2, "every_minutes": 5}}, "not both"),
+        (
+            {"fast": {"dirpath": "/x"}, "durable": {"dirpath": "s3://b/r", "every_n_checkpoints": 0}},
+            "every_n_checkpoints=0",
+        ),
+        (
+            {
+                "fast": {"dirpath": "/x"},
+                "durable": {"dirpath": "s3://b/r", "every_n_checkpoints": 2, "every_minutes": 5},
+            },
+            "not both",
+        ),
         ({"fast": {"dirpath": "/x", "keep_last": 0}}, "keep_last=0 would delete"),
         ({"fast": {"dirpath": "/x", "every_minutes": 3}}, "the fast tier receives every save"),
         ({"fast": {"dirpath": "/x"}, "durable": {"dirpath": "/x"}}, "give the durable tier its own root"),
@@ -43,15 +52,21 @@ def test_tier_config_rejects_nonsense_naming_the_option_and_fix(options, message
 
 
 def test_tiers_config_from_hydra_dict_templates_the_node_rank():
-    config = tiers_config_from({"fast": {"dirpath": "/local/ckpt/node{node_rank}", "keep_last": 2},
-                                "durable": {"dirpath": "s3://b/run", "every_n_checkpoints": 3, "storage_options": {"anon": False}}})
+    config = tiers_config_from(
+        {
+            "fast": {"dirpath": "/local/ckpt/node{node_rank}", "keep_last": 2},
+            "durable": {"dirpath": "s3://b/run", "every_n_checkpoints": 3, "storage_options": {"anon": False}},
+        }
+    )
     assert config.fast.node_local and not config.durable.node_local
     assert config.fast.dirpath_for(3) == "/local/ckpt/node3"
     assert tiers_config_from(None) is None and tiers_config_from({"fast": None}) is None  # the `single` preset
 
 
 def test_callback_takes_its_root_from_the_fast_tier_and_refuses_a_second_one():
-    callback = ShardedCheckpoint(tiers={"fast": {"dirpath": "/tmp/fast{node_rank}"}, "durable": {"dirpath": "/tmp/durable"}})
+    callback = ShardedCheckpoint(
+        tiers={"fast": {"dirpath": "/tmp/fast{node_rank}"}, "durable": {"dirpath": "/tmp/durable"}}
+    )
     assert callback.dirpath == "/tmp/fast{node_rank}"
     with pytest.raises(ConfigError, match="leave dirpath unset"):
         ShardedCheckpoint("/elsewhere", tiers={"fast": {"dirpath": "/tmp/fast"}})
@@ -59,7 +74,9 @@ def test_callback_takes_its_root_from_the_fast_tier_and_refuses_a_second_one():
 
 # --- the verified copy ---
 def _commit(root: str, step: int, value: float = 1.0, run_id: str | None = None) -> str:
-    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, run_id=run_id, allow_shared_root=True))
+    saver = CheckpointSaver(
+        root, SaveConfig(async_save=False, write_events=False, run_id=run_id, allow_shared_root=True)
+    )
     result = saver.save({"w": torch.full((2**16,), value), "meta": {"step": step}}, step=step).result(timeout=60)
     saver.close()
     assert result.committed, result.error
@@ -72,7 +89,10 @@ def test_copy_verification_catches_a_flipped_byte(tmp_path):
     manifest = json.loads((src / "manifest.json").read_text())
     fs = fsio.resolve(str(tmp_path)).fs
     os.makedirs(tmp_path / "ok")
-    assert copy_verified(fs, str(src), fs, str(tmp_path / "ok"), "__0_0.distcp", manifest, piece_bytes=4096) == (src / "__0_0.distcp").stat().st_size
+    assert (
+        copy_verified(fs, str(src), fs, str(tmp_path / "ok"), "__0_0.distcp", manifest, piece_bytes=4096)
+        == (src / "__0_0.distcp").stat().st_size
+    )
     data = bytearray((src / "__0_0.distcp").read_bytes())
     data[-100] ^= 0x01
     (src / "__0_0.distcp").write_bytes(bytes(data))
@@ -125,7 +145,9 @@ def test_fast_retention_spares_unreplicated_checkpoints_up_to_max_unreplicated_t
     fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
     run = "run-a"
     names = [_commit(fast, step, run_id=run) for step in range(1, 7)]
-    config = TiersConfig(fast=TierConfig(dirpath=fast, keep_last=1, max_unreplicated=2), durable=TierConfig(dirpath=durable))
+    config = TiersConfig(
+        fast=TierConfig(dirpath=fast, keep_last=1, max_unreplicated=2), durable=TierConfig(dirpath=durable)
+    )
     tiers = CheckpointTiers(config, node_rank=0, local_rank=0)
     tiers.replicator = SimpleNamespace(newest_durable=names[1], snapshot=lambda: {})  # steps 1-2 are durable
     spare = tiers.fast_spare(keep_last=1, run_id=run)
@@ -151,7 +173,10 @@ def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path
     assert lines["2"][5] == "fast" and f"resumes the fast copy of {second}" in out
     assert main(["ls", fast, "--durable", durable, "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert [(r["step"], r["fast"], r["durable"]) for r in document["checkpoints"]] == [(1, "committed", "committed"), (2, "committed", None)]
+    assert [(r["step"], r["fast"], r["durable"]) for r in document["checkpoints"]] == [
+        (1, "committed", "committed"),
+        (2, "committed", None),
+    ]
 
 
 def test_replicator_copies_every_nth_commit_and_the_newest_at_close(tmp_path):
@@ -208,6 +233,10 @@ def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
     assert [(e["outcome"], e["step"], e["lag_checkpoints"]) for e in events] == [("committed", 1, 0)]
     seen = {(o.metric, o.value) for o in observe(events[0]) if o.slice == "run"}
     assert seen == {("replication_ok", 1.0), ("replication_lag_checkpoints", 0.0)}
-    rule = {"name": "replication-behind", "metric": "replication_lag_checkpoints", "owner": "infra",
-            "range": {"kind": "static", "max": 3}}
+    rule = {
+        "name": "replication-behind",
+        "metric": "replication_lag_checkpoints",
+        "owner": "infra",
+        "range": {"kind": "static", "max": 3},
+    }
     assert health_config_from([rule]).rules[0].metric == "replication_lag_checkpoints"  # a rule may watch it

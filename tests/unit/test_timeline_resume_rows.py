@@ -26,7 +26,9 @@ def root(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("timeline") / "run")
     saver = CheckpointSaver(path, SaveConfig(async_save=False), fault_hook=FailOnce("mid_shard", times=1))
     try:
-        assert not saver.save({"w": torch.ones(3), "b": torch.zeros(2)}, 4).result(timeout=60).committed  # the injected failure
+        assert (
+            not saver.save({"w": torch.ones(3), "b": torch.zeros(2)}, 4).result(timeout=60).committed
+        )  # the injected failure
         committed = saver.save({"w": torch.ones(3), "b": torch.zeros(2)}, 2).result(timeout=60)
         assert committed.committed, committed.error
     finally:
@@ -36,11 +38,20 @@ def root(tmp_path_factory):
     name = source.rstrip("/").rsplit("/", 1)[-1]
     legacy = {"event": "resume", "from": source, "step": 2, "seconds": 0.5, "differences": {}, "unrecorded": []}
     metrics.write_json_event(location, "resume-step-000000002", legacy)
-    current = {**legacy, "seconds": 0.75, "from_id": name.rsplit("-", 1)[-1], "world_size": 3, "from_world_size": 2,
-               "differences": {"run": ["world_size 2 -> 3"]}}
+    current = {
+        **legacy,
+        "seconds": 0.75,
+        "from_id": name.rsplit("-", 1)[-1],
+        "world_size": 3,
+        "from_world_size": 2,
+        "differences": {"run": ["world_size 2 -> 3"]},
+    }
     metrics.write_json_event(location, "resume-step-000000002", current)
-    metrics.write_json_event(location, "drill-step-000000002", {"event": "drill", "checkpoint_id": name.rsplit("-", 1)[-1],
-                                                                   "step": 2, "verdict": "passed"})
+    metrics.write_json_event(
+        location,
+        "drill-step-000000002",
+        {"event": "drill", "checkpoint_id": name.rsplit("-", 1)[-1], "step": 2, "verdict": "passed"},
+    )
     return path, name
 
 
@@ -67,7 +78,9 @@ def test_timeline_prints_resumes_as_resumes_and_failures_with_their_cause(root, 
     path, name = root
     assert main(["timeline", path]) == 0
     out = capsys.readouterr().out
-    table = [line.split() for line in out.splitlines()[1:] if line[:1] != "*" and line.split() and line.split()[0].isdigit()]
+    table = [
+        line.split() for line in out.splitlines()[1:] if line[:1] != "*" and line.split() and line.split()[0].isdigit()
+    ]
     assert [row[0] for row in table if "failed" in row] == ["4"], out  # the real failure, and nothing else
     assert sum("resumed" in row for row in table) == 2
     assert any("2->3" in row for row in table if "resumed" in row), out

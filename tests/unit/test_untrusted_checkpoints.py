@@ -93,13 +93,20 @@ def crafted(tmp_path):
 
 def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_through_the_allow_list(tmp_path):
     state = fresh_state()
-    state["extra"] = {"rng": torch.get_rng_state(), "blob": b"\x00\x01", "ints": torch.arange(5, dtype=torch.int64),
-                      "half": torch.ones(3, dtype=torch.bfloat16), "plain": {"a": [1, 2.5, "x"], "t": (1, None)}}
+    state["extra"] = {
+        "rng": torch.get_rng_state(),
+        "blob": b"\x00\x01",
+        "ints": torch.arange(5, dtype=torch.int64),
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "plain": {"a": [1, 2.5, "x"], "t": (1, None)},
+    }
     root = str(tmp_path / "ckpt")
     manifest = save_checkpoint(root, state=state)
     data = Path(directory_of(root, manifest), DCP_METADATA).read_bytes()
     metadata = safe_pickle.load_dcp_metadata(data, root, expected=manifest[safe_pickle.DCP_METADATA_FIELD])
-    assert set(metadata.state_dict_metadata) == {t["fqn"] for t in manifest["tensors"]} | {o["fqn"] for o in manifest["objects"]}
+    assert set(metadata.state_dict_metadata) == {t["fqn"] for t in manifest["tensors"]} | {
+        o["fqn"] for o in manifest["objects"]
+    }
     assert manifest[safe_pickle.DCP_METADATA_FIELD] == {"checksum": safe_pickle.checksum(data), "bytes": len(data)}
 
 
@@ -218,8 +225,14 @@ def test_an_object_that_would_run_a_command_is_refused_and_the_marker_never_appe
 
 def test_lightning_blob_with_a_blocked_class_names_it_the_checkpoint_and_the_fix():
     rest = {"hyper_parameters": {"lr": 0.1}, "callbacks": {"x": Opaque(1)}, "t": torch.ones(2), "s": torch.Size([2])}
-    loaded = {lightning_state.LIGHTNING_KEY: lightning_state.to_dcp_state({"state_dict": {}, **rest})[lightning_state.LIGHTNING_KEY]}
-    with pytest.raises(UntrustedCheckpoint, match=r"/ckpt/step-1: .*test_untrusted_checkpoints\.Opaque.*trust_checkpoint=True"):
+    loaded = {
+        lightning_state.LIGHTNING_KEY: lightning_state.to_dcp_state({"state_dict": {}, **rest})[
+            lightning_state.LIGHTNING_KEY
+        ]
+    }
+    with pytest.raises(
+        UntrustedCheckpoint, match=r"/ckpt/step-1: .*test_untrusted_checkpoints\.Opaque.*trust_checkpoint=True"
+    ):
         lightning_state.lightning_rest(loaded, where="/ckpt/step-1")
     trusted = lightning_state.lightning_rest(loaded, trust=True)
     assert trusted["callbacks"]["x"] == Opaque(1)
@@ -228,8 +241,13 @@ def test_lightning_blob_with_a_blocked_class_names_it_the_checkpoint_and_the_fix
 def test_lightning_blob_of_plain_state_tensors_and_hparams_loads_with_trust_off():
     from lightning.fabric.utilities.data import AttributeDict
 
-    rest = {"hyper_parameters": AttributeDict(lr=0.1, name="x"), "loops": {"fit_loop": {"epoch": 1}},
-            "rng": torch.get_rng_state(), "dtype": torch.bfloat16, "size": torch.Size([3])}
+    rest = {
+        "hyper_parameters": AttributeDict(lr=0.1, name="x"),
+        "loops": {"fit_loop": {"epoch": 1}},
+        "rng": torch.get_rng_state(),
+        "dtype": torch.bfloat16,
+        "size": torch.Size([3]),
+    }
     blob = lightning_state.to_dcp_state({"state_dict": {}, **rest})[lightning_state.LIGHTNING_KEY]
     loaded = lightning_state.lightning_rest({lightning_state.LIGHTNING_KEY: blob})
     assert loaded["hyper_parameters"] == {"lr": 0.1, "name": "x"}
@@ -241,7 +259,9 @@ def test_blocked_global_names_module_and_qualname():
         safe_pickle.loads(pickle.dumps(Opaque(1)))
     assert caught.value.name == f"{__name__}.Opaque"
     with pytest.raises(safe_pickle.BlockedGlobal):
-        safe_pickle.RestrictedUnpickler(io.BytesIO(pickle.dumps(RunsCommand("true"))), safe_pickle.DCP_METADATA_GLOBALS).load()
+        safe_pickle.RestrictedUnpickler(
+            io.BytesIO(pickle.dumps(RunsCommand("true"))), safe_pickle.DCP_METADATA_GLOBALS
+        ).load()
 
 
 def test_lightning_blob_with_hydra_containers_in_hparams_loads_with_trust_off():

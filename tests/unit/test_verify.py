@@ -149,11 +149,15 @@ def test_manifest_whose_chunks_leave_a_gap_is_reported(committed):
     # as a writer that built it wrong would have: a commit record that matches the wrong manifest
     record = os.path.join(directory, COMMIT_RECORD)
     os.chmod(record, 0o644)
-    open(record, "wb").write(manifest_format.to_bytes(manifest_format.build_commit_record(edited, json.dumps(edited).encode())))
+    open(record, "wb").write(
+        manifest_format.to_bytes(manifest_format.build_commit_record(edited, json.dumps(edited).encode()))
+    )
 
     report = verify_checkpoint(root)
     tiling = problems_of(report, TILING)
-    assert [(p["file"], p["actual"]) for p in tiling] == [(SHARD, f"the next at byte {manifest['objects'][0]['length']}")]
+    assert [(p["file"], p["actual"]) for p in tiling] == [
+        (SHARD, f"the next at byte {manifest['objects'][0]['length']}")
+    ]
     assert problems_of(report, FILE_CHECKSUM)  # made over every chunk written, not only the listed ones
 
 

@@ -40,8 +40,16 @@ def offline_run(tmp_path_factory):
     logger = WandbLogger(save_dir=str(save_dir), project="reader-test", mode="offline")
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=logger, log_every_n_steps=1,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     logger.log_hyperparams({"lr": 0.1, "nested": {"depth": 2}, "big": BIG})
     trainer.fit(Regression(), DataLoader(data, batch_size=4))
     import wandb
@@ -62,7 +70,9 @@ def test_history_rows_hold_every_logged_step(offline_run):
     losses = [(row["trainer/global_step"], row["train/loss"]) for row in run.history if "train/loss" in row]
     assert [step for step, _ in losses] == list(range(6))
     assert all(isinstance(loss, float) for _, loss in losses)
-    assert [step for step, _ in run.series("train/loss")] == [row["_step"] for row in run.history if "train/loss" in row]
+    assert [step for step, _ in run.series("train/loss")] == [
+        row["_step"] for row in run.history if "train/loss" in row
+    ]
 
 
 def test_config_summary_and_artifacts_are_read(offline_run):
@@ -89,7 +99,7 @@ def test_a_torn_tail_ends_the_stream_without_error(offline_run, tmp_path):
         handle.truncate(torn.stat().st_size - 5)  # a run still being written (or killed mid-record)
     partial = list(iter_records(str(torn)))
     assert 0 < len(partial) < len(complete)
-    assert [r.SerializeToString() for r in partial] == [r.SerializeToString() for r in complete[:len(partial)]]
+    assert [r.SerializeToString() for r in partial] == [r.SerializeToString() for r in complete[: len(partial)]]
 
 
 def test_a_file_that_is_not_a_run_is_refused(tmp_path):
