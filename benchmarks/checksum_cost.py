@@ -17,8 +17,8 @@ import time
 import fsspec
 import torch
 
-from lightning_shardckpt.engine import storage
-from lightning_shardckpt.engine.checksum import block_size_for
+from lightning_shardckpt.engine.format.checksum import block_size_for
+from lightning_shardckpt.engine.storage import writer as storage
 
 SINK = "/dev/null"
 

@@ -20,8 +20,8 @@ import lightning.pytorch as pl  # noqa: E402
 import lm  # noqa: E402
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy  # noqa: E402
-from lightning_shardckpt.engine import drill_records  # noqa: E402
-from lightning_shardckpt.engine.fsio import resolve  # noqa: E402
+from lightning_shardckpt.engine.format import drill_records  # noqa: E402
+from lightning_shardckpt.engine.storage.fsio import resolve  # noqa: E402
 
 
 class LoopTimer(pl.Callback):

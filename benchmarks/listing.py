@@ -86,8 +86,8 @@ def synthetic_manifest(
 
 def make_root(root: str, checkpoints: int, tensors: int, version: int = 2) -> list[str]:
     """Write `checkpoints` committed synthetic checkpoints of one run under `root`; return their names."""
-    from lightning_shardckpt.engine import manifest as manifest_format
-    from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
+    from lightning_shardckpt.engine.format import manifest as manifest_format
+    from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
 
     os.makedirs(root, exist_ok=True)
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -113,8 +113,10 @@ def make_root(root: str, checkpoints: int, tensors: int, version: int = 2) -> li
 
 def run_operation(operation: str, root: str) -> dict:
     """Run one operation in this process; report seconds and peak RSS above the post-import baseline."""
-    from lightning_shardckpt.engine import catalog, fsio
-    from lightning_shardckpt.ops import cli, retention
+    from lightning_shardckpt.cli import main as cli
+    from lightning_shardckpt.engine import catalog
+    from lightning_shardckpt.engine.storage import fsio
+    from lightning_shardckpt.policies import retention
 
     location = fsio.resolve(root)
     baseline_kib = _reset_peak_rss()

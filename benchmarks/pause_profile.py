@@ -25,7 +25,7 @@ def profile_ours(ctx: RankContext) -> dict[str, Any]:
     """
     from torch.distributed._state_dict_utils import _copy_state_dict
 
-    from lightning_shardckpt.engine import staging
+    from lightning_shardckpt.engine.save import staging
 
     pieces: dict[str, list[float]] = {
         "save_call": [],

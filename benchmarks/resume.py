@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
-from lightning_shardckpt.engine.layout import shard_filename
+from lightning_shardckpt.engine.format.layout import shard_filename
 
 SAVED_WORLDS = (2, 3, 4)  # every checkpoint is saved once, on this many ranks
 # restoring world -> (label, method, saved world); the first row of each world is its same-size reference

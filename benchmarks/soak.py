@@ -46,8 +46,9 @@ if str(REPO) not in sys.path:  # run as a script: tests.helpers is importable fr
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, VerifyConfig, load_checkpoint, verify_checkpoint  # noqa: E402
 from lightning_shardckpt.engine import catalog  # noqa: E402
-from lightning_shardckpt.engine.fsio import resolve  # noqa: E402
-from lightning_shardckpt.ops import gc, retention  # noqa: E402
+from lightning_shardckpt.engine.storage.fsio import resolve  # noqa: E402
+from lightning_shardckpt.ops import gc  # noqa: E402
+from lightning_shardckpt.policies import retention  # noqa: E402
 from tests.helpers.faults import RandomFailures  # noqa: E402
 
 MIB = 2**20

@@ -56,10 +56,10 @@ def _prepared(saver, state) -> None:
 
 def bench_rank(rank: int, world_size: int, size_gib: float, workdir: str, s3_url: str, options: dict, tag: str) -> dict:
     from lightning_shardckpt import CheckpointSaver, SaveConfig
-    from lightning_shardckpt.engine import fsio
     from lightning_shardckpt.engine.collectives import new_checkpoint_group
-    from lightning_shardckpt.engine.replicate import Replicator
-    from lightning_shardckpt.engine.tiers import TierConfig, TiersConfig
+    from lightning_shardckpt.engine.storage import fsio
+    from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig
+    from lightning_shardckpt.engine.tiers.replicate import Replicator
 
     torch.set_num_threads(1)
     state = make_state(rank, size_gib)

@@ -1,10 +1,10 @@
 """lightning_shardckpt: sharded checkpoints that commit atomically, verify themselves and reshard on load."""
 
 from .engine.config import LoadConfig, SaveConfig, VerifyConfig
-from .engine.loader import LoadResult, load_checkpoint
+from .engine.load.loader import LoadResult, load_checkpoint
 from .engine.metrics import CheckpointRecord, read_events
-from .engine.persist import SaveResult
-from .engine.saver import CheckpointSaver, PendingSave
+from .engine.save.persist import SaveResult
+from .engine.save.saver import CheckpointSaver, PendingSave
 from .errors import (
     CheckpointNotFound,
     CommitFailed,
@@ -16,13 +16,13 @@ from .errors import (
     UntrustedCheckpoint,
 )
 from .lightning.callback import ShardedCheckpoint
-from .lightning.mitigations import HealthControl, MitigationContext, register_mitigation
 from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
 from .lightning.strategy import register as _register_strategies
 from .ops.export import ExportOptions, ExportResult, export_checkpoint
-from .ops.health_eval import Transition
-from .ops.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .ops.verify import VerifyReport, verify_checkpoint
+from .policies.health_eval import Transition
+from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
+from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
 
 _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
 

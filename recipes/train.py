@@ -94,7 +94,7 @@ def committed_steps(dirpath: str, storage_options: dict[str, Any]) -> list[int]:
     """Steps of the committed checkpoints under `dirpath` ([] if none, or if it cannot be listed)."""
     try:
         from lightning_shardckpt.engine.catalog import list_checkpoints
-        from lightning_shardckpt.engine.fsio import resolve
+        from lightning_shardckpt.engine.storage.fsio import resolve
 
         return [entry.step for entry in list_checkpoints(resolve(dirpath, storage_options)) if entry.committed]
     except Exception:  # noqa: BLE001 - an unreachable root is the callback's error to report, with its own message

@@ -56,7 +56,7 @@ def s3_fault_proxy(s3_server):
 @pytest.fixture
 def fast_retries():
     """Our retry layer with millisecond backoffs, so a test of four attempts takes no time."""
-    from lightning_shardckpt.engine import retry
+    from lightning_shardckpt.engine.storage import retry
 
     previous = retry.set_policy(retry.RetryPolicy(attempts=4, base_s=0.01, max_s=0.05))
     yield retry.get_policy()

@@ -26,11 +26,12 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
-from . import drill_records, fsio, retry
-from . import manifest as manifest_format
-from .fsio import Location
-from .layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
-from .manifest_schema import parse_time
+from .format import drill_records
+from .format import manifest as manifest_format
+from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
+from .format.manifest_schema import parse_time
+from .storage import fsio, retry
+from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def resolve_latest(
     return newest
 
 
-LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/drill_records.py): proven to restore
+LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/format/drill_records.py): proven to restore
 
 
 def last_good(

@@ -61,10 +61,10 @@ class SaveConfig:
         False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
     )
     # write only what changed since the last save; unchanged chunks are references into the earlier checkpoint
-    # that holds their bytes (engine/incremental.py, docs/FORMAT.md §9). Off by default until proven
+    # that holds their bytes (engine/save/incremental.py, docs/FORMAT.md §9). Off by default until proven
     incremental: bool = False
     full_every_n: int = 10  # with incremental: every N-th save is full, so references reach back at most N-1 saves
-    # each node writes its own root (a node-local tier, engine/tiers.py): the coordinator cannot see other nodes'
+    # each node writes its own root (a node-local tier, engine/tiers/config.py): the coordinator cannot see other nodes'
     # files, so it checks the sizes of those it sees; each rank's read-back vouches for its own
     node_local: bool = False
     # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later);

@@ -16,9 +16,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import fsio
-from .fsio import Location
-from .layout import EVENTS_DIR, join
+from .format.layout import EVENTS_DIR, join
+from .storage import fsio
+from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import ConfigError, StorageUnavailable
-from . import fsio, retry
 from .collectives import broadcast_from_coordinator, rank_and_world
-from .fsio import Location
-from .layout import OWNER, join
+from .format.layout import OWNER, join
+from .storage import fsio, retry
+from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
 

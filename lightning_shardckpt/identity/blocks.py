@@ -20,9 +20,9 @@ from typing import Any
 import fsspec
 import torch
 
-from ..engine.checksum import checksum
 from ..engine.collectives import rank_and_world
-from ..engine.manifest import package_version
+from ..engine.format.checksum import checksum
+from ..engine.format.manifest import package_version
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ..engine.collectives import rank_and_world
-from ..engine.manifest import IDENTITY_BLOCKS as BLOCKS
+from ..engine.format.manifest import IDENTITY_BLOCKS as BLOCKS
 from ..errors import ConfigError, IncompatibleCheckpoint
 
 log = logging.getLogger(__name__)

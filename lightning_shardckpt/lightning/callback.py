@@ -19,24 +19,25 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from ..engine import fsio, metrics, ownership
+from ..engine import metrics, ownership
 from ..engine.collectives import all_gather_objects, rank_and_world
 from ..engine.config import LoadConfig, save_config_from
+from ..engine.format.outcomes import METRICS_EXTRA, encode_metrics
 from ..engine.metrics import CheckpointRecord
-from ..engine.outcomes import METRICS_EXTRA, encode_metrics
-from ..engine.tiers import tiers_config_from
+from ..engine.storage import fsio
+from ..engine.tiers.config import tiers_config_from
 from ..errors import ConfigError, StorageUnavailable
-from ..ops import retention
-from ..ops.health_rules import health_config_from
+from ..policies import retention
+from ..policies.health_rules import health_config_from
+from ..policies.tiers import CheckpointTiers
+from ..training.data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from .callback_config import CallbackConfig
 from .checkpoint_logging import log_record, log_resume
-from .data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from .drills import TrainingDrills, drill_config_from
 from .health import HealthWatch
 from .run_identity import RunIdentity
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
-from .tiers import CheckpointTiers
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class ShardedCheckpoint(Checkpoint):
         health: Any = None,
         tiers: Any = None,
     ) -> None:
-        # a fast tier + a durable tier (lightning/tiers.py): dirpath is then the fast tier's (validated now)
+        # a fast tier + a durable tier (policies/tiers.py): dirpath is then the fast tier's (validated now)
         self.tiers_config = tiers_config_from(tiers)
         self._tiers: CheckpointTiers | None = None
         if self.tiers_config is not None:

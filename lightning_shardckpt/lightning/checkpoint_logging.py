@@ -6,8 +6,8 @@ import logging
 
 import lightning.pytorch as pl
 
-from ..engine.checksum import checksum
-from ..engine.manifest import to_bytes
+from ..engine.format.checksum import checksum
+from ..engine.format.manifest import to_bytes
 from ..engine.metrics import CheckpointRecord
 from .wandb_artifacts import log_checkpoint_artifact
 

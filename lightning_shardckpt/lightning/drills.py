@@ -2,7 +2,7 @@
 
 ShardedCheckpoint owns one `TrainingDrills`. At a save it records the probe's value (when a probe is
 configured) in the manifest's `extra`; when a checkpoint commits, rank 0 hands every N-th one to a
-background `DrillRunner` (fresh processes, low priority; ops/drill.py), and when a drill finishes its
+background `DrillRunner` (fresh processes, low priority; policies/drill.py), and when a drill finishes its
 result is logged through the Trainer's loggers on the training thread and written as an event under
 ROOT/events/. Nothing here touches training state: a drill reads storage only.
 """
@@ -20,11 +20,11 @@ import lightning.pytorch as pl
 import torch
 
 from ..engine import metrics
-from ..engine.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
-from ..engine.fsio import Location
+from ..engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
+from ..engine.storage.fsio import Location
 from ..errors import ConfigError
-from ..ops.drill import DrillOptions, DrillRunner
-from ..ops.drill_worker import PROBE_EXTRA, load_callable
+from ..policies.drill import DrillOptions, DrillRunner
+from ..policies.drill_worker import PROBE_EXTRA, load_callable
 from .callback_config import options_from
 
 log = logging.getLogger(__name__)

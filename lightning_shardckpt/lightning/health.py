@@ -3,7 +3,7 @@
 ShardedCheckpoint owns one `HealthWatch`. Rank 0 feeds it every checkpoint attempt's event document
 (from the saver's background thread, right after the event file is written) and every drill result
 (from the drill thread): evaluation costs microseconds and never runs on the training thread. A rule
-that fires or resolves calls its mitigation (lightning/mitigations.py), writes a `health` event under
+that fires or resolves calls its mitigation (policies/mitigations.py), writes a `health` event under
 ROOT/events/ and queues an alert. At each batch end the training thread of every rank runs `sync`: one
 all-reduce that carries rank 0's control state (save-interval factor, skip-when-busy, stop) together
 with the preemption flag the callback already exchanged there, so every rank changes its schedule at
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..engine import metrics
-from ..engine.fsio import Location
-from ..ops.health_eval import FIRED, HealthEvaluator, Transition
-from ..ops.health_observe import HEALTH_EVENT, RULES_EVENT
-from ..ops.health_rules import HealthConfig
-from .mitigations import DRILL, HealthControl, MitigationContext, mitigation_for
+from ..engine.storage.fsio import Location
+from ..policies.health_eval import FIRED, HealthEvaluator, Transition
+from ..policies.health_observe import HEALTH_EVENT, RULES_EVENT
+from ..policies.health_rules import HealthConfig
+from ..policies.mitigations import DRILL, HealthControl, MitigationContext, mitigation_for
 from .wandb_artifacts import wandb_run
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from ..engine import safe_pickle
+from ..engine.format import safe_pickle
 
 MODEL_KEY = "model"
 OPTIMIZERS_KEY = "optimizers"

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .data import ResumableDistributedSampler
+from ..training.data import ResumableDistributedSampler
 
 log = logging.getLogger(__name__)
 

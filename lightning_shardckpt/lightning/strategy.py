@@ -25,17 +25,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from ..engine import catalog, fsio
+from ..engine import catalog
 from ..engine.collectives import new_checkpoint_group
 from ..engine.config import LoadConfig, SaveConfig
-from ..engine.layout import join, parse_dirname
-from ..engine.loader import LoadResult, load_checkpoint
-from ..engine.saver import CheckpointSaver, PendingSave
+from ..engine.format.layout import join, parse_dirname
+from ..engine.load.loader import LoadResult, load_checkpoint
+from ..engine.save.saver import CheckpointSaver, PendingSave
+from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
-from ..ops import retention
+from ..policies import retention
+from ..training.staging_fence import StagingFence
 from . import lightning_state
 from .sampler_injection import restore_position, use_resumable_sampler
-from .staging_fence import StagingFence
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ShardedStrategy(StagingFence):
                 target, root, which, config=load_config, strict=strict, process_group=self.checkpoint_group()
             )
         except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
-            if tier_fallbacks:  # the same checkpoint on the other tier (lightning/tiers.py)
+            if tier_fallbacks:  # the same checkpoint on the other tier (policies/tiers.py)
                 path, config, message = tier_fallbacks[0]
                 log.warning("%s (%s)", message, err)
                 self.last_load = load_checkpoint(

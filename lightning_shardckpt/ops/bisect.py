@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import catalog
-from ..engine.fsio import Location
-from ..engine.layout import join, shard_rank
+from ..engine.format.layout import join, shard_rank
+from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound
 from . import investigate
 from .checks import NUMERIC, Check, CheckpointHandle, CheckResult, safely

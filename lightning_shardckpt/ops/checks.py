@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from ..engine import drill_records
 from ..engine.catalog import CheckpointEntry
-from ..engine.fsio import Location
-from ..engine.global_tensors import GlobalTensorReader
-from ..engine.layout import join
-from ..engine.outcomes import decode_metrics
+from ..engine.format import drill_records
+from ..engine.format.layout import join
+from ..engine.format.outcomes import decode_metrics
+from ..engine.load.global_tensors import GlobalTensorReader
+from ..engine.storage.fsio import Location
 from ..errors import ConfigError, CorruptCheckpoint
+from ..policies.drill import DrillOptions, run_drill
+from ..policies.drill_worker import DrillFailed, load_callable
 from .compare import nonfinite_count
-from .drill import DrillOptions, run_drill
-from .drill_worker import DrillFailed, load_callable
 from .verify import verify_checkpoint
 
 NONFINITE, NONFINITE_RECORDED, VERIFY, DRILL, METRIC = "nonfinite", "nonfinite:recorded", "verify", "drill", "metric:"

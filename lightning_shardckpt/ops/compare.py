@@ -1,7 +1,7 @@
 """`shardckpt compare A B`: per global tensor, how two checkpoints differ numerically.
 
 Global tensors, not shards: A saved on 4 ranks and B on 2 compare tensor by tensor (each assembled from
-its chunks, every byte checked; engine/global_tensors.py). At most one tensor of each checkpoint is in
+its chunks, every byte checked; engine/load/global_tensors.py). At most one tensor of each checkpoint is in
 memory at a time, and the statistics run over blocks of BLOCK elements, so temporaries stay small too.
 
 Per tensor: `equal` (bit for bit), `max_abs` (largest |B - A| over elements finite in both),
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..engine.global_tensors import GlobalTensorReader, TensorSpec
+from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
 
 BLOCK = 1 << 22  # elements per statistics block: each float64 temporary is 32 MiB, whatever the tensor size
 TINY = 1e-30  # |A| below this counts as zero scale: `relative` is then max_abs itself

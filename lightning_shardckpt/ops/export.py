@@ -1,7 +1,7 @@
 """`shardckpt export CKPT OUT`: take a checkpoint out of our format, one tensor at a time.
 
 The global tensors (any world size, FSDP shards included) are read from local disk or an object store
-with every byte checked against the manifest (engine/global_tensors.py) and written straight to the
+with every byte checked against the manifest (engine/load/global_tensors.py) and written straight to the
 artifact (ops/export_formats.py), so peak memory is about the largest tensor (twice with a dtype cast)
 plus one read buffer, not the model. Objects (param_groups, Lightning's loops and hyperparameters) are
 not exported: the artifact is tensors only, for inference and other tools.
@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from ..engine import catalog, fsio
-from ..engine.global_tensors import GlobalTensorReader, TensorSpec
-from ..engine.layout import LATEST, join
+from ..engine import catalog
+from ..engine.format.layout import LATEST, join
+from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
+from ..engine.storage import fsio
 from ..errors import ConfigError
 from .export_formats import (
     FORMATS,

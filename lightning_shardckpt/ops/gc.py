@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..engine import catalog
-from ..engine import references as refs
-from ..engine.fsio import Location, is_object_store
-from ..engine.layout import MANIFEST, join
+from ..engine.format import references as refs
+from ..engine.format.layout import MANIFEST, join
+from ..engine.storage.fsio import Location, is_object_store
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def plan(location: Location, grace_s: float = DEFAULT_GRACE_S) -> list[GcItem]:
     if grace_s < 0:
         raise ConfigError(f"grace={grace_s}s is negative; use 0 (remove every uncommitted directory) or more seconds")
     entries = catalog.list_checkpoints(location)
-    pinned = refs.pinned_files(location, entries)  # the reachability retention uses (engine/references.py)
+    pinned = refs.pinned_files(location, entries)  # the reachability retention uses (engine/format/references.py)
     return [_decide(entry, location, grace_s, pinned) for entry in entries]
 
 

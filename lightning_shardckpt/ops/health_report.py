@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..engine.fsio import Location
 from ..engine.metrics import read_events
+from ..engine.storage.fsio import Location
 from ..errors import ConfigError
-from .health_eval import FIRED, HealthEvaluator, Transition, range_text
-from .health_observe import HEALTH_EVENT, RULES_EVENT
-from .health_rules import HealthConfig, health_config_from
+from ..policies.health_eval import FIRED, HealthEvaluator, Transition, range_text
+from ..policies.health_observe import HEALTH_EVENT, RULES_EVENT
+from ..policies.health_rules import HealthConfig, health_config_from
 
 
 @dataclass

@@ -10,7 +10,7 @@ timeline: every checkpoint directory under a root, plus the attempts the event l
 directory (failed before writing, or skipped), in the order they happened. A directory without a manifest
 is *failed* when an event says so (with its cause) or when it is older than the grace period; younger and
 without a failure event, it is *in-flight*. Committed checkpoints that retention deleted are not listed.
-Committed rows carry `metrics`, the outcome recorded at save time (engine/outcomes.py).
+Committed rows carry `metrics`, the outcome recorded at save time (engine/format/outcomes.py).
 Each committed checkpoint is compared with the previous committed one as `diff` would: where a block
 changed, the row's `identity_changed` names it. A run that resumed is a row of its own, state
 *resumed*, with `resume`: the checkpoint it resumed from and the world size before and after.
@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..engine import catalog, drill_records, fsio
-from ..engine.fsio import Location
-from ..engine.layout import LATEST, join, parse_dirname
-from ..engine.manifest import IDENTITY_BLOCKS
+from ..engine import catalog
+from ..engine.format import drill_records
+from ..engine.format.layout import LATEST, join, parse_dirname
+from ..engine.format.manifest import IDENTITY_BLOCKS
+from ..engine.format.outcomes import decode_metrics
 from ..engine.metrics import COMMITTED, FAILED, SKIPPED, read_events
-from ..engine.outcomes import decode_metrics
+from ..engine.storage import fsio
+from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound, ConfigError, ShardCkptError
 from ..identity.diff import IdentityPolicy, compare
 

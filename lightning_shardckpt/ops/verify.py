@@ -14,14 +14,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine import catalog, fsio, safe_pickle
-from ..engine import manifest as manifest_format
+from ..engine import catalog
 from ..engine.catalog import CheckpointEntry
-from ..engine.checksum import checksum, checksum_of_checksums
-from ..engine.fsio import Location
-from ..engine.layout import DCP_METADATA, join
-from ..engine.references import REFERENCES_FIELD
-from ..engine.safe_pickle import DCP_METADATA_FIELD
+from ..engine.format import manifest as manifest_format
+from ..engine.format import safe_pickle
+from ..engine.format.checksum import checksum, checksum_of_checksums
+from ..engine.format.layout import DCP_METADATA, join
+from ..engine.format.references import REFERENCES_FIELD
+from ..engine.format.safe_pickle import DCP_METADATA_FIELD
+from ..engine.storage import fsio
+from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 
 log = logging.getLogger(__name__)

@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, VerifyConfig, load_checkpoint
-from lightning_shardckpt.engine import catalog, retry
-from lightning_shardckpt.engine.layout import COMMIT_RECORD, LATEST, MANIFEST, join, shard_filename
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, shard_filename
+from lightning_shardckpt.engine.storage import retry
 from tests.helpers import training_state as ts
 from tests.helpers.backends import (
     LOCAL,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_shardckpt.lightning.data import (
+from lightning_shardckpt.training.data import (
     ResumableDistributedSampler,
     gather_rng_states,
     restore_rng_state,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_shardckpt.engine.config import SaveConfig
-from lightning_shardckpt.engine.saver import CheckpointSaver
+from lightning_shardckpt.engine.save.saver import CheckpointSaver
 from tests.helpers import quota_fs
 from tests.helpers.spawn import run_ranks
 

@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
-from lightning_shardckpt.engine import catalog, fsio
-from lightning_shardckpt.engine.global_tensors import GlobalTensorReader
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.load.global_tensors import GlobalTensorReader
+from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops.compare import compare_readers, summary
 from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
 from tests.helpers import training_state as ts

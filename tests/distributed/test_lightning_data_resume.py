@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lightning_shardckpt.engine import catalog, fsio
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.lightning_run import ids_on_rank
 from tests.helpers.spawn import run_ranks
 

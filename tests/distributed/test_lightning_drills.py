@@ -11,7 +11,9 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-from lightning_shardckpt.engine import catalog, drill_records, fsio, metrics
+from lightning_shardckpt.engine import catalog, metrics
+from lightning_shardckpt.engine.format import drill_records
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.lightning_run import CaptureAtStart, TinyData, TinyModule, _full, lightning_env
 from tests.helpers.spawn import DistributedFailure, run_ranks

@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import glob
 
-from lightning_shardckpt.engine import catalog, fsio
-from lightning_shardckpt.ops.retention import to_delete
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.policies.retention import to_delete
 from tests.helpers.lightning_run import features_on_rank
 from tests.helpers.spawn import run_ranks
 

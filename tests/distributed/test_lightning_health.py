@@ -16,8 +16,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-from lightning_shardckpt.engine import catalog, drill_records, fsio, metrics
-from lightning_shardckpt.ops import cli
+from lightning_shardckpt.cli import main as cli
+from lightning_shardckpt.engine import catalog, metrics
+from lightning_shardckpt.engine.format import drill_records
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.faults import DiskFullOnOccurrences
 from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
 from tests.helpers.scripted_fs import scripted_url

@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-from lightning_shardckpt.engine import fsio
-from lightning_shardckpt.engine.outcomes import decode_metrics
+from lightning_shardckpt.engine.format.outcomes import decode_metrics
+from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops.bisect import bisect, lineage_of
 from lightning_shardckpt.ops.checks import parse_check
 from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_shardckpt.engine import catalog, fsio
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.lightning_run import fit_on_rank
 from tests.helpers.spawn import run_ranks

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from lightning_shardckpt.engine import catalog, fsio
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.spawn import run_ranks
 from tests.helpers.tiers_ranks import fit_tiers_on_rank

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from lightning_shardckpt import load_checkpoint
-from lightning_shardckpt.engine.storage import ShardReader
+from lightning_shardckpt.engine.storage.writer import ShardReader
 from lightning_shardckpt.errors import CheckpointDeleted
 from tests.helpers.spawn import run_ranks
 from tests.unit.test_retention_lineage import save, state

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.engine import drill_records
-from lightning_shardckpt.engine.checksum import checksum, checksum_of_checksums
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST
-from lightning_shardckpt.engine.manifest import to_bytes
-from lightning_shardckpt.ops.drill import DrillOptions, run_drill
+from lightning_shardckpt.engine.format import drill_records
+from lightning_shardckpt.engine.format.checksum import checksum, checksum_of_checksums
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST
+from lightning_shardckpt.engine.format.manifest import to_bytes
+from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.policies.drill import DrillOptions, run_drill
 from tests.helpers import drill_probes
 from tests.helpers.spawn import run_ranks
 
@@ -183,7 +183,7 @@ def test_a_checkpoint_written_on_two_ranks_is_drilled_on_one_and_on_two(tmp_path
 
 def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_it(tmp_path):
     from lightning_shardckpt.engine import catalog
-    from lightning_shardckpt.ops import retention
+    from lightning_shardckpt.policies import retention
 
     root = tmp_path / "root"
     saver = CheckpointSaver(str(root), SaveConfig(async_save=False))
@@ -223,8 +223,8 @@ def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_
 def test_retention_spares_a_checkpoint_while_a_drill_of_it_is_queued_or_running(tmp_path):
     import time
 
-    from lightning_shardckpt.ops import retention
-    from lightning_shardckpt.ops.drill import DrillRunner
+    from lightning_shardckpt.policies import retention
+    from lightning_shardckpt.policies.drill import DrillRunner
 
     root = tmp_path / "root"
     saver = CheckpointSaver(str(root), SaveConfig(async_save=False))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, VerifyConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer
-from lightning_shardckpt.engine.fsio import resolve
+from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers import training_state as ts
 from tests.helpers.spawn import run_ranks
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig
-from lightning_shardckpt.engine import catalog, fsio
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.lightning_run import fit_on_rank
 from tests.helpers.spawn import run_ranks
 

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from lightning_shardckpt.engine import catalog, fsio
-from lightning_shardckpt.engine.loader import load_checkpoint
-from lightning_shardckpt.engine.replicate import REPLICATED_FROM
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.load.loader import load_checkpoint
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.engine.tiers.replicate import REPLICATED_FROM
 from tests.helpers.spawn import run_ranks
 from tests.helpers.tiers_ranks import KEYS, replicate_on_rank, state
 
@@ -75,7 +76,7 @@ def test_rank_killed_mid_upload_durable_never_commits_fast_stays_good_next_repli
 
 def test_corrupt_fast_copy_is_never_replicated(tmp_path, s3_root):
     """A byte flipped in a fast-tier shard after its commit: the verified copy refuses it."""
-    from lightning_shardckpt.engine.tier_copy import copy_verified
+    from lightning_shardckpt.engine.tiers.verified_copy import copy_verified
     from lightning_shardckpt.errors import CorruptCheckpoint
 
     run_ranks(replicate_on_rank, 2, str(tmp_path / "fast"), str(tmp_path / "durable"), {}, "ok")

@@ -3,9 +3,9 @@ resume from that checkpoint on 2 -> 3 ranks, never as a failed attempt (issue 9,
 
 from __future__ import annotations
 
-from lightning_shardckpt.engine import fsio
+from lightning_shardckpt.cli.main import main
+from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops import investigate
-from lightning_shardckpt.ops.cli import main
 from tests.helpers.lightning_run import fit_on_rank
 from tests.helpers.spawn import run_ranks
 

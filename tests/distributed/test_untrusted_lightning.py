@@ -12,8 +12,8 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-from lightning_shardckpt.engine import safe_pickle
-from lightning_shardckpt.engine.layout import DCP_METADATA
+from lightning_shardckpt.engine.format import safe_pickle
+from lightning_shardckpt.engine.format.layout import DCP_METADATA
 from lightning_shardckpt.errors import UntrustedCheckpoint
 from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
 from tests.helpers.spawn import run_ranks, values

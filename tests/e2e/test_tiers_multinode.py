@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_shardckpt.engine import catalog, fsio
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_shardckpt.engine import catalog, drill_records, fsio
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format import drill_records
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.wandb_reader import OfflineRun, find_run_file, read_run
 
 REPO = Path(__file__).resolve().parents[2]

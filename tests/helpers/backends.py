@@ -22,8 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lightning_shardckpt import LoadConfig, SaveConfig
-from lightning_shardckpt.engine import fsio
-from lightning_shardckpt.engine.fsio import Location
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.engine.storage.fsio import Location
 
 LOCAL, S3 = "local", "s3"
 

@@ -90,7 +90,7 @@ class KeepSaver(pl.Callback):
 
 def watch_retention_threads() -> list[str]:
     """Record the name of the thread each retention pass runs on (the pass itself is untouched)."""
-    from lightning_shardckpt.ops import retention
+    from lightning_shardckpt.policies import retention
 
     threads: list[str] = []
     apply = retention.apply
@@ -105,7 +105,8 @@ def watch_retention_threads() -> list[str]:
 
 def main(spec: dict) -> int:
     from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-    from lightning_shardckpt.engine import catalog, fsio
+    from lightning_shardckpt.engine import catalog
+    from lightning_shardckpt.engine.storage import fsio
     from tests.helpers.lightning_run import TinyData, TinyModule
 
     root, options = spec["root"], spec.get("storage_options") or {}

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (before the saver: the same import order as a training script)
 
     from lightning_shardckpt.engine.config import SaveConfig
-    from lightning_shardckpt.engine.saver import CheckpointSaver
+    from lightning_shardckpt.engine.save.saver import CheckpointSaver
     from tests.helpers import quota_fs  # noqa: F401  (registers quota://)
 
     root_url, options, budgets = argv[0], json.loads(argv[1]), json.loads(argv[2])

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lightning_shardckpt.engine import staging
+from lightning_shardckpt.engine.save import staging
 
 
 @contextmanager

@@ -16,7 +16,7 @@ def main(root: str, saves: int) -> int:
     import torch.distributed as dist
 
     from lightning_shardckpt.engine.config import SaveConfig
-    from lightning_shardckpt.engine.saver import CheckpointSaver
+    from lightning_shardckpt.engine.save.saver import CheckpointSaver
 
     dist.init_process_group("gloo")
     saver = CheckpointSaver(root, SaveConfig(async_save=True, teardown_timeout_s=60, collective_timeout_s=60))

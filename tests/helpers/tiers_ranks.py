@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.engine import catalog, fsio, ownership
+from lightning_shardckpt.engine import catalog, ownership
 from lightning_shardckpt.engine.collectives import new_checkpoint_group
-from lightning_shardckpt.engine.replicate import Replicator, missing_on_durable
-from lightning_shardckpt.engine.tiers import TierConfig, TiersConfig
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig
+from lightning_shardckpt.engine.tiers.replicate import Replicator, missing_on_durable
 from tests.helpers import quota_fs  # noqa: F401  (registers quota:// in the ranks)
 
 KEYS = ("a", "b", "c", "d")

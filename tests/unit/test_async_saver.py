@@ -10,7 +10,7 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, CommitFailed, ConfigError, SaveConfig, load_checkpoint, read_events
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.fsio import resolve
+from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.faults import FailOnce, Stall
 
 

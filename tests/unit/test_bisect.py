@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.outcomes import encode_metrics
+from lightning_shardckpt.cli.main import main
+from lightning_shardckpt.engine.format.outcomes import encode_metrics
+from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import ConfigError
 from lightning_shardckpt.identity.blocks import config_identity, data_identity
 from lightning_shardckpt.ops.bisect import bisect, max_checks
 from lightning_shardckpt.ops.checks import parse_check
-from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import RUN_ID
 
 STEPS = list(range(1, 13))  # 12 checkpoints
@@ -202,7 +202,8 @@ def test_timeline_shows_recorded_metrics_as_columns(nan_root, capsys):
 
 
 def test_drill_bisect_uses_recorded_verdicts_without_starting_a_drill(nan_root):
-    from lightning_shardckpt.engine import catalog, drill_records
+    from lightning_shardckpt.engine import catalog
+    from lightning_shardckpt.engine.format import drill_records
 
     location = resolve(nan_root)
     for entry in catalog.list_checkpoints(location):  # as drills would have filed them: fail from the NaN on

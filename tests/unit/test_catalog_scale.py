@@ -13,10 +13,10 @@ import pytest
 
 from benchmarks.listing import RUN_ID, make_root
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.layout import MANIFEST
+from lightning_shardckpt.engine.format.layout import MANIFEST
+from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CorruptCheckpoint
-from lightning_shardckpt.ops import retention
+from lightning_shardckpt.policies import retention
 
 CHECKPOINTS, TENSORS = 300, 600
 

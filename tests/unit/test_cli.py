@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_shardckpt.ops.cli import main
+from lightning_shardckpt.cli.main import main
 from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
 
 UNCOMMITTED = "step-000000009-deadbeefcafe"
@@ -142,8 +142,8 @@ def test_installed_shardckpt_script_verifies_and_prints_json(root):
 
 def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, capsys):
     # records as a drill files them (the drill itself is tested in tests/distributed/test_restore_drill.py)
-    from lightning_shardckpt.engine import drill_records
-    from lightning_shardckpt.engine.fsio import resolve
+    from lightning_shardckpt.engine.format import drill_records
+    from lightning_shardckpt.engine.storage.fsio import resolve
 
     listing = json.loads(run(capsys, "ls", root, "--json")[1])
     names = {row["step"]: row["name"] for row in listing["checkpoints"]}

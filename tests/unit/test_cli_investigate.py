@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.identity.blocks import (
     code_identity,
     config_identity,
@@ -16,7 +17,6 @@ from lightning_shardckpt.identity.blocks import (
     model_identity,
     run_identity,
 )
-from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import SHARD
 from tests.helpers.faults import FailOnce
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from lightning_shardckpt.engine import fsio
-from lightning_shardckpt.engine import manifest as manifest_format
-from lightning_shardckpt.engine.commit import publish
-from lightning_shardckpt.engine.layout import COMMIT_RECORD, LATEST, MANIFEST, checkpoint_dirname, join
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, checkpoint_dirname, join
+from lightning_shardckpt.engine.save.commit import publish
+from lightning_shardckpt.engine.storage import fsio
 
 
 def _files(root, name: str) -> dict[str, bytes]:

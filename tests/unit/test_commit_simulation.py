@@ -32,13 +32,19 @@ import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from lightning_shardckpt.engine import catalog, fsio
-from lightning_shardckpt.engine.checksum import checksum
-from lightning_shardckpt.engine.commit import CheckpointTarget, Committer
+from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import VerifyConfig
-from lightning_shardckpt.engine.fsio import Location
-from lightning_shardckpt.engine.layout import MANIFEST, checkpoint_dirname, join, shard_filename
-from lightning_shardckpt.engine.storage import ChunkFileWriter, ChunkReceipt, choose_chunks_to_verify, verify_chunks
+from lightning_shardckpt.engine.format.checksum import checksum
+from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname, join, shard_filename
+from lightning_shardckpt.engine.save.commit import CheckpointTarget, Committer
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.engine.storage.fsio import Location
+from lightning_shardckpt.engine.storage.writer import (
+    ChunkFileWriter,
+    ChunkReceipt,
+    choose_chunks_to_verify,
+    verify_chunks,
+)
 from lightning_shardckpt.errors import CheckpointNotFound, CommitFailed, CorruptCheckpoint
 from tests.helpers.backends import abandon_multipart_upload, abort_pending_uploads, pending_uploads
 

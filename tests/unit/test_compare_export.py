@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, SaveConfig
+from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.manifest import parse, to_bytes
-from lightning_shardckpt.engine.outcomes import decode_metrics, encode_metrics
-from lightning_shardckpt.ops.cli import main
+from lightning_shardckpt.engine.format.manifest import parse, to_bytes
+from lightning_shardckpt.engine.format.outcomes import decode_metrics, encode_metrics
 from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
 from tests.helpers.checkpoints import SHARD, save_checkpoint
 

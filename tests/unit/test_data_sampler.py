@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_shardckpt.errors import IncompatibleCheckpoint
-from lightning_shardckpt.lightning.data import (
+from lightning_shardckpt.training.data import (
     ResumableDistributedSampler,
     capture_rng_state,
     restore_rng_state,
@@ -175,7 +175,7 @@ def test_state_for_another_dataset_is_refused_with_the_reason():
 def test_saved_seed_wins_over_the_constructor_seed_with_a_warning(caplog):
     first = run_phase(2, batch_size=4, steps=2)
     sampler = ResumableDistributedSampler(DATASET, 2, 0, seed=SEED + 1)
-    with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.lightning.data"):
+    with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.training.data"):
         sampler.load_state_dict(first.state)
     assert "seed=8 differs from the checkpoint's 7" in caplog.text
     assert sampler.seed == SEED

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.layout import MANIFEST
+from lightning_shardckpt.engine.format.layout import MANIFEST
+from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops import gc
-from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import SHARD, save_checkpoint
 
 HOUR = 3600.0

@@ -14,14 +14,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
-from lightning_shardckpt.engine import catalog, fsio
-from lightning_shardckpt.engine import manifest as manifest_format
-from lightning_shardckpt.engine import references as refs
+from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import LoadConfig
-from lightning_shardckpt.engine.incremental import ChangeTracker
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format import references as refs
+from lightning_shardckpt.engine.save.incremental import ChangeTracker
+from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import CorruptCheckpoint
-from lightning_shardckpt.ops import gc, retention
+from lightning_shardckpt.ops import gc
 from lightning_shardckpt.ops.verify import verify_checkpoint
+from lightning_shardckpt.policies import retention
 
 
 class Lora(torch.nn.Module):
@@ -356,7 +358,7 @@ def test_plain_dcp_fsspec_reader_on_s3_and_an_incremental_checkpoint(s3_root):
 
 
 def test_ls_shows_own_and_referenced_bytes_and_inspect_a_referenced_line(tmp_path, capsys):
-    from lightning_shardckpt.ops.cli import main
+    from lightning_shardckpt.cli.main import main
 
     _, results, _, _ = run(tmp_path, 2)
     assert main(["ls", "--json", str(tmp_path)]) == 0
@@ -385,7 +387,7 @@ def test_lightning_remove_checkpoint_goes_through_reachability(tmp_path):
 
 
 def test_export_and_compare_follow_references(tmp_path):
-    from lightning_shardckpt.engine.global_tensors import GlobalTensorReader
+    from lightning_shardckpt.engine.load.global_tensors import GlobalTensorReader
     from lightning_shardckpt.ops.compare import compare_readers, summary
     from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
 

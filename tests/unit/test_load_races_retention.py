@@ -12,10 +12,10 @@ import torch
 
 from lightning_shardckpt import load_checkpoint
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.storage import ShardReader
+from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.engine.storage.writer import ShardReader
 from lightning_shardckpt.errors import CheckpointDeleted
-from lightning_shardckpt.ops import retention
+from lightning_shardckpt.policies import retention
 from tests.unit.test_retention_lineage import RUN, save, state
 
 

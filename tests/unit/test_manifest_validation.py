@@ -10,13 +10,13 @@ import shutil
 import pytest
 
 from lightning_shardckpt import load_checkpoint
+from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine import manifest as manifest_format
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
+from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from lightning_shardckpt.ops import gc
-from lightning_shardckpt.ops.cli import main
 from tests.helpers.checkpoints import fresh_state, save_checkpoint
 
 

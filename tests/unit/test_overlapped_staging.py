@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, load_checkpoint
-from lightning_shardckpt.engine.staging import StagingBuffers, StagingFailed
+from lightning_shardckpt.engine.save.staging import StagingBuffers, StagingFailed
 from tests.helpers.held_staging import held_staging_copy
 
 

@@ -23,11 +23,11 @@ from lightning_shardckpt import (
     load_checkpoint,
     verify_checkpoint,
 )
-from lightning_shardckpt.engine import manifest as manifest_format
-from lightning_shardckpt.engine.checksum import block_size_for, checksum
-from lightning_shardckpt.engine.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
-from lightning_shardckpt.engine.reader import ShardReader
-from lightning_shardckpt.engine.storage import save_record
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.checksum import block_size_for, checksum
+from lightning_shardckpt.engine.storage.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
+from lightning_shardckpt.engine.storage.reader import ShardReader
+from lightning_shardckpt.engine.storage.writer import save_record
 from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
 from tests.helpers.counting_fs import LOGS, counting_url
 

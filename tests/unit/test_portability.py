@@ -12,7 +12,7 @@ import torch
 
 from lightning_shardckpt import CorruptCheckpoint, LoadConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import find
-from lightning_shardckpt.engine.fsio import resolve
+from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.checkpoints import SHARD, chunk_of, fresh_state, save_checkpoint
 
 

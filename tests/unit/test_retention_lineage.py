@@ -6,8 +6,8 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.ops import retention
+from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.policies import retention
 from tests.helpers.faults import FailOnce
 
 RUN = "run-lineage"
@@ -123,7 +123,7 @@ def test_retention_keeps_the_just_committed_checkpoint_even_outside_the_window(t
 def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, capsys):
     import json
 
-    from lightning_shardckpt.ops.cli import main
+    from lightning_shardckpt.cli.main import main
 
     root = str(tmp_path / "run")
     first, second = save(root, 9), save(root, 6)

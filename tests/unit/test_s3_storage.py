@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, StorageUnavailable, load_checkpoint
-from lightning_shardckpt.engine import fsio, retry
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer, resolve_latest
 from lightning_shardckpt.engine.config import LoadConfig
-from lightning_shardckpt.engine.fsio import create_if_absent, makedirs, preflight, resolve
+from lightning_shardckpt.engine.storage import fsio, retry
+from lightning_shardckpt.engine.storage.fsio import create_if_absent, makedirs, preflight, resolve
 
 # botocore's own per-request retries off: the proxy's errors reach s3fs and our layer at once
 NO_HTTP_RETRIES = {"config_kwargs": {"retries": {"total_max_attempts": 1}}}

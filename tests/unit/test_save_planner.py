@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from lightning_shardckpt.engine.persist import RankZeroSavePlanner
+from lightning_shardckpt.engine.save.persist import RankZeroSavePlanner
 
 
 def _plans(world_size: int, fqns: list[str]) -> list[SavePlan]:

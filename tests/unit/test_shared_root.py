@@ -11,9 +11,9 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.fsio import resolve
-from lightning_shardckpt.engine.layout import OWNER
-from lightning_shardckpt.engine.loader import LoadResult
+from lightning_shardckpt.engine.format.layout import OWNER
+from lightning_shardckpt.engine.load.loader import LoadResult
+from lightning_shardckpt.engine.storage.fsio import resolve
 
 
 def small_state(value: float = 1.0) -> dict:

@@ -17,7 +17,7 @@ import traceback
 import pytest
 
 from lightning_shardckpt.engine.config import SaveConfig
-from lightning_shardckpt.engine.saver import CheckpointSaver
+from lightning_shardckpt.engine.save.saver import CheckpointSaver
 from tests.helpers import quota_fs
 from tests.helpers.full_disk import mounted_tmpfs, run_saves, state
 
@@ -172,7 +172,7 @@ def test_a_failed_attempt_is_kept_for_inspection_with_keep_failed_attempts(tmp_p
 
 def test_on_s3_a_failed_attempt_is_removed_and_the_committed_one_stays(s3_server, s3_root):
     from lightning_shardckpt.engine.catalog import list_checkpoints
-    from lightning_shardckpt.engine.fsio import resolve
+    from lightning_shardckpt.engine.storage.fsio import resolve
     from tests.helpers.faults import FailOnce
 
     saver = CheckpointSaver(

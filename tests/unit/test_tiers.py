@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
-from lightning_shardckpt.engine import catalog, fsio
-from lightning_shardckpt.engine.replicate import REPLICATED_FROM, Replicator
-from lightning_shardckpt.engine.tier_copy import copy_verified
-from lightning_shardckpt.engine.tier_restore import choose
-from lightning_shardckpt.engine.tiers import TierConfig, TiersConfig, tiers_config_from
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig, tiers_config_from
+from lightning_shardckpt.engine.tiers.replicate import REPLICATED_FROM, Replicator
+from lightning_shardckpt.engine.tiers.restore import choose
+from lightning_shardckpt.engine.tiers.verified_copy import copy_verified
 from lightning_shardckpt.errors import CorruptCheckpoint
-from lightning_shardckpt.lightning.tiers import CheckpointTiers
+from lightning_shardckpt.policies.tiers import CheckpointTiers
 
 
 # --- configuration ---
@@ -160,7 +161,7 @@ def test_fast_retention_spares_unreplicated_checkpoints_up_to_max_unreplicated_t
 
 
 def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path, capsys):
-    from lightning_shardckpt.ops.cli import main
+    from lightning_shardckpt.cli.main import main
 
     fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
     first = _commit(fast, 1)
@@ -224,8 +225,8 @@ def test_replicator_with_every_minutes_copies_the_newest_once_the_interval_passe
 
 def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
     from lightning_shardckpt.engine.metrics import read_events
-    from lightning_shardckpt.ops.health_observe import observe
-    from lightning_shardckpt.ops.health_rules import health_config_from
+    from lightning_shardckpt.policies.health_observe import observe
+    from lightning_shardckpt.policies.health_rules import health_config_from
 
     fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
     _replicate(fast, durable, [_commit(fast, 1)])

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.engine import fsio, metrics
+from lightning_shardckpt.cli.main import main
+from lightning_shardckpt.engine import metrics
+from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops import investigate
-from lightning_shardckpt.ops.cli import main
 from tests.helpers.faults import FailOnce
 
 

@@ -19,18 +19,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from lightning_shardckpt import (
-    CorruptCheckpoint,
-    LoadConfig,
-    UntrustedCheckpoint,
-    load_checkpoint,
-    verify_checkpoint,
-)
-from lightning_shardckpt.engine import safe_pickle
-from lightning_shardckpt.engine.layout import DCP_METADATA, MANIFEST
+from lightning_shardckpt import CorruptCheckpoint, LoadConfig, UntrustedCheckpoint, load_checkpoint, verify_checkpoint
+from lightning_shardckpt.cli.main import main
+from lightning_shardckpt.engine.format import safe_pickle
+from lightning_shardckpt.engine.format.layout import DCP_METADATA, MANIFEST
 from lightning_shardckpt.errors import ShardCkptError
 from lightning_shardckpt.lightning import lightning_state
-from lightning_shardckpt.ops.cli import main
 from lightning_shardckpt.ops.verify import DCP_METADATA_PROBLEM
 from tests.helpers.checkpoints import fresh_state, save_checkpoint
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import CorruptCheckpoint, load_checkpoint
-from lightning_shardckpt.engine import manifest as manifest_format
-from lightning_shardckpt.engine.layout import COMMIT_RECORD, DCP_METADATA
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, DCP_METADATA
 from lightning_shardckpt.ops.verify import (
     CHUNK_CHECKSUM,
     DCP_METADATA_PROBLEM,

@@ -1,0 +1,1 @@
+"""The `shardckpt` command: the top-floor front door. Nothing in the package imports it."""

@@ -1,0 +1,114 @@
+"""`shardckpt drill` and `shardckpt last-good`: prove a checkpoint restores; find the newest one that did."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..engine import catalog
+from ..engine.format import drill_records
+from ..engine.format.layout import join, parse_dirname
+from ..engine.storage import fsio
+from ..errors import CheckpointNotFound
+from ..policies.drill import DrillOptions, run_drill
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
+    drill = commands.add_parser(
+        "drill",
+        parents=[common],
+        help="restore a checkpoint in fresh processes (another world size by default) and record the result; exit 1 if it fails",
+    )
+    drill.add_argument("path", metavar="ROOT|CKPT", help="a root (drills its latest) or a checkpoint directory")
+    drill.add_argument(
+        "--world-size", type=int, default=None, help="drill ranks (default: 1, or 2 when the writer had 1)"
+    )
+    drill.add_argument(
+        "--probe",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a function of the model's state dict returning a float, compared with the value saved in the checkpoint",
+    )
+    drill.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the probe comparison")
+    drill.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before the drill is killed and recorded as failed"
+    )
+    drill.add_argument("--threads", type=int, default=1, help="torch threads per drill rank")
+    drill.set_defaults(run=cmd_drill)
+    last_good = commands.add_parser(
+        "last-good", parents=[common], help="print the newest drilled (known-good) checkpoint of a root"
+    )
+    last_good.add_argument("root", metavar="ROOT")
+    last_good.set_defaults(run=cmd_last_good)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    options = DrillOptions(
+        world_size=args.world_size,
+        timeout_s=args.timeout,
+        threads=args.threads,
+        probe=args.probe,
+        tolerance=args.tolerance,
+        storage_options=args.storage_options,
+    )
+    record = run_drill(args.path, options)
+    if args.json:
+        print(json.dumps(record, indent=1, sort_keys=True, default=str))
+    else:
+        print(
+            f"{record['checkpoint']}: {record['verdict']} on {record['world_size']} rank(s) "
+            f"(written on {record['writer_world_size']})" + (f": {record['cause']}" if record.get("cause") else "")
+        )
+        if record.get("time_to_resume_s") is not None:
+            print(
+                f"time to resume {record['time_to_resume_s']:.2f}s, read {record.get('bytes_read', 0) / 1e6:.1f} MB "
+                f"at {record.get('read_gbps') or 0:.2f} GB/s; timings {_rounded(record.get('timings', {}))}"
+            )
+        probe = (record.get("checks") or {}).get("probe")
+        if probe and "value" in probe:
+            print(f"probe {probe['name']}: {probe['value']!r} restored, {probe['saved']!r} at save")
+    return EXIT_OK if record["verdict"] == drill_records.PASSED else EXIT_FAILED
+
+
+def cmd_last_good(args: argparse.Namespace) -> int:
+    location = fsio.resolve(args.root, args.storage_options)
+    if parse_dirname(location.path) is not None:
+        raise CheckpointNotFound(f"{args.root} is a checkpoint, not a root; pass its parent directory")
+    entries = catalog.list_checkpoints(location)
+    newest = catalog.last_good(location, entries)
+    good = newest[-1] if newest else None
+    if good is None:
+        states = drill_records.trust_states(location, entries)
+        drilled_any = any(state != drill_records.COMMITTED for state in states.values())
+        raise CheckpointNotFound(
+            f"no drilled checkpoint in {location.url}"
+            + (
+                "; every drill so far failed, see `shardckpt ls`"
+                if drilled_any
+                else f"; drill one: shardckpt drill {location.url}"
+            )
+        )
+    path = join(location.url, good.name)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "root": location.url,
+                    "last_good": good.name,
+                    "path": path,
+                    "step": good.step,
+                    "checkpoint_id": good.checkpoint_id,
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(path)
+    return EXIT_OK
+
+
+def _rounded(timings: dict[str, float]) -> dict[str, float]:
+    return {name: round(value, 3) for name, value in timings.items()}

@@ -1,0 +1,65 @@
+"""`shardckpt health`: is this root healthy by its run's rules? A table, JSON, or a plot; exit 1 while a rule fires."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..ops.health_report import evaluate_root, plot
+from ..ops.investigate import open_root
+from ..policies.health_rules import load_rules_file
+
+EXIT_HEALTHY, EXIT_FIRING = 0, 1
+
+
+def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
+    health = commands.add_parser(
+        "health",
+        parents=[common],
+        help="evaluate health rules over a root's event history: owner, normal range, firing since, mitigation; exit 1 while one fires",
+    )
+    health.add_argument("root", metavar="ROOT")
+    health.add_argument(
+        "--rules",
+        metavar="FILE",
+        default=None,
+        help="a rules file (e.g. conf/health/default.yaml); default: the rules the run recorded in the root",
+    )
+    health.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw each metric over steps with its normal band and firing periods shaded (matplotlib)",
+    )
+    health.set_defaults(run=cmd_health)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    location = open_root(args.root, args.storage_options)
+    config = load_rules_file(args.rules) if args.rules else None
+    report = evaluate_root(location, config)
+    if args.plot:
+        panels = plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1, sort_keys=True, default=str))
+    else:
+        print(f"{location.url}: rules {report.rules_source}")
+        rows = [("RULE", "SLICE", "OWNER", "NORMAL", "VALUE", "FIRING SINCE", "MITIGATION")]
+        for row in report.rows():
+            since = f"step {row['firing_since_step']} ({row['firing_since']})" if row["firing"] else "-"
+            mitigation = row["mitigation"] + (f": {row['mitigation_taken']}" if row.get("mitigation_taken") else "")
+            value = "-" if row["value"] is None else f"{row['value']:.4g}"
+            key = row["slice"] + ("" if row["key"] is None else f"={row['key']}")
+            rows.append((row["rule"], key, row["owner"], row["normal"], value, since, mitigation))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        firing = [row for row in report.rows() if row["firing"]]
+        print(
+            f"{len(firing)} firing"
+            + (": " + ", ".join(f"{r['rule']} ({r['severity']}, owner {r['owner']})" for r in firing) if firing else "")
+        )
+        if args.plot:
+            print(f"plot: {args.plot} ({panels} panels)")
+    return EXIT_FIRING if report.firing else EXIT_HEALTHY

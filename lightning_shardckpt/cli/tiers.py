@@ -1,0 +1,99 @@
+"""`shardckpt ls FAST --durable URL`: the fast and the durable tier side by side, one row per checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..engine import catalog
+from ..engine.format import drill_records
+from ..engine.tiers.restore import choose
+from ..ops.investigate import open_root
+
+
+def add_arguments(ls: argparse.ArgumentParser) -> None:
+    ls.add_argument(
+        "--durable",
+        metavar="URL",
+        default=None,
+        help="also list this durable tier (tiers): one row per checkpoint, which tier holds it, which one latest resumes",
+    )
+    ls.add_argument(
+        "--durable-storage-option",
+        dest="durable_storage_option",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="fsspec option of the durable tier (repeatable), like --storage-option",
+    )
+
+
+def cmd_ls_tiers(args: argparse.Namespace, parse_option: Any) -> int:
+    fast = open_root(args.root, args.storage_options)
+    durable = open_root(args.durable, dict(parse_option(o) for o in args.durable_storage_option))
+    tiers = {"fast": fast, "durable": durable}
+    entries = {tier: catalog.list_checkpoints(location) for tier, location in tiers.items()}
+    drilled = set()
+    for tier, location in tiers.items():
+        trust = drill_records.trust_states(location, entries[tier])
+        drilled |= {name for name, state in trust.items() if state == drill_records.DRILLED}
+    names = sorted(
+        {e.name for listing in entries.values() for e in listing},
+        key=lambda n: next(e.step for listing in entries.values() for e in listing if e.name == n),
+    )
+    state = {tier: {e.name: e.state for e in listing} for tier, listing in entries.items()}
+    choices = choose(
+        fast, durable, "latest", None
+    )  # what this machine would resume (every rank: the same check, agreed)
+    latest = (choices[0].tier, choices[0].name) if choices else None
+    rows = []
+    for name in names:
+        entry = next(e for listing in entries.values() for e in listing if e.name == name)
+        rows.append(
+            {
+                "step": entry.step,
+                "id": entry.checkpoint_id,
+                "name": name,
+                "fast": state["fast"].get(name),
+                "durable": state["durable"].get(name),
+                "drilled": name in drilled,
+                "latest": latest[0] if latest and latest[1] == name else None,
+            }
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "fast": fast.url,
+                    "durable": durable.url,
+                    "checkpoints": rows,
+                    "latest": {"tier": latest[0], "name": latest[1], "why": choices[0].reason} if latest else None,
+                },
+                indent=1,
+                sort_keys=True,
+            )
+        )
+        return 0
+    table = [("STEP", "ID", "FAST", "DURABLE", "DRILLED", "LATEST", "NAME")]
+    for row in rows:
+        table.append(
+            (
+                str(row["step"]),
+                row["id"],
+                row["fast"] or "-",
+                row["durable"] or "-",
+                "yes" if row["drilled"] else "-",
+                row["latest"] or "",
+                row["name"],
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+    print(f"fast: {fast.url}   durable: {durable.url}")
+    if latest:
+        print(
+            f"LATEST: ckpt_path='latest' on this machine resumes the {latest[0]} copy of {latest[1]} ({choices[0].reason})"
+        )
+    return 0

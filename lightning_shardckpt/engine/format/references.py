@@ -1,0 +1,133 @@
+"""References: a chunk of an incremental checkpoint stored in a sibling checkpoint's file (FORMAT.md §9).
+
+A reference is the path `../<sibling checkpoint directory>/<file>`, relative to the referencing
+checkpoint's directory: one level up into the same root, one sibling, one file; never further. The
+entry copies the holder's chunk record (offset, length, checksum, block checksums), and always names
+the file that physically holds the bytes: a reference never points at a reference.
+
+Reachability: the files a committed checkpoint references must stay while it is kept. Retention and
+`shardckpt gc` both ask `pinned_files` which files of which directory are still referenced.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .layout import MANIFEST, join, parse_dirname
+
+log = logging.getLogger(__name__)
+
+PREFIX = "../"
+REFERENCES_FIELD = "references"  # manifest v3: [{"path": "../<dir>/<file>", "bytes": referenced bytes, "chunks": n}]
+RETIRED = "RETIRED"  # written into a checkpoint directory before its manifest is removed by retention
+
+
+def is_reference(path: Any) -> bool:
+    return isinstance(path, str) and path.startswith(PREFIX)
+
+
+def make(sibling: str, file: str) -> str:
+    """The reference to `file` of sibling checkpoint `sibling`; a reference stays as it is (never chains)."""
+    return file if is_reference(file) else f"{PREFIX}{sibling}/{file}"
+
+
+def split(path: str) -> tuple[str, str] | None:
+    """(sibling directory, file) of a well-formed reference, or None for anything else."""
+    if not is_reference(path):
+        return None
+    parts = path[len(PREFIX) :].split("/")
+    if len(parts) != 2 or parse_dirname(parts[0]) is None or parts[0] != parts[0].strip() or not parts[1]:
+        return None
+    if parts[1] in (".", "..") or "\\" in path or ":" in parts[1]:
+        return None
+    return parts[0], parts[1]
+
+
+def problem(path: Any) -> str | None:
+    """Why `path` is not an acceptable reference (None when it is one)."""
+    if split(path) is None:
+        return (
+            f"path {path!r}, outside the checkpoint directory and not '../<sibling checkpoint directory>/<file>' "
+            "(a reference may name only a file of a sibling checkpoint of the same root)"
+        )
+    return None
+
+
+def referenced_files(manifest: dict[str, Any]) -> dict[str, set[str]]:
+    """Sibling directory -> files of it that `manifest` references."""
+    out: dict[str, set[str]] = {}
+    for item in manifest.get(REFERENCES_FIELD) or []:
+        parts = split(item.get("path")) if isinstance(item, dict) else None
+        if parts:
+            out.setdefault(parts[0], set()).add(parts[1])
+    return out
+
+
+def referenced_bytes(manifest: dict[str, Any]) -> int:
+    return sum(item.get("bytes", 0) for item in manifest.get(REFERENCES_FIELD) or [] if isinstance(item, dict))
+
+
+def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None) -> dict[str, set[str]]:
+    """Directory -> files that a committed checkpoint (of `keep`, if given: names) still references.
+
+    One reachability computation for retention and gc. Only format-v3 checkpoints hold references, so
+    only their manifests are read.
+    """
+    from .. import catalog  # late: catalog imports this module's neighbours
+
+    pinned: dict[str, set[str]] = {}
+    for entry in entries:
+        if not entry.committed or (keep is not None and entry.name not in keep):
+            continue
+        if (entry.record or {}).get("format_version", 0) < 3:
+            continue
+        try:
+            manifest = catalog.read_manifest(location.fs, entry)
+        except Exception:  # a damaged manifest: be conservative, its references cannot be known
+            log.warning(
+                "reachability: cannot read %s; nothing it might reference is deleted now", entry.path, exc_info=True
+            )
+            return {"*": set()}
+        for sibling, files in referenced_files(manifest).items():
+            pinned.setdefault(sibling, set()).update(files)
+    return pinned
+
+
+def everything_pinned(pinned: dict[str, set[str]]) -> bool:
+    """True when reachability could not be computed (a damaged manifest): delete nothing referenced-looking."""
+    return "*" in pinned
+
+
+def manifest_path(root_path: str, dirname: str) -> str:
+    return join(root_path, dirname, MANIFEST)
+
+
+def chunk_map(
+    manifest: dict[str, Any], dirname: str, keys: frozenset[str]
+) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
+    """(fqn, chunk offsets) -> chunk record to reference, for the tensors `keys` of checkpoint `dirname`.
+
+    The record is the holder's own (offset, length, checksum, block checksums), its file rewritten as a
+    reference; a chunk that is itself a reference keeps its path: it already names the physical holder.
+    """
+    out: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    for tensor in manifest["tensors"]:
+        if tensor["fqn"] not in keys:
+            continue
+        for chunk in tensor["chunks"]:
+            entry = dict(chunk, file=make(dirname, chunk["file"]))
+            if "finite" in tensor:
+                entry["finite"] = tensor["finite"]
+            out[(tensor["fqn"], tuple(chunk["offsets"]))] = entry
+    return out
+
+
+def read_base(root: Any, dirname: str) -> dict[str, Any]:
+    """The committed manifest of the incremental base `dirname` (validated)."""
+    from ..storage import retry
+    from . import manifest as manifest_format
+
+    path = manifest_path(root.path, dirname)
+    data = retry.call("read", lambda: root.fs.cat_file(path), target=path)
+    return manifest_format.parse(data, join(root.path, dirname))

@@ -1,0 +1,327 @@
+"""Unpickling what a checkpoint holds without running code from it.
+
+A pickle names the globals it calls (`os.system`, any class's `__reduce__` target); an unpickler that
+looks each name up freely runs whatever the file's author chose. Checkpoints come from storage that
+others can write to, so every pickle we read goes through an allow-list here:
+
+- `.metadata` (DCP's Metadata): DCP's metadata dataclasses, `_StorageInfo`, torch sizes, dtypes and
+  layouts, and builtin containers. Its bytes are checked against the manifest's checksum first (v2),
+  and every `_StorageInfo.relative_path` must name a file inside the checkpoint directory.
+- the objects a checkpoint stores (and the Lightning blob): what torch's `weights_only` loader allows
+  (tensors, containers, dtypes, plus `torch.serialization.add_safe_globals`), plus `extra_allowed`.
+
+A blocked name raises `BlockedGlobal` naming `module.qualname`; callers turn it into an error that
+names the checkpoint and the fix. `trust=True` (the user's explicit opt-in) unpickles without limits.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ...errors import CorruptCheckpoint, UntrustedCheckpoint
+from .checksum import checksum
+
+log = logging.getLogger(__name__)
+
+# What DCP's `.metadata` of our checkpoints names (found by recording find_class on DDP and FSDP2 saves
+# with optimizer states, bytes objects and RNG tensors), and the aliases older DCP versions pickled.
+DCP_METADATA_GLOBALS = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata.Metadata",
+        "torch.distributed.checkpoint.metadata.MetadataIndex",
+        "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+        "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+        "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+        "torch.distributed.checkpoint.metadata.TensorProperties",
+        "torch.distributed.checkpoint.metadata.StorageMeta",
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+        "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+        "torch.distributed._shard.metadata.ShardMetadata",
+        "torch.Size",
+        "torch.serialization._get_layout",
+        "collections.OrderedDict",
+        "builtins.set",
+        "builtins.frozenset",
+        "builtins.bytearray",
+        "builtins.complex",
+        "builtins.slice",
+        "_codecs.encode",  # how protocol 2 pickles bytes
+    }
+)
+
+DCP_METADATA_FIELD = "dcp_metadata"  # manifest v2: {"checksum", "bytes"} of `.metadata` as committed
+
+# Plain `pickle.dumps` of a tensor stores its storage through `torch.storage._load_from_bytes`, which
+# calls `torch.load(weights_only=False)`; this stand-in loads the same bytes with weights_only=True.
+_STORAGE_FROM_BYTES = "torch.storage._load_from_bytes"
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class BlockedGlobal(pickle.UnpicklingError):
+    """A pickle names a global outside the allow-list; `name` is its `module.qualname`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} is not allowed")
+        self.name = name
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` whose `find_class` resolves only allowed `module.qualname` names."""
+
+    def __init__(self, file: Any, allowed: frozenset[str] | set[str], *, torch_safe: bool = False) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+        self._torch_safe = torch_safe
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = f"{module}.{name}"
+        if self._torch_safe and key == _STORAGE_FROM_BYTES:
+            return _storage_from_bytes
+        if key in self._allowed or _is_torch_constant(module, name):
+            return super().find_class(module, name)
+        if self._torch_safe:
+            found = torch_safe_globals().get(key)
+            if found is not None:
+                return found
+        raise BlockedGlobal(key)
+
+
+# Classes the rest of a Lightning checkpoint (lightning/lightning_state.py) holds in normal use, named as
+# strings so the engine imports no Lightning (restore drills in ops/ check the same blob), on top of what torch's weights_only
+# loader allows (safe_pickle.torch_safe_globals): hyperparameters are an AttributeDict, and a model built
+# by Hydra's `instantiate` keeps OmegaConf containers in them (recipes/train.py: `betas` is a ListConfig),
+# whose metadata names builtin types. Each is data: unpickling it sets fields and calls nothing else.
+LIGHTNING_STATE_GLOBALS = frozenset(
+    {
+        "lightning.fabric.utilities.data.AttributeDict",
+        "lightning.pytorch.utilities.parsing.AttributeDict",
+        "lightning_fabric.utilities.data.AttributeDict",
+        "pytorch_lightning.utilities.parsing.AttributeDict",
+        "omegaconf.dictconfig.DictConfig",
+        "omegaconf.listconfig.ListConfig",
+        "omegaconf.base.ContainerMetadata",
+        "omegaconf.base.Metadata",
+        "omegaconf.nodes.AnyNode",
+        "omegaconf.nodes.StringNode",
+        "omegaconf.nodes.IntegerNode",
+        "omegaconf.nodes.FloatNode",
+        "omegaconf.nodes.BooleanNode",
+        "omegaconf.nodes.BytesNode",
+        "omegaconf.nodes.PathNode",
+        "typing.Any",
+        "collections.defaultdict",
+        "builtins.dict",
+        "builtins.list",
+        "builtins.tuple",
+        "builtins.int",
+        "builtins.float",
+        "builtins.str",
+        "builtins.bool",
+        "builtins.bytes",
+        "builtins.object",
+        "builtins.frozenset",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+    }
+)
+
+
+def _is_torch_constant(module: str, name: str) -> bool:
+    """torch.float32, torch.strided, torch.contiguous_format: values, never callables that run code."""
+    if module != "torch" or "." in name:
+        return False
+    value = getattr(torch, name, None)
+    return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+
+
+def torch_safe_globals() -> dict[str, Any]:
+    """What `torch.load(weights_only=True)` allows now, by `module.qualname`: its defaults plus the user's
+    `torch.serialization.add_safe_globals` entries."""
+    allowed: dict[str, Any] = {}
+    try:
+        from torch import _weights_only_unpickler as weights_only
+
+        allowed.update(weights_only._get_allowed_globals())
+    except (ImportError, AttributeError):  # another torch: the public list below still applies
+        log.debug("torch._weights_only_unpickler has no _get_allowed_globals", exc_info=True)
+    for entry in torch.serialization.get_safe_globals():
+        value, name = entry if isinstance(entry, tuple) else (entry, None)
+        allowed[name or f"{value.__module__}.{value.__qualname__}"] = value
+    return allowed
+
+
+def loads(data: bytes, allowed: Iterable[str] = (), *, trust: bool = False) -> Any:
+    """Unpickle `data` allowing torch's weights_only globals plus `allowed`; raises BlockedGlobal."""
+    if trust:
+        return pickle.loads(data)
+    return RestrictedUnpickler(io.BytesIO(data), frozenset(allowed), torch_safe=True).load()
+
+
+def load_object_record(data: bytes | memoryview, fqn: str, where: str, *, trust: bool = False) -> None:
+    """Check that an object record (`torch.save(obj)`, as DCP writes objects) names only safe globals.
+
+    DCP's planner then loads the same bytes with `weights_only=False`; after this check that runs
+    nothing torch's weights_only loader would not. Raises UntrustedCheckpoint naming the class.
+    """
+    if trust:
+        return
+    try:
+        torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise untrusted(where, f"object {fqn!r}", _blocked_name(err)) from err
+
+
+def untrusted(where: str, what: str, blocked: str) -> UntrustedCheckpoint:
+    return UntrustedCheckpoint(
+        f"{where}: {what} names {blocked}, which is not on the allow-list of what a checkpoint may hold; "
+        f"unpickling it could run code from the checkpoint. If you trust where this checkpoint came from, "
+        f"load it with trust_checkpoint=True; or allow just this class: "
+        f"torch.serialization.add_safe_globals([{blocked}])",
+        blocked=blocked,
+    )
+
+
+def _blocked_name(err: BaseException) -> str:
+    """The global torch's weights_only loader refused, from its message ("GLOBAL a.b.C was not ...")."""
+    if isinstance(err, BlockedGlobal):
+        return err.name
+    text = str(err)
+    marker = "GLOBAL "
+    if marker in text:
+        return text.split(marker, 1)[1].split()[0]
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def load_dcp_metadata(
+    data: bytes, where: str, *, expected: dict[str, Any] | None = None, trust: bool = False
+) -> Metadata:
+    """DCP's `.metadata` from its bytes, checked before and after unpickling.
+
+    `expected` is the manifest's `dcp_metadata` record (v2: `checksum`, `bytes`); None (a v1 manifest)
+    skips the byte check. Raises CorruptCheckpoint naming the problem: other bytes than committed, a
+    global DCP metadata never holds, not a Metadata, or a storage path outside the directory.
+    """
+    if expected is not None:
+        check_metadata_bytes(data, where, expected)
+    try:
+        if trust:
+            metadata = pickle.loads(data)
+        else:
+            metadata = RestrictedUnpickler(io.BytesIO(data), DCP_METADATA_GLOBALS).load()
+    except BlockedGlobal as err:
+        raise CorruptCheckpoint(
+            f"{where}: .metadata names {err.name}, which DCP metadata never holds; refusing to unpickle it "
+            "(it could run code). The checkpoint is damaged or was crafted: do not load it. If you wrote it "
+            "yourself with another DCP version, load it with trust_checkpoint=True",
+            problems=[{"file": ".metadata", "tensor": None, "expected": "DCP metadata classes", "actual": err.name}],
+        ) from err
+    except Exception as err:  # truncated or garbled: not a pickle at all
+        raise CorruptCheckpoint(
+            f"{where}: .metadata does not unpickle ({type(err).__name__}: {err}); the checkpoint is damaged"
+        ) from err
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "storage_data", None), dict):
+        raise CorruptCheckpoint(
+            f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged"
+        )
+    from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
+
+    for index, info in metadata.storage_data.items():
+        path = getattr(info, "relative_path", None)
+        problem = references.problem(path) if references.is_reference(path) else relative_path_problem(path)
+        if problem:
+            raise CorruptCheckpoint(
+                f"{where}: .metadata places {getattr(index, 'fqn', index)!r} at {problem}; a checkpoint reads only "
+                "its own files, so this one is corrupt (or crafted) and is not read",
+                problems=[
+                    {
+                        "file": ".metadata",
+                        "tensor": getattr(index, "fqn", None),
+                        "expected": "a file in the directory",
+                        "actual": getattr(info, "relative_path", None),
+                    }
+                ],
+            )
+    return metadata
+
+
+def relative_path_problem(path: Any) -> str | None:
+    """None for a file name inside a checkpoint directory; else what is wrong with `path`.
+
+    Relative, `/`-separated, no `..` or `.` or empty part, no backslash, no drive or URL scheme.
+    """
+    if not isinstance(path, str) or not path:
+        return f"path {path!r}, not a file name"
+    parts = path.split("/")
+    if (
+        path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or ":" in parts[0]
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        return f"path {path!r}, outside the checkpoint directory"
+    return None
+
+
+def check_inside(fs: Any, directory: str, relative: str) -> None:
+    """Raise CorruptCheckpoint unless `relative` names a file inside `directory`.
+
+    Beyond the name rules, on local storage a symlink must not lead out of the directory: a crafted
+    checkpoint could otherwise make a load read `/etc/passwd` as a shard.
+    """
+    from . import references  # the one exception: a file of a sibling checkpoint of the same root
+
+    if references.is_reference(relative):
+        problem = references.problem(relative)
+        base_dir = directory.rstrip("/").rsplit("/", 1)[0]  # the root: confined to it, one sibling deep
+    else:
+        problem = relative_path_problem(relative)
+        base_dir = directory
+    if problem is None and _is_local(fs):
+        base = os.path.realpath(base_dir)
+        target = os.path.realpath(os.path.join(directory, relative))
+        if os.path.commonpath([base, target]) != base:
+            problem = f"path {relative!r}, which resolves to {target}, outside the checkpoint directory"
+    if problem:
+        raise CorruptCheckpoint(
+            f"{directory}: the checkpoint names {problem}; a checkpoint reads only its own files, so it is corrupt "
+            "(or crafted) and is not read",
+            problems=[{"file": relative, "tensor": None, "expected": "a file in the directory", "actual": relative}],
+        )
+
+
+def _is_local(fs: Any) -> bool:
+    protocol = getattr(fs, "protocol", None)
+    protocols = protocol if isinstance(protocol, (tuple, list)) else (protocol,)
+    return "file" in protocols or "local" in protocols
+
+
+def check_metadata_bytes(data: bytes, where: str, expected: Any) -> None:
+    """Raise CorruptCheckpoint unless `data` is the `.metadata` the manifest's `dcp_metadata` recorded."""
+    if not isinstance(expected, dict) or not isinstance(expected.get("checksum"), str):
+        raise CorruptCheckpoint(
+            f"{where}: the manifest's {DCP_METADATA_FIELD} is {expected!r}, not {{checksum, bytes}}; the manifest is damaged"
+        )
+    actual = checksum(data)
+    if actual != expected.get("checksum") or len(data) != expected.get("bytes", len(data)):
+        raise CorruptCheckpoint(
+            f"{where}: .metadata has checksum {actual} ({len(data)} bytes), the manifest recorded "
+            f"{expected.get('checksum')} ({expected.get('bytes')} bytes); it was altered after commit and is "
+            "not unpickled. Restore it from a replica or load an older checkpoint",
+            problems=[{"file": ".metadata", "tensor": None, "expected": expected.get("checksum"), "actual": actual}],
+        )

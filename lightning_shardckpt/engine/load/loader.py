@@ -1,0 +1,185 @@
+"""Find a committed checkpoint, check it fits the state being loaded, and load it through DCP.
+
+DCP plans the load for the current topology (resharding 4 ranks to 3 is DCP's job); our reader checks
+every chunk it reads against the manifest's checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from ...errors import CheckpointDeleted, CorruptCheckpoint, IncompatibleCheckpoint, ShardCkptError
+from .. import catalog
+from ..collectives import broadcast_from_coordinator, rank_and_world
+from ..config import LoadConfig
+from ..format import manifest as manifest_format
+from ..format.layout import MANIFEST, join, parse_dirname
+from ..format.safe_pickle import DCP_METADATA_FIELD
+from ..storage.fsio import Location
+from ..storage.reader import ShardReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    path: str
+    checkpoint_id: str
+    step: int
+    manifest: dict[str, Any]
+    seconds: float
+    bytes_read: int
+    metadata_s: float = 0.0  # this rank: reading, checking and unpickling .metadata
+    read_s: float = 0.0  # this rank: first range read to last chunk read and checksummed (placing overlaps it)
+    place_s: float = 0.0  # this rank: the loading thread copying chunks into the state (mostly inside read_s)
+    chunks_read: int = 0  # this rank: stored chunks read, each once however many read items it feeds
+
+
+def load_checkpoint(
+    state_dict: dict[str, Any],
+    dirpath: str,
+    which: str | int = "latest",
+    *,
+    config: LoadConfig | None = None,
+    strict: bool = True,
+    process_group: Any = None,
+) -> LoadResult:
+    """Load a committed checkpoint into `state_dict` in place, on whatever world size runs now.
+
+    `dirpath` is a checkpoint root (then `which` picks `latest`, a step, an id or a directory name) or
+    one checkpoint directory. Uncommitted directories are never candidates.
+    """
+    config = config or LoadConfig()
+    started = time.perf_counter()
+    try:
+        result = _load_once(state_dict, dirpath, which, config, strict, process_group)
+    except CheckpointDeleted as err:
+        # another job's retention removed what `latest` picked: what is latest now is a fair answer
+        if which != "latest" or parse_dirname(str(dirpath)) is not None:
+            raise
+        log.warning("%s; resolving `latest` again", err)
+        result = _load_once(state_dict, dirpath, which, config, strict, process_group)
+    result.seconds = time.perf_counter() - started
+    log.info("loaded %s (step %d) in %.2fs", result.path, result.step, result.seconds)
+    return result
+
+
+def _load_once(
+    state_dict: dict[str, Any], dirpath: str, which: str | int, config: LoadConfig, strict: bool, process_group: Any
+) -> LoadResult:
+    # collective "pick-checkpoint": rank 0 lists and decides, so every rank loads the same directory
+    is_coordinator = rank_and_world(process_group)[0] == 0
+    picked = broadcast_from_coordinator(
+        "pick-checkpoint", _pick(dirpath, which, config) if is_coordinator else None, process_group
+    )
+    if isinstance(picked, ShardCkptError):
+        raise picked
+    root, entry = picked
+    check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
+    expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
+    reader = ShardReader(
+        root.fs,
+        entry.path,
+        expected_checksums=expected,
+        expected_blocks=manifest_format.expected_blocks(entry.manifest) if config.verify_checksums else None,
+        expected_metadata=entry.manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
+        trust=config.trust_checkpoint,
+        read_threads=config.read_threads,
+        read_ahead_bytes=config.read_ahead_bytes,
+    )
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            process_group=process_group,
+            planner=DefaultLoadPlanner(allow_partial_load=not strict),
+        )
+    except CheckpointException as err:
+        # every rank got the same failure (DCP gathers them); rank 0 looks whether the checkpoint is still
+        # there, so all ranks raise alike. Retention deletes the manifest first: no manifest, deleted.
+        gone = broadcast_from_coordinator(
+            "checkpoint-gone", _gone(root, entry) if is_coordinator else None, process_group
+        )
+        if gone:
+            raise CheckpointDeleted(
+                f"{entry.path} was deleted while it was being loaded (retention of another job writing into "
+                f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
+            ) from err
+        raise _unwrap(err, entry.path) from err
+    return LoadResult(
+        join(root.url, entry.name),
+        entry.checkpoint_id,
+        entry.step,
+        entry.manifest,
+        0.0,
+        reader.bytes_read,
+        metadata_s=reader.metadata_s,
+        read_s=reader.read_s,
+        place_s=reader.place_s,
+        chunks_read=reader.chunks_read,
+    )
+
+
+def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:
+    try:
+        return not root.fs.exists(join(entry.path, MANIFEST))
+    except OSError:  # cannot tell: report the original failure
+        return False
+
+
+def _pick(
+    dirpath: str, which: str | int, config: LoadConfig
+) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
+    try:
+        return catalog.open_checkpoint(dirpath, which, config.storage_options)
+    except ShardCkptError as err:  # sent to every rank, raised everywhere
+        return err
+
+
+def check_compatible(state_dict: dict[str, Any], manifest: dict[str, Any], where: str, *, strict: bool) -> None:
+    """Raise IncompatibleCheckpoint with a readable diff when keys or shapes do not match."""
+    flat, _ = flatten_state_dict(state_dict)
+    saved_shapes = {t["fqn"]: t["shape"] for t in manifest["tensors"]}
+    saved_objects = {o["fqn"] for o in manifest["objects"]}
+    missing, reshaped = [], []
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            if key not in saved_shapes:
+                missing.append(key)
+            elif list(value.shape) != saved_shapes[key]:
+                reshaped.append(f"{key}: checkpoint {saved_shapes[key]}, here {list(value.shape)}")
+        elif key not in saved_objects and key not in saved_shapes:
+            missing.append(key)
+    if reshaped or (missing and strict):
+        lines = [f"{where} does not fit the state being loaded:"]
+        if missing:
+            lines.append(f"  not in the checkpoint ({len(missing)}): " + ", ".join(sorted(missing)[:20]))
+        if reshaped:
+            lines.append(f"  shape differs ({len(reshaped)}): " + "; ".join(sorted(reshaped)[:20]))
+        unused = sorted((set(saved_shapes) | saved_objects) - set(flat))
+        if unused:
+            lines.append(f"  only in the checkpoint ({len(unused)}): " + ", ".join(unused[:20]))
+        lines.append(
+            "Load it into a model with the saved layout"
+            + (", or pass strict=False to skip missing keys" if not reshaped else "")
+        )
+        raise IncompatibleCheckpoint("\n".join(lines))
+
+
+def _unwrap(err: CheckpointException, path: str) -> BaseException:
+    """Surface our own error from the first failing rank (a CorruptCheckpoint names file and tensor)."""
+    for rank in sorted(err.failures):
+        cause = err.failures[rank][0]
+        if isinstance(cause, ShardCkptError):
+            return cause
+    rank = sorted(err.failures)[0]
+    return CorruptCheckpoint(f"loading {path} failed on rank {rank}: {err.failures[rank][0]}")

@@ -1,0 +1,231 @@
+"""Write one staged state dict as a checkpoint directory and commit it (or fail cleanly).
+
+Runs on the background thread in async mode, on the caller in sync mode: the same code either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+
+from ...errors import CommitFailed, ShardCkptError
+from ..collectives import broadcast_from_coordinator, is_distributed, rank_and_world
+from ..config import SaveConfig
+from ..format import topology
+from ..format.layout import MANIFEST, checkpoint_dirname, join, new_checkpoint_id
+from ..storage import retry
+from ..storage.fsio import Location
+from ..storage.writer import FaultHook, ShardWriter
+from .commit import CheckpointTarget, Committer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveResult:
+    """The outcome of one save on this rank."""
+
+    step: int
+    checkpoint_id: str | None
+    path: str | None
+    committed: bool
+    skipped: bool = False
+    error: BaseException | None = None
+    manifest: dict[str, Any] | None = None  # on the coordinator only
+    bytes_rank: int = 0
+    cleanup: str | None = None  # coordinator, failed save: REMOVED (its directory) or LEFT (for `shardckpt gc`)
+    storage_retries: int = 0  # transient storage errors retried during this save (process-wide count)
+    timings: dict[str, float] = field(default_factory=dict)  # write_s, verify_s, commit_s, persist_s
+    ranks: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # coordinator, committed: every rank's bytes/write_s/write_gbps
+
+
+@dataclass
+class SaveMeta:
+    """What the caller tells the manifest about this checkpoint."""
+
+    epoch: int | None = None
+    samples_consumed: int | None = None
+    identity: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    # flattened keys whose replicas are bit-identical on every rank (e.g. DDP parameters): their writes
+    # may be spread across ranks; every other replicated item is written by rank 0 (see RankZeroSavePlanner)
+    identical: Callable[[str], bool] | None = None
+    # incremental: (fqn, chunk offsets) -> chunk record of an unchanged chunk to reference (references.chunk_map)
+    references: dict[Any, dict[str, Any]] | None = None
+
+
+def persist_checkpoint(
+    root: Location,
+    group: Any,
+    config: SaveConfig,
+    state_dict: dict[str, Any],
+    step: int,
+    meta: SaveMeta,
+    fault_hook: FaultHook | None = None,
+) -> SaveResult:
+    """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit."""
+    started = time.perf_counter()
+    retries_before = _retries()
+    # collective "checkpoint-id": all ranks must write into the same fresh directory
+    checkpoint_id = broadcast_from_coordinator("checkpoint-id", new_checkpoint_id(), group)
+    target = CheckpointTarget(
+        root=root,
+        dirname=checkpoint_dirname(step, checkpoint_id),
+        checkpoint_id=checkpoint_id,
+        step=step,
+        verify_mode=config.verify.mode,
+        node_local=config.node_local,
+        manifest_fields={
+            "epoch": meta.epoch,
+            "samples_consumed": meta.samples_consumed,
+            "topology": topology.describe(state_dict, group, config.parallelism),
+            "identity": meta.identity,
+            "extra": meta.extra,
+            "run_id": config.run_id,
+        },
+    )
+    committer = Committer(target, fault_hook)
+    writer = ShardWriter(
+        root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook, references=meta.references
+    )
+    result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))
+        result.committed = True
+        result.manifest = committer.manifest
+        result.ranks = committer.ranks
+    except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
+        result.error = CommitFailed(f"step {step} did not commit ({target.dirname}): {_root_cause(err)}")
+        result.error.__cause__ = err
+        log.error("rank %d: %s", rank_and_world(group)[0], result.error)
+        if not config.keep_failed_attempts and committer.manifest is None:
+            result.cleanup = remove_failed_attempt(root, target.path, group, err)
+    stats = writer.last_write_stats
+    result.bytes_rank = stats.get("bytes", 0)
+    result.timings = {
+        "write_s": stats.get("write_s", 0.0),
+        "verify_s": stats.get("verify_s", 0.0),
+        "commit_s": committer.seconds,
+        "persist_s": time.perf_counter() - started,
+    }
+    result.storage_retries = _retries() - retries_before
+    return result
+
+
+class RankZeroSavePlanner(DefaultSavePlanner):
+    """DCP's planner, except that an item every rank holds is written from rank 0's copy.
+
+    "Replicated" is a declaration, not a fact: DDP ranks update BatchNorm buffers from their own batches,
+    and the pickled Lightning state differs per rank. DCP's default dedup balances writes and so takes
+    each item from an arbitrary rank (a mix no rank ever had). Rank 0 is what plain Lightning saves.
+    Items `identical(fqn)` declares bit-identical on every rank keep DCP's balanced spread.
+    """
+
+    def __init__(self, identical: Callable[[str], bool] | None = None) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self._identical = identical
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if self._identical is None:
+            return super()._dedup_save_plans(all_plans)  # everything replicated: rank 0 (the lowest rank)
+        holders: dict[Any, list[int]] = {}
+        for rank, plan in enumerate(all_plans):  # plans arrive in rank order
+            for item in plan.items:
+                holders.setdefault(item.index, []).append(rank)
+        dropped: list[set[Any]] = [set() for _ in all_plans]
+        for index, ranks in holders.items():
+            if len(ranks) > 1 and not self._identical(index.fqn):
+                for rank in ranks[1:]:
+                    dropped[rank].add(index)
+        kept = [
+            dataclasses.replace(plan, items=[i for i in plan.items if i.index not in dropped[r]])
+            for r, plan in enumerate(all_plans)
+        ]
+        return dedup_save_plans(kept, save_to_lowest_rank=False)  # what is still duplicated is identical: balance it
+
+
+REMOVED, LEFT = "removed", "left"
+
+
+def remove_failed_attempt(root: Location, directory: str, group: Any, err: BaseException) -> str | None:
+    """On the coordinator, remove the directory of a save every rank saw fail; REMOVED, LEFT, or None.
+
+    Left behind, a failed attempt holds its partial shards until `shardckpt gc`: on a disk with room
+    for keep_last + 1 checkpoints, one transient disk-full then made every later save fail too.
+    Only DCP's collective verdict (a CheckpointException) proves every rank's write step is over: each
+    rank's result or error was gathered before the coordinator decided. Any other error (a peer that
+    died, a collective timeout) proves nothing, so a rank may still be writing: the directory stays
+    for `shardckpt gc`. A directory whose manifest exists is committed, whatever the save reported,
+    and is never touched. Best effort: a failure to remove is logged and returned as LEFT.
+    """
+    rank, _ = rank_and_world(group)
+    if rank != 0:
+        return None
+    if is_distributed() and not isinstance(err, CheckpointException):
+        log.warning(
+            "rank 0: %s stays for `shardckpt gc`: the ranks did not reach a common verdict (%s)",
+            directory,
+            type(err).__name__,
+        )
+        return LEFT
+    try:
+        if retry.call("exists", lambda: root.fs.exists(join(directory, MANIFEST)), target=directory):
+            return None  # committed on storage although the save failed after the manifest: never removed
+        retry.call("rm", lambda: root.fs.rm(directory, recursive=True), target=directory)
+    except FileNotFoundError:
+        return None  # the save failed before anything was written
+    except Exception:
+        log.warning("rank 0: could not remove the failed attempt %s; `shardckpt gc` will", directory, exc_info=True)
+        return LEFT
+    log.info("rank 0: removed the failed attempt %s", directory)
+    return REMOVED
+
+
+def release_frames(err: BaseException) -> None:
+    """Clear the local variables of every finished frame in `err`'s tracebacks (its whole chain).
+
+    A kept error (the saver's first error, a SaveResult) otherwise keeps every object of the failed save
+    alive through its traceback's frames: staged state, open files, half-written record writers, for as
+    long as training runs. The tracebacks stay printable (file, line and function are kept).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)  # skips frames still executing
+        pending.extend((current.__cause__, current.__context__))
+        if isinstance(current, CheckpointException):  # DCP keeps each rank's (exception, stack summary)
+            pending.extend(
+                failure[0] for failure in current.failures.values() if isinstance(failure, tuple) and failure
+            )
+
+
+def _retries() -> int:
+    """Storage operations retried so far in this process (ours and botocore's; see retry.py)."""
+    return retry.counters.total("retried.") + retry.counters.total("http_retries.")
+
+
+def _root_cause(err: BaseException) -> str:
+    """DCP wraps per-rank failures; name the first rank's own error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank = sorted(err.failures)[0]
+        cause = err.failures[rank][0]  # DCP stores (exception, traceback) per failed rank
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(err).__name__}: {err}"

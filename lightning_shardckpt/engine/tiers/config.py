@@ -1,0 +1,156 @@
+"""Checkpoint tiers: a fast tier every save commits to, and an optional durable tier it is copied to.
+
+A save commits on the fast tier (node-local disk or tmpfs: seconds) through the full commit protocol;
+a background replicator (replicate.py) copies committed checkpoints, verified, to the durable tier
+(S3: minutes) and commits them there on their own. Restore picks among both (tier_restore.py).
+
+The fast tier's `dirpath` may contain `{node_rank}`: each node then writes its own directory, which
+no other node can read (a resized or replaced cluster restores from the durable tier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ...errors import ConfigError
+
+NODE_RANK = "{node_rank}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    """One tier: where it lives, how often it receives a checkpoint, what it keeps."""
+
+    dirpath: str  # local path or fsspec URL; may contain {node_rank} (node-local storage)
+    every_n_checkpoints: int | None = (
+        None  # durable tier: copy every N-th fast commit (None with every_minutes None: every one)
+    )
+    every_minutes: float | None = (
+        None  # durable tier: copy the newest fast commit once N minutes passed since the last copy
+    )
+    keep_last: int | None = None  # committed checkpoints kept on this tier (None: all)
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options of this tier (endpoint, credentials)
+    # fast tier only: checkpoints newer than the newest durable copy it may hold beyond keep_last before
+    # it drops the oldest of them anyway (counted as unreplicated_dropped): bounds the space a long outage costs
+    max_unreplicated: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.dirpath or not isinstance(self.dirpath, str):
+            raise ConfigError(
+                f"tier dirpath={self.dirpath!r} is empty; set a local directory or an fsspec URL such as s3://bucket/run"
+            )
+        stripped = self.dirpath.replace(NODE_RANK, "")
+        if "{" in stripped or "}" in stripped:
+            raise ConfigError(
+                f"tier dirpath={self.dirpath!r} has a placeholder other than {NODE_RANK}; only the node rank is substituted"
+            )
+        if self.every_n_checkpoints is not None and self.every_n_checkpoints < 1:
+            raise ConfigError(
+                f"every_n_checkpoints={self.every_n_checkpoints} must be >= 1 or null; 1 copies every checkpoint"
+            )
+        if self.every_minutes is not None and self.every_minutes <= 0:
+            raise ConfigError(
+                f"every_minutes={self.every_minutes} must be > 0 or null; e.g. 30 copies at most every half hour"
+            )
+        if self.every_n_checkpoints is not None and self.every_minutes is not None:
+            raise ConfigError("set every_n_checkpoints or every_minutes on a tier, not both")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(
+                f"keep_last={self.keep_last} would delete the checkpoint being written; use >= 1 (or null to keep all)"
+            )
+        if self.max_unreplicated < 0:
+            raise ConfigError(f"max_unreplicated={self.max_unreplicated} is negative; use 0 or more checkpoints")
+
+    @property
+    def node_local(self) -> bool:
+        return NODE_RANK in self.dirpath
+
+    def dirpath_for(self, node_rank: int) -> str:
+        return self.dirpath.replace(NODE_RANK, str(node_rank))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TiersConfig:
+    """The fast tier, the optional durable tier, and how replication between them behaves."""
+
+    fast: TierConfig
+    durable: TierConfig | None = None
+    flush_timeout_s: float = 300.0  # at fit end / preemption: wait at most this long for pending copies to commit
+    retry_backoff_s: float = 5.0  # first wait before retrying a failed copy; doubles up to retry_backoff_max_s
+    retry_backoff_max_s: float = 120.0
+    collective_timeout_s: float = (
+        600.0  # replication collectives abort after this (a dead rank fails the copy, not training)
+    )
+
+    def __post_init__(self) -> None:
+        if self.durable is not None:
+            if self.durable.node_local:
+                raise ConfigError(
+                    f"durable dirpath={self.durable.dirpath!r} contains {NODE_RANK}; the durable tier must be one place "
+                    "every node reaches (e.g. s3://bucket/run)"
+                )
+            if self.durable.dirpath.rstrip("/") == self.fast.dirpath.rstrip("/"):
+                raise ConfigError(
+                    f"fast and durable dirpath are both {self.fast.dirpath!r}; give the durable tier its own root"
+                )
+        if self.fast.every_n_checkpoints not in (None, 1) or self.fast.every_minutes is not None:
+            raise ConfigError(
+                "the fast tier receives every save; set the save cadence on the callback (every_n_train_steps), "
+                "and every_n_checkpoints / every_minutes on the durable tier"
+            )
+        if self.flush_timeout_s < 0:
+            raise ConfigError(
+                f"flush_timeout_s={self.flush_timeout_s} is negative; use 0 (do not wait) or more seconds"
+            )
+        if self.retry_backoff_s <= 0 or self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ConfigError(
+                f"retry_backoff_s={self.retry_backoff_s} must be > 0 and <= retry_backoff_max_s={self.retry_backoff_max_s}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0")
+
+    def backoff_s(self, failures: int) -> float:
+        return min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** max(0, failures - 1))
+
+
+def tiers_config_from(value: Any) -> TiersConfig | None:
+    """TiersConfig from an instance, a dict or a Hydra DictConfig; None (or `fast: null`) means no tiers."""
+    if value is None or isinstance(value, TiersConfig):
+        return value
+    value = _plain(value)
+    if not value or value.get("fast") is None:
+        return None
+    known = {f.name for f in fields(TiersConfig)}
+    unknown = set(value) - known
+    if unknown:
+        raise ConfigError(f"unknown tiers option(s) {sorted(unknown)}; known: {sorted(known)}")
+    values = dict(value)
+    values["fast"] = _tier(values["fast"], "fast")
+    values["durable"] = _tier(values.get("durable"), "durable") if values.get("durable") is not None else None
+    return TiersConfig(**values)
+
+
+def _tier(value: Any, name: str) -> TierConfig:
+    if isinstance(value, TierConfig):
+        return value
+    if isinstance(value, str):
+        return TierConfig(dirpath=value)
+    known = {f.name for f in fields(TierConfig)}
+    unknown = set(value) - known
+    if unknown:
+        raise ConfigError(f"unknown tiers.{name} option(s) {sorted(unknown)}; known: {sorted(known)}")
+    values = dict(value)
+    values["storage_options"] = dict(values.get("storage_options") or {})
+    return TierConfig(**values)
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return dict(value)

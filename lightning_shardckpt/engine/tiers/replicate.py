@@ -1,0 +1,438 @@
+"""Replicator: copies checkpoints committed on the fast tier to the durable tier, verified, and commits them there.
+
+One background thread per rank takes fast-tier commits in request order. For each copy:
+
+1. collective "replicate-pick": the coordinator decides which checkpoint (the newest one due: a copy
+   that fell behind skips to the newest, counted as `replication_skipped`) and broadcasts its fast
+   manifest;
+2. every rank uploads the files it wrote itself (its `__<rank>_0.distcp`; the coordinator also
+   `.metadata`), streamed and checked against the manifest's checksums (tier_copy.py): no funnel, no
+   staging copy;
+3. collective "replicate-receipts": every rank's outcome reaches the coordinator, which commits the
+   durable copy only when every upload is confirmed: commit record, then the manifest with
+   create-if-absent (the same commit point as a save), then `latest`;
+4. collective "replicate-outcome": every rank learns the result; a failure is retried with backoff
+   (the durable tier may be unreachable for a while).
+
+The replicator has its own gloo group, created once at set-up, not the saver's checkpoint group: the
+saver's thread runs its collectives on that group at any moment, and two threads issuing collectives
+on one group interleave them (each rank could pair the saver's broadcast with the replicator's), which
+deadlocks or mixes payloads. Each background thread owns one group; each group sees one thread's
+collectives, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from ...errors import CorruptCheckpoint
+from .. import catalog, metrics
+from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..metrics import RunCounters
+from ..save.commit import publish
+from ..storage import fsio
+from ..storage.fsio import Location
+from .config import TiersConfig
+from .verified_copy import copy_verified
+
+log = logging.getLogger(__name__)
+
+REPLICATED = "replicated"
+REPLICATION_FAILED = "replication_failed"
+REPLICATION_SKIPPED = "replication_skipped"
+REPLICATION_LAG = "replication_lag_checkpoints"  # a gauge: fast commits newer than the newest durable copy
+UNREPLICATED_DROPPED = "unreplicated_dropped"
+DEGRADED_SAVES = "degraded_saves"
+REPLICATED_FROM = "replicated_from"  # the durable manifest's record of where it was copied from (docs/FORMAT.md)
+
+_STOP = object()
+FaultHook = Callable[[str], None]
+
+
+class Replicator:
+    """Construct on every rank at the same point (after the group exists); `submit` on every rank alike."""
+
+    def __init__(
+        self,
+        config: TiersConfig,
+        fast: Location,
+        durable: Location,
+        *,
+        group: Any,
+        on_committed: Callable[[str], None] | None = None,
+        fault_hook: FaultHook | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        assert config.durable is not None
+        self.config = config
+        self.fast, self.durable = fast, durable
+        self.group = group
+        self.rank = rank_and_world(group)[0]
+        self.counters = RunCounters()
+        self.lag = 0  # fast commits submitted since the newest durable commit
+        self.newest_durable: str | None = None
+        self.broken: BaseException | None = None  # a collective failed (a rank died): no further copies this run
+        self._on_committed = on_committed or (lambda name: None)
+        self._fault = fault_hook or (lambda point: None)
+        self._sleep = sleep
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._submitted = 0
+        self._handled = 0
+        self._idle = threading.Condition()
+        self._stop_requested = threading.Event()
+        self._flush_deadline: float | None = None
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # coordinator: each attempt's event (health rules)
+        self._owed: str | None = None  # coordinator: the newest checkpoint the cadence passed over since the last copy
+        self._since_copy = 0  # fast commits since the last copy (every_n_checkpoints)
+        self._last_copy_time = time.monotonic()
+        self._thread = threading.Thread(target=self._work, name="shardckpt-replicator", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side (any thread; every rank alike) ---
+    def submit(self, dirname: str) -> None:
+        """A checkpoint committed on the fast tier; call on every rank in commit order."""
+        with self._idle:
+            self._submitted += 1
+            self.lag += 1
+        self._queue.put(dirname)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every submitted checkpoint was copied or skipped; False if `timeout` passed first.
+
+        While flushing, the newest pending checkpoint is copied even if the cadence would not copy it yet.
+        """
+        deadline = time.monotonic() + timeout
+        self._flush_deadline = deadline
+        with self._idle:
+            while self._handled < self._submitted and self.broken is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(min(remaining, 0.5))
+        return self.broken is None
+
+    def close(self, timeout: float) -> bool:
+        """Copy the newest checkpoint not yet on the durable tier (whatever the cadence), then stop; bounded by
+        `timeout` (fit end, preemption: tiers.flush_timeout_s). True when nothing was left behind."""
+        deadline = time.monotonic() + timeout
+        self._flush_deadline = deadline
+        self._stop_requested.set()
+        self._queue.put(_STOP)
+        # the thread stops itself once the owed copy committed or the deadline passed (a copy running then
+        # finishes its current attempt); it is a daemon: the run never waits for it without bound
+        self._thread.join(max(1.0, timeout + 5.0))
+        left = self._submitted - self._handled
+        owed = self._owed is not None or left
+        if owed:
+            log.error(
+                "rank %d: checkpoint(s) committed on the fast tier were not copied to %s before close; "
+                "the next run copies the newest one when it starts",
+                self.rank,
+                self.durable.url,
+            )
+        return self.broken is None and not owed
+
+    @property
+    def stopped(self) -> bool:
+        return not self._thread.is_alive()
+
+    def snapshot(self) -> dict[str, int]:
+        return {**self.counters.notes(), REPLICATION_LAG: self.lag}
+
+    # --- the thread ---
+    def _work(self) -> None:
+        pending: list[str] = []
+        stopping = False
+        try:
+            while True:
+                if not pending and not stopping:  # block only with nothing to decide on (every rank alike)
+                    item = self._queue.get()
+                    if item is _STOP:
+                        stopping = True
+                    else:
+                        pending.append(item)
+                if self.rank == 0:
+                    pending, stopping = self._drain(pending, stopping)
+                    decision = self._decide(pending, stopping)
+                else:
+                    decision = None
+                decision = broadcast_from_coordinator("replicate-pick", decision, self.group)
+                action, name, manifest, owed = decision
+                if action == "copy" and owed:
+                    self._copy_with_retries(name, manifest, counted=False)  # passed over earlier: consumed already
+                    continue
+                if action != "stop":
+                    pending = self._consume_until(pending, name)
+                if action == "copy":
+                    self._copy_with_retries(name, manifest)
+                elif action == "skip":
+                    self._mark_handled(1)
+                if action == "stop":
+                    self._mark_handled(len(pending))
+                    return
+        except BaseException as err:  # a collective timed out (a rank died) or a bug: the group is unusable now
+            self.broken = err
+            self.counters.note(REPLICATION_FAILED)
+            log.error(
+                "rank %d: replication to %s stopped: %s; checkpoints stay on the fast tier, the next run copies the newest",
+                self.rank,
+                self.durable.url,
+                err,
+            )
+            with self._idle:
+                self._idle.notify_all()
+
+    def _drain(self, pending: list[str], stopping: bool) -> tuple[list[str], bool]:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return pending, stopping
+            if item is _STOP:
+                stopping = True
+            else:
+                pending.append(item)
+
+    def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None, bool]:
+        """Coordinator: (action, name, manifest, owed): ("copy", name, manifest, False) copies the newest pending,
+        ("copy", name, manifest, True) the one the cadence passed over (at close), ("skip", name, None, False)
+        passes `name` over, ("stop", None, None, False) ends the thread."""
+        flushing = stopping or self._flush_deadline is not None
+        past_deadline = self._flush_deadline is not None and time.monotonic() > self._flush_deadline
+        if stopping and past_deadline:
+            return ("stop", None, None, False)
+        if not pending:
+            owed, self._owed = self._owed, None
+            if stopping and owed is not None:  # close: the newest commit goes to the durable tier whatever the cadence
+                manifest = self._read_fast_manifest(owed)
+                if manifest is not None:
+                    return ("copy", owed, manifest, True)
+            return ("stop", None, None, False)
+        newest = pending[-1]
+        self._since_copy += 1
+        durable = self.config.durable
+        due = flushing
+        if durable.every_minutes is not None:
+            due = due or time.monotonic() - self._last_copy_time >= durable.every_minutes * 60
+        else:
+            due = due or self._since_copy >= (durable.every_n_checkpoints or 1)
+        if len(pending) > 1 and due:
+            skipped = len(pending) - 1
+            log.warning(
+                "replication is %d checkpoint(s) behind; copying the newest (%s) and skipping %d",
+                len(pending),
+                newest,
+                skipped,
+            )
+        if not due:
+            self._owed = pending[0]
+            return ("skip", pending[0], None, False)
+        manifest = self._read_fast_manifest(newest)
+        if manifest is None:
+            return ("skip", newest, None, False)
+        self._owed = None
+        return ("copy", newest, manifest, False)
+
+    def _read_fast_manifest(self, name: str) -> dict[str, Any] | None:
+        try:
+            return catalog.read_manifest(self.fast.fs, self._entry(name))
+        except Exception as err:  # noqa: BLE001 - retention deleted it, or it rotted: nothing to copy
+            log.warning("cannot read the fast-tier manifest of %s (%s); not replicating it", name, err)
+            return None
+
+    def _entry(self, name: str) -> catalog.CheckpointEntry:
+        parsed = parse_dirname(name)
+        return catalog.CheckpointEntry(
+            name, join(self.fast.path, name), parsed.step, parsed.checkpoint_id, catalog.COMMITTED
+        )
+
+    def _consume_until(self, pending: list[str], name: str | None) -> list[str]:
+        """Drop `name` and everything before it from `pending` (waiting for it if this rank has not seen it yet)."""
+        if name is None:
+            return pending
+        while name not in pending:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.put(_STOP)
+                raise RuntimeError(f"rank {self.rank}: the coordinator copies {name}, which this rank never committed")
+            pending.append(item)
+        index = pending.index(name)
+        if index:
+            for _ in range(index):
+                self.counters.note(REPLICATION_SKIPPED)
+            self._mark_handled(index)
+        return pending[index + 1 :]
+
+    def _mark_handled(self, count: int) -> None:
+        with self._idle:
+            self._handled += count
+            self._idle.notify_all()
+
+    def _copy_with_retries(self, name: str, manifest: dict[str, Any], counted: bool = True) -> None:
+        """Copy until committed, the coordinator gives up (closing past its deadline) or a newer one waits.
+        `counted`: `name` is a submitted checkpoint not yet marked handled."""
+        failures = 0
+        while True:
+            started = time.perf_counter()
+            ok, message = self._copy_once(name, manifest)
+            self._event(name, manifest, ok, message, time.perf_counter() - started)
+            if ok:
+                self._since_copy = 0
+                self._last_copy_time = time.monotonic()
+                with self._idle:
+                    self.newest_durable = name
+                    self.lag = sum(
+                        1 for item in list(self._queue.queue) if item is not _STOP
+                    )  # what stays queued is still behind
+                self.counters.note(REPLICATED)
+                self._mark_handled(1 if counted else 0)
+                return
+            failures += 1
+            self.counters.note(REPLICATION_FAILED)
+            wait = self.config.backoff_s(failures)
+            log.warning(
+                "rank %d: copying %s to %s failed (%s); retrying in %.1fs",
+                self.rank,
+                name,
+                self.durable.url,
+                message,
+                wait,
+            )
+            # coordinator decides, for every rank alike: retry, or give up (stopping past the flush deadline)
+            give_up = (
+                self.rank == 0
+                and self._stop_requested.is_set()
+                and (self._flush_deadline is None or time.monotonic() + wait > self._flush_deadline)
+            )
+            give_up = broadcast_from_coordinator("replicate-retry", give_up, self.group)
+            if give_up:
+                self._mark_handled(1 if counted else 0)
+                return
+            self._sleep(wait)
+            newer = any(item is not _STOP for item in list(self._queue.queue))
+            if broadcast_from_coordinator("replicate-newer", newer, self.group):
+                # behind: drop this one, the loop picks the newest (counted as skipped)
+                self.counters.note(REPLICATION_SKIPPED)
+                self._mark_handled(1 if counted else 0)
+                return
+
+    def _event(self, name: str, manifest: dict[str, Any], ok: bool, message: str, seconds: float) -> None:
+        """Coordinator: one event per copy attempt, in the fast root's event log and to the listeners (health rules)."""
+        if self.rank != 0:
+            return
+        lag = sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1)
+        event = {
+            "event": "replication",
+            "name": name,
+            "step": manifest.get("step"),
+            "run_id": manifest.get("run_id"),
+            "outcome": "committed" if ok else "failed",
+            "cause": message or None,
+            "seconds": seconds,
+            "durable": self.durable.url,
+            "lag_checkpoints": lag,
+            "created_at": time.time(),
+        }
+        metrics.write_json_event(self.fast, f"replicate-{name}-{event['outcome']}", event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - metrics never fail a copy
+                log.warning("a replication listener failed", exc_info=True)
+
+    def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
+        src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)
+        mine = [entry["path"] for entry in manifest["files"] if shard_rank(entry["path"]) == self.rank]
+        if self.rank == 0:
+            mine.append(DCP_METADATA)
+        problem = None
+        try:
+            fsio.makedirs(self.durable.fs, dst_dir)
+            for relative in mine:
+                self._fault("replicate_before_file")
+                copy_verified(
+                    self.fast.fs,
+                    src_dir,
+                    self.durable.fs,
+                    dst_dir,
+                    relative,
+                    manifest,
+                    on_piece=lambda: self._fault("replicate_mid_upload"),
+                )
+        except Exception as err:  # noqa: BLE001 - reported to the coordinator, which decides for all
+            problem = f"rank {self.rank}: {type(err).__name__}: {err}"
+        problems = [p for p in all_gather_objects("replicate-receipts", problem, self.group) if p]
+        outcome: tuple[bool, str] | None = None
+        if self.rank == 0:
+            outcome = (False, "; ".join(problems)) if problems else self._commit(name, manifest)
+        return tuple(broadcast_from_coordinator("replicate-outcome", outcome, self.group))  # type: ignore[return-value]
+
+    def _commit(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
+        """Coordinator: check the uploaded sizes, then commit the durable copy (manifest last)."""
+        fs, directory = self.durable.fs, join(self.durable.path, name)
+        try:
+            expected = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
+            for relative, size in sorted(expected.items()):
+                actual = fs.size(join(directory, relative))
+                if actual != size:
+                    return False, f"{relative}: {actual} bytes on the durable tier, {size} committed on the fast tier"
+            if fs.exists(join(directory, MANIFEST)):
+                # committed already (a retry after a lost response, a catch-up racing another): never rewrite its
+                # commit record, whose checksum names the manifest that is there
+                log.info("%s is already committed on %s", name, self.durable.url)
+                return True, ""
+            durable_manifest = dict(manifest)
+            durable_manifest[REPLICATED_FROM] = {
+                "tier": "fast",
+                "url": join(self.fast.url, name),
+                "replicated_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            }
+            try:
+                # the same commit point as a save: record, manifest by create-if-absent, `latest`
+                publish(
+                    fs,
+                    self.durable.path,
+                    name,
+                    durable_manifest,
+                    before_manifest=lambda: self._fault("replicate_before_manifest"),
+                )
+            except FileExistsError:
+                return (
+                    False,
+                    f"{name}: another writer committed it on {self.durable.url} meanwhile; two runs may share this root",
+                )
+        except CorruptCheckpoint as err:
+            return False, str(err)
+        except Exception as err:  # noqa: BLE001 - unreachable storage: retried
+            return False, f"{type(err).__name__}: {err}"
+        log.info("replicated %s to %s", name, self.durable.url)
+        try:
+            self._on_committed(name)
+        except Exception:  # noqa: BLE001 - retention; the next commit retries it
+            log.warning("after replicating %s: the commit listener failed", name, exc_info=True)
+        return True, ""
+
+
+def newest_on_both(fast: Location, durable: Location, run_id: str | None) -> str | None:
+    """The newest committed checkpoint of `run_id` present on both tiers (where replication stands at start)."""
+    on_fast = {entry.name for entry in catalog.committed_of_run(catalog.list_checkpoints(fast), run_id)}
+    both = [
+        entry for entry in catalog.committed_of_run(catalog.list_checkpoints(durable), run_id) if entry.name in on_fast
+    ]
+    return both[-1].name if both else None
+
+
+def missing_on_durable(fast: Location, durable: Location, run_id: str | None) -> str | None:
+    """The newest committed fast-tier checkpoint of `run_id` that the durable tier lacks (None: nothing to catch up)."""
+    newest = catalog.newest_committed(catalog.list_checkpoints(fast), run_id)
+    if newest is None:
+        return None
+    on_durable = {entry.name for entry in catalog.list_checkpoints(durable) if entry.committed}
+    return None if newest.name in on_durable else newest.name

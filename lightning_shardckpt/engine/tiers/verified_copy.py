@@ -1,0 +1,105 @@
+"""Copy one committed file from the fast tier to the durable tier, streamed and verified.
+
+No second staging copy: the bytes go from the fast tier's file to the durable tier's upload in
+bounded pieces (`PIECE_BYTES`), and each chunk the manifest lists is checksummed as it passes. A
+mismatch (the fast copy rotted since its commit) aborts the upload, so a damaged file can never be
+committed on the durable tier.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import CorruptCheckpoint
+from ..format import manifest as manifest_format
+from ..format.checksum import streaming_checksum
+from ..format.layout import DCP_METADATA, join
+from ..format.safe_pickle import DCP_METADATA_FIELD
+from ..storage import fsio
+
+PIECE_BYTES = 8 * 2**20  # memory bound per upload: one piece in flight
+
+
+def expected_ranges(manifest: dict[str, Any], relative: str) -> list[tuple[int, int, str]]:
+    """(offset, length, checksum) of every checksummed range of `relative`, in offset order."""
+    if relative == DCP_METADATA:
+        meta = manifest.get(DCP_METADATA_FIELD) or {}
+        return [(0, meta["bytes"], meta["checksum"])] if meta else []
+    return sorted(
+        (chunk["offset"], chunk["length"], chunk["checksum"])
+        for _, chunk in manifest_format.iter_chunks(manifest)
+        if chunk["file"] == relative
+    )
+
+
+def file_size(manifest: dict[str, Any], relative: str) -> int | None:
+    if relative == DCP_METADATA:
+        return (manifest.get(DCP_METADATA_FIELD) or {}).get("bytes")
+    return next((entry["bytes"] for entry in manifest["files"] if entry["path"] == relative), None)
+
+
+def copy_verified(
+    src_fs: Any,
+    src_dir: str,
+    dst_fs: Any,
+    dst_dir: str,
+    relative: str,
+    manifest: dict[str, Any],
+    piece_bytes: int = PIECE_BYTES,
+    on_piece: Any = None,
+) -> int:
+    """Copy `src_dir/relative` to `dst_dir/relative`, checking every listed range; returns the bytes copied.
+
+    Raises CorruptCheckpoint naming the range when the source's bytes do not match the manifest (the
+    upload is aborted, nothing is left under the name), OSError when either side fails.
+    """
+    ranges = expected_ranges(manifest, relative)
+    size = file_size(manifest, relative)
+    if size is None or not ranges:
+        raise CorruptCheckpoint(
+            f"{relative}: not listed in the manifest of {src_dir}; refusing to copy an unverifiable file"
+        )
+    src_path, dst_path = join(src_dir, relative), join(dst_dir, relative)
+    position, index = 0, 0
+    hasher = streaming_checksum()
+    with src_fs.open(src_path, "rb") as source:
+        sink = dst_fs.open(dst_path, "wb")
+        try:
+            while True:
+                piece = source.read(piece_bytes)
+                if not piece:
+                    break
+                view = memoryview(piece)
+                start = 0
+                while start < len(view):
+                    if index >= len(ranges):
+                        raise CorruptCheckpoint(f"{src_path}: longer than the {size} bytes its manifest lists")
+                    offset, length, expected = ranges[index]
+                    end = offset + length
+                    take = min(len(view) - start, end - (position + start))
+                    hasher.update(view[start : start + take])
+                    start += take
+                    if position + start == end:
+                        actual = hasher.hexdigest()
+                        if actual != expected:
+                            raise CorruptCheckpoint(
+                                f"{src_path}: bytes {offset}..{end} have checksum {actual}, the manifest says {expected}; "
+                                "the fast-tier copy is damaged and will not be replicated",
+                                problems=[{"file": src_path, "offset": offset, "expected": expected, "actual": actual}],
+                            )
+                        hasher.reset()
+                        index += 1
+                sink.write(piece)
+                position += len(piece)
+                if on_piece is not None:
+                    on_piece()  # tests: a rank dying mid-upload
+            if position != size or index != len(ranges):
+                raise CorruptCheckpoint(
+                    f"{src_path}: {position} bytes, its manifest lists {size}; the fast-tier copy is truncated"
+                )
+            fsio.sync_local_file(sink)
+            sink.close()
+        except BaseException:
+            fsio.abort_write(sink)  # never commit a partial or damaged object
+            raise
+    return position
