@@ -118,7 +118,7 @@ def test_the_checker_reports_broken_links_and_anchors(tmp_path: Path):
     (tmp_path / "docs/page.md").write_text("# A page\n\n## `latest` and retention\n")
     (tmp_path / "README.md").write_text(
         "[ok](docs/page.md) [ok anchor](docs/page.md#latest-and-retention) [web](https://example.com/x)\n"
-        "[missing](docs/nope.md) [bad anchor](docs/page.md#no-such-heading) [outside](../elsewhere/DESIGN.md)\n"
+        "[missing](docs/nope.md) [bad anchor](docs/page.md#no-such-heading) [outside](../elsewhere/notes.md)\n"
         "```\n[in code](not/checked.md)\n```\n`[inline code](not/checked.md)`\n"
     )
     problems = broken_links(tmp_path / "README.md", repo=tmp_path)
