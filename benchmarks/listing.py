@@ -8,7 +8,7 @@ The checkpoints are synthetic (no training, no shard bytes): each directory hold
 the writer's (one chunk per tensor, real-looking checksums) and, for v2, its commit record. Each
 operation runs in a fresh process, so its peak RSS above the process's baseline (after imports) is
 what the operation itself costs. Prints one JSON line per operation and a summary table.
-Targets (README): each operation <= 1 s and <= 100 MiB extra RSS on local disk.
+Targets (docs/BENCHMARKS.md): each operation <= 1 s and <= 100 MiB extra RSS on local disk.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The commit protocol under failure, on real gloo ranks (DESIGN.md section 3, "failure points").
+"""The commit protocol under failure, on real gloo ranks (docs/GUARANTEES.md, "The format and the commit protocol").
 
 Every test runs twice: on a local disk and on S3 (an `s3://` root on moto's server on loopback, which
 the spawned ranks reach over HTTP with the `storage_options` they are given).

@@ -1,6 +1,6 @@
 """Listing many checkpoints reads small commit records, never tensor tables (issue 9, item 10; functional, not timed).
 
-The timings live in benchmarks/listing.py and the README; these tests prove the mechanism: what a
+The timings live in benchmarks/listing.py and docs/BENCHMARKS.md; these tests prove the mechanism: what a
 listing reads and holds, and that ordering and retention stay right over hundreds of checkpoints.
 """
 

@@ -13,7 +13,13 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-DOCUMENTS = ("README.md", "scripts/run_train.sh", "conf/train.yaml", "recipes/train.py")
+DOCUMENTS = (
+    "README.md",
+    *sorted(str(path.relative_to(REPO)) for path in (REPO / "docs").rglob("*.md")),  # the how-to guides
+    "scripts/run_train.sh",
+    "conf/train.yaml",
+    "recipes/train.py",
+)
 COMMAND = re.compile(r"(?:\./scripts/run_train\.sh|python recipes/train\.py)(?:[ \t]+[\w.+~/${}:-]+=[^\s`#]*)+")
 
 

@@ -345,7 +345,7 @@ def test_incremental_config_is_validated():
 def test_plain_dcp_fsspec_reader_on_s3_and_an_incremental_checkpoint(s3_root):
     """Pins a limitation: on S3, plain DCP's FsspecReader joins '../' into the object key literally (object
     stores have no '..'), so it cannot follow a reference; our loader can (test above). If this starts
-    passing, torch normalises paths and README's caveat can go."""
+    passing, torch normalises paths and the caveat in docs/howto/incremental.md can go."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.api import CheckpointException
 
