@@ -1,6 +1,6 @@
 """Exact data position across world-size changes: one global order per epoch, and per-rank RNG state.
 
-The rules (docs/FORMAT.md and the README refer here):
+The rules (docs/FORMAT.md and docs/howto/resize.md refer here):
 
 - **Order.** Epoch `e` has ONE global order of the dataset: `torch.randperm(n)` seeded with `seed + e`
   (`range(n)` without shuffle), the permutation torch's DistributedSampler uses.
