@@ -12,8 +12,6 @@ from . import exit_codes, options
 from .output import human_bytes, print_json
 
 _SIZE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)$", re.IGNORECASE)
-
-
 _UNITS = {
     "": 1,
     "B": 1,
