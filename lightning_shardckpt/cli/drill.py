@@ -12,14 +12,13 @@ from ..engine.format.layout import join, parse_dirname
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound
 from ..policies.drill import DrillOptions, run_drill
+from . import exit_codes, options
 
-EXIT_OK, EXIT_FAILED = 0, 1
 
-
-def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
+def add_commands(commands: Any) -> None:
     drill = commands.add_parser(
         "drill",
-        parents=[common],
+        parents=[options.common()],
         help="restore a checkpoint in fresh processes (another world size by default) and record the result; exit 1 if it fails",
     )
     drill.add_argument("path", metavar="ROOT|CKPT", help="a root (drills its latest) or a checkpoint directory")
@@ -39,7 +38,7 @@ def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
     drill.add_argument("--threads", type=int, default=1, help="torch threads per drill rank")
     drill.set_defaults(run=cmd_drill)
     last_good = commands.add_parser(
-        "last-good", parents=[common], help="print the newest drilled (known-good) checkpoint of a root"
+        "last-good", parents=[options.common()], help="print the newest drilled (known-good) checkpoint of a root"
     )
     last_good.add_argument("root", metavar="ROOT")
     last_good.set_defaults(run=cmd_last_good)
@@ -70,7 +69,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         probe = (record.get("checks") or {}).get("probe")
         if probe and "value" in probe:
             print(f"probe {probe['name']}: {probe['value']!r} restored, {probe['saved']!r} at save")
-    return EXIT_OK if record["verdict"] == drill_records.PASSED else EXIT_FAILED
+    return exit_codes.OK if record["verdict"] == drill_records.PASSED else exit_codes.FOUND_PROBLEM
 
 
 def cmd_last_good(args: argparse.Namespace) -> int:
@@ -107,7 +106,7 @@ def cmd_last_good(args: argparse.Namespace) -> int:
         )
     else:
         print(path)
-    return EXIT_OK
+    return exit_codes.OK
 
 
 def _rounded(timings: dict[str, float]) -> dict[str, float]:

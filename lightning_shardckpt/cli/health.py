@@ -9,14 +9,13 @@ from typing import Any
 from ..ops.health_report import evaluate_root, plot
 from ..ops.investigate import open_root
 from ..policies.health_rules import load_rules_file
+from . import exit_codes, options
 
-EXIT_HEALTHY, EXIT_FIRING = 0, 1
 
-
-def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
+def add_commands(commands: Any) -> None:
     health = commands.add_parser(
         "health",
-        parents=[common],
+        parents=[options.common()],
         help="evaluate health rules over a root's event history: owner, normal range, firing since, mitigation; exit 1 while one fires",
     )
     health.add_argument("root", metavar="ROOT")
@@ -62,4 +61,4 @@ def cmd_health(args: argparse.Namespace) -> int:
         )
         if args.plot:
             print(f"plot: {args.plot} ({panels} panels)")
-    return EXIT_FIRING if report.firing else EXIT_HEALTHY
+    return exit_codes.FOUND_PROBLEM if report.firing else exit_codes.OK

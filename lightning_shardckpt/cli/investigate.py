@@ -1,277 +1,257 @@
-"""`shardckpt bisect`, `compare` and `export`: find where a run went bad, see what changed, take a checkpoint out."""
+"""`shardckpt diff` and `shardckpt timeline`: what changed between two checkpoints, and along a whole root."""
 
 from __future__ import annotations
 
 import argparse
-import re
+import json
+import sys
 from typing import Any
 
-from ..engine.load.global_tensors import GlobalTensorReader
+from ..engine.format.layout import join
 from ..ops import investigate
-from ..ops.bisect import DEFAULT_TOP, bisect
-from ..ops.checks import parse_check
-from ..ops.compare import compare_readers, summary
-from ..ops.export import DTYPES, ExportOptions, export_checkpoint
-from ..ops.export_formats import FORMATS, SAFETENSORS
-from .output import human_bytes, print_json, print_table
-
-EXIT_OK, EXIT_FOUND = 0, 1
-_SIZE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-}
+from . import exit_codes, options
+from .output import PROG, human_bytes, print_json, print_table, short_time
 
 
-def add_commands(commands: Any, common: argparse.ArgumentParser) -> None:
-    search = commands.add_parser(
-        "bisect",
-        parents=[common],
+def add_commands(commands: Any) -> None:
+    diff = commands.add_parser(
+        "diff",
+        parents=[options.common()],
+        help="compare two checkpoints' identity and topology; exit 1 if they differ",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=_BISECT_EPILOG,
-        help="find the earliest known-bad checkpoint and the last known-good before it; exit 1 when a bad one is found",
+        epilog=_DIFF_EPILOG,
     )
-    search.add_argument("root", metavar="ROOT")
-    search.add_argument("--bad", required=True, metavar="CHECK", help="what makes a checkpoint bad (below)")
-    search.add_argument("--linear", action="store_true", help="check oldest first, for checks that are not monotone")
-    search.add_argument(
-        "--run-id", default=None, help="bisect this run's lineage (default: the run `latest` comes from)"
-    )
-    search.add_argument(
-        "--top", type=int, default=DEFAULT_TOP, metavar="N", help="changed tensors listed (default: %(default)s)"
-    )
-    search.set_defaults(run=cmd_bisect)
-    compare = commands.add_parser(
-        "compare",
-        parents=[common],
-        help="per-tensor numeric differences of two checkpoints, largest change first; exit 1 if any differ",
-    )
-    compare.add_argument("a", metavar="A", help="a checkpoint reference, as for diff")
-    compare.add_argument("b", metavar="B", help="a checkpoint reference, as for diff")
-    compare.add_argument(
+    diff.add_argument("a", metavar="A", help="a checkpoint reference (below)")
+    diff.add_argument("b", metavar="B", help="a checkpoint reference (below)")
+    diff.add_argument(
         "--root", metavar="ROOT", help="the root in which selectors (references without '/') are resolved"
     )
-    compare.add_argument(
-        "--top", type=int, default=20, metavar="N", help="tensors listed (default: %(default)s; 0: all)"
-    )
-    compare.set_defaults(run=cmd_compare)
-    export = commands.add_parser(
-        "export",
-        parents=[common],
+    diff.set_defaults(run=cmd_diff)
+    timeline = commands.add_parser(
+        "timeline",
+        parents=[options.common()],
+        help="every checkpoint and attempt in order: state, cause, identity changes",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=_EXPORT_EPILOG,
-        help="write a checkpoint's tensors as one torch or safetensors artifact",
+        epilog=_TIMELINE_EPILOG,
     )
-    export.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory, a root (its latest) or ROOT/latest")
-    export.add_argument("out", metavar="OUT", help="the file to write (a directory with --max-shard-size)")
-    export.add_argument("--format", choices=FORMATS, default=SAFETENSORS)
-    export.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        default=None,
-        metavar="SIZE",
-        help="safetensors shards of at most SIZE (e.g. 5GB, 500MiB) plus model.safetensors.index.json",
+    timeline.add_argument("root", metavar="ROOT")
+    timeline.add_argument(
+        "--grace",
+        type=float,
+        default=investigate.IN_FLIGHT_GRACE_S,
+        metavar="SECONDS",
+        help="an uncommitted directory last written less than this ago, with no failure event, is in-flight "
+        "(default: %(default).0f)",
     )
-    export.add_argument(
-        "--model-only", action="store_true", help="only the model's tensors (model.*), no optimizer state"
+    timeline.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a metric recorded at save time (trainer.callback_metrics) as a column, e.g. train/loss (repeatable)",
     )
-    export.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: as saved, bit-exact)"
-    )
-    export.add_argument(
-        "--prefix", default=None, help="strip this from every tensor name that starts with it, e.g. model."
-    )
-    export.set_defaults(run=cmd_export)
+    timeline.set_defaults(run=cmd_timeline)
 
 
-def cmd_bisect(args: argparse.Namespace) -> int:
-    location = investigate.open_root(args.root, args.storage_options)
-    check, kind = parse_check(args.bad, storage_options=args.storage_options)
-    report = bisect(
-        location, check, kind=kind, linear=args.linear, run_id=args.run_id, top=args.top, check_name=args.bad
-    )
-    if args.json:
-        print_json(report)
-    else:
-        _print_bisect(report)
-    return EXIT_FOUND if report["first_bad"] else EXIT_OK
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
+def cmd_diff(args: argparse.Namespace) -> int:
     a, b = investigate.resolve_pair(args.a, args.b, args.root, args.storage_options)
-    with GlobalTensorReader(a.root, a.entry) as reader_a, GlobalTensorReader(b.root, b.entry) as reader_b:
-        changes = compare_readers(reader_a, reader_b)
-    counts = summary(changes)
-    shown = changes if args.top == 0 else changes[: args.top]
+    result = investigate.diff(a, b)
     if args.json:
-        print_json({"a": a.path, "b": b.path, "summary": counts, "tensors": [change.to_dict() for change in shown]})
+        print_json(result)
     else:
-        print(f"A  {a.path}\nB  {b.path}")
-        _print_changes([change.to_dict() for change in shown])
-        print(", ".join(f"{count} {name.replace('_', ' ')}" for name, count in counts.items()))
-    return EXIT_OK if counts["equal"] == len(changes) else EXIT_FOUND
+        _print_diff(result)
+    return exit_codes.OK if result["identical"] else exit_codes.FOUND_PROBLEM
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    options = ExportOptions(
-        format=args.format,
-        max_shard_size=args.max_shard_size,
-        model_only=args.model_only,
-        dtype=args.dtype,
-        prefix=args.prefix,
-        storage_options=args.storage_options,
-    )
-    result = export_checkpoint(args.checkpoint, args.out, options)
+def cmd_timeline(args: argparse.Namespace) -> int:
+    location = investigate.open_root(args.root, args.storage_options)
+    result = investigate.timeline(location, grace_s=args.grace)
+    if result["events_problem"]:
+        print(f"{PROG}: warning: {result['events_problem']}; causes are not shown", file=sys.stderr)
     if args.json:
-        print_json(result.to_dict())
+        print_json(result)
     else:
+        _print_timeline(result, args.metric)
+    return exit_codes.OK
+
+
+# --- printing diff and timeline ---
+
+
+def _print_diff(result: dict[str, Any]) -> None:
+    for side in ("a", "b"):
+        head = result[side]
         print(
-            f"exported {result.checkpoint}: {result.tensors} tensors, {human_bytes(result.bytes_written)} "
-            f"in {result.seconds:.2f}s ({human_bytes(result.bytes_read)} read and checksummed)"
+            f"{side.upper()}  {head['name']}  step {head['step']}  created {short_time(head['created_at'])}  {head['path']}"
         )
-        for path in result.files:
-            print(f"  {path}")
-    return EXIT_OK
-
-
-def parse_size(text: str) -> int:
-    """`5GB`, `500MiB`, `1000000` -> bytes (GB = 10^9, GiB = 2^30, as Hugging Face reads them)."""
-    match = _SIZE.match(text.strip())
-    if match is None or match["unit"].upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MiB or a number of bytes")
-    return int(float(match["number"]) * _UNITS[match["unit"].upper()])
-
-
-# --- printing ---
-
-
-def _print_bisect(report: dict[str, Any]) -> None:
-    print(
-        f"bisect {report['root']} --bad {report['check']}: {report['lineage']} committed checkpoint(s) of run "
-        f"{report['run_id'] or '-'}, {report['checks_run']} checked ({report['mode']}; at most {report['max_checks']})"
-    )
-    print_table(
-        [
-            ("STEP", "SEQ", "VERDICT", "WHY"),
-            *(
-                (str(row["step"]), str(row["seq"] or "-"), "BAD" if row["bad"] else "good", row["summary"])
-                for row in sorted(report["checked"], key=lambda row: (row["seq"] or 0, row["step"]))
-            ),
-        ]
-    )
-    bad, good = report["first_bad"], report["last_good"]
-    if bad is None:
-        print(
-            "\nno bad checkpoint: the newest one passes the check"
-            + (" (and so, for a monotone check, every one)" if report["mode"] == "binary" else "")
-        )
-        return
-    print(f"\n1. earliest known-bad: step {bad['step']} {bad['name']}, committed {bad['created_at']}")
-    print(f"   {bad['path']}")
-    if good is None:
-        print("   last known-good: none (the run's first checkpoint is already bad)")
-    else:
-        print(f"   last known-good:     step {good['step']} {good['name']}, committed {good['created_at']}")
-        print(f"   {good['path']}")
-        _print_identity(report["identity"])
-    _print_affected(report["affected"])
-    print("\n4. mitigation (not a root cause): resume the last known-good")
-    if report["resume"] is None:
-        print("   no known-good checkpoint in this lineage to resume")
-    else:
-        print(f"   Trainer:      {report['resume']['python']}")
-        print(f"   Hydra recipe: {report['resume']['hydra']}")
-
-
-def _print_identity(identity: dict[str, Any]) -> None:
-    print("\n2. identity across the boundary (good -> bad):")
+    unrecorded = []
     for name in investigate.SHOWN:
-        block = identity["blocks"][name]
-        if block["status"] in (investigate.SAME, investigate.UNRECORDED):
+        block = result["blocks"][name]
+        print(f"\n{name}: {_diff_status(block)}")
+        if block["status"] == investigate.UNRECORDED:
+            unrecorded += [name] if block["compared"] else []
             continue
-        print(f"   {name}: {block['status']}" + ("" if block["compared"] else " (position/run: shown, not compared)"))
-        for line in block["lines"]:
-            print(f"     {line}")
-    verdict = "identical" if identity["identical"] else f"changed: {', '.join(identity['differs'])}"
-    print(
-        f"   config/data/model/code/topology {verdict}; full table: shardckpt diff {identity['a']['path']} {identity['b']['path']}"
-    )
-
-
-def _print_affected(affected: dict[str, Any]) -> None:
-    print(f"\n3. smallest affected slice: {affected['summary']}")
-    for item in affected["tensors"][:DEFAULT_TOP]:
-        count = f" ({item['nonfinite']} of {item['numel']} elements non-finite)" if item.get("nonfinite") else ""
-        print(f"   {item['fqn']}{count} in {', '.join(item.get('files') or []) or '-'}")
-    if len(affected["tensors"]) > DEFAULT_TOP:
-        print(f"   ... and {len(affected['tensors']) - DEFAULT_TOP} more (--json lists all)")
-    if affected["files"]:
-        print(
-            f"   files: {', '.join(affected['files'])}; written by rank(s): {', '.join(map(str, affected['ranks'])) or '-'}"
+        a, b = _flatten(block["a"]), _flatten(block["b"])
+        table = [("  FIELD", "A", "B", "")]
+        for key in [*a, *(key for key in b if key not in a)]:
+            table.append((f"  {key}", _cell(a.get(key)), _cell(b.get(key)), "*" if a.get(key) != b.get(key) else ""))
+        print_table(table)
+        details = (
+            block["lines"]
+            if name in ("config", "model")
+            else [line for line in block["lines"] if line.startswith("file ")]
         )
-    if affected["changes"] is not None:
-        counts = affected["change_summary"]
+        for line in details:
+            print(f"  {line}")
+    if result["identical"]:
+        matched = [name for name in result["compared"] if name not in unrecorded]
         print(
-            f"   against the known-good: {counts['changed']} tensor(s) changed, {counts['equal']} equal, "
-            f"{counts['became_nonfinite']} became non-finite; largest changes:"
+            f"\nidentical: {', '.join(matched) or 'nothing recorded'} match"
+            + (f" (recorded in neither: {', '.join(unrecorded)})" if unrecorded else "")
+            + "; position and run are not compared"
         )
-        _print_changes(affected["changes"], indent="   ")
+    else:
+        print(f"\ndifferent: {', '.join(result['differs'])}")
 
 
-def _print_changes(changes: list[dict[str, Any]], indent: str = "") -> None:
-    rows = [(f"{indent}TENSOR", "STATUS", "MAX ABS", "RELATIVE", "NONFINITE A->B", "SHAPE")]
-    for change in changes:
-        rows.append(
+def _diff_status(block: dict[str, Any]) -> str:
+    status, compared = block["status"], block["compared"]
+    text = {
+        investigate.SAME: "same",
+        investigate.DIFFERS: "DIFFERS" if compared else "differs",
+        investigate.UNRECORDED: "not recorded",
+        investigate.ONLY_A: "DIFFERS: recorded in A only" if compared else "recorded in A only",
+        investigate.ONLY_B: "DIFFERS: recorded in B only" if compared else "recorded in B only",
+    }[status]
+    return text if compared else f"{text} (shown, not compared)"
+
+
+def _print_timeline(result: dict[str, Any], metrics: list[str]) -> None:
+    rows = result["checkpoints"]
+    if not rows:
+        print(f"no checkpoints in {result['root']}")
+        return
+    table = [
+        (
+            "",
+            "STEP",
+            "ID",
+            "PARENT",
+            "CREATED (UTC)",
+            "SIZE",
+            "STATE",
+            "TRUST",
+            "VERIFIED",
+            *(name.upper() for name in metrics),
+            "IDENTITY CHANGED",
+        )
+    ]
+    for row in rows:
+        trust = (row.get("trust") or "-") + (" (last good)" if row.get("last_good") else "")
+        recorded = row.get("metrics") or {}
+        table.append(
             (
-                f"{indent}{change['fqn']}",
-                change["status"],
-                _number(change["max_abs"]),
-                _number(change["relative"]),
-                f"{change['nonfinite_a']}->{change['nonfinite_b']}",
-                "x".join(map(str, change["shape_b"] or change["shape_a"] or [])),
+                "*" if row["identity_changed"] else "",
+                str(row["step"]),
+                row["id"] or "-",
+                row["parent"] or "-",
+                short_time(row["created_at"]),
+                human_bytes(row["bytes"]),
+                _timeline_state(row),
+                trust,
+                _verified(row["verification"]),
+                *(f"{recorded[name]:.6g}" if name in recorded else "-" for name in metrics),
+                ", ".join(row["identity_changed"]),
             )
         )
-    print_table(rows)
+    print_table(table)
+    for row in rows:
+        if row.get("resume"):
+            print(f"step {row['step']}: {_resume_line(row['resume'])}")
+        elif row["cause"]:
+            print(f"step {row['step']} {row['id'] or '(no id)'}: {row['state']}: {row['cause']}")
+    if any(row["state"] == investigate.IN_FLIGHT for row in rows):
+        print(
+            f"in-flight: no manifest yet and no failure event, last written less than {result['grace_s']:.0f}s ago (--grace)"
+        )
+    for row in rows:
+        if row["identity_changed"]:
+            before = join(result["root"], row["compared_with"])
+            print(
+                f"* step {row['step']} {row['id']}: {', '.join(row['identity_changed'])} changed since {row['compared_with']}; "
+                f"see {PROG} diff {before} {row['path']}"
+            )
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
+def _timeline_state(row: dict[str, Any]) -> str:
+    resume = row.get("resume")
+    if not resume:
+        return row["state"]
+    before, after = resume.get("world_size_before"), resume.get("world_size_after")
+    return f"{row['state']} {'?' if before is None else before}->{'?' if after is None else after} ranks"
 
 
-_BISECT_EPILOG = """\
-CHECK is one of:
-  nonfinite              a NaN/Inf in any model or optimizer tensor (every tensor read, one at a time)
-  nonfinite:recorded     the same from the finite flags the writer recorded (no tensor read where recorded)
-  verify                 every byte against its checksum
-  drill                  the newest recorded restore drill's verdict, or a fresh drill when none is recorded
-  metric:NAME>VALUE      a metric recorded at save time (trainer.callback_metrics); also <, >=, <=; NaN is bad
-  module:function        your function of a CheckpointHandle (lightning_shardckpt.ops.checks) returning True when bad
-Order is commit order along the run's lineage. Binary search (the default) assumes good then bad;
---linear checks oldest first and stops at the first bad one. Exit 1: a bad checkpoint was found.
+def _resume_line(resume: dict[str, Any]) -> str:
+    """`resumed from step-…-<id> on 2 -> 3 ranks in 1.20s`, with what is unknown said as such."""
+    before, after = resume.get("world_size_before"), resume.get("world_size_after")
+    ranks = f"{'?' if before is None else before} -> {'?' if after is None else after} ranks"
+    text = f"resumed from {resume.get('from') or resume.get('from_path') or 'an unknown checkpoint'} on {ranks}"
+    if resume.get("seconds") is not None:
+        text += f" in {resume['seconds']:.2f}s"
+    if resume.get("identity_differences"):
+        text += f"; identity differs: {', '.join(resume['identity_differences'])}"
+    return text
+
+
+def _flatten(value: dict[str, Any] | None, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, item in (value or {}).items():
+        if isinstance(item, dict) and item:
+            out.update(_flatten(item, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = item
+    return out
+
+
+def _cell(value: Any, width: int = 48) -> str:
+    text = "-" if value is None else value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _verified(verification: dict[str, Any] | None) -> str:
+    if not verification:
+        return "-"
+    return f"{verification.get('mode')} {verification.get('chunks_verified')}/{verification.get('chunks_total')}"
+
+
+_DIFF_EPILOG = """\
+A and B are checkpoint references:
+  a path or URL          a checkpoint directory, ROOT/latest, or a root (its latest)
+  a selector (no '/')    a step (1000 or step-1000), an id, a directory name, or latest;
+                         resolved in --root, else in the root of the other reference
+                         (write ./NAME for a directory in the current one)
 examples:
-  shardckpt bisect /data/ckpt/run-7 --bad nonfinite
-  shardckpt bisect /data/ckpt/run-7 --bad 'metric:train/loss>4.0' --json
+  shardckpt diff --root /data/ckpt/run-7 step-500 step-1000
+  shardckpt diff /data/ckpt/run-7/latest 500
+  shardckpt diff s3://bucket/run-7/latest s3://bucket/run-8/latest --storage-option anon=true
+
+Identical (exit 0): the config, data (version, fingerprint, length, seed), model and code identity
+blocks and the topology are equal; a block recorded in neither checkpoint is not compared. Position
+(step, epoch, samples consumed) and the run block (command, hosts, logger run) are shown, never compared.
+Exit 1: they differ. Exit 2: a reference could not be resolved to a committed checkpoint.
 """
 
-_EXPORT_EPILOG = """\
-Tensors only (model and, without --model-only, optimizer state), by their checkpoint names (model.layer.weight,
-optimizers.0.state.layer.weight.exp_avg), minus --prefix. Every byte read is checked against the manifest;
-memory stays near the largest tensor. Loads with torch.load(OUT, weights_only=True) or
-safetensors.torch.load_file(OUT).
-examples:
-  shardckpt export /data/ckpt/run-7 model.safetensors --model-only --prefix model.
-  shardckpt export s3://bucket/run-7/latest out/ --max-shard-size 5GB --dtype bf16 --model-only --prefix model.
-  shardckpt export /data/ckpt/run-7/step-000001000-2f72c10f8c75 full.pt --format torch
+
+_TIMELINE_EPILOG = """\
+Rows are in the order they happened (commit time; for attempts without a manifest, the event's time,
+else the directory's last write). STATE is:
+  committed    manifest.json exists and validates
+  failed       no manifest; the cause comes from the event log, or "no event recorded"
+               once the directory is older than --grace
+  in-flight    no manifest, no failure event, last written less than --grace seconds ago
+  corrupt      manifest.json does not parse or validate
+  uncommitted  the event log says committed, but manifest.json is gone (an interrupted deletion)
+  skipped      the event log only: a save skipped while another was in flight
+Committed checkpoints that retention deleted are not listed. A `*` marks a committed checkpoint whose
+config, data, model or code identity or topology differs from the previous committed one (as diff).
 """

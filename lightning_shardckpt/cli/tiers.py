@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.tiers.restore import choose
 from ..ops.investigate import open_root
+from . import exit_codes, options
+from .output import print_table
 
 
 def add_arguments(ls: argparse.ArgumentParser) -> None:
@@ -29,9 +30,9 @@ def add_arguments(ls: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_ls_tiers(args: argparse.Namespace, parse_option: Any) -> int:
+def cmd_ls_tiers(args: argparse.Namespace) -> int:
     fast = open_root(args.root, args.storage_options)
-    durable = open_root(args.durable, dict(parse_option(o) for o in args.durable_storage_option))
+    durable = open_root(args.durable, dict(options.storage_option(o) for o in args.durable_storage_option))
     tiers = {"fast": fast, "durable": durable}
     entries = {tier: catalog.list_checkpoints(location) for tier, location in tiers.items()}
     drilled = set()
@@ -74,7 +75,7 @@ def cmd_ls_tiers(args: argparse.Namespace, parse_option: Any) -> int:
                 sort_keys=True,
             )
         )
-        return 0
+        return exit_codes.OK
     table = [("STEP", "ID", "FAST", "DURABLE", "DRILLED", "LATEST", "NAME")]
     for row in rows:
         table.append(
@@ -88,12 +89,10 @@ def cmd_ls_tiers(args: argparse.Namespace, parse_option: Any) -> int:
                 row["name"],
             )
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    for r in table:
-        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+    print_table(table)
     print(f"fast: {fast.url}   durable: {durable.url}")
     if latest:
         print(
             f"LATEST: ckpt_path='latest' on this machine resumes the {latest[0]} copy of {latest[1]} ({choices[0].reason})"
         )
-    return 0
+    return exit_codes.OK

@@ -1,0 +1,33 @@
+"""Options every `shardckpt` command takes (--json, --storage-option), and the KEY=VALUE parser behind them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def common() -> argparse.ArgumentParser:
+    """The parent parser of every command: `commands.add_parser(NAME, parents=[common()], ...)`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    parser.add_argument(
+        "--storage-option",
+        dest="storage_option",
+        metavar="KEY=VALUE",
+        action="append",
+        type=storage_option,
+        default=[],
+        help="passed to fsspec (repeatable); VALUE is parsed as JSON when it can be, e.g. anon=true",
+    )
+    return parser
+
+
+def storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. endpoint_url=http://localhost:9000)")
+    try:
+        return key, json.loads(value)  # true, 3, {"region_name": "x"} keep their types
+    except json.JSONDecodeError:
+        return key, value
