@@ -339,6 +339,7 @@ def test_retry_backoff_is_bounded_and_exponential():
         retry.RetryPolicy(attempts=0)
 
 
+@pytest.mark.distributed  # spawns a gloo rank (tests.helpers.spawn): ~10 s
 def test_the_callback_refuses_an_unreachable_root_before_training_starts():
     from tests.helpers.lightning_run import preflight_on_rank
     from tests.helpers.spawn import run_ranks

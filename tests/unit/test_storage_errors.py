@@ -53,6 +53,7 @@ def shard_bytes(tmp_path) -> int:
     return shard.stat().st_size
 
 
+@pytest.mark.slow  # a fresh Python process of its own (imports torch): ~4 s, more under load
 def test_saves_filling_a_real_tmpfs_fail_counted_and_the_process_exits_0(small_tmpfs):
     # four saves into one 1 MiB root: the first ones commit, one runs out of space mid-record
     proc = run_saves(str(small_tmpfs / "root"), {}, [None, None, None, None])
@@ -64,6 +65,7 @@ def test_saves_filling_a_real_tmpfs_fail_counted_and_the_process_exits_0(small_t
     assert all(save["counters"]["failed"] == 1 for save in failed)
 
 
+@pytest.mark.slow  # a fresh Python process of its own (imports torch): ~4 s, more under load
 def test_a_save_running_out_of_quota_at_any_byte_of_its_records_fails_and_the_process_exits_0(tmp_path):
     """Budgets that end the disk in the first record, mid-tensor, and in the last bytes (the zip's end records)."""
     full = shard_bytes(tmp_path)
@@ -75,6 +77,7 @@ def test_a_save_running_out_of_quota_at_any_byte_of_its_records_fails_and_the_pr
     assert all(save["counters"] == {"attempted": 1, "committed": 0, "failed": 1, "skipped": 0} for save in report)
 
 
+@pytest.mark.slow  # a fresh Python process of its own (imports torch): ~4 s, more under load
 def test_a_background_save_running_out_of_quota_fails_and_the_process_exits_0(tmp_path):
     full = shard_bytes(tmp_path)
     proc = run_saves(quota_fs.quota_url(tmp_path / "quota"), {}, [700, full - 200, 10 * full], async_save=True)
