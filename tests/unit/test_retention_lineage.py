@@ -120,15 +120,14 @@ def test_retention_keeps_the_just_committed_checkpoint_even_outside_the_window(t
     assert [e.step for e in doomed] == [2]
 
 
-def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, capsys):
+def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, run_cli):
     import json
-
-    from lightning_shardckpt.cli.main import main
 
     root = str(tmp_path / "run")
     first, second = save(root, 9), save(root, 6)
-    assert main(["ls", root, "--json"]) == 0
-    listing = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli("ls", root, "--json")
+    assert code == 0
+    listing = json.loads(out)
     rows = {row["step"]: row for row in listing["checkpoints"]}
     assert (rows[9]["seq"], rows[9]["parent"], rows[9]["run_id"]) == (1, None, RUN)
     assert (rows[6]["seq"], rows[6]["parent"]) == (2, first["id"]) and second["seq"] == 2
