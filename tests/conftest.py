@@ -1,6 +1,24 @@
+"""Shared fixtures and markers of the test suite.
+
+The suite runs in pieces (markers registered in pyproject.toml):
+- `distributed`: spawns real gloo ranks; every test under tests/distributed/ gets it here, by directory.
+- `e2e`: runs a recipe or script end to end; every test under tests/e2e/ gets it here, by directory.
+- `slow`: a unit test that starts a Python process of its own or runs over ~10 s alone; marked in its file.
+
+  ./scripts/run_tests.sh --fast                               the fast lane: `-m "not distributed and not e2e and not slow"`
+  ./scripts/run_tests.sh -m distributed                       one marker (or `-m slow`, `-m e2e`)
+  ./scripts/run_tests.sh tests/unit/test_gc.py -k retention   one file (and a -k filter)
+  ./scripts/run_tests.sh                                      everything: what CI runs, nothing deselected
+
+Fixtures for every test: `backend` (a fresh checkpoint root, run once on local disk and once on the loopback
+S3 server), `run_cli` (the `shardckpt` command in-process: exit code, stdout, stderr) and
+`committed_checkpoint` (commits a small checkpoint and returns its root, directory and manifest).
+"""
+
 import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +27,17 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+TESTS = Path(__file__).parent
+MARKER_BY_DIRECTORY = {TESTS / "distributed": "distributed", TESTS / "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark by directory, so a new file under tests/distributed/ or tests/e2e/ cannot forget its marker."""
+    for item in items:
+        for directory, marker in MARKER_BY_DIRECTORY.items():
+            if item.path.is_relative_to(directory):
+                item.add_marker(marker)
 
 
 # --- S3 on loopback: one moto server per session, a fresh root per test -----------------------------
@@ -53,6 +82,22 @@ def s3_fault_proxy(s3_server):
     proxy.stop()
 
 
+@pytest.fixture(params=["local", "s3"])
+def backend(request, tmp_path):
+    """A fresh, empty checkpoint root: a local directory, or a prefix on the session's moto S3 server.
+
+    Every test asking for it runs on both; pick some with
+    `@pytest.mark.parametrize("backend", [LOCAL], indirect=True)` (names from tests.helpers.backends).
+    """
+    from tests.helpers.backends import LOCAL, S3, Backend
+
+    if request.param == LOCAL:
+        return Backend(LOCAL, str(tmp_path / "ckpt"))
+    assert request.param == S3, f"unknown backend {request.param!r}: use tests.helpers.backends.LOCAL or S3"
+    s3_root = request.getfixturevalue("s3_root")  # starts moto only for the S3 runs
+    return Backend(S3, s3_root.url, s3_root.storage_options)
+
+
 @pytest.fixture
 def fast_retries():
     """Our retry layer with millisecond backoffs, so a test of four attempts takes no time."""
@@ -61,3 +106,34 @@ def fast_retries():
     previous = retry.set_policy(retry.RetryPolicy(attempts=4, base_s=0.01, max_s=0.05))
     yield retry.get_policy()
     retry.set_policy(previous)
+
+
+# --- the command line and small committed checkpoints, in this process ------------------------------
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli("ls", root, "--json")` runs the `shardckpt` command in this process and returns
+    (exit code, stdout, stderr) of that one call."""
+    from lightning_shardckpt.cli.main import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # only this call's output
+        code = main([str(arg) for arg in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def committed_checkpoint(tmp_path):
+    """`committed_checkpoint(root=None, step=3, state=None)` commits one small checkpoint (a fresh model by
+    default) under `root` (default: tmp_path/"ckpt") in this process and returns a `Committed`
+    (root, directory, manifest); see tests.helpers.checkpoints."""
+    from tests.helpers.checkpoints import commit_checkpoint
+
+    def commit(root: str | os.PathLike | None = None, step: int = 3, state: dict | None = None):
+        return commit_checkpoint(str(tmp_path / "ckpt" if root is None else root), step=step, state=state)
+
+    return commit

@@ -47,7 +47,6 @@ from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANI
 from lightning_shardckpt.engine.storage import retry
 from tests.helpers import training_state as ts
 from tests.helpers.backends import (
-    LOCAL,
     NO_HTTP_RETRIES,
     S3,
     Backend,
@@ -59,6 +58,7 @@ from tests.helpers.backends import (
     pending_uploads,
     start_put_and_never_finish,
 )
+from tests.helpers.checkpoints import dirname_regex, dirnames_at_step
 from tests.helpers.spawn import run_ranks
 
 WORLD = 3
@@ -67,15 +67,6 @@ RESULT_TIMEOUT_S = 60.0  # a save that has not finished by then has hung: report
 PARTIAL_TMP = f".{MANIFEST}.deadbeef.tmp"  # local: what an interrupted create_if_absent leaves behind
 PARTIAL_MANIFEST = b'{"format_version": 1, "id": "' + b"0" * 200  # the first bytes of a manifest, never finished
 FAST_RETRIES = retry.RetryPolicy(attempts=4, base_s=0.01, max_s=0.05)
-
-
-@pytest.fixture(params=[LOCAL, S3])
-def backend(request, tmp_path) -> Backend:
-    """A fresh, empty checkpoint root: a local directory, or a prefix on the session's moto S3 server."""
-    if request.param == LOCAL:
-        return Backend(LOCAL, str(tmp_path / "ckpt"))
-    s3_root = request.getfixturevalue("s3_root")  # starts moto only for the S3 runs
-    return Backend(S3, s3_root.url, s3_root.storage_options)
 
 
 class InjectedFault(RuntimeError):
@@ -139,8 +130,8 @@ class FaultHook:
 
 def _attempt_dir(backend: Backend, step: int) -> str:
     location = backend.location()
-    (directory,) = location.fs.glob(join(location.path, f"step-{step:09d}-*"))
-    return directory.rstrip("/")
+    (name,) = dirnames_at_step(names(location, location.path), step)
+    return join(location.path, name)
 
 
 def _hang_until_others_finished(markers: str, rank: int) -> None:
@@ -295,7 +286,7 @@ def raising_cases_worker(rank, world_size, backend, proxied):
 
 def _install_transient_faults(proxy, step: int) -> list:
     """One transient error at each point of step `step`'s save that our retry layer covers, on 3 ranks."""
-    directory = rf"/step-{step:09d}-[0-9a-f]+"
+    directory = "/" + dirname_regex(step)
     readback = proxy.fail("GET", directory + r"/__2_0\.distcp$", times=1)  # rank 2 reads its shard back
     metadata = proxy.fail("PUT", directory + r"/\.metadata$", times=1)  # the coordinator's DCP metadata
     # the manifest lands but its answer is a 503: the retry meets 412 on its own object and must see it is ours

@@ -6,6 +6,7 @@ import csv
 import glob
 
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.retention import to_delete
 from tests.helpers.lightning_run import features_on_rank
@@ -42,7 +43,8 @@ def test_lightning_features_work_together_on_two_ranks(tmp_path):
 
 
 def _entry(step: int, state: str = "committed") -> catalog.CheckpointEntry:
-    return catalog.CheckpointEntry(f"step-{step:09d}-aaaaaaaaaaaa", f"/r/step-{step:09d}", step, "aaaaaaaaaaaa", state)
+    name = checkpoint_dirname(step, "aaaaaaaaaaaa")
+    return catalog.CheckpointEntry(name, f"/r/{name}", step, "aaaaaaaaaaaa", state)
 
 
 def test_retention_keeps_the_newest_and_multiples_and_never_touches_uncommitted():

@@ -1,5 +1,6 @@
-"""Save on N gloo ranks, load on M: every parameter and AdamW tensor comes back bit-exact, and a rank reads
-about its share of a large stored chunk, not the whole chunk."""
+"""Save on N gloo ranks, load on M: every parameter and AdamW tensor comes back bit-exact, on a local disk and
+on S3 (moto on loopback, reached by every rank over HTTP), and a rank reads about its share of a large stored
+chunk, not the whole chunk."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, VerifyConfig, load_checkpoint
+from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer
+from lightning_shardckpt.engine.format.layout import shard_filename
 from tests.helpers import training_state as ts
+from tests.helpers.backends import LOCAL, S3
 from tests.helpers.spawn import run_ranks
 
 
@@ -23,7 +27,7 @@ class Progress:
     history: list
 
 
-def save_worker(rank, world_size, root, parallelism):
+def save_worker(rank, world_size, backend, parallelism):
     model, optimizer = ts.build(parallelism, seed=1, world_size=world_size)
     ts.train_steps(model, optimizer, steps=2, seed=2)
     state = ts.sharded_state(model, optimizer)
@@ -34,7 +38,7 @@ def save_worker(rank, world_size, root, parallelism):
         "rng": torch.get_rng_state(),
         "object": Progress(tokens_seen=1234, history=[0.5, 0.25]),
     }
-    saver = CheckpointSaver(root, SaveConfig(verify=VerifyConfig(mode="full"), parallelism=parallelism))
+    saver = CheckpointSaver(backend.url, backend.save_config(verify=VerifyConfig(mode="full"), parallelism=parallelism))
     # DDP keeps parameters and optimizer state bit-identical on every rank: declared so, their writes are
     # spread over the ranks; everything else replicated is written from rank 0's copy
     identical = (lambda fqn: fqn.startswith(("model.", "optim."))) if parallelism == "ddp" else None
@@ -45,31 +49,46 @@ def save_worker(rank, world_size, root, parallelism):
     return full if rank == 0 else result.bytes_rank
 
 
-def load_worker(rank, world_size, root, parallelism):
+def load_worker(rank, world_size, backend, parallelism):
     model, optimizer = ts.build(parallelism, seed=99, world_size=world_size)  # different init on purpose
     state = ts.sharded_state(model, optimizer)
     state["progress"] = {"global_step": 0, "note": "", "rng": torch.zeros_like(torch.get_rng_state()), "object": None}
     # our own class: allowed by name, the narrow fix an UntrustedCheckpoint names (trust stays off)
     torch.serialization.add_safe_globals([Progress])
-    result = load_checkpoint(state, root)
+    result = load_checkpoint(state, backend.url, config=backend.load_config())
     ts.apply_state(model, optimizer, state)
     full = ts.full_state(model, optimizer)
     return {"full": full, "progress": state["progress"], "step": result.step}
 
 
 @pytest.mark.parametrize(
-    "parallelism,saved_on,loaded_on",
-    [("fsdp", 4, 3), ("fsdp", 3, 4), ("fsdp", 2, 1), ("fsdp", 1, 2), ("ddp", 2, 1), ("ddp", 3, 2)],
+    "backend,parallelism,saved_on,loaded_on",
+    [
+        (LOCAL, "fsdp", 4, 3),
+        (LOCAL, "fsdp", 3, 4),
+        (LOCAL, "fsdp", 2, 1),
+        (LOCAL, "fsdp", 1, 2),
+        (LOCAL, "ddp", 2, 1),
+        (LOCAL, "ddp", 3, 2),
+        (S3, "fsdp", 2, 3),  # every rank reads and writes the bucket over HTTP
+    ],
+    indirect=["backend"],
 )
-def test_checkpoint_saved_on_n_ranks_loads_bit_exact_on_m_ranks(tmp_path, parallelism, saved_on, loaded_on):
-    root = str(tmp_path / "ckpt")
-    saved = run_ranks(save_worker, saved_on, root, parallelism)
+def test_checkpoint_saved_on_n_ranks_loads_bit_exact_on_m_ranks(backend, parallelism, saved_on, loaded_on):
+    saved = run_ranks(save_worker, saved_on, backend, parallelism)
     reference = saved[0].value
     assert reference, "rank 0 gathered no reference state"
-    if parallelism == "ddp" and saved_on > 1:
-        # no funnel and no duplicate: replicated tensors are written once, spread over the ranks
+    if saved_on > 1:
+        # FSDP: each rank writes its own shards; DDP: no funnel and no duplicate, replicated tensors are
+        # written once, spread over the ranks
         assert all(outcome.value > 0 for outcome in saved[1:]), "every rank should write a share"
-    loaded = run_ranks(load_worker, loaded_on, root, parallelism)
+
+    location = backend.location()
+    [entry] = list_checkpoints(location)
+    assert entry.committed and read_latest_pointer(location) == entry.name
+    assert {f["path"] for f in entry.manifest["files"]} >= {shard_filename(rank) for rank in range(saved_on)}
+
+    loaded = run_ranks(load_worker, loaded_on, backend, parallelism)
     ts.assert_bit_exact(reference, loaded[0].value["full"])
     torch.manual_seed(42)
     for outcome in loaded:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+from typing import NamedTuple
+
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname, parse_dirname
 
 SHARD = "__0_0.distcp"  # the only shard file a single-process save writes
 RUN_ID = "unit-test-run"  # every helper save is one run: a root saved into twice is not refused as shared
@@ -25,6 +30,39 @@ def save_checkpoint(root: str, step: int = 3, state: dict | None = None) -> dict
         saver.close()
     assert result.committed, result.error
     return result.manifest
+
+
+class Committed(NamedTuple):
+    """A checkpoint committed by `commit_checkpoint`: its root, its own directory, its manifest
+    (a tuple, so `root, directory, manifest = committed_checkpoint()` reads well)."""
+
+    root: str
+    directory: str
+    manifest: dict
+
+
+def commit_checkpoint(root: str, step: int = 3, state: dict | None = None) -> Committed:
+    """Commit one checkpoint of `state` (default: a fresh small model) under the local `root`."""
+    manifest = save_checkpoint(root, step=step, state=state)
+    return Committed(root, os.path.join(root, dirname_of(manifest)), manifest)
+
+
+def dirname_of(manifest: dict) -> str:
+    """The directory name of the checkpoint `manifest` describes, as the layout module names it."""
+    return checkpoint_dirname(manifest["step"], manifest["id"])
+
+
+def dirnames_at_step(names: list[str], step: int) -> list[str]:
+    """The checkpoint directory names among `names` (base names or paths) that hold `step`, sorted."""
+    return sorted(name for name in names if (parsed := parse_dirname(name)) is not None and parsed.step == step)
+
+
+ANY_ID = "0123456789ab"  # stands for any checkpoint id in dirname_regex
+
+
+def dirname_regex(step: int) -> str:
+    """A regular expression matching the directory name of any checkpoint of `step` (in a path or URL)."""
+    return re.escape(checkpoint_dirname(step, ANY_ID)).replace(ANY_ID, "[0-9a-f]+")
 
 
 def chunk_of(manifest: dict, fqn: str) -> dict:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine.format.outcomes import encode_metrics
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import ConfigError
@@ -168,9 +167,8 @@ def test_verify_bisect_finds_a_corrupt_file_and_names_it(tmp_path):
     assert report["affected"]["changes"] is None  # not a check about values: no numeric ranking
 
 
-def test_bisect_cli_prints_the_scaffold_and_exits_1_when_a_bad_checkpoint_exists(nan_root, capsys):
-    code = main(["bisect", nan_root, "--bad", "nonfinite"])
-    out = capsys.readouterr().out
+def test_bisect_cli_prints_the_scaffold_and_exits_1_when_a_bad_checkpoint_exists(nan_root, run_cli):
+    code, out, _ = run_cli("bisect", nan_root, "--bad", "nonfinite")
     assert code == 1, out
     assert f"1. earliest known-bad: step {NAN_FROM} " in out
     assert "2. identity across the boundary (good -> bad):" in out and "   data: differs" in out
@@ -178,22 +176,23 @@ def test_bisect_cli_prints_the_scaffold_and_exits_1_when_a_bad_checkpoint_exists
     assert "   model.layer.weight (1 of 128 elements non-finite) in __0_0.distcp" in out
     assert "4. mitigation (not a root cause): resume the last known-good" in out
     assert "   Hydra recipe: python recipes/train.py checkpoint.dirpath=" in out
-    code = main(["bisect", nan_root, "--bad", "nonfinite", "--json"])
-    document = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli("bisect", nan_root, "--bad", "nonfinite", "--json")
+    document = json.loads(out)
     assert code == 1 and document["first_bad"]["step"] == NAN_FROM
 
 
-def test_bisect_of_a_run_that_never_went_bad_exits_0_after_one_check(tmp_path, capsys):
+def test_bisect_of_a_run_that_never_went_bad_exits_0_after_one_check(tmp_path, run_cli):
     root = str(tmp_path / "healthy")
     save_run(root, lambda step: None)
-    code = main(["bisect", root, "--bad", "verify", "--json"])
-    document = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli("bisect", root, "--bad", "verify", "--json")
+    document = json.loads(out)
     assert code == 0 and document["first_bad"] is None and document["checks_run"] == 1
 
 
-def test_timeline_shows_recorded_metrics_as_columns(nan_root, capsys):
-    assert main(["timeline", nan_root, "--metric", "train/loss", "--metric", "lr"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+def test_timeline_shows_recorded_metrics_as_columns(nan_root, run_cli):
+    code, out, _ = run_cli("timeline", nan_root, "--metric", "train/loss", "--metric", "lr")
+    assert code == 0
+    lines = out.splitlines()
     header = lines[0].split()
     assert header[header.index("VERIFIED") + 1 : header.index("VERIFIED") + 3] == ["TRAIN/LOSS", "LR"]
     rows = [line.lstrip("* ").split() for line in lines[1:]]

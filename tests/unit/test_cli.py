@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from lightning_shardckpt.cli.main import main
-from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from tests.helpers.checkpoints import SHARD, chunk_of, dirnames_at_step, save_checkpoint
 
-UNCOMMITTED = "step-000000009-deadbeefcafe"
+UNCOMMITTED = checkpoint_dirname(9, "deadbeefcafe")
 
 
 @pytest.fixture
@@ -27,19 +27,13 @@ def root(tmp_path):
     return path
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def latest_dir(root: str) -> str:
-    names = sorted(name for name in os.listdir(root) if name.startswith("step-000000005-"))
+    names = dirnames_at_step(os.listdir(root), 5)
     return os.path.join(root, names[0])
 
 
-def test_ls_json_lists_committed_and_uncommitted_and_marks_latest(root, capsys):
-    code, out, _ = run(capsys, "ls", root, "--json")
+def test_ls_json_lists_committed_and_uncommitted_and_marks_latest(root, run_cli):
+    code, out, _ = run_cli("ls", root, "--json")
     assert code == 0
     listing = json.loads(out)
     rows = {row["step"]: row for row in listing["checkpoints"]}
@@ -53,8 +47,8 @@ def test_ls_json_lists_committed_and_uncommitted_and_marks_latest(root, capsys):
     assert rows[5]["bytes"] == os.path.getsize(os.path.join(latest_dir(root), SHARD))
 
 
-def test_ls_prints_a_table_with_state_and_latest_marker(root, capsys):
-    code, out, _ = run(capsys, "ls", root)
+def test_ls_prints_a_table_with_state_and_latest_marker(root, run_cli):
+    code, out, _ = run_cli("ls", root)
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["STEP", "ID", "STATE", "TRUST", "SIZE", "REFERENCED", "AGE", "LATEST", "NAME"]
@@ -64,8 +58,8 @@ def test_ls_prints_a_table_with_state_and_latest_marker(root, capsys):
     assert " * " in by_step["5"] and " * " not in by_step["3"]
 
 
-def test_inspect_json_summarises_the_latest_manifest(root, capsys):
-    code, out, _ = run(capsys, "inspect", root, "--json")
+def test_inspect_json_summarises_the_latest_manifest(root, run_cli):
+    code, out, _ = run_cli("inspect", root, "--json")
     assert code == 0
     summary = json.loads(out)
     manifest = json.load(open(os.path.join(latest_dir(root), "manifest.json")))
@@ -77,17 +71,17 @@ def test_inspect_json_summarises_the_latest_manifest(root, capsys):
     assert summary["verification"] == manifest["verification"]
     assert summary["identity"]["keys"] == ["code", "config", "data", "model", "run"]
     # a checkpoint directory names itself
-    code, out, _ = run(capsys, "inspect", latest_dir(root), "--json")
+    code, out, _ = run_cli("inspect", latest_dir(root), "--json")
     assert json.loads(out)["id"] == manifest["id"]
 
 
-def test_verify_exits_0_on_a_sound_checkpoint(root, capsys):
-    code, out, _ = run(capsys, "verify", os.path.join(root, "latest"))
+def test_verify_exits_0_on_a_sound_checkpoint(root, run_cli):
+    code, out, _ = run_cli("verify", os.path.join(root, "latest"))
     assert code == 0
     assert out.startswith("OK ") and os.path.basename(latest_dir(root)) in out
 
 
-def test_verify_exits_1_and_names_the_bad_tensor_and_file(root, capsys):
+def test_verify_exits_1_and_names_the_bad_tensor_and_file(root, run_cli):
     directory = latest_dir(root)
     manifest = json.load(open(os.path.join(directory, "manifest.json")))
     chunk = chunk_of(manifest, "model.2.bias")
@@ -97,41 +91,42 @@ def test_verify_exits_1_and_names_the_bad_tensor_and_file(root, capsys):
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0x80]))
 
-    code, out, _ = run(capsys, "verify", os.path.join(root, "latest"))
+    code, out, _ = run_cli("verify", os.path.join(root, "latest"))
     assert code == 1
     assert out.startswith("CORRUPT ")
     bad_rows = [line for line in out.splitlines() if "chunk_checksum" in line]
     assert len(bad_rows) == 1 and "model.2.bias" in bad_rows[0] and SHARD in bad_rows[0]
     assert chunk["checksum"] in bad_rows[0]
 
-    code, out, _ = run(capsys, "verify", directory, "--json")
+    code, out, _ = run_cli("verify", directory, "--json")
     assert code == 1
     report = json.loads(out)
     assert report["ok"] is False
     assert {"kind": "chunk_checksum", "file": SHARD, "tensor": "model.2.bias"}.items() <= report["problems"][0].items()
 
 
-def test_verify_of_a_missing_path_exits_2_with_one_line_and_no_traceback(tmp_path, capsys):
-    code, out, err = run(capsys, "verify", str(tmp_path / "nope"))
+def test_verify_of_a_missing_path_exits_2_with_one_line_and_no_traceback(tmp_path, run_cli):
+    code, out, err = run_cli("verify", str(tmp_path / "nope"))
     assert code == 2
     assert out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("shardckpt: error: ") and "Traceback" not in err
 
 
-def test_an_uncommitted_directory_is_refused_with_exit_2(root, capsys):
-    code, _, err = run(capsys, "verify", os.path.join(root, UNCOMMITTED))
+def test_an_uncommitted_directory_is_refused_with_exit_2(root, run_cli):
+    code, _, err = run_cli("verify", os.path.join(root, UNCOMMITTED))
     assert code == 2
     assert "uncommitted" in err and len(err.strip().splitlines()) == 1
 
 
-def test_storage_options_reach_fsspec_and_malformed_ones_are_rejected(root, capsys):
+def test_storage_options_reach_fsspec_and_malformed_ones_are_rejected(root, run_cli):
     # LocalFileSystem accepts auto_mkdir; a JSON value keeps its type (false, not "false")
-    code, out, _ = run(capsys, "ls", root, "--json", "--storage-option", "auto_mkdir=false")
+    code, out, _ = run_cli("ls", root, "--json", "--storage-option", "auto_mkdir=false")
     assert code == 0 and json.loads(out)["latest"]
-    code, _, err = run(capsys, "ls", root, "--storage-option", "no-equals-sign")
+    code, _, err = run_cli("ls", root, "--storage-option", "no-equals-sign")
     assert code == 2 and "KEY=VALUE" in err
 
 
+@pytest.mark.slow  # runs the installed script: a fresh Python process (imports torch), ~4 s
 def test_installed_shardckpt_script_verifies_and_prints_json(root):
     script = os.path.join(os.path.dirname(sys.executable), "shardckpt")
     done = subprocess.run([script, "verify", f"{root}/latest", "--json"], capture_output=True, text=True, timeout=120)
@@ -140,14 +135,14 @@ def test_installed_shardckpt_script_verifies_and_prints_json(root):
     assert report["ok"] is True and report["step"] == 5 and report["files"] == 1
 
 
-def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, capsys):
+def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, run_cli):
     # records as a drill files them (the drill itself is tested in tests/distributed/test_restore_drill.py)
     from lightning_shardckpt.engine.format import drill_records
     from lightning_shardckpt.engine.storage.fsio import resolve
 
-    listing = json.loads(run(capsys, "ls", root, "--json")[1])
+    listing = json.loads(run_cli("ls", root, "--json")[1])
     names = {row["step"]: row["name"] for row in listing["checkpoints"]}
-    assert run(capsys, "last-good", root)[0] == 2  # nothing drilled yet: an error that says how to drill
+    assert run_cli("last-good", root)[0] == 2  # nothing drilled yet: an error that says how to drill
     location = resolve(root)
     for step, verdict in ((3, "passed"), (5, "failed")):
         drill_records.write_record(
@@ -159,13 +154,13 @@ def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, capsys):
                 "cause": None if verdict == "passed" else "probe moved",
             },
         )
-    rows = {row["step"]: row for row in json.loads(run(capsys, "ls", root, "--json")[1])["checkpoints"]}
+    rows = {row["step"]: row for row in json.loads(run_cli("ls", root, "--json")[1])["checkpoints"]}
     assert (rows[3]["trust"], rows[5]["trust"], rows[9]["trust"]) == ("drilled", "drill-failed", None)
     assert rows[3]["last_good"] and not rows[5]["last_good"] and rows[5]["latest"]
-    code, out, _ = run(capsys, "last-good", root)
+    code, out, _ = run_cli("last-good", root)
     assert code == 0 and out.strip().endswith(names[3])
     timeline = {
-        row["step"]: row for row in json.loads(run(capsys, "timeline", root, "--json")[1])["checkpoints"] if row["name"]
+        row["step"]: row for row in json.loads(run_cli("timeline", root, "--json")[1])["checkpoints"] if row["name"]
     }
     assert (timeline[3]["trust"], timeline[3]["last_good"], timeline[5]["trust"]) == ("drilled", True, "drill-failed")
-    assert "drilled (last good)" in run(capsys, "timeline", root)[1]
+    assert "drilled (last good)" in run_cli("timeline", root)[1]

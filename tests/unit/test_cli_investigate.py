@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.cli.main import main
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.identity.blocks import (
     code_identity,
     config_identity,
@@ -17,10 +17,10 @@ from lightning_shardckpt.identity.blocks import (
     model_identity,
     run_identity,
 )
-from tests.helpers.checkpoints import SHARD
+from tests.helpers.checkpoints import SHARD, dirnames_at_step
 from tests.helpers.faults import FailOnce
 
-STUCK = "step-000000009-deadbeefcafe"  # an uncommitted directory with no event: in-flight, or failed once old
+STUCK = checkpoint_dirname(9, "deadbeefcafe")  # an uncommitted directory with no event: in-flight, or failed once old
 
 
 def identity_of(model: torch.nn.Module, lr: float, step: int) -> dict:
@@ -56,21 +56,15 @@ def root(tmp_path_factory):
     return path
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def directory(root: str, step: int) -> str:
-    return os.path.join(root, next(name for name in os.listdir(root) if name.startswith(f"step-{step:09d}-")))
+    return os.path.join(root, dirnames_at_step(os.listdir(root), step)[0])
 
 
 # --- diff ---
 
 
-def test_diff_of_checkpoints_with_the_same_identity_exits_0_and_shows_the_position(root, capsys):
-    code, out, _ = run(capsys, "diff", "--root", root, "step-2", "3")
+def test_diff_of_checkpoints_with_the_same_identity_exits_0_and_shows_the_position(root, run_cli):
+    code, out, _ = run_cli("diff", "--root", root, "step-2", "3")
     assert code == 0, out
     assert "\nidentical: config, data, model, code, topology match" in out
     position = out.split("position:")[1].split("\n\n")[0]
@@ -81,9 +75,9 @@ def test_diff_of_checkpoints_with_the_same_identity_exits_0_and_shows_the_positi
     ]
 
 
-def test_diff_of_a_changed_config_exits_1_with_the_unified_diff(root, capsys):
+def test_diff_of_a_changed_config_exits_1_with_the_unified_diff(root, run_cli):
     # a path and a bare selector: the selector resolves in the path's root
-    code, out, _ = run(capsys, "diff", directory(root, 3), "4")
+    code, out, _ = run_cli("diff", directory(root, 3), "4")
     assert code == 1
     lines = out.splitlines()
     assert "config: DIFFERS" in lines and "model: same" in lines and "data: same" in lines
@@ -92,15 +86,15 @@ def test_diff_of_a_changed_config_exits_1_with_the_unified_diff(root, capsys):
     assert lines[-1] == "different: config"
 
 
-def test_diff_of_a_changed_model_names_the_tensor_and_both_shapes(root, capsys):
-    code, out, _ = run(capsys, "diff", directory(root, 4), os.path.join(root, "latest"))
+def test_diff_of_a_changed_model_names_the_tensor_and_both_shapes(root, run_cli):
+    code, out, _ = run_cli("diff", directory(root, 4), os.path.join(root, "latest"))
     assert code == 1
     assert "  changed  weight: [2, 3] torch.float32 -> [2, 4] torch.float32" in out.splitlines()
     assert out.splitlines()[-1] == "different: model"
 
 
-def test_diff_json_parses_back_with_blocks_and_the_verdict(root, capsys):
-    code, out, _ = run(capsys, "diff", "--root", root, "2", "5", "--json")
+def test_diff_json_parses_back_with_blocks_and_the_verdict(root, run_cli):
+    code, out, _ = run_cli("diff", "--root", root, "2", "5", "--json")
     assert code == 1
     result = json.loads(out)
     assert result["identical"] is False and result["differs"] == ["config", "model"]
@@ -115,15 +109,15 @@ def test_diff_json_parses_back_with_blocks_and_the_verdict(root, capsys):
     assert blocks["run"]["status"] == "differs" and blocks["run"]["compared"] is False
 
 
-def test_diff_exits_2_for_an_uncommitted_checkpoint_and_for_selectors_without_a_root(root, capsys):
-    code, out, err = run(capsys, "diff", "--root", root, "1", "2")
+def test_diff_exits_2_for_an_uncommitted_checkpoint_and_for_selectors_without_a_root(root, run_cli):
+    code, out, err = run_cli("diff", "--root", root, "1", "2")
     assert code == 2 and out == "" and "uncommitted" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run(capsys, "diff", "step-2", "step-3")
+    code, _, err = run_cli("diff", "step-2", "step-3")
     assert code == 2 and "--root" in err
 
 
-def test_diff_help_documents_selectors_and_the_root_option(capsys):
-    code, out, _ = run(capsys, "diff", "--help")
+def test_diff_help_documents_selectors_and_the_root_option(run_cli):
+    code, out, _ = run_cli("diff", "--help")
     assert code == 0
     assert "--root ROOT" in out and "step-500 step-1000" in out and "not compared" in " ".join(out.split())
 
@@ -142,8 +136,8 @@ def stuck_root(root):
     os.rmdir(os.path.join(root, STUCK))
 
 
-def test_timeline_lists_failed_attempt_with_its_cause_and_marks_identity_changes(root, capsys):
-    code, out, _ = run(capsys, "timeline", root)
+def test_timeline_lists_failed_attempt_with_its_cause_and_marks_identity_changes(root, run_cli):
+    code, out, _ = run_cli("timeline", root)
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == [
@@ -171,8 +165,8 @@ def test_timeline_lists_failed_attempt_with_its_cause_and_marks_identity_changes
     assert f"shardckpt diff {directory(root, 3)} {directory(root, 4)}" in hint
 
 
-def test_timeline_json_parses_back_with_states_causes_and_identity_changed(root, capsys):
-    code, out, _ = run(capsys, "timeline", root, "--json")
+def test_timeline_json_parses_back_with_states_causes_and_identity_changed(root, run_cli):
+    code, out, _ = run_cli("timeline", root, "--json")
     assert code == 0
     result = json.loads(out)
     rows = result["checkpoints"]
@@ -188,18 +182,18 @@ def test_timeline_json_parses_back_with_states_causes_and_identity_changed(root,
     assert result["events"] == 5 and result["events_problem"] is None
 
 
-def test_timeline_calls_a_young_uncommitted_directory_in_flight_and_an_old_one_failed(stuck_root, capsys):
-    code, out, _ = run(capsys, "timeline", stuck_root, "--json")
+def test_timeline_calls_a_young_uncommitted_directory_in_flight_and_an_old_one_failed(stuck_root, run_cli):
+    code, out, _ = run_cli("timeline", stuck_root, "--json")
     assert code == 0
     stuck = next(row for row in json.loads(out)["checkpoints"] if row["name"] == STUCK)
     assert (stuck["state"], stuck["cause"], stuck["bytes"]) == ("in-flight", None, len(b"half a shard"))
-    code, out, _ = run(capsys, "timeline", stuck_root, "--json", "--grace", "0")
+    code, out, _ = run_cli("timeline", stuck_root, "--json", "--grace", "0")
     stuck = next(row for row in json.loads(out)["checkpoints"] if row["name"] == STUCK)
     assert stuck["state"] == "failed" and "no event recorded" in stuck["cause"]
 
 
-def test_timeline_of_a_checkpoint_directory_or_a_missing_root_exits_2(root, tmp_path, capsys):
-    code, _, err = run(capsys, "timeline", directory(root, 2))
+def test_timeline_of_a_checkpoint_directory_or_a_missing_root_exits_2(root, tmp_path, run_cli):
+    code, _, err = run_cli("timeline", directory(root, 2))
     assert code == 2 and "checkpoint directory" in err
-    code, _, err = run(capsys, "timeline", str(tmp_path / "nope"))
+    code, _, err = run_cli("timeline", str(tmp_path / "nope"))
     assert code == 2 and "does not exist" in err

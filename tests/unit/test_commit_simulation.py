@@ -408,6 +408,7 @@ def test_64_writer_commit_protocol_keeps_its_invariants_under_random_failures():
     assert min(trials.values()) >= 10, trials
 
 
+@pytest.mark.slow  # hundreds of S3 round trips: ~11 s alone on a quiet machine, the slowest unit test
 def test_commit_protocol_keeps_its_invariants_on_s3(s3_root):
     """The same simulation against S3, shorter: 8 writers, every failure kind exactly twice."""
     rng = random.Random(20240608)

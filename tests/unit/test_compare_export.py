@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, SaveConfig
-from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.manifest import parse, to_bytes
 from lightning_shardckpt.engine.format.outcomes import decode_metrics, encode_metrics
@@ -87,10 +86,10 @@ def test_safetensors_export_of_the_model_with_the_prefix_stripped(saved, tmp_pat
     assert_bit_exact(model, load_file(out))
 
 
-def test_sharded_safetensors_export_writes_a_hugging_face_index(saved, tmp_path):
+def test_sharded_safetensors_export_writes_a_hugging_face_index(saved, tmp_path, run_cli):
     root, expected = saved
     out = tmp_path / "shards"
-    code = main(["export", root, str(out), "--max-shard-size", "1KiB", "--dtype", "fp16"])
+    code, _, _ = run_cli("export", root, str(out), "--max-shard-size", "1KiB", "--dtype", "fp16")
     assert code == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -145,7 +144,7 @@ def test_a_prefix_that_merges_two_names_is_refused(tmp_path):
 # --- compare ---
 
 
-def test_compare_ranks_changed_tensors_by_relative_change_and_counts_non_finite(tmp_path, capsys):
+def test_compare_ranks_changed_tensors_by_relative_change_and_counts_non_finite(tmp_path, run_cli):
     state_a = full_state()
     state_b = full_state()
     state_b["model"]["encoder.weight"] = state_b["model"]["encoder.weight"] + 0.5
@@ -153,8 +152,8 @@ def test_compare_ranks_changed_tensors_by_relative_change_and_counts_non_finite(
     root = str(tmp_path / "root")
     save_checkpoint(root, 1, state_a)
     save_checkpoint(root, 2, state_b)
-    code = main(["compare", "--root", root, "1", "2", "--json"])
-    document = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli("compare", "--root", root, "1", "2", "--json")
+    document = json.loads(out)
     assert code == 1
     rows = document["tensors"]
     assert [row["fqn"] for row in rows[:2]] == ["optimizers.0.state.encoder.weight.exp_avg", "model.encoder.weight"]
@@ -168,7 +167,7 @@ def test_compare_ranks_changed_tensors_by_relative_change_and_counts_non_finite(
         "only_b": 0,
         "became_nonfinite": 1,
     }
-    assert main(["compare", "--root", root, "1", "1"]) == 0
+    assert run_cli("compare", "--root", root, "1", "1")[0] == 0
 
 
 # --- outcomes ---

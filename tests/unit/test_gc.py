@@ -8,18 +8,17 @@ import time
 
 import pytest
 
-from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.format.layout import MANIFEST
+from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops import gc
-from tests.helpers.checkpoints import SHARD, save_checkpoint
+from tests.helpers.checkpoints import SHARD, dirnames_at_step, save_checkpoint
 
 HOUR = 3600.0
-OLD = "step-000000007-0000000000a1"  # failed two hours ago: shard half written, a manifest temp file left
-OLD_EMPTY = "step-000000008-0000000000a2"  # failed before writing anything, two hours ago
-YOUNG = "step-000000009-0000000000a3"  # being written right now
-CORRUPT = "step-000000010-0000000000a4"  # a manifest that does not parse
+OLD = checkpoint_dirname(7, "0000000000a1")  # failed two hours ago: shard half written, a manifest temp file left
+OLD_EMPTY = checkpoint_dirname(8, "0000000000a2")  # failed before writing anything, two hours ago
+YOUNG = checkpoint_dirname(9, "0000000000a3")  # being written right now
+CORRUPT = checkpoint_dirname(10, "0000000000a4")  # a manifest that does not parse
 
 
 def _age(path: str, seconds: float) -> None:
@@ -49,7 +48,7 @@ def root(tmp_path):
         for entry in os.scandir(os.path.join(path, name)):
             _age(entry.path, 2 * HOUR)
     _age(os.path.join(path, OLD_EMPTY), 2 * HOUR)
-    committed = sorted(name for name in os.listdir(path) if name.startswith(("step-000000003-", "step-000000005-")))
+    committed = dirnames_at_step(os.listdir(path), 3) + dirnames_at_step(os.listdir(path), 5)
     for name in committed:  # old committed checkpoints are still never touched
         for entry in os.scandir(os.path.join(path, name)):
             _age(entry.path, 5 * HOUR)
@@ -59,15 +58,9 @@ def root(tmp_path):
     return path
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_dry_run_is_the_default_and_deletes_nothing(root, capsys):
+def test_dry_run_is_the_default_and_deletes_nothing(root, run_cli):
     before = sorted(os.listdir(root))
-    code, out, _ = run(capsys, "gc", root)
+    code, out, _ = run_cli("gc", root)
     assert code == 0
     assert sorted(os.listdir(root)) == before
     assert "dry run" in out and "--yes" in out
@@ -79,8 +72,8 @@ def test_dry_run_is_the_default_and_deletes_nothing(root, capsys):
     )
 
 
-def test_yes_removes_old_uncommitted_directories_only(root, capsys):
-    code, out, _ = run(capsys, "gc", root, "--yes")
+def test_yes_removes_old_uncommitted_directories_only(root, run_cli):
+    code, out, _ = run_cli("gc", root, "--yes")
     assert code == 0 and "removed 2 uncommitted directories" in out
     left = set(os.listdir(root))
     assert OLD not in left and OLD_EMPTY not in left
@@ -90,8 +83,8 @@ def test_yes_removes_old_uncommitted_directories_only(root, capsys):
     assert states == {3: "committed", 5: "committed", 9: "uncommitted", 10: "corrupt"}
 
 
-def test_json_lists_removed_and_kept_with_reasons(root, capsys):
-    code, out, _ = run(capsys, "gc", root, "--yes", "--json")
+def test_json_lists_removed_and_kept_with_reasons(root, run_cli):
+    code, out, _ = run_cli("gc", root, "--yes", "--json")
     report = json.loads(out)
     assert code == 0 and report["dry_run"] is False and report["grace_s"] == HOUR
     removed = {item["name"]: item for item in report["removed"]}
@@ -114,10 +107,10 @@ def test_grace_zero_removes_every_uncommitted_directory_and_still_no_committed_o
 
 
 def test_an_empty_directory_younger_than_the_grace_is_a_save_that_just_started(tmp_path):
-    os.makedirs(tmp_path / "run" / "step-000000001-0000000000b1")
+    os.makedirs(tmp_path / "run" / checkpoint_dirname(1, "0000000000b1"))
     (item,) = gc.collect(resolve(str(tmp_path / "run")), grace_s=60.0, dry_run=False).items
     assert item.action == "keep" and item.reason == gc.KEEP_YOUNG and item.files == 0
-    assert os.path.isdir(tmp_path / "run" / "step-000000001-0000000000b1")
+    assert os.path.isdir(tmp_path / "run" / checkpoint_dirname(1, "0000000000b1"))
 
 
 def test_a_directory_that_committed_after_the_plan_is_kept(root):
@@ -131,8 +124,8 @@ def test_a_directory_that_committed_after_the_plan_is_kept(root):
     assert os.path.exists(os.path.join(root, OLD, SHARD))
 
 
-def test_negative_grace_is_refused(root, capsys):
-    code, _, err = run(capsys, "gc", root, "--grace-minutes", "-5")
+def test_negative_grace_is_refused(root, run_cli):
+    code, _, err = run_cli("gc", root, "--grace-minutes", "-5")
     assert code == 2 and "negative" in err
 
 

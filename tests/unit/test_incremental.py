@@ -18,6 +18,7 @@ from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import references as refs
+from lightning_shardckpt.engine.format.layout import parse_dirname
 from lightning_shardckpt.engine.save.incremental import ChangeTracker
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import CorruptCheckpoint
@@ -357,17 +358,18 @@ def test_plain_dcp_fsspec_reader_on_s3_and_an_incremental_checkpoint(s3_root):
     assert any(isinstance(e, FileNotFoundError) and "/../step-" in str(e) for e in errors), errors
 
 
-def test_ls_shows_own_and_referenced_bytes_and_inspect_a_referenced_line(tmp_path, capsys):
-    from lightning_shardckpt.cli.main import main
+def test_ls_shows_own_and_referenced_bytes_and_inspect_a_referenced_line(tmp_path, run_cli):
 
     _, results, _, _ = run(tmp_path, 2)
-    assert main(["ls", "--json", str(tmp_path)]) == 0
-    rows = {row["step"]: row for row in json.loads(capsys.readouterr().out)["checkpoints"]}
+    code, out, _ = run_cli("ls", "--json", str(tmp_path))
+    assert code == 0
+    rows = {row["step"]: row for row in json.loads(out)["checkpoints"]}
     assert rows[0]["bytes_referenced"] == 0 and rows[1]["bytes_referenced"] > rows[1]["bytes"]
-    assert main(["ls", str(tmp_path)]) == 0
-    assert "REFERENCED" in capsys.readouterr().out.splitlines()[0]
-    assert main(["inspect", results[1].path]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("referenced"))
+    code, out, _ = run_cli("ls", str(tmp_path))
+    assert code == 0 and "REFERENCED" in out.splitlines()[0]
+    code, out, _ = run_cli("inspect", results[1].path)
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("referenced"))
     assert "earlier checkpoints" in line
 
 
@@ -431,7 +433,7 @@ def test_after_a_failed_save_the_next_one_is_full_and_nothing_references_the_fai
     assert sorted(table) == [0, 2, 3]
     assert table[2]["format_version"] == 2  # full: its base did not commit
     assert table[3]["format_version"] == 3
-    assert all(refs.split(item["path"])[0].startswith("step-000000002-") for item in table[3]["references"])
+    assert all(parse_dirname(refs.split(item["path"])[0]).step == 2 for item in table[3]["references"])
     target = zeros(snapshots[3])
     load_checkpoint(target, str(tmp_path))
     assert_equal(target, snapshots[3])

@@ -12,16 +12,18 @@ import torch
 
 from lightning_shardckpt import load_checkpoint
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import parse_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.engine.storage.writer import ShardReader
 from lightning_shardckpt.errors import CheckpointDeleted
 from lightning_shardckpt.policies import retention
+from tests.helpers.checkpoints import dirname_of
 from tests.unit.test_retention_lineage import RUN, save, state
 
 
 def other_job_commits_and_retains(root: str, step: int) -> None:
     manifest = save(root, step)
-    retention.apply(resolve(root), 1, None, run_id=RUN, just_committed=f"step-{step:09d}-{manifest['id']}")
+    retention.apply(resolve(root), 1, None, run_id=RUN, just_committed=dirname_of(manifest))
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def test_latest_deleted_mid_load_re_resolves_to_the_new_latest(tmp_path, retenti
         save(root, step)
     target = state(0)
     result = load_checkpoint(target, root, "latest")
-    assert retention_after_metadata_read and "step-000000003-" in retention_after_metadata_read[0]
+    assert retention_after_metadata_read and parse_dirname(retention_after_metadata_read[0]).step == 3
     assert result.step == 4 and torch.equal(target["weights"], torch.full((32,), 4.0))
 
 

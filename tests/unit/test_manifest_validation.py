@@ -10,45 +10,34 @@ import shutil
 import pytest
 
 from lightning_shardckpt import load_checkpoint
-from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from lightning_shardckpt.ops import gc
-from tests.helpers.checkpoints import fresh_state, save_checkpoint
+from tests.helpers.checkpoints import dirname_of, fresh_state, save_checkpoint
 
 
-def dirname_of(manifest: dict) -> str:
-    return checkpoint_dirname(manifest["step"], manifest["id"])
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_no_tool_crashes(capsys, root: str, bad_name: str) -> None:
+def assert_no_tool_crashes(run_cli, root: str, bad_name: str) -> None:
     """ls, timeline and gc list the bad directory and go on; inspect/verify of it exit 2 with one line."""
-    code, out, err = run(capsys, "ls", root, "--json")
+    code, out, err = run_cli("ls", root, "--json")
     assert code == 0, err
     rows = {row["name"]: row for row in json.loads(out)["checkpoints"]}
     assert rows[bad_name]["state"] == "corrupt" and rows[bad_name]["problem"] and not rows[bad_name]["latest"]
-    assert run(capsys, "ls", root)[0] == 0
-    code, out, err = run(capsys, "timeline", root, "--json")
+    assert run_cli("ls", root)[0] == 0
+    code, out, err = run_cli("timeline", root, "--json")
     assert code == 0, err
     assert {row["name"]: row["state"] for row in json.loads(out)["checkpoints"]}[bad_name] == "corrupt"
-    assert run(capsys, "gc", root)[0] == 0
-    assert run(capsys, "verify", root)[0] == 0  # the root's latest is a sound checkpoint
+    assert run_cli("gc", root)[0] == 0
+    assert run_cli("verify", root)[0] == 0  # the root's latest is a sound checkpoint
     for command in ("inspect", "verify"):
-        code, out, err = run(capsys, command, os.path.join(root, bad_name))
+        code, out, err = run_cli(command, os.path.join(root, bad_name))
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("keep_record", [True, False], ids=["v2-with-record", "without-record-like-v1"])
-def test_a_checkpoint_copied_under_a_larger_step_is_corrupt_and_never_latest(tmp_path, capsys, keep_record):
+def test_a_checkpoint_copied_under_a_larger_step_is_corrupt_and_never_latest(tmp_path, run_cli, keep_record):
     root = str(tmp_path / "run")
     old = save_checkpoint(root, step=100)
     new = save_checkpoint(root, step=200)
@@ -66,7 +55,7 @@ def test_a_checkpoint_copied_under_a_larger_step_is_corrupt_and_never_latest(tmp
     assert load_checkpoint(target, root, "latest").step == 200
     with pytest.raises(CheckpointNotFound, match="corrupt"):
         catalog.find(location, 900)
-    assert_no_tool_crashes(capsys, root, copied)
+    assert_no_tool_crashes(run_cli, root, copied)
 
 
 MUTATIONS = {
@@ -112,7 +101,7 @@ def test_manifest_values_are_validated_and_name_the_field(tmp_path, name):
     assert where in str(err.value)
 
 
-def test_a_manifest_edited_after_commit_is_corrupt_and_latest_falls_back(tmp_path, capsys):
+def test_a_manifest_edited_after_commit_is_corrupt_and_latest_falls_back(tmp_path, run_cli):
     root = str(tmp_path / "run")
     old = save_checkpoint(root, step=1)
     new = save_checkpoint(root, step=2)
@@ -125,14 +114,14 @@ def test_a_manifest_edited_after_commit_is_corrupt_and_latest_falls_back(tmp_pat
     assert catalog.find(location, "latest").name == dirname_of(old)
     with pytest.raises(CorruptCheckpoint, match="does not match its commit record"):
         catalog.find(location, 2)
-    code, _, err = run(capsys, "inspect", os.path.join(root, dirname_of(new)))
+    code, _, err = run_cli("inspect", os.path.join(root, dirname_of(new)))
     assert code == 2 and "commit record" in err
 
 
-def test_a_stray_file_named_like_a_checkpoint_breaks_no_tool(tmp_path, capsys):
+def test_a_stray_file_named_like_a_checkpoint_breaks_no_tool(tmp_path, run_cli):
     root = str(tmp_path / "run")
     good = save_checkpoint(root, step=3)
-    stray = "step-000000999-abcdef012345"
+    stray = checkpoint_dirname(999, "abcdef012345")
     with open(os.path.join(root, stray), "w") as handle:
         handle.write("not a checkpoint\n")
     location = resolve(root)
@@ -141,12 +130,12 @@ def test_a_stray_file_named_like_a_checkpoint_breaks_no_tool(tmp_path, capsys):
     assert catalog.find(location, "latest").name == dirname_of(good)
     assert load_checkpoint(fresh_state(seed=0), root, "latest").step == 3
     assert [item.action for item in gc.plan(location, 0) if item.name == stray] == ["keep"]
-    assert_no_tool_crashes(capsys, root, stray)
+    assert_no_tool_crashes(run_cli, root, stray)
     assert os.path.isfile(os.path.join(root, stray)), "nothing deletes it"
 
 
 @pytest.mark.parametrize("damage", ["garbage", "not-an-object", "wrong-step"])
-def test_a_bad_commit_record_makes_only_that_checkpoint_corrupt(tmp_path, capsys, damage):
+def test_a_bad_commit_record_makes_only_that_checkpoint_corrupt(tmp_path, run_cli, damage):
     root = str(tmp_path / "run")
     old = save_checkpoint(root, step=1)
     new = save_checkpoint(root, step=2)
@@ -161,4 +150,4 @@ def test_a_bad_commit_record_makes_only_that_checkpoint_corrupt(tmp_path, capsys
     states = {e.step: e.state for e in catalog.list_checkpoints(location)}
     assert states == {1: "committed", 2: "corrupt"}
     assert catalog.find(location, "latest").name == dirname_of(old)
-    assert_no_tool_crashes(capsys, root, dirname_of(new))
+    assert_no_tool_crashes(run_cli, root, dirname_of(new))

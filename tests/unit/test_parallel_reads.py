@@ -28,16 +28,10 @@ from lightning_shardckpt.engine.format.checksum import block_size_for, checksum
 from lightning_shardckpt.engine.storage.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
 from lightning_shardckpt.engine.storage.reader import ShardReader
 from lightning_shardckpt.engine.storage.writer import save_record
-from tests.helpers.checkpoints import SHARD, chunk_of, save_checkpoint
+from tests.helpers.checkpoints import SHARD, chunk_of
 from tests.helpers.counting_fs import LOGS, counting_url
 
 ROWS, COLUMNS = 64, 32
-
-
-def committed(tmp_path, state: dict) -> tuple[str, str, dict]:
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root, state=state)
-    return root, os.path.join(root, f"step-{manifest['step']:09d}-{manifest['id']}"), manifest
 
 
 def counting(latency_s: float = 0.0) -> tuple[dict, str]:
@@ -73,9 +67,9 @@ def item(dest: str, storage_offsets: tuple[int, int], lengths: tuple[int, int]) 
     )
 
 
-def test_two_row_shards_from_one_stored_chunk_are_filled_from_a_single_read_of_it(tmp_path):
+def test_two_row_shards_from_one_stored_chunk_are_filled_from_a_single_read_of_it(committed_checkpoint):
     weights = torch.randn(ROWS, COLUMNS)
-    _, directory, manifest = committed(tmp_path, {"w": weights})
+    _, directory, manifest = committed_checkpoint(state={"w": weights})
     options, log_id = counting()
     reader = reader_for(directory, manifest, options)
     targets = {"top": torch.zeros(ROWS // 2, COLUMNS), "bottom": torch.zeros(ROWS // 2, COLUMNS)}
@@ -96,9 +90,9 @@ def test_two_row_shards_from_one_stored_chunk_are_filled_from_a_single_read_of_i
     assert (reader.chunks_read, reader.bytes_read) == (1, chunk["length"])
 
 
-def test_two_column_slices_of_one_stored_chunk_are_cut_from_a_single_buffered_read(tmp_path):
+def test_two_column_slices_of_one_stored_chunk_are_cut_from_a_single_buffered_read(committed_checkpoint):
     weights = torch.randn(ROWS, COLUMNS)
-    _, directory, manifest = committed(tmp_path, {"w": weights})
+    _, directory, manifest = committed_checkpoint(state={"w": weights})
     options, log_id = counting()
     reader = reader_for(directory, manifest, options)
     targets = {"left": torch.zeros(ROWS, COLUMNS // 2), "right": torch.zeros(ROWS, COLUMNS // 2)}
@@ -118,9 +112,9 @@ def test_two_column_slices_of_one_stored_chunk_are_cut_from_a_single_buffered_re
     assert reader.chunks_read == 1
 
 
-def test_with_checksums_off_only_the_rows_a_rank_needs_and_the_record_headers_are_read(tmp_path):
+def test_with_checksums_off_only_the_rows_a_rank_needs_and_the_record_headers_are_read(committed_checkpoint):
     weights = torch.randn(4096, COLUMNS)  # 512 KiB: the headers read (a few KiB) are small beside it
-    _, directory, manifest = committed(tmp_path, {"w": weights})
+    _, directory, manifest = committed_checkpoint(state={"w": weights})
     options, _ = counting()
     reader = reader_for(directory, manifest, options, checksums=False)
     targets = {"top": torch.zeros(1024, COLUMNS)}
@@ -142,9 +136,9 @@ def zeros_like(state: dict) -> dict:
     return {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else None for key, value in state.items()}
 
 
-def test_range_reads_overlap_but_never_exceed_read_threads(tmp_path):
+def test_range_reads_overlap_but_never_exceed_read_threads(committed_checkpoint):
     state = many_tensors()
-    root, _, _ = committed(tmp_path, state)
+    root, _, _ = committed_checkpoint(state=state)
     options, log_id = counting(latency_s=0.05)
     target = zeros_like(state)
 
@@ -155,10 +149,10 @@ def test_range_reads_overlap_but_never_exceed_read_threads(tmp_path):
     assert result.chunks_read == len(state)
 
 
-def test_read_ahead_bytes_holds_buffered_chunks_to_one_at_a_time(tmp_path):
+def test_read_ahead_bytes_holds_buffered_chunks_to_one_at_a_time(committed_checkpoint):
     # objects are always read into a buffer: with a budget smaller than one, they are read one by one
     state = {f"note{i}": list(range(200 + i)) for i in range(8)}
-    root, _, _ = committed(tmp_path, state)
+    root, _, _ = committed_checkpoint(state=state)
     options, log_id = counting(latency_s=0.02)
     target = {key: None for key in state}
 
@@ -171,9 +165,9 @@ def test_read_ahead_bytes_holds_buffered_chunks_to_one_at_a_time(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["record header", "tensor bytes"])
-def test_a_flipped_byte_in_one_of_many_chunks_read_in_parallel_is_named(tmp_path, where):
+def test_a_flipped_byte_in_one_of_many_chunks_read_in_parallel_is_named(committed_checkpoint, where):
     state = many_tensors()
-    root, directory, manifest = committed(tmp_path, state)
+    root, directory, manifest = committed_checkpoint(state=state)
     chunk = chunk_of(manifest, "layer05")
     path = os.path.join(directory, SHARD)
     data = bytearray(open(path, "rb").read())
@@ -248,26 +242,26 @@ def test_a_record_is_located_from_its_head_and_tail_alone_and_another_layout_is_
 BIG_ROWS, BIG_COLUMNS = 8192, 256  # 8 MiB of float32: blocks of 1 MiB (block_size_for), 9 of them with the record
 
 
-def big_chunk(tmp_path) -> tuple[torch.Tensor, str, str, dict, dict]:
+def big_chunk(committed_checkpoint) -> tuple[torch.Tensor, str, str, dict, dict]:
     weights = torch.randn(BIG_ROWS, BIG_COLUMNS)
-    root, directory, manifest = committed(tmp_path, {"w": weights})
+    root, directory, manifest = committed_checkpoint(state={"w": weights})
     return weights, root, directory, manifest, chunk_of(manifest, "w")
 
 
-def test_a_large_chunk_records_one_checksum_per_block_of_its_bytes_and_a_small_one_none(tmp_path):
-    _, _, directory, manifest, chunk = big_chunk(tmp_path)
+def test_a_large_chunk_records_one_checksum_per_block_of_its_bytes_and_a_small_one_none(tmp_path, committed_checkpoint):
+    _, _, directory, manifest, chunk = big_chunk(committed_checkpoint)
     blocks = chunk["blocks"]
     assert blocks["size"] == block_size_for(BIG_ROWS * BIG_COLUMNS * 4) == 2**20
     with open(os.path.join(directory, SHARD), "rb") as handle:
         handle.seek(chunk["offset"])
         data = handle.read(chunk["length"])
     assert blocks["checksums"] == [checksum(data[i : i + blocks["size"]]) for i in range(0, len(data), blocks["size"])]
-    small = committed(tmp_path / "small", {"w": torch.randn(ROWS, COLUMNS)})[2]
+    small = committed_checkpoint(tmp_path / "small", state={"w": torch.randn(ROWS, COLUMNS)}).manifest
     assert "blocks" not in chunk_of(small, "w")
 
 
-def test_a_rank_that_needs_half_of_a_large_chunk_reads_and_checks_only_the_blocks_holding_it(tmp_path):
-    weights, _, directory, manifest, chunk = big_chunk(tmp_path)
+def test_a_rank_that_needs_half_of_a_large_chunk_reads_and_checks_only_the_blocks_holding_it(committed_checkpoint):
+    weights, _, directory, manifest, chunk = big_chunk(committed_checkpoint)
     options, _ = counting()
     reader = reader_for(directory, manifest, options, expected_blocks=manifest_format.expected_blocks(manifest))
     half = BIG_ROWS // 2
@@ -295,8 +289,10 @@ def test_a_rank_that_needs_half_of_a_large_chunk_reads_and_checks_only_the_block
 
 
 @pytest.mark.parametrize("half", ["needed", "not needed"])
-def test_a_flipped_byte_is_named_by_block_where_it_is_read_and_full_verify_finds_it_anywhere(tmp_path, half):
-    weights, root, directory, manifest, chunk = big_chunk(tmp_path)
+def test_a_flipped_byte_is_named_by_block_where_it_is_read_and_full_verify_finds_it_anywhere(
+    committed_checkpoint, half
+):
+    weights, root, directory, manifest, chunk = big_chunk(committed_checkpoint)
     path = os.path.join(directory, SHARD)
     data = bytearray(open(path, "rb").read())
     data[chunk["offset"] + chunk["length"] // (4 if half == "not needed" else 2) + 4096] ^= 0x01  # inside the data

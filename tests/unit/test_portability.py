@@ -16,6 +16,7 @@ from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.checkpoints import SHARD, chunk_of, fresh_state, save_checkpoint
 
 
+@pytest.mark.slow  # a fresh Python process of its own (imports torch): ~3 s, more under load
 def test_committed_checkpoint_loads_with_plain_dcp_in_a_process_without_this_package(tmp_path):
     root = str(tmp_path / "ckpt")
     save_checkpoint(root, step=3)

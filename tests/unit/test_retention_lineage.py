@@ -8,6 +8,7 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.policies import retention
+from tests.helpers.checkpoints import dirname_of
 from tests.helpers.faults import FailOnce
 
 RUN = "run-lineage"
@@ -33,8 +34,7 @@ def save_and_retain(root: str, step: int, keep_last: int, run_id: str = RUN, **o
     """What ShardedCheckpoint does after each commit: save, then apply retention for this run."""
     manifest = save(root, step, run_id, **options)
     assert manifest is not None
-    name = f"step-{step:09d}-{manifest['id']}"
-    retention.apply(resolve(root), keep_last, None, run_id=run_id, just_committed=name)
+    retention.apply(resolve(root), keep_last, None, run_id=run_id, just_committed=dirname_of(manifest))
     return manifest
 
 
@@ -88,7 +88,7 @@ def test_parent_is_the_newest_commit_even_when_the_latest_pointer_is_stale(tmp_p
     # the coordinator fails right after the manifest of step 2: committed, but `latest` still names step 1
     assert save(root, 2, fault_hook=FailOnce("after_manifest")) is None
     (second,) = [e for e in catalog.list_checkpoints(resolve(root)) if e.step == 2 and e.committed]
-    assert catalog.read_latest_pointer(resolve(root)) == f"step-000000001-{first['id']}"
+    assert catalog.read_latest_pointer(resolve(root)) == dirname_of(first)
     third = save(root, 3)
     assert third["parent"] == second.checkpoint_id, "parent must be the run's newest commit, not the stale pointer's"
     assert third["seq"] == second.seq + 1 == 3
@@ -120,15 +120,14 @@ def test_retention_keeps_the_just_committed_checkpoint_even_outside_the_window(t
     assert [e.step for e in doomed] == [2]
 
 
-def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, capsys):
+def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, run_cli):
     import json
-
-    from lightning_shardckpt.cli.main import main
 
     root = str(tmp_path / "run")
     first, second = save(root, 9), save(root, 6)
-    assert main(["ls", root, "--json"]) == 0
-    listing = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli("ls", root, "--json")
+    assert code == 0
+    listing = json.loads(out)
     rows = {row["step"]: row for row in listing["checkpoints"]}
     assert (rows[9]["seq"], rows[9]["parent"], rows[9]["run_id"]) == (1, None, RUN)
     assert (rows[6]["seq"], rows[6]["parent"]) == (2, first["id"]) and second["seq"] == 2

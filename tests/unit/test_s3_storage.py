@@ -16,6 +16,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from lightning_shardckpt import CheckpointSaver, SaveConfig, StorageUnavailable, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer, resolve_latest
 from lightning_shardckpt.engine.config import LoadConfig
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.storage import fsio, retry
 from lightning_shardckpt.engine.storage.fsio import create_if_absent, makedirs, preflight, resolve
 
@@ -125,7 +126,7 @@ def test_a_big_multipart_create_is_conditional_and_leaves_no_upload_behind(
 
 
 def test_two_writers_racing_for_one_manifest_exactly_one_wins(s3_server, s3_root):
-    path = f"{s3_root.bucket}/{s3_root.prefix}/step-000000001-abcdef012345/manifest.json"
+    path = f"{s3_root.bucket}/{s3_root.prefix}/{checkpoint_dirname(1, 'abcdef012345')}/manifest.json"
     # two filesystems, as two processes would have: neither sees the other's state
     writers = [resolve(s3_root.url, s3_server.storage_options(skip_instance_cache=True)).fs for _ in range(2)]
     barrier, outcomes = threading.Barrier(2), {}
@@ -339,6 +340,7 @@ def test_retry_backoff_is_bounded_and_exponential():
         retry.RetryPolicy(attempts=0)
 
 
+@pytest.mark.distributed  # spawns a gloo rank (tests.helpers.spawn): ~10 s
 def test_the_callback_refuses_an_unreachable_root_before_training_starts():
     from tests.helpers.lightning_run import preflight_on_rank
     from tests.helpers.spawn import run_ranks

@@ -160,20 +160,20 @@ def test_fast_retention_spares_unreplicated_checkpoints_up_to_max_unreplicated_t
     assert [e.step for e in catalog.list_checkpoints(fsio.resolve(fast)) if e.committed] == [1, 2, 3, 4, 5, 6]
 
 
-def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path, capsys):
-    from lightning_shardckpt.cli.main import main
+def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path, run_cli):
 
     fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
     first = _commit(fast, 1)
     _replicate(fast, durable, [first])
     second = _commit(fast, 2)
-    assert main(["ls", fast, "--durable", durable]) == 0
-    out = capsys.readouterr().out
+    code, out, _ = run_cli("ls", fast, "--durable", durable)
+    assert code == 0
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert lines["1"][2:4] == ["committed", "committed"] and lines["2"][2:4] == ["committed", "-"]
     assert lines["2"][5] == "fast" and f"resumes the fast copy of {second}" in out
-    assert main(["ls", fast, "--durable", durable, "--json"]) == 0
-    document = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli("ls", fast, "--durable", durable, "--json")
+    assert code == 0
+    document = json.loads(out)
     assert [(r["step"], r["fast"], r["durable"]) for r in document["checkpoints"]] == [
         (1, "committed", "committed"),
         (2, "committed", None),

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import metrics
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops import investigate
@@ -75,10 +74,10 @@ def test_timeline_rows_a_resume_as_resumed_from_its_checkpoint_with_world_sizes(
     assert not [row for row in rows if row["state"] == "failed" and row["step"] == 2]
 
 
-def test_timeline_prints_resumes_as_resumes_and_failures_with_their_cause(root, capsys):
+def test_timeline_prints_resumes_as_resumes_and_failures_with_their_cause(root, run_cli):
     path, name = root
-    assert main(["timeline", path]) == 0
-    out = capsys.readouterr().out
+    code, out, _ = run_cli("timeline", path)
+    assert code == 0
     table = [
         line.split() for line in out.splitlines()[1:] if line[:1] != "*" and line.split() and line.split()[0].isdigit()
     ]
@@ -93,9 +92,10 @@ def test_timeline_prints_resumes_as_resumes_and_failures_with_their_cause(root, 
     assert " - failed" not in out and "step 2 (no id): failed" not in out
 
 
-def test_timeline_json_carries_the_resume_record(root, capsys):
+def test_timeline_json_carries_the_resume_record(root, run_cli):
     path, name = root
-    assert main(["timeline", "--json", path]) == 0
-    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    code, out, _ = run_cli("timeline", "--json", path)
+    assert code == 0
+    rows = json.loads(out)["checkpoints"]
     resume = [row["resume"] for row in rows if row["state"] == "resumed"][-1]
     assert resume["from"] == name and resume["world_size_before"] == 2 and resume["world_size_after"] == 3

@@ -20,7 +20,6 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from lightning_shardckpt import CorruptCheckpoint, LoadConfig, UntrustedCheckpoint, load_checkpoint, verify_checkpoint
-from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine.format import safe_pickle
 from lightning_shardckpt.engine.format.layout import DCP_METADATA, MANIFEST
 from lightning_shardckpt.errors import ShardCkptError
@@ -51,10 +50,6 @@ class Opaque:
         return isinstance(other, Opaque) and other.value == self.value
 
 
-def directory_of(root: str, manifest: dict) -> str:
-    return os.path.join(root, f"step-{manifest['step']:09d}-{manifest['id']}")
-
-
 def make_v1(directory: str) -> None:
     """Rewrite a committed checkpoint as format v1 wrote it: no `.metadata` checksum, no commit record."""
     path = os.path.join(directory, MANIFEST)
@@ -75,17 +70,17 @@ def replace_metadata(directory: str, data: bytes) -> None:
 
 
 @pytest.fixture
-def crafted(tmp_path):
+def crafted(tmp_path, committed_checkpoint):
     """A committed checkpoint whose `.metadata` was replaced by a pickle that creates `marker`."""
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root)
-    directory = directory_of(root, manifest)
+    root, directory, _ = committed_checkpoint()
     marker = tmp_path / "pwned"
     replace_metadata(directory, pickle.dumps(RunsCommand(f"touch {marker}")))
     return root, directory, marker
 
 
-def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_through_the_allow_list(tmp_path):
+def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_through_the_allow_list(
+    committed_checkpoint,
+):
     state = fresh_state()
     state["extra"] = {
         "rng": torch.get_rng_state(),
@@ -94,9 +89,8 @@ def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_th
         "half": torch.ones(3, dtype=torch.bfloat16),
         "plain": {"a": [1, 2.5, "x"], "t": (1, None)},
     }
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root, state=state)
-    data = Path(directory_of(root, manifest), DCP_METADATA).read_bytes()
+    root, directory, manifest = committed_checkpoint(state=state)
+    data = Path(directory, DCP_METADATA).read_bytes()
     metadata = safe_pickle.load_dcp_metadata(data, root, expected=manifest[safe_pickle.DCP_METADATA_FIELD])
     assert set(metadata.state_dict_metadata) == {t["fqn"] for t in manifest["tensors"]} | {
         o["fqn"] for o in manifest["objects"]
@@ -104,7 +98,7 @@ def test_metadata_of_a_real_checkpoint_with_tensors_objects_and_rng_unpickles_th
     assert manifest[safe_pickle.DCP_METADATA_FIELD] == {"checksum": safe_pickle.checksum(data), "bytes": len(data)}
 
 
-def test_verify_refuses_a_metadata_pickle_that_would_run_a_command_and_the_marker_never_appears(crafted, capsys):
+def test_verify_refuses_a_metadata_pickle_that_would_run_a_command_and_the_marker_never_appears(crafted, run_cli):
     root, directory, marker = crafted
     report = verify_checkpoint(root)  # v2: the recorded checksum catches the swap; the allow-list names the call
     assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM] * 2
@@ -116,17 +110,16 @@ def test_verify_refuses_a_metadata_pickle_that_would_run_a_command_and_the_marke
     report = verify_checkpoint(root)
     assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM]
     assert report.problems[0]["actual"] in ("posix.system", "os.system", "nt.system")
-    assert main(["verify", root]) == 1
-    assert "system" in capsys.readouterr().out
+    code, out, _ = run_cli("verify", root)
+    assert code == 1 and "system" in out
     assert not marker.exists()
 
 
-def test_ls_inspect_diff_and_timeline_never_unpickle_a_crafted_metadata(crafted, capsys):
+def test_ls_inspect_diff_and_timeline_never_unpickle_a_crafted_metadata(crafted, run_cli):
     root, directory, marker = crafted
     make_v1(directory)
     for argv in (["ls", root], ["inspect", root], ["timeline", root], ["diff", "--root", root, "latest", "latest"]):
-        assert main(argv) in (0, 1), argv
-    capsys.readouterr()
+        assert run_cli(*argv)[0] in (0, 1), argv
     assert not marker.exists()
 
 
@@ -140,19 +133,16 @@ def test_load_refuses_a_crafted_metadata_by_checksum_v2_and_by_class_v1_and_runs
     assert not marker.exists()
 
 
-def test_v1_checkpoint_without_a_metadata_checksum_still_loads(tmp_path):
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root)
-    make_v1(directory_of(root, manifest))
+def test_v1_checkpoint_without_a_metadata_checksum_still_loads(committed_checkpoint):
+    root, directory, manifest = committed_checkpoint()
+    make_v1(directory)
     target = fresh_state(seed=99)
     load_checkpoint(target, root)
     assert torch.equal(target["model"]["0.weight"], fresh_state(seed=manifest["step"])["model"]["0.weight"])
 
 
-def test_metadata_pointing_outside_the_checkpoint_directory_is_corrupt_not_a_read(tmp_path):
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root)
-    directory = directory_of(root, manifest)
+def test_metadata_pointing_outside_the_checkpoint_directory_is_corrupt_not_a_read(committed_checkpoint):
+    root, directory, manifest = committed_checkpoint()
     make_v1(directory)
     metadata = safe_pickle.load_dcp_metadata(Path(directory, DCP_METADATA).read_bytes(), directory)
     index = next(iter(metadata.storage_data))
@@ -166,10 +156,8 @@ def test_metadata_pointing_outside_the_checkpoint_directory_is_corrupt_not_a_rea
     assert any(p["kind"] == DCP_METADATA_PROBLEM and "etc/passwd" in str(p["actual"]) for p in report.problems)
 
 
-def test_a_shard_that_is_a_symlink_out_of_the_directory_is_never_read(tmp_path):
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root)
-    directory = directory_of(root, manifest)
+def test_a_shard_that_is_a_symlink_out_of_the_directory_is_never_read(tmp_path, committed_checkpoint):
+    root, directory, manifest = committed_checkpoint()
     shard = os.path.join(directory, manifest["files"][0]["path"])
     outside = tmp_path / "elsewhere.distcp"
     os.replace(shard, outside)
@@ -270,10 +258,8 @@ def test_lightning_blob_with_hydra_containers_in_hparams_loads_with_trust_off():
     assert loaded["hyper_parameters"]["model"].name == 0.003
 
 
-def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_a_read(tmp_path, capsys):
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root)
-    directory = directory_of(root, manifest)
+def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_a_read(committed_checkpoint, run_cli):
+    root, directory, manifest = committed_checkpoint()
     make_v1(directory)
     path = os.path.join(directory, MANIFEST)
     edited = json.loads(Path(path).read_text())
@@ -286,5 +272,5 @@ def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_
 
     with pytest.raises(ShardCkptError, match=r"etc/passwd"):
         load_checkpoint(fresh_state(), directory)
-    assert main(["verify", directory]) == 2
-    assert "etc/passwd" in capsys.readouterr().err
+    code, _, err = run_cli("verify", directory)
+    assert code == 2 and "etc/passwd" in err

@@ -23,15 +23,12 @@ from lightning_shardckpt.ops.verify import (
     TILING,
     verify_checkpoint,
 )
-from tests.helpers.checkpoints import SHARD, chunk_of, fresh_state, save_checkpoint
+from tests.helpers.checkpoints import SHARD, chunk_of, dirname_of, fresh_state, save_checkpoint
 
 
 @pytest.fixture
-def committed(tmp_path):
-    root = str(tmp_path / "ckpt")
-    manifest = save_checkpoint(root)
-    directory = os.path.join(root, f"step-{manifest['step']:09d}-{manifest['id']}")
-    return root, directory, manifest
+def committed(committed_checkpoint):
+    return committed_checkpoint()  # root, directory, manifest
 
 
 def problems_of(report, kind: str) -> list[dict]:
@@ -123,14 +120,11 @@ def test_missing_or_garbled_dcp_metadata_is_reported(committed):
     assert report.problems[0]["kind"] == DCP_METADATA_PROBLEM
 
 
-def test_dcp_metadata_from_another_checkpoint_is_reported(tmp_path):
+def test_dcp_metadata_from_another_checkpoint_is_reported(tmp_path, committed_checkpoint):
     # DCP's .metadata is what a load follows: pointing at chunks the manifest does not list must be caught
-    root, elsewhere = str(tmp_path / "ckpt"), str(tmp_path / "other")
-    manifest = save_checkpoint(root)
-    other = save_checkpoint(elsewhere, state={**fresh_state(), "extra": torch.zeros(64)})
-    directory = os.path.join(root, f"step-{manifest['step']:09d}-{manifest['id']}")
-    foreign = os.path.join(elsewhere, f"step-{other['step']:09d}-{other['id']}", DCP_METADATA)
-    shutil.copy(foreign, os.path.join(directory, DCP_METADATA))
+    root, directory, _ = committed_checkpoint(tmp_path / "ckpt")
+    other = committed_checkpoint(tmp_path / "other", state={**fresh_state(), "extra": torch.zeros(64)})
+    shutil.copy(os.path.join(other.directory, DCP_METADATA), os.path.join(directory, DCP_METADATA))
 
     report = verify_checkpoint(root)
     assert not report.ok
@@ -168,7 +162,7 @@ def test_memory_filesystem_checkpoint_verifies_and_flip_is_found():
         manifest = save_checkpoint(root)
         assert verify_checkpoint(root).ok
         (obj,) = manifest["objects"]
-        path = f"/verify-test-root/step-{manifest['step']:09d}-{manifest['id']}/{SHARD}"
+        path = f"/verify-test-root/{dirname_of(manifest)}/{SHARD}"
         data = bytearray(fs.cat_file(path))
         data[obj["offset"] + 5] ^= 0xFF
         fs.pipe_file(path, bytes(data))

@@ -10,7 +10,10 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from tests.helpers.wandb_reader import BLOCK_SIZE, find_run_file, iter_records, read_run
+
+CHECKPOINT = checkpoint_dirname(6, "abcdef012345")  # the directory the logged artifact references
 
 BIG = "x" * (3 * BLOCK_SIZE)  # a config value whose record spans several 32 KiB blocks (FIRST, MIDDLE, LAST)
 
@@ -34,7 +37,7 @@ class Regression(pl.LightningModule):
 def offline_run(tmp_path_factory):
     """A 6-step fit logged by WandbLogger (offline), plus a checkpoint artifact by reference; the run is finished."""
     save_dir = tmp_path_factory.mktemp("wandb")
-    ckpt_dir = save_dir / "ckpt" / "step-000000006-abcdef012345"
+    ckpt_dir = save_dir / "ckpt" / CHECKPOINT
     ckpt_dir.mkdir(parents=True)
     (ckpt_dir / "manifest.json").write_text('{"step": 6}')
     logger = WandbLogger(save_dir=str(save_dir), project="reader-test", mode="offline")
@@ -86,7 +89,7 @@ def test_config_summary_and_artifacts_are_read(offline_run):
     assert artifact["type"] == "checkpoint" and artifact["name"] == "checkpoints-reader-test"
     assert set(artifact["aliases"]) == {"latest", "step-6"} and artifact["metadata"] == {"step": 6}
     (entry,) = artifact["entries"]
-    assert entry["ref"].startswith("file://") and entry["ref"].endswith("step-000000006-abcdef012345/manifest.json")
+    assert entry["ref"].startswith("file://") and entry["ref"].endswith(f"{CHECKPOINT}/manifest.json")
 
 
 def test_a_torn_tail_ends_the_stream_without_error(offline_run, tmp_path):
