@@ -18,14 +18,12 @@ import logging
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..storage import fsio
 from ..storage.fsio import Location
+from .entry import CheckpointEntry
 from .layout import DRILLS_DIR, join, parse_dirname
-
-if TYPE_CHECKING:  # catalog imports this module: the entry type is for annotations only
-    from ..catalog import CheckpointEntry
 
 log = logging.getLogger(__name__)
 

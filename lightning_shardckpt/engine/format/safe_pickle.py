@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpoint, UntrustedCheckpoint
 from .checksum import checksum
+from .manifest_schema import is_reference, reference_problem
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +239,10 @@ def load_dcp_metadata(
         raise CorruptCheckpoint(
             f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged"
         )
-    from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
-
     for index, info in metadata.storage_data.items():
         path = getattr(info, "relative_path", None)
-        problem = references.problem(path) if references.is_reference(path) else relative_path_problem(path)
+        # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
+        problem = reference_problem(path) if is_reference(path) else relative_path_problem(path)
         if problem:
             raise CorruptCheckpoint(
                 f"{where}: .metadata places {getattr(index, 'fqn', index)!r} at {problem}; a checkpoint reads only "
@@ -284,10 +284,8 @@ def check_inside(fs: Any, directory: str, relative: str) -> None:
     Beyond the name rules, on local storage a symlink must not lead out of the directory: a crafted
     checkpoint could otherwise make a load read `/etc/passwd` as a shard.
     """
-    from . import references  # the one exception: a file of a sibling checkpoint of the same root
-
-    if references.is_reference(relative):
-        problem = references.problem(relative)
+    if is_reference(relative):  # the one exception: a file of a sibling checkpoint of the same root
+        problem = reference_problem(relative)
         base_dir = directory.rstrip("/").rsplit("/", 1)[0]  # the root: confined to it, one sibling deep
     else:
         problem = relative_path_problem(relative)
