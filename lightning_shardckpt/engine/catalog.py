@@ -17,12 +17,8 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
-import os
-import stat
 from datetime import datetime, timezone
 from typing import Any
-
-from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
 from .format import drill_records
@@ -66,8 +62,8 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
             entry.problem = f"{entry.path} is a {kind} named like a checkpoint directory; move it out of the root"
         entries.append(entry)
     candidates = [entry for entry in entries if entry.state == UNCOMMITTED]
-    with_manifest = _with_manifest(fs, candidates)
-    records = _read_all(fs, [join(entry.path, COMMIT_RECORD) for entry in with_manifest])
+    with_manifest = _with_manifest(location, candidates)
+    records = _read_all(location, [join(entry.path, COMMIT_RECORD) for entry in with_manifest])
     without_record = []
     for entry, document in zip(with_manifest, records):
         if isinstance(document, FileNotFoundError):
@@ -80,7 +76,7 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
             entry.state, entry.problem = CORRUPT, str(err)
     for start in range(0, len(without_record), V1_BATCH):  # batches: a listing never holds every manifest at once
         batch = without_record[start : start + V1_BATCH]
-        for entry, document in zip(batch, _read_all(fs, [join(entry.path, MANIFEST) for entry in batch])):
+        for entry, document in zip(batch, _read_all(location, [join(entry.path, MANIFEST) for entry in batch])):
             if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
                 continue
             try:
@@ -292,15 +288,12 @@ def _timestamp(entry: CheckpointEntry) -> float:
     return stamp.timestamp() if stamp is not None else 0.0
 
 
-def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+def _with_manifest(location: Location, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
     """The entries whose manifest.json exists: one ranged read of its first byte each, batched."""
     if not entries:
         return []
     paths = [join(entry.path, MANIFEST) for entry in entries]
-    if isinstance(fs, LocalFileSystem):  # fsspec's per-file open costs more than the read itself: stat directly
-        results = [_stat_local(path) for path in paths]
-    else:
-        results = fs.cat_ranges(paths, [0] * len(paths), [1] * len(paths), on_error="return")
+    results = location.backend.probe_files(paths)
     present = []
     for entry, result in zip(entries, results):
         if isinstance(result, FileNotFoundError):
@@ -317,33 +310,11 @@ def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEn
     return present
 
 
-def _stat_local(path: str) -> Any:
-    try:
-        if stat.S_ISDIR(os.stat(path).st_mode):
-            return IsADirectoryError(path)
-        return b""
-    except (FileNotFoundError, NotADirectoryError) as err:
-        return FileNotFoundError(str(err)) if isinstance(err, NotADirectoryError) else err
-    except OSError as err:
-        return err
-
-
-def _read_local(path: str) -> Any:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError as err:
-        return err
-
-
-def _read_all(fs: Any, paths: list[str]) -> list[Any]:
+def _read_all(location: Location, paths: list[str]) -> list[Any]:
     """Small files' bytes in `paths` order (concurrent on object stores); FileNotFoundError where absent."""
     if not paths:
         return []
-    if isinstance(fs, LocalFileSystem):
-        documents = {path: _read_local(path) for path in paths}
-    else:
-        documents = fs.cat(paths, on_error="return")
+    documents = location.backend.read_small_files(paths)
     out = []
     for path in paths:
         document = documents.get(path, FileNotFoundError(path))

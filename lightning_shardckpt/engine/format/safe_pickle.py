@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpoint, UntrustedCheckpoint
+from ..storage.backends import backend_for
 from .checksum import checksum
 from .manifest_schema import is_reference, reference_problem
 
@@ -290,7 +291,7 @@ def check_inside(fs: Any, directory: str, relative: str) -> None:
     else:
         problem = relative_path_problem(relative)
         base_dir = directory
-    if problem is None and _is_local(fs):
+    if problem is None and backend_for(fs).is_local:
         base = os.path.realpath(base_dir)
         target = os.path.realpath(os.path.join(directory, relative))
         if os.path.commonpath([base, target]) != base:
@@ -301,12 +302,6 @@ def check_inside(fs: Any, directory: str, relative: str) -> None:
             "(or crafted) and is not read",
             problems=[{"file": relative, "tensor": None, "expected": "a file in the directory", "actual": relative}],
         )
-
-
-def _is_local(fs: Any) -> bool:
-    protocol = getattr(fs, "protocol", None)
-    protocols = protocol if isinstance(protocol, (tuple, list)) else (protocol,)
-    return "file" in protocols or "local" in protocols
 
 
 def check_metadata_bytes(data: bytes, where: str, expected: Any) -> None:
