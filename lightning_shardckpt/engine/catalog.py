@@ -17,85 +17,24 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
-import os
-import stat
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
-
-from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
 from .format import drill_records
 from .format import manifest as manifest_format
+
+# the entry type and its manifest read live in format/entry.py, below drill records and references, which
+# name them too; callers keep reaching them here, where a root is listed
+from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
+from .format.entry import read_manifest as read_manifest
 from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
-from .format.manifest_schema import parse_time
 from .storage import fsio, retry
 from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
 
-COMMITTED, UNCOMMITTED, CORRUPT = "committed", "uncommitted", "corrupt"
 V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while listing
-
-
-@dataclass
-class CheckpointEntry:
-    """One checkpoint directory in a root.
-
-    `record` holds the listing fields (id, step, run_id, parent, seq, created_at, bytes_total) of a
-    committed one; `manifest`, the full manifest, is read and validated on first use.
-    """
-
-    name: str
-    path: str
-    step: int
-    checkpoint_id: str
-    state: str  # committed | uncommitted | corrupt
-    problem: str | None = None  # why a directory is corrupt
-    record: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    _manifest: dict[str, Any] | None = field(default=None, repr=False)
-    _fs: Any = field(default=None, repr=False, compare=False)  # for reading the manifest on first use
-    _created: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def committed(self) -> bool:
-        return self.state == COMMITTED
-
-    @property
-    def run_id(self) -> str | None:
-        return (self.record or {}).get("run_id")
-
-    @property
-    def seq(self) -> int | None:
-        return (self.record or {}).get("seq")
-
-    @property
-    def created_at(self) -> datetime | None:
-        # parsed once: ordering a listing asks for it many times
-        if self._created is None or self._created[0] is not self.record:
-            self._created = (self.record, parse_time((self.record or {}).get("created_at")))
-        return self._created[1]
-
-    @property
-    def manifest(self) -> dict[str, Any] | None:
-        """The full, validated manifest of a committed checkpoint (read on first use); None otherwise.
-
-        Raises CheckpointDeleted when the directory went after it was listed, CorruptCheckpoint (and
-        marks the entry corrupt) when the manifest does not validate.
-        """
-        if self._manifest is None and self.committed and self._fs is not None:
-            self._manifest = read_manifest(self._fs, self)
-        return self._manifest
-
-    @manifest.setter
-    def manifest(self, value: dict[str, Any] | None) -> None:
-        self._manifest = value
-
-    def __getstate__(self) -> dict[str, Any]:
-        # sent between ranks (loader's pick): the manifest travels, the filesystem handle does not
-        return {**self.__dict__, "_fs": None}
 
 
 def list_checkpoints(location: Location) -> list[CheckpointEntry]:
@@ -123,8 +62,8 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
             entry.problem = f"{entry.path} is a {kind} named like a checkpoint directory; move it out of the root"
         entries.append(entry)
     candidates = [entry for entry in entries if entry.state == UNCOMMITTED]
-    with_manifest = _with_manifest(fs, candidates)
-    records = _read_all(fs, [join(entry.path, COMMIT_RECORD) for entry in with_manifest])
+    with_manifest = _with_manifest(location, candidates)
+    records = _read_all(location, [join(entry.path, COMMIT_RECORD) for entry in with_manifest])
     without_record = []
     for entry, document in zip(with_manifest, records):
         if isinstance(document, FileNotFoundError):
@@ -137,7 +76,7 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
             entry.state, entry.problem = CORRUPT, str(err)
     for start in range(0, len(without_record), V1_BATCH):  # batches: a listing never holds every manifest at once
         batch = without_record[start : start + V1_BATCH]
-        for entry, document in zip(batch, _read_all(fs, [join(entry.path, MANIFEST) for entry in batch])):
+        for entry, document in zip(batch, _read_all(location, [join(entry.path, MANIFEST) for entry in batch])):
             if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
                 continue
             try:
@@ -148,26 +87,6 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
                 entry.state, entry.problem = CORRUPT, str(err)
     entries.sort(key=lambda e: (e.step, _timestamp(e), e.name))
     return entries
-
-
-def read_manifest(fs: Any, entry: CheckpointEntry) -> dict[str, Any]:
-    """The full manifest of a listed, committed entry: read, matched against its commit record, validated."""
-    path = join(entry.path, MANIFEST)
-    try:
-        data = retry.call("read", lambda: fs.cat_file(path), target=path)
-    except FileNotFoundError as err:
-        entry.state = UNCOMMITTED
-        raise CheckpointDeleted(
-            f"{entry.path} was deleted after it was listed (retention of a job writing into this root, or a person); "
-            "pick another checkpoint: shardckpt ls " + entry.path.rsplit("/", 1)[0]
-        ) from err
-    try:
-        if entry.record is not None:
-            manifest_format.check_matches_record(data, entry.record, entry.path)
-        return manifest_format.parse(data, entry.path)
-    except ShardCkptError as err:
-        entry.state, entry.problem = CORRUPT, str(err)
-        raise
 
 
 def run_order(entry: CheckpointEntry) -> tuple:
@@ -369,15 +288,12 @@ def _timestamp(entry: CheckpointEntry) -> float:
     return stamp.timestamp() if stamp is not None else 0.0
 
 
-def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+def _with_manifest(location: Location, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
     """The entries whose manifest.json exists: one ranged read of its first byte each, batched."""
     if not entries:
         return []
     paths = [join(entry.path, MANIFEST) for entry in entries]
-    if isinstance(fs, LocalFileSystem):  # fsspec's per-file open costs more than the read itself: stat directly
-        results = [_stat_local(path) for path in paths]
-    else:
-        results = fs.cat_ranges(paths, [0] * len(paths), [1] * len(paths), on_error="return")
+    results = location.backend.probe_files(paths)
     present = []
     for entry, result in zip(entries, results):
         if isinstance(result, FileNotFoundError):
@@ -394,33 +310,11 @@ def _with_manifest(fs: Any, entries: list[CheckpointEntry]) -> list[CheckpointEn
     return present
 
 
-def _stat_local(path: str) -> Any:
-    try:
-        if stat.S_ISDIR(os.stat(path).st_mode):
-            return IsADirectoryError(path)
-        return b""
-    except (FileNotFoundError, NotADirectoryError) as err:
-        return FileNotFoundError(str(err)) if isinstance(err, NotADirectoryError) else err
-    except OSError as err:
-        return err
-
-
-def _read_local(path: str) -> Any:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError as err:
-        return err
-
-
-def _read_all(fs: Any, paths: list[str]) -> list[Any]:
+def _read_all(location: Location, paths: list[str]) -> list[Any]:
     """Small files' bytes in `paths` order (concurrent on object stores); FileNotFoundError where absent."""
     if not paths:
         return []
-    if isinstance(fs, LocalFileSystem):
-        documents = {path: _read_local(path) for path in paths}
-    else:
-        documents = fs.cat(paths, on_error="return")
+    documents = location.backend.read_small_files(paths)
     out = []
     for path in paths:
         document = documents.get(path, FileNotFoundError(path))

@@ -133,9 +133,9 @@ def write_json_event(root: Location, prefix: str, payload: dict[str, Any]) -> No
     """Write a non-checkpoint event (e.g. a resume and its identity comparison) once; never raises."""
     name = f"{prefix}-{uuid.uuid4().hex[:6]}.json"
     try:
-        fsio.makedirs(root.fs, join(root.path, EVENTS_DIR))
+        root.backend.makedirs(join(root.path, EVENTS_DIR))
         document = json.dumps({"created_at": time.time(), **payload}, sort_keys=True, default=str).encode()
-        fsio.create_if_absent(root.fs, join(root.path, EVENTS_DIR, name), document)
+        root.backend.create_if_absent(join(root.path, EVENTS_DIR, name), document)
     except Exception:
         log.warning("could not write event %s", name, exc_info=True)
 

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import ConfigError, StorageUnavailable
 from .collectives import broadcast_from_coordinator, rank_and_world
 from .format.layout import OWNER, join
-from .storage import fsio, retry
+from .storage import retry
 from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def claim(root: Location, run_id: str) -> dict[str, Any]:
     }
     try:
         # create-if-absent: of two runs starting at once on an unowned root, exactly one becomes the owner
-        fsio.create_if_absent(root.fs, join(root.path, OWNER), (json.dumps(record, sort_keys=True) + "\n").encode())
+        root.backend.create_if_absent(join(root.path, OWNER), (json.dumps(record, sort_keys=True) + "\n").encode())
     except FileExistsError:
         return read_owner(root) or record
     log.info("%s: claimed for run %s", root.url, run_id)

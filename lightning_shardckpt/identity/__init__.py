@@ -3,5 +3,5 @@
 `blocks` builds the identity blocks recorded in every manifest; `diff` compares them under a
 per-block policy (error / warn / ignore) and renders readable differences.
 
-May import: `..engine` and `..errors`. Never Lightning, `..lightning` or `..ops`.
+May import: `..engine` and `..errors`; never a room above it, never Lightning.
 """

@@ -297,7 +297,7 @@ class ShardedCheckpoint(Checkpoint):
 
     def _in_our_root(self, checkpoint_path: str) -> bool:
         root = fsio.resolve(checkpoint_path.rstrip("/").rsplit("/", 1)[0], self.save_options.storage_options)
-        ours = root.fs.protocol == self._location.fs.protocol and root.path == self._location.path
+        ours = root.same_place(self._location)
         return ours or (self._tiers is not None and self._tiers.owns(checkpoint_path))
 
     def _saver(self, trainer: pl.Trainer):

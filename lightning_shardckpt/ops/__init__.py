@@ -1,8 +1,11 @@
-"""Operator tools: what people and cron jobs run on a checkpoint root.
+"""Operator library: what people and cron jobs run on a checkpoint root, with no training loop.
 
-The `shardckpt` CLI and what it calls: full verification, garbage collection of uncommitted
-directories, retention, and investigation (`diff`, `timeline`).
+Full verification (`verify`), garbage collection of uncommitted directories (`gc`), investigation
+(`investigate`: diff, timeline; `bisect`, `checks`, `compare`), export to other formats (`export`,
+`export_formats`) and health reports (`health_report`). The `shardckpt` command (`..cli`) is their
+front door; retention, health rules, drills and tiers live in `..policies`.
 
-May import: `..engine`, `..identity`, `..errors`. Never Lightning or `..lightning`: a root can be
-verified, listed and cleaned by code that knows nothing about the training loop that wrote it.
+May import: `..errors`, `..engine`, `..identity`, `..policies`, `..training`; never `..lightning`,
+`..cli` or Lightning: a root can be verified, listed and cleaned by code that knows nothing about the
+training loop that wrote it.
 """

@@ -28,15 +28,13 @@ manifest's absence and its age are checked again, so a save that committed or wr
 from __future__ import annotations
 
 import logging
-import os
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..engine import catalog
 from ..engine.format import references as refs
 from ..engine.format.layout import MANIFEST, join
-from ..engine.storage.fsio import Location, is_object_store
+from ..engine.storage.fsio import Location
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -153,7 +151,7 @@ def _decide(
     item.age_s = None if age is None else round(age, 3)
     if pinned is not None and (refs.everything_pinned(pinned) or pinned.get(entry.name)):
         item.reason = KEEP_REFERENCED  # retention removes it once its last referrer goes
-    elif not files and is_object_store(location.fs):
+    elif not files and not location.backend.has_directories:
         item.action, item.reason = "remove", REMOVE_EMPTY
     elif age is None:
         item.reason = KEEP_UNDATED
@@ -176,11 +174,8 @@ def _age(location: Location, entry: catalog.CheckpointEntry, files: list[dict[st
         age = catalog.age_seconds(entry, location)
     except FileNotFoundError:
         age = None
-    if age is None and not files and location.is_local:
-        try:  # an empty local directory: its own mtime
-            age = time.time() - os.stat(entry.path).st_mtime
-        except FileNotFoundError:
-            age = None
+    if age is None and not files:  # an empty directory: its own mtime, where storage keeps one
+        age = location.backend.directory_age_s(entry.path)
     return age
 
 

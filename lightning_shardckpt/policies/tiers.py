@@ -244,7 +244,7 @@ class CheckpointTiers:
         if self.durable is None:
             return False
         root = fsio.resolve(path.rstrip("/").rsplit("/", 1)[0], self.config.durable.storage_options)
-        return root.fs.protocol == self.durable.fs.protocol and root.path == self.durable.path
+        return root.same_place(self.durable)
 
 
 def rank_zero() -> bool:

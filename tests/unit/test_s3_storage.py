@@ -17,7 +17,7 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig, StorageUnavailable,
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer, resolve_latest
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format.layout import checkpoint_dirname
-from lightning_shardckpt.engine.storage import fsio, retry
+from lightning_shardckpt.engine.storage import backends, retry
 from lightning_shardckpt.engine.storage.fsio import create_if_absent, makedirs, preflight, resolve
 
 # botocore's own per-request retries off: the proxy's errors reach s3fs and our layer at once
@@ -108,7 +108,7 @@ def test_manifest_create_sends_if_none_match_and_a_second_create_is_refused(s3_s
 def test_a_big_multipart_create_is_conditional_and_leaves_no_upload_behind(
     s3_server, s3_root, s3_fault_proxy, monkeypatch
 ):
-    monkeypatch.setattr(fsio, "MULTIPART_CHUNK_BYTES", 5 * 2**20)  # S3's smallest part: 11 MiB is 3 parts
+    monkeypatch.setattr(backends.S3Backend, "multipart_chunk_bytes", 5 * 2**20)  # S3's smallest part: 11 MiB is 3 parts
     options = s3_server.storage_options(s3_fault_proxy.endpoint)
     fs = resolve(s3_root.url, options).fs
     path = f"{s3_root.bucket}/{s3_root.prefix}/big.json"

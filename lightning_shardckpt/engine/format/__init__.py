@@ -1,1 +1,2 @@
-"""The on-storage format: names, manifest and its schema, checksums, safe unpickling, references, drill records."""
+"""The on-storage format: names, manifest and its schema, checksums, safe unpickling, references, drill
+records, and the listed-checkpoint entry (`entry`) that catalog, drill records and references share."""

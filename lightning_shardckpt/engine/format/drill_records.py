@@ -18,14 +18,11 @@ import logging
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..storage import fsio
 from ..storage.fsio import Location
+from .entry import CheckpointEntry
 from .layout import DRILLS_DIR, join, parse_dirname
-
-if TYPE_CHECKING:  # catalog imports this module: the entry type is for annotations only
-    from ..catalog import CheckpointEntry
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +67,10 @@ def write_record(location: Location, record: dict[str, Any]) -> str:
         raise ValueError(f"verdict={record['verdict']!r}; use one of {VERDICTS}")
     name = RecordName(record["checkpoint"], record["drill_id"], record["verdict"])
     directory = join(location.path, DRILLS_DIR)
-    fsio.makedirs(location.fs, directory)
+    location.backend.makedirs(directory)
     path = join(directory, name.filename)
     body = {"record_version": RECORD_VERSION, **record}
-    fsio.create_if_absent(location.fs, path, (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
+    location.backend.create_if_absent(path, (json.dumps(body, indent=1, sort_keys=True, default=str) + "\n").encode())
     log.info("drill record %s", path)
     return path
 

@@ -24,8 +24,7 @@ from .layout import (
     READABLE_FORMAT_VERSIONS,
     parse_dirname,
 )
-from .manifest_schema import BLOCKS_FIELD
-from .references import REFERENCES_FIELD
+from .manifest_schema import BLOCKS_FIELD, REFERENCES_FIELD
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
 # copied from the manifest into the commit record: what listing, `latest` and retention decide by

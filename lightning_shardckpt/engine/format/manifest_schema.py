@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from .layout import DirName
+from .layout import DirName, parse_dirname
 from .outcomes import metrics_problems
 
 HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)
@@ -110,7 +110,34 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
     return problems
 
 
-REFERENCES_FIELD = "references"  # v3 (FORMAT.md §9); the same name as references.REFERENCES_FIELD
+REFERENCES_FIELD = "references"  # manifest v3: [{"path": "../<dir>/<file>", "bytes": referenced bytes, "chunks": n}]
+REFERENCE_PREFIX = "../"  # a reference is `../<sibling checkpoint directory>/<file>` (FORMAT.md §9, references.py)
+
+
+def is_reference(path: Any) -> bool:
+    return isinstance(path, str) and path.startswith(REFERENCE_PREFIX)
+
+
+def split_reference(path: str) -> tuple[str, str] | None:
+    """(sibling directory, file) of a well-formed reference, or None for anything else."""
+    if not is_reference(path):
+        return None
+    parts = path[len(REFERENCE_PREFIX) :].split("/")
+    if len(parts) != 2 or parse_dirname(parts[0]) is None or parts[0] != parts[0].strip() or not parts[1]:
+        return None
+    if parts[1] in (".", "..") or "\\" in path or ":" in parts[1]:
+        return None
+    return parts[0], parts[1]
+
+
+def reference_problem(path: Any) -> str | None:
+    """Why `path` is not an acceptable reference (None when it is one)."""
+    if split_reference(path) is None:
+        return (
+            f"path {path!r}, outside the checkpoint directory and not '../<sibling checkpoint directory>/<file>' "
+            "(a reference may name only a file of a sibling checkpoint of the same root)"
+        )
+    return None
 
 
 def _referenced(manifest: dict[str, Any]) -> set[str]:
@@ -125,8 +152,6 @@ def _referenced(manifest: dict[str, Any]) -> set[str]:
 def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]:
     """v3: each reference names one file of a sibling checkpoint ('../<dir>/<file>'), never a reference
     (a chain) and never anything outside the root; adds the referenced paths to `names`."""
-    from .references import problem
-
     if REFERENCES_FIELD not in manifest:
         return []
     items = manifest[REFERENCES_FIELD]
@@ -142,7 +167,7 @@ def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]
         if not isinstance(item, dict):
             problems.append(f"{REFERENCES_FIELD}[{index}]: {item!r} is not an object")
             continue
-        path_problem = problem(item.get("path"))
+        path_problem = reference_problem(item.get("path"))
         if path_problem:
             problems.append(f"{REFERENCES_FIELD}[{index}]: {path_problem}")
             continue

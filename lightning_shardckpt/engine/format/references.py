@@ -14,44 +14,24 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .layout import MANIFEST, join, parse_dirname
+from .entry import load_manifest, read_manifest
+from .layout import join
+
+# The schema rules of a reference (its field, its form, why a path is not one) live with the rest of the
+# manifest's schema, which validates them; these names stay here for the code that makes and follows them.
+from .manifest_schema import REFERENCE_PREFIX as PREFIX
+from .manifest_schema import REFERENCES_FIELD as REFERENCES_FIELD
+from .manifest_schema import is_reference as is_reference
+from .manifest_schema import split_reference as split
 
 log = logging.getLogger(__name__)
 
-PREFIX = "../"
-REFERENCES_FIELD = "references"  # manifest v3: [{"path": "../<dir>/<file>", "bytes": referenced bytes, "chunks": n}]
 RETIRED = "RETIRED"  # written into a checkpoint directory before its manifest is removed by retention
-
-
-def is_reference(path: Any) -> bool:
-    return isinstance(path, str) and path.startswith(PREFIX)
 
 
 def make(sibling: str, file: str) -> str:
     """The reference to `file` of sibling checkpoint `sibling`; a reference stays as it is (never chains)."""
     return file if is_reference(file) else f"{PREFIX}{sibling}/{file}"
-
-
-def split(path: str) -> tuple[str, str] | None:
-    """(sibling directory, file) of a well-formed reference, or None for anything else."""
-    if not is_reference(path):
-        return None
-    parts = path[len(PREFIX) :].split("/")
-    if len(parts) != 2 or parse_dirname(parts[0]) is None or parts[0] != parts[0].strip() or not parts[1]:
-        return None
-    if parts[1] in (".", "..") or "\\" in path or ":" in parts[1]:
-        return None
-    return parts[0], parts[1]
-
-
-def problem(path: Any) -> str | None:
-    """Why `path` is not an acceptable reference (None when it is one)."""
-    if split(path) is None:
-        return (
-            f"path {path!r}, outside the checkpoint directory and not '../<sibling checkpoint directory>/<file>' "
-            "(a reference may name only a file of a sibling checkpoint of the same root)"
-        )
-    return None
 
 
 def referenced_files(manifest: dict[str, Any]) -> dict[str, set[str]]:
@@ -74,8 +54,6 @@ def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None
     One reachability computation for retention and gc. Only format-v3 checkpoints hold references, so
     only their manifests are read.
     """
-    from .. import catalog  # late: catalog imports this module's neighbours
-
     pinned: dict[str, set[str]] = {}
     for entry in entries:
         if not entry.committed or (keep is not None and entry.name not in keep):
@@ -83,7 +61,7 @@ def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None
         if (entry.record or {}).get("format_version", 0) < 3:
             continue
         try:
-            manifest = catalog.read_manifest(location.fs, entry)
+            manifest = read_manifest(location.fs, entry)
         except Exception:  # a damaged manifest: be conservative, its references cannot be known
             log.warning(
                 "reachability: cannot read %s; nothing it might reference is deleted now", entry.path, exc_info=True
@@ -97,10 +75,6 @@ def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None
 def everything_pinned(pinned: dict[str, set[str]]) -> bool:
     """True when reachability could not be computed (a damaged manifest): delete nothing referenced-looking."""
     return "*" in pinned
-
-
-def manifest_path(root_path: str, dirname: str) -> str:
-    return join(root_path, dirname, MANIFEST)
 
 
 def chunk_map(
@@ -125,9 +99,4 @@ def chunk_map(
 
 def read_base(root: Any, dirname: str) -> dict[str, Any]:
     """The committed manifest of the incremental base `dirname` (validated)."""
-    from ..storage import retry
-    from . import manifest as manifest_format
-
-    path = manifest_path(root.path, dirname)
-    data = retry.call("read", lambda: root.fs.cat_file(path), target=path)
-    return manifest_format.parse(data, join(root.path, dirname))
+    return load_manifest(root.fs, join(root.path, dirname))

@@ -27,7 +27,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpoint, UntrustedCheckpoint
+from ..storage.backends import backend_for
 from .checksum import checksum
+from .manifest_schema import is_reference, reference_problem
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +240,10 @@ def load_dcp_metadata(
         raise CorruptCheckpoint(
             f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata; the checkpoint is damaged"
         )
-    from . import references  # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
-
     for index, info in metadata.storage_data.items():
         path = getattr(info, "relative_path", None)
-        problem = references.problem(path) if references.is_reference(path) else relative_path_problem(path)
+        # incremental checkpoints: a chunk in a sibling checkpoint's file (FORMAT.md §9)
+        problem = reference_problem(path) if is_reference(path) else relative_path_problem(path)
         if problem:
             raise CorruptCheckpoint(
                 f"{where}: .metadata places {getattr(index, 'fqn', index)!r} at {problem}; a checkpoint reads only "
@@ -284,15 +285,13 @@ def check_inside(fs: Any, directory: str, relative: str) -> None:
     Beyond the name rules, on local storage a symlink must not lead out of the directory: a crafted
     checkpoint could otherwise make a load read `/etc/passwd` as a shard.
     """
-    from . import references  # the one exception: a file of a sibling checkpoint of the same root
-
-    if references.is_reference(relative):
-        problem = references.problem(relative)
+    if is_reference(relative):  # the one exception: a file of a sibling checkpoint of the same root
+        problem = reference_problem(relative)
         base_dir = directory.rstrip("/").rsplit("/", 1)[0]  # the root: confined to it, one sibling deep
     else:
         problem = relative_path_problem(relative)
         base_dir = directory
-    if problem is None and _is_local(fs):
+    if problem is None and backend_for(fs).is_local:
         base = os.path.realpath(base_dir)
         target = os.path.realpath(os.path.join(directory, relative))
         if os.path.commonpath([base, target]) != base:
@@ -303,12 +302,6 @@ def check_inside(fs: Any, directory: str, relative: str) -> None:
             "(or crafted) and is not read",
             problems=[{"file": relative, "tensor": None, "expected": "a file in the directory", "actual": relative}],
         )
-
-
-def _is_local(fs: Any) -> bool:
-    protocol = getattr(fs, "protocol", None)
-    protocols = protocol if isinstance(protocol, (tuple, list)) else (protocol,)
-    return "file" in protocols or "local" in protocols
 
 
 def check_metadata_bytes(data: bytes, where: str, expected: Any) -> None:

@@ -92,7 +92,7 @@ class CheckpointSaver:
         """`group`: an existing checkpoint process group to share; by default one is created (collectively)."""
         self.config = config or SaveConfig()
         self.root = fsio.resolve(dirpath, self.config.storage_options)
-        fsio.makedirs(self.root.fs, self.root.path)
+        self.root.backend.makedirs(self.root.path)
         self.group = group if group is not None else new_checkpoint_group(self.config.collective_timeout_s)
         self.rank = rank_and_world(self.group)[0]
         # before anything is written: a root another run owns is refused on every rank (ownership.py)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 from ...errors import CorruptCheckpoint
 from ..format.checksum import checksum, streaming_checksum
 from ..format.layout import join
 from . import fsio
+from .backends import backend_for
 
 PIECE_BYTES = 8 * 2**20  # one range request; hashed right after it lands, while it is still in cache
 HEAD_BYTES = 4096  # a record's zip local headers: data.pkl, the tensor's header (torch aligns data to 64 bytes)
@@ -45,7 +45,7 @@ class ShardFile:
         self.path = path
         self._fs = fs
         self._fd: int | None = None
-        if _reads_with_preadv(fs):
+        if backend_for(fs).reads_with_preadv:
             self._fd = os.open(path, os.O_RDONLY)
             self.size = os.fstat(self._fd).st_size
         else:
@@ -72,12 +72,6 @@ class ShardFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _reads_with_preadv(fs: Any) -> bool:
-    # only the plain local filesystem: a subclass (a test's counting or quota filesystem, a wrapper) may
-    # change how bytes are read, so it is read through fsspec like any remote store
-    return type(fs) is LocalFileSystem and hasattr(os, "preadv")
 
 
 @dataclass(frozen=True)

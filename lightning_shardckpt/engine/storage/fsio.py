@@ -10,52 +10,53 @@ create-if-absent is a conditional put (`If-None-Match: *`), `latest` is a plain 
 directories do not exist (`makedirs` is a no-op and never creates a bucket), and listings are never
 cached (`use_listings_cache=False`), so the catalog sees what other processes committed. The small
 objects our code writes and reads are retried through `retry.call` (see retry.py for the layers).
+How each kind of storage does these things is its backend's business (backends.py), chosen once in
+`resolve` and kept on the Location; the functions here that take a bare filesystem ask `backend_for`.
 """
 
 from __future__ import annotations
 
-import errno
-import inspect
 import logging
 import os
-import sys
-import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
-from fsspec.implementations.memory import MemoryFileSystem
 
 from ...errors import StorageUnavailable
-from ..format.checksum import checksum
 from ..format.layout import join
 from . import retry
+from .backends import FsspecBackend, backend_class_for_url, backend_for
 
 log = logging.getLogger(__name__)
 
-# MemoryFileSystem is shared by every instance in the process; one lock makes its create atomic.
-_MEMORY_CREATE_LOCK = threading.Lock()
-# Protocols whose "directories" are key prefixes: no mkdir, no rename, listings only for discovery.
-OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
-# A conditional create larger than twice this is a multipart upload (If-None-Match on its completion).
-MULTIPART_CHUNK_BYTES = 50 * 2**20  # s3fs's default part size; S3 allows 5 MiB .. 5 GiB
 PROBE_PREFIX = ".probe-"  # preflight's probe objects: ROOT/.probe-<uuid>, deleted right away
-_HOOK_ID = "lightning_shardckpt.count_http_retries"
 
 
 @dataclass(frozen=True)
 class Location:
-    """A resolved storage location: the fsspec filesystem and the path within it."""
+    """A resolved storage location: the fsspec filesystem, the path within it, and its storage backend.
+
+    The backend (backends.py: what differs per kind of storage) is chosen once, here, from the filesystem.
+    """
 
     fs: fsspec.AbstractFileSystem
     path: str
     url: str
+    backend: FsspecBackend = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            object.__setattr__(self, "backend", backend_for(self.fs))
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return self.backend.is_local
+
+    def same_place(self, other: Location) -> bool:
+        """Both name the same root on the same kind of storage."""
+        return self.backend.same_store(other.backend) and self.path == other.path
 
 
 def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
@@ -63,30 +64,17 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     text = os.fspath(url)
     if not text:
         raise StorageUnavailable("checkpoint location is empty; set dirpath to a local path or an fsspec URL")
-    options = dict(storage_options or {})
     protocol = fsspec.core.split_protocol(text)[0]
-    if protocol in OBJECT_STORE_PROTOCOLS:
-        if options.get("use_listings_cache"):
-            log.warning(
-                "%s: ignoring use_listings_cache=True: a cached listing hides checkpoints other processes commit", text
-            )
-        # never cache listings: the catalog must see what other processes committed since the last look
-        options["use_listings_cache"] = False
+    options = backend_class_for_url(protocol).options_for(text, dict(storage_options or {}))
     try:
         fs, path = fsspec.core.url_to_fs(text, **options)
     except (ImportError, ValueError) as err:
         raise StorageUnavailable(
             f"cannot open storage for {text!r}: {err}. For s3:// install the extra: pip install 'lightning_shardckpt[s3]'"
         ) from err
-    if isinstance(fs, LocalFileSystem):
-        path = os.path.abspath(path)
-    _count_s3_http_retries(fs)
-    return Location(fs=fs, path=path.rstrip("/") or "/", url=text)
-
-
-def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return any(p in OBJECT_STORE_PROTOCOLS for p in protocols)
+    backend = backend_for(fs)
+    backend.on_resolved()
+    return Location(fs=fs, path=backend.normalise_path(path).rstrip("/") or "/", url=text, backend=backend)
 
 
 def create_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -95,47 +83,19 @@ def create_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> N
     Readers never observe a partial file: on local disks the bytes go to a temp name first and are
     hard-linked into place (link fails rather than overwrite); on S3 the put is conditional
     (`If-None-Match: *`, on the single PUT or on CompleteMultipartUpload), so the server refuses to
-    replace an existing object.
+    replace an existing object. Callers holding a Location call `location.backend` directly.
     """
-    if isinstance(fs, LocalFileSystem):
-        _local_create_if_absent(path, data)
-        return
-    if isinstance(fs, MemoryFileSystem):
-        with _MEMORY_CREATE_LOCK:
-            if fs.exists(path):
-                raise FileExistsError(path)
-            fs.pipe_file(path, data)
-        return
-    try:
-        retry.call("create_if_absent", lambda: _conditional_put(fs, path, data), target=path)
-    except FileExistsError:
-        # A create whose response was lost (timeout, 5xx after the object landed) is retried, by botocore,
-        # s3fs or us, and then meets its own object: 412. The same bytes mean the first try won.
-        if _stored_checksum(fs, path) == checksum(data):
-            retry.counters.add("recovered.create_if_absent")
-            log.warning("%s: a retried conditional create found its own earlier write; treating it as created", path)
-            return
-        raise
+    backend_for(fs).create_if_absent(path, data)
 
 
 def replace_small_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Replace a small file in one step (used for `latest`, which readers never trust on its own)."""
-    if isinstance(fs, LocalFileSystem):
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        _write_fsync(tmp, data)
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
-    else:
-        # an S3 PUT replaces the whole object at once: readers see the old or the new pointer, never half
-        retry.call("put", lambda: fs.pipe_file(path, data), target=path)
+    backend_for(fs).replace_small_file(path, data)
 
 
 def write_new_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write a file that belongs to an uncommitted directory (no one reads it before the commit)."""
-    if isinstance(fs, LocalFileSystem):
-        _write_fsync(path, data)
-    else:
-        retry.call("put", lambda: fs.pipe_file(path, data), target=path)
+    backend_for(fs).write_new_file(path, data)
 
 
 def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, length: int) -> bytes:
@@ -144,12 +104,7 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, length: int
 
 def makedirs(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """Create a directory where directories exist; on object stores do nothing (and never create a bucket)."""
-    if is_object_store(fs):
-        return  # keys need no parent; s3fs's makedirs would create a missing bucket, hiding a typo
-    try:
-        fs.makedirs(path, exist_ok=True)
-    except PermissionError as err:
-        raise StorageUnavailable(f"cannot create {path!r}: permission denied; choose a writable dirpath") from err
+    backend_for(fs).makedirs(path)
 
 
 def preflight(location: Location) -> None:
@@ -169,17 +124,17 @@ def preflight(location: Location) -> None:
 
 
 def _probe(location: Location, probe: str, payload: bytes) -> None:
-    fs = location.fs
+    fs, backend = location.fs, location.backend
     action = "create the root"
     written = False
     try:
-        makedirs(fs, location.path)
+        backend.makedirs(location.path)
         action = "write a probe object"
-        create_if_absent(fs, probe, payload)
+        backend.create_if_absent(probe, payload)
         written = True
         action = "check conditional create"
         try:
-            create_if_absent(fs, probe, payload + b"second writer\n")
+            backend.create_if_absent(probe, payload + b"second writer\n")
         except FileExistsError:
             pass
         else:
@@ -199,7 +154,7 @@ def _probe(location: Location, probe: str, payload: bytes) -> None:
     except StorageUnavailable:
         raise
     except Exception as err:
-        raise StorageUnavailable(_explain(location, action, err)) from err
+        raise StorageUnavailable(location.backend.explain(location.url, location.path, action, err)) from err
     finally:
         if written:
             _remove_quietly(fs, probe)
@@ -207,13 +162,9 @@ def _probe(location: Location, probe: str, payload: bytes) -> None:
 
 def abort_write(handle: Any) -> None:
     """Abandon a file being written: on S3 abort its multipart upload instead of committing a partial object."""
-    discard, fs = getattr(handle, "discard", None), getattr(handle, "fs", None)
-    if discard is not None and fs is not None and is_object_store(fs):
-        try:
-            discard()
-        except Exception:  # the directory stays uncommitted either way; a lifecycle rule reaps the upload
-            log.debug("aborting the upload of %s failed", getattr(handle, "path", handle), exc_info=True)
-        handle.closed = True  # a close() now would try to commit what was discarded
+    fs = getattr(handle, "fs", None)
+    if fs is not None:
+        backend_for(fs).abort_write(handle)
         return
     try:
         handle.close()
@@ -228,141 +179,6 @@ def sync_local_file(handle: Any) -> None:
         os.fsync(handle.fileno())
     except (AttributeError, OSError, ValueError):
         pass
-
-
-def _local_create_if_absent(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    _write_fsync(tmp, data)
-    try:
-        # link() refuses to replace an existing name: the atomic create-if-absent of POSIX.
-        os.link(tmp, path)
-    finally:
-        os.unlink(tmp)
-    _fsync_dir(directory)
-
-
-def _write_fsync(path: str, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_s3(fs: Any) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return "s3" in protocols
-
-
-def _conditional_put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    if _is_s3(fs):
-        if "mode" not in inspect.signature(type(fs)._pipe_file).parameters:
-            # older s3fs has no conditional create: an unconditional put could overwrite a committed manifest
-            raise StorageUnavailable(
-                f"s3fs {getattr(sys.modules.get('s3fs'), '__version__', '?')} cannot create an object only if absent "
-                "(If-None-Match: *), which the commit needs; upgrade it: pip install 'lightning_shardckpt[s3]'"
-            )
-        try:
-            # one PUT (or CompleteMultipartUpload above 100 MiB) with If-None-Match: *; s3fs aborts the
-            # upload when the condition fails. Its open(path, "xb") sends the same header but leaves a
-            # failed multipart upload behind, so the put goes through pipe_file.
-            fs.pipe_file(path, data, mode="create", chunksize=MULTIPART_CHUNK_BYTES)
-        except OSError as err:
-            # s3fs turns 412 into FileExistsError only when the server names the If-None-Match condition
-            if not isinstance(err, FileExistsError) and _error_code(err) in ("PreconditionFailed", "412"):
-                raise FileExistsError(errno.EEXIST, f"{path} already exists (412 PreconditionFailed)", path) from err
-            raise
-    else:
-        with fs.open(path, "xb") as handle:  # gcsfs and others: exclusive create on the server
-            handle.write(data)
-
-
-def _stored_checksum(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
-    try:
-        return checksum(retry.call("read", lambda: fs.cat_file(path), target=path))
-    except FileNotFoundError:
-        return None
-
-
-def _count_s3_http_retries(fs: Any) -> None:
-    """Make botocore's per-request retries visible in `retry.counters` (they are silent otherwise)."""
-    if not _is_s3(fs) or getattr(fs, "asynchronous", False):
-        return
-    try:
-        client = fs.connect()
-        client.meta.events.register("after-call.s3", retry.record_http_retries, unique_id=_HOOK_ID)
-    except Exception:  # counting is a nicety; the first real request reports any connection problem
-        log.debug("could not hook botocore's retry counter", exc_info=True)
-
-
-_CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "InvalidToken",
-        "ExpiredToken",
-        "TokenRefreshRequired",
-        "InvalidClientTokenId",
-        "UnrecognizedClientException",
-        "AuthorizationHeaderMalformed",
-    }
-)
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
-
-
-def _explain(location: Location, action: str, err: BaseException) -> str:
-    """A message for StorageUnavailable: the URL, what failed and how to fix it."""
-    url, fs = location.url, location.fs
-    code = _error_code(err)
-    detail = f"{type(err).__name__}: {err}" + (f" [{code}]" if code else "")
-    if not is_object_store(fs):
-        if isinstance(err, PermissionError):
-            return f"cannot {action} in {url}: permission denied; choose a writable dirpath ({detail})"
-        return f"cannot {action} in {url}: {detail}; choose a writable dirpath"
-    bucket = location.path.split("/", 1)[0]
-    endpoint = getattr(fs, "endpoint_url", None) or "the default endpoint"
-    if code == "NoSuchBucket":
-        return f"{url}: bucket {bucket!r} does not exist: create it or fix dirpath"
-    if code in _CREDENTIAL_CODES or _has_class(err, _NO_CREDENTIALS):
-        return f"{url}: credentials rejected by {endpoint} ({detail}): set storage_options key/secret or AWS_* env vars"
-    if isinstance(err, PermissionError) or code in ("AccessDenied", "AllAccessDisabled"):
-        return (
-            f"{url}: access denied when trying to {action} ({detail}): the credentials need s3:PutObject, "
-            f"s3:GetObject, s3:DeleteObject and s3:ListBucket on bucket {bucket!r}"
-        )
-    if retry.is_transient(err):
-        return f"{url}: cannot reach {endpoint} ({detail}): check endpoint_url, the network and the service status"
-    return f"{url}: cannot {action} ({detail})"
-
-
-def _error_code(err: BaseException) -> str | None:
-    """The S3 error code of `err` or of the botocore error it was translated from."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        response = getattr(current, "response", None)
-        if isinstance(response, dict) and (response.get("Error") or {}).get("Code"):
-            return str(response["Error"]["Code"])
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _has_class(err: BaseException, names: tuple[str, ...]) -> bool:
-    current: BaseException | None = err
-    while current is not None:
-        if any(cls.__name__ in names for cls in type(current).__mro__):
-            return True
-        current = current.__cause__
-    return False
 
 
 def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:

@@ -37,7 +37,6 @@ from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_a
 from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
 from ..metrics import RunCounters
 from ..save.commit import publish
-from ..storage import fsio
 from ..storage.fsio import Location
 from .config import TiersConfig
 from .verified_copy import copy_verified
@@ -354,7 +353,7 @@ class Replicator:
             mine.append(DCP_METADATA)
         problem = None
         try:
-            fsio.makedirs(self.durable.fs, dst_dir)
+            self.durable.backend.makedirs(dst_dir)
             for relative in mine:
                 self._fault("replicate_before_file")
                 copy_verified(
