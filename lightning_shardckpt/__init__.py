@@ -15,16 +15,22 @@ from .errors import (
     StorageUnavailable,
     UntrustedCheckpoint,
 )
-from .lightning.callback import ShardedCheckpoint
-from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
-from .lightning.strategy import register as _register_strategies
 from .ops.export import ExportOptions, ExportResult, export_checkpoint
 from .ops.verify import VerifyReport, verify_checkpoint
 from .policies.health_eval import Transition
 from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
 
-_register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
+try:
+    import lightning.pytorch  # noqa: F401
+except ImportError:  # without Lightning (absent or blocked) the engine, policies, training and ops still import
+    pass
+else:
+    from .lightning.callback import ShardedCheckpoint
+    from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
+    from .lightning.strategy import register as _register_strategies
+
+    _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
 
 __all__ = [
     "CheckpointNotFound",
