@@ -178,10 +178,10 @@ class TrainingDrills(Plugin):
         if checkpoint_path.rstrip("/").rsplit("/", 1)[-1] in self.pending():
             return  # already queued: a second drill of it proves nothing new
         if self._runner is None:
-            self._runner = DrillRunner(self.config.options(self._storage_options), self._on_result)
+            self._runner = DrillRunner(self.config.options(self._storage_options), self.record_result)
         self._runner.request(checkpoint_path)
 
-    def _on_result(self, record: dict[str, Any]) -> None:  # the drill thread
+    def record_result(self, record: dict[str, Any]) -> None:  # the drill thread: one finished drill
         with self._lock:
             verdict = record.get("verdict")
             if verdict == PASSED:

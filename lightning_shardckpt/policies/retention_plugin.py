@@ -27,13 +27,13 @@ class RetentionPlugin(Plugin):
         self.keep_last = keep_last
         self.keep_every_n_steps = keep_every_n_steps
         self.keep_last_drilled = keep_last_drilled
-        self._savers: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention: once each
+        self._attached: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention: once each
 
     def start(self, context: PluginContext) -> None:
         saver = context.saver
-        if self.keep_last is None or not context.is_global_zero or saver in self._savers:
+        if self.keep_last is None or not context.is_global_zero or saver in self._attached:
             return
-        self._savers.add(saver)
+        self._attached.add(saver)
         location, run_id, spare = context.location, context.run_id, context.spare
         saver.add_listener(lambda record: self.after_commit(saver, record, location, run_id, spare))
 
