@@ -124,7 +124,7 @@ class ShardedStrategy(StagingFence):
         for in_flight in self._savers.values():
             in_flight.wait()
         config = replace(self.save_config, async_save=False)
-        saver = self._adopt_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
+        saver = self._keep_first_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
         result = self.save_to_saver(saver, checkpoint).result()
         saver.close()
         if not result.committed:
@@ -234,7 +234,7 @@ class ShardedStrategy(StagingFence):
 
     @property
     def fault_hook(self) -> Any:
-        """Tests only: the constructor's `fault_hook`, failing saves at named points (engine/storage/writer.py)."""
+        """Tests only: the constructor's `fault_hook`, failing saves at named points (engine/save/saver.py passes it on)."""
         return self._fault_hook
 
     def adopt_run_id(self, run_id: str) -> None:
@@ -263,7 +263,7 @@ class ShardedStrategy(StagingFence):
         """The saver of `root`, created on first use with the plan's save config."""
         if root not in self._savers:
             saver = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self._fault_hook)
-            self._savers[root] = self._adopt_run_id(saver)
+            self._savers[root] = self._keep_first_run_id(saver)
         return self._savers[root]
 
     def state_layout(self) -> dict[str, Any]:
@@ -323,7 +323,7 @@ class ShardedStrategy(StagingFence):
             )
         return {key: value for key, value in model_state.items() if key not in missing}
 
-    def _adopt_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
+    def _keep_first_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
         """Without a run id set (no ShardedCheckpoint), the first saver's generated one stays this run's."""
         if self.save_config.run_id is None:
             self.save_config = replace(self.save_config, run_id=saver.run_id)
