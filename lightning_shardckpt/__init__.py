@@ -1,5 +1,7 @@
 """lightning_shardckpt: sharded checkpoints that commit atomically, verify themselves and reshard on load."""
 
+import importlib.util
+
 from .engine.config import LoadConfig, SaveConfig, VerifyConfig
 from .engine.load.loader import LoadResult, load_checkpoint
 from .engine.metrics import CheckpointRecord, read_events
@@ -15,16 +17,31 @@ from .errors import (
     StorageUnavailable,
     UntrustedCheckpoint,
 )
-from .lightning.callback import ShardedCheckpoint
-from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
-from .lightning.strategy import register as _register_strategies
 from .ops.export import ExportOptions, ExportResult, export_checkpoint
 from .ops.verify import VerifyReport, verify_checkpoint
 from .policies.health_eval import Transition
 from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
 
-_register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
+LIGHTNING_NAMES = ("ShardedCheckpoint", "ShardedDDPStrategy", "ShardedFSDPStrategy", "ShardedStrategy")
+
+if importlib.util.find_spec("lightning") is None:
+    # without Lightning (absent, or blocked as tests do) the engine, policies, training and ops still import
+
+    def __getattr__(name: str):
+        if name in LIGHTNING_NAMES:
+            raise ImportError(
+                f"lightning_shardckpt.{name} is the Lightning adapter and Lightning does not import here; "
+                "install it (pip install 'lightning>=2.4'), or use the engine directly (CheckpointSaver, load_checkpoint)"
+            )
+        raise AttributeError(f"module 'lightning_shardckpt' has no attribute {name!r}")
+
+else:
+    from .lightning.callback import ShardedCheckpoint
+    from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
+    from .lightning.strategy import register as _register_strategies
+
+    _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
 
 __all__ = [
     "CheckpointNotFound",

@@ -12,9 +12,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from ..engine import metrics
 from ..identity import blocks as identity
 from ..identity.diff import IdentityPolicy, compare
-from .callback_config import options_from
+from ..policies.options import options_from
 from .sampler_injection import train_sampler
 from .wandb_artifacts import wandb_run
 
@@ -58,9 +59,11 @@ class RunIdentity:
         )
         return {**self._static, "data": data}
 
-    def check_resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any] | None:
+    def check_resume(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, location: Any = None
+    ) -> dict[str, Any] | None:
         """Before the first step of a resumed run: the checkpoint's identity against this run's (raises under
-        policy `error`). On rank 0, returns the `resume` event to record; elsewhere None."""
+        policy `error`). On rank 0, returns the `resume` event, written under `location`/events/ when given."""
         loaded = trainer.strategy.last_load
         report = compare(
             loaded.manifest.get("identity"), self.current(trainer, pl_module), self.policy, where=loaded.path
@@ -68,7 +71,7 @@ class RunIdentity:
         if not trainer.is_global_zero:
             return None
         log.info("identity of %s: %s", loaded.path, report.render() or "matches the current run")
-        return {
+        event = {
             "event": "resume",
             "from": loaded.path,
             "step": loaded.step,
@@ -81,3 +84,6 @@ class RunIdentity:
             "run_id": loaded.manifest.get("run_id"),
             "created_at": time.time(),
         }
+        if location is not None:
+            metrics.write_json_event(location, f"resume-step-{event['step']:09d}", event)
+        return event

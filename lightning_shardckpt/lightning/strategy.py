@@ -3,6 +3,11 @@
 `ShardedStrategy(parallelism="ddp")` builds a DDPStrategy, `parallelism="fsdp"` a ModelParallelStrategy
 (FSDP2 / DTensor, sharded in `configure_model`); both save the model and optimizers as sharded DCP state
 (each rank writes its own shards, replicated tensors once) and restore them onto any world size.
+
+ShardedCheckpoint hands the strategy one `CheckpointPlan` (training/plan.py) through `use_plan`; what
+others need of it is public: `saver_for`, `existing_saver`, `replace_saver`, `adopt_run_id`,
+`resume_sampler_state`. `fault_hook=` (tests only) is a constructor option: a picklable callable the
+savers call at named points of a save (tests/helpers/faults.py), to fail, stall or kill a rank there.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from torch.optim import Optimizer
 
 from ..engine import catalog
 from ..engine.collectives import new_checkpoint_group
-from ..engine.config import LoadConfig, SaveConfig
+from ..engine.config import SaveConfig, save_config_from
 from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from ..policies import retention
+from ..training.plan import CheckpointPlan
 from ..training.staging_fence import StagingFence
 from . import lightning_state
 from .sampler_injection import restore_position, use_resumable_sampler
@@ -68,21 +74,17 @@ class ShardedStrategy(StagingFence):
             cls = ShardedDDPStrategy if parallelism == "ddp" else ShardedFSDPStrategy
         return super().__new__(cls)
 
-    def _init_checkpointing(self) -> None:
-        self.save_config = SaveConfig(parallelism=self.parallelism)
-        self.load_config = LoadConfig()
-        self.fallback_to_last_good = False  # set by ShardedCheckpoint (drill.fallback_to_last_good)
-        self.checkpoint_root: str | None = None  # set by ShardedCheckpoint: where "latest", steps and ids are looked up
-        self.resume_required = False
-        self.tier_restore: Any = None  # set by ShardedCheckpoint(tiers=...): `latest` / `last-good` consider every tier
+    def _init_checkpointing(self, fault_hook: Any) -> None:
+        # the plan ShardedCheckpoint hands over (use_plan); without one: saves to explicit paths only
+        self._plan = CheckpointPlan(root="", save=SaveConfig(parallelism=self.parallelism))
+        self.save_config = self._plan.save  # the plan's, with this run's id once adopted
+        self.load_config = self._plan.load
         self.last_load: LoadResult | None = None
-        self.resumed_sampler_state: dict[str, Any] | None = (
-            None  # set by ShardedCheckpoint on load, applied in process_dataloader
-        )
+        self._resumed_sampler_state: dict[str, Any] | None = None  # applied in process_dataloader
         self._group: Any = None
         self._savers: dict[str, CheckpointSaver] = {}
         self._init_staging_fence()
-        self.fault_hook: Any = None  # tests only: inject failures at named points of the save (see storage.py)
+        self._fault_hook = fault_hook
 
     # --- what Lightning asks of a strategy ---
     @property
@@ -122,7 +124,7 @@ class ShardedStrategy(StagingFence):
         for in_flight in self._savers.values():
             in_flight.wait()
         config = replace(self.save_config, async_save=False)
-        saver = self._adopt_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
+        saver = self._keep_first_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
         result = self.save_to_saver(saver, checkpoint).result()
         saver.close()
         if not result.committed:
@@ -133,11 +135,12 @@ class ShardedStrategy(StagingFence):
         started = time.perf_counter()
         root, which = self._resolve_source(str(checkpoint_path))
         load_config, tier_fallbacks = self.load_config, []
-        if self.tier_restore is not None and which in ("latest", catalog.LAST_GOOD) and root == self.checkpoint_root:
-            root, load_config, tier_fallbacks = self.tier_restore.pick(which, self.load_config, self.checkpoint_group())
+        tiers = self._plan.tier_restore
+        if tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root:
+            root, load_config, tier_fallbacks = tiers.pick(which, self.load_config, self.checkpoint_group())
             which = "latest"
         if which == "latest" and not self._has_committed(root):
-            if self.resume_required:
+            if self._plan.resume_required:
                 raise CheckpointNotFound(
                     f"ckpt_path='latest' but {root} holds no committed checkpoint and resume_required=true; "
                     "check checkpoint.dirpath, or set resume_required=false to start fresh"
@@ -184,10 +187,10 @@ class ShardedStrategy(StagingFence):
         # a sampler whose position survives a resume onto another world size
         dataloader = use_resumable_sampler(super().process_dataloader(dataloader))
         trainer = self.lightning_module.trainer
-        if self.resumed_sampler_state is not None and trainer.training:
+        if self._resumed_sampler_state is not None and trainer.training:
             # here, not at on_train_start: Lightning sizes the epoch and creates the iterator right after
-            restore_position(trainer, dataloader, self.resumed_sampler_state)
-            self.resumed_sampler_state = None
+            restore_position(trainer, dataloader, self._resumed_sampler_state)
+            self._resumed_sampler_state = None
         return dataloader
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -217,17 +220,50 @@ class ShardedStrategy(StagingFence):
                 self._group = None
             super().teardown()
 
-    # --- what ShardedCheckpoint uses ---
+    # --- what ShardedCheckpoint (and plug-ins) use ---
+    def use_plan(self, plan: CheckpointPlan) -> None:
+        """Where checkpoints go and how they are saved and loaded: the callback's whole hand-over, in one call."""
+        self._plan = plan
+        self.save_config = plan.save
+        self.load_config = plan.load
+
+    @property
+    def root(self) -> str | None:
+        """The checkpoint root `ckpt_path="latest"`, step numbers and ids are relative to (None: no plan)."""
+        return self._plan.root or None
+
+    @property
+    def fault_hook(self) -> Any:
+        """Tests only: the constructor's `fault_hook`, failing saves at named points (engine/save/saver.py passes it on)."""
+        return self._fault_hook
+
+    def adopt_run_id(self, run_id: str) -> None:
+        """This run's id for every saver created from now on (set before the root's saver exists)."""
+        self.save_config = save_config_from(self.save_config, run_id=run_id)
+
+    def resume_sampler_state(self, state: dict[str, Any] | None) -> None:
+        """The resumed sampler position, applied as the training loader is built (process_dataloader)."""
+        self._resumed_sampler_state = state
+
+    def existing_saver(self, root: str) -> CheckpointSaver | None:
+        """The saver of `root` if one was created this fit, else None (creates nothing)."""
+        return self._savers.get(root)
+
+    def replace_saver(self, root: str, saver: CheckpointSaver) -> None:
+        """Adopt a saver made elsewhere (tiers' degraded mode): save_checkpoint waits for it, teardown closes it."""
+        self._savers[root] = saver
+
     def checkpoint_group(self) -> Any:
         """The dedicated gloo group for checkpoint collectives (created once, on first use, on every rank)."""
         if self._group is None:
             self._group = new_checkpoint_group(self.save_config.collective_timeout_s)
         return self._group
 
-    def saver(self, root: str) -> CheckpointSaver:
+    def saver_for(self, root: str) -> CheckpointSaver:
+        """The saver of `root`, created on first use with the plan's save config."""
         if root not in self._savers:
-            saver = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self.fault_hook)
-            self._savers[root] = self._adopt_run_id(saver)
+            saver = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self._fault_hook)
+            self._savers[root] = self._keep_first_run_id(saver)
         return self._savers[root]
 
     def state_layout(self) -> dict[str, Any]:
@@ -287,7 +323,7 @@ class ShardedStrategy(StagingFence):
             )
         return {key: value for key, value in model_state.items() if key not in missing}
 
-    def _adopt_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
+    def _keep_first_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
         """Without a run id set (no ShardedCheckpoint), the first saver's generated one stays this run's."""
         if self.save_config.run_id is None:
             self.save_config = replace(self.save_config, run_id=saver.run_id)
@@ -302,12 +338,12 @@ class ShardedStrategy(StagingFence):
             or _looks_like_id(text)
         )
         if is_selector and "/" not in text:
-            if self.checkpoint_root is None:
+            if not self._plan.root:
                 raise ConfigError(
                     f"ckpt_path={text!r} is relative to a checkpoint root, but no ShardedCheckpoint callback set one; "
                     "add ShardedCheckpoint(dirpath=...) to the Trainer's callbacks or pass a path"
                 )
-            return self.checkpoint_root, text
+            return self._plan.root, text
         return text, "latest"
 
     def _load_last_good(
@@ -316,7 +352,7 @@ class ShardedStrategy(StagingFence):
         if which != "latest":
             raise err
         good = self.broadcast(self._last_good_path(root))  # rank 0 lists: every rank decides alike
-        if good is None or not self.fallback_to_last_good:
+        if good is None or not self._plan.fallback_to_last_good:
             raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
         log.warning(
             "the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good
@@ -361,11 +397,11 @@ class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
     strategy_name = "shardckpt_ddp"
     parallelism = "ddp"
 
-    def __init__(self, *args: Any, parallelism: str = "ddp", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, parallelism: str = "ddp", fault_hook: Any = None, **kwargs: Any) -> None:
         # no backend default of ours: Lightning picks gloo on CPU and nccl on GPU for training; checkpoint
         # collectives always use their own gloo group
         DDPStrategy.__init__(self, *args, **kwargs)
-        self._init_checkpointing()
+        self._init_checkpointing(fault_hook)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -378,9 +414,9 @@ class ShardedFSDPStrategy(ShardedStrategy, ModelParallelStrategy):
     strategy_name = "shardckpt_fsdp"
     parallelism = "fsdp"
 
-    def __init__(self, *args: Any, parallelism: str = "fsdp", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, parallelism: str = "fsdp", fault_hook: Any = None, **kwargs: Any) -> None:
         ModelParallelStrategy.__init__(self, *args, **kwargs)
-        self._init_checkpointing()
+        self._init_checkpointing(fault_hook)
 
     def setup_environment(self) -> None:
         # Lightning's "auto" sizes are data_parallel=num_nodes, tensor_parallel=devices: on one node a

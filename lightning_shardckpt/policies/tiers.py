@@ -14,7 +14,7 @@ from typing import Any
 
 from ..engine import catalog, ownership
 from ..engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
-from ..engine.config import LoadConfig
+from ..engine.config import LoadConfig, SaveConfig, save_config_from
 from ..engine.format.layout import parse_dirname
 from ..engine.storage import fsio
 from ..engine.tiers.config import TiersConfig
@@ -26,8 +26,9 @@ from ..engine.tiers.replicate import (
     newest_on_both,
 )
 from ..engine.tiers.restore import FAST, choose
-from ..errors import StorageUnavailable
+from ..errors import ConfigError, StorageUnavailable
 from . import retention
+from .plugin import Plugin, PluginContext
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class CheckpointTiers:
         self.degraded_saver: Any = None  # saves go straight to the durable tier (degraded mode)
         self._degraded_saves = 0
         self._last_counters: dict[str, int] = {}  # the replicator's counters when it stopped (logged after close)
+        self.run_id: str | None = None
 
     # --- before training ---
     def preflight(self) -> None:
@@ -70,6 +72,7 @@ class CheckpointTiers:
         self, saver: Any, run_id: str, allow_shared_root: bool, is_global_zero: bool, fault_hook: Any = None
     ) -> None:
         """Once per fit, on every rank at the same point, after the saver exists: replicator, catch-up, listeners."""
+        self.run_id = run_id  # the fast tier's retention rule counts this run's checkpoints
         if self.durable is None or self.replicator is not None:
             return
         # its own group (see replicate.py): the saver's thread owns the checkpoint group
@@ -150,7 +153,7 @@ class CheckpointTiers:
             return
         from ..engine.save.saver import CheckpointSaver
 
-        fast = strategy._savers.get(self.fast_dirpath)
+        fast = strategy.existing_saver(self.fast_dirpath)
         if fast is not None:
             fast.wait()  # one saver thread at a time on the checkpoint group
         config = replace(
@@ -158,7 +161,7 @@ class CheckpointTiers:
         )
         self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=strategy.checkpoint_group())
         # the strategy's savers: trainer.save_checkpoint waits for it, teardown closes it before the group goes
-        strategy._savers[self.config.durable.dirpath] = self.degraded_saver
+        strategy.replace_saver(self.config.durable.dirpath, self.degraded_saver)
         self._degraded_saves += 1
         if rank_zero():
             log.error(
@@ -249,3 +252,81 @@ class CheckpointTiers:
 
 def rank_zero() -> bool:
     return rank_and_world()[0] == 0
+
+
+def tiered_dirpath(dirpath: str | None, config: TiersConfig | None, save: SaveConfig) -> str | None:
+    """The callback's dirpath with tiers: the fast tier's (a differing dirpath, or incremental saves, are refused)."""
+    if config is None:
+        return dirpath
+    if dirpath and dirpath != config.fast.dirpath:
+        raise ConfigError(
+            f"dirpath={dirpath!r} and tiers.fast.dirpath={config.fast.dirpath!r} differ; "
+            "with tiers, leave dirpath unset (the fast tier is where saves commit)"
+        )
+    if save.incremental:
+        raise ConfigError(
+            "save.incremental with tiers is not supported yet: the replicator copies a checkpoint's own "
+            "files, not the earlier ones an incremental checkpoint references; use one or the other"
+        )
+    return config.fast.dirpath
+
+
+class TiersPlugin(Plugin):
+    """CheckpointTiers as a plug-in of ShardedCheckpoint: created at set-up, once this node's rank is known."""
+
+    def __init__(self, config: TiersConfig) -> None:
+        self.config = config
+        self.tiers: CheckpointTiers | None = None
+
+    def shape_plan(self, plan: Any, placement: Any) -> Any:
+        """This node's fast root becomes the root; the strategy's resume considers both tiers."""
+        if self.tiers is None:
+            self.tiers = CheckpointTiers(self.config, placement.node_rank, placement.local_rank)
+        fast = self.config.fast
+        save = save_config_from(
+            plan.save,
+            node_local=fast.node_local,
+            **({"storage_options": fast.storage_options} if fast.storage_options else {}),
+        )
+        return replace(plan, root=self.tiers.fast_dirpath, save=save, tier_restore=self.tiers)
+
+    def setup(self, context: PluginContext) -> None:
+        if context.stage == "fit":
+            self.tiers.preflight()
+
+    def start(self, context: PluginContext) -> None:
+        tiers = self.tiers
+        tiers.start(
+            context.saver, context.run_id, context.allow_shared_root, context.is_global_zero, context.fault_hook
+        )
+        if (
+            context.is_global_zero
+            and tiers.replicator is not None
+            and context.publish not in tiers.replicator.listeners
+        ):
+            tiers.replicator.listeners.append(context.publish)  # replication_ok, replication_lag_checkpoints
+
+    def before_save(self, context: PluginContext) -> None:
+        self.tiers.before_save(context.strategy)  # collective: degraded mode when the fast tier failed
+
+    def saver_override(self) -> Any:
+        return self.tiers.degraded_saver if self.tiers is not None else None
+
+    def owns(self, checkpoint_path: str) -> bool:
+        return self.tiers is not None and self.tiers.owns(checkpoint_path)
+
+    def spare(self, keep_last: int | None) -> set[str]:
+        # checkpoints not yet on the durable tier (bounded: tiers.fast.max_unreplicated)
+        return self.tiers.fast_spare(keep_last, self.tiers.run_id) if self.tiers is not None else set()
+
+    def counters(self) -> dict[str, int]:
+        # replicated, replication_failed, replication_lag_checkpoints, ...
+        return self.tiers.counters() if self.tiers is not None else {}
+
+    def flush(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()  # bounded flush (tiers.flush_timeout_s) of copies to the durable tier
+
+    def close(self, context: PluginContext, *, finished: bool) -> None:
+        if not finished and self.tiers is not None:
+            self.tiers.close()

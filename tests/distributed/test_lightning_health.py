@@ -20,6 +20,7 @@ from lightning_shardckpt.cli import main as cli
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.policies.health import HealthWatch
 from tests.helpers.faults import DiskFullOnOccurrences
 from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
 from tests.helpers.scripted_fs import scripted_url
@@ -52,12 +53,12 @@ class ScheduleProbe(pl.Callback):
         self.at_start: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        health = self.checkpoint._health
+        health = self.checkpoint.plugins.get(HealthWatch)
         self.at_start = {"state": health.state_dict(), "firing": [(r.name, k) for r, k, _ in health.evaluator.firing()]}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.factors[trainer.global_step] = self.checkpoint._health.interval_factor
-        saver = trainer.strategy._savers.get(self.checkpoint.dirpath)
+        self.factors[trainer.global_step] = self.checkpoint.plugins.get(HealthWatch).interval_factor()
+        saver = trainer.strategy.existing_saver(self.checkpoint.root)
         if saver is not None:
             self.when_busy[trainer.global_step] = saver.config.when_busy
         if self.step_sleep_s:
@@ -92,8 +93,7 @@ def health_fit(
     )
     probe = ScheduleProbe(checkpoint, step_sleep_s)
     logger = WandbLogger(project="health", save_dir=workdir, offline=True)
-    strategy = ShardedStrategy(parallelism="ddp")
-    strategy.fault_hook = fault_hook
+    strategy = ShardedStrategy(parallelism="ddp", fault_hook=fault_hook)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -105,7 +105,7 @@ def health_fit(
         callbacks=[checkpoint, probe],
     )
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData(), ckpt_path=ckpt_path)
-    health_watch = checkpoint._health
+    health_watch = checkpoint.plugins.get(HealthWatch)
     if trainer.is_global_zero:
         logger.experiment.finish()  # flush the offline run file: a spawned rank exits without W&B's atexit hook
     return {

@@ -117,9 +117,9 @@ class _RecordsSaves:
         super().__init__(*args, **kwargs)
         self.save_records: list[dict[str, Any]] = []
 
-    def saver(self, root: str) -> Any:
-        known = root in self._savers
-        saver = super().saver(root)
+    def saver_for(self, root: str) -> Any:
+        known = self.existing_saver(root) is not None
+        saver = super().saver_for(root)
         if not known:
             saver.add_listener(self._record)
         return saver
@@ -156,9 +156,8 @@ def run_on_rank(
 ) -> dict:
     """One rank of a Lightning fit; `markers` set: rank 2 is SIGKILLed mid-shard in the second save."""
     lightning_env(rank, world_size)
-    strategy = STRATEGIES[parallelism]()
-    if markers is not None:
-        strategy.fault_hook = KillAtMidShard(VICTIM, save_number=2, markers=markers)
+    fault = KillAtMidShard(VICTIM, save_number=2, markers=markers) if markers is not None else None
+    strategy = STRATEGIES[parallelism](fault_hook=fault)
     checkpoint = ShardedCheckpoint(
         root,
         every_n_train_steps=EVERY,

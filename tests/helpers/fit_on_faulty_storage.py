@@ -38,7 +38,7 @@ class TransientDiskFull(pl.Callback):
         self.ballast: str | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        saver = trainer.strategy._savers.get(self.root)
+        saver = trainer.strategy.existing_saver(self.root)
         if saver is None:
             return
         fs = saver.root.fs
@@ -65,7 +65,7 @@ class RefusedDeletes(pl.Callback):
         self.root, self.marker = root, marker
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        saver = trainer.strategy._savers.get(self.root)
+        saver = trainer.strategy.existing_saver(self.root)
         if saver is None:
             return
         if 3 <= trainer.global_step <= 9:
@@ -85,7 +85,7 @@ class KeepSaver(pl.Callback):
         self.root, self.saver = root, None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.saver = trainer.strategy._savers.get(self.root) or self.saver
+        self.saver = trainer.strategy.existing_saver(self.root) or self.saver
 
 
 def watch_retention_threads() -> list[str]:

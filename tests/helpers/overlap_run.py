@@ -1,6 +1,6 @@
 """Lightning runs whose every checkpoint is compared with the state captured at its request.
 
-The strategy's `save_to_saver` is wrapped to keep a clone of what the request saw (model, optimizers,
+A strategy subclass's `save_to_saver` keeps a clone of what the request saw (model, optimizers,
 the pickled Lightning state with loops, callbacks, RNG and data position); the background copy is held
 for a while, so the next batches' forward, backward and (fenced) optimizer step run while it is pending.
 After fit, each committed checkpoint is loaded and compared with its clone.
@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy, load_checkpoint
+from lightning_shardckpt import ShardedCheckpoint, ShardedDDPStrategy, ShardedFSDPStrategy, load_checkpoint
 from lightning_shardckpt.lightning import lightning_state
 from tests.helpers.held_staging import held_staging_copy
 from tests.helpers.lightning_run import lightning_env
@@ -106,19 +106,32 @@ def _empty_like(value: Any) -> Any:
     return b"" if isinstance(value, bytes) else value
 
 
-def capture_requests(strategy: Any, captured: dict[int, dict[str, Any]], records: list) -> None:
-    """Wrap `strategy.save_to_saver`: clone the state each request saw; collect the saver's records."""
-    original = strategy.save_to_saver
-    listening: set[int] = set()
+class _CapturesRequests:
+    """Mixin for a ShardedStrategy: clones the state each save request saw; collects its savers' records."""
 
-    def save_to_saver(saver: Any, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        captured[int(checkpoint["global_step"])] = _clone(lightning_state.to_dcp_state(checkpoint))
-        if id(saver) not in listening:
-            listening.add(id(saver))
-            saver.add_listener(records.append)
-        return original(saver, checkpoint, *args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.captured: dict[int, dict[str, Any]] = {}
+        self.records: list = []
+        self._listening: set[int] = set()
 
-    strategy.save_to_saver = save_to_saver
+    def save_to_saver(self, saver: Any, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self.captured[int(checkpoint["global_step"])] = _clone(lightning_state.to_dcp_state(checkpoint))
+        if id(saver) not in self._listening:
+            self._listening.add(id(saver))
+            saver.add_listener(self.records.append)
+        return super().save_to_saver(saver, checkpoint, *args, **kwargs)
+
+
+class CapturingDDPStrategy(_CapturesRequests, ShardedDDPStrategy):
+    pass
+
+
+class CapturingFSDPStrategy(_CapturesRequests, ShardedFSDPStrategy):
+    pass
+
+
+CAPTURING = {"ddp": CapturingDDPStrategy, "fsdp": CapturingFSDPStrategy}
 
 
 def differences(expected: Any, loaded: Any, rank: int, key: str = "") -> list[str]:
@@ -145,10 +158,8 @@ def overlap_fits_on_rank(rank: int, world_size: int, workdir: str, parallelism: 
         ("manual_two_optimizers", ManualTwoOptimizers, 1),
     ):
         root = f"{workdir}/{name}"
-        strategy = ShardedStrategy(parallelism=parallelism)
-        captured: dict[int, dict[str, Any]] = {}
-        records: list = []
-        capture_requests(strategy, captured, records)
+        strategy = CAPTURING[parallelism]()
+        captured, records = strategy.captured, strategy.records
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=world_size,

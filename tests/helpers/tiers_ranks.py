@@ -119,5 +119,5 @@ def fit_tiers_on_rank(
         "final": _full(module, trainer.optimizers[0]),
         "global_step": trainer.global_step,
         "loaded_from": loaded.path if loaded is not None else None,
-        "counters": checkpoint._tiers.counters(),
+        "counters": checkpoint.plugins.counters(),  # the tiers plug-in's: replicated, degraded_saves, ...
     }

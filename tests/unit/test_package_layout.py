@@ -213,15 +213,12 @@ def _cycle_within(graph: dict[str, set[str]], group: set[str]) -> list[str]:
 
 LIGHTNING_BLOCKED_IMPORTER = textwrap.dedent(
     """
-    import importlib, sys, types
+    import importlib, sys
     package_dir, names = sys.argv[1], sys.argv[2:]
+    sys.path.insert(0, str(__import__("pathlib").Path(package_dir).parent))
     for blocked in {blocked!r}:
         sys.modules[blocked] = None  # `import lightning` now raises ImportError, as if it were not installed
-    # The package's public __init__ imports the Lightning adapter: stand a bare package in for it, so
-    # each submodule below is imported on its own, with only what it imports itself.
-    package = types.ModuleType({package!r})
-    package.__path__ = [package_dir]
-    sys.modules[{package!r}] = package
+    # The package's public __init__ runs first, as it does for a user: it must itself import without Lightning.
     for name in names:
         try:
             importlib.import_module(name)
@@ -238,7 +235,7 @@ def modules_needing_lightning(package_dir: Path) -> list[str]:
         for module in modules(package_dir)
         if module != package_dir.name and _room(package_dir, module) != ADAPTER
     ]
-    script = LIGHTNING_BLOCKED_IMPORTER.format(blocked=LIGHTNING_DISTRIBUTIONS, package=package_dir.name)
+    script = LIGHTNING_BLOCKED_IMPORTER.format(blocked=LIGHTNING_DISTRIBUTIONS)
     done = subprocess.run(
         [sys.executable, "-c", script, str(package_dir), *names],
         capture_output=True,
@@ -385,3 +382,20 @@ def test_the_lightning_free_import_check_names_a_module_that_needs_lightning(tmp
     )
     found = modules_needing_lightning(package)
     assert [line.split(":")[0] for line in found] == ["pkg_needs_lightning.ops.tool needs Lightning"]
+
+
+def test_without_lightning_the_adapter_names_say_how_to_get_them():
+    code = (
+        "import sys\n"
+        f"for name in {LIGHTNING_DISTRIBUTIONS!r}:\n"
+        "    sys.modules[name] = None\n"
+        "import lightning_shardckpt\n"
+        "assert lightning_shardckpt.CheckpointSaver is not None  # the engine's front door imports\n"
+        "try:\n"
+        "    lightning_shardckpt.ShardedCheckpoint\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "pip install" in done.stdout and "CheckpointSaver" in done.stdout

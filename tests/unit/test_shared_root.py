@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,9 @@ from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, Sharde
 from lightning_shardckpt.engine.catalog import list_checkpoints
 from lightning_shardckpt.engine.format.layout import OWNER
 from lightning_shardckpt.engine.load.loader import LoadResult
+from lightning_shardckpt.engine.ownership import new_run_id
 from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.training.plan import CheckpointPlan
 
 
 def small_state(value: float = 1.0) -> dict:
@@ -102,57 +103,42 @@ def test_an_empty_run_id_is_rejected():
 # --- the callback: which run id a fit uses ---
 
 
-class FakeStrategy:
-    """What ShardedCheckpoint._adopt_run_id reads and writes on a ShardedStrategy."""
-
-    def __init__(self, last_load: LoadResult | None = None) -> None:
-        self.last_load = last_load
-        self.save_config = SaveConfig()
-        self._savers: dict = {}
-
-    def broadcast(self, value):
-        return value
-
-
 def loaded_from(root: str, run_id: str) -> LoadResult:
     return LoadResult(f"{root}/step-000000005-0123456789ab", "0123456789ab", 5, {"run_id": run_id}, 0.1, 1)
 
 
-def adopt(callback: ShardedCheckpoint, strategy: FakeStrategy) -> str:
-    callback._adopt_run_id(SimpleNamespace(strategy=strategy))
-    return strategy.save_config.run_id
+def adopt(callback: ShardedCheckpoint, loaded: LoadResult | None = None) -> str:
+    """The run id a fit of `callback` uses (what on_train_start gives the strategy's adopt_run_id)."""
+    plan = CheckpointPlan(root=callback.dirpath)  # what setup() builds
+    return callback.run_ids.choose(loaded, plan.owns, new_run_id)  # one process: the broadcast is the identity
 
 
 def make_callback(root: str, **kwargs) -> ShardedCheckpoint:
-    callback = ShardedCheckpoint(root, **kwargs)
-    callback._location = resolve(root)  # what setup() does
-    return callback
+    return ShardedCheckpoint(root, **kwargs)
 
 
 def test_the_callback_adopts_the_run_id_of_a_checkpoint_resumed_from_its_own_root(tmp_path):
     root = str(tmp_path / "run")
-    assert adopt(make_callback(root), FakeStrategy(loaded_from(root, "run-a"))) == "run-a"
+    assert adopt(make_callback(root), loaded_from(root, "run-a")) == "run-a"
 
 
 def test_the_callback_starts_a_new_run_id_when_resuming_from_another_root(tmp_path):
     # a warm start or fine-tune from someone else's checkpoint is a new run: two of them into one
     # new root must still be told apart
-    run_id = adopt(
-        make_callback(str(tmp_path / "finetune")), FakeStrategy(loaded_from(str(tmp_path / "base"), "run-a"))
-    )
+    run_id = adopt(make_callback(str(tmp_path / "finetune")), loaded_from(str(tmp_path / "base"), "run-a"))
     assert run_id and run_id != "run-a"
 
 
 def test_a_fresh_fit_generates_one_run_id_and_keeps_it_for_the_next_fit(tmp_path):
     callback = make_callback(str(tmp_path / "run"))
-    first = adopt(callback, FakeStrategy())
-    assert first and adopt(callback, FakeStrategy()) == first
+    first = adopt(callback)
+    assert first and adopt(callback) == first
 
 
 def test_a_run_id_set_in_the_save_options_wins(tmp_path):
     root = str(tmp_path / "run")
     callback = make_callback(root, save={"run_id": "mine"})
-    assert adopt(callback, FakeStrategy(loaded_from(root, "run-a"))) == "mine"
+    assert adopt(callback, loaded_from(root, "run-a")) == "mine"
 
 
 def test_on_s3_the_owner_marker_is_a_conditional_create_and_a_second_run_is_refused(s3_server, s3_root):
@@ -164,3 +150,12 @@ def test_on_s3_the_owner_marker_is_a_conditional_create_and_a_second_run_is_refu
     with pytest.raises(ConfigError, match="belongs to another run"):
         CheckpointSaver(s3_root.url, SaveConfig(storage_options=options, run_id="run-b"))
     CheckpointSaver(s3_root.url, SaveConfig(storage_options=options, run_id="run-a")).close()  # resumed: accepted
+
+
+def test_the_strategy_saves_with_the_run_id_it_adopts(tmp_path):
+    from lightning_shardckpt import ShardedStrategy
+
+    strategy = ShardedStrategy(parallelism="ddp")
+    strategy.use_plan(CheckpointPlan(root=str(tmp_path / "run")))
+    strategy.adopt_run_id("run-a")
+    assert strategy.save_config.run_id == "run-a" and strategy.root == str(tmp_path / "run")

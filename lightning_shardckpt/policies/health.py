@@ -1,10 +1,11 @@
 """Health rules during training: evaluate on rank 0 as results arrive, act on every rank at the same step.
 
-ShardedCheckpoint owns one `HealthWatch`. Rank 0 feeds it every checkpoint attempt's event document
-(from the saver's background thread, right after the event file is written) and every drill result
+A plug-in (policies/plugin.py) of ShardedCheckpoint, free of any framework: the front door hands it a
+`Reporter` (its loggers, the W&B alert) and an all-reduce over the training group. Rank 0 feeds it
+every checkpoint attempt's event document (from the saver's background thread, right after the event file is written) and every drill result
 (from the drill thread): evaluation costs microseconds and never runs on the training thread. A rule
 that fires or resolves calls its mitigation (policies/mitigations.py), writes a `health` event under
-ROOT/events/ and queues an alert. At each batch end the training thread of every rank runs `sync`: one
+ROOT/events/ and queues an alert. At each batch end the training thread of every rank runs `share_control`: one
 all-reduce that carries rank 0's control state (save-interval factor, skip-when-busy, stop) together
 with the preemption flag the callback already exchanged there, so every rank changes its schedule at
 the same step. The evaluator's state and the control state are saved in every checkpoint.
@@ -16,31 +17,30 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
-
 from ..engine import metrics
 from ..engine.storage.fsio import Location
-from ..policies.health_eval import FIRED, HealthEvaluator, Transition
-from ..policies.health_observe import HEALTH_EVENT, RULES_EVENT
-from ..policies.health_rules import HealthConfig
-from ..policies.mitigations import DRILL, HealthControl, MitigationContext, mitigation_for
-from .wandb_artifacts import wandb_run
+from .health_eval import FIRED, HealthEvaluator, Transition
+from .health_observe import HEALTH_EVENT, RULES_EVENT
+from .health_rules import HealthConfig
+from .mitigations import DRILL, HealthControl, MitigationContext, mitigation_for
+from .plugin import Plugin, PluginContext, Reporter
 
 log = logging.getLogger(__name__)
 
-_WANDB_LEVEL = {"info": "INFO", "warning": "WARN", "error": "ERROR", "critical": "ERROR"}
+_ALERT_LEVEL = {"info": "INFO", "warning": "WARN", "error": "ERROR", "critical": "ERROR"}
 METRIC_PREFIX = "health/"
 
 
-class HealthWatch:
+class HealthWatch(Plugin):
     """One run's health rules: evaluation and mitigations (rank 0), control applied on every rank."""
 
-    def __init__(self, config: HealthConfig, location: Location) -> None:
+    state_key = "health"  # rule counters, learned baselines, mitigations in force: rank 0's is written
+
+    def __init__(self, config: HealthConfig, location: Location | None = None) -> None:
         for rule in config.rules:
             mitigation_for(rule.mitigation)  # an unknown or unimportable mitigation fails before training starts
         self.config = config
@@ -60,6 +60,37 @@ class HealthWatch:
     @property
     def enabled(self) -> bool:
         return self.config.enabled
+
+    # --- plug-in hooks ---
+    def setup(self, context: PluginContext) -> None:
+        self._location = context.location
+
+    def start(self, context: PluginContext) -> None:
+        if not self.enabled:
+            return
+        self.run_id = context.run_id
+        self.forget_ranks(context.world_size)
+        if context.is_global_zero:
+            self.watch(context.saver, context.resume_event)
+
+    def sync(self, preempted: bool, context: PluginContext) -> bool | None:
+        if not self.enabled:
+            return None
+        return self.share_control(preempted, context.is_global_zero, context.all_reduce_max)
+
+    def apply_control(self, saver: Any, when_busy: str) -> None:
+        if self.enabled:
+            self.apply_when_busy(saver, when_busy)
+
+    def stop_reason(self) -> str | None:
+        return self.why_stop if self.stop_requested else None
+
+    def drain(self, context: PluginContext) -> None:
+        self.report(context.reporter, context.request_drill)
+
+    def close(self, context: PluginContext, *, finished: bool) -> None:
+        if finished and context.is_global_zero:
+            self.report(context.reporter, request_drill=None)  # the final verdicts' alerts; no new drills now
 
     # --- rank 0, any thread ---
     def record_rules(self) -> None:
@@ -132,19 +163,17 @@ class HealthWatch:
         }
 
     # --- the training thread, every rank ---
-    def sync(self, trainer: pl.Trainer, preempted: bool) -> bool:
-        """One all-reduce: any rank's preemption flag, and rank 0's control state. Returns the preemption verdict."""
+    def share_control(
+        self, preempted: bool, is_global_zero: bool, all_reduce_max: Callable[[list[float]], list[float]]
+    ) -> bool:
+        """One all-reduce (MAX, the training group: every rank runs it at every batch end): any rank's
+        preemption flag, and rank 0's control state. Returns the preemption verdict."""
         with self._lock:
-            control = self.context.control.encode() if trainer.is_global_zero else [0.0, 0.0, 0.0]
-        vector = torch.tensor([1.0 if preempted else 0.0, *control], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            vector = vector.to(trainer.strategy.root_device)
-            dist.all_reduce(vector, op=dist.ReduceOp.MAX)  # the training group: every rank runs this at every batch end
-        values = vector.cpu().tolist()
+            control = self.context.control.encode() if is_global_zero else [0.0, 0.0, 0.0]
+        values = all_reduce_max([1.0 if preempted else 0.0, *control])
         self.applied = [max(values[1], 1.0), values[2], values[3]]
         return bool(values[0])
 
-    @property
     def interval_factor(self) -> float:
         return self.applied[0]
 
@@ -157,7 +186,7 @@ class HealthWatch:
         return bool(self.applied[2])
 
     @property
-    def stop_reason(self) -> str:
+    def why_stop(self) -> str:
         return self.context.control.stop_reason or "a health rule asked to stop training (see rank 0's log)"
 
     def apply_when_busy(self, saver: Any, configured: str) -> None:
@@ -167,47 +196,38 @@ class HealthWatch:
             log.warning("health: when_busy %s -> %s", saver.config.when_busy, wanted)
             saver.config = replace(saver.config, when_busy=wanted)
 
-    def drain(self, trainer: pl.Trainer, request_drill: Any) -> None:
-        """Rank 0: send queued alerts, log firing metrics, start requested drills."""
+    def report(self, reporter: Reporter, request_drill: Callable[[str], None] | None) -> None:
+        """Rank 0, training thread: send queued alerts, log firing metrics, start requested drills."""
         with self._lock:
             alerts, self._alerts = self._alerts, []
             logged, self._metrics = self._metrics, []
             actions, self.context.actions = self.context.actions, []
         for _step, values in logged:
             if values:
-                for logger in trainer.loggers:
-                    logger.log_metrics(values, step=trainer.global_step)
+                reporter.log_metrics(values)
         for transition, changed in alerts:
-            self._send_alert(trainer, transition, changed)
+            self._send_alert(reporter, transition, changed)
         for kind, _transition, _text in actions:
             if kind == DRILL and self.newest_committed and request_drill is not None:
                 request_drill(self.newest_committed)
 
-    def _send_alert(self, trainer: pl.Trainer, transition: Transition, changed: str | None) -> None:
+    def _send_alert(self, reporter: Reporter, transition: Transition, changed: str | None) -> None:
         key = (transition.rule.name, transition.key)
         now = time.monotonic()
         if key in self._last_alert and now - self._last_alert[key] < self.config.alert_every_s:
             log.info("alert for %s on %s rate-limited (alert_every_s=%s)", *key, self.config.alert_every_s)
             return
         self._last_alert[key] = now
-        run = wandb_run(trainer.loggers)
-        if run is None or not hasattr(run, "alert"):
-            return  # the log line and the event are the alert for other loggers
         verb = "firing" if transition.kind == FIRED else "resolved"
         title = f"shardckpt health: {transition.rule.name} {verb}"
         text = transition.describe() + (f"; done: {changed}" if changed else "")
-        level = _WANDB_LEVEL[transition.rule.severity] if transition.kind == FIRED else "INFO"
-        try:
-            import wandb
-
-            run.alert(
-                title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=self.config.alert_every_s
-            )
-        except Exception:  # an alert that cannot be sent is logged, never raised into training
-            log.warning("could not send the W&B alert %r", title, exc_info=True)
+        level = _ALERT_LEVEL[transition.rule.severity] if transition.kind == FIRED else "INFO"
+        reporter.alert(title, text, level, self.config.alert_every_s)
 
     # --- carried in every checkpoint (rank 0's state is the one written) ---
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
         with self._lock:
             return {"evaluator": self.evaluator.state_dict(), "control": self.context.control.state_dict()}
 

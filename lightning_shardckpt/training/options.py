@@ -1,12 +1,11 @@
-"""When ShardedCheckpoint saves and what it keeps: the callback's own options (`conf/checkpoint/`).
+"""When ShardedCheckpoint saves and what it keeps: the callback's own options (`conf/checkpoint/`), Lightning-free.
 
 Frozen and keyword-only like the engine's configs; `__post_init__` names the option, the rule and the fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 
@@ -41,27 +40,3 @@ class CallbackConfig:
 def _positive_or_none(name: str, value: float | None, example: str) -> None:
     if value is not None and value <= 0:
         raise ConfigError(f"{name}={value} must be > 0 or null (off); e.g. {example}")
-
-
-Options = TypeVar("Options")
-
-
-def options_from(cls: type[Options], value: Any, what: str) -> Options:
-    """`cls` from an instance, None (its defaults), a dict or a Hydra DictConfig; unknown keys are a
-    ConfigError naming the known ones (`what`: the option's name in messages, e.g. "drill")."""
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(value, DictConfig):
-            value = OmegaConf.to_container(value, resolve=True)
-    except ImportError:
-        pass
-    known = {f.name for f in fields(cls)}
-    unknown = set(value) - known
-    if unknown:
-        raise ConfigError(f"unknown {what} option(s) {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**value)

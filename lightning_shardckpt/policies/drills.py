@@ -1,9 +1,9 @@
 """Restore drills during training: which checkpoints to drill, the probe value at save time, and metrics.
 
-ShardedCheckpoint owns one `TrainingDrills`. At a save it records the probe's value (when a probe is
+A plug-in (policies/plugin.py) of ShardedCheckpoint, free of any framework. At a save it records the probe's value (when a probe is
 configured) in the manifest's `extra`; when a checkpoint commits, rank 0 hands every N-th one to a
 background `DrillRunner` (fresh processes, low priority; policies/drill.py), and when a drill finishes its
-result is logged through the Trainer's loggers on the training thread and written as an event under
+result is logged through the run's `Reporter` on the training thread and written as an event under
 ROOT/events/. Nothing here touches training state: a drill reads storage only.
 """
 
@@ -13,19 +13,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from ..engine import metrics
 from ..engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..engine.storage.fsio import Location
 from ..errors import ConfigError
-from ..policies.drill import DrillOptions, DrillRunner
-from ..policies.drill_worker import PROBE_EXTRA, load_callable
-from .callback_config import options_from
+from .drill import DrillOptions, DrillRunner
+from .drill_worker import PROBE_EXTRA, load_callable
+from .options import options_from
+from .plugin import Plugin, PluginContext, Reporter
 
 log = logging.getLogger(__name__)
 
@@ -86,27 +86,77 @@ class DrillCounters:
     results: list[dict[str, Any]] = field(default_factory=list)  # finished, not yet logged
 
 
-class TrainingDrills:
+class TrainingDrills(Plugin):
     """The callback's drills: probe values at save time, drill requests after commits, metrics after drills."""
 
-    def __init__(self, config: DrillConfig, location: Location, storage_options: dict[str, Any]) -> None:
+    def __init__(
+        self, config: DrillConfig, location: Location | None = None, storage_options: dict[str, Any] | None = None
+    ) -> None:
         self.config = config
         self._location = location
-        self._storage_options = storage_options
+        self._storage_options = dict(storage_options or {})
         self._runner: DrillRunner | None = None
         self._committed = 0
         self._lock = threading.Lock()
-        self.counters = DrillCounters()
+        self.tally = DrillCounters()  # not `counters`: that is the plug-in hook
         self.run_id: str | None = None  # recorded in drill events, so health rules can slice by run
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with each drill event (the drill thread)
 
+    # --- plug-in hooks ---
+    def shape_plan(self, plan: Any, placement: Any) -> Any:
+        """The fallback option goes to the strategy; no drills where no node holds a whole checkpoint."""
+        tiers = plan.tier_restore
+        if plan.save.node_local and placement.num_nodes > 1 and self.config.every_n_checkpoints:
+            # a drill restores from the coordinator's node, whose fast directory holds only its own ranks' shards
+            log.warning(
+                "restore drills are off: the fast tier %s is node-local on %d nodes, so no node holds a whole "
+                "checkpoint; drill the durable tier with `shardckpt drill %s`",
+                tiers.config.fast.dirpath if tiers is not None else plan.root,
+                placement.num_nodes,
+                tiers.config.durable.dirpath if tiers is not None and tiers.config.durable else "<durable root>",
+            )
+            self.config = replace(self.config, every_n_checkpoints=None)
+        return replace(plan, fallback_to_last_good=self.config.fallback_to_last_good)
+
+    def setup(self, context: PluginContext) -> None:
+        self._location = context.location
+        self._storage_options = dict(context.storage_options)
+        if context.publish not in self.listeners:
+            self.listeners.append(context.publish)  # drill events feed the health rules
+
+    def start(self, context: PluginContext) -> None:
+        self.run_id = context.run_id
+
+    def save_extra(self, module: Any, rank: int) -> dict[str, Any] | None:
+        return self.probe_extra(module, rank)
+
+    def drain(self, context: PluginContext) -> None:
+        self.log(context.reporter)  # drills that finished since the last batch
+
+    def on_commit(self, record: Any) -> None:
+        self.on_committed(record.path)  # a queue put: the drill runs on its own thread and processes
+
+    def drill_now(self, checkpoint_path: str) -> None:
+        self.request_now(checkpoint_path)
+
+    def spare(self, keep_last: int | None) -> set[str]:
+        return set(self.pending())
+
+    def close(self, context: PluginContext, *, finished: bool) -> None:
+        if not finished:
+            self.stop(self.config.timeout_s, finish_queued=False)
+        elif context.is_global_zero:
+            # training is over: let the requested drills finish, so the final checkpoint's verdict is known
+            self.stop(self.config.timeout_s, finish_queued=True)
+            self.log(context.reporter)
+
     # --- at a save (every rank) ---
-    def probe_extra(self, pl_module: pl.LightningModule) -> dict[str, Any] | None:
+    def probe_extra(self, module: torch.nn.Module, rank: int) -> dict[str, Any] | None:
         """The probe's value on the live model, for the manifest's `extra` (every rank: full tensors are collectives)."""
         if not self.config.enabled or not self.config.probe:
             return None
-        state = {name: _full(value) for name, value in pl_module.state_dict().items()}
-        if pl_module.trainer.global_rank != 0:
+        state = {name: _full(value) for name, value in module.state_dict().items()}
+        if rank != 0:
             return None
         with torch.random.fork_rng(devices=[]):  # a probe that builds a model must not move training's RNG
             value = float(load_callable(self.config.probe)(state))
@@ -118,7 +168,7 @@ class TrainingDrills:
             return
         self._committed += 1
         with self._lock:
-            self.counters.committed_since_drilled += 1
+            self.tally.committed_since_drilled += 1
         if self._committed % self.config.every_n_checkpoints:
             return
         self.request_now(checkpoint_path)
@@ -128,21 +178,21 @@ class TrainingDrills:
         if checkpoint_path.rstrip("/").rsplit("/", 1)[-1] in self.pending():
             return  # already queued: a second drill of it proves nothing new
         if self._runner is None:
-            self._runner = DrillRunner(self.config.options(self._storage_options), self._on_result)
+            self._runner = DrillRunner(self.config.options(self._storage_options), self.record_result)
         self._runner.request(checkpoint_path)
 
-    def _on_result(self, record: dict[str, Any]) -> None:  # the drill thread
+    def record_result(self, record: dict[str, Any]) -> None:  # the drill thread: one finished drill
         with self._lock:
             verdict = record.get("verdict")
             if verdict == PASSED:
-                self.counters.passed += 1
-                self.counters.committed_since_drilled = 0
+                self.tally.passed += 1
+                self.tally.committed_since_drilled = 0
             elif verdict == FAILED:
-                self.counters.failed += 1
+                self.tally.failed += 1
             else:
-                self.counters.not_drilled += 1
-            self.counters.results.append(record)
-            lag = self.counters.committed_since_drilled
+                self.tally.not_drilled += 1
+            self.tally.results.append(record)
+            lag = self.tally.committed_since_drilled
         event = {
             "event": "drill",
             **_summary(record),
@@ -158,16 +208,16 @@ class TrainingDrills:
                 log.exception("drill listener failed")
 
     # --- on the training thread (rank 0) ---
-    def log(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
-        """Log finished drills through the Trainer's loggers; returns them."""
+    def log(self, reporter: Reporter) -> list[dict[str, Any]]:
+        """Log finished drills through the run's reporter; returns them."""
         with self._lock:
-            results, self.counters.results = self.counters.results, []
+            results, self.tally.results = self.tally.results, []
             counters = {
-                "drills_passed": self.counters.passed,
-                "drills_failed": self.counters.failed,
-                "drills_not_run": self.counters.not_drilled,
+                "drills_passed": self.tally.passed,
+                "drills_failed": self.tally.failed,
+                "drills_not_run": self.tally.not_drilled,
             }
-            lag = self.counters.committed_since_drilled
+            lag = self.tally.committed_since_drilled
         for record in results:
             values = {
                 "drill/ok": 1.0 if record.get("verdict") == PASSED else 0.0,
@@ -178,8 +228,7 @@ class TrainingDrills:
             for key in ("time_to_resume_s", "read_gbps"):
                 if record.get(key) is not None:
                     values[f"drill/{key}"] = float(record[key])
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.global_step)
+            reporter.log_metrics(values)
             if record.get("verdict") != PASSED:
                 log.warning(
                     "restore drill of %s: %s (%s)", record.get("checkpoint"), record.get("verdict"), record.get("cause")
@@ -190,7 +239,7 @@ class TrainingDrills:
         """Checkpoints (directory names) queued or being drilled: retention spares them."""
         return self._runner.pending() if self._runner is not None else set()
 
-    def close(self, timeout: float | None, *, finish_queued: bool) -> None:
+    def stop(self, timeout: float | None, *, finish_queued: bool) -> None:
         if self._runner is not None:
             self._runner.close(timeout, finish_queued=finish_queued)
             self._runner = None

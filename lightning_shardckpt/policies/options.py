@@ -1,0 +1,31 @@
+"""Options blocks from what users write: an instance, None, a dict or a Hydra DictConfig."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from ..errors import ConfigError
+
+Options = TypeVar("Options")
+
+
+def options_from(cls: type[Options], value: Any, what: str) -> Options:
+    """`cls` from an instance, None (its defaults), a dict or a Hydra DictConfig; unknown keys are a
+    ConfigError naming the known ones (`what`: the option's name in messages, e.g. "drill")."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    known = {f.name for f in fields(cls)}
+    unknown = set(value) - known
+    if unknown:
+        raise ConfigError(f"unknown {what} option(s) {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**value)

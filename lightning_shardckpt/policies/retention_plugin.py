@@ -1,0 +1,63 @@
+"""Retention as a plug-in: after each commit, delete what fell out of the window (rank 0, saver thread)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..engine import metrics
+from ..engine.metrics import CheckpointRecord
+from . import retention
+from .plugin import Plugin, PluginContext
+
+log = logging.getLogger(__name__)
+
+
+class RetentionPlugin(Plugin):
+    """Keeps `keep_last` (plus every `keep_every_n_steps`-th, the newest drilled, and what plug-ins spare).
+
+    Runs on the saver's background thread, not the training thread: a listing and deletes cost storage
+    round trips (seconds on S3), and an error there (a manifest another writer just deleted, a transient
+    listing error) must never reach the training loop and fail the fit.
+    """
+
+    def __init__(self, keep_last: int | None, keep_every_n_steps: int | None, keep_last_drilled: int) -> None:
+        self.keep_last = keep_last
+        self.keep_every_n_steps = keep_every_n_steps
+        self.keep_last_drilled = keep_last_drilled
+        self._attached: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention: once each
+
+    def start(self, context: PluginContext) -> None:
+        saver = context.saver
+        if self.keep_last is None or not context.is_global_zero or saver in self._attached:
+            return
+        self._attached.add(saver)
+        location, run_id, spare = context.location, context.run_id, context.spare
+        saver.add_listener(lambda record: self.after_commit(saver, record, location, run_id, spare))
+
+    def after_commit(
+        self, saver: Any, record: CheckpointRecord, location: Any, run_id: str | None, spare: Callable
+    ) -> None:
+        """After a commit: delete what fell out of the window. Errors are logged and counted, never raised."""
+        if record.outcome != metrics.COMMITTED:
+            return
+        just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
+        try:
+            retention.apply(
+                location,
+                self.keep_last,
+                self.keep_every_n_steps,
+                run_id=run_id,
+                just_committed=just_committed,
+                keep_last_drilled=self.keep_last_drilled,
+                spare=frozenset(spare(self.keep_last)),
+            )
+        except Exception:  # the next commit's pass deletes what this one could not
+            saver.counters.note(metrics.RETENTION_ERRORS)
+            log.warning(
+                "retention after the checkpoint of step %d failed; the next commit retries it",
+                record.step,
+                exc_info=True,
+            )

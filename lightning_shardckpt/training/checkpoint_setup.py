@@ -1,0 +1,47 @@
+"""How ShardedCheckpoint's options become its plug-ins and, at each set-up, its checkpoint plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..engine.config import LoadConfig, SaveConfig
+from ..engine.tiers.config import TiersConfig
+from ..policies.drills import DrillConfig, TrainingDrills
+from ..policies.health import HealthWatch
+from ..policies.health_rules import HealthConfig
+from ..policies.plugin import PluginList
+from ..policies.retention_plugin import RetentionPlugin
+from ..policies.tiers import TiersPlugin
+from .options import CallbackConfig
+from .plan import CheckpointPlan, Placement
+
+
+def checkpoint_plugins(
+    options: CallbackConfig, tiers: TiersConfig | None, drill: DrillConfig, health: HealthConfig
+) -> PluginList:
+    """In this order: their saver listeners run so (replication, then retention, then the health rules)."""
+    tier_keep = tiers.fast.keep_last if tiers is not None else None
+    keep_last = tier_keep if tier_keep is not None else options.keep_last
+    return PluginList(
+        ([TiersPlugin(tiers)] if tiers is not None else [])
+        + [
+            RetentionPlugin(keep_last, options.keep_every_n_steps, drill.keep_last_drilled),
+            TrainingDrills(drill),
+            HealthWatch(health),
+        ]
+    )
+
+
+def checkpoint_plan(
+    root: str, save: SaveConfig, load: LoadConfig, resume_required: bool, plugins: PluginList, placement: Placement
+) -> CheckpointPlan:
+    """The plan of this process: plug-ins shape it (tiers: this node's fast root; drills: the fallback); the
+    load reads with the storage options the save writes with."""
+    plan = CheckpointPlan(root=root, save=save, load=load, resume_required=resume_required)
+    plan = plugins.shape_plan(plan, placement)
+    return dataclasses.replace(plan, load=dataclasses.replace(plan.load, storage_options=plan.save.storage_options))
+
+
+def placement_of(trainer: Any) -> Placement:
+    return Placement(node_rank=trainer.node_rank, local_rank=trainer.local_rank, num_nodes=trainer.num_nodes)
