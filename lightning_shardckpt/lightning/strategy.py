@@ -245,6 +245,10 @@ class ShardedStrategy(StagingFence):
         """The resumed sampler position, applied as the training loader is built (process_dataloader)."""
         self._resumed_sampler_state = state
 
+    def open_savers(self) -> list[CheckpointSaver]:
+        """Every saver this strategy holds (the staging fence waits on each)."""
+        return list(self._savers.values())
+
     def existing_saver(self, root: str) -> CheckpointSaver | None:
         """The saver of `root` if one was created this fit, else None (creates nothing)."""
         return self._savers.get(root)

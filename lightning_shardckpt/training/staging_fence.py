@@ -41,13 +41,17 @@ class StagingFence:
         finally:
             self._in_optimizer_step = False
 
+    def open_savers(self) -> list:
+        """The host's savers whose staging may be in flight (the strategy says which)."""
+        raise NotImplementedError(f"{type(self).__name__} must say which savers it holds (open_savers)")
+
     def wait_for_staging(self) -> float:
         """Block until every requested checkpoint's state is copied; seconds blocked.
 
         Called before the optimizer step, a load and a blocking save. Code that changes parameters or
         optimizer state outside `optimizer.step()` (e.g. averaging weights in a callback) must call it first.
         """
-        return sum(saver.fence() for saver in self._savers.values())
+        return sum(saver.fence() for saver in self.open_savers())
 
     def _guard_optimizers(self) -> None:
         """A step pre-hook on every optimizer fences `step()` calls that bypass `optimizer_step`.
