@@ -32,7 +32,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     location = investigate.open_root(args.root, args.storage_options)
     entries = catalog.list_checkpoints(location)
     latest = catalog.resolve_latest(location, entries)
-    trust = drill_records.trust_states(location, entries)  # one listing of ROOT/drills/: no record is read
+    report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/, passed records read
+    trust = report.states
     good = catalog.last_good(location, entries)
     rows = [_ls_row(entry, location, latest, trust, good[-1] if good else None) for entry in entries]
     if args.json:
@@ -43,6 +44,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "last_good": good[-1].name if good else None,
                 "latest_pointer": catalog.read_latest_pointer(location),
                 "checkpoints": rows,
+                "malformed_drill_records": report.malformed,
             }
         )
         return exit_codes.OK
@@ -69,6 +71,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(
         "LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'"
     )
+    for line in report.malformed:
+        print(f"NOT TRUSTED: drill record {line}")
     if any(row["bytes_referenced"] for row in rows):
         print(
             "SIZE: the checkpoint's own files; REFERENCED: unchanged chunks it reads from earlier checkpoints (incremental saves)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from lightning_shardckpt import load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format import manifest_schema
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CheckpointNotFound, CorruptCheckpoint
@@ -151,3 +153,63 @@ def test_a_bad_commit_record_makes_only_that_checkpoint_corrupt(tmp_path, run_cl
     assert states == {1: "committed", 2: "corrupt"}
     assert catalog.find(location, "latest").name == dirname_of(old)
     assert_no_tool_crashes(run_cli, root, dirname_of(new))
+
+
+def _drop_every_chunk(tensor: dict) -> None:
+    tensor["chunks"] = []
+
+
+def _halve_the_chunk(tensor: dict) -> None:
+    tensor["chunks"][0]["sizes"][0] //= 2  # rows 32..63 are in no chunk
+
+
+def _list_the_chunk_twice(tensor: dict) -> None:
+    tensor["chunks"].append(copy.deepcopy(tensor["chunks"][0]))
+
+
+UNTILED = {  # a manifest the commit record vouches for, whose chunks do not tile tensor "model.w"
+    "the only chunk dropped": (_drop_every_chunk, r"model\.w.*\[0:64, 0:64\] is in no chunk"),
+    "a chunk covering half the rows": (_halve_the_chunk, r"model\.w.*\[32:64, 0:64\] is in no chunk"),
+    "a chunk listed twice": (_list_the_chunk_twice, r"model\.w.*chunks\[0\] and chunks\[1\] overlap at \[0:64, 0:64\]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNTILED))
+def test_chunks_that_do_not_tile_a_tensor_make_verify_export_and_compare_refuse_it_naming_the_tensor(
+    tmp_path, run_cli, committed_checkpoint, name
+):
+    import torch
+
+    from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
+    from tests.helpers.forgery import forge_manifest
+
+    edit, expected = UNTILED[name]
+    root, directory, _ = committed_checkpoint(state={"model": {"w": torch.zeros(64, 64)}, "progress": {"n": 1}})
+
+    def untile(manifest: dict) -> None:
+        edit(next(t for t in manifest["tensors"] if t["fqn"] == "model.w"))
+
+    forge_manifest(directory, untile)
+    code, out, err = run_cli("verify", directory)
+    assert code == 2 and re.search(expected, err), (code, out, err)
+    out_file = tmp_path / "export.pt"
+    with pytest.raises(CorruptCheckpoint, match=expected):
+        export_checkpoint(directory, str(out_file), ExportOptions(format="torch"))
+    assert not out_file.exists()
+    with pytest.raises(CorruptCheckpoint, match=expected):
+        load_checkpoint({"model": {"w": torch.ones(64, 64)}, "progress": {"n": 0}}, directory)
+    code, _, err = run_cli("compare", directory, directory)
+    assert code == 2 and re.search(expected, err), err
+
+
+def test_chunks_of_a_sharded_tensor_that_tile_it_exactly_are_sound():
+    where = "/ckpt"
+    tensor = {"fqn": "w", "shape": [4, 6], "dtype": "torch.float32"}
+    quarters = [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 3), (2, 3))]
+    chunks = [{"offsets": list(o), "sizes": list(s)} for o, s in quarters]
+    assert manifest_schema.tiling_problems(tensor["shape"], chunks) == []
+    chunks[3]["offsets"] = [2, 2]
+    assert manifest_schema.tiling_problems(tensor["shape"], chunks) == [
+        "chunks[2] and chunks[3] overlap at [2:4, 2:3]",
+        "[2:4, 5:6] is in no chunk",
+    ], where

@@ -26,6 +26,7 @@ from lightning_shardckpt.errors import ShardCkptError
 from lightning_shardckpt.lightning import lightning_state
 from lightning_shardckpt.ops.verify import DCP_METADATA_PROBLEM
 from tests.helpers.checkpoints import fresh_state, save_checkpoint
+from tests.helpers.forgery import forge_metadata
 
 COMMIT_RECORD = "commit.json"  # format v2's listing record; a v1 checkpoint has none
 
@@ -274,3 +275,90 @@ def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_
         load_checkpoint(fresh_state(), directory)
     code, _, err = run_cli("verify", directory)
     assert code == 2 and "etc/passwd" in err
+
+
+# A 12-byte pickle: GLOBAL builtins.bytearray, BININT 1 GiB, TUPLE1, REDUCE, STOP. Unpickled freely it
+# zero-fills a gigabyte before anything can tell it is not DCP metadata.
+GIGABYTE = 1 << 30
+BYTEARRAY_OF_A_GIGABYTE = (
+    b"\x80\x02cbuiltins\nbytearray\nJ" + GIGABYTE.to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP
+)
+SIZED_CALLS = {  # every allow-listed callable that allocates by a size argument, called with one
+    "bytearray": b"cbuiltins\nbytearray\n",
+    "bytes": b"cbuiltins\nbytes\n",
+    "FloatStorage": b"ctorch\nFloatStorage\n",
+    "UntypedStorage": b"ctorch.storage\nUntypedStorage\n",
+    "LongTensor": b"ctorch\nLongTensor\n",
+}
+RSS_PROBE = """
+import resource, sys
+import torch
+from lightning_shardckpt import load_checkpoint, verify_checkpoint
+from lightning_shardckpt.cli.main import main
+from tests.helpers.checkpoints import fresh_state
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+root = sys.argv[1]
+verify_checkpoint(root)  # warm: imports and caches are not what is measured
+before = peak_mib()
+problems = [p["actual"] for p in verify_checkpoint(root).problems]
+try:
+    load_checkpoint(fresh_state(), root)
+    refused = "loaded"
+except Exception as err:
+    refused = f"{type(err).__name__}: {err}"
+code = main(["verify", root])
+print("RESULT", round(peak_mib() - before), code, problems, refused, sep="\\n")
+"""
+
+
+def run_rss_probe(root: str) -> tuple[float, int, str, str]:
+    """verify, load and `shardckpt verify` of `root` in a fresh process: (peak RSS growth MiB, exit code,
+    verify's problems, the load's error)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, root], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert "RESULT" in done.stdout, done.stderr[-3000:]
+    growth, code, problems, refused = done.stdout.split("RESULT\n", 1)[1].splitlines()[:4]
+    return float(growth), int(code), problems, refused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["v1-no-checksum", "v2-checksums-rewritten"])
+def test_a_metadata_pickle_asking_for_a_gigabyte_is_refused_without_allocating_it(committed_checkpoint, version):
+    root, directory, _ = committed_checkpoint()
+    if version == "v1-no-checksum":
+        make_v1(directory)
+        replace_metadata(directory, BYTEARRAY_OF_A_GIGABYTE)
+    else:  # an attacker who rewrites the manifest's checksum of `.metadata` and the commit record too
+        forge_metadata(directory, BYTEARRAY_OF_A_GIGABYTE)
+    growth, code, problems, refused = run_rss_probe(root)
+    assert growth < 64, f"peak RSS grew by {growth} MiB while refusing a {len(BYTEARRAY_OF_A_GIGABYTE)}-byte .metadata"
+    assert code == 1 and "bytearray" in problems
+    assert refused.startswith("CorruptCheckpoint") and "builtins.bytearray" in refused and str(GIGABYTE) in refused
+
+
+@pytest.mark.parametrize("name", sorted(SIZED_CALLS))
+def test_no_allow_listed_callable_allocates_more_than_the_pickle_holds(name):
+    data = b"\x80\x02" + SIZED_CALLS[name] + b"J" + GIGABYTE.to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE
+    data += pickle.STOP
+    with pytest.raises(safe_pickle.OversizedAllocation, match=rf"{name}.*{GIGABYTE}.*{len(data)}-byte"):
+        safe_pickle.loads(data, safe_pickle.LIGHTNING_STATE_GLOBALS)
+    if name == "bytearray":
+        with pytest.raises(CorruptCheckpoint, match=rf"bytearray.*{GIGABYTE}.*crafted"):
+            safe_pickle.load_dcp_metadata(data, "/ckpt/step-1")
+
+
+def test_small_sizes_and_real_bytes_still_unpickle_through_the_allow_list():
+    assert safe_pickle.loads(pickle.dumps(bytearray(b"abc"), protocol=4)) == bytearray(b"abc")
+    empty_bytes = (
+        b"\x80\x02cbuiltins\nbytes\n" + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP
+    )  # how protocol 2 pickles b""
+    assert safe_pickle.loads(empty_bytes, safe_pickle.LIGHTNING_STATE_GLOBALS) == b""
+    assert torch.equal(safe_pickle.loads(pickle.dumps(torch.arange(4))), torch.arange(4))

@@ -9,12 +9,18 @@ Drill ids sort by time, so the newest record of a checkpoint is its last by name
 Trust states: `committed` (no drill record yet), `drilled` (the newest drill passed), `drill-failed`
 (the newest drill failed; its cause is in the record), `not-drilled` (a drill could not start: never
 counted as passed). See docs/FORMAT.md, "Drill records".
+
+Anyone who can write to the root can drop a file into `drills/`, so only well-formed records count: a
+name whose drill id is one `new_drill_id` makes, and for a passed verdict (the one that grants trust) a
+JSON body naming the same checkpoint, drill id and verdict. Anything else is malformed: logged, listed by
+`trust_report` (and `shardckpt ls`), never trusted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -32,6 +38,8 @@ COMMITTED, DRILLED, DRILL_FAILED = "committed", "drilled", "drill-failed"
 TRUST_OF_VERDICT = {PASSED: DRILLED, FAILED: DRILL_FAILED, NOT_DRILLED: NOT_DRILLED}
 RECORD_VERSION = 1
 _SEPARATOR = "--"
+DRILL_ID = re.compile(r"^\d{8}T\d{12}Z-[0-9a-f]{6}$")  # what new_drill_id makes: UTC time, then a random suffix
+REQUIRED_FIELDS = ("record_version", "checkpoint", "drill_id", "verdict")
 
 
 def new_drill_id() -> str:
@@ -56,7 +64,7 @@ def parse_record_name(filename: str) -> RecordName | None:
     if not name.endswith(".json"):
         return None
     parts = name[: -len(".json")].split(_SEPARATOR)
-    if len(parts) != 3 or parse_dirname(parts[0]) is None or parts[2] not in VERDICTS:
+    if len(parts) != 3 or parse_dirname(parts[0]) is None or not DRILL_ID.match(parts[1]) or parts[2] not in VERDICTS:
         return None
     return RecordName(*parts)
 
@@ -75,16 +83,48 @@ def write_record(location: Location, record: dict[str, Any]) -> str:
     return path
 
 
-def list_record_names(location: Location) -> dict[str, list[RecordName]]:
-    """Checkpoint directory name -> its drill records, oldest first (one listing, no reads)."""
+@dataclass(frozen=True)
+class Listing:
+    records: dict[str, list[RecordName]]  # checkpoint directory name -> its well-named records, oldest first
+    malformed: list[str]  # files of ROOT/drills/ that are not a well-formed record name: never trusted
+
+
+def list_records(location: Location) -> Listing:
+    """One listing of ROOT/drills/, no reads: the well-named records by checkpoint, and every other file."""
     try:
         names = location.fs.ls(join(location.path, DRILLS_DIR), detail=False)
     except FileNotFoundError:
-        return {}
+        return Listing({}, [])
     by_checkpoint: dict[str, list[RecordName]] = {}
-    for parsed in sorted(filter(None, map(parse_record_name, names)), key=lambda r: r.drill_id):
+    malformed = []
+    parsed_names = []
+    for name in names:
+        parsed = parse_record_name(name)
+        if parsed is None:
+            malformed.append(name.rstrip("/").rsplit("/", 1)[-1])
+        else:
+            parsed_names.append(parsed)
+    for parsed in sorted(parsed_names, key=lambda r: r.drill_id):
         by_checkpoint.setdefault(parsed.checkpoint, []).append(parsed)
-    return by_checkpoint
+    return Listing(by_checkpoint, sorted(malformed))
+
+
+def list_record_names(location: Location) -> dict[str, list[RecordName]]:
+    """Checkpoint directory name -> its well-named drill records, oldest first (one listing, no reads)."""
+    return list_records(location).records
+
+
+def record_problem(body: Any, name: RecordName) -> str | None:
+    """Why `body` is not the record its file `name` says it is (None when it is)."""
+    if not isinstance(body, dict):
+        return f"its body is {type(body).__name__}, not a JSON object"
+    missing = [field for field in REQUIRED_FIELDS if field not in body]
+    if missing:
+        return f"its body lacks {missing}"
+    for field, expected in (("checkpoint", name.checkpoint), ("drill_id", name.drill_id), ("verdict", name.verdict)):
+        if body[field] != expected:
+            return f"its body says {field}={body[field]!r}, its name {expected!r}"
+    return None
 
 
 def read_record(location: Location, name: RecordName) -> dict[str, Any] | None:
@@ -105,10 +145,49 @@ def trust_state(records: list[RecordName] | None) -> str:
     return TRUST_OF_VERDICT[records[-1].verdict]
 
 
+@dataclass(frozen=True)
+class TrustReport:
+    states: dict[str, str]  # committed entry's directory name -> its trust state
+    malformed: list[str]  # drill record files that were not trusted, each with why
+
+
+def trust_report(location: Location, entries: list[CheckpointEntry]) -> TrustReport:
+    """Trust state of every committed entry from its newest well-formed record, and the malformed ones.
+
+    A passed record grants trust, so its body is read and must match its name; a malformed one is skipped
+    (the record before it decides). Failed and not-drilled records withhold trust and are not read.
+    """
+    listing = list_records(location)
+    malformed = [f"{name}: not named <checkpoint>--<drill id>--<verdict>.json" for name in listing.malformed]
+    states = {}
+    for entry in entries:
+        if not entry.committed:
+            continue
+        records = list(listing.records.get(entry.name, []))
+        while records and records[-1].verdict == PASSED:
+            problem = _body_problem(location, records[-1])
+            if problem is None:
+                break
+            malformed.append(f"{records[-1].filename}: {problem}")
+            records.pop()
+        states[entry.name] = trust_state(records)
+    for line in malformed:
+        log.warning("%s: drill record %s; not trusted. Delete the file if nobody's drill wrote it", location.url, line)
+    return TrustReport(states, malformed)
+
+
+def _body_problem(location: Location, name: RecordName) -> str | None:
+    path = join(location.path, DRILLS_DIR, name.filename)
+    try:
+        body = json.loads(location.fs.cat_file(path))
+    except (OSError, ValueError) as err:
+        return f"its body is not readable JSON ({type(err).__name__})"
+    return record_problem(body, name)
+
+
 def trust_states(location: Location, entries: list[CheckpointEntry]) -> dict[str, str]:
-    """Trust state of every committed entry, by directory name."""
-    records = list_record_names(location)
-    return {entry.name: trust_state(records.get(entry.name)) for entry in entries if entry.committed}
+    """Trust state of every committed entry, by directory name (malformed records logged, never trusted)."""
+    return trust_report(location, entries).states
 
 
 def newest_drilled(ordered: list[CheckpointEntry], states: dict[str, str], keep: int = 1) -> list[CheckpointEntry]:

@@ -233,7 +233,110 @@ def _tensor_problems(tensor: Any, files: set[str]) -> list[str]:
         return [*problems, "chunks is not a list"]
     for index, chunk in enumerate(chunks):
         problems.extend(f"chunks[{index}]: {p}" for p in _chunk_problems(chunk, files, tensor_chunk=True))
+    if not problems:  # shape, offsets and sizes are lists of ints: whether they tile can be asked
+        problems.extend(
+            f"{tensor['fqn']}: {p} (its chunks must cover every element exactly once)"
+            for p in tiling_problems(tensor["shape"], chunks)
+        )
     return problems
+
+
+MAX_TILING_CELLS = 100_000  # past this many grid cells, a broken tiling is reported by element counts alone
+
+
+def tiling_problems(shape: list[int], chunks: list[dict[str, Any]]) -> list[str]:
+    """Chunks must tile the tensor: every element in exactly one chunk. A reader allocates the tensor and
+    fills it chunk by chunk, so a gap would hand out uninitialised memory and an overlap two values for one
+    element. Empty when they tile; else each overlap and gap, as `[start:stop, ...]` boxes."""
+    boxes = []
+    for index, chunk in enumerate(chunks):
+        offsets, sizes = chunk["offsets"], chunk["sizes"]
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            return [f"chunks[{index}] has {len(offsets)} offsets and {len(sizes)} sizes for a {len(shape)}-d shape"]
+        box = tuple(zip(offsets, (o + s for o, s in zip(offsets, sizes))))
+        if any(stop > dim for (_, stop), dim in zip(box, shape)):
+            return [f"chunks[{index}] {_box_text(box)} lies outside the shape {shape}"]
+        boxes.append((index, box))
+    problems = [
+        f"chunks[{a}] and chunks[{b}] overlap at {_box_text(common)}" for a, b, common in _overlaps(boxes, len(shape))
+    ]
+    covered = sum(_volume(box) for _, box in boxes)
+    if problems or covered != _volume(tuple((0, dim) for dim in shape)):
+        gaps = _gaps(shape, [box for _, box in boxes])
+        problems.extend(f"{_box_text(gap)} is in no chunk" for gap in gaps)
+        if not problems:  # too many chunks to walk the grid: the counts still tell
+            problems.append(
+                f"the chunks hold {covered} elements, the shape {shape} has {_volume(tuple((0, d) for d in shape))}"
+            )
+    return problems[:MAX_PROBLEMS]
+
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+
+def _volume(box: Box) -> int:
+    count = 1
+    for start, stop in box:
+        count *= max(stop - start, 0)
+    return count
+
+
+def _intersection(a: Box, b: Box) -> Box:
+    return tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def _overlaps(boxes: list[tuple[int, Box]], ndim: int) -> list[tuple[int, int, Box]]:
+    """Pairs of boxes sharing an element: a sweep along the dimension where the boxes start at the most
+    places, so the usual shardings (rows, or columns) compare each chunk with its neighbours only."""
+    found: list[tuple[int, int, Box]] = []
+    solid = [(index, box) for index, box in boxes if _volume(box) > 0]
+    if ndim == 0:
+        return [(a, b, ()) for (a, _), (b, _) in zip(solid, solid[1:])][:1] if len(solid) > 1 else []
+    axis = max(range(ndim), key=lambda d: len({box[d][0] for _, box in solid}))
+    active: list[tuple[int, Box]] = []
+    for index, box in sorted(solid, key=lambda item: item[1][axis]):
+        active = [item for item in active if item[1][axis][1] > box[axis][0]]
+        for other, other_box in active:
+            common = _intersection(other_box, box)
+            if _volume(common) > 0:
+                found.append((min(other, index), max(other, index), common))
+                if len(found) >= MAX_PROBLEMS:
+                    return sorted(found)
+        active.append((index, box))
+    return sorted(found)
+
+
+def _gaps(shape: list[int], boxes: list[Box]) -> list[Box]:
+    """Boxes of the grid the chunks' edges cut the tensor into that no chunk covers, merged along the last
+    dimension; empty when the grid would be too large to walk (the caller reports counts then)."""
+    edges = [sorted({0, dim, *(b[d][0] for b in boxes), *(b[d][1] for b in boxes)}) for d, dim in enumerate(shape)]
+    cells = 1
+    for cut in edges:
+        cells *= max(len(cut) - 1, 1)
+    if cells > MAX_TILING_CELLS:
+        return []
+    gaps: list[Box] = []
+
+    def walk(prefix: Box, dim: int) -> None:
+        if len(gaps) >= MAX_PROBLEMS:
+            return
+        if dim == len(shape):
+            if _volume(prefix) > 0 and not any(_volume(_intersection(prefix, box)) > 0 for box in boxes):
+                last = gaps[-1] if gaps else None
+                if last is not None and last[:-1] == prefix[:-1] and last[-1][1] == prefix[-1][0]:
+                    gaps[-1] = (*prefix[:-1], (last[-1][0], prefix[-1][1]))  # the next cell of the same row
+                else:
+                    gaps.append(prefix)
+            return
+        for start, stop in zip(edges[dim], edges[dim][1:]):
+            walk((*prefix, (start, stop)), dim + 1)
+
+    walk((), 0)
+    return gaps
+
+
+def _box_text(box: Box) -> str:
+    return "[" + ", ".join(f"{start}:{stop}" for start, stop in box) + "]"
 
 
 def _chunk_problems(chunk: Any, files: set[str], *, tensor_chunk: bool) -> list[str]:

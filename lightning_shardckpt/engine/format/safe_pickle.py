@@ -10,6 +10,10 @@ others can write to, so every pickle we read goes through an allow-list here:
 - the objects a checkpoint stores (and the Lightning blob): what torch's `weights_only` loader allows
   (tensors, containers, dtypes, plus `torch.serialization.add_safe_globals`), plus `extra_allowed`.
 
+An allowed constructor that allocates by a size (bytes(n), bytearray(n), torch storages and legacy tensor
+types, quantized tensors) may ask for no more elements than the pickle has bytes: a real pickle carries
+its data, so a larger size is a crafted one (`OversizedAllocation`), refused before allocating.
+
 A blocked name raises `BlockedGlobal` naming `module.qualname`; callers turn it into an error that
 names the checkpoint and the fix. `trust=True` (the user's explicit opt-in) unpickles without limits.
 """
@@ -80,24 +84,97 @@ class BlockedGlobal(pickle.UnpicklingError):
         self.name = name
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """`pickle.Unpickler` whose `find_class` resolves only allowed `module.qualname` names."""
+_OWN_SIZE = -1  # RestrictedUnpickler's default budget: the length of the BytesIO it reads
 
-    def __init__(self, file: Any, allowed: frozenset[str] | set[str], *, torch_safe: bool = False) -> None:
+
+class OversizedAllocation(BlockedGlobal):
+    """An allowed callable asked to allocate more elements than the whole pickle has bytes."""
+
+    def __init__(self, name: str, requested: int, budget: int) -> None:
+        super().__init__(f"{name}({requested})")
+        self.args = (f"{name} asks for {requested} elements from a {budget}-byte pickle",)
+        self.requested, self.budget = requested, budget
+
+
+def _size_arguments(args: tuple[Any, ...]) -> int:
+    """Elements a constructor called with `args` allocates: an int, or the product of a shape's ints."""
+    sizes = [arg for arg in args if isinstance(arg, int) and not isinstance(arg, bool)]
+    shapes = [arg for arg in args if isinstance(arg, (tuple, list)) and arg and all(isinstance(a, int) for a in arg)]
+    requested = 1 if sizes else 0
+    for size in sizes:  # torch.FloatTensor(2, 3): every int is a dimension
+        requested *= max(size, 0)
+    for shape in shapes:
+        count = 1
+        for size in shape:
+            count *= max(size, 0)
+        requested = max(requested, count)
+    return requested
+
+
+def _is_sized_constructor(key: str) -> bool:
+    """bytes(n), bytearray(n), torch.FloatStorage(n), torch.LongTensor(n, m), UntypedStorage(n): callables on
+    an allow-list that allocate by a size argument. A pickle of real data never calls them with a size: it
+    passes the bytes themselves (or, for tensors, a storage loaded from bytes it holds)."""
+    if key in ("builtins.bytes", "builtins.bytearray", "torch.Tensor"):
+        return True
+    module, _, name = key.rpartition(".")
+    return module in ("torch", "torch.cuda", "torch.sparse", "torch.storage") and name.endswith(("Storage", "Tensor"))
+
+
+_QTENSOR = "torch._utils._rebuild_qtensor"  # (storage, offset, size, stride, ...): allocates `size` before the set_
+
+
+def _bounded(key: str, function: Any, budget: int, shape_of: Any) -> Any:
+    """`function`, refusing a call whose size arguments ask for more elements than the pickle's `budget` bytes."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        requested = _size_arguments(shape_of(args, kwargs))
+        if requested > budget:
+            raise OversizedAllocation(key, requested, budget)
+        return function(*args, **kwargs)
+
+    return call
+
+
+def _guarded(key: str, found: Any, budget: int | None) -> Any:
+    """What `find_class` hands the unpickler for `key`: size-taking constructors bounded by `budget`."""
+    if budget is None:
+        return found
+    if _is_sized_constructor(key):
+        return _bounded(key, found, budget, lambda args, kwargs: (*args, *kwargs.values()))
+    if key == _QTENSOR:
+        return _bounded(key, found, budget, lambda args, kwargs: args[2:3])
+    return found
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` whose `find_class` resolves only allowed `module.qualname` names.
+
+    `budget` (bytes; by default the pickle's own length when the file is a BytesIO): no allowed callable may
+    allocate more elements than that by a size argument, so a 30-byte pickle cannot zero-fill gigabytes
+    before it is refused (`OversizedAllocation`). None lifts the bound.
+    """
+
+    def __init__(
+        self, file: Any, allowed: frozenset[str] | set[str], *, torch_safe: bool = False, budget: int | None = _OWN_SIZE
+    ) -> None:
         super().__init__(file)
         self._allowed = allowed
         self._torch_safe = torch_safe
+        self._budget = len(file.getbuffer()) if budget == _OWN_SIZE and isinstance(file, io.BytesIO) else budget
+        if self._budget == _OWN_SIZE:
+            raise ValueError("budget: pass the pickle's size in bytes (or None) when the file is not a BytesIO")
 
     def find_class(self, module: str, name: str) -> Any:
         key = f"{module}.{name}"
         if self._torch_safe and key == _STORAGE_FROM_BYTES:
             return _storage_from_bytes
         if key in self._allowed or _is_torch_constant(module, name):
-            return super().find_class(module, name)
+            return _guarded(key, super().find_class(module, name), self._budget)
         if self._torch_safe:
             found = torch_safe_globals().get(key)
             if found is not None:
-                return found
+                return _guarded(key, found, self._budget)
         raise BlockedGlobal(key)
 
 
@@ -225,6 +302,13 @@ def load_dcp_metadata(
             metadata = pickle.loads(data)
         else:
             metadata = RestrictedUnpickler(io.BytesIO(data), DCP_METADATA_GLOBALS).load()
+    except OversizedAllocation as err:
+        raise CorruptCheckpoint(
+            f"{where}: .metadata calls {err.args[0]}; DCP metadata never allocates by a size, so the file is "
+            "damaged or was crafted and was refused before allocating. Do not load it: load an older checkpoint or "
+            "restore this one from a replica",
+            problems=[{"file": ".metadata", "tensor": None, "expected": "DCP metadata classes", "actual": err.name}],
+        ) from err
     except BlockedGlobal as err:
         raise CorruptCheckpoint(
             f"{where}: .metadata names {err.name}, which DCP metadata never holds; refusing to unpickle it "
