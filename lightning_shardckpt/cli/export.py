@@ -57,6 +57,11 @@ def add_commands(commands: Any) -> None:
     export.add_argument(
         "--prefix", default=None, help="strip this from every tensor name that starts with it, e.g. model."
     )
+    export.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace an existing OUT (shards as a whole: the old ones go once the new index is in place)",
+    )
     export.set_defaults(run=cmd_export)
 
 
@@ -68,6 +73,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prefix=args.prefix,
         storage_options=args.storage_options,
+        replace=args.replace,
     )
     result = export_checkpoint(args.checkpoint, args.out, options)
     if args.json:
@@ -91,6 +97,7 @@ def parse_size(text: str) -> int:
 
 
 _EXPORT_EPILOG = """\
+OUT must not exist (--replace replaces it) and must lie outside any checkpoint root.
 Tensors only (model and, without --model-only, optimizer state), by their checkpoint names (model.layer.weight,
 optimizers.0.state.layer.weight.exp_avg), minus --prefix. Every byte read is checked against the manifest;
 memory stays near the largest tensor. Loads with torch.load(OUT, weights_only=True) or

@@ -9,7 +9,10 @@ not exported: the artifact is tensors only, for inference and other tools.
     export_checkpoint("s3://bucket/run-7", "model.safetensors", ExportOptions(model_only=True, prefix="model."))
 
 The artifact is written under a temporary name and renamed into place when complete: a crash never
-leaves a truncated file under OUT.
+leaves a truncated file under OUT. OUT is never inside a checkpoint root, and an existing OUT is
+replaced only when asked (ops/export_target.py). Shards are replaced as a whole: the new shards go
+under names the old export does not use, the index last (the switch), and the old shards are removed
+only after it: a failure before the index leaves the old export whole and loadable.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from ..engine.format.layout import LATEST, join
 from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
 from ..engine.storage import fsio
 from ..errors import ConfigError
+from . import export_target
 from .export_formats import (
     FORMATS,
     SAFETENSORS,
     SAFETENSORS_INDEX,
+    SAFETENSORS_SUFFIX,
     Planned,
     TorchZipWriter,
     safetensors_header,
@@ -60,6 +65,7 @@ class ExportOptions:
     prefix: str | None = None  # stripped from the start of every name that has it, e.g. "model."
     progress: bool | None = None  # a progress bar; None: only when stderr is a terminal
     storage_options: dict[str, Any] = field(default_factory=dict)  # for the checkpoint's storage and OUT's
+    replace: bool = False  # replace an existing OUT (a sharded one as a whole); without it an existing OUT is refused
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -98,6 +104,9 @@ def export_checkpoint(
     else:
         location, entry = catalog.open_checkpoint(checkpoint, which, options.storage_options)
     target = fsio.resolve(out, options.storage_options)
+    sharded = options.format == SAFETENSORS and options.max_shard_size is not None
+    export_target.check_outside_checkpoint_roots(target, target.path if sharded else _parent(target.path))
+    export_target.refuse_existing(target, sharded=sharded, replace=options.replace)
     with GlobalTensorReader(location, entry) as reader:
         plan, sources = export_plan(reader.specs, options)
         if not plan:
@@ -161,16 +170,47 @@ def _write(target: fsio.Location, plan: list[Planned], read_one: Any, options: E
     shards = shard_plan(plan, options.max_shard_size)
     if options.max_shard_size is None:
         return [_write_file(target.fs, target.path, lambda handle: _safetensors_body(handle, plan, read_one))]
+    return _write_shards(target, shards, read_one)
+
+
+def _write_shards(target: fsio.Location, shards: list[list[Planned]], read_one: Any) -> list[str]:
+    """Shards, then the index that makes them the export, then the previous export's shards removed.
+
+    Until the index is in place OUT is the previous export, whole: new shards never take a name a file in
+    OUT has, and a failure removes the new shards written so far.
+    """
     fsio.makedirs(target.fs, target.path)
+    old = export_target.previous_shards(target)
     names = shard_names(len(shards))
-    paths = [
-        _write_file(
-            target.fs, join(target.path, name), lambda handle, part=part: _safetensors_body(handle, part, read_one)
-        )
-        for part, name in zip(shards, names)
-    ]
-    index = safetensors_index(shards, names)
-    return [*paths, _write_file(target.fs, join(target.path, SAFETENSORS_INDEX), lambda handle: handle.write(index))]
+    if set(names) & export_target.present_names(target):  # Hugging Face readers go by the index's names
+        token = secrets.token_hex(4)
+        names = [name.removesuffix(SAFETENSORS_SUFFIX) + f"-{token}{SAFETENSORS_SUFFIX}" for name in names]
+    paths: list[str] = []
+    try:
+        for part, name in zip(shards, names):
+            paths.append(
+                _write_file(
+                    target.fs,
+                    join(target.path, name),
+                    lambda handle, part=part: _safetensors_body(handle, part, read_one),
+                )
+            )
+        index = safetensors_index(shards, names)
+        index_path = _write_file(target.fs, join(target.path, SAFETENSORS_INDEX), lambda handle: handle.write(index))
+    except BaseException:
+        for path in paths:  # not part of any export: the previous index does not name them
+            target.fs.rm_file(path)
+        raise
+    for name in sorted(old - set(names)):  # the new index is in place: the old shards are no export's now
+        try:
+            target.fs.rm_file(join(target.path, name))
+        except FileNotFoundError:
+            pass
+    return [*paths, index_path]
+
+
+def _parent(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else ""
 
 
 def _torch_body(handle: Any, plan: list[Planned], read_one: Any) -> None:
@@ -190,7 +230,7 @@ def _safetensors_body(handle: Any, part: list[Planned], read_one: Any) -> None:
 
 
 def _write_file(fs: Any, path: str, body: Any) -> str:
-    parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else None
+    parent = _parent(path)
     if parent:
         fsio.makedirs(fs, parent)
     temporary = path + TEMP_SUFFIX.format(token=secrets.token_hex(4))

@@ -31,7 +31,8 @@ import torch
 TORCH, SAFETENSORS = "torch", "safetensors"
 FORMATS = (TORCH, SAFETENSORS)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SHARD = "model-{index:05d}-of-{count:05d}.safetensors"
+SAFETENSORS_SUFFIX = ".safetensors"
+SAFETENSORS_SHARD = "model-{index:05d}-of-{count:05d}" + SAFETENSORS_SUFFIX
 SAFETENSORS_ALIGN = 8  # the header is padded so the data starts 8-byte aligned
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",

@@ -6,17 +6,24 @@ listing reads and holds, and that ordering and retention stay right over hundred
 
 from __future__ import annotations
 
+import json
 import os
 import tracemalloc
+import uuid
+from collections import Counter
 
 import pytest
 
 from benchmarks.listing import RUN_ID, make_root
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import MANIFEST
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CorruptCheckpoint
+from lightning_shardckpt.ops import investigate
 from lightning_shardckpt.policies import retention
+from tests.helpers import counting_fs
+from tests.helpers.counting_fs import counting_url
 
 CHECKPOINTS, TENSORS = 300, 600
 
@@ -80,3 +87,46 @@ def test_v1_roots_list_from_their_manifests_in_created_at_order(tmp_path):
     assert all(e._manifest is None for e in entries), "v1 manifests are parsed to list, then dropped"
     assert catalog.find(resolve(root), "latest").name == names[-1]
     assert retention.apply(resolve(root), 5, None) == names[:25]
+
+
+def test_timeline_reads_each_manifest_once_and_holds_no_tensor_table(big_root):
+    """`timeline` streams: one read per manifest, none kept, memory far below the manifests' size (issue 25, item 15)."""
+    root, names = big_root
+    log_id = f"timeline-{uuid.uuid4().hex}"
+    location = resolve(counting_url(root), {"log_id": log_id})
+    tracemalloc.start()
+    try:
+        result = investigate.timeline(location)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    rows = result["checkpoints"]
+    assert [row["name"] for row in rows] == names and all(row["state"] == "committed" for row in rows)
+    assert [row["compared_with"] for row in rows] == [None, *names[:-1]]  # each compared with the one before
+    manifest_reads = Counter(path for path, _, _ in counting_fs.LOGS[log_id].reads if path.endswith("/" + MANIFEST))
+    assert sorted(path.rsplit("/", 2)[-2] for path in manifest_reads) == names, "every manifest read"
+    assert set(manifest_reads.values()) == {1}, "no manifest read twice"
+    manifest_bytes = sum(os.path.getsize(os.path.join(root, name, MANIFEST)) for name in names)
+    assert peak < manifest_bytes / 20, f"timeline peaked at {peak} bytes; the manifests hold {manifest_bytes}"
+
+
+def test_timeline_of_a_manifest_not_in_the_writers_layout_parses_it_in_full_and_checks_it(tmp_path):
+    """Compact JSON (not the writer's layout) is read the slow, full way; a tampered one is still corrupt."""
+    root = str(tmp_path / "root")
+    names = make_root(root, 4, 10)
+    for name in names[:2]:  # re-encoded compactly, record checksum updated: the same manifest, another layout
+        directory = os.path.join(root, name)
+        with open(os.path.join(directory, MANIFEST), "rb") as handle:
+            manifest = json.load(handle)
+        data = json.dumps(manifest).encode()
+        record = manifest_format.build_commit_record(manifest, data)
+        with open(os.path.join(directory, COMMIT_RECORD), "wb") as handle:
+            handle.write(manifest_format.to_bytes(record))
+        with open(os.path.join(directory, MANIFEST), "wb") as handle:
+            handle.write(data)
+    with open(os.path.join(root, names[3], MANIFEST), "ab") as handle:
+        handle.write(b" ")  # one byte more than committed
+    rows = {row["name"]: row for row in investigate.timeline(resolve(root))["checkpoints"]}
+    assert [rows[name]["state"] for name in names] == ["committed", "committed", "committed", "corrupt"]
+    assert rows[names[0]]["verification"] == rows[names[2]]["verification"]
+    assert "does not match its commit record" in rows[names[3]]["cause"]

@@ -3,6 +3,7 @@ and the outcomes (`extra.metrics`) a manifest carries."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, SaveConfig
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.manifest import parse, to_bytes
 from lightning_shardckpt.engine.format.outcomes import decode_metrics, encode_metrics
+from lightning_shardckpt.errors import ConfigError
 from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
+from tests.helpers import quota_fs
 from tests.helpers.checkpoints import SHARD, save_checkpoint
 
 
@@ -198,3 +201,112 @@ def test_a_manifest_with_a_non_numeric_metric_is_corrupt_and_one_without_metrics
     manifest["extra"] = {"metrics": {"loss": [1.0]}}
     with pytest.raises(CorruptCheckpoint, match=r"extra.metrics\['loss'\] is \[1.0\], not a number"):
         parse(to_bytes(manifest), entry.path)
+
+
+# --- export: where it may write (issue 25, item 9) ---
+
+
+def load_sharded(out: str) -> dict[str, torch.Tensor]:
+    """A sharded export as a Hugging Face reader sees it: the shards its index names, nothing else."""
+    with open(os.path.join(out, "model.safetensors.index.json")) as handle:
+        weight_map = json.load(handle)["weight_map"]
+    loaded = {}
+    for shard in sorted(set(weight_map.values())):
+        loaded.update(load_file(os.path.join(out, shard)))
+    assert sorted(loaded) == sorted(weight_map)
+    return loaded
+
+
+def tree(directory: str) -> dict[str, bytes]:
+    found = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(parent, name), "rb") as handle:
+                found[os.path.relpath(os.path.join(parent, name), directory)] = handle.read()
+    return found
+
+
+def test_an_export_onto_an_existing_directory_is_refused_and_writes_nothing(saved, tmp_path, run_cli):
+    root, _ = saved
+    out = tmp_path / "exports"
+    out.mkdir()
+    code, _, err = run_cli("export", root, str(out))
+    assert code == 2 and "is a directory" in err and "name the file" in err, err
+    assert os.listdir(out) == []
+
+
+def test_an_export_into_the_checkpoints_own_directory_is_refused(saved, run_cli):
+    root, _ = saved
+    directory = next(os.path.join(root, name) for name in os.listdir(root) if name.startswith("step-"))
+    before = tree(root)
+    for out in (directory, os.path.join(directory, "model.safetensors"), os.path.join(root, "model.safetensors")):
+        code, _, err = run_cli("export", directory, out, "--replace")
+        assert code == 2 and "checkpoint" in err and "outside the checkpoint root" in err, (out, err)
+        code, _, err = run_cli("export", directory, out, "--max-shard-size", "1KiB", "--replace")
+        assert code == 2 and "outside the checkpoint root" in err, (out, err)
+    assert tree(root) == before
+    assert run_cli("verify", directory)[0] == 0
+
+
+def test_an_export_over_one_of_the_checkpoints_shards_is_refused_and_verify_still_passes(saved, run_cli):
+    root, _ = saved
+    directory = next(os.path.join(root, name) for name in os.listdir(root) if name.startswith("step-"))
+    before = tree(root)
+    code, _, err = run_cli("export", directory, os.path.join(directory, SHARD), "--format", "torch", "--replace")
+    assert code == 2 and f"inside the committed checkpoint {directory}" in err, err
+    assert tree(root) == before
+    assert run_cli("verify", directory)[0] == 0
+
+
+def test_an_existing_out_is_replaced_only_when_asked(saved, tmp_path, run_cli):
+    root, expected = saved
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"someone else's file")
+    code, _, err = run_cli("export", root, str(out))
+    assert code == 2 and "exists; pass --replace" in err, err
+    assert out.read_bytes() == b"someone else's file"
+    assert run_cli("export", root, str(out), "--replace")[0] == 0
+    assert_bit_exact(expected, load_file(str(out)))
+
+
+def test_a_sharded_replace_swaps_the_whole_export_and_removes_the_old_shards(saved, tmp_path):
+    root, expected = saved
+    out = str(tmp_path / "shards")
+    export_checkpoint(root, out, ExportOptions(max_shard_size=1024, dtype="fp16"))
+    old_files = set(os.listdir(out))
+    with pytest.raises(ConfigError, match="exists; pass --replace"):
+        export_checkpoint(root, out, ExportOptions(max_shard_size=4096))
+    result = export_checkpoint(root, out, ExportOptions(max_shard_size=4096, replace=True))
+    assert set(os.listdir(out)) == {os.path.basename(path) for path in result.files}
+    assert not old_files - {"model.safetensors.index.json"} & set(os.listdir(out)), "old shards removed"
+    assert_bit_exact(expected, load_sharded(out))
+
+
+def big_state() -> dict:
+    generator = torch.Generator().manual_seed(7)
+    return {"model": {name: torch.randn(64, 1024, generator=generator) for name in "abcd"}}  # 256 KiB each
+
+
+def test_a_sharded_re_export_that_runs_out_of_space_leaves_the_previous_export_whole(tmp_path):
+    """A real full disk (quota://) midway through the new shards: OUT is still the old export, alone."""
+    root = str(tmp_path / "root")
+    state = big_state()
+    save_checkpoint(root, 1, state)
+    disk = tmp_path / "disk"
+    out = disk / "out"
+    # the old export: fp16, two shards of 256 KiB; the new one: fp32, two shards of 512 KiB
+    budget = 1_100_000  # the old export and one new shard fit, the second new shard does not
+    storage = quota_fs.quota_options(disk, budget)
+    export_checkpoint(
+        root, quota_fs.quota_url(out), ExportOptions(max_shard_size=300_000, dtype="fp16", storage_options=storage)
+    )
+    old_export = tree(str(out))
+    with pytest.raises(OSError) as raised:
+        export_checkpoint(
+            root, quota_fs.quota_url(out), ExportOptions(max_shard_size=600_000, replace=True, storage_options=storage)
+        )
+    assert raised.value.errno == errno.ENOSPC
+    assert tree(str(out)) == old_export, "the old export, whole, and no new shard beside it"
+    loaded = load_sharded(str(out))
+    assert all(tensor.dtype == torch.float16 for tensor in loaded.values())
+    assert_bit_exact({f"model.{n}": t.to(torch.float16) for n, t in state["model"].items()}, loaded)

@@ -1,0 +1,126 @@
+"""A committed checkpoint's manifest without its tables: what `shardckpt timeline` shows of each checkpoint.
+
+A timeline over thousands of checkpoints must cost what `ls` does, yet it shows fields only the manifest
+holds (epoch, verification, metrics, identity, topology). Those are a few hundred bytes; the tables
+(`tensors`, `objects`, `files`, `references`) are the rest, and parsing them is what made a timeline take
+tens of seconds. So the manifest is read once, its bytes are checked against the commit record's checksum
+(proof they are what the writer committed), and only the top-level fields outside the tables are parsed.
+
+The writer's manifest is `json.dumps(indent=1, sort_keys=True)` (manifest.to_bytes): every top-level key
+starts a line with exactly one space, and no string holds a raw newline. That is how the tables are
+skipped without parsing them. Anything else (a v1 manifest without a commit record, JSON in another layout)
+is parsed in full, as `entry.manifest` does, and then reduced to the same summary: never kept whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ..engine import catalog
+from ..engine.format import manifest as manifest_format
+from ..engine.format import manifest_schema
+from ..engine.format.entry import read_manifest
+from ..engine.format.layout import MANIFEST, join, parse_dirname
+from ..engine.storage import retry
+from ..errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
+
+TABLES = ("tensors", "objects", "files", manifest_schema.REFERENCES_FIELD)  # skipped: the bulk of a manifest
+_TOP_LEVEL_KEY = re.compile(rb'\n "((?:[^"\\\n]|\\.)*)": ')  # indent=1: one space before a top-level key
+_KEY_START = b'\n "'
+_BRACKETS = {ord("["): ord("]"), ord("{"): ord("}")}
+
+
+def read_summary(fs: Any, entry: catalog.CheckpointEntry) -> dict[str, Any]:
+    """The manifest of a listed, committed entry minus its tables; validated like `entry.manifest`.
+
+    Raises (and marks the entry) as `entry.manifest` does: CheckpointDeleted when the directory went after
+    listing, CorruptCheckpoint when the manifest is not the committed one or does not validate. Never
+    stores anything on the entry: the caller drops the summary when done with it.
+    """
+    record = entry.record or {}
+    if record.get("manifest_checksum") is None:  # v1: nothing proves the tables sound but parsing them
+        return _without_tables(read_manifest(fs, entry))
+    path = join(entry.path, MANIFEST)
+    try:
+        data = retry.call("read", lambda: fs.cat_file(path), target=path)
+    except FileNotFoundError as err:
+        entry.state = catalog.UNCOMMITTED
+        raise CheckpointDeleted(
+            f"{entry.path} was deleted after it was listed (retention of a job writing into this root, or a person); "
+            "pick another checkpoint: shardckpt ls " + entry.path.rsplit("/", 1)[0]
+        ) from err
+    try:
+        manifest_format.check_matches_record(data, record, entry.path)
+        split = _split_top_level(data)
+        if split is None:  # not the writer's layout: parse it all, once, as opening it would
+            return _without_tables(manifest_format.parse(data, entry.path))
+        summary, tables = split
+        _validate(summary, tables, entry.path)
+        return summary
+    except ShardCkptError as err:
+        entry.state, entry.problem = catalog.CORRUPT, str(err)
+        raise
+
+
+def _without_tables(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in manifest.items() if key not in TABLES}
+
+
+def _split_top_level(data: bytes) -> tuple[dict[str, Any], set[str]] | None:
+    """The top-level fields other than the tables, parsed, and the tables' names; None when `data` is not
+    in the writer's layout."""
+    body = data.rstrip()
+    if not (body.startswith(b'{\n "') and body.endswith(b"\n}")):
+        return None
+    keys = []
+    start = body.find(_KEY_START)
+    while start != -1:  # bytes.find runs at memory speed; a regex over the whole table does not
+        match = _TOP_LEVEL_KEY.match(body, start)
+        if match is None:
+            return None
+        keys.append(match)
+        start = body.find(_KEY_START, match.end())
+    summary: dict[str, Any] = {}
+    tables: set[str] = set()
+    try:
+        for index, match in enumerate(keys):
+            start, end = match.end(), keys[index + 1].start() if index + 1 < len(keys) else len(body) - 2
+            if index + 1 < len(keys):
+                if body[end - 1] != ord(","):
+                    return None
+                end -= 1
+            name = json.loads(b'"' + match[1] + b'"')
+            if name in summary or name in tables:
+                return None
+            if name in TABLES:
+                # unparsed (and not copied): it must at least be one bracketed value, or the split was wrong
+                if end <= start or _BRACKETS.get(body[start]) != body[end - 1]:
+                    return None
+                tables.add(name)
+                continue
+            summary[name] = json.loads(body[start:end])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # the full parse names the problem
+    return summary, tables
+
+
+def _validate(summary: dict[str, Any], tables: set[str], where: str) -> None:
+    """The rules of manifest.parse for everything but the tables (the checksum vouched for those)."""
+    version = summary.get("format_version")
+    if not manifest_schema.is_int(version) or version not in manifest_format.READABLE_FORMAT_VERSIONS:
+        manifest_format.parse(json.dumps(summary).encode(), where)  # raises, naming the version problem
+    stand_ins = {"files": [], "tensors": [], "objects": []}
+    missing = [name for name in manifest_format.REQUIRED_FIELDS if name not in summary and name not in tables]
+    if missing:
+        raise CorruptCheckpoint(f"{where}: manifest lacks required fields {missing}; the checkpoint is damaged")
+    problems = manifest_schema.manifest_problems({**summary, **stand_ins}, parse_dirname(where))
+    if problems:
+        shown = "; ".join(problems[: manifest_schema.MAX_PROBLEMS]) + (
+            " …" if len(problems) > manifest_schema.MAX_PROBLEMS else ""
+        )
+        raise CorruptCheckpoint(
+            f"{where}: manifest (format v{version}) is invalid: {shown}. "
+            "The checkpoint is damaged or was altered; load another one"
+        )
