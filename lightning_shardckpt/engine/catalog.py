@@ -35,6 +35,7 @@ from .storage.fsio import Location
 log = logging.getLogger(__name__)
 
 V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while listing
+POINTER_MAX_BYTES = 4096  # `latest` holds one directory name (~30 bytes)
 
 
 def list_checkpoints(location: Location) -> list[CheckpointEntry]:
@@ -110,9 +111,15 @@ def newest_of_run(entries: list[CheckpointEntry], run_id: str | None) -> Checkpo
 
 
 def read_latest_pointer(location: Location) -> str | None:
+    """The directory name `latest` holds; None when it is absent or cannot be a name (only a hint, see above)."""
+    path = join(location.path, LATEST)
     try:
-        path = join(location.path, LATEST)
-        return retry.call("read", lambda: location.fs.cat_file(path), target=path).decode().strip() or None
+        # read within the bound: a huge file someone put there must not be read whole
+        data = retry.call("read", lambda: location.fs.cat_file(path, start=0, end=POINTER_MAX_BYTES + 1), target=path)
+        if len(data) > POINTER_MAX_BYTES:
+            log.warning("%s holds over %d bytes, not a checkpoint name; ignoring it", path, POINTER_MAX_BYTES)
+            return None
+        return data.decode().strip() or None
     except (FileNotFoundError, UnicodeDecodeError):
         return None
 

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .format import bounded_json
 from .format.layout import EVENTS_DIR, join
 from .storage import fsio
 from .storage.fsio import Location
@@ -148,5 +149,20 @@ def read_events(root: Location | str, storage_options: dict[str, Any] | None = N
         paths = root.fs.glob(join(root.path, EVENTS_DIR, "*.json"))
     except FileNotFoundError:
         return []
-    events = [json.loads(root.fs.cat_file(path)) for path in paths]
+    events = [event for event in (_read_event(root, path) for path in paths) if event is not None]
     return sorted(events, key=lambda event: (event["created_at"], event.get("step", -1)))
+
+
+def _read_event(root: Location, path: str) -> dict[str, Any] | None:
+    """One event file; None (logged, naming it) when it is unreadable: one bad file never hides the others."""
+    try:
+        event = bounded_json.loads(root.fs.cat_file(path), bounded_json.SMALL_MAX_BYTES)
+    except FileNotFoundError:  # removed since the glob
+        return None
+    except bounded_json.UnreadableJson as err:
+        log.warning("event %s is unreadable (%s); skipping it. Delete it if nothing else reads it", path, err)
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("created_at"), (int, float)):
+        log.warning("event %s is not an event of lightning_shardckpt (no created_at); skipping it", path)
+        return None
+    return event

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, StorageUnavailable
 from .collectives import broadcast_from_coordinator, rank_and_world
+from .format import bounded_json
 from .format.layout import OWNER, join
 from .storage import retry
 from .storage.fsio import Location
@@ -43,9 +44,9 @@ def read_owner(root: Location) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     try:
-        record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        record, problem = None, f"not JSON ({err})"
+        record = bounded_json.loads(data, bounded_json.SMALL_MAX_BYTES)
+    except bounded_json.UnreadableJson as err:
+        record, problem = None, str(err)
     else:
         problem = None if isinstance(record, dict) and isinstance(record.get("run_id"), str) else "no run_id in it"
     if problem:

@@ -11,6 +11,10 @@ Retention works per run and in commit order, never across runs and never by step
 - the run's newest `keep_last_drilled` drilled checkpoints (default 1: the last known-good, see
   engine/format/drill_records.py) are kept on top of the window, so a rollback target always exists.
 
+Two processes may apply retention to one root at once (two jobs of a run, or a job and `shardckpt gc`):
+they pick the same checkpoints, and whatever one of them removed first counts as gone for the other,
+never as an error.
+
 Deletion goes by reachability (incremental checkpoints, docs/FORMAT.md §9): a deleted checkpoint is
 uncommitted first and keeps only the files a kept checkpoint references (engine/format/references.py's
 `pinned_files`, which gc uses too), until its last referrer goes.
@@ -18,6 +22,7 @@ uncommitted first and keeps only the files a kept checkpoint references (engine/
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any
 
@@ -77,9 +82,13 @@ def delete_checkpoint(
         pinned = refs.pinned_files(
             location, entries, keep={e.name for e in entries if e.committed and e.name != entry.name}
         )
-    fs.pipe_file(join(entry.path, refs.RETIRED), b"retired by retention\n")
+    try:
+        fs.pipe_file(join(entry.path, refs.RETIRED), b"retired by retention\n")
+    except FileNotFoundError:  # another deleter removed the directory already
+        log.info("retention: %s was already deleted (another process applies retention to this root)", entry.path)
+        return
     step("retired")
-    fs.rm_file(join(entry.path, MANIFEST))
+    _remove_file(fs, join(entry.path, MANIFEST))
     step("uncommitted")
     _remove_unreferenced(location, entry.path, entry.name, pinned, step)
     log.info("retention: deleted %s", entry.path)
@@ -106,16 +115,59 @@ def _remove_unreferenced(location: Location, path: str, name: str, pinned: dict[
         return False
     keep = pinned.get(name, set())
     if keep:
-        for info in fs.ls(path, detail=True):
+        try:
+            infos = fs.ls(path, detail=True)
+        except FileNotFoundError:  # another deleter got here first
+            return True
+        for info in infos:
             file = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
             if info.get("type") == "file" and file not in keep and file != refs.RETIRED:
-                fs.rm_file(join(path, file))
+                _remove_file(fs, join(path, file))
                 step("file_removed")
         log.info("retention: %s keeps %d file(s) that kept checkpoints reference", path, len(keep))
         return False
-    fs.rm(path, recursive=True)
+    if not _remove_directory(fs, path):
+        return False
     step("removed")
     return True
+
+
+def _remove_file(fs: Any, path: str) -> None:
+    """Remove one file; one another deleter removed first is gone all the same."""
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
+REMOVE_ATTEMPTS = 5
+
+
+def _remove_directory(fs: Any, path: str) -> bool:
+    """Remove `path` and all in it; True once it is gone, whoever removed it.
+
+    Another deleter racing this one removes entries under the walk (FileNotFoundError) or writes its
+    RETIRED marker back after the walk listed the directory (not empty): look again, up to a few times.
+    """
+    for attempt in range(1, REMOVE_ATTEMPTS + 1):
+        try:
+            fs.rm(path, recursive=True)
+            return True
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            if err.errno != errno.ENOTEMPTY:
+                raise
+        if not fs.exists(path):
+            return True
+        log.debug("retention: %s changed while it was removed (attempt %d); removing again", path, attempt)
+    log.warning(
+        "retention: %s is still there after %d attempts (something keeps writing into it); the next retention "
+        "pass or `shardckpt gc` removes it",
+        path,
+        REMOVE_ATTEMPTS,
+    )
+    return False
 
 
 def apply(

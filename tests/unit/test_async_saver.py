@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 
 import pytest
 import torch
 
-from lightning_shardckpt import CheckpointSaver, CommitFailed, ConfigError, SaveConfig, load_checkpoint, read_events
+from lightning_shardckpt import (
+    CheckpointSaver,
+    CommitFailed,
+    ConfigError,
+    SaveConfig,
+    ShardCkptError,
+    load_checkpoint,
+    read_events,
+)
 from lightning_shardckpt.engine.catalog import list_checkpoints
 from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.faults import FailOnce, Stall
@@ -142,6 +151,28 @@ def test_metrics_record_and_event_log_describe_every_attempt(tmp_path):
     assert [(e["step"], e["outcome"]) for e in events] == [(1, "failed"), (2, "committed")]
     assert "injected storage failure" in events[0]["cause"]
     assert events[1]["counters"] == {"attempted": 2, "committed": 1, "failed": 1, "skipped": 0}
+
+
+def test_a_save_that_fails_while_staging_leaves_the_saver_as_if_never_called(tmp_path):
+    saver = CheckpointSaver(str(tmp_path), SaveConfig(max_in_flight=1))
+    uncopyable = {**small_state(1.0), "progress": {"step": 1, "lock": threading.Lock()}}  # a lock cannot be copied
+    with pytest.raises(ShardCkptError, match="progress.lock"):
+        saver.save(uncopyable, step=1)
+    outcome = {}
+    # the one staging slot must be free again: on a leak this save waits forever, so it runs on a thread
+    thread = threading.Thread(
+        target=lambda: outcome.update(r=saver.save(small_state(2.0), step=2).result(30)), daemon=True
+    )
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the save after a failed staging copy waits forever for the slot that copy took"
+    assert outcome["r"].committed
+    saver.close()
+    assert saver.counters.snapshot() == {"attempted": 1, "committed": 1, "failed": 0, "skipped": 0}
+    assert [e["step"] for e in read_events(str(tmp_path))] == [2]
+    target = small_state(0.0)
+    assert load_checkpoint(target, str(tmp_path)).step == 2
+    assert torch.equal(target["weights"], small_state(2.0)["weights"])
 
 
 @pytest.mark.parametrize(

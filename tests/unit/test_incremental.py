@@ -7,13 +7,14 @@ Real saves, real files: no write path is mocked.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
+from lightning_shardckpt import CheckpointSaver, SaveConfig, ShardCkptError, load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
@@ -437,6 +438,30 @@ def test_after_a_failed_save_the_next_one_is_full_and_nothing_references_the_fai
     target = zeros(snapshots[3])
     load_checkpoint(target, str(tmp_path))
     assert_equal(target, snapshots[3])
+
+
+def test_a_save_that_fails_while_staging_leaves_no_trace_and_the_next_saves_commit_the_live_values(tmp_path):
+    """The failed request's plan must not count as "the last save": w changed before it, so the next save
+    must write w, not reference the older checkpoint that holds the previous value."""
+    w, frozen = torch.zeros(64), torch.randn(4096)
+    saver = CheckpointSaver(str(tmp_path), SaveConfig(incremental=True, max_in_flight=2, run_id="inc"))
+    try:
+        assert saver.save({"w": w, "frozen": frozen}, 1).result(timeout=60).committed
+        w.add_(1.0)  # the live value moves on after step 1
+        uncopyable = {"w": w, "frozen": frozen, "progress": {"lock": threading.Lock()}}
+        with pytest.raises(ShardCkptError, match="progress.lock"):
+            saver.save(uncopyable, 2)  # the caller catches it and keeps saving
+        for step in (3, 4):
+            assert saver.save({"w": w, "frozen": frozen}, step).result(timeout=60).committed
+    finally:
+        saver.close()
+    table = manifests(tmp_path)
+    assert sorted(table) == [1, 3, 4]
+    for step in (3, 4):
+        target = {"w": torch.full((64,), -1.0), "frozen": torch.zeros(4096)}
+        assert load_checkpoint(target, str(tmp_path), step).step == step
+        assert torch.equal(target["w"], w), f"step {step} restored stale weights"
+        assert torch.equal(target["frozen"], frozen)
 
 
 def test_a_tensor_built_afresh_at_each_save_is_never_taken_for_unchanged():

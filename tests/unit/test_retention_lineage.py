@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import threading
+
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import parse_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.policies import retention
 from tests.helpers.checkpoints import dirname_of
@@ -132,3 +136,34 @@ def test_ls_json_shows_each_checkpoints_run_seq_and_parent(tmp_path, run_cli):
     assert (rows[9]["seq"], rows[9]["parent"], rows[9]["run_id"]) == (1, None, RUN)
     assert (rows[6]["seq"], rows[6]["parent"]) == (2, first["id"]) and second["seq"] == 2
     assert [step for step, row in rows.items() if row["latest"]] == [6], "the newer commit, not the larger step"
+
+
+def retain_at_once(root: str, start: threading.Barrier, errors: list[BaseException]) -> None:
+    """keep_last=2 for the run, released together with the other thread; an exception is kept for the test."""
+    start.wait()
+    try:
+        retention.apply(resolve(root), 2, None, run_id=RUN)
+    except BaseException as err:
+        errors.append(err)
+
+
+def test_two_writers_applying_retention_to_one_root_at_once_never_raise_and_keep_the_newest(tmp_path):
+    """A deletion racing another deletion is not an error: what the other one removed counts as gone."""
+    template = str(tmp_path / "template")
+    for step in range(1, 7):
+        save(template, step)
+    for round_ in range(50):
+        root = str(tmp_path / f"round-{round_}")
+        shutil.copytree(template, root)
+        start = threading.Barrier(2)
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=retain_at_once, args=(root, start, errors)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, f"round {round_}: {errors[0]!r}"
+        assert steps(root) == [5, 6], f"round {round_}"
+        left = sorted(e.name for e in catalog.list_checkpoints(resolve(root)))
+        assert [parse_dirname(name).step for name in left] == [5, 6], f"round {round_}: {left}"
+        assert loaded_step(root) == 6

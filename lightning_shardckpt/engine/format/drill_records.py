@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..storage.fsio import Location
+from . import bounded_json
 from .entry import CheckpointEntry
 from .layout import DRILLS_DIR, join, parse_dirname
 
@@ -131,7 +132,7 @@ def read_record(location: Location, name: RecordName) -> dict[str, Any] | None:
     """The record's JSON body; None (logged) when it cannot be read or parsed."""
     path = join(location.path, DRILLS_DIR, name.filename)
     try:
-        body = json.loads(location.fs.cat_file(path))
+        body = bounded_json.loads(location.fs.cat_file(path), bounded_json.SMALL_MAX_BYTES)
     except (OSError, ValueError) as err:
         log.warning("drill record %s is unreadable (%s); ignoring it", path, err)
         return None

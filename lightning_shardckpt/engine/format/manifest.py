@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from ...errors import CorruptCheckpoint, IncompatibleCheckpoint
-from . import manifest_schema
+from . import bounded_json, manifest_schema
 from .checksum import checksum, checksum_of_checksums
 from .layout import (
     CHECKSUM_ALGORITHM,
@@ -125,7 +125,7 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
 
     When `where` ends in a checkpoint directory name, the manifest's id and step must match it.
     """
-    manifest = _json_object(data, where, "manifest")
+    manifest = _json_object(data, where, "manifest", bounded_json.MANIFEST_MAX_BYTES)
     version = _version(manifest, where, "manifest")
     missing = [name for name in REQUIRED_FIELDS if name not in manifest]
     if missing:
@@ -148,7 +148,7 @@ def build_commit_record(manifest: dict[str, Any], manifest_bytes: bytes) -> dict
 
 def parse_commit_record(data: bytes, where: str) -> dict[str, Any]:
     """Parse and validate a commit record (the id and step must match the directory in `where`)."""
-    record = _json_object(data, where, "commit record")
+    record = _json_object(data, where, "commit record", bounded_json.SMALL_MAX_BYTES)
     version = _version(record, where, "commit record")
     problems = manifest_schema.record_problems(record, parse_dirname(where))
     if problems:
@@ -173,13 +173,11 @@ def check_matches_record(manifest_bytes: bytes, record: dict[str, Any], where: s
         )
 
 
-def _json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
+def _json_object(data: bytes, where: str, what: str, max_bytes: int) -> dict[str, Any]:
     try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCheckpoint(
-            f"{where}: {what} is not valid JSON ({err}); the checkpoint is damaged, load an older one"
-        ) from err
+        document = bounded_json.loads(data, max_bytes)
+    except bounded_json.UnreadableJson as err:
+        raise CorruptCheckpoint(f"{where}: {what} is {err}; the checkpoint is damaged, load an older one") from err
     if not isinstance(document, dict):
         raise CorruptCheckpoint(f"{where}: {what} is not a JSON object; the checkpoint is damaged, load an older one")
     return document

@@ -78,6 +78,7 @@ class ChangeTracker:
         self._last: dict[str, Key] | None = None
         self._held: list = []
         self._since_full = 0  # incremental saves since the last full one
+        self._before_plan: tuple | None = None  # what the last plan() replaced, until undo() or the next plan()
 
     def reset(self) -> None:
         """The next save is full (the last save failed, or the run resumed)."""
@@ -87,6 +88,7 @@ class ChangeTracker:
     def plan(self, state: Any) -> frozenset[str]:
         held: list = []
         now = signatures(state, held=held)
+        self._before_plan = (self._last, self._held, self._since_full)
         last, self._last = self._last, now
         self._held = held  # the previous save's storages are released only now, after the comparison
         if last is None or self._since_full + 1 >= self.full_every_n:
@@ -94,3 +96,11 @@ class ChangeTracker:
             return frozenset()
         self._since_full += 1
         return frozenset(key for key, signature in now.items() if last.get(key) == signature)
+
+    def undo(self) -> None:
+        """Forget the last plan(): its save never happened (staging it failed), so the save before stays
+        "the last save". Kept, that plan would have the next save reference tensors that changed since the
+        last checkpoint written, which holds their older values."""
+        if self._before_plan is not None:
+            self._last, self._held, self._since_full = self._before_plan
+            self._before_plan = None

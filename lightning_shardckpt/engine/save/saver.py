@@ -165,18 +165,25 @@ class CheckpointSaver:
             )
             return pending
         staging_started = time.perf_counter()
+        base_failed = self._base_failed
         unchanged: frozenset[str] = frozenset()
-        if self._tracker is not None:
-            if self._base_failed:  # the previous save did not commit: nothing to reference, this one is full
-                self._base_failed = False
-                self._tracker.reset()
-            unchanged = self._tracker.plan(state_dict)
-        # synchronous: the caller waits for the write, so the live state is consistent without a copy
-        staged = (
-            slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
-            if self.config.async_save
-            else state_dict
-        )
+        try:
+            if self._tracker is not None:
+                if base_failed:  # the previous save did not commit: nothing to reference, this one is full
+                    self._base_failed = False
+                    self._tracker.reset()
+                unchanged = self._tracker.plan(state_dict)
+            # synchronous: the caller waits for the write, so the live state is consistent without a copy
+            staged = (
+                slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
+                if self.config.async_save
+                else state_dict
+            )
+        except BaseException:
+            # nothing was queued: leave the saver as if this call never happened, or the next save waits
+            # forever for this slot (max_in_flight=1) or references tensors this plan wrongly took as saved
+            self._undo_request(slot, base_failed)
+            raise
         if slot.deferred is not None:
             self._unfenced.append((slot.deferred, record))
         record.stage_s = time.perf_counter() - staging_started
@@ -325,6 +332,14 @@ class CheckpointSaver:
         except queue.Empty:
             log.info("rank %d: checkpoint of step %d waits for a previous save to commit", self.rank, step)
             return self._free_slots.get()
+
+    def _undo_request(self, slot: StagingBuffers, base_failed: bool) -> None:
+        """Undo what `save` did before its staging copy failed: the tracker's plan and the slot it took."""
+        if self._tracker is not None:
+            self._tracker.undo()
+            # only ever set back to True (a full next save): the worker may have set it meanwhile
+            self._base_failed = self._base_failed or base_failed
+        self._free_slots.put(slot)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():

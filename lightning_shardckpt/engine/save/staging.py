@@ -50,7 +50,8 @@ def _has_cuda_tensors(state: Any) -> bool:
 
 
 class StagingFailed(ShardCkptError):
-    """The background part of an overlapped staging copy failed: that checkpoint cannot commit."""
+    """Copying the state into staging memory failed (a value that cannot be copied, or the background part
+    of an overlapped copy): that checkpoint cannot commit."""
 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (live source, staging buffer), local tensors
@@ -156,6 +157,40 @@ def _fill(
     return copy.deepcopy(state)
 
 
+def _uncopyable(state: Any, prefix: str = "") -> tuple[str, Any] | None:
+    """The first non-tensor value `_fill` (or the buffer allocation) cannot deep-copy: (flattened key, value)."""
+    if isinstance(state, torch.Tensor) or state is None or isinstance(state, (int, float, str, bytes)):
+        return None
+    if isinstance(state, (dict, list, tuple)):
+        items = state.items() if isinstance(state, dict) else enumerate(state)
+        for key, value in items:
+            found = _uncopyable(value, f"{prefix}.{key}" if prefix else str(key))
+            if found is not None:
+                return found
+        return None
+    try:
+        copy.deepcopy(state)
+    except Exception:
+        return prefix, state
+    return None
+
+
+def _staging_failed(state_dict: dict[str, Any], err: Exception) -> StagingFailed:
+    """The error `stage` raises: names the value that could not be copied, when one is the cause, and the fix."""
+    found = _uncopyable(state_dict)
+    if found is None:
+        return StagingFailed(
+            f"copying the state into staging memory failed: {type(err).__name__}: {err}. Nothing was saved; "
+            "fix the cause and save again"
+        )
+    key, value = found
+    return StagingFailed(
+        f"cannot copy {key!r} ({type(value).__name__}) into the checkpoint: {type(err).__name__}: {err}. "
+        "Nothing was saved. Keep only tensors, containers and values copy.deepcopy can copy in the state dict "
+        "(drop that value or store something copyable in its place), then save again"
+    )
+
+
 def _nothing(fqn: str) -> bool:
     return False
 
@@ -183,7 +218,18 @@ class StagingBuffers:
         `fence()` returned, the caller must not change them. Tensors named in `skip` (unchanged since an
         incremental save's base) are not copied: the staged tree holds the live tensor, which the writer
         never reads (it writes a reference).
+
+        Raises StagingFailed (naming the value, when one cannot be copied) if the copy fails; nothing was
+        deferred then.
         """
+        try:
+            return self._stage(state_dict, defer, skip)
+        except StagingFailed:
+            raise
+        except Exception as err:
+            raise _staging_failed(state_dict, err) from err
+
+    def _stage(self, state_dict: dict[str, Any], defer: Callable[[str], bool] | None, skip: frozenset[str]) -> Any:
         signature = layout_signature(state_dict)
         on_cuda = _has_cuda_tensors(state_dict)
         if signature != self._signature:

@@ -1,0 +1,56 @@
+"""JSON documents read from storage, parsed within a size and a nesting-depth bound.
+
+Anything in a checkpoint root may have been written by someone else: a 6 KB `[[[...]]]` nested 3000 deep
+makes `json.loads` raise RecursionError, which no caller expects, and a nested document that does parse
+can still exhaust the stack of code that walks it later. Every JSON document read from storage (manifests,
+commit records, drill records, events, owner markers) goes through `loads`, which raises UnreadableJson (a
+ValueError) instead; each caller turns that into the problem of that one file (a corrupt checkpoint, an
+ignored record), never of the whole root.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# what lightning_shardckpt writes stays far below these: a manifest of a million chunks is ~200 MB, a commit
+# record, drill record, event or owner marker a few KB (with a user's hyperparameters, a few hundred KB)
+MANIFEST_MAX_BYTES = 1 << 30
+SMALL_MAX_BYTES = 4 << 20
+# ours nest under 10 levels; a user's config inside identity blocks may add a few dozen
+MAX_DEPTH = 100
+
+
+class UnreadableJson(ValueError):
+    """A document from storage is over its size bound, nested too deep, or not JSON; the message says which."""
+
+
+def loads(data: bytes, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse `data`; UnreadableJson when it holds more than `max_bytes` bytes, nests deeper than `max_depth`
+    levels or is not JSON."""
+    if len(data) > max_bytes:
+        raise UnreadableJson(f"{len(data)} bytes, over the {max_bytes} bytes such a file may hold")
+    try:
+        document = json.loads(data)
+    except RecursionError:
+        # the C parser recurses once per level: a document this deep is refused before any walk of ours
+        raise UnreadableJson(f"nested deeper than {max_depth} levels") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnreadableJson(f"not valid JSON ({err})") from err
+    if _deeper_than(document, max_depth):
+        raise UnreadableJson(f"nested deeper than {max_depth} levels")
+    return document
+
+
+def _deeper_than(document: Any, max_depth: int) -> bool:
+    """Whether containers nest more than `max_depth` levels; iterative, so no depth can exhaust the stack."""
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > max_depth:
+                    return True
+                stack.append((child, depth + 1))
+    return False
