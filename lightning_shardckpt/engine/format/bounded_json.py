@@ -25,9 +25,13 @@ class UnreadableJson(ValueError):
     """A document from storage is over its size bound, nested too deep, or not JSON; the message says which."""
 
 
-def loads(data: bytes, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+def loads(data: bytes, max_bytes: int, max_depth: int = MAX_DEPTH, schema_checked: tuple[str, ...] = ()) -> Any:
     """Parse `data`; UnreadableJson when it holds more than `max_bytes` bytes, nests deeper than `max_depth`
-    levels or is not JSON."""
+    levels or is not JSON.
+
+    `schema_checked`: top-level keys whose values a schema checks field by field (a manifest's tensor, object
+    and file tables): the depth walk skips them, since it would cost as much as the parse on a large manifest
+    and nothing walks those entries recursively: the schema reads the fields it knows, one level each."""
     if len(data) > max_bytes:
         raise UnreadableJson(f"{len(data)} bytes, over the {max_bytes} bytes such a file may hold")
     try:
@@ -37,7 +41,8 @@ def loads(data: bytes, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
         raise UnreadableJson(f"nested deeper than {max_depth} levels") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UnreadableJson(f"not valid JSON ({err})") from err
-    if _deeper_than(document, max_depth):
+    walked = {k: v for k, v in document.items() if k not in schema_checked} if isinstance(document, dict) else document
+    if _deeper_than(walked, max_depth):
         raise UnreadableJson(f"nested deeper than {max_depth} levels")
     return document
 
