@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from ..engine import catalog
 from ..engine.collectives import new_checkpoint_group
-from ..engine.config import SaveConfig, save_config_from
+from ..engine.config import LoadConfig, SaveConfig, save_config_from
 from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.save.saver import CheckpointSaver, PendingSave
@@ -134,9 +134,10 @@ class ShardedStrategy(StagingFence):
         self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
         started = time.perf_counter()
         root, which = self._resolve_source(str(checkpoint_path))
-        load_config, tier_fallbacks = self.load_config, []
+        load_config, tier_fallbacks, requested = self.load_config, [], which
         tiers = self._plan.tier_restore
-        if tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root:
+        from_tiers = tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root
+        if from_tiers:  # `root` becomes the picked checkpoint's directory, on whichever tier it was found
             root, load_config, tier_fallbacks = tiers.pick(which, self.load_config, self.checkpoint_group())
             which = "latest"
         if which == "latest" and not self._has_committed(root):
@@ -166,14 +167,7 @@ class ShardedStrategy(StagingFence):
                 target, root, which, config=load_config, strict=strict, process_group=self.checkpoint_group()
             )
         except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
-            if tier_fallbacks:  # the same checkpoint on the other tier (policies/tiers.py)
-                path, config, message = tier_fallbacks[0]
-                log.warning("%s (%s)", message, err)
-                self.last_load = load_checkpoint(
-                    target, path, config=config, strict=strict, process_group=self.checkpoint_group()
-                )
-            else:
-                self.last_load = self._load_last_good(err, target, root, which, strict)
+            self.last_load = self._load_fallback(err, target, root, requested, strict, tier_fallbacks, from_tiers)
         for index, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
         checkpoint = lightning_state.lightning_rest(
@@ -350,20 +344,50 @@ class ShardedStrategy(StagingFence):
             return self._plan.root, text
         return text, "latest"
 
+    def _load_fallback(
+        self,
+        err: CorruptCheckpoint,
+        target: dict[str, Any],
+        root: str,
+        which: str,
+        strict: bool,
+        tier_fallbacks: list[tuple[str, LoadConfig, str]],
+        from_tiers: bool,
+    ) -> LoadResult:
+        """After a load failed: the same checkpoint on the other tier (policies/tiers.py), then the last known-good."""
+        for path, config, message in tier_fallbacks:
+            log.warning("%s (%s)", message, err)
+            try:
+                return load_checkpoint(
+                    target, path, config=config, strict=strict, process_group=self.checkpoint_group()
+                )
+            except CorruptCheckpoint as again:  # every rank alike, as the first
+                err = again
+        return self._load_last_good(err, target, root, which, strict, from_tiers)
+
     def _load_last_good(
-        self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool
+        self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool, from_tiers: bool
     ) -> LoadResult:
         if which != "latest":
             raise err
-        good = self.broadcast(self._last_good_path(root))  # rank 0 lists: every rank decides alike
+        good, config = self._last_good(root, from_tiers)
         if good is None or not self._plan.fallback_to_last_good:
             raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
         log.warning(
             "the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good
         )
-        return load_checkpoint(
-            target, good, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
-        )
+        return load_checkpoint(target, good, config=config, strict=strict, process_group=self.checkpoint_group())
+
+    def _last_good(self, root: str, from_tiers: bool) -> tuple[str | None, LoadConfig]:
+        """(path, load config) of the last known-good checkpoint, every rank alike; (None, ...) without one.
+
+        A `latest` picked from the tiers looks in the tier roots (both tiers, what every rank can read),
+        where the drill records are: `root` is then the picked checkpoint's own directory, which holds none.
+        """
+        if from_tiers:
+            good = self._plan.tier_restore.last_good(self.load_config, self.checkpoint_group())  # collective
+            return good if good is not None else (None, self.load_config)
+        return self.broadcast(self._last_good_path(root)), self.load_config  # rank 0 lists: every rank alike
 
     def _last_good_path(self, root: str) -> str | None:
         if self.global_rank != 0:

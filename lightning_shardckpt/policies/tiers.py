@@ -238,6 +238,17 @@ class CheckpointTiers:
         ]
         return first.url, self._config_for(first.tier, base), fallbacks
 
+    def last_good(self, base: LoadConfig, group: Any) -> tuple[str, LoadConfig] | None:
+        """(path, load config) of the newest drilled checkpoint every rank can read, on either tier; collective.
+
+        Where a `latest` picked from the tiers falls back to: drill records live in a tier's root (the fast
+        tier's: drills run there), never inside the picked checkpoint's directory.
+        """
+        choices = choose(self.fast, self.durable, catalog.LAST_GOOD, group)
+        if not choices:
+            return None
+        return choices[0].url, self._config_for(choices[0].tier, base)
+
     def _config_for(self, tier: str, base: LoadConfig) -> LoadConfig:
         options = self.config.fast.storage_options if tier == FAST else self.config.durable.storage_options
         return replace(base, storage_options=dict(options))

@@ -100,3 +100,30 @@ def test_preemption_saves_on_the_fast_tier_then_flushes_the_copy_to_the_durable_
     durable = [e for e in catalog.list_checkpoints(fsio.resolve(str(tmp_path / "durable"))) if e.committed]
     assert [e.step for e in fast] == [3]
     assert [(e.checkpoint_id, e.step) for e in durable] == [(fast[0].checkpoint_id, 3)]  # flushed before the job ended
+
+
+def test_with_tiers_a_corrupt_latest_falls_back_to_the_last_good_of_the_tier_root(tmp_path):
+    """fallback_to_last_good with tiers reads the drill records of the tier roots, not of the picked checkpoint."""
+    from pathlib import Path
+
+    from lightning_shardckpt.engine.format import drill_records
+
+    fast = str(tmp_path / "fast")
+    options = {"fast": {"dirpath": fast}}
+    drill = {"every_n_checkpoints": 2, "probe": "tests.helpers.drill_probes:weighted_sum", "timeout_s": 120}
+    run_ranks(fit_tiers_on_rank, 2, options, 9, None, 3, None, drill, timeout_s=300)  # commits 3, 6, 9: 6 drilled
+    location = fsio.resolve(fast)
+    entries = [e for e in catalog.list_checkpoints(location) if e.committed]
+    states = drill_records.trust_states(location, entries)
+    assert [(e.step, states[e.name]) for e in entries] == [(3, "committed"), (6, "drilled"), (9, "committed")]
+
+    # the newest checkpoint goes bad after its commit (a flipped byte in a shard)
+    shard = next(Path(entries[2].path).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    resumed = run_ranks(
+        fit_tiers_on_rank, 2, options, 10, "latest", 3, None, {"fallback_to_last_good": True}, timeout_s=240
+    )
+    assert resumed[0].value["loaded_from"] == f"{fast}/{entries[1].name}"
+    assert resumed[0].value["at_start"]["global_step"] == 6

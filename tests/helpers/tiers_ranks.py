@@ -82,8 +82,14 @@ def fit_tiers_on_rank(
     ckpt_path: Any,
     every: int = 2,
     preempt_at: int | None = None,
+    drill: dict | None = None,
+    nodes: int = 1,
 ) -> dict:
-    """A Lightning fit with ShardedCheckpoint(tiers=...) (see tests/helpers/lightning_run.py for the module)."""
+    """A Lightning fit with ShardedCheckpoint(tiers=...) (see tests/helpers/lightning_run.py for the module).
+
+    `nodes > 1`: the ranks are spread over that many simulated nodes (one rank each, NODE_RANK = rank), so a
+    `{node_rank}` fast tier gives each rank its own node-local directory.
+    """
     import lightning.pytorch as pl
 
     from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
@@ -98,12 +104,14 @@ def fit_tiers_on_rank(
     )
 
     lightning_env(rank, world_size)
+    if nodes > 1:
+        node_env(rank, world_size, nodes)
     capture = CaptureAtStart()
-    checkpoint = ShardedCheckpoint(tiers=tiers_options, every_n_train_steps=every, log_artifact=False)
+    checkpoint = ShardedCheckpoint(tiers=tiers_options, every_n_train_steps=every, log_artifact=False, drill=drill)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=world_size,
-        num_nodes=1,
+        devices=world_size // nodes,
+        num_nodes=nodes,
         strategy=ShardedStrategy(parallelism="ddp"),
         max_steps=max_steps,
         logger=False,
@@ -121,3 +129,16 @@ def fit_tiers_on_rank(
         "loaded_from": loaded.path if loaded is not None else None,
         "counters": checkpoint.plugins.counters(),  # the tiers plug-in's: replicated, degraded_saves, ...
     }
+
+
+def node_env(rank: int, world_size: int, nodes: int) -> None:
+    """Torchelastic's variables for `world_size // nodes` ranks per node: this rank's node and place on it."""
+    per_node = world_size // nodes
+    os.environ.update(
+        {
+            "NODE_RANK": str(rank // per_node),
+            "GROUP_RANK": str(rank // per_node),
+            "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+        }
+    )
