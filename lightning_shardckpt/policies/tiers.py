@@ -50,6 +50,7 @@ class CheckpointTiers:
         self._degraded_saves = 0
         self._last_counters: dict[str, int] = {}  # the replicator's counters when it stopped (logged after close)
         self.run_id: str | None = None
+        self._committed_here: list[str] = []  # node-local fast tier, node > 0: this process's commits, in order
 
     # --- before training ---
     def preflight(self) -> None:
@@ -108,7 +109,7 @@ class CheckpointTiers:
             )
         )
         if self.config.fast.node_local and self.node_rank > 0 and self.local_rank == 0:
-            saver.add_listener(lambda record: self._prune_node_local())
+            saver.add_listener(self.prune_node_local)
 
     def close(self, timeout: float | None = None) -> None:
         """Bounded flush of pending copies (flush_timeout_s), then stop; the group goes once the thread is gone."""
@@ -203,18 +204,40 @@ class CheckpointTiers:
             newest = catalog.newest_committed(catalog.list_checkpoints(self.durable))
             retention.apply(self.durable, keep, None, run_id=newest.run_id if newest else None, just_committed=name)
 
-    def _prune_node_local(self) -> None:
-        """A node other than 0 holds shards of checkpoints whose manifest is on node 0: keep its newest few only."""
+    def prune_node_local(self, record: Any) -> list[str]:
+        """A node other than 0 holds shards of checkpoints whose manifest is on node 0: keep its newest few only.
+
+        Newest by commit order, as node 0's retention does (policies/retention.py), never by step: after a
+        rollback the new branch's commits are the newest whatever their steps. This node has no manifest (no
+        seq, no commit time), but it knows its own write order, which is the commit order: its ranks write a
+        checkpoint's shards before that checkpoint commits, and the next save starts only after (the commit is
+        collective). So: this process's commits in the order its saver reported them, newest; directories of
+        earlier processes by their modification time on this node's own disk (one clock, no other node's).
+        No collective, no durable-tier listing (it lags, may be absent, and copies only every N-th checkpoint).
+        Returns the directory names deleted.
+        """
+        if record.outcome == "committed" and record.path:
+            self._committed_here.append(record.path.rstrip("/").rsplit("/", 1)[-1])
         if not self.config.fast.keep_last:
-            return
+            return []
         keep = self.config.fast.keep_last + self.config.fast.max_unreplicated + 1
+        order = {name: index for index, name in enumerate(self._committed_here)}
+        deleted = []
         try:
-            listed = (info.rstrip("/").rsplit("/", 1)[-1] for info in self.fast.fs.ls(self.fast.path, detail=False))
-            checkpoints = sorted((parsed.step, name) for name in listed if (parsed := parse_dirname(name)) is not None)
-            for _, name in checkpoints[:-keep]:
+            infos = self.fast.fs.ls(self.fast.path, detail=True)
+            listed = [(str(info["name"]).rstrip("/").rsplit("/", 1)[-1], info) for info in infos]
+            # oldest first: earlier processes' directories by write time, then this process's commits in order
+            checkpoints = sorted(
+                (order.get(name, -1), _written_at(info), parsed.step, name)
+                for name, info in listed
+                if (parsed := parse_dirname(name)) is not None
+            )
+            for *_, name in checkpoints[:-keep]:
                 self.fast.fs.rm(f"{self.fast.path}/{name}", recursive=True)
+                deleted.append(name)
         except Exception:  # noqa: BLE001 - the next commit retries
             log.debug("pruning %s failed", self.fast.url, exc_info=True)
+        return deleted
 
     # --- restore ---
     def pick(
@@ -259,6 +282,12 @@ class CheckpointTiers:
             return False
         root = fsio.resolve(path.rstrip("/").rsplit("/", 1)[0], self.config.durable.storage_options)
         return root.same_place(self.durable)
+
+
+def _written_at(info: dict[str, Any]) -> float:
+    """A listed directory's modification time in seconds (local disks give `mtime`; object stores `LastModified`)."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
+    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0.0)
 
 
 def rank_zero() -> bool:

@@ -127,3 +127,23 @@ def test_with_tiers_a_corrupt_latest_falls_back_to_the_last_good_of_the_tier_roo
     )
     assert resumed[0].value["loaded_from"] == f"{fast}/{entries[1].name}"
     assert resumed[0].value["at_start"]["global_step"] == 6
+
+
+def test_after_a_rollback_node_1_keeps_the_new_branchs_shards_and_drops_the_abandoned_ones(tmp_path):
+    """Two simulated nodes (one rank each) with a node-local fast tier: node 1 prunes its shards by commit order."""
+    durable = str(tmp_path / "durable")
+    options = {
+        "fast": {"dirpath": str(tmp_path / "node{node_rank}"), "keep_last": 1, "max_unreplicated": 0},
+        "durable": {"dirpath": durable},
+        "flush_timeout_s": 60,
+    }
+    run_ranks(fit_tiers_on_rank, 2, options, 10, None, 2, None, None, 2, timeout_s=240)  # commits 2, 4, ..., 10
+    step_4 = next(e for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.step == 4)
+    # a rollback: resume from step 4 while 6..10 exist; the new branch commits 6 and 8 again
+    resumed = run_ranks(fit_tiers_on_rank, 2, options, 8, step_4.path, 2, None, None, 2, timeout_s=240)
+    assert resumed[0].value["at_start"]["global_step"] == 4
+    entries = catalog.list_checkpoints(fsio.resolve(durable))
+    newest = catalog.committed_of_run(entries, step_4.run_id)[-2:]  # commit order: the new branch's 6 and 8
+    assert [e.step for e in newest] == [6, 8]
+    # node 1 holds only its own shards; it keeps keep_last + max_unreplicated + 1 = 2 directories, the newest commits
+    assert sorted(os.listdir(tmp_path / "node1")) == sorted(e.name for e in newest)

@@ -12,6 +12,8 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname, new_checkpoint_id
+from lightning_shardckpt.engine.metrics import CheckpointRecord
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig, tiers_config_from
 from lightning_shardckpt.engine.tiers.replicate import REPLICATED_FROM, Replicator
@@ -158,6 +160,29 @@ def test_fast_retention_spares_unreplicated_checkpoints_up_to_max_unreplicated_t
     tiers.replicator = SimpleNamespace(newest_durable=names[5], snapshot=lambda: {})
     assert tiers.fast_spare(keep_last=1, run_id=run) == set()  # all replicated: plain keep_last
     assert [e.step for e in catalog.list_checkpoints(fsio.resolve(fast)) if e.committed] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_node_other_than_0_prunes_its_shard_directories_by_commit_order_not_by_step(tmp_path):
+    """After a rollback (resume from step 4 while 6-10 exist) the new branch's shards are the newest to keep."""
+    config = TiersConfig(fast=TierConfig(dirpath=str(tmp_path / "node{node_rank}"), keep_last=1, max_unreplicated=0))
+    tiers = CheckpointTiers(config, node_rank=1, local_rank=0)  # keeps keep_last + max_unreplicated + 1 = 2
+    node = tmp_path / "node1"
+
+    def shards(step: int, written_at: float) -> str:  # what node 1 holds of a checkpoint: its own shard file only
+        name = checkpoint_dirname(step, new_checkpoint_id())
+        (node / name).mkdir(parents=True)
+        (node / name / "__1_0.distcp").write_bytes(b"shard")
+        os.utime(node / name, (written_at, written_at))
+        return name
+
+    # an earlier process wrote steps 2..10 (an hour ago, in order); node 0's retention kept them all so far
+    earlier = [shards(step, time.time() - 3600 + step) for step in (2, 4, 6, 8, 10)]
+    branch = []
+    for step in (6, 8):  # this process resumed from step 4: the new branch commits 6 and 8 again
+        branch.append(shards(step, time.time()))
+        tiers.prune_node_local(CheckpointRecord(step=step, rank=1, outcome="committed", path=str(node / branch[-1])))
+    # the two newest commits are the new branch's; the abandoned branch's higher steps (8, 10) are gone
+    assert sorted(os.listdir(node)) == sorted(branch), (earlier, branch)
 
 
 def test_ls_shows_both_tiers_side_by_side_and_which_copy_latest_resumes(tmp_path, run_cli):
