@@ -23,7 +23,10 @@ def add_commands(commands: Any) -> None:
     )
     drill.add_argument("path", metavar="ROOT|CKPT", help="a root (drills its latest) or a checkpoint directory")
     drill.add_argument(
-        "--world-size", type=int, default=None, help="drill ranks (default: 1, or 2 when the writer had 1)"
+        "--world-size",
+        type=options.number("--world-size", integer=True, at_least=1),
+        default=None,
+        help="drill ranks (default: 1, or 2 when the writer had 1)",
     )
     drill.add_argument(
         "--probe",
@@ -31,11 +34,24 @@ def add_commands(commands: Any) -> None:
         metavar="MODULE:FUNCTION",
         help="a function of the model's state dict returning a float, compared with the value saved in the checkpoint",
     )
-    drill.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the probe comparison")
     drill.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds before the drill is killed and recorded as failed"
+        "--tolerance",
+        type=options.number("--tolerance", at_least=0),
+        default=1e-4,
+        help="relative tolerance of the probe comparison",
     )
-    drill.add_argument("--threads", type=int, default=1, help="torch threads per drill rank")
+    drill.add_argument(
+        "--timeout",
+        type=options.number("--timeout", above=0),
+        default=600.0,
+        help="seconds before the drill is killed and recorded as failed",
+    )
+    drill.add_argument(
+        "--threads",
+        type=options.number("--threads", integer=True, at_least=1),
+        default=1,
+        help="torch threads per drill rank",
+    )
     drill.set_defaults(run=cmd_drill)
     last_good = commands.add_parser(
         "last-good", parents=[options.common()], help="print the newest drilled (known-good) checkpoint of a root"

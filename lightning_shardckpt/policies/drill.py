@@ -34,6 +34,7 @@ from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.drill_records import FAILED, NOT_DRILLED, PASSED
 from ..engine.format.layout import join
+from ..engine.validate import require_number
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,19 @@ class DrillOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.world_size is not None and self.world_size < 1:
-            raise ConfigError(f"drill world_size={self.world_size} must be >= 1, or null to differ from the writer's")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"drill timeout_s={self.timeout_s} must be > 0 seconds")
-        if self.threads < 1:
-            raise ConfigError(f"drill threads={self.threads} must be >= 1")
+        require_number(
+            "drill.world_size",
+            self.world_size,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            none_means="differs from the writer's",
+        )
+        require_number("drill.timeout_s", self.timeout_s, above=0, hint="seconds")
+        require_number("drill.threads", self.threads, integer=True, at_least=1)
+        # NaN would compare False with every difference: a probe that changed would pass
+        require_number("drill.tolerance", self.tolerance, at_least=0, hint="relative, e.g. 1e-4")
+        require_number("drill.nice", self.nice, integer=True, at_least=0, at_most=19, hint="0: training's priority")
         if self.probe is not None and ":" not in self.probe:
             raise ConfigError(f"drill probe={self.probe!r} must be 'module:function', e.g. recipes.lm:probe")
 

@@ -21,7 +21,7 @@ import torch
 from ..engine import metrics
 from ..engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..engine.storage.fsio import Location
-from ..errors import ConfigError
+from ..engine.validate import require_number
 from .drill import DrillOptions, DrillRunner
 from .drill_worker import PROBE_EXTRA, load_callable
 from .options import options_from
@@ -50,13 +50,15 @@ class DrillConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.every_n_checkpoints is not None and self.every_n_checkpoints < 1:
-            raise ConfigError(f"drill.every_n_checkpoints={self.every_n_checkpoints} must be >= 1 or null (off)")
-        if self.keep_last_drilled < 0:
-            raise ConfigError(
-                f"drill.keep_last_drilled={self.keep_last_drilled} must be >= 0 (0 lets retention delete the last known-good)"
-            )
-        self.options()  # validates world_size, timeout_s, threads, probe
+        require_number("drill.every_n_checkpoints", self.every_n_checkpoints, integer=True, at_least=1, allow_none=True)
+        require_number(
+            "drill.keep_last_drilled",
+            self.keep_last_drilled,
+            integer=True,
+            at_least=0,
+            hint="0 lets retention delete the last known-good",
+        )
+        self.options()  # validates world_size, timeout_s, threads, tolerance, probe
 
     @property
     def enabled(self) -> bool:
