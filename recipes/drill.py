@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 @hydra.main(config_path="../conf", config_name="drill", version_base="1.3")
 def main(cfg: DictConfig) -> int:
     from lightning_shardckpt.policies.drill import DrillOptions, run_drill
+    from lightning_shardckpt.policies.drill_trust import spec_of
 
     options = DrillOptions(
         world_size=cfg.world_size,
@@ -30,6 +31,8 @@ def main(cfg: DictConfig) -> int:
         threads=cfg.threads,
         probe=cfg.probe,
         tolerance=cfg.tolerance,
+        trust_checkpoint=cfg.trust_checkpoint,
+        safe_globals=tuple(spec_of(name) for name in cfg.allow_globals),
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
     )
     record = run_drill(str(cfg.which), options, root=cfg.root)
@@ -41,6 +44,7 @@ def main(cfg: DictConfig) -> int:
                     "checkpoint",
                     "verdict",
                     "cause",
+                    "unpickle_trust",
                     "world_size",
                     "writer_world_size",
                     "time_to_resume_s",

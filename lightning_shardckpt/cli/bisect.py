@@ -28,7 +28,11 @@ def add_commands(commands: Any) -> None:
         "--run-id", default=None, help="bisect this run's lineage (default: the run `latest` comes from)"
     )
     search.add_argument(
-        "--top", type=int, default=DEFAULT_TOP, metavar="N", help="changed tensors listed (default: %(default)s)"
+        "--top",
+        type=options.number("--top", integer=True, at_least=0),
+        default=DEFAULT_TOP,
+        metavar="N",
+        help="changed tensors listed (default: %(default)s)",
     )
     search.set_defaults(run=cmd_bisect)
 

@@ -24,7 +24,11 @@ def add_commands(commands: Any) -> None:
         "--root", metavar="ROOT", help="the root in which selectors (references without '/') are resolved"
     )
     compare.add_argument(
-        "--top", type=int, default=20, metavar="N", help="tensors listed (default: %(default)s; 0: all)"
+        "--top",
+        type=options.number("--top", integer=True, at_least=0),
+        default=20,
+        metavar="N",
+        help="tensors listed (default: %(default)s; 0: all)",
     )
     compare.set_defaults(run=cmd_compare)
 

@@ -10,7 +10,8 @@ from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.layout import join, parse_dirname
 from ..engine.storage import fsio
-from ..errors import CheckpointNotFound
+from ..errors import CheckpointNotFound, ConfigError
+from ..policies import drill_trust
 from ..policies.drill import DrillOptions, run_drill
 from . import exit_codes, options
 
@@ -23,7 +24,10 @@ def add_commands(commands: Any) -> None:
     )
     drill.add_argument("path", metavar="ROOT|CKPT", help="a root (drills its latest) or a checkpoint directory")
     drill.add_argument(
-        "--world-size", type=int, default=None, help="drill ranks (default: 1, or 2 when the writer had 1)"
+        "--world-size",
+        type=options.number("--world-size", integer=True, at_least=1),
+        default=None,
+        help="drill ranks (default: 1, or 2 when the writer had 1)",
     )
     drill.add_argument(
         "--probe",
@@ -31,11 +35,40 @@ def add_commands(commands: Any) -> None:
         metavar="MODULE:FUNCTION",
         help="a function of the model's state dict returning a float, compared with the value saved in the checkpoint",
     )
-    drill.add_argument("--tolerance", type=float, default=1e-4, help="relative tolerance of the probe comparison")
     drill.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds before the drill is killed and recorded as failed"
+        "--tolerance",
+        type=options.number("--tolerance", at_least=0),
+        default=1e-4,
+        help="relative tolerance of the probe comparison",
     )
-    drill.add_argument("--threads", type=int, default=1, help="torch threads per drill rank")
+    drill.add_argument(
+        "--timeout",
+        type=options.number("--timeout", above=0),
+        default=600.0,
+        help="seconds before the drill is killed and recorded as failed",
+    )
+    drill.add_argument(
+        "--threads",
+        type=options.number("--threads", integer=True, at_least=1),
+        default=1,
+        help="torch threads per drill rank",
+    )
+    drill.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle any class the checkpoint names, as a run with trust_checkpoint=True resumes it (trusted "
+        "checkpoints only: unpickling can run code)",
+    )
+    drill.add_argument(
+        "--allow-global",
+        dest="safe_globals",
+        action="append",
+        type=_safe_global,
+        default=[],
+        metavar="MODULE.CLASS",
+        help="also allow this class, as torch.serialization.add_safe_globals does in the run (repeatable; "
+        "importable from here)",
+    )
     drill.set_defaults(run=cmd_drill)
     last_good = commands.add_parser(
         "last-good", parents=[options.common()], help="print the newest drilled (known-good) checkpoint of a root"
@@ -51,6 +84,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
         threads=args.threads,
         probe=args.probe,
         tolerance=args.tolerance,
+        trust_checkpoint=args.trust,
+        safe_globals=tuple(args.safe_globals),
         storage_options=args.storage_options,
     )
     record = run_drill(args.path, options)
@@ -107,6 +142,13 @@ def cmd_last_good(args: argparse.Namespace) -> int:
     else:
         print(path)
     return exit_codes.OK
+
+
+def _safe_global(name: str) -> str:
+    try:
+        return drill_trust.spec_of(name)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _rounded(timings: dict[str, float]) -> dict[str, float]:

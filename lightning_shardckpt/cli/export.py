@@ -93,7 +93,10 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text.strip())
     if match is None or match["unit"].upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MiB or a number of bytes")
-    return int(float(match["number"]) * _UNITS[match["unit"].upper()])
+    size = int(float(match["number"]) * _UNITS[match["unit"].upper()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte; write e.g. 5GB, 500MiB or a number of bytes")
+    return size
 
 
 _EXPORT_EPILOG = """\

@@ -24,7 +24,9 @@ def add_commands(commands: Any) -> None:
     gc.add_argument("root", metavar="ROOT")
     gc.add_argument(
         "--grace-minutes",
-        type=_non_negative,
+        type=options.number(
+            "--grace-minutes", at_least=0, too_small="is negative", hint="0: every uncommitted directory"
+        ),
         default=DEFAULT_GRACE_S / 60,
         metavar="N",
         help="only directories whose newest file is older than this are removed; a younger one may be a save "
@@ -70,16 +72,6 @@ def _print_gc(report: GcReport, grace_minutes: float) -> None:
     else:
         print(f"removed {summary} older than {grace_minutes:g} min")
     print(f"kept {len(committed)} committed checkpoint(s) untouched")
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
-    if value < 0 or value != value:
-        raise argparse.ArgumentTypeError(f"{text} is negative; use 0 (every uncommitted directory) or more minutes")
-    return value
 
 
 _GC_EPILOG = """\

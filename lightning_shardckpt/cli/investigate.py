@@ -37,7 +37,7 @@ def add_commands(commands: Any) -> None:
     timeline.add_argument("root", metavar="ROOT")
     timeline.add_argument(
         "--grace",
-        type=float,
+        type=options.number("--grace", at_least=0, too_small="is negative"),
         default=investigate.IN_FLIGHT_GRACE_S,
         metavar="SECONDS",
         help="an uncommitted directory last written less than this ago, with no failure event, is in-flight "

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
+
+from ..engine.validate import require_number
+from ..errors import ConfigError
 
 
 def common() -> argparse.ArgumentParser:
@@ -31,3 +35,24 @@ def storage_option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)  # true, 3, {"region_name": "x"} keep their types
     except json.JSONDecodeError:
         return key, value
+
+
+def number(flag: str, **rules: Any) -> Callable[[str], Any]:
+    """An argparse `type=` for a numeric flag, checked by the options' own validator (engine/validate.py):
+    `number("--tolerance", at_least=0)`. A bad value exits 2 with the usage line and the flag's rule."""
+
+    def parse(text: str) -> Any:
+        value: Any = text
+        for convert in (int, float):
+            try:
+                value = convert(text)
+                break
+            except ValueError:
+                continue
+        try:
+            return require_number(flag, value, **rules)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = "integer" if rules.get("integer") else "number"  # argparse names it in "invalid ... value"
+    return parse

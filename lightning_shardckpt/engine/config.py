@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from .validate import require_number
 
 VerifyMode = Literal["off", "sample", "full"]
 WhenBusy = Literal["wait", "skip"]
@@ -28,10 +29,9 @@ class VerifyConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("off", "sample", "full"):
             raise ConfigError(f"verify.mode={self.mode!r} is unknown; use 'off', 'sample' or 'full'")
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ConfigError(f"verify.fraction={self.fraction} is outside [0, 1]; 0.01 reads back 1% of each shard")
-        if self.min_chunks < 0:
-            raise ConfigError(f"verify.min_chunks={self.min_chunks} is negative; use 0 or more")
+        require_number("verify.fraction", self.fraction, at_least=0, at_most=1, hint="0.01 reads back 1% of each shard")
+        require_number("verify.min_chunks", self.min_chunks, integer=True, at_least=0)
+        require_number("verify.seed", self.seed, integer=True, allow_none=True, none_means="fresh randomness")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +74,12 @@ class SaveConfig:
     def __post_init__(self) -> None:
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
             raise ConfigError(f"run_id={self.run_id!r} must be a non-empty string, or null to generate one")
-        if self.collective_timeout_s <= 0:
-            raise ConfigError(
-                f"collective_timeout_s={self.collective_timeout_s} must be > 0; it bounds how long ranks wait for a dead peer"
-            )
+        require_number(
+            "collective_timeout_s",
+            self.collective_timeout_s,
+            above=0,
+            hint="seconds; it bounds how long ranks wait for a dead peer",
+        )
         if not isinstance(self.overlap_staging, bool):
             raise ConfigError(
                 f"overlap_staging={self.overlap_staging!r} must be true or false; true hides the staging copy behind the next step"
@@ -89,19 +91,20 @@ class SaveConfig:
                 "incremental=true with node_local=true is not supported yet (references would have to be "
                 "resolved per node); use one or the other"
             )
-        if not isinstance(self.full_every_n, int) or self.full_every_n < 1:
-            raise ConfigError(f"full_every_n={self.full_every_n!r} must be an integer >= 1 (1: every save is full)")
-        if self.max_in_flight < 1:
-            raise ConfigError(
-                f"max_in_flight={self.max_in_flight} leaves no room for the save being written; use >= 1 "
-                "(each in-flight save holds one host copy of the rank's state)"
-            )
+        require_number("full_every_n", self.full_every_n, integer=True, at_least=1, hint="1: every save is full")
+        require_number(
+            "max_in_flight",
+            self.max_in_flight,
+            integer=True,
+            at_least=1,
+            too_small="leaves no room for the save being written",
+            hint="each in-flight save holds one host copy of the rank's state",
+        )
         if self.when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy={self.when_busy!r} is unknown; use 'wait' (block) or 'skip' (drop this save)")
         if self.on_error not in ("log", "raise"):
             raise ConfigError(f"on_error={self.on_error!r} is unknown; use 'log' (keep training) or 'raise'")
-        if self.teardown_timeout_s < 0:
-            raise ConfigError(f"teardown_timeout_s={self.teardown_timeout_s} is negative; use 0 or more seconds")
+        require_number("teardown_timeout_s", self.teardown_timeout_s, at_least=0, hint="seconds")
 
 
 DEFAULT_READ_THREADS = 4  # several range reads in flight: what an object store needs; a local disk is not hurt
@@ -125,12 +128,15 @@ class LoadConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.read_threads < 1:
-            raise ConfigError(f"read_threads={self.read_threads} cannot read anything; use 1 or more")
-        if self.read_ahead_bytes < 1:
-            raise ConfigError(
-                f"read_ahead_bytes={self.read_ahead_bytes} holds no chunk; use a positive byte count (e.g. 268435456)"
-            )
+        require_number("read_threads", self.read_threads, integer=True, at_least=1, too_small="cannot read anything")
+        require_number(
+            "read_ahead_bytes",
+            self.read_ahead_bytes,
+            integer=True,
+            at_least=1,
+            too_small="holds no chunk",
+            hint="a byte count, e.g. 268435456",
+        )
 
 
 def save_config_from(options: Any, **overrides: Any) -> SaveConfig:

@@ -35,7 +35,7 @@ from ..engine import catalog
 from ..engine.format import references as refs
 from ..engine.format.layout import MANIFEST, join
 from ..engine.storage.fsio import Location
-from ..errors import ConfigError
+from ..engine.validate import require_number
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,9 @@ class GcReport:
 
 def plan(location: Location, grace_s: float = DEFAULT_GRACE_S) -> list[GcItem]:
     """What `collect` would do with each checkpoint directory under the root, oldest step first."""
-    if grace_s < 0:
-        raise ConfigError(f"grace={grace_s}s is negative; use 0 (remove every uncommitted directory) or more seconds")
+    require_number(
+        "grace_s", grace_s, at_least=0, too_small="is negative", hint="seconds; 0 removes every uncommitted directory"
+    )
     entries = catalog.list_checkpoints(location)
     pinned = refs.pinned_files(location, entries)  # the reachability retention uses (engine/format/references.py)
     return [_decide(entry, location, grace_s, pinned) for entry in entries]

@@ -34,7 +34,9 @@ from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.drill_records import FAILED, NOT_DRILLED, PASSED
 from ..engine.format.layout import join
+from ..engine.validate import require_number
 from ..errors import ConfigError
+from . import drill_trust
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +59,29 @@ class DrillOptions:
     trust_checkpoint: bool = (
         False  # True: the drill unpickles any class the checkpoint names (trusted checkpoints only)
     )
+    # classes the run added with torch.serialization.add_safe_globals, as "module:qualname" (policies/drill_trust.py):
+    # the drill processes allow them too, so a checkpoint the run resumes is one its drill restores
+    safe_globals: tuple[str, ...] = ()
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.world_size is not None and self.world_size < 1:
-            raise ConfigError(f"drill world_size={self.world_size} must be >= 1, or null to differ from the writer's")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"drill timeout_s={self.timeout_s} must be > 0 seconds")
-        if self.threads < 1:
-            raise ConfigError(f"drill threads={self.threads} must be >= 1")
+        require_number(
+            "drill.world_size",
+            self.world_size,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            none_means="differs from the writer's",
+        )
+        require_number("drill.timeout_s", self.timeout_s, above=0, hint="seconds")
+        require_number("drill.threads", self.threads, integer=True, at_least=1)
+        # NaN would compare False with every difference: a probe that changed would pass
+        require_number("drill.tolerance", self.tolerance, at_least=0, hint="relative, e.g. 1e-4")
+        require_number("drill.nice", self.nice, integer=True, at_least=0, at_most=19, hint="0: training's priority")
+        if any(not isinstance(spec, str) or ":" not in spec for spec in self.safe_globals):
+            raise ConfigError(
+                f"drill safe_globals={self.safe_globals!r} must be 'module:qualname' names, e.g. mypkg.state:MyState"
+            )
         if self.probe is not None and ":" not in self.probe:
             raise ConfigError(f"drill probe={self.probe!r} must be 'module:function', e.g. recipes.lm:probe")
 
@@ -83,6 +99,7 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
     """
     options = options or DrillOptions()
     _check_probe_importable(options.probe)  # the operator's mistake is not the checkpoint's: refuse, record nothing
+    drill_trust.check_importable(options.safe_globals)
     location, entry = catalog.open_checkpoint(
         root or checkpoint, checkpoint if root else "latest", options.storage_options
     )
@@ -98,6 +115,9 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
         "writer_world_size": writer_world,
         "started_at": _now(),
         "probe": options.probe,
+        # the run's trust, carried over (policies/drill_trust.py): what this drill let the checkpoint unpickle
+        "unpickle_trust": drill_trust.label(options.trust_checkpoint, options.safe_globals),
+        "allowed_globals": list(options.safe_globals),
     }
     outcome = _run_ranks(path, world_size, options, record)
     if outcome.get("verdict") == PASSED:
@@ -235,6 +255,8 @@ def _start_rank(
         command += ["--probe", options.probe]
     if options.trust_checkpoint:
         command.append("--trust")
+    for spec in options.safe_globals:
+        command += ["--safe-global", spec]
     threads = str(options.threads)
     env = {
         **os.environ,

@@ -38,6 +38,7 @@ from ..engine.config import LoadConfig
 from ..engine.format import safe_pickle
 from ..engine.load.loader import load_checkpoint
 from ..errors import ShardCkptError
+from . import drill_trust
 
 IMPORTED = time.time()  # interpreter start + torch, DCP and engine imports: part of any resume's time
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def drill(args: argparse.Namespace, timings: dict[str, float]) -> dict[str, Any]:
     started = time.time()
+    drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
     storage_options = json.loads(args.storage_options) if args.storage_options else {}
     _, entry = catalog.open_checkpoint(args.checkpoint, storage_options=storage_options)
     manifest = entry.manifest
@@ -334,6 +336,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout-s", type=float, default=300.0)
     parser.add_argument(
         "--trust", action="store_true", help="unpickle any class the checkpoint names (trusted checkpoints only)"
+    )
+    parser.add_argument(
+        "--safe-global",
+        action="append",
+        default=[],
+        metavar="MODULE:QUALNAME",
+        help="a class the run allowed with torch.serialization.add_safe_globals (repeatable)",
     )
     return parser.parse_args(argv)
 

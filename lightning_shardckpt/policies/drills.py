@@ -21,7 +21,8 @@ import torch
 from ..engine import metrics
 from ..engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..engine.storage.fsio import Location
-from ..errors import ConfigError
+from ..engine.validate import require_number
+from . import drill_trust
 from .drill import DrillOptions, DrillRunner
 from .drill_worker import PROBE_EXTRA, load_callable
 from .options import options_from
@@ -50,25 +51,36 @@ class DrillConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.every_n_checkpoints is not None and self.every_n_checkpoints < 1:
-            raise ConfigError(f"drill.every_n_checkpoints={self.every_n_checkpoints} must be >= 1 or null (off)")
-        if self.keep_last_drilled < 0:
-            raise ConfigError(
-                f"drill.keep_last_drilled={self.keep_last_drilled} must be >= 0 (0 lets retention delete the last known-good)"
-            )
-        self.options()  # validates world_size, timeout_s, threads, probe
+        require_number("drill.every_n_checkpoints", self.every_n_checkpoints, integer=True, at_least=1, allow_none=True)
+        require_number(
+            "drill.keep_last_drilled",
+            self.keep_last_drilled,
+            integer=True,
+            at_least=0,
+            hint="0 lets retention delete the last known-good",
+        )
+        self.options()  # validates world_size, timeout_s, threads, tolerance, probe
 
     @property
     def enabled(self) -> bool:
         return self.every_n_checkpoints is not None
 
-    def options(self, storage_options: dict[str, Any] | None = None) -> DrillOptions:
+    def options(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        trust_checkpoint: bool = False,
+        safe_globals: tuple[str, ...] = (),
+    ) -> DrillOptions:
+        """How one drill runs; `trust_checkpoint` and `safe_globals` are the run's (policies/drill_trust.py)."""
         return DrillOptions(
             world_size=self.world_size,
             timeout_s=self.timeout_s,
             threads=self.threads,
             probe=self.probe,
             tolerance=self.tolerance,
+            trust_checkpoint=trust_checkpoint,
+            safe_globals=safe_globals,
             storage_options=dict(storage_options or {}),
         )
 
@@ -95,6 +107,7 @@ class TrainingDrills(Plugin):
         self.config = config
         self._location = location
         self._storage_options = dict(storage_options or {})
+        self._trust_checkpoint = False  # the run's LoadConfig.trust_checkpoint, from the plan (shape_plan)
         self._runner: DrillRunner | None = None
         self._committed = 0
         self._lock = threading.Lock()
@@ -106,6 +119,7 @@ class TrainingDrills(Plugin):
     def shape_plan(self, plan: Any, placement: Any) -> Any:
         """The fallback option goes to the strategy; no drills where no node holds a whole checkpoint."""
         tiers = plan.tier_restore
+        self._trust_checkpoint = plan.load.trust_checkpoint  # a drill unpickles what the run's resume does
         if plan.save.node_local and placement.num_nodes > 1 and self.config.every_n_checkpoints:
             # a drill restores from the coordinator's node, whose fast directory holds only its own ranks' shards
             log.warning(
@@ -178,7 +192,13 @@ class TrainingDrills(Plugin):
         if checkpoint_path.rstrip("/").rsplit("/", 1)[-1] in self.pending():
             return  # already queued: a second drill of it proves nothing new
         if self._runner is None:
-            self._runner = DrillRunner(self.config.options(self._storage_options), self.record_result)
+            # the run's trust as it stands at its first drill: the user's add_safe_globals ran before fit
+            options = self.config.options(
+                self._storage_options,
+                trust_checkpoint=self._trust_checkpoint,
+                safe_globals=drill_trust.process_safe_globals(),
+            )
+            self._runner = DrillRunner(options, self.record_result)
         self._runner.request(checkpoint_path)
 
     def record_result(self, record: dict[str, Any]) -> None:  # the drill thread: one finished drill
@@ -265,6 +285,7 @@ def _summary(record: dict[str, Any]) -> dict[str, Any]:
         "read_gbps",
         "bytes_read",
         "timings",
+        "unpickle_trust",
     )
     out = {key: record.get(key) for key in keys if key in record}
     out["trust"] = {PASSED: DRILLED, FAILED: "drill-failed"}.get(record.get("verdict"), NOT_DRILLED)

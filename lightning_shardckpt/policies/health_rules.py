@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.validate import require_number
 from ..errors import ConfigError
 
 # --- metrics, as health rules see them (policies/health_observe.py derives them from events) ---
@@ -67,6 +68,7 @@ SLICES = (RUN, RANK, CAUSE, ROOT)
 SEVERITIES = ("info", "warning", "error", "critical")
 BUILTIN_MITIGATIONS = ("alert", "lower_frequency", "skip_when_busy", "drill_now", "stop_training")
 STATIC, LEARNED = "static", "learned"
+LOWER_FREQUENCY_OPTIONS = ("factor", "max_factor")  # numbers policies/mitigations.py multiplies the save interval by
 ABOVE, BELOW, BOTH = "above", "below", "both"
 
 
@@ -96,17 +98,21 @@ class NormalRange:
             raise ConfigError(
                 f"range.kind={self.kind!r} is unknown; use 'static' (min/max) or 'learned' (median ± k·MAD)"
             )
+        # a NaN bound compares False with every value: the rule could never fire
+        require_number("range.min", self.min, allow_none=True, none_means="no lower bound")
+        require_number("range.max", self.max, allow_none=True, none_means="no upper bound")
+        require_number("range.warmup", self.warmup, integer=True, at_least=1, hint="in-range values before learning")
+        require_number("range.window", self.window, integer=True, at_least=2, hint="values the baseline remembers")
+        require_number("range.k", self.k, above=0, hint="the band is median ± k·MAD")
+        require_number("range.floor", self.floor, at_least=0, hint="in the metric's unit")
+        require_number("range.relative_floor", self.relative_floor, at_least=0, hint="0.5: ±50 % of the median")
         if self.kind == STATIC and self.min is None and self.max is None:
             raise ConfigError("a static range needs min, max or both (e.g. range: {kind: static, max: 30})")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ConfigError(f"range.min={self.min} is above range.max={self.max}")
-        if self.warmup < 1 or self.window < 2 or self.window < self.warmup:
+        if self.window < self.warmup:
             raise ConfigError(
                 f"range needs warmup >= 1 and window >= max(2, warmup); got warmup={self.warmup}, window={self.window}"
-            )
-        if self.k <= 0 or self.floor < 0 or self.relative_floor < 0:
-            raise ConfigError(
-                f"range.k={self.k} must be > 0, range.floor={self.floor} and range.relative_floor={self.relative_floor} >= 0"
             )
         if self.direction not in (ABOVE, BELOW, BOTH):
             raise ConfigError(
@@ -123,12 +129,16 @@ class Persistence:
     resolve_after: int = 3  # consecutive in-range evaluations
 
     def __post_init__(self) -> None:
-        if self.fire_after < 1 or self.resolve_after < 1:
-            raise ConfigError(
-                f"persistence needs fire_after >= 1 and resolve_after >= 1; got {self.fire_after}, {self.resolve_after}"
-            )
-        if self.fire_after_s is not None and self.fire_after_s <= 0:
-            raise ConfigError(f"persistence.fire_after_s={self.fire_after_s} must be > 0 or null")
+        require_number("persistence.fire_after", self.fire_after, integer=True, at_least=1, hint="evaluations")
+        require_number(
+            "persistence.fire_after_s",
+            self.fire_after_s,
+            above=0,
+            allow_none=True,
+            none_means="count evaluations only",
+            hint="seconds",
+        )
+        require_number("persistence.resolve_after", self.resolve_after, integer=True, at_least=1, hint="evaluations")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +182,15 @@ class HealthRule:
             raise ConfigError(
                 f"health rule {self.name!r} has no mitigation; use one of {list(BUILTIN_MITIGATIONS)} or 'module:function'"
             )
+        if self.mitigation == "lower_frequency":
+            for option in LOWER_FREQUENCY_OPTIONS:
+                if option in self.mitigation_options:
+                    require_number(
+                        f"health rule {self.name!r}: mitigation_options.{option}",
+                        self.mitigation_options[option],
+                        at_least=1,
+                        hint="a save-interval multiplier; 2 saves half as often",
+                    )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,8 +212,7 @@ class HealthConfig:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ConfigError(f"health rules {twice} are defined twice; rule names must be unique")
-        if self.alert_every_s < 0:
-            raise ConfigError(f"health.alert_every_s={self.alert_every_s} must be >= 0")
+        require_number("health.alert_every_s", self.alert_every_s, at_least=0, hint="seconds")
 
 
 def rule_from(value: Any) -> HealthRule:
@@ -220,10 +238,16 @@ def rule_from(value: Any) -> HealthRule:
                     f"health rule {value.get('name')!r}: unknown {key} field(s) {sorted(set(converted[key]) - fields)}; "
                     f"known: {sorted(fields)}"
                 )
-            converted[key] = cls(**converted[key])
     try:
+        for key, cls in blocks.items():
+            if isinstance(converted.get(key), dict):
+                converted[key] = cls(**converted[key])
         return HealthRule(**converted)
     except TypeError as err:
+        raise ConfigError(f"health rule {value.get('name')!r}: {err}") from err
+    except ConfigError as err:
+        if str(err).startswith("health rule "):
+            raise
         raise ConfigError(f"health rule {value.get('name')!r}: {err}") from err
 
 
@@ -246,7 +270,7 @@ def health_config_from(value: Any) -> HealthConfig:
     if unknown:
         raise ConfigError(f"unknown health option(s) {sorted(unknown)}; known: ['alert_every_s', 'rules']")
     rules = tuple(rule_from(rule) for rule in value.get("rules") or ())
-    return HealthConfig(rules=rules, alert_every_s=float(value.get("alert_every_s", HealthConfig.alert_every_s)))
+    return HealthConfig(rules=rules, alert_every_s=value.get("alert_every_s", HealthConfig.alert_every_s))
 
 
 def load_rules_file(path: str | Path) -> HealthConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..engine.validate import require_number
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,19 +24,36 @@ class CallbackConfig:
     resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
 
     def __post_init__(self) -> None:
-        _positive_or_none(
-            "every_n_train_steps", self.every_n_train_steps, "every_n_train_steps=100 saves every 100 steps"
+        require_number(
+            "every_n_train_steps",
+            self.every_n_train_steps,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            hint="every_n_train_steps=100 saves every 100 steps",
         )
-        _positive_or_none("every_n_minutes", self.every_n_minutes, "every_n_minutes=30 saves every half hour")
-        _positive_or_none(
-            "keep_every_n_steps", self.keep_every_n_steps, "keep_every_n_steps=1000 keeps every 1000th step"
+        require_number(
+            "every_n_minutes",
+            self.every_n_minutes,
+            above=0,
+            allow_none=True,
+            hint="every_n_minutes=30 saves every half hour",
         )
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigError(
-                f"keep_last={self.keep_last} would delete the checkpoint being written; use >= 1 (or null to keep all)"
-            )
-
-
-def _positive_or_none(name: str, value: float | None, example: str) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"{name}={value} must be > 0 or null (off); e.g. {example}")
+        require_number(
+            "keep_every_n_steps",
+            self.keep_every_n_steps,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            none_means="none",
+            hint="keep_every_n_steps=1000 keeps every 1000th step",
+        )
+        require_number(
+            "keep_last",
+            self.keep_last,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            none_means="keep all",
+            too_small="would delete the checkpoint being written",
+        )

@@ -102,7 +102,7 @@ def _only_record(location: fsio.Location, name: str) -> dict:
 def test_unknown_drill_options_are_refused_before_training():
     with pytest.raises(ValueError, match=r"unknown drill option\(s\) \['every_n'\]"):
         ShardedCheckpoint("/tmp/x", drill={"every_n": 1})
-    with pytest.raises(ValueError, match="every_n_checkpoints=0 must be >= 1"):
+    with pytest.raises(ValueError, match="every_n_checkpoints=0 is below 1; use an integer >= 1"):
         ShardedCheckpoint("/tmp/x", drill={"every_n_checkpoints": 0})
     with pytest.raises(ValueError, match="must be 'module:function'"):
         ShardedCheckpoint("/tmp/x", drill={"every_n_checkpoints": 1, "probe": "no_colon"})

@@ -192,7 +192,7 @@ def test_drill_and_resume_events_feed_the_restore_rules():
         ({"severity": "loud"}, "severity 'loud' is unknown"),
         ({"range": {"kind": "static"}}, "needs min, max or both"),
         ({"range": {"kind": "learned", "warmup": 10, "window": 5}}, "window >= max(2, warmup)"),
-        ({"persistence": {"fire_after": 0}}, "fire_after >= 1"),
+        ({"persistence": {"fire_after": 0}}, "persistence.fire_after=0 is below 1"),
         ({"threshold": 3}, "unknown field(s) ['threshold']"),
         ({"range": {"kind": "static", "max": 1, "ceiling": 2}}, "unknown range field(s) ['ceiling']"),
     ],

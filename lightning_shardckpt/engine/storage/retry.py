@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..validate import require_number
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -88,10 +90,11 @@ class RetryPolicy:
     jitter: bool = True  # sleep a random share of the backoff ("full jitter"), so ranks do not retry in lockstep
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"attempts={self.attempts} would never try the operation; use >= 1")
-        if self.base_s < 0 or self.max_s < 0:
-            raise ValueError(f"backoff times must be >= 0 (base_s={self.base_s}, max_s={self.max_s})")
+        require_number(
+            "retry.attempts", self.attempts, integer=True, at_least=1, too_small="would never try the operation"
+        )
+        require_number("retry.base_s", self.base_s, at_least=0, hint="seconds")
+        require_number("retry.max_s", self.max_s, at_least=0, hint="seconds")
 
     def backoff_s(self, retry_number: int, rng: random.Random | None = None) -> float:
         """Seconds to sleep before retry `retry_number` (1-based)."""

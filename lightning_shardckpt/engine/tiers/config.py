@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import ConfigError
+from ..validate import require_number
 
 NODE_RANK = "{node_rank}"
 
@@ -45,22 +46,34 @@ class TierConfig:
             raise ConfigError(
                 f"tier dirpath={self.dirpath!r} has a placeholder other than {NODE_RANK}; only the node rank is substituted"
             )
-        if self.every_n_checkpoints is not None and self.every_n_checkpoints < 1:
-            raise ConfigError(
-                f"every_n_checkpoints={self.every_n_checkpoints} must be >= 1 or null; 1 copies every checkpoint"
-            )
-        if self.every_minutes is not None and self.every_minutes <= 0:
-            raise ConfigError(
-                f"every_minutes={self.every_minutes} must be > 0 or null; e.g. 30 copies at most every half hour"
-            )
+        require_number(
+            "every_n_checkpoints",
+            self.every_n_checkpoints,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            none_means="every one, unless every_minutes",
+            hint="1 copies every checkpoint",
+        )
+        require_number(
+            "every_minutes",
+            self.every_minutes,
+            above=0,
+            allow_none=True,
+            hint="30 copies at most every half hour",
+        )
         if self.every_n_checkpoints is not None and self.every_minutes is not None:
             raise ConfigError("set every_n_checkpoints or every_minutes on a tier, not both")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigError(
-                f"keep_last={self.keep_last} would delete the checkpoint being written; use >= 1 (or null to keep all)"
-            )
-        if self.max_unreplicated < 0:
-            raise ConfigError(f"max_unreplicated={self.max_unreplicated} is negative; use 0 or more checkpoints")
+        require_number(
+            "keep_last",
+            self.keep_last,
+            integer=True,
+            at_least=1,
+            allow_none=True,
+            none_means="keep all",
+            too_small="would delete the checkpoint being written",
+        )
+        require_number("max_unreplicated", self.max_unreplicated, integer=True, at_least=0, hint="checkpoints")
 
     @property
     def node_local(self) -> bool:
@@ -99,16 +112,14 @@ class TiersConfig:
                 "the fast tier receives every save; set the save cadence on the callback (every_n_train_steps), "
                 "and every_n_checkpoints / every_minutes on the durable tier"
             )
-        if self.flush_timeout_s < 0:
-            raise ConfigError(
-                f"flush_timeout_s={self.flush_timeout_s} is negative; use 0 (do not wait) or more seconds"
-            )
-        if self.retry_backoff_s <= 0 or self.retry_backoff_max_s < self.retry_backoff_s:
+        require_number("flush_timeout_s", self.flush_timeout_s, at_least=0, hint="seconds; 0: do not wait")
+        require_number("retry_backoff_s", self.retry_backoff_s, above=0, hint="seconds")
+        require_number("retry_backoff_max_s", self.retry_backoff_max_s, above=0, hint="seconds")
+        require_number("collective_timeout_s", self.collective_timeout_s, above=0, hint="seconds")
+        if self.retry_backoff_max_s < self.retry_backoff_s:
             raise ConfigError(
                 f"retry_backoff_s={self.retry_backoff_s} must be > 0 and <= retry_backoff_max_s={self.retry_backoff_max_s}"
             )
-        if self.collective_timeout_s <= 0:
-            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0")
 
     def backoff_s(self, failures: int) -> float:
         return min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** max(0, failures - 1))
@@ -142,7 +153,10 @@ def _tier(value: Any, name: str) -> TierConfig:
         raise ConfigError(f"unknown tiers.{name} option(s) {sorted(unknown)}; known: {sorted(known)}")
     values = dict(value)
     values["storage_options"] = dict(values.get("storage_options") or {})
-    return TierConfig(**values)
+    try:
+        return TierConfig(**values)
+    except ConfigError as err:  # which tier's option: both have keep_last
+        raise ConfigError(f"tiers.{name}: {err}") from err
 
 
 def _plain(value: Any) -> Any:
