@@ -389,13 +389,13 @@ def test_lightning_remove_checkpoint_goes_through_reachability(tmp_path):
     assert verify_checkpoint(str(tmp_path), 2).ok
 
 
-def test_export_and_compare_follow_references(tmp_path):
+def test_export_and_compare_follow_references(tmp_path, tmp_path_factory):
     from lightning_shardckpt.engine.load.global_tensors import GlobalTensorReader
     from lightning_shardckpt.ops.compare import compare_readers, summary
     from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
 
     snapshots, results, _, _ = run(tmp_path, 3)
-    out = str(tmp_path / "out.pt")
+    out = str(tmp_path_factory.mktemp("exports") / "out.pt")  # outside the root: export never writes into one
     export_checkpoint(results[2].path, out, ExportOptions(format="torch"))
     exported = torch.load(out, weights_only=True)
     for name, tensor in snapshots[2]["model"].items():
