@@ -136,7 +136,10 @@ class ShardedStrategy(StagingFence):
         root, which = self._resolve_source(str(checkpoint_path))
         load_config, tier_fallbacks = self.load_config, []
         tiers = self._plan.tier_restore
-        if tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root:
+        through_tiers = tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root
+        if not through_tiers:  # an explicit path to the root itself may still be restored from another tier
+            self._refuse_a_path_without_a_checkpoint(str(checkpoint_path), root)
+        if through_tiers:
             root, load_config, tier_fallbacks = tiers.pick(which, self.load_config, self.checkpoint_group())
             which = "latest"
         if which == "latest" and not self._has_committed(root):
@@ -349,6 +352,18 @@ class ShardedStrategy(StagingFence):
                 )
             return self._plan.root, text
         return text, "latest"
+
+    def _refuse_a_path_without_a_checkpoint(self, asked: str, root: str) -> None:
+        """A path given explicitly must hold a committed checkpoint: only a selector ('latest') may start
+        fresh. Starting fresh from a typo'd or emptied path would train from scratch and exit 0."""
+        if asked != root or self._has_committed(root):  # a selector, or a path that holds one
+            return
+        found = catalog.describe_contents(fsio.resolve(root, self.load_config.storage_options))
+        raise CheckpointNotFound(
+            f"ckpt_path={asked!r} holds no committed checkpoint: found {found}; pass a checkpoint root or "
+            "checkpoint directory that holds one (`shardckpt ls ROOT` lists them), or ckpt_path='latest' "
+            "(Hydra: resume=latest) to resume from the callback's root, starting fresh if it is empty"
+        )
 
     def _load_last_good(
         self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool
