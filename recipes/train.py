@@ -225,8 +225,37 @@ def wandb_run_dir(logger: Any) -> str | None:
     return os.path.dirname(files_dir) if files_dir else None
 
 
+class JobFailed(SystemExit):
+    """The library refused or failed with its own error (ShardCkptError): its message names the fix, so
+    it is printed once, on rank 0, as one line; every rank exits 2. Hydra lets SystemExit through."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+
+def debugging() -> bool:
+    """A traceback is wanted: SHARDCKPT_DEBUG=1 in the environment, or Hydra's hydra.verbose."""
+    return os.environ.get("SHARDCKPT_DEBUG", "") not in ("", "0") or bool(HydraConfig.get().verbose)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_shardckpt.errors import ShardCkptError
+
+    try:
+        train(cfg)
+    except ShardCkptError as err:
+        if debugging():
+            raise  # Hydra prints the traceback (HYDRA_FULL_ERROR=1 for all of it)
+        if rank_zero_only.rank == 0:  # every rank raised the same error: one line is enough
+            message = " ".join(str(err).split())
+            print(f"error: {message} ({type(err).__name__}; SHARDCKPT_DEBUG=1 for the traceback)", file=sys.stderr)
+        raise JobFailed() from None
+
+
+def train(cfg: DictConfig) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.utilities import rank_zero_only
 

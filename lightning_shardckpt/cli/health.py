@@ -6,9 +6,10 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import ConfigError, ShardCkptError
 from ..ops.health_report import evaluate_root, plot
 from ..ops.investigate import open_root
-from ..policies.health_rules import load_rules_file
+from ..policies.health_rules import HealthConfig, load_rules_file
 from . import exit_codes, options
 
 
@@ -34,9 +35,26 @@ def add_commands(commands: Any) -> None:
     health.set_defaults(run=cmd_health)
 
 
+def _rules_file(path: str) -> HealthConfig:
+    """The rules of `--rules`; a file that does not parse or holds a wrong type is a ConfigError naming it
+    (exit 2, could not run), never a crash that exits 1, which means "a rule fires"."""
+    try:
+        return load_rules_file(path)
+    except Exception as err:  # noqa: BLE001 - YAML syntax, a string where a number goes: the file is the problem
+        message = " ".join(str(err).split())
+        if isinstance(err, ShardCkptError):
+            if path in message:
+                raise
+            raise ConfigError(f"health rules file {path}: {message}") from err
+        raise ConfigError(
+            f"health rules file {path} cannot be used ({type(err).__name__}: {message}); fix the file "
+            "(conf/health/default.yaml shows every field with its type)"
+        ) from err
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     location = open_root(args.root, args.storage_options)
-    config = load_rules_file(args.rules) if args.rules else None
+    config = _rules_file(args.rules) if args.rules else None
     report = evaluate_root(location, config)
     if args.plot:
         panels = plot(report, args.plot)

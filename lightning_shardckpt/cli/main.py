@@ -13,14 +13,18 @@
     shardckpt export CKPT OUT              one torch or safetensors file (or shards) of the global tensors
 
 Each command group is a module here that registers itself with `add_commands(commands)`; this one only builds the
-parser from COMMAND_MODULES and dispatches. Exit codes: exit_codes.py (0 ok, 1 found a problem, 2 could not run).
+parser from COMMAND_MODULES and dispatches. Exit codes: exit_codes.py (0 ok, 1 found a problem, 2 could not run),
+shown in every command's --help. Any error while a command runs is one line on stderr and exit 2, never a
+traceback (SHARDCKPT_DEBUG=1 or --debug adds it) and never exit 1, which means "found a problem".
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 
 from ..errors import ShardCkptError
 from . import bisect, compare, drill, exit_codes, export, gc, health, investigate, listing, verify
@@ -40,19 +44,47 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(levelname)s: %(message)s", stream=sys.stderr)
     try:
         return args.run(args)
-    except (ShardCkptError, OSError) as err:
-        # one line, no traceback: the message already says what went wrong and what to do
-        kind = type(err).__name__
-        message = " ".join(str(err).split()) or kind
-        print(f"{PROG}: error: {message}" + ("" if isinstance(err, ShardCkptError) else f" ({kind})"), file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - whatever it is, the command could not run: one line, exit 2
+        if args.debug or os.environ.get("SHARDCKPT_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        print(f"{PROG}: error: {explain(err)}", file=sys.stderr)
         return exit_codes.CANNOT_RUN
 
 
+def explain(err: BaseException) -> str:
+    """One line: what went wrong and the fix. The project's own errors already name the fix."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, ShardCkptError):
+        return message
+    kinds = {cls.__name__ for cls in type(err).__mro__}
+    if kinds & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}:
+        return (
+            f"{message}: the storage needs credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+            "AWS_PROFILE), or pass --storage-option key=... --storage-option secret=..."
+        )
+    if isinstance(err, PermissionError):
+        return (
+            f"{message} (PermissionError): the storage refused access; check the credentials (AWS_* variables, "
+            "--storage-option key=/secret=) and that they may read this path"
+        )
+    if isinstance(err, FileNotFoundError):
+        return f"{message} (FileNotFoundError): no such path; check the root or checkpoint path (`shardckpt ls ROOT`)"
+    if isinstance(err, OSError) or kinds & {"BotoCoreError", "ClientError"}:
+        return f"{message} ({type(err).__name__}): the storage could not be reached or read; check the path and --storage-option"
+    return f"{message} ({type(err).__name__}, unexpected: not a finding; SHARDCKPT_DEBUG=1 prints the traceback)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], epilog=exit_codes.__doc__.split("\n\n")[1]
+    )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error (or SHARDCKPT_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.add_commands(commands)
+    for name, command in commands.choices.items():  # each command's --help ends with what its exit codes mean
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
+        command.epilog = "\n\n".join(part for part in (command.epilog, exit_codes.epilog(name)) if part)
     return parser
 
 

@@ -90,6 +90,27 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
     return entries
 
 
+def describe_contents(location: Location) -> str:
+    """What a path that holds no committed checkpoint holds instead, for an error message that names it."""
+    fs, path = location.fs, location.path
+    if not fs.exists(path):
+        return "nothing (the path does not exist)"
+    if fs.isfile(path):
+        return "a file, not a checkpoint root or checkpoint directory"
+    entries = list_checkpoints(location)
+    if not entries:
+        others = len(fs.ls(path, detail=False))
+        return f"a directory with {others} entries, none of them a checkpoint" if others else "an empty directory"
+    uncommitted = [entry for entry in entries if entry.state == UNCOMMITTED]
+    corrupt = [entry for entry in entries if entry.state == CORRUPT]
+    parts = []
+    if uncommitted:
+        parts.append(f"{len(uncommitted)} uncommitted attempt(s) (saves that never committed)")
+    if corrupt:
+        parts.append(f"{len(corrupt)} corrupt checkpoint(s) (first: {corrupt[0].problem})")
+    return "a checkpoint root with " + " and ".join(parts)
+
+
 def run_order(entry: CheckpointEntry) -> tuple:
     """Commit order within one run: seq (v1: none, so first), then commit time, then name."""
     return (entry.seq or 0, _timestamp(entry), entry.name)

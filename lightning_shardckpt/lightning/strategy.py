@@ -137,6 +137,8 @@ class ShardedStrategy(StagingFence):
         load_config, tier_fallbacks, requested = self.load_config, [], which
         tiers = self._plan.tier_restore
         from_tiers = tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root
+        if not from_tiers:  # an explicit path to the root itself may still be restored from another tier
+            self._refuse_a_path_without_a_checkpoint(str(checkpoint_path), root)
         if from_tiers:  # `root` becomes the picked checkpoint's directory, on whichever tier it was found
             root, load_config, tier_fallbacks = tiers.pick(which, self.load_config, self.checkpoint_group())
             which = "latest"
@@ -364,6 +366,18 @@ class ShardedStrategy(StagingFence):
             except CorruptCheckpoint as again:  # every rank alike, as the first
                 err = again
         return self._load_last_good(err, target, root, which, strict, from_tiers)
+
+    def _refuse_a_path_without_a_checkpoint(self, asked: str, root: str) -> None:
+        """A path given explicitly must hold a committed checkpoint: only a selector ('latest') may start
+        fresh. Starting fresh from a typo'd or emptied path would train from scratch and exit 0."""
+        if asked != root or self._has_committed(root):  # a selector, or a path that holds one
+            return
+        found = catalog.describe_contents(fsio.resolve(root, self.load_config.storage_options))
+        raise CheckpointNotFound(
+            f"ckpt_path={asked!r} holds no committed checkpoint: found {found}; pass a checkpoint root or "
+            "checkpoint directory that holds one (`shardckpt ls ROOT` lists them), or ckpt_path='latest' "
+            "(Hydra: resume=latest) to resume from the callback's root, starting fresh if it is empty"
+        )
 
     def _load_last_good(
         self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool, from_tiers: bool

@@ -2,13 +2,16 @@
 
 A plug-in (policies/plugin.py) of ShardedCheckpoint, free of any framework: the front door hands it a
 `Reporter` (its loggers, the W&B alert) and an all-reduce over the training group. Rank 0 feeds it
-every checkpoint attempt's event document (from the saver's background thread, right after the event file is written) and every drill result
-(from the drill thread): evaluation costs microseconds and never runs on the training thread. A rule
-that fires or resolves calls its mitigation (policies/mitigations.py), writes a `health` event under
-ROOT/events/ and queues an alert. At each batch end the training thread of every rank runs `share_control`: one
-all-reduce that carries rank 0's control state (save-interval factor, skip-when-busy, stop) together
-with the preemption flag the callback already exchanged there, so every rank changes its schedule at
-the same step. The evaluator's state and the control state are saved in every checkpoint.
+every checkpoint attempt's event document (from the saver's background thread, right after the event
+file is written) and every drill result (from the drill thread): evaluation costs microseconds and
+never runs on the training thread. A rule that fires or resolves calls its mitigation
+(policies/mitigations.py), writes a `health` event under ROOT/events/ and queues an alert. A user's
+mitigation (it may page someone for seconds) runs on this watch's own mitigation thread, never under
+the lock the batch-end exchange takes. At each batch end the training thread of every rank runs
+`share_control`: one all-reduce that carries rank 0's control state (save-interval factor,
+skip-when-busy, stop) together with the preemption flag the callback already exchanged there, so every
+rank changes its schedule at the same step. The evaluator's state and the control state are saved in
+every checkpoint.
 """
 
 from __future__ import annotations
@@ -26,13 +29,21 @@ from ..engine.storage.fsio import Location
 from .health_eval import FIRED, HealthEvaluator, Transition
 from .health_observe import HEALTH_EVENT, RULES_EVENT
 from .health_rules import HealthConfig
-from .mitigations import DRILL, HealthControl, MitigationContext, mitigation_for
+from .mitigations import (
+    DRILL,
+    HealthControl,
+    MitigationContext,
+    MitigationWorker,
+    edits_control_only,
+    mitigation_for,
+)
 from .plugin import Plugin, PluginContext, Reporter
 
 log = logging.getLogger(__name__)
 
 _ALERT_LEVEL = {"info": "INFO", "warning": "WARN", "error": "ERROR", "critical": "ERROR"}
 METRIC_PREFIX = "health/"
+MITIGATIONS_WAIT_S = 60.0  # at fit end, how long the last user mitigations may still take before training exits
 
 
 class HealthWatch(Plugin):
@@ -56,6 +67,7 @@ class HealthWatch(Plugin):
         self.applied = HealthControl().encode()  # what this rank applies: [interval factor, skip, stop]
         self.transitions: list[Transition] = []  # every transition of this fit, in order (tests, the final log)
         self._watched: weakref.WeakSet = weakref.WeakSet()  # savers whose events feed the rules
+        self._worker = MitigationWorker(self._run_off_thread)  # user mitigations: off the lock, in order
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +99,13 @@ class HealthWatch(Plugin):
 
     def drain(self, context: PluginContext) -> None:
         self.report(context.reporter, context.request_drill)
+
+    def flush(self) -> None:
+        self.finish_mitigations(MITIGATIONS_WAIT_S)
+
+    def finish_mitigations(self, timeout_s: float = MITIGATIONS_WAIT_S) -> bool:
+        """Wait (bounded) for user mitigations still running; their events and alerts are then queued."""
+        return self._worker.wait(timeout_s)
 
     def close(self, context: PluginContext, *, finished: bool) -> None:
         if finished and context.is_global_zero:
@@ -134,12 +153,26 @@ class HealthWatch(Plugin):
                 self._act(transition)
 
     def _act(self, transition: Transition) -> None:
+        """Under the lock: a built-in edits the control state now; a user's mitigation goes to the worker."""
+        self.transitions.append(transition)
+        if edits_control_only(transition.rule.mitigation):
+            self._record(transition, self._call(transition))
+        else:
+            self._worker.submit(transition)
+
+    def _run_off_thread(self, transition: Transition) -> None:
+        changed = self._call(transition)  # not under the lock: the training thread's share_control never waits
+        with self._lock:
+            self._record(transition, changed)
+
+    def _call(self, transition: Transition) -> str | None:
         try:
-            changed = mitigation_for(transition.rule.mitigation)(self.context, transition)
+            return mitigation_for(transition.rule.mitigation)(self.context, transition)
         except Exception as err:  # a user's mitigation must not take the run down; the alert still goes out
             log.exception("mitigation %s of health rule %s failed", transition.rule.mitigation, transition.rule.name)
-            changed = f"mitigation failed: {err}"
-        self.transitions.append(transition)
+            return f"mitigation failed: {err}"
+
+    def _record(self, transition: Transition, changed: str | None) -> None:
         text = transition.describe() + (f"; done: {changed}" if changed else "")
         (log.warning if transition.kind == FIRED else log.info)("%s", text)
         metrics.write_json_event(

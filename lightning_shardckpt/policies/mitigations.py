@@ -6,18 +6,27 @@ the health event and sent with the alert every transition raises (W&B `run.alert
 to W&B; a log line and an event always). It never touches training objects directly: it edits the `MitigationContext`
 (the run's desired control state and a queue of actions), which the training thread applies on every
 rank at the next batch end, so all ranks change their save schedule at the same step.
+
+The built-ins below only edit that state (microseconds) and run where the rule was evaluated. A user's
+mitigation may take seconds (paging someone): it runs on a `MitigationWorker` thread, one at a time in
+order, so neither the saver's thread nor the training thread ever waits on it; control it edits still
+reaches every rank through the next batch end's exchange.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
 from .health_eval import FIRED, Transition
+
+log = logging.getLogger(__name__)
 
 DRILL = "drill"  # a kind of queued action
 DEFAULT_FACTOR, DEFAULT_MAX_FACTOR = 2.0, 8.0
@@ -57,12 +66,13 @@ class HealthControl:
     @property
     def interval_factor(self) -> float:
         product = 1.0
-        for factor in self.factors.values():
+        for factor in tuple(self.factors.values()):  # one atomic copy: a mitigation thread may be editing it
             product *= factor
         return min(product, self.max_factor)
 
     def encode(self) -> list[float]:
-        """Three numbers every rank agrees on (see HealthWatch.sync)."""
+        """Three numbers every rank agrees on (see HealthWatch.sync). A user's mitigation may edit the
+        state from the mitigation thread meanwhile: `interval_factor` reads a copy of the factors."""
         return [self.interval_factor, 1.0 if self.skip_rules else 0.0, 1.0 if self.stop_reason else 0.0]
 
     def state_dict(self) -> dict[str, Any]:
@@ -170,11 +180,69 @@ def stop_training(context: MitigationContext, transition: Transition) -> str | N
     return "final blocking save, then stop"
 
 
-for _name, _fn in (
-    ("alert", alert),
-    ("lower_frequency", lower_frequency),
-    ("skip_when_busy", skip_when_busy),
-    ("drill_now", drill_now),
-    ("stop_training", stop_training),
-):
+_BUILT_INS: dict[str, Mitigation] = {
+    "alert": alert,
+    "lower_frequency": lower_frequency,
+    "skip_when_busy": skip_when_busy,
+    "drill_now": drill_now,
+    "stop_training": stop_training,
+}
+for _name, _fn in _BUILT_INS.items():
     register_mitigation(_name, _fn)
+
+
+def edits_control_only(name: str) -> bool:
+    """True for the built-ins (still registered under their own name): microsecond edits of the control
+    state, safe to run where the rule was evaluated, under the health lock. Anything else is a user's
+    action of unknown duration and runs on the MitigationWorker."""
+    return _BUILT_INS.get(name) is not None and mitigation_for(name) is _BUILT_INS[name]
+
+
+class MitigationWorker:
+    """One thread per HealthWatch that runs slow (user) mitigations in order, off every training path."""
+
+    def __init__(self, run: Callable[[Transition], None]) -> None:
+        self._run = run
+        self._pending: list[Transition] = []
+        self._busy = 0  # submitted and not yet finished
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, transition: Transition) -> None:
+        with self._changed:
+            self._pending.append(transition)
+            self._busy += 1
+            if self._thread is None:  # started on first use: most runs have only built-in mitigations
+                self._thread = threading.Thread(target=self._loop, name="shardckpt-health-mitigations", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every submitted mitigation to finish; False (logged) if some still run."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._busy and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            if self._busy:
+                log.warning(
+                    "health: %d mitigation(s) still running after %.0f s; not waiting for them "
+                    "(a user mitigation should return promptly: hand long work to its own thread)",
+                    self._busy,
+                    timeout_s,
+                )
+            return not self._busy
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending:
+                    self._changed.wait()
+                transition = self._pending.pop(0)
+            try:
+                self._run(transition)
+            except Exception:  # the runner records its own failures; this thread must outlive any of them
+                log.exception("health: mitigation of rule %s failed", transition.rule.name)
+            finally:
+                with self._changed:
+                    self._busy -= 1
+                    self._changed.notify_all()

@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy, register_mitigation
 from lightning_shardckpt.cli import main as cli
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.format import drill_records
@@ -327,3 +327,66 @@ def test_saves_queueing_behind_slow_storage_fire_the_pause_rule_and_skip_when_bu
     skipped = [e["step"] for e in metrics.read_events(fsio.resolve(root)) if e.get("outcome") == "skipped"]
     assert skipped, "while the rule fired, a save due during a slow write was skipped instead of waited for"
     assert _committed_steps(root)[-1] == 40, "the run's last step is saved even under when_busy=skip"
+
+
+PAGE_S = 4.0  # a mitigation that pages someone and waits for the pager's answer
+PAGE_RULE = {
+    "name": "every_commit",
+    "metric": "committed",
+    "owner": "oncall",
+    "range": {"kind": "static", "max": 0},  # the first committed save is outside: the rule fires once
+    "persistence": {"fire_after": 1, "resolve_after": 1},
+    "mitigation": "page_slowly",
+}
+
+
+class BatchGaps(pl.Callback):
+    """Every rank: the longest wall time between two batch ends (it includes ShardedCheckpoint's batch end)."""
+
+    def __init__(self, step_sleep_s: float) -> None:
+        self.step_sleep_s, self.longest_s, self._last = step_sleep_s, 0.0, None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self.longest_s = max(self.longest_s, now - self._last)
+        self._last = now
+        time.sleep(self.step_sleep_s)  # training lasts well past the page, so a stall would show
+
+
+def slow_mitigation_fit(rank: int, world_size: int, root: str, marker: str) -> dict:
+    lightning_env(rank, world_size)
+
+    def page_slowly(context: Any, transition: Any) -> str:
+        time.sleep(PAGE_S)
+        Path(marker).write_text(f"{transition.rule.name} {transition.kind} at step {transition.step}")
+        return "paged oncall"
+
+    register_mitigation("page_slowly", page_slowly)
+    checkpoint = ShardedCheckpoint(
+        root, every_n_train_steps=2, keep_last=None, log_artifact=False, health={"rules": [PAGE_RULE]}
+    )
+    gaps = BatchGaps(step_sleep_s=0.1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=80,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[gaps, checkpoint],
+    )
+    trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData())
+    return {"longest_s": gaps.longest_s, "marker_at_fit_end": Path(marker).exists()}
+
+
+def test_a_slow_user_mitigation_runs_off_the_training_thread_and_no_batch_waits_for_it(tmp_path):
+    root, marker = str(tmp_path / "ckpt"), tmp_path / "paged"
+    results = run_ranks(slow_mitigation_fit, 2, root, str(marker), timeout_s=300)
+    longest = [result.value["longest_s"] for result in results]
+    assert max(longest) < 2.0, f"a batch waited for the {PAGE_S} s mitigation: longest batch gaps {longest}"
+    assert results[0].value["marker_at_fit_end"], "fit end waits (bounded) for the mitigation still running"
+    assert marker.read_text() == "every_commit fired at step 2"
+    events = _health_events(root)
+    assert [(e["transition"], e["mitigation_result"]) for e in events] == [("fired", "paged oncall")], events

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname, new_checkpoint_id
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.lightning_run import fit_on_rank
@@ -53,3 +56,41 @@ def test_latest_on_an_empty_root_starts_fresh_or_fails_when_resume_is_required(t
         allow_failures=True,
     )
     assert all(not o.ok and "resume_required=true" in o.error for o in required)
+
+
+def _uncommitted_attempts(path: Path) -> None:
+    for step in (2, 4):  # saves that died before their manifest was written
+        (path / checkpoint_dirname(step, new_checkpoint_id())).mkdir(parents=True)
+
+
+def _corrupt_checkpoints(path: Path) -> None:
+    directory = path / checkpoint_dirname(2, new_checkpoint_id())
+    directory.mkdir(parents=True)
+    (directory / MANIFEST).write_text("{}")
+    (directory / COMMIT_RECORD).write_text("{not json")  # a commit record torn by hand: listed as corrupt
+
+
+@pytest.mark.parametrize(
+    "prepare, found",
+    [
+        (None, "found nothing (the path does not exist)"),
+        (lambda path: path.write_text("a Lightning .ckpt, say"), "found a file"),
+        (_uncommitted_attempts, "found a checkpoint root with 2 uncommitted attempt(s)"),
+        (_corrupt_checkpoints, "found a checkpoint root with 1 corrupt checkpoint(s)"),
+    ],
+    ids=["missing", "file", "uncommitted", "corrupt"],
+)
+def test_an_explicit_ckpt_path_without_a_committed_checkpoint_fails_before_training_naming_what_is_there(
+    tmp_path, prepare, found
+):
+    source = tmp_path / "given"
+    if prepare is not None:
+        prepare(source)
+    outcomes = run_ranks(
+        fit_on_rank, 2, str(tmp_path / "root"), "ddp", 2, str(source), {"every": 100}, allow_failures=True
+    )
+    for outcome in outcomes:
+        assert not outcome.ok, "started fresh from a path that holds no checkpoint"
+        assert "CheckpointNotFound" in outcome.error and f"ckpt_path={str(source)!r}" in outcome.error
+        assert found in outcome.error, outcome.error
+    assert not (tmp_path / "root").exists() or not catalog.list_checkpoints(fsio.resolve(str(tmp_path / "root")))

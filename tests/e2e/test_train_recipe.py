@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine import catalog, ownership
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.wandb_reader import OfflineRun, find_run_file, read_run
@@ -44,7 +44,7 @@ TIMING_KEYS = ("pause_s", "stage_s", "write_s", "verify_s", "commit_s", "total_s
 COUNTER_KEYS = ("committed", "failed", "skipped")
 
 
-def run_recipe(workdir: Path, phase: str, *overrides: str) -> subprocess.CompletedProcess:
+def run_recipe(workdir: Path, phase: str, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
     """One invocation of the recipe; its Hydra directory (and W&B offline run) is workdir/phase."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     command = [
@@ -63,7 +63,7 @@ def run_recipe(workdir: Path, phase: str, *overrides: str) -> subprocess.Complet
         *overrides,
     ]
     proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
+    if expect_ok and proc.returncode != 0:
         pytest.fail(
             f"{phase} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
@@ -265,3 +265,33 @@ def test_fsdp_run_resumes_on_one_rank(tmp_path):
     assert_lr_continues(after)
     assert_loss_continues(before, after, losses(before)[0][1])
     assert "trainer.devices=3" in first.stdout
+
+
+def assert_failed_with_one_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit non-zero, one `error:` line naming the fix, printed once for all ranks, and no traceback."""
+    combined = proc.stdout + proc.stderr
+    lines = [line for line in combined.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0, f"exited 0\n{combined[-4000:]}"
+    assert len(lines) == 1, f"expected the error once, found {len(lines)} times:\n{combined[-6000:]}"
+    assert "Traceback" not in combined, combined[-6000:]
+    assert all(fragment in lines[0] for fragment in fragments), lines[0]
+    return lines[0]
+
+
+def test_resume_from_a_path_without_a_checkpoint_fails_before_training_with_one_line_naming_it(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir"
+    proc = run_recipe(
+        tmp_path, "typo", "trainer.devices=2", "trainer.max_steps=4", f"resume={missing}", expect_ok=False
+    )
+    assert_failed_with_one_line(proc, f"ckpt_path='{missing}'", "found nothing", "resume=latest")
+    assert not committed(tmp_path / "ckpt"), "it trained from scratch instead"
+
+
+def test_a_root_owned_by_another_run_fails_once_on_rank_0_with_one_line_and_no_traceback(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    ownership.claim(fsio.resolve(str(root)), "20200101-000000-0ther0")  # another run's root
+    proc = run_recipe(tmp_path, "conflict", "trainer.devices=2", "trainer.max_steps=4", expect_ok=False)
+    assert proc.returncode == 2
+    assert_failed_with_one_line(proc, "20200101-000000-0ther0", "ConfigError")
+    assert not committed(root)

@@ -16,3 +16,8 @@ def head_blew_up(handle: CheckpointHandle) -> CheckResult:
 
 def returns_a_string(handle: CheckpointHandle) -> str:
     return "not a verdict"
+
+
+def crashes(handle: CheckpointHandle) -> CheckResult:
+    """A user check with a bug: it raises instead of returning a verdict."""
+    raise ValueError("this check has a bug")

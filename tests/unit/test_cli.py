@@ -164,3 +164,92 @@ def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, run_cli):
     }
     assert (timeline[3]["trust"], timeline[3]["last_good"], timeline[5]["trust"]) == ("drilled", True, "drill-failed")
     assert "drilled (last good)" in run_cli("timeline", root)[1]
+
+
+# --- errors while a command runs: one line, exit 2 (could not run), never 1 (found a problem) ---
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardckpt: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        ("rules:\n  - name: x\n    metric: [unclosed\n", ("ParserError",)),
+        (
+            "rules:\n  - name: x\n    metric: pause_s\n    owner: me\n    range: {kind: learned, warmup: ten}\n",
+            ("warmup", "TypeError"),  # the field once the rule validator names it; the type error until then
+        ),
+    ],
+    ids=["yaml-syntax", "string-warmup"],
+)
+def test_a_health_rules_file_that_cannot_be_used_exits_2_with_one_line_naming_the_file(
+    root, tmp_path, run_cli, content, named
+):
+    rules = tmp_path / "bad.yaml"
+    rules.write_text(content)
+    code, _, err = run_cli("health", root, "--rules", rules)
+    assert code == 2, "exit 1 would read as 'a rule fires' to cron and CI"
+    line = _one_error_line(err)
+    assert str(rules) in line and any(word in line for word in named), line
+
+
+def test_a_bisect_check_that_raises_exits_2_not_1_which_means_a_bad_checkpoint_was_found(root, run_cli):
+    code, _, err = run_cli("bisect", root, "--bad", "tests.helpers.bisect_checks:crashes")
+    assert code == 2
+    line = _one_error_line(err)
+    assert "this check has a bug" in line and "ValueError" in line
+
+
+def test_debug_prints_the_traceback_of_an_error_and_still_exits_2(root, run_cli, monkeypatch):
+    code, _, err = run_cli("--debug", "bisect", root, "--bad", "tests.helpers.bisect_checks:crashes")
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("shardckpt: error: ")
+    monkeypatch.setenv("SHARDCKPT_DEBUG", "1")
+    code, _, err = run_cli("bisect", root, "--bad", "tests.helpers.bisect_checks:crashes")
+    assert code == 2 and "Traceback" in err
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """No credentials anywhere botocore looks (environment, files, instance metadata)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def _s3_options(server, *credentials: str) -> list[str]:
+    options = [f"endpoint_url={server.endpoint}", 'client_kwargs={"region_name": "us-east-1"}', *credentials]
+    return [arg for option in options for arg in ("--storage-option", option)]
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "gc", "health", "timeline"])
+def test_s3_without_credentials_exits_2_with_one_line_naming_the_fix(
+    s3_server, s3_root, no_aws_credentials, run_cli, command
+):
+    code, out, err = run_cli(command, s3_root.url, *_s3_options(s3_server))
+    assert code == 2 and out == ""
+    line = _one_error_line(err)
+    assert "credentials" in line and "AWS_ACCESS_KEY_ID" in line and "--storage-option key=" in line, line
+
+
+def test_s3_with_wrong_credentials_exits_2_with_one_line_naming_the_fix(s3_server, s3_root, run_cli):
+    with s3_server.enforce_auth():
+        code, out, err = run_cli("ls", s3_root.url, *_s3_options(s3_server, "key=wrong", "secret=wrong"))
+    assert code == 2 and out == ""
+    line = _one_error_line(err)
+    assert "refused access" in line and "credentials" in line, line
+
+
+def test_every_command_documents_its_exit_codes_in_its_help(run_cli):
+    from lightning_shardckpt.cli.exit_codes import FOUND_PROBLEM_MEANS
+
+    for command, found in FOUND_PROBLEM_MEANS.items():
+        code, out, _ = run_cli(command, "--help")
+        assert code == 0
+        codes = out[out.index("exit codes:") :]
+        assert "0  ran to the end" in codes and "2  could not run" in codes, (command, codes)
+        assert (found or "never returned") in codes, (command, codes)

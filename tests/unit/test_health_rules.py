@@ -232,6 +232,7 @@ def test_a_registered_mitigation_is_called_on_fire_and_resolve_and_its_result_re
     )
     watch.on_event(_attempt(1, pause_s=3.0))
     watch.on_event(_attempt(2, pause_s=0.1))
+    assert watch.finish_mitigations(5.0)  # a user's mitigation runs on the watch's own thread, in order
     assert calls == [(FIRED, "r1"), (RESOLVED, "r1")]
     events = [e for e in metrics.read_events(str(tmp_path)) if e.get("event") == "health"]
     assert [(e["transition"], e["mitigation_result"], e["owner"]) for e in events] == [
