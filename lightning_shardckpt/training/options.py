@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .preemption import DEFAULT_GRACE_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,9 @@ class CallbackConfig:
     save_on_epoch_end: bool = False
     save_on_fit_end: bool = True  # a final checkpoint when fit ends (skipped if that step is already saved)
     save_on_preemption: bool = True  # SIGTERM / SIGUSR1: a final blocking save, then stop
+    # after a preemption signal, a process whose fit has not returned by then exits (status 128 + signal);
+    # None: never. Below the scheduler's kill time, above the final save's duration
+    preemption_grace_s: float | None = DEFAULT_GRACE_S
     keep_last: int | None = None  # committed checkpoints to keep; None keeps all
     keep_every_n_steps: int | None = None  # also keep every checkpoint whose step is a multiple of this
     resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
@@ -30,6 +34,9 @@ class CallbackConfig:
         _positive_or_none("every_n_minutes", self.every_n_minutes, "every_n_minutes=30 saves every half hour")
         _positive_or_none(
             "keep_every_n_steps", self.keep_every_n_steps, "keep_every_n_steps=1000 keeps every 1000th step"
+        )
+        _positive_or_none(
+            "preemption_grace_s", self.preemption_grace_s, "preemption_grace_s=60 exits 60 s after the signal"
         )
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError(
