@@ -120,7 +120,7 @@ class ShardedCheckpoint(Checkpoint):
 
     @property
     def preempted(self) -> bool:
-        """The last fit stopped for SIGTERM / SIGUSR1 after its final save (fit then returns normally)."""
+        """The last fit stopped for SIGTERM / SIGUSR1, after its final blocking save (rank 0 logs whether it committed)."""
         return self._signal.stopped_at is not None
 
     # --- set-up ---
