@@ -28,9 +28,10 @@ from ..policies.tiers import tiered_dirpath
 from ..training.checkpoint_setup import checkpoint_plan, checkpoint_plugins, placement_of
 from ..training.options import CallbackConfig
 from ..training.plan import CheckpointPlan
+from ..training.preemption import DEFAULT_GRACE_S
 from ..training.preflight import preflight_on_every_rank
 from ..training.run_ids import RunIds
-from ..training.schedule import Due, SaveSchedule
+from ..training.schedule import PREEMPTION, Due, SaveSchedule
 from .checkpoint_logging import log_resume
 from .data_position import DataPosition
 from .plugin_context import plugin_context
@@ -58,6 +59,7 @@ class ShardedCheckpoint(Checkpoint):
         save_on_epoch_end: bool = False,
         save_on_fit_end: bool = True,
         save_on_preemption: bool = True,
+        preemption_grace_s: float | None = DEFAULT_GRACE_S,
         keep_last: int | None = None,
         keep_every_n_steps: int | None = None,
         resume_required: bool = False,
@@ -86,6 +88,7 @@ class ShardedCheckpoint(Checkpoint):
             save_on_epoch_end=save_on_epoch_end,
             save_on_fit_end=save_on_fit_end,
             save_on_preemption=save_on_preemption,
+            preemption_grace_s=preemption_grace_s,
             keep_last=keep_last,
             keep_every_n_steps=keep_every_n_steps,
             resume_required=resume_required,
@@ -103,7 +106,7 @@ class ShardedCheckpoint(Checkpoint):
         self.run_ids = RunIds(self.save_options.run_id)
         self.plan: CheckpointPlan | None = None
         self._data = DataPosition()
-        self._signal = PreemptionSignal()
+        self._signal = PreemptionSignal(self.options.preemption_grace_s)
         self._resume_logged = self._staging_prepared = False
         self._trainer: pl.Trainer | None = None  # bound in on_fit_start, which Lightning runs before it restores
 
@@ -114,6 +117,11 @@ class ShardedCheckpoint(Checkpoint):
     @property
     def last_saved_step(self) -> int | None:
         return self.schedule.last_saved_step
+
+    @property
+    def preempted(self) -> bool:
+        """The last fit stopped for SIGTERM / SIGUSR1, after its final blocking save (rank 0 logs whether it committed)."""
+        return self._signal.stopped_at is not None
 
     # --- set-up ---
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -142,8 +150,12 @@ class ShardedCheckpoint(Checkpoint):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
 
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._signal.take_back()  # Lightning installed its SIGTERM handler just before: ours runs instead
+
     # --- the loop ---
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._signal.take_back()  # Lightning installed its SIGTERM handler just before: ours runs instead
         strategy, resumed = trainer.strategy, trainer.strategy.last_load
         self.schedule.started(trainer.global_step if resumed is not None else None)
         self._data.started(trainer)
@@ -198,6 +210,7 @@ class ShardedCheckpoint(Checkpoint):
         if saver is not None:
             saver.close()  # let in-flight saves commit; a half-finished one stays uncommitted
         self.plugins.close(PluginContext(is_global_zero=trainer.is_global_zero), finished=False)
+        self._signal.restore()  # Lightning calls no teardown hook after an exception
 
     # --- own state, carried in every checkpoint ---
     def state_dict(self) -> dict[str, Any]:
@@ -229,6 +242,7 @@ class ShardedCheckpoint(Checkpoint):
 
     def _save(self, trainer: pl.Trainer, due: Due | None) -> None:
         """What the schedule asked for: a save (collectives: every rank at the same step), then maybe a stop."""
+        result = None
         if due is not None and due.save:
             self.plugins.before_save(self._context(trainer))  # tiers: degraded mode when the fast tier failed
             previous = self.schedule.saving(trainer.global_step)  # before the dump, so the snapshot records it too
@@ -238,10 +252,13 @@ class ShardedCheckpoint(Checkpoint):
                 self.schedule.skipped(previous)  # nothing was saved: the fit-end save must still happen
             self.schedule.saved()
             if due.blocking:
-                pending.result()
+                result = pending.result()
                 self._drain(trainer)
         if due is not None and due.stop:
             trainer.should_stop = True
+            if due.reason == PREEMPTION and trainer.is_global_zero:
+                saved = "is committed" if result is not None and result.committed else "did NOT commit (see above)"
+                log.warning("preempted: step %d %s under %s; training stops", trainer.global_step, saved, self.root)
 
     def _drain(self, trainer: pl.Trainer) -> None:
         """Log finished saves, on the training thread (rank 0 logs, all ranks drain); retention runs elsewhere."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.validate import require_number
+from .preemption import DEFAULT_GRACE_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,9 @@ class CallbackConfig:
     save_on_epoch_end: bool = False
     save_on_fit_end: bool = True  # a final checkpoint when fit ends (skipped if that step is already saved)
     save_on_preemption: bool = True  # SIGTERM / SIGUSR1: a final blocking save, then stop
+    # after a preemption signal, a process whose fit has not returned by then exits (status 128 + signal);
+    # None: never. Below the scheduler's kill time, above the final save's duration
+    preemption_grace_s: float | None = DEFAULT_GRACE_S
     keep_last: int | None = None  # committed checkpoints to keep; None keeps all
     keep_every_n_steps: int | None = None  # also keep every checkpoint whose step is a multiple of this
     resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
@@ -56,4 +60,12 @@ class CallbackConfig:
             allow_none=True,
             none_means="keep all",
             too_small="would delete the checkpoint being written",
+        )
+        require_number(
+            "preemption_grace_s",
+            self.preemption_grace_s,
+            above=0,
+            allow_none=True,
+            none_means="no watchdog",
+            hint="preemption_grace_s=60 exits 60 s after the signal",
         )
