@@ -11,7 +11,6 @@ When to save: training/schedule.py; the strategy's one plan: training/plan.py; p
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +19,6 @@ from lightning.pytorch.callbacks import Checkpoint
 from ..engine import ownership
 from ..engine.config import LoadConfig, save_config_from
 from ..engine.tiers.config import tiers_config_from
-from ..errors import ConfigError
 from ..policies.drills import drill_config_from
 from ..policies.health_rules import health_config_from
 from ..policies.plugin import PluginContext
@@ -39,8 +37,6 @@ from .preemption import PreemptionSignal
 from .run_identity import RunIdentity
 from .saving import log_finished, request_save
 from .strategy import ShardedStrategy
-
-log = logging.getLogger(__name__)
 
 
 class ShardedCheckpoint(Checkpoint):
@@ -77,10 +73,8 @@ class ShardedCheckpoint(Checkpoint):
     ) -> None:
         self.tiers_config = tiers_config_from(tiers)  # a fast and a durable tier (policies/tiers.py)
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
-        dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)  # with tiers: the fast tier's
-        if not dirpath:
-            raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
-        self.dirpath = str(dirpath)  # as given (with a node-local fast tier, the template): the state key
+        # as given, or with tiers the fast tier's (a node-local one's template): the state key
+        self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
         self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up
         self.options = CallbackConfig(
             every_n_train_steps=every_n_train_steps,
@@ -93,8 +87,6 @@ class ShardedCheckpoint(Checkpoint):
             keep_every_n_steps=keep_every_n_steps,
             resume_required=resume_required,
         )
-        # trust_checkpoint False: a resume unpickles only allow-listed classes and refuses others by name; True
-        # runs whatever the checkpoint's pickles name, so only for checkpoints from a source you trust
         self.verify_on_load, self.trust_checkpoint = verify_on_load, trust_checkpoint
         self.load_options = LoadConfig(verify_checksums=verify_on_load, trust_checkpoint=trust_checkpoint)
         self.log_metrics, self.log_artifact = log_metrics, log_artifact
@@ -107,7 +99,7 @@ class ShardedCheckpoint(Checkpoint):
         self.plan: CheckpointPlan | None = None
         self._data = DataPosition()
         self._signal = PreemptionSignal(self.options.preemption_grace_s)
-        self._resume_logged = self._staging_prepared = False
+        self._resume_logged = False
         self._trainer: pl.Trainer | None = None  # bound in on_fit_start, which Lightning runs before it restores
 
     @property
@@ -125,17 +117,10 @@ class ShardedCheckpoint(Checkpoint):
 
     # --- set-up ---
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, ShardedStrategy):
-            raise ConfigError(
-                f"ShardedCheckpoint needs a ShardedStrategy, the Trainer has {type(strategy).__name__}; "
-                "use Trainer(strategy=ShardedStrategy(parallelism='ddp' or 'fsdp')) or strategy='shardckpt_ddp'"
-            )
+        strategy = ShardedStrategy.of(trainer)
         save = save_config_from(self.save_options, parallelism=strategy.parallelism)
-        required = self.options.resume_required
-        self.plan = checkpoint_plan(
-            self.dirpath, save, self.load_options, required, self.plugins, placement_of(trainer)
-        )
+        placement, required = placement_of(trainer), self.options.resume_required
+        self.plan = checkpoint_plan(self.dirpath, save, self.load_options, required, self.plugins, placement)
         self.root = self.plan.root
         strategy.use_plan(self.plan)
         if stage == "fit":
@@ -177,10 +162,8 @@ class ShardedCheckpoint(Checkpoint):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)
         self._drain(trainer)
-        if not self._staging_prepared and trainer.global_step >= 1:
-            # the optimizer state exists now: allocate staging memory in the background, before the first save
-            self._staging_prepared = True
-            self._saver(trainer).prepare(trainer.strategy.state_layout())
+        if trainer.global_step >= 1:  # the optimizer state exists now: staging memory before the first save
+            trainer.strategy.prepare_staging(self._saver(trainer))
         preempted = self._signal.agreed(trainer, self.options.save_on_preemption, self.plugins, self._context(trainer))
         self.plugins.apply_control(trainer.strategy.existing_saver(self.root), self.save_options.when_busy)
         due = self.schedule.at_batch_end(
@@ -205,9 +188,7 @@ class ShardedCheckpoint(Checkpoint):
         self.plugins.close(self._context(trainer), finished=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        strategy = trainer.strategy
-        saver = strategy.existing_saver(self.root) if isinstance(strategy, ShardedStrategy) else None
-        if saver is not None:
+        if isinstance(trainer.strategy, ShardedStrategy) and (saver := trainer.strategy.existing_saver(self.root)):
             saver.close()  # let in-flight saves commit; a half-finished one stays uncommitted
         self.plugins.close(PluginContext(is_global_zero=trainer.is_global_zero), finished=False)
         self._signal.restore()  # Lightning calls no teardown hook after an exception
@@ -225,8 +206,7 @@ class ShardedCheckpoint(Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.schedule.last_saved_step = state_dict.get("last_saved_step")
         self.plugins.load_state_dict(state_dict)
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        self._data.load(state_dict, strategy if isinstance(strategy, ShardedStrategy) else None)
+        self._data.load(state_dict, getattr(self._trainer, "strategy", None))
 
     # --- internals ---
     def _context(self, trainer: pl.Trainer, **fields: Any) -> PluginContext:
@@ -236,9 +216,10 @@ class ShardedCheckpoint(Checkpoint):
         """A checkpoint of this run's roots (this one, or a tier's): resuming from it continues the run."""
         return self.plan.owns(checkpoint_path) or self.plugins.owns(checkpoint_path)
 
-    def _saver(self, trainer: pl.Trainer) -> Any:
-        override = self.plugins.saver_override()  # tiers' degraded mode: saves go to the durable tier
-        return override if override is not None else trainer.strategy.saver_for(self.root)
+    def _saver(self, trainer: pl.Trainer, create: bool = True) -> Any:
+        """Where saves go now: tiers' degraded mode overrides the root's saver (created unless `create` is False)."""
+        strategy, override = trainer.strategy, self.plugins.saver_override()
+        return override or (strategy.saver_for(self.root) if create else strategy.existing_saver(self.root))
 
     def _save(self, trainer: pl.Trainer, due: Due | None) -> None:
         """What the schedule asked for: a save (collectives: every rank at the same step), then maybe a stop."""
@@ -256,12 +237,10 @@ class ShardedCheckpoint(Checkpoint):
                 self._drain(trainer)
         if due is not None and due.stop:
             trainer.should_stop = True
-            if due.reason == PREEMPTION and trainer.is_global_zero:
-                saved = "is committed" if result is not None and result.committed else "did NOT commit (see above)"
-                log.warning("preempted: step %d %s under %s; training stops", trainer.global_step, saved, self.root)
+            if due.reason == PREEMPTION:
+                self._signal.stopping(trainer, result is not None and result.committed, self.root)
 
     def _drain(self, trainer: pl.Trainer) -> None:
         """Log finished saves, on the training thread (rank 0 logs, all ranks drain); retention runs elsewhere."""
-        override = self.plugins.saver_override()
-        saver = override if override is not None else trainer.strategy.existing_saver(self.root)
-        log_finished(trainer, saver, self.plugins, self._context(trainer), self.log_metrics, self.log_artifact)
+        saver, context = self._saver(trainer, create=False), self._context(trainer)
+        log_finished(trainer, saver, self.plugins, context, self.log_metrics, self.log_artifact)

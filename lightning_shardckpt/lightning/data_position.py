@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from ..engine.collectives import rank_and_world
 from ..training.data import gather_rng_states, restore_rng_state, rng_state_for_rank
 from .sampler_injection import train_sampler
+from .strategy import ShardedStrategy
 
 
 class DataPosition:
@@ -46,8 +47,9 @@ class DataPosition:
         }
 
     def load(self, state: dict[str, Any], strategy: Any) -> None:
+        """`strategy`: the Trainer's, bound at fit start (None before: a bare load_state_dict call)."""
         self._loaded_rng = state.get("rng")
-        if strategy is not None:
+        if isinstance(strategy, ShardedStrategy):
             # the strategy applies it as the training loader is built, before Lightning sizes the epoch
             strategy.resume_sampler_state(state.get("sampler"))
 

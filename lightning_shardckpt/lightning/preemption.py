@@ -10,10 +10,14 @@ flag and the watchdog are framework-free: training/preemption.py.
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 
 from ..policies.plugin import PluginContext, PluginList
 from ..training.preemption import PreemptionRequests
+
+log = logging.getLogger(__name__)
 
 
 class PreemptionSignal:
@@ -42,3 +46,9 @@ class PreemptionSignal:
         if verdict:
             self.stopped_at = trainer.global_step
         return bool(verdict)
+
+    def stopping(self, trainer: pl.Trainer, committed: bool, root: str) -> None:
+        """Rank 0 says where the preempted run stands: its final save committed, or not."""
+        if trainer.is_global_zero:
+            saved = "is committed" if committed else "did NOT commit (see above)"
+            log.warning("preempted: step %d %s under %s; training stops", trainer.global_step, saved, root)

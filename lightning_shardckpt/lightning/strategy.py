@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -83,8 +84,19 @@ class ShardedStrategy(StagingFence):
         self._resumed_sampler_state: dict[str, Any] | None = None  # applied in process_dataloader
         self._group: Any = None
         self._savers: dict[str, CheckpointSaver] = {}
+        self._staging_prepared: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
         self._init_staging_fence()
         self._fault_hook = fault_hook
+
+    @staticmethod
+    def of(trainer: Any) -> ShardedStrategy:
+        """The Trainer's strategy, which ShardedCheckpoint needs to be a ShardedStrategy (ConfigError otherwise)."""
+        if not isinstance(trainer.strategy, ShardedStrategy):
+            raise ConfigError(
+                f"ShardedCheckpoint needs a ShardedStrategy, the Trainer has {type(trainer.strategy).__name__}; "
+                "use Trainer(strategy=ShardedStrategy(parallelism='ddp' or 'fsdp')) or strategy='shardckpt_ddp'"
+            )
+        return trainer.strategy
 
     # --- what Lightning asks of a strategy ---
     @property
@@ -265,6 +277,13 @@ class ShardedStrategy(StagingFence):
             saver = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self._fault_hook)
             self._savers[root] = self._keep_first_run_id(saver)
         return self._savers[root]
+
+    def prepare_staging(self, saver: CheckpointSaver) -> None:
+        """Once the optimizer state exists (after the first step): allocate `saver`'s staging memory in the
+        background, before its first save; once per saver."""
+        if saver not in self._staging_prepared:
+            self._staging_prepared.add(saver)
+            saver.prepare(self.state_layout())
 
     def state_layout(self) -> dict[str, Any]:
         """A state with the layout `save_to_saver` stages (live tensors, no copies): for `saver.prepare`."""

@@ -294,10 +294,13 @@ def rank_zero() -> bool:
     return rank_and_world()[0] == 0
 
 
-def tiered_dirpath(dirpath: str | None, config: TiersConfig | None, save: SaveConfig) -> str | None:
-    """The callback's dirpath with tiers: the fast tier's (a differing dirpath, or incremental saves, are refused)."""
+def tiered_dirpath(dirpath: str | None, config: TiersConfig | None, save: SaveConfig) -> str:
+    """The callback's dirpath: as given, or with tiers the fast tier's (a differing dirpath, or incremental
+    saves, are refused); never empty."""
     if config is None:
-        return dirpath
+        if not dirpath:
+            raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
+        return str(dirpath)
     if dirpath and dirpath != config.fast.dirpath:
         raise ConfigError(
             f"dirpath={dirpath!r} and tiers.fast.dirpath={config.fast.dirpath!r} differ; "
