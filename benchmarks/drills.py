@@ -94,7 +94,7 @@ def _train(args: argparse.Namespace, cadence: int | None) -> dict[str, Any]:
 def resume(args: argparse.Namespace) -> dict[str, Any]:
     from common import run_world, tensor_rows
 
-    from lightning_shardckpt.policies.drill import DrillOptions, run_drill
+    from lightning_shardckpt.policies.drill_runner import DrillOptions, run_drill
 
     with tempfile.TemporaryDirectory(prefix="shardckpt-drillbench-") as workdir:
         root = os.path.join(workdir, "ckpt")

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 @hydra.main(config_path="../conf", config_name="drill", version_base="1.3")
 def main(cfg: DictConfig) -> int:
-    from lightning_shardckpt.policies.drill import DrillOptions, run_drill
+    from lightning_shardckpt.policies.drill_runner import DrillOptions, run_drill
     from lightning_shardckpt.policies.drill_trust import spec_of
 
     options = DrillOptions(

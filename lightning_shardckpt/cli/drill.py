@@ -12,7 +12,7 @@ from ..engine.format.layout import join, parse_dirname
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError
 from ..policies import drill_trust
-from ..policies.drill import DrillOptions, run_drill
+from ..policies.drill_runner import DrillOptions, run_drill
 from . import exit_codes, options
 
 

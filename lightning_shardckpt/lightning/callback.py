@@ -19,12 +19,12 @@ from lightning.pytorch.callbacks import Checkpoint
 from ..engine import ownership
 from ..engine.config import LoadConfig, save_config_from
 from ..engine.tiers.config import tiers_config_from
-from ..policies.drills import drill_config_from
+from ..policies.drill_plugin import drill_config_from
 from ..policies.health_rules import health_config_from
 from ..policies.plugin import PluginContext
 from ..policies.tiers import tiered_dirpath
+from ..training.callback_options import CallbackConfig
 from ..training.checkpoint_setup import checkpoint_plan, checkpoint_plugins, placement_of
-from ..training.options import CallbackConfig
 from ..training.plan import CheckpointPlan
 from ..training.preemption import DEFAULT_GRACE_S
 from ..training.preflight import preflight_on_every_rank

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from ..engine import metrics
 from ..identity import blocks as identity
 from ..identity.diff import IdentityPolicy, compare
-from ..policies.options import options_from
+from ..policies.config_blocks import options_from
 from .sampler_injection import train_sampler
 from .wandb_artifacts import wandb_run
 

@@ -1,6 +1,6 @@
 """One rank of a restore drill: a fresh process restores a checkpoint and checks what it got.
 
-Started by policies/drill.py as `python -m lightning_shardckpt.policies.drill_worker ...`, N of them forming
+Started by policies/drill_runner.py as `python -m lightning_shardckpt.policies.drill_worker ...`, N of them forming
 their own gloo group (never the training ranks' group or memory). Each rank allocates its share of
 every tensor the manifest lists (sharded along dim 0 across the drill's ranks, so DCP reshards from
 the writer's layout), loads through `load_checkpoint` (the resume path: checksums on every byte,
@@ -124,7 +124,7 @@ def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dic
     """Rank 0 of the drill files the pass itself: no process that wrote or started it can make it drilled."""
     from ..engine.format import drill_records
     from ..engine.storage.fsio import resolve
-    from .drill import outcome_details
+    from .drill_runner import outcome_details
 
     with open(args.record_header) as handle:
         record = json.load(handle)
@@ -318,7 +318,7 @@ def _dtype(name: str) -> torch.dtype:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="one rank of a restore drill (started by lightning_shardckpt.policies.drill)"
+        description="one rank of a restore drill (started by lightning_shardckpt.policies.drill_runner)"
     )
     parser.add_argument("--checkpoint", required=True, help="the checkpoint directory (URL)")
     parser.add_argument("--rank", type=int, required=True)

@@ -7,13 +7,13 @@ from typing import Any
 
 from ..engine.config import LoadConfig, SaveConfig
 from ..engine.tiers.config import TiersConfig
-from ..policies.drills import DrillConfig, TrainingDrills
-from ..policies.health import HealthWatch
+from ..policies.drill_plugin import DrillConfig, TrainingDrills
+from ..policies.health_plugin import HealthWatch
 from ..policies.health_rules import HealthConfig
 from ..policies.plugin import PluginList
 from ..policies.retention_plugin import RetentionPlugin
 from ..policies.tiers import TiersPlugin
-from .options import CallbackConfig
+from .callback_options import CallbackConfig
 from .plan import CheckpointPlan, Placement
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .options import CallbackConfig
+from .callback_options import CallbackConfig
 
 log = logging.getLogger(__name__)
 

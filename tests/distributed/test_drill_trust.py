@@ -15,7 +15,7 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.drills import DrillConfig, TrainingDrills
+from lightning_shardckpt.policies.drill_plugin import DrillConfig, TrainingDrills
 from lightning_shardckpt.training.plan import CheckpointPlan, Placement
 from tests.helpers.drill_user_state import UserState
 

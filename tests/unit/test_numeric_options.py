@@ -18,7 +18,7 @@ from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine.config import LoadConfig, SaveConfig, VerifyConfig
 from lightning_shardckpt.engine.storage.retry import RetryPolicy
 from lightning_shardckpt.errors import ConfigError
-from lightning_shardckpt.policies.drill import DrillOptions
+from lightning_shardckpt.policies.drill_runner import DrillOptions
 
 NAN, INF = math.nan, math.inf
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -49,7 +49,7 @@ def _range(**fields):
 
 # (option as the message names it, its bad values, how the value reaches a constructor)
 CASES = [
-    # the callback's own options (training/options.py CallbackConfig)
+    # the callback's own options (training/callback_options.py CallbackConfig)
     ("keep_last", [*NOT_A_COUNT, 0, -1], lambda v, t: _callback(t, keep_last=v)),
     ("every_n_train_steps", [*NOT_A_COUNT, 0, -1], lambda v, t: _callback(t, every_n_train_steps=v)),
     ("every_n_minutes", [*NOT_A_NUMBER, 0, -1], lambda v, t: _callback(t, every_n_minutes=v)),
@@ -66,7 +66,7 @@ CASES = [
     ("read_ahead_bytes", [*NOT_A_COUNT, 0], lambda v, t: LoadConfig(read_ahead_bytes=v)),
     ("retry.attempts", [*NOT_A_COUNT, 0], lambda v, t: RetryPolicy(attempts=v)),
     ("retry.base_s", [*NOT_A_NUMBER, -1], lambda v, t: RetryPolicy(base_s=v)),
-    # drills (policies/drills.py DrillConfig, policies/drill.py DrillOptions)
+    # drills (policies/drill_plugin.py DrillConfig, policies/drill_runner.py DrillOptions)
     ("drill.tolerance", [*NOT_A_NUMBER, -1], lambda v, t: _callback(t, drill={"tolerance": v})),
     ("drill.timeout_s", [*NOT_A_NUMBER, 0], lambda v, t: _callback(t, drill={"timeout_s": v})),
     ("drill.threads", [*NOT_A_COUNT, 0], lambda v, t: _callback(t, drill={"threads": v})),

@@ -3,7 +3,7 @@ plug-ins and the schedule live in import without Lightning."""
 
 from __future__ import annotations
 
-from lightning_shardckpt.training.options import CallbackConfig
+from lightning_shardckpt.training.callback_options import CallbackConfig
 from lightning_shardckpt.training.schedule import (
     EPOCH_END,
     FIT_END,

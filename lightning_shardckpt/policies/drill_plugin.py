@@ -2,7 +2,7 @@
 
 A plug-in (policies/plugin.py) of ShardedCheckpoint, free of any framework. At a save it records the probe's value (when a probe is
 configured) in the manifest's `extra`; when a checkpoint commits, rank 0 hands every N-th one to a
-background `DrillRunner` (fresh processes, low priority; policies/drill.py), and when a drill finishes its
+background `DrillRunner` (fresh processes, low priority; policies/drill_runner.py), and when a drill finishes its
 result is logged through the run's `Reporter` on the training thread and written as an event under
 ROOT/events/. Nothing here touches training state: a drill reads storage only.
 """
@@ -23,9 +23,9 @@ from ..engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..engine.storage.fsio import Location
 from ..engine.validate import require_number
 from . import drill_trust
-from .drill import DrillOptions, DrillRunner
+from .config_blocks import options_from
+from .drill_runner import DrillOptions, DrillRunner
 from .drill_worker import PROBE_EXTRA, load_callable
-from .options import options_from
 from .plugin import Plugin, PluginContext, Reporter
 
 log = logging.getLogger(__name__)

@@ -29,14 +29,7 @@ from ..engine.storage.fsio import Location
 from .health_eval import FIRED, HealthEvaluator, Transition
 from .health_observe import HEALTH_EVENT, RULES_EVENT
 from .health_rules import HealthConfig
-from .mitigations import (
-    DRILL,
-    HealthControl,
-    MitigationContext,
-    MitigationWorker,
-    edits_control_only,
-    mitigation_for,
-)
+from .mitigations import DRILL, HealthControl, MitigationContext, MitigationWorker, edits_control_only, mitigation_for
 from .plugin import Plugin, PluginContext, Reporter
 
 log = logging.getLogger(__name__)
