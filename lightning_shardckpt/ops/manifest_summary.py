@@ -74,16 +74,12 @@ def _split_top_level(data: bytes) -> tuple[dict[str, Any], set[str]] | None:
     body = data.rstrip()
     if not (body.startswith(b'{\n "') and body.endswith(b"\n}")):
         return None
-    keys = []
-    start = body.find(_KEY_START)
-    while start != -1:  # bytes.find runs at memory speed; a regex over the whole table does not
-        match = _TOP_LEVEL_KEY.match(body, start)
-        if match is None:
-            return None
-        keys.append(match)
-        start = body.find(_KEY_START, match.end())
-    summary: dict[str, Any] = {}
+    keys = _top_level_keys(body)
+    if keys is None:
+        return None
+    names: set[str] = set()
     tables: set[str] = set()
+    fields: list[bytes] = []  # ' "name": value' of every field outside the tables, parsed in one go below
     try:
         for index, match in enumerate(keys):
             start, end = match.end(), keys[index + 1].start() if index + 1 < len(keys) else len(body) - 2
@@ -91,19 +87,56 @@ def _split_top_level(data: bytes) -> tuple[dict[str, Any], set[str]] | None:
                 if body[end - 1] != ord(","):
                     return None
                 end -= 1
-            name = json.loads(b'"' + match[1] + b'"')
-            if name in summary or name in tables:
+            name = _name(match)
+            if name in names:
                 return None
+            names.add(name)
             if name in TABLES:
                 # unparsed (and not copied): it must at least be one bracketed value, or the split was wrong
                 if end <= start or _BRACKETS.get(body[start]) != body[end - 1]:
                     return None
                 tables.add(name)
                 continue
-            summary[name] = json.loads(body[start:end])
+            fields.append(body[match.start() + 1 : end])
+        # one parse for all of them: a json.loads per field cost as much as finding the tables' ends
+        summary = json.loads(b"{" + b",".join(fields) + b"}")
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None  # the full parse names the problem
     return summary, tables
+
+
+def _top_level_keys(body: bytes) -> list[re.Match[bytes]] | None:
+    """The top-level keys' matches in order, without scanning the largest table: keys are sorted, and the
+    fields after `tensors` (the bulk) are few, so they are found backwards from the end until a table's key,
+    the rest forwards from the start up to it. None when a key line does not parse (not the writer's layout)."""
+    after: list[re.Match[bytes]] = []
+    end = len(body)
+    try:
+        while (start := body.rfind(_KEY_START, 0, end)) != -1:  # backwards: the last fields, to the last table
+            match = _TOP_LEVEL_KEY.match(body, start)
+            if match is None:
+                return None
+            after.append(match)
+            if _name(match) in TABLES:
+                break
+            end = start
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    keys: list[re.Match[bytes]] = []
+    stop = after[-1].start() if after else 0
+    start = body.find(_KEY_START, 0, stop)
+    while start != -1:  # forwards, up to that table; bytes.find runs at memory speed, a regex does not
+        match = _TOP_LEVEL_KEY.match(body, start)
+        if match is None:
+            return None
+        keys.append(match)
+        start = body.find(_KEY_START, match.end(), stop)
+    return keys + after[::-1]
+
+
+def _name(match: re.Match[bytes]) -> str:
+    raw = match[1]
+    return raw.decode() if b"\\" not in raw else json.loads(b'"' + raw + b'"')
 
 
 def _validate(summary: dict[str, Any], tables: set[str], where: str) -> None:

@@ -13,6 +13,7 @@ import uuid
 from collections import Counter
 
 import pytest
+import torch
 
 from benchmarks.listing import RUN_ID, make_root
 from lightning_shardckpt.engine import catalog
@@ -130,3 +131,23 @@ def test_timeline_of_a_manifest_not_in_the_writers_layout_parses_it_in_full_and_
     assert [rows[name]["state"] for name in names] == ["committed", "committed", "committed", "corrupt"]
     assert rows[names[0]]["verification"] == rows[names[2]]["verification"]
     assert "does not match its commit record" in rows[names[3]]["cause"]
+
+
+def test_a_manifest_summary_is_the_full_parse_without_the_tables(tmp_path, committed_checkpoint):
+    # the summary finds its keys backwards from the end to the last table and forwards up to it, never
+    # scanning the tables: on the writer's own bytes it must equal the full parse, field for field
+    from lightning_shardckpt.ops import manifest_summary
+
+    written = committed_checkpoint(state={"w": torch.zeros(4), "note": 'a\n "b": 1'})
+    synthetic_root = str(tmp_path / "synthetic")
+    make_root(synthetic_root, 3, 50)
+    paths = [os.path.join(written.directory, MANIFEST)]
+    paths += [os.path.join(synthetic_root, name, MANIFEST) for name in sorted(os.listdir(synthetic_root))]
+    for path in paths:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        full = {key: value for key, value in json.loads(data).items() if key not in manifest_summary.TABLES}
+        split = manifest_summary._split_top_level(data)
+        assert split is not None, f"{path} is the writer's layout and must split"
+        assert split[0] == full, path
+    assert manifest_summary._split_top_level(b'{"compact": true}') is None  # another layout: parsed in full
