@@ -26,7 +26,7 @@ import pytest
 from lightning_shardckpt import verify_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import free_port
+from tests.helpers.spawn import free_port, launched_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_BOUND_S = 60  # generous: a final save of the tiny model takes well under a second
@@ -44,20 +44,8 @@ class Run:
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         for rank in range(world):
-            env = dict(
-                os.environ,
-                OMP_NUM_THREADS="1",
-                PYTHONUNBUFFERED="1",
-                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                WORLD_SIZE=str(world),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-                NODE_RANK="0",
-                GROUP_RANK="0",
-            )
+            pythonpath = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+            env = launched_rank_env(rank, world, port, PYTHONPATH=pythonpath)
             command = [sys.executable, "-m", "tests.helpers.preemption_rank", self.root, *options]
             with open(self.logs[rank], "w") as log:
                 self.procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))

@@ -10,14 +10,13 @@ three; several runs make a regression very likely to show.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.spawn import free_port
+from tests.helpers.spawn import free_port, launched_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
@@ -33,21 +32,7 @@ def launch_ranks(workdir: Path, *overrides: str, world: int = WORLD, timeout: fl
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS="1",
-            WANDB_MODE="offline",
-            WANDB_SILENT="true",
-            PYTHONUNBUFFERED="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE=str(world),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            NODE_RANK="0",
-            GROUP_RANK="0",
-        )
+        env = launched_rank_env(rank, world, port)
         command = [
             sys.executable,
             str(TRAIN),

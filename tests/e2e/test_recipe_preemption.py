@@ -20,7 +20,7 @@ import pytest
 from lightning_shardckpt import verify_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import free_port
+from tests.helpers.spawn import free_port, launched_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
@@ -35,21 +35,7 @@ def start_ranks(workdir: Path, world: int) -> list[tuple[subprocess.Popen, Path]
     port = free_port()
     ranks = []
     for rank in range(world):
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS="1",
-            WANDB_MODE="offline",
-            WANDB_SILENT="true",
-            PYTHONUNBUFFERED="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE=str(world),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            NODE_RANK="0",
-            GROUP_RANK="0",
-        )
+        env = launched_rank_env(rank, world, port)
         command = [
             sys.executable,
             str(TRAIN),

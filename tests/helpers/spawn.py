@@ -54,6 +54,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launched_rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment torchrun (or SLURM through Lightning) gives rank `rank` of `world` on one node: a test
+    that starts each rank process itself sees each one's exit status and output (Lightning launches nothing)."""
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        PYTHONUNBUFFERED="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+        **extra,
+    )
+
+
 def _rank_main(fn, rank, world_size, port, args, queue, pg_timeout_s):
     import torch.distributed as dist
 

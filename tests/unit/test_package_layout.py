@@ -211,6 +211,28 @@ def _cycle_within(graph: dict[str, set[str]], group: set[str]) -> list[str]:
     raise AssertionError(f"{sorted(group)} is not strongly connected")
 
 
+def strategy_private_uses(files: list[Path], owner: Path) -> list[str]:
+    """Reads or writes of a strategy's private attributes (`strategy._x`, `trainer.strategy._x`) and writes of
+    its public ones (`strategy.x = ...`) outside `owner`, the strategy's own module: one contract, no reaching in."""
+    found = []
+    for path in files:
+        if path.resolve() == owner.resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Attribute) or not _names_a_strategy(node.value):
+                continue
+            # `_target_` and dunders are not privates (a Hydra config's `strategy._target_`)
+            private = node.attr.startswith("_") and not node.attr.endswith("_")
+            if private or isinstance(node.ctx, ast.Store):
+                found.append(f"{path}:{node.lineno}: strategy.{node.attr}")
+    return found
+
+
+def _names_a_strategy(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name == "strategy"
+
+
 LIGHTNING_BLOCKED_IMPORTER = textwrap.dedent(
     """
     import importlib, sys
@@ -279,6 +301,23 @@ def test_no_import_cycle():
 
 def test_every_module_outside_the_adapter_imports_without_lightning():
     assert modules_needing_lightning(PACKAGE) == []
+
+
+def test_nothing_outside_the_strategy_reaches_into_it():
+    repo = PACKAGE.parent
+    files = [
+        path for top in ("lightning_shardckpt", "tests", "benchmarks", "recipes") for path in (repo / top).rglob("*.py")
+    ]
+    assert strategy_private_uses(files, PACKAGE / "lightning" / "strategy.py") == []
+
+
+def test_the_strategy_checker_finds_a_private_read_and_an_attribute_write(tmp_path):
+    intruder = tmp_path / "intruder.py"
+    intruder.write_text(
+        "def f(trainer, strategy):\n    trainer.strategy._savers.get('x')\n    strategy.save_config = None\n"
+    )
+    found = strategy_private_uses([intruder], tmp_path / "strategy.py")
+    assert sorted(line.split(": ")[1] for line in found) == ["strategy._savers", "strategy.save_config"], found
 
 
 def test_the_import_scanner_sees_relative_imports_across_rooms():
