@@ -11,15 +11,12 @@ three; several runs make a regression very likely to show.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.spawn import free_port, launched_rank_env
+from tests.helpers.recipe_ranks import start_recipe_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "recipes" / "train.py"
 RUNS = 3
 WORLD = 2
 ABORT_LINE = "terminate called"
@@ -29,31 +26,14 @@ pytestmark = pytest.mark.timeout(400)
 
 def launch_ranks(workdir: Path, *overrides: str, world: int = WORLD, timeout: float = 240) -> list[tuple[int, str]]:
     """Run the recipe as `world` externally launched ranks; (exit status, stdout + stderr) per rank."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = launched_rank_env(rank, world, port)
-        command = [
-            sys.executable,
-            str(TRAIN),
-            f"hydra.run.dir={workdir / 'hydra'}",
-            f"checkpoint.dirpath={workdir / 'ckpt'}",
-            f"trainer.devices={world}",
-            "trainer.enable_progress_bar=false",
-            *overrides,
-        ]
-        log = open(workdir / f"rank{rank}.log", "w+")
-        procs.append((subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     results = []
-    for proc, log in procs:
+    for proc, log in start_recipe_ranks(workdir, world, *overrides):
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-        log.seek(0)
-        results.append((code, log.read()))
-        log.close()
+        results.append((code, log.read_text()))
     return results
 
 

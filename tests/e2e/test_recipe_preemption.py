@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,37 +19,13 @@ import pytest
 from lightning_shardckpt import verify_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import free_port, launched_rank_env
+from tests.helpers.recipe_ranks import start_recipe_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "recipes" / "train.py"
 MAX_STEPS = 100_000  # never reached: the signal ends the run
 START_TIMEOUT_S = 240  # imports and the first commit of up to 4 ranks on a shared 2-core machine
 EXIT_BOUND_S = 90  # the recipe's default preemption_grace_s is 60 s; a clean stop takes seconds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def start_ranks(workdir: Path, world: int) -> list[tuple[subprocess.Popen, Path]]:
-    port = free_port()
-    ranks = []
-    for rank in range(world):
-        env = launched_rank_env(rank, world, port)
-        command = [
-            sys.executable,
-            str(TRAIN),
-            f"hydra.run.dir={workdir / 'hydra'}",
-            f"checkpoint.dirpath={workdir / 'ckpt'}",
-            f"trainer.devices={world}",
-            f"trainer.max_steps={MAX_STEPS}",
-            "checkpoint.every_n_train_steps=5",
-            "trainer.enable_progress_bar=false",
-            "~logger",
-        ]
-        log = workdir / f"rank{rank}.log"
-        with open(log, "w") as out:
-            ranks.append((subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT), log))
-    return ranks
 
 
 def committed_steps(root: Path) -> list[int]:
@@ -72,7 +47,8 @@ def kill(ranks: list[tuple[subprocess.Popen, Path]]) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sigterm_to_every_rank_of_the_main_job_saves_once_more_and_every_rank_exits_0(tmp_path, world):
-    ranks = start_ranks(tmp_path, world)
+    overrides = (f"trainer.max_steps={MAX_STEPS}", "checkpoint.every_n_train_steps=5", "~logger")
+    ranks = start_recipe_ranks(tmp_path, world, *overrides)
     root = tmp_path / "ckpt"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
