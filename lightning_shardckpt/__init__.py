@@ -1,12 +1,20 @@
-"""lightning_shardckpt: sharded checkpoints that commit atomically, verify themselves and reshard on load."""
+"""lightning_shardckpt: sharded checkpoints that commit atomically, verify themselves and reshard on load.
 
+Every public name is imported on first use (PEP 562): `import lightning_shardckpt` costs nothing, so the
+`shardckpt` command answers in well under a second, and the engine never imports Lightning. Using any
+of the Lightning names (ShardedCheckpoint, ShardedStrategy, ...) imports the Lightning adapter, which
+registers `Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")`; so does importing this package after
+Lightning. A script that only spells the strategy as a string after `import lightning_shardckpt`, with
+Lightning imported later, registers it with `import lightning_shardckpt.lightning`.
+"""
+
+from __future__ import annotations
+
+import importlib
 import importlib.util
+import sys
+from typing import TYPE_CHECKING, Any
 
-from .engine.config import LoadConfig, SaveConfig, VerifyConfig
-from .engine.load.loader import LoadResult, load_checkpoint
-from .engine.metrics import CheckpointRecord, read_events
-from .engine.save.persist import SaveResult
-from .engine.save.saver import CheckpointSaver, PendingSave
 from .errors import (
     CheckpointNotFound,
     CommitFailed,
@@ -17,32 +25,77 @@ from .errors import (
     StorageUnavailable,
     UntrustedCheckpoint,
 )
-from .ops.export import ExportOptions, ExportResult, export_checkpoint
-from .ops.verify import VerifyReport, verify_checkpoint
-from .policies.health_eval import Transition
-from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
-from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
 
-LIGHTNING_NAMES = ("ShardedCheckpoint", "ShardedDDPStrategy", "ShardedFSDPStrategy", "ShardedStrategy")
+# public name -> the module that defines it (relative to this package)
+ENGINE_NAMES = {
+    "LoadConfig": ".engine.config",
+    "SaveConfig": ".engine.config",
+    "VerifyConfig": ".engine.config",
+    "LoadResult": ".engine.load.loader",
+    "load_checkpoint": ".engine.load.loader",
+    "CheckpointRecord": ".engine.metrics",
+    "read_events": ".engine.metrics",
+    "SaveResult": ".engine.save.persist",
+    "CheckpointSaver": ".engine.save.saver",
+    "PendingSave": ".engine.save.saver",
+    "ExportOptions": ".ops.export",
+    "ExportResult": ".ops.export",
+    "export_checkpoint": ".ops.export",
+    "VerifyReport": ".ops.verify",
+    "verify_checkpoint": ".ops.verify",
+    "Transition": ".policies.health_eval",
+    "HealthConfig": ".policies.health_rules",
+    "HealthRule": ".policies.health_rules",
+    "NormalRange": ".policies.health_rules",
+    "Persistence": ".policies.health_rules",
+    "HealthControl": ".policies.mitigations",
+    "MitigationContext": ".policies.mitigations",
+    "register_mitigation": ".policies.mitigations",
+}
+LIGHTNING_NAMES = {
+    "ShardedCheckpoint": ".lightning.callback",
+    "ShardedDDPStrategy": ".lightning.strategy",
+    "ShardedFSDPStrategy": ".lightning.strategy",
+    "ShardedStrategy": ".lightning.strategy",
+}
 
-if importlib.util.find_spec("lightning") is None:
-    # without Lightning (absent, or blocked as tests do) the engine, policies, training and ops still import
 
-    def __getattr__(name: str):
-        if name in LIGHTNING_NAMES:
-            raise ImportError(
-                f"lightning_shardckpt.{name} is the Lightning adapter and Lightning does not import here; "
-                "install it (pip install 'lightning>=2.4'), or use the engine directly (CheckpointSaver, load_checkpoint)"
-            )
+def __getattr__(name: str) -> Any:
+    if name in LIGHTNING_NAMES and importlib.util.find_spec("lightning") is None:
+        raise ImportError(
+            f"lightning_shardckpt.{name} is the Lightning adapter and Lightning does not import here; "
+            "install it (pip install 'lightning>=2.4'), or use the engine directly (CheckpointSaver, load_checkpoint)"
+        )
+    module = ENGINE_NAMES.get(name) or LIGHTNING_NAMES.get(name)
+    if module is None:
         raise AttributeError(f"module 'lightning_shardckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
 
-else:
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: register the strategy names now, cheaply
+    importlib.import_module(".lightning", __name__)
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from .engine.config import LoadConfig, SaveConfig, VerifyConfig
+    from .engine.load.loader import LoadResult, load_checkpoint
+    from .engine.metrics import CheckpointRecord, read_events
+    from .engine.save.persist import SaveResult
+    from .engine.save.saver import CheckpointSaver, PendingSave
     from .lightning.callback import ShardedCheckpoint
     from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
-    from .lightning.strategy import register as _register_strategies
+    from .ops.export import ExportOptions, ExportResult, export_checkpoint
+    from .ops.verify import VerifyReport, verify_checkpoint
+    from .policies.health_eval import Transition
+    from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
+    from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
 
-    _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
-
+# the errors above, ENGINE_NAMES and LIGHTNING_NAMES (tests/unit/test_public_api.py holds them equal)
 __all__ = [
     "CheckpointNotFound",
     "CheckpointRecord",

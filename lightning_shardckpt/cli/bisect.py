@@ -6,8 +6,7 @@ import argparse
 from typing import Any
 
 from ..ops import investigate
-from ..ops.bisect import DEFAULT_TOP, bisect
-from ..ops.checks import parse_check
+from ..ops.choices import BISECT_TOP
 from . import exit_codes, options
 from .compare import print_changes
 from .output import print_json, print_table
@@ -30,7 +29,7 @@ def add_commands(commands: Any) -> None:
     search.add_argument(
         "--top",
         type=options.number("--top", integer=True, at_least=0),
-        default=DEFAULT_TOP,
+        default=BISECT_TOP,
         metavar="N",
         help="changed tensors listed (default: %(default)s)",
     )
@@ -38,6 +37,9 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
+    from ..ops.bisect import bisect  # here: it imports torch, which `shardckpt --help` must not wait for
+    from ..ops.checks import parse_check
+
     location = investigate.open_root(args.root, args.storage_options)
     check, kind = parse_check(args.bad, storage_options=args.storage_options)
     report = bisect(
@@ -108,11 +110,11 @@ def _print_identity(identity: dict[str, Any]) -> None:
 
 def _print_affected(affected: dict[str, Any]) -> None:
     print(f"\n3. smallest affected slice: {affected['summary']}")
-    for item in affected["tensors"][:DEFAULT_TOP]:
+    for item in affected["tensors"][:BISECT_TOP]:
         count = f" ({item['nonfinite']} of {item['numel']} elements non-finite)" if item.get("nonfinite") else ""
         print(f"   {item['fqn']}{count} in {', '.join(item.get('files') or []) or '-'}")
-    if len(affected["tensors"]) > DEFAULT_TOP:
-        print(f"   ... and {len(affected['tensors']) - DEFAULT_TOP} more (--json lists all)")
+    if len(affected["tensors"]) > BISECT_TOP:
+        print(f"   ... and {len(affected['tensors']) - BISECT_TOP} more (--json lists all)")
     if affected["files"]:
         print(
             f"   files: {', '.join(affected['files'])}; written by rank(s): {', '.join(map(str, affected['ranks'])) or '-'}"

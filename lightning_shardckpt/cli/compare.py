@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..engine.load.global_tensors import GlobalTensorReader
 from ..ops import investigate
-from ..ops.compare import compare_readers, summary
 from . import exit_codes, options
 from .output import print_json, print_table
 
@@ -34,6 +32,9 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from ..engine.load.global_tensors import GlobalTensorReader  # here: torch, which --help must not wait for
+    from ..ops.compare import compare_readers, summary
+
     a, b = investigate.resolve_pair(args.a, args.b, args.root, args.storage_options)
     with GlobalTensorReader(a.root, a.entry) as reader_a, GlobalTensorReader(b.root, b.entry) as reader_b:
         changes = compare_readers(reader_a, reader_b)

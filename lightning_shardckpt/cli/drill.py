@@ -11,9 +11,19 @@ from ..engine.format import drill_records
 from ..engine.format.layout import join, parse_dirname
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError
-from ..policies import drill_trust
-from ..policies.drill_runner import DrillOptions, run_drill
 from . import exit_codes, options
+from .output import print_table
+
+# the drill phases, in the order they run (policies/drill_worker.py times them), as the table shows them
+PHASES = (
+    ("init_s", "start ranks and process group"),
+    ("listing_s", "list the root"),
+    ("metadata_s", "read the metadata"),
+    ("read_s", "read and check the bytes"),
+    ("reshard_s", "reshard onto the drill ranks"),
+    ("checks_s", "checks (probe, finiteness)"),
+    ("time_to_resume_s", "time to resume (spawn to loaded)"),
+)
 
 
 def add_commands(commands: Any) -> None:
@@ -21,6 +31,8 @@ def add_commands(commands: Any) -> None:
         "drill",
         parents=[options.common()],
         help="restore a checkpoint in fresh processes (another world size by default) and record the result; exit 1 if it fails",
+        description="Restore a checkpoint in fresh processes, on another world size by default, and record the "
+        "verdict in ROOT/drills/ (the root must be writable).",
     )
     drill.add_argument("path", metavar="ROOT|CKPT", help="a root (drills its latest) or a checkpoint directory")
     drill.add_argument(
@@ -39,19 +51,19 @@ def add_commands(commands: Any) -> None:
         "--tolerance",
         type=options.number("--tolerance", at_least=0),
         default=1e-4,
-        help="relative tolerance of the probe comparison",
+        help="relative tolerance of the probe comparison (default: %(default)s)",
     )
     drill.add_argument(
         "--timeout",
         type=options.number("--timeout", above=0),
         default=600.0,
-        help="seconds before the drill is killed and recorded as failed",
+        help="seconds before the drill is killed and recorded as failed (default: %(default)s)",
     )
     drill.add_argument(
         "--threads",
         type=options.number("--threads", integer=True, at_least=1),
         default=1,
-        help="torch threads per drill rank",
+        help="torch threads per drill rank (default: %(default)s)",
     )
     drill.add_argument(
         "--trust",
@@ -78,6 +90,8 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
+    from ..policies.drill_runner import DrillOptions, run_drill  # here: torch, which --help must not wait for
+
     options = DrillOptions(
         world_size=args.world_size,
         timeout_s=args.timeout,
@@ -96,11 +110,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             f"{record['checkpoint']}: {record['verdict']} on {record['world_size']} rank(s) "
             f"(written on {record['writer_world_size']})" + (f": {record['cause']}" if record.get("cause") else "")
         )
-        if record.get("time_to_resume_s") is not None:
-            print(
-                f"time to resume {record['time_to_resume_s']:.2f}s, read {record.get('bytes_read', 0) / 1e6:.1f} MB "
-                f"at {record.get('read_gbps') or 0:.2f} GB/s; timings {_rounded(record.get('timings', {}))}"
-            )
+        _print_timings(record)
         probe = (record.get("checks") or {}).get("probe")
         if probe and "value" in probe:
             print(f"probe {probe['name']}: {probe['value']!r} restored, {probe['saved']!r} at save")
@@ -145,11 +155,20 @@ def cmd_last_good(args: argparse.Namespace) -> int:
 
 
 def _safe_global(name: str) -> str:
+    from ..policies import drill_trust  # here: torch, which --help must not wait for
+
     try:
         return drill_trust.spec_of(name)
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _rounded(timings: dict[str, float]) -> dict[str, float]:
-    return {name: round(value, 3) for name, value in timings.items()}
+def _print_timings(record: dict[str, Any]) -> None:
+    """Where the drill's time went, one phase a row (rank 0's clock); --json has the raw record."""
+    timings = record.get("timings") or {}
+    rows = [(label, f"{timings[key]:.2f} s") for key, label in PHASES if timings.get(key) is not None]
+    if not rows:
+        return
+    print_table([("PHASE", "TIME"), *rows])
+    if record.get("bytes_read"):
+        print(f"read {record['bytes_read'] / 1e6:.1f} MB at {record.get('read_gbps') or 0:.2f} GB/s")

@@ -6,8 +6,7 @@ import argparse
 import re
 from typing import Any
 
-from ..ops.export import DTYPES, ExportOptions, export_checkpoint
-from ..ops.export_formats import FORMATS, SAFETENSORS
+from ..ops.choices import EXPORT_DTYPES, EXPORT_FORMATS, SAFETENSORS
 from . import exit_codes, options
 from .output import human_bytes, print_json
 
@@ -40,7 +39,7 @@ def add_commands(commands: Any) -> None:
     )
     export.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory, a root (its latest) or ROOT/latest")
     export.add_argument("out", metavar="OUT", help="the file to write (a directory with --max-shard-size)")
-    export.add_argument("--format", choices=FORMATS, default=SAFETENSORS)
+    export.add_argument("--format", choices=EXPORT_FORMATS, default=SAFETENSORS)
     export.add_argument(
         "--max-shard-size",
         type=parse_size,
@@ -52,7 +51,7 @@ def add_commands(commands: Any) -> None:
         "--model-only", action="store_true", help="only the model's tensors (model.*), no optimizer state"
     )
     export.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: as saved, bit-exact)"
+        "--dtype", choices=EXPORT_DTYPES, default=None, help="cast floating tensors (default: as saved, bit-exact)"
     )
     export.add_argument(
         "--prefix", default=None, help="strip this from every tensor name that starts with it, e.g. model."
@@ -66,6 +65,8 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ..ops.export import ExportOptions, export_checkpoint  # here: torch, which --help must not wait for
+
     options = ExportOptions(
         format=args.format,
         max_shard_size=args.max_shard_size,

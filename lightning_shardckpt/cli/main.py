@@ -7,10 +7,14 @@
     shardckpt timeline ROOT                every checkpoint, attempt and resume in order: state, cause, identity changes
     shardckpt gc ROOT [--yes]              uncommitted directories older than the grace: list (default) or remove
     shardckpt health ROOT [--plot OUT.png] health rules over the root's events: owner, normal range, firing, mitigation
-    shardckpt drill ROOT|DIR / last-good   restore drills; the newest drilled checkpoint
+    shardckpt drill ROOT|DIR               restore drill: load in fresh processes on another world size, record the verdict
+    shardckpt last-good ROOT               the newest checkpoint that passed a restore drill
     shardckpt bisect ROOT --bad CHECK      the earliest known-bad checkpoint, the last known-good, what changed
     shardckpt compare A B                  per-tensor numeric differences of two checkpoints (any world sizes)
     shardckpt export CKPT OUT              one torch or safetensors file (or shards) of the global tensors
+
+`shardckpt` alone prints this list. Building the parser imports no torch (the commands import what they
+need when they run), so `--help` and `ls` answer in well under a second (benchmarks/cli_startup.py).
 
 Each command group is a module here that registers itself with `add_commands(commands)`; this one only builds the
 parser from COMMAND_MODULES and dispatches. Exit codes: exit_codes.py (0 ok, 1 found a problem, 2 could not run),
@@ -27,7 +31,7 @@ import sys
 import traceback
 
 from ..errors import ShardCkptError
-from . import bisect, compare, drill, exit_codes, export, gc, health, investigate, listing, verify
+from . import bisect, compare, drill, examples, exit_codes, export, gc, health, investigate, listing, verify
 from .output import PROG
 
 # in `shardckpt --help` order
@@ -36,6 +40,10 @@ COMMAND_MODULES = (listing, verify, investigate, gc, drill, health, bisect, comp
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a newcomer's first try: the list of commands, not a usage error
+        parser.print_help()
+        return exit_codes.OK
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits on --help (0) and on bad usage (2)
@@ -76,7 +84,10 @@ def explain(err: BaseException) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], epilog=exit_codes.__doc__.split("\n\n")[1]
+        prog=PROG,
+        description="\n\n".join(__doc__.split("\n\n")[:2]),  # the line above and the table of every command
+        epilog=exit_codes.__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error (or SHARDCKPT_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -84,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_commands(commands)
     for name, command in commands.choices.items():  # each command's --help ends with what its exit codes mean
         command.formatter_class = argparse.RawDescriptionHelpFormatter
-        command.epilog = "\n\n".join(part for part in (command.epilog, exit_codes.epilog(name)) if part)
+        parts = (command.epilog, examples.epilog(name), exit_codes.epilog(name))
+        command.epilog = "\n\n".join(part for part in parts if part)
     return parser
 
 

@@ -9,22 +9,32 @@ on it: a dead rank makes the others fail after the timeout instead of hanging.
 from __future__ import annotations
 
 import logging
+import sys
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    # No process group exists before torch.distributed is imported, so this asks nothing of a process that
+    # never imported it: the `shardckpt` command lists and inspects checkpoints without importing torch.
+    loaded = sys.modules.get("torch.distributed")
+    return loaded is not None and loaded.is_available() and loaded.is_initialized()
+
+
+def _dist() -> dist:
+    """torch.distributed, which every caller below only asks for once is_distributed() said it is in use."""
+    return sys.modules["torch.distributed"]
 
 
 def rank_and_world(group: Any = None) -> tuple[int, int]:
     if not is_distributed():
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return _dist().get_rank(group), _dist().get_world_size(group)
 
 
 def new_checkpoint_group(timeout_s: float) -> Any:
@@ -32,7 +42,7 @@ def new_checkpoint_group(timeout_s: float) -> Any:
     if not is_distributed():
         return None
     log.debug("creating the checkpoint gloo group (timeout %.0fs)", timeout_s)
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _dist().new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def broadcast_from_coordinator(name: str, value: Any, group: Any) -> Any:
@@ -41,6 +51,7 @@ def broadcast_from_coordinator(name: str, value: Any, group: Any) -> Any:
         return value
     payload = [value]
     log.debug("collective %s: broadcast", name)
+    dist = _dist()
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return payload[0]
 
@@ -49,6 +60,7 @@ def all_gather_objects(name: str, value: Any, group: Any) -> list[Any]:
     """Collective `name`: every rank returns every rank's `value`, in rank order."""
     if not is_distributed():
         return [value]
+    dist = _dist()
     out: list[Any] = [None] * dist.get_world_size(group)
     log.debug("collective %s: all_gather", name)
     dist.all_gather_object(out, value, group=group)

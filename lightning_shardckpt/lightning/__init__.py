@@ -8,3 +8,7 @@ Lightning's dataloaders; `lightning_state` carries Lightning's own checkpoint en
 
 The only room that imports Lightning. May import every room below it; never `..cli`.
 """
+
+from .strategy import register
+
+register()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp"), from whichever import loads the adapter first

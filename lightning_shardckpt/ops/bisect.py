@@ -24,12 +24,12 @@ from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound
 from . import investigate
 from .checks import NUMERIC, Check, CheckpointHandle, CheckResult, safely
+from .choices import BISECT_TOP as DEFAULT_TOP
 from .compare import compare_readers, summary
 
 log = logging.getLogger(__name__)
 
 BINARY, LINEAR = "binary", "linear"
-DEFAULT_TOP = 10  # tensors listed in the affected slice's ranking
 HYDRA_RECIPE = "python recipes/train.py"
 
 

@@ -32,9 +32,9 @@ from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
 from ..engine.storage import fsio
 from ..errors import ConfigError
 from . import export_target
+from .choices import EXPORT_DTYPES, SAFETENSORS
+from .choices import EXPORT_FORMATS as FORMATS
 from .export_formats import (
-    FORMATS,
-    SAFETENSORS,
     SAFETENSORS_INDEX,
     SAFETENSORS_SUFFIX,
     Planned,
@@ -50,7 +50,7 @@ from .investigate import open_path
 log = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model."  # ShardedStrategy's model tensors (docs/FORMAT.md §6): what --model-only keeps
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = dict(zip(EXPORT_DTYPES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 TEMP_SUFFIX = ".partial-{token}"  # OUT + this while being written
 
 

@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 
-TORCH, SAFETENSORS = "torch", "safetensors"
-FORMATS = (TORCH, SAFETENSORS)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 SAFETENSORS_SHARD = "model-{index:05d}-of-{count:05d}" + SAFETENSORS_SUFFIX

@@ -35,7 +35,7 @@ from ..engine.format import drill_records
 from ..engine.format.drill_records import FAILED, NOT_DRILLED, PASSED
 from ..engine.format.layout import join
 from ..engine.validate import require_number
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageUnavailable
 from . import drill_trust
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
         root or checkpoint, checkpoint if root else "latest", options.storage_options
     )
     path = join(location.url, entry.name)
+    _check_records_writable(location)
     writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)
     world_size = options.world_size or default_world_size(writer_world)
     record: dict[str, Any] = {
@@ -136,6 +137,17 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
         f" ({record['cause']})" if record.get("cause") else "",
     )
     return record
+
+
+def _check_records_writable(location: Any) -> None:
+    try:
+        drill_records.check_writable(location)
+    except OSError as err:  # read-only file system, no permission, a bucket that refuses writes
+        raise StorageUnavailable(
+            f"drill records go into {join(location.url, drill_records.DRILLS_DIR)}/, which cannot be written here "
+            f"({type(err).__name__}: {err}); drill with write access to the root (object storage: credentials that "
+            "may write), or copy the checkpoint directory into a writable root and drill it there"
+        ) from err
 
 
 def _check_probe_importable(probe: str | None) -> None:
@@ -208,15 +220,13 @@ def outcome_details(outcome: dict[str, Any]) -> dict[str, Any]:
     return details
 
 
-# The drill ranks need the engine only. Importing the package runs its __init__, which imports Lightning
-# for the public API: ~1.3 s of CPU per drill process here, taken from training. A package object
-# with the right __path__ lets Python import lightning_shardckpt.policies.drill_worker and the engine
-# without running that __init__ (the engine never imports Lightning: tests/unit/test_package_layout.py).
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The drill ranks import this very package (the directory above it goes first on sys.path: the drill
+# runs the code that started it, installed or not). Its __init__ imports nothing until a name is used,
+# so a drill rank pays for the engine only, never for Lightning (tests/unit/test_package_layout.py).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WORKER_BOOTSTRAP = (
-    "import sys, types\n"
-    "package = types.ModuleType('lightning_shardckpt'); package.__path__ = [sys.argv.pop(1)]\n"
-    "sys.modules['lightning_shardckpt'] = package\n"
+    "import sys\n"
+    "sys.path.insert(0, sys.argv.pop(1))\n"
     "from lightning_shardckpt.policies.drill_worker import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )

@@ -70,6 +70,16 @@ def parse_record_name(filename: str) -> RecordName | None:
     return RecordName(*parts)
 
 
+def check_writable(location: Location) -> None:
+    """Raise the storage's OSError now if ROOT/drills/ cannot take a record: a drill that runs for minutes
+    and then cannot file its verdict wasted them. Writes and removes one small probe file."""
+    directory = join(location.path, DRILLS_DIR)
+    location.backend.makedirs(directory)
+    probe = join(directory, f".writable-{secrets.token_hex(6)}")
+    location.fs.pipe_file(probe, b"")
+    location.fs.rm_file(probe)
+
+
 def write_record(location: Location, record: dict[str, Any]) -> str:
     """Create the record once; returns its path. `record` holds checkpoint, drill_id and verdict."""
     if record["verdict"] not in VERDICTS:

@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import platform
 from datetime import datetime, timezone
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CorruptCheckpoint, IncompatibleCheckpoint
 from . import bounded_json, manifest_schema
@@ -25,6 +22,9 @@ from .layout import (
     parse_dirname,
 )
 from .manifest_schema import BLOCKS_FIELD, REFERENCES_FIELD
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
 # copied from the manifest into the commit record: what listing, `latest` and retention decide by
@@ -42,6 +42,8 @@ def package_version() -> str:
 
 
 def writer_versions() -> dict[str, str]:
+    import torch  # here, not at the top: reading manifests (`shardckpt ls`) must not pay for importing torch
+
     return {"lightning_shardckpt": package_version(), "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -67,6 +69,8 @@ def build_manifest(
     seq: int = 1,
 ) -> dict[str, Any]:
     """Describe a fully written checkpoint: every file, tensor chunk and object with its checksum."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
     tensors, objects = [], []
     for fqn, item in sorted(metadata.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):

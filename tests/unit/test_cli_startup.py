@@ -1,0 +1,126 @@
+"""The `shardckpt` command answers at once and teaches itself: no torch before a command needs it, the
+command list with no arguments, and examples in `--help` that run as printed.
+
+Start-up time itself is measured by benchmarks/cli_startup.py (timings never go in tests); what is
+tested here is the cause of a slow start: torch (or Lightning) imported while the parser is built or
+while `ls` lists a local root.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt.cli import examples, exit_codes
+from lightning_shardckpt.cli.main import build_parser
+from tests.helpers.checkpoints import fresh_state, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def _heavy_modules_after(statement: str, cwd: Path | None = None) -> list[str]:
+    done = _python(
+        "import sys\n"
+        f"{statement}\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'pytorch_lightning', 'matplotlib') if m in sys.modules))",
+        cwd,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return eval(done.stdout.strip().splitlines()[-1])  # a list literal printed by the child
+
+
+def test_building_the_parser_imports_neither_torch_nor_lightning():
+    assert _heavy_modules_after("from lightning_shardckpt.cli.main import build_parser; build_parser()") == []
+
+
+def test_importing_the_package_imports_nothing_heavy_until_a_name_is_used():
+    assert _heavy_modules_after("import lightning_shardckpt") == []
+    assert "torch" in _heavy_modules_after("import lightning_shardckpt; lightning_shardckpt.CheckpointSaver")
+
+
+def test_ls_of_a_local_root_imports_no_torch(tmp_path):
+    save_checkpoint(str(tmp_path / "root"), step=5)
+    statement = (
+        "from lightning_shardckpt.cli.main import main\n"
+        f"assert main(['ls', {str(tmp_path / 'root')!r}]) == 0\n"
+        f"assert main(['inspect', {str(tmp_path / 'root/latest')!r}]) == 0"
+    )
+    assert _heavy_modules_after(statement) == []
+
+
+def test_no_arguments_lists_every_command_and_exits_0(run_cli):
+    code, out, _ = run_cli()
+    assert code == exit_codes.OK
+    commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps no public list
+    description = out.split("positional arguments")[0]
+    missing = [name for name in commands if f"shardckpt {name} " not in description]
+    assert not missing, f"the command table at the top of `shardckpt --help` lacks {missing}"
+
+
+def test_every_command_shows_examples_and_drill_its_defaults(run_cli):
+    for name in exit_codes.FOUND_PROBLEM_MEANS:
+        code, out, _ = run_cli(name, "--help")
+        assert code == exit_codes.OK and "examples:" in out, name
+    _, out, _ = run_cli("drill", "--help")
+    words = " ".join(out.split())  # argparse wraps help text at the terminal's width
+    assert "(default: 600.0)" in words and "(default: 0.0001)" in words
+
+
+@pytest.mark.slow
+def test_every_help_example_runs_as_printed_on_a_root_shaped_like_the_main_jobs(tmp_path):
+    """Examples assume checkpoints/tinylm with steps 20, 30, 40 (what ./scripts/run_train.sh leaves) and
+    the environment's bin/ on PATH; exit 0 or 1 (ran to the end), never 2 (could not run)."""
+    saver = CheckpointSaver(str(tmp_path / examples.ROOT), SaveConfig(async_save=False, run_id="tinylm"))
+    for step in (20, 30, 40):  # with save events, as a training run writes them: health reads them
+        assert saver.save(fresh_state(seed=step), step=step).result(timeout=60).committed
+    saver.close()
+    shutil.copytree(REPO / "conf", tmp_path / "conf")  # from the repository root, as printed
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    for command, lines in examples.EXAMPLES.items():
+        for line in lines:
+            done = subprocess.run(shlex.split(line), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+            assert done.returncode in (exit_codes.OK, exit_codes.FOUND_PROBLEM), (
+                f"`{line}` ({command}) exited {done.returncode}: {done.stderr[-1500:]}"
+            )
+
+
+@pytest.fixture
+def read_only_root(tmp_path):
+    """A committed root seen through a read-only bind mount (a real EROFS, which root's permissions do not
+    bypass); skipped where this sandbox may not mount."""
+    source, mounted = tmp_path / "source", tmp_path / "read-only"
+    mounted.mkdir()
+    save_checkpoint(str(source / "root"), step=7)
+    bind = subprocess.run(["mount", "--bind", str(source), str(mounted)], capture_output=True, text=True)
+    if bind.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {bind.stderr.strip()}")
+    try:
+        remount = subprocess.run(["mount", "-o", "remount,bind,ro", str(mounted)], capture_output=True, text=True)
+        if remount.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {remount.stderr.strip()}")
+        yield mounted / "root"
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+
+
+def test_drill_of_a_read_only_root_fails_before_drilling_naming_the_records_directory_and_the_fix(
+    read_only_root, run_cli
+):
+    code, out, err = run_cli("drill", read_only_root)
+    assert code == exit_codes.CANNOT_RUN, (out, err)
+    line = err.strip().splitlines()[-1]
+    assert f"{read_only_root}/drills/" in line and "Read-only file system" in line
+    assert "drill with write access to the root" in line
+    assert "on 2 rank(s)" not in err  # refused before a rank started, not after minutes of drilling
