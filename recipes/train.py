@@ -5,8 +5,9 @@
     python recipes/train.py trainer.devices=3 trainer.max_steps=80 resume=latest   # continue on another device count
     python recipes/train.py --cfg job                              # print the composed config and exit
 
-Options live in conf/ (conf/train.yaml and its groups); every option there is commented. Unknown keys are
-refused by Hydra; values that cannot work are refused here before any rank starts, naming the option and the fix.
+Options live in conf/ (conf/train.yaml and its groups); every option there is commented. An unknown key is
+refused before Hydra runs, with the closest known ones (recipes/overrides.py); values that cannot work are
+refused here before any rank starts, naming the option and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if RECIPES_DIR not in sys.path:  # `python -m recipes.train` and Hydra's `_targe
     sys.path.insert(0, RECIPES_DIR)
 
 import hydra  # noqa: E402
+import overrides  # noqa: E402  (recipes/overrides.py)
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
@@ -160,7 +162,7 @@ def build(cfg: DictConfig, run_config: dict[str, Any]):
         try:
             return instantiate(node, **kwargs)
         except (InstantiationException, ValueError, TypeError) as err:
-            raise InvalidConfig([f"{group}: {explain(err)}"]) from err
+            raise InvalidConfig([problem_of(group, node, err)]) from err
 
     datamodule = make("data", cfg.data)
     model = make("model", cfg.model, vocab_size=datamodule.vocab_size)
@@ -171,7 +173,7 @@ def build(cfg: DictConfig, run_config: dict[str, Any]):
     try:
         callback = make_callback(run_config=run_config)
     except (ValueError, TypeError) as err:
-        raise InvalidConfig([f"checkpoint: {err}"]) from err
+        raise InvalidConfig([problem_of("checkpoint", cfg.checkpoint, err)]) from err
     logger = make("logger", cfg.logger) if cfg.get("logger") else False
     # A Lightning Checkpoint callback needs enable_checkpointing=True; anything else must keep Lightning
     # from adding its own ModelCheckpoint (a second, unsharded, synchronous save path).
@@ -186,6 +188,19 @@ def build(cfg: DictConfig, run_config: dict[str, Any]):
     return datamodule, model, callback, logger, trainer
 
 
+def problem_of(group: str, node: Any, err: BaseException) -> str:
+    """One line for a constructor's refusal: a `+key` it has no parameter for gets "did you mean"."""
+    cause = err.__cause__ or err.__context__ if isinstance(err, InstantiationException) else err
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    try:
+        from hydra.utils import get_object
+
+        suggestion = overrides.unexpected_argument(cause, get_object(target), group) if target else None
+    except Exception:  # noqa: BLE001 - only a better message; the constructor's own follows
+        suggestion = None
+    return suggestion or f"{group}: {explain(err)}"
+
+
 def explain(err: BaseException) -> str:
     """The constructor's own message (which names the option and the fix), without Hydra's wrapping."""
     if isinstance(err, InstantiationException) and (err.__cause__ or err.__context__) is not None:
@@ -193,22 +208,32 @@ def explain(err: BaseException) -> str:
     return str(err)
 
 
-def resume_command(cfg: DictConfig, dirpath: str) -> str:
-    """The exact command that continues this run on a different device count."""
+def runnable(path: str) -> str:
+    """`path` as a command runs from the launch directory: relative inside it (.venv/bin/python), else absolute."""
+    relative = os.path.relpath(os.path.abspath(path), hydra.utils.get_original_cwd())
+    return os.path.abspath(path) if relative.startswith("..") else relative
+
+
+def shardckpt_program() -> str:
+    """The environment's `shardckpt` (not whatever is on PATH, if anything: the venv may not be activated)."""
+    script = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+    return runnable(script) if os.path.exists(script) else f"{runnable(sys.executable)} -m lightning_shardckpt.cli.main"
+
+
+def resume_command(cfg: DictConfig, dirpath: str, reached_step: int) -> str:
+    """The exact command that continues this run on a different device count, with this environment's
+    interpreter and a max_steps past the step the run has reached (not past the one it was asked for)."""
     overrides = [
         o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") not in RESUME_COMMAND_KEYS
     ]
     devices = cfg.trainer.devices
     new_devices = devices + 1 if isinstance(devices, int) else 2
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), hydra.utils.get_original_cwd())
-    if script.startswith(".."):
-        script = os.path.abspath(sys.argv[0])
     parts = [
-        "python",
-        script,
+        runnable(sys.executable),
+        runnable(sys.argv[0]),
         *overrides,
         f"trainer.devices={new_devices}",
-        f"trainer.max_steps={2 * cfg.trainer.max_steps}",
+        f"trainer.max_steps={2 * max(cfg.trainer.max_steps, reached_step)}",
         "resume=latest",
         f"checkpoint.dirpath={dirpath}",
     ]
@@ -289,21 +314,41 @@ def train(cfg: DictConfig) -> None:
 
     ckpt_path = None if cfg.resume is None else str(cfg.resume)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    resumed = trainer.strategy.last_load  # None when the fit started fresh
+    started_at = int(resumed.manifest["step"]) if resumed is not None else 0
 
     if rank_zero_only.rank == 0:
         wandb_dir = wandb_run_dir(logger)
-        print(f"\ncheckpoints:      {dirpath}   (list them: shardckpt ls {shlex.quote(dirpath)})")
+        root = callback.root  # this node's: a tiers template ({node_rank}) expanded
+        if trainer.global_step == started_at:
+            print(
+                f"\nnothing trained: the run already stands at step {started_at} and trainer.max_steps="
+                f"{cfg.trainer.max_steps}; raise trainer.max_steps to continue it (as in the command below)"
+            )
+        print(f"\ncheckpoints:      {root}   (list them: {shardckpt_program()} ls {shlex.quote(root)})")
         if wandb_dir:
             print(f"W&B offline run:  {wandb_dir}   (upload: wandb sync {shlex.quote(wandb_dir)})")
         elif logger:
             print(f"logs:             {logger.log_dir}")
-        print(f"resume on another device count:\n  {resume_command(cfg, dirpath)}")
+        print(f"resume on another device count:\n  {resume_command(cfg, dirpath, trainer.global_step)}")
         if wandb_dir:
             logger.experiment.finish()  # flush the offline run now rather than at interpreter exit
 
 
+def check_overrides(argv: list[str]) -> None:
+    """Unknown keys on the command line, named with the closest known ones before Hydra starts (which
+    would answer with its "+key" hint). Skipped with --config-path/--config-name: another config tree."""
+    if any(arg.startswith(("--config-path", "--config-name", "-cp", "-cn")) for arg in argv):
+        return
+    given = [arg for arg in argv if "=" in arg and not arg.startswith(("-", "+", "~", "hydra."))]
+    problems = overrides.unknown_keys(os.path.join(os.path.dirname(RECIPES_DIR), "conf"), "train", given)
+    if problems:
+        raise InvalidConfig(problems)
+
+
 if __name__ == "__main__":
     try:
+        check_overrides(sys.argv[1:])
         main()
     except InvalidConfig as err:
         print(err, file=sys.stderr)

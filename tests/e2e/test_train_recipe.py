@@ -243,7 +243,8 @@ def test_run_prints_where_things_are_and_the_resume_command(ddp_runs):
     ckpt = ddp_runs["workdir"] / "ckpt"
     assert f"checkpoints:      {ckpt}" in out
     assert "W&B offline run:" in out and str(ddp_runs["workdir"] / "first" / "wandb") in out
-    command = next(line.strip() for line in out.splitlines() if line.strip().startswith("python "))
+    # with this environment's interpreter (runs without activating the venv), not a bare `python`
+    command = next(line.strip() for line in out.splitlines() if line.strip().startswith(f"{sys.executable} "))
     for part in (
         "trainer.devices=3",
         "resume=latest",
