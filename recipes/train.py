@@ -226,6 +226,10 @@ def resume_command(cfg: DictConfig, dirpath: str, reached_step: int) -> str:
     overrides = [
         o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") not in RESUME_COMMAND_KEYS
     ]
+    if "model.decay_steps" not in {o.split("=", 1)[0].lstrip("+~") for o in overrides}:
+        # it follows trainer.max_steps by default: pinned, so raising max_steps keeps this run's LR schedule
+        # (the resumed run's config then differs only where the user changed it)
+        overrides.append(f"model.decay_steps={cfg.model.decay_steps}")
     devices = cfg.trainer.devices
     new_devices = devices + 1 if isinstance(devices, int) else 2
     parts = [

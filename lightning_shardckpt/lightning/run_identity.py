@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 
 from ..engine import metrics
 from ..identity import blocks as identity
-from ..identity.diff import IdentityPolicy, compare
+from ..identity.diff import WARN, IdentityPolicy, compare
 from ..policies.config_blocks import options_from
 from .sampler_injection import train_sampler
 from .wandb_artifacts import wandb_run
@@ -70,7 +70,13 @@ class RunIdentity:
         )
         if not trainer.is_global_zero:
             return None
-        log.info("identity of %s: %s", loaded.path, report.render() or "matches the current run")
+        # the blocks `compare` already warned about are named, not printed a second time
+        warned = [diff.block for diff in report.diffs if diff.action == WARN]
+        rest = "\n".join(diff.render() for diff in report.diffs if diff.action != WARN)
+        summary = rest or ("identity matches" if report.matches else "")
+        if warned:
+            summary = f"{summary}\n(differs in {', '.join(warned)}: warned above)".lstrip("\n")
+        log.info("identity of %s: %s", loaded.path, summary)
         event = {
             "event": "resume",
             "from": loaded.path,
