@@ -154,6 +154,10 @@ def _check_probe_importable(probe: str | None) -> None:
     if not probe:
         return
     module = probe.partition(":")[0]
+    if (
+        os.getcwd() not in sys.path
+    ):  # as the drill ranks look (drill_worker.load_callable): recipes.lm from the repo root
+        sys.path.insert(0, os.getcwd())
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

@@ -124,3 +124,18 @@ def test_drill_of_a_read_only_root_fails_before_drilling_naming_the_records_dire
     assert f"{read_only_root}/drills/" in line and "Read-only file system" in line
     assert "drill with write access to the root" in line
     assert "on 2 rank(s)" not in err  # refused before a rank started, not after minutes of drilling
+
+
+def test_a_probe_in_the_current_directory_is_found_by_the_installed_command(tmp_path):
+    """The console script's sys.path holds its bin/ directory, not the current one; the drill looks in the
+    current directory as its ranks do, so `--probe recipes.lm:probe` works from the repository root."""
+    (tmp_path / "my_probes.py").write_text("def probe(state):\n    return 0.0\n")
+    statement = (
+        "sys.path[:] = [p for p in sys.path if p not in ('', '.')]  # as the installed `shardckpt` script starts\n"
+        "from lightning_shardckpt.cli.main import main\n"
+        "code = main(['drill', 'nothing-here', '--probe', 'my_probes:probe'])\n"
+        "assert code == 2"
+    )
+    done = _python(f"import sys\n{statement}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "cannot be imported" not in done.stderr and "nothing-here" in done.stderr  # got past the probe check
