@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
+from .progress import progress
 
 BLOCK = 1 << 22  # elements per statistics block: each float64 temporary is 32 MiB, whatever the tensor size
 TINY = 1e-30  # |A| below this counts as zero scale: `relative` is then max_abs itself
@@ -49,10 +50,17 @@ class TensorChange:
         return asdict(self)
 
 
-def compare_readers(a: GlobalTensorReader, b: GlobalTensorReader, fqns: list[str] | None = None) -> list[TensorChange]:
-    """Every tensor of A and B (or only `fqns`), sorted by change, largest first."""
+def compare_readers(
+    a: GlobalTensorReader, b: GlobalTensorReader, fqns: list[str] | None = None, *, progress_bar: bool | None = None
+) -> list[TensorChange]:
+    """Every tensor of A and B (or only `fqns`), sorted by change, largest first; `progress_bar`: tensors
+    compared so far on stderr (None: when stderr is a terminal)."""
     names = sorted(set(a.specs) | set(b.specs)) if fqns is None else fqns
-    changes = [_compare_one(a, b, fqn) for fqn in names]
+    changes = []
+    with progress(len(names), "compare", unit="tensor", wanted=progress_bar) as bar:
+        for fqn in names:
+            changes.append(_compare_one(a, b, fqn))
+            bar.update(1)
     changes.sort(key=change_order)
     return changes
 

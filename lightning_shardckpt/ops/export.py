@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -46,6 +45,7 @@ from .export_formats import (
     tensor_bytes,
 )
 from .investigate import open_path
+from .progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def export_checkpoint(
             raise ConfigError(
                 f"{entry.path} holds no tensor to export" + (" under model." if options.model_only else "")
             )
-        with _progress(sum(item.nbytes for item in plan), options.progress) as bar:
+        with progress(sum(item.nbytes for item in plan), "export", wanted=options.progress) as bar:
 
             def read_one(planned: Planned) -> torch.Tensor:
                 # returned straight into a write: no name keeps it alive while the next one is read
@@ -243,22 +243,3 @@ def _write_file(fs: Any, path: str, body: Any) -> str:
             fs.rm_file(temporary)
         raise
     return path
-
-
-class _NoBar:
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def update(self, count: int) -> None:
-        return None
-
-
-def _progress(total: int, wanted: bool | None) -> Any:
-    if not (sys.stderr.isatty() if wanted is None else wanted):
-        return _NoBar()
-    from tqdm import tqdm  # a dependency of lightning: always there
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", file=sys.stderr)

@@ -25,6 +25,7 @@ from ..engine.format.safe_pickle import DCP_METADATA_FIELD
 from ..engine.storage import fsio
 from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound, CorruptCheckpoint
+from .progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,15 @@ def verify_checkpoint(
     where: str | os.PathLike | Location,
     which: str | int | CheckpointEntry = "latest",
     storage_options: dict[str, Any] | None = None,
+    *,
+    progress_bar: bool | None = None,
 ) -> VerifyReport:
     """Read and checksum every chunk of a committed checkpoint.
 
     `where` is a root URL (with `which`: `latest`, a step, an id or a directory name), a checkpoint
     directory URL, or a root Location; `which` may also be a CheckpointEntry already found under it.
     Raises CheckpointNotFound when nothing committed matches; corruption is reported, not raised.
+    `progress_bar`: bytes read so far on stderr (None: when stderr is a terminal).
     """
     location, entry = _open(where, which, storage_options)
     started = time.perf_counter()
@@ -86,11 +90,13 @@ def verify_checkpoint(
         _verify_referenced(location.fs, entry.path, relative, chunks, report)
     for relative in sorted(set(chunks_by_file) - set(listed) - referenced):
         report.problems.append(_problem(TILING, relative, None, "an entry in the manifest's files", "none"))
-    for relative, item in sorted(listed.items()):
-        chunks = sorted(chunks_by_file.get(relative, []), key=lambda pair: pair[1]["offset"])
-        report.files += 1
-        report.chunks += len(chunks)
-        _verify_file(location.fs, entry.path, item, chunks, report)
+    with progress(sum(item["bytes"] for item in listed.values()), "verify", wanted=progress_bar) as bar:
+        for relative, item in sorted(listed.items()):
+            chunks = sorted(chunks_by_file.get(relative, []), key=lambda pair: pair[1]["offset"])
+            report.files += 1
+            report.chunks += len(chunks)
+            _verify_file(location.fs, entry.path, item, chunks, report)
+            bar.update(item["bytes"])
     _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report, entry.manifest.get(DCP_METADATA_FIELD))
     report.seconds = time.perf_counter() - started
     if report.ok:

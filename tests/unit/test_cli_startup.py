@@ -139,3 +139,42 @@ def test_a_probe_in_the_current_directory_is_found_by_the_installed_command(tmp_
     done = _python(f"import sys\n{statement}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-1500:]
     assert "cannot be imported" not in done.stderr and "nothing-here" in done.stderr  # got past the probe check
+
+
+def _stderr_on_a_terminal(argv: list[str]) -> tuple[int, str]:
+    """Run `shardckpt ARGV` with stderr on a pseudo-terminal, as in an interactive shell; (exit code, stderr)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))  # a 0x0 terminal shows no bar
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "lightning_shardckpt.cli.main", *argv]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return process.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize("command", ["verify", "compare"])
+def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_when_piped(tmp_path, command, run_cli):
+    root = str(tmp_path / "root")
+    save_checkpoint(root, step=1)
+    save_checkpoint(root, step=2)
+    argv = [command, f"{root}/latest"] if command == "verify" else [command, "--root", root, "1", "2"]
+    code, shown = _stderr_on_a_terminal(argv)
+    assert code in (exit_codes.OK, exit_codes.FOUND_PROBLEM)
+    assert f"{command}:" in shown and "%|" in shown, shown
+    _, _, piped = run_cli(*argv)  # captured: not a terminal
+    assert f"{command}:" not in piped and "%|" not in piped
