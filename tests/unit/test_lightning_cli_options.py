@@ -125,6 +125,15 @@ def test_each_strategy_class_path_builds_its_strategy(tmp_path, class_path, init
     assert type(cli.trainer.strategy) is built
 
 
+@pytest.mark.parametrize(
+    "name, built", [("shardckpt_ddp", ShardedDDPStrategy), ("shardckpt_fsdp", ShardedFSDPStrategy)]
+)
+def test_the_registered_strategy_names_still_work_as_plain_strings(name, built):
+    cli, code, _, err = parse(f"--trainer.strategy={name}")
+    assert code is None, err
+    assert type(cli.trainer.strategy) is built
+
+
 def test_an_option_of_the_other_parallelism_is_refused_by_the_class_path_too():
     _, code, _, err = parse("--trainer.strategy.init_args.find_unused_parameter=true")
     assert code == 2 and "Option 'find_unused_parameter' is not accepted" in err  # misspelt: jsonargparse
