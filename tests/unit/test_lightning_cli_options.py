@@ -17,7 +17,7 @@ import pytest
 import yaml
 from lightning.pytorch.strategies import Strategy
 
-from lightning_shardckpt import ConfigError, ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
+from lightning_shardckpt import ConfigError, ShardedCheckpoint, ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "recipes" / "lightning_cli.yaml"
@@ -98,8 +98,30 @@ def test_a_class_path_in_trainer_callbacks_is_checked_as_deeply(tmp_path):
 def test_health_rules_are_checked_by_the_projects_own_message():
     # jsonargparse cannot build a HealthRule (its default range is not valid alone): the dict reaches health_config_from
     rules = "{rules: [{name: slow, metric: pause_s, owner: me, rnage: {kind: static, max: 1}}]}"
-    with pytest.raises(ConfigError, match=r"health rule 'slow': unknown field\(s\) \['rnage'\]"):
+    with pytest.raises(
+        ConfigError, match=r"health rule 'slow': unknown field\(s\) \['rnage'\] \(did you mean 'range'\?\)"
+    ):
         parse(f"--checkpoint.health={rules}")
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("save", {"asyn_save": False}, r"unknown save option\(s\) \['asyn_save'\] \(did you mean 'async_save'\?\)"),
+        ("drill", {"every_n_checkpoint": 5}, r"\['every_n_checkpoint'\] \(did you mean 'every_n_checkpoints'\?\)"),
+        ("identity_policy", {"modle": "warn"}, r"\['modle'\] \(did you mean 'model'\?\)"),
+        (
+            "tiers",
+            {"fast": {"dirpath": "/tmp/f", "kep_last": 2}},
+            r"tiers.fast option\(s\) \['kep_last'\] \(did you mean",
+        ),
+    ],
+)
+def test_python_and_hydra_dicts_still_work_and_a_misspelt_key_gets_a_suggestion(tmp_path, option, value, message):
+    # what Hydra's conf/ passes (plain dicts): no jsonargparse in between, the constructor's own message
+    assert ShardedCheckpoint(dirpath=str(tmp_path), save={"async_save": False}).save_options.async_save is False
+    with pytest.raises(ConfigError, match=message):
+        ShardedCheckpoint(dirpath=str(tmp_path), **{option: value})
 
 
 def test_the_health_rules_file_of_the_hydra_recipe_loads_by_path():
