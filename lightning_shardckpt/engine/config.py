@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
-from .validate import require_number
+from .validate import did_you_mean, require_number
 
 VerifyMode = Literal["off", "sample", "full"]
 WhenBusy = Literal["wait", "skip"]
@@ -148,14 +148,17 @@ def save_config_from(options: Any, **overrides: Any) -> SaveConfig:
         unknown = set(values) - set(SaveConfig.__dataclass_fields__)
         if unknown:
             raise ConfigError(
-                f"unknown save option(s) {sorted(unknown)}; known: {sorted(SaveConfig.__dataclass_fields__)}"
+                f"unknown save option(s) {sorted(unknown)}{did_you_mean(unknown, SaveConfig.__dataclass_fields__)}; "
+                f"known: {sorted(SaveConfig.__dataclass_fields__)}"
             )
         verify = values.get("verify")
         if verify is not None and not isinstance(verify, VerifyConfig):
             unknown = set(verify) - set(VerifyConfig.__dataclass_fields__)
             if unknown:
                 raise ConfigError(
-                    f"unknown save.verify option(s) {sorted(unknown)}; known: {sorted(VerifyConfig.__dataclass_fields__)}"
+                    f"unknown save.verify option(s) {sorted(unknown)}"
+                    f"{did_you_mean(unknown, VerifyConfig.__dataclass_fields__)}; "
+                    f"known: {sorted(VerifyConfig.__dataclass_fields__)}"
                 )
             values["verify"] = VerifyConfig(**verify)
     values.update(overrides)

@@ -11,15 +11,26 @@
 
 The message is always `NAME=VALUE <problem>; use <rule>[ (<hint>)]`, e.g.
 `keep_last=1.5 is not an integer; use an integer >= 1, or null (keep all)`.
+
+`did_you_mean` completes the other common message, an unknown option name, with the known name closest to it.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from numbers import Integral, Real
 from typing import Any
 
 from ..errors import ConfigError
+
+
+def did_you_mean(unknown: Iterable[Any], known: Iterable[Any]) -> str:
+    """` (did you mean 'async_save'?)` for the unknown names close to a known one (a typo); "" when none is."""
+    names = [str(name) for name in known]
+    close = [match for name in sorted(map(str, unknown)) for match in difflib.get_close_matches(name, names, n=1)]
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
 def require_number(

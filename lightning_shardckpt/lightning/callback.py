@@ -17,10 +17,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
 from ..engine import ownership
-from ..engine.config import LoadConfig, save_config_from
-from ..engine.tiers.config import tiers_config_from
-from ..policies.drill_plugin import drill_config_from
-from ..policies.health_rules import health_config_from
+from ..engine.config import LoadConfig, SaveConfig, save_config_from
+from ..engine.tiers.config import TiersConfig, tiers_config_from
+from ..identity.diff import IdentityPolicy
+from ..policies.drill_plugin import DrillConfig, drill_config_from
+from ..policies.health_rules import HealthConfig, health_config_from
 from ..policies.plugin import PluginContext
 from ..policies.tiers import tiered_dirpath
 from ..training.callback_options import CallbackConfig
@@ -59,17 +60,17 @@ class ShardedCheckpoint(Checkpoint):
         keep_last: int | None = None,
         keep_every_n_steps: int | None = None,
         resume_required: bool = False,
-        save: Any = None,
+        save: SaveConfig = SaveConfig(),
         verify_on_load: bool = True,
         log_metrics: bool = True,
         log_artifact: bool = True,
         run_config: Any = None,
-        identity_policy: Any = None,
+        identity_policy: IdentityPolicy = IdentityPolicy(),
         dataset_version: str | None = None,
         trust_checkpoint: bool = False,
-        drill: Any = None,
-        health: Any = None,
-        tiers: Any = None,
+        drill: DrillConfig = DrillConfig(),
+        health: HealthConfig | dict | list | str | None = HealthConfig(),
+        tiers: TiersConfig | None = None,
     ) -> None:
         self.tiers_config = tiers_config_from(tiers)  # a fast and a durable tier (policies/tiers.py)
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts

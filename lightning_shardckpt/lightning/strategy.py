@@ -12,16 +12,18 @@ savers call at named points of a save (tests/helpers/faults.py), to fail, stall 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import weakref
 from dataclasses import replace
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from ..engine import catalog
@@ -61,12 +64,39 @@ class _NothingToRestore(dict):
         return False
 
 
-class ShardedStrategy(StagingFence):
-    """Base of the sharded strategies; calling it builds the one for `parallelism`."""
+def _built_by_new(cls: type) -> type:
+    """LightningCLI (jsonargparse) refuses an abstract class_path. ShardedStrategy never is an instance itself:
+    its `__new__` builds ShardedDDPStrategy or ShardedFSDPStrategy, which implement all of Strategy."""
+    cls.__abstractmethods__ = frozenset()
+    return cls
+
+
+@_built_by_new
+class ShardedStrategy(StagingFence, ParallelStrategy):
+    """Base of the sharded strategies; calling it builds the one for `parallelism`.
+
+    A Lightning `Strategy`, so LightningCLI accepts `class_path: lightning_shardckpt.ShardedStrategy`; the
+    options below are its typed signature there (`__new__`'s, which jsonargparse and `inspect` read). Options
+    of the other parallelism left at their defaults are ignored; other keywords go to DDPStrategy (and on to
+    DistributedDataParallel) or ModelParallelStrategy.
+    """
 
     parallelism: str = "unknown"
 
-    def __new__(cls, *args: Any, parallelism: str = "fsdp", **kwargs: Any):
+    def __new__(
+        cls,
+        parallelism: Literal["ddp", "fsdp"] = "fsdp",
+        *,
+        process_group_backend: str | None = None,  # None: gloo on CPU, nccl on GPU (checkpoints: own gloo group)
+        timeout: timedelta | None = default_pg_timeout,  # of the training process group
+        data_parallel_size: int | Literal["auto"] = "auto",  # fsdp: ranks FSDP shards over ("auto": all)
+        tensor_parallel_size: int | Literal["auto"] = "auto",  # fsdp: ranks a tensor-parallel group spans
+        find_unused_parameters: bool = False,  # ddp: some parameters get no gradient in a step
+        static_graph: bool = False,  # ddp: the same parameters are used in every step
+        gradient_as_bucket_view: bool = False,  # ddp: gradients are views into DDP's buckets (less memory)
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",  # ddp: how Lightning starts ranks
+        **kwargs: Any,
+    ) -> ShardedStrategy:
         if cls is ShardedStrategy:
             if parallelism not in PARALLELISMS:
                 raise ConfigError(
@@ -458,10 +488,32 @@ class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
     strategy_name = "shardckpt_ddp"
     parallelism = "ddp"
 
-    def __init__(self, *args: Any, parallelism: str = "ddp", fault_hook: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        parallelism: Literal["ddp"] = "ddp",
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        fault_hook: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Options as ShardedStrategy's (`fault_hook`: tests only); other keywords go to DDPStrategy and DDP."""
         # no backend default of ours: Lightning picks gloo on CPU and nccl on GPU for training; checkpoint
         # collectives always use their own gloo group
-        DDPStrategy.__init__(self, *args, **kwargs)
+        DDPStrategy.__init__(
+            self,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            **_own_options(type(self), parallelism, kwargs),
+        )
         self._init_checkpointing(fault_hook)
 
     @classmethod
@@ -475,8 +527,26 @@ class ShardedFSDPStrategy(ShardedStrategy, ModelParallelStrategy):
     strategy_name = "shardckpt_fsdp"
     parallelism = "fsdp"
 
-    def __init__(self, *args: Any, parallelism: str = "fsdp", fault_hook: Any = None, **kwargs: Any) -> None:
-        ModelParallelStrategy.__init__(self, *args, **kwargs)
+    def __init__(
+        self,
+        parallelism: Literal["fsdp"] = "fsdp",
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int | Literal["auto"] = "auto",
+        fault_hook: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Options as ShardedStrategy's (`fault_hook`: tests only); other keywords go to ModelParallelStrategy."""
+        ModelParallelStrategy.__init__(
+            self,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **_own_options(type(self), parallelism, kwargs),
+        )
         self._init_checkpointing(fault_hook)
 
     def setup_environment(self) -> None:
@@ -497,6 +567,28 @@ def register() -> None:
     for strategy in (ShardedDDPStrategy, ShardedFSDPStrategy):
         if strategy.strategy_name not in StrategyRegistry:
             strategy.register_strategies(StrategyRegistry)
+
+
+def _own_options(cls: type[ShardedStrategy], parallelism: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` less those of the other parallelism left at their defaults: `ShardedStrategy(...)` passes every
+    option it was given to the chosen class, and LightningCLI gives all of them. One set is a ConfigError."""
+    if parallelism != cls.parallelism:
+        raise ConfigError(
+            f"{cls.__name__}(parallelism={parallelism!r}) is a {cls.parallelism!r} strategy; use "
+            f"ShardedStrategy(parallelism={parallelism!r}), or leave parallelism out"
+        )
+    own = inspect.signature(cls.__init__).parameters
+    shared = inspect.signature(ShardedStrategy.__new__).parameters
+    kept = dict(options)
+    for name, value in options.items():
+        if name in shared and name not in own:
+            kept.pop(name)
+            if value != shared[name].default:
+                other = next(p for p in PARALLELISMS if p != cls.parallelism)
+                raise ConfigError(
+                    f"{name}={value!r} applies to parallelism={other!r} only; remove it, or use parallelism={other!r}"
+                )
+    return kept
 
 
 def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size: int) -> tuple[int, int]:

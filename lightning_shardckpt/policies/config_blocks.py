@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from ..engine.validate import did_you_mean
 from ..errors import ConfigError
 
 Options = TypeVar("Options")
@@ -27,5 +28,7 @@ def options_from(cls: type[Options], value: Any, what: str) -> Options:
     known = {f.name for f in fields(cls)}
     unknown = set(value) - known
     if unknown:
-        raise ConfigError(f"unknown {what} option(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise ConfigError(
+            f"unknown {what} option(s) {sorted(unknown)}{did_you_mean(unknown, known)}; known: {sorted(known)}"
+        )
     return cls(**value)

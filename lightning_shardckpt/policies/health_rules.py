@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.validate import require_number
+from ..engine.validate import did_you_mean, require_number
 from ..errors import ConfigError
 
 # --- metrics, as health rules see them (policies/health_observe.py derives them from events) ---
@@ -226,7 +226,8 @@ def rule_from(value: Any) -> HealthRule:
     unknown = set(value) - known
     if unknown:
         raise ConfigError(
-            f"health rule {value.get('name')!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
+            f"health rule {value.get('name')!r}: unknown field(s) {sorted(unknown)}{did_you_mean(unknown, known)}; "
+            f"known: {sorted(known)}"
         )
     blocks = {"range": NormalRange, "persistence": Persistence}
     converted = dict(value)
@@ -268,7 +269,8 @@ def health_config_from(value: Any) -> HealthConfig:
         )
     unknown = set(value) - {"rules", "alert_every_s"}
     if unknown:
-        raise ConfigError(f"unknown health option(s) {sorted(unknown)}; known: ['alert_every_s', 'rules']")
+        known = ["alert_every_s", "rules"]
+        raise ConfigError(f"unknown health option(s) {sorted(unknown)}{did_you_mean(unknown, known)}; known: {known}")
     rules = tuple(rule_from(rule) for rule in value.get("rules") or ())
     return HealthConfig(rules=rules, alert_every_s=value.get("alert_every_s", HealthConfig.alert_every_s))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import ConfigError
-from ..validate import require_number
+from ..validate import did_you_mean, require_number
 
 NODE_RANK = "{node_rank}"
 
@@ -135,7 +135,9 @@ def tiers_config_from(value: Any) -> TiersConfig | None:
     known = {f.name for f in fields(TiersConfig)}
     unknown = set(value) - known
     if unknown:
-        raise ConfigError(f"unknown tiers option(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise ConfigError(
+            f"unknown tiers option(s) {sorted(unknown)}{did_you_mean(unknown, known)}; known: {sorted(known)}"
+        )
     values = dict(value)
     values["fast"] = _tier(values["fast"], "fast")
     values["durable"] = _tier(values.get("durable"), "durable") if values.get("durable") is not None else None
@@ -150,7 +152,9 @@ def _tier(value: Any, name: str) -> TierConfig:
     known = {f.name for f in fields(TierConfig)}
     unknown = set(value) - known
     if unknown:
-        raise ConfigError(f"unknown tiers.{name} option(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise ConfigError(
+            f"unknown tiers.{name} option(s) {sorted(unknown)}{did_you_mean(unknown, known)}; known: {sorted(known)}"
+        )
     values = dict(value)
     values["storage_options"] = dict(values.get("storage_options") or {})
     try:
