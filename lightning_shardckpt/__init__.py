@@ -23,7 +23,15 @@ from .policies.health_eval import Transition
 from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
 
-LIGHTNING_NAMES = ("ShardedCheckpoint", "ShardedDDPStrategy", "ShardedFSDPStrategy", "ShardedStrategy")
+LIGHTNING_NAMES = (
+    "ShardedCheckpoint",
+    "ShardedDDPStrategy",
+    "ShardedFSDPStrategy",
+    "ShardedStrategy",
+    "ShardedFabricStrategy",
+    "ShardedFabricDDPStrategy",
+    "ShardedFabricFSDPStrategy",
+)
 
 if importlib.util.find_spec("lightning") is None:
     # without Lightning (absent, or blocked as tests do) the engine, policies, training and ops still import
@@ -42,6 +50,11 @@ else:
     from .lightning.strategy import register as _register_strategies
 
     _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
+
+    from .lightning.fabric import ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy, ShardedFabricStrategy
+    from .lightning.fabric import register as _register_fabric_strategies
+
+    _register_fabric_strategies()  # Fabric(strategy="shardckpt_ddp" / "shardckpt_fsdp"): Fabric's own registry
 
 __all__ = [
     "CheckpointNotFound",
@@ -68,6 +81,9 @@ __all__ = [
     "ShardedCheckpoint",
     "ShardedDDPStrategy",
     "ShardedFSDPStrategy",
+    "ShardedFabricDDPStrategy",
+    "ShardedFabricFSDPStrategy",
+    "ShardedFabricStrategy",
     "ShardedStrategy",
     "StorageUnavailable",
     "Transition",
