@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -137,6 +138,10 @@ class ShardedFabricStrategy:
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """`fabric.load(path, state)`: restore `state` in place; returns what the checkpoint holds besides it."""
+        if os.path.isfile(str(path)):
+            # a plain torch file, not a checkpoint of ours: Fabric's own loading (LitGPT's fine-tuning scripts
+            # start from converted weights with fabric.load_raw("lit_model.pth", model))
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if isinstance(state, torch.nn.Module):  # fabric.load_raw(path, model)
             self.load_checkpoint(path, {"model": state}, strict=strict)
             return {}

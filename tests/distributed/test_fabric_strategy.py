@@ -32,6 +32,11 @@ def test_fabric_load_of_a_trainer_checkpoint_restores_the_sampler_and_returns_th
         assert {"epoch", "loops", "callbacks"} <= set(loaded["remainder_keys"])
 
 
+def test_a_plain_torch_file_still_loads_through_fabric_load_raw(ranks):
+    for rank in ranks:
+        assert rank["trainer"]["raw_unequal"] == []
+
+
 def test_latest_of_an_empty_root_starts_fresh(ranks):
     for rank in ranks:
         assert rank["fabric"]["fresh"] == {} and rank["fabric"]["step_after_fresh"] == 0

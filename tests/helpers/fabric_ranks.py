@@ -50,6 +50,14 @@ def full_state(module: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tenso
     return flat
 
 
+def full_model(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state assembled in full (a collective), keyed model.<fqn>."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {f"model.{key}": value.clone() for key, value in full.items()}
+
+
 def loader_like_trainer_data() -> DataLoader:
     """TinyData's training set, shuffled by the injected sampler as the Trainer's was not: only the length counts."""
     return TinyData().train_dataloader()
@@ -71,9 +79,21 @@ def _load_trainer_checkpoint(root: str, trained: dict[str, Any]) -> dict[str, An
     state = {"model": model, "optimizer": optimizer, "global_step": 0, "train_dataloader": loader}
     remainder = fabric.load(root, state)
     loaded = full_state(model.module, optimizer.optimizer)
-    fabric.strategy.teardown()
     expected = trained["final"]
+
+    # a plain torch file (LitGPT's lit_model.pth) still loads through Fabric's own load_raw
+    raw_file = f"{root}-raw.pth"
+    if fabric.global_rank == 0:
+        torch.save(
+            {key[len("model.") :]: value for key, value in expected.items() if key.startswith("model.")}, raw_file
+        )
+    fabric.barrier()
+    raw_model = fabric.setup_module(TrainerShaped(seed=5))
+    fabric.load_raw(raw_file, raw_model)
+    raw = full_model(raw_model.module)
+    fabric.strategy.teardown()
     return {
+        "raw_unequal": sorted(key for key in raw if not torch.equal(raw[key], expected[key])),
         "keys_equal": sorted(loaded) == sorted(expected),
         "unequal": sorted(key for key in expected if key in loaded and not torch.equal(loaded[key], expected[key])),
         "global_step": state["global_step"],
