@@ -90,6 +90,7 @@ class ShardedFabricStrategy:
         self._group: Any = None
         self._saver: CheckpointSaver | None = None
         self._saver_path: str | None = None
+        self._saver_outlived = False  # a closed saver's thread outlived its timeout: the group must stay
         self._guarded: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         self._last_step = -1  # saved or loaded: a state without a step is saved as the next one
         reference = weakref.ref(self)
@@ -178,8 +179,7 @@ class ShardedFabricStrategy:
         try:
             self.close()
         finally:
-            saver_stopped = self._saver is None or self._saver.stopped
-            if self._group is not None and saver_stopped:  # a worker still running keeps its group
+            if self._group is not None and not self._saver_outlived:  # a worker still running keeps its group
                 dist.destroy_process_group(self._group)
                 self._group = None
             super().teardown()
@@ -194,15 +194,21 @@ class ShardedFabricStrategy:
         """Block until every save requested so far finished (committed or failed); False if `timeout` passed."""
         return self._saver.wait(timeout) if self._saver is not None else True
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Wait (up to save.teardown_timeout_s) for the last save to commit and stop the saver; saving again
-        starts a new one. Call it on every rank before the process group goes (teardown and exit call it)."""
+        starts a new one. Call it on every rank before the process group goes (teardown and exit call it).
+        True when no saver thread runs any more (False: one outlived the timeout and still uses the group)."""
         saver, self._saver, self._saver_path = self._saver, None, None
         for handle in self._guarded.values():
             handle.remove()
         self._guarded = {}
-        if saver is not None:
-            saver.close()
+        if saver is None:
+            return not self._saver_outlived
+        try:
+            saver.close()  # may raise a background save's error (save.on_error="raise") once the worker stopped
+        finally:
+            self._saver_outlived = not saver.stopped
+        return saver.stopped
 
     def checkpoint_group(self) -> Any:
         """The dedicated gloo group for checkpoint collectives (created once, on first use, on every rank)."""
