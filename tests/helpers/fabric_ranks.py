@@ -5,7 +5,8 @@
   that checkpoint into a model of the same parameter names and an AdamW: weights, optimizer state, the step and
   the sampler position against what the Trainer had at the end;
 - "fabric": Fabric (DDP) round trip: 'latest' of an empty root starts fresh, then model, optimizer, LR scheduler,
-  plain values and the loader's position are saved, scrambled and loaded back; what cannot be saved or loaded
+  plain values and the loader's position are saved (fabric.save returning before the commit), scrambled and
+  loaded back; what cannot be saved or loaded
   fails with its message.
 """
 
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardckpt import ConfigError, ShardedFabricStrategy
 from tests.helpers import training_state as ts
+from tests.helpers.faults import Stall
 from tests.helpers.lightning_run import TinyData, fit_on_rank, lightning_env
 
 
@@ -106,7 +108,8 @@ def _load_trainer_checkpoint(root: str, trained: dict[str, Any]) -> dict[str, An
 
 def _fabric_round_trip(workdir: str) -> dict[str, Any]:
     root = f"{workdir}/fabric"
-    strategy = ShardedFabricStrategy(parallelism="ddp", root=root)
+    # the commit waits 1 s: fabric.save must have returned long before it
+    strategy = ShardedFabricStrategy(parallelism="ddp", root=root, fault_hook=Stall("before_manifest", 1.0))
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
@@ -134,6 +137,7 @@ def _fabric_round_trip(workdir: str) -> dict[str, Any]:
         if state["step"] == 2:
             break
     fabric.save(root, state)  # returns after staging
+    out["returned_before_commit"] = not strategy.last_save.done()
     saved = full_state(model.module, optimizer.optimizer)
     out["position_saved"] = loader.sampler.global_position
     out["last_lr_saved"] = scheduler.get_last_lr()
