@@ -22,6 +22,7 @@ import atexit
 import logging
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,6 +93,8 @@ class ShardedFabricStrategy:
         self._saver_path: str | None = None
         self._saver_outlived = False  # a closed saver's thread outlived its timeout: the group must stay
         self._guarded: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        self._run_id_given = self.save_config.run_id is not None
+        self._resumed_run: tuple[str | None, str | None] = (None, None)  # (root path, run id) of the last load
         self._last_step = -1  # saved or loaded: a state without a step is saved as the next one
         reference = weakref.ref(self)
         atexit.register(lambda: (strategy := reference()) is not None and strategy.close())
@@ -156,7 +159,7 @@ class ShardedFabricStrategy:
         picked = self._pick(root, which, fresh_if_empty)
         if picked is None:
             return {}
-        checkpoint, step, blob_key = picked
+        checkpoint, step, blob_key = picked.path, picked.step, picked.blob_key
         parts = fabric_state.split(state)
         target = fabric_state.load_target(parts, blob_key)
         self.last_load = load_checkpoint(
@@ -169,6 +172,7 @@ class ShardedFabricStrategy:
             rest = fabric_state.saved_rest(target, blob_key, trust=self.load_config.trust_checkpoint, where=checkpoint)
         remainder = self._apply_rest(parts, rest, state, strict, checkpoint)
         self._last_step = step
+        self._resumed_run = (picked.root_path, picked.run_id)
         return remainder
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -227,9 +231,17 @@ class ShardedFabricStrategy:
             log.info("saving to %s: waiting for the saves to %s to commit first", path, self._saver_path)
             self.close()  # one saver (one host copy of the state) at a time
         if self._saver is None:
-            self._saver = CheckpointSaver(
-                path, self.save_config, group=self.checkpoint_group(), fault_hook=self._fault_hook
-            )
+            config = self.save_config
+            resumed_root, resumed_run_id = self._resumed_run
+            if (
+                not self._run_id_given
+                and resumed_run_id
+                and fsio.resolve(path, config.storage_options).path == resumed_root
+            ):
+                # saving into the root this run resumed from continues that run: its id, so the root's owner
+                # check lets it in and `latest` orders the new commits after the ones it resumed from
+                config = self.save_config = save_config_from(config, run_id=resumed_run_id)
+            self._saver = CheckpointSaver(path, config, group=self.checkpoint_group(), fault_hook=self._fault_hook)
             self._saver_path = path
             if self.save_config.run_id is None:  # every later root of this run records the same id
                 self.save_config = save_config_from(self.save_config, run_id=self._saver.run_id)
@@ -271,8 +283,8 @@ class ShardedFabricStrategy:
             )
         return self.root, text, text == "latest"
 
-    def _pick(self, root: str, which: str, fresh_if_empty: bool) -> tuple[str, int, str | None] | None:
-        """(checkpoint directory, step, blob key) every rank alike; None: start fresh. Raises what rank 0 found."""
+    def _pick(self, root: str, which: str, fresh_if_empty: bool) -> _Picked | None:
+        """The checkpoint to load, every rank alike; None: start fresh. Raises what rank 0 found."""
         is_coordinator = rank_and_world(self.checkpoint_group())[0] == 0
         picked = broadcast_from_coordinator(
             "fabric-pick", self._pick_here(root, which) if is_coordinator else None, self.checkpoint_group()
@@ -304,7 +316,7 @@ class ShardedFabricStrategy:
             return err
         objects = {item["fqn"] for item in entry.manifest.get("objects", [])}
         blob_key = next((key for key in (fabric_state.FABRIC_KEY, LIGHTNING_KEY) if key in objects), None)
-        return join(location.url, entry.name), entry.step, blob_key
+        return _Picked(join(location.url, entry.name), entry.step, blob_key, location.path, entry.run_id)
 
     def _apply_tensors(self, parts: fabric_state.FabricParts, target: dict[str, Any], strict: bool) -> None:
         if parts.module is None:
@@ -343,6 +355,17 @@ class ShardedFabricStrategy:
         remainder = {key: value for key, value in rest.values.items() if key not in parts.values}
         remainder.update({key: value for key, value in rest.stateful.items() if key not in parts.stateful})
         return remainder
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """The checkpoint a load opens, as rank 0 found it (broadcast to every rank)."""
+
+    path: str  # the checkpoint directory
+    step: int
+    blob_key: str | None  # "fabric", the Trainer's "lightning", or None (tensors only)
+    root_path: str  # its root, normalised: a save into it continues the run
+    run_id: str | None
 
 
 class _NothingCommitted(CheckpointNotFound):

@@ -6,7 +6,8 @@ What we check:
   state restored exactly, the same samples in the same order);
 - on 1 and 3 ranks the parameters right after the load are bit-identical to those saved (resharded), and the
   first resumed steps train on exactly the samples the saved run had not seen yet in its epoch;
-- every save committed, and `latest` under the uninterrupted root is its last step.
+- every save committed; the resume that saves into the root it resumed from continues that run (its run id,
+  its `latest`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ RESUME_WORLDS = (2, 1, 3)
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_recipe(workdir: Path, name: str, devices: int, *extra: str) -> Path:
-    """One run of the recipe (Fabric starts its ranks); returns its record directory."""
+def run_recipe(workdir: Path, name: str, devices: int, *extra: str, root: str | None = None) -> Path:
+    """One run of the recipe (Fabric starts its ranks), saving under workdir/ckpt-<root or name>; returns its
+    record directory."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for launched in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(launched, None)  # Fabric launches the ranks itself
     record = workdir / f"record-{name}"
-    command = [sys.executable, str(RECIPE), "--root", str(workdir / f"ckpt-{name}"), "--devices", str(devices)]
+    command = [sys.executable, str(RECIPE), "--root", str(workdir / f"ckpt-{root or name}"), "--devices", str(devices)]
     done = subprocess.run(
         [*command, "--max-steps", "8", "--save-every", "4", "--record", str(record), *extra],
         cwd=workdir,
@@ -67,13 +69,20 @@ def runs(tmp_path_factory):
     entries = catalog.list_checkpoints(root)
     step4 = next(entry for entry in entries if entry.step == 4 and entry.committed)
     for world in RESUME_WORLDS:
-        records[world] = run_recipe(workdir, f"resume{world}", world, "--resume", step4.path)
-    return {"records": records, "entries": entries, "latest": catalog.resolve_latest(root)}
+        # the resume on 2 ranks saves into the root it resumed from (a rollback to step 4: it continues that run)
+        same_root = "full" if world == 2 else None
+        records[world] = run_recipe(workdir, f"resume{world}", world, "--resume", step4.path, root=same_root)
+    after = catalog.list_checkpoints(root)
+    return {"records": records, "entries": entries, "after": after, "latest": catalog.resolve_latest(root)}
 
 
-def test_every_save_commits_and_latest_is_the_last(runs):
+def test_every_save_commits_and_a_resume_into_the_same_root_continues_its_run(runs):
     assert [(entry.step, entry.committed) for entry in runs["entries"]] == [(4, True), (8, True)]
-    assert runs["latest"].step == 8
+    # the resumed run adopted the root's run id (the owner check let it in) and its step 8 is now `latest`
+    assert [(entry.step, entry.committed) for entry in runs["after"]] == [(4, True), (8, True), (8, True)]
+    assert len({entry.run_id for entry in runs["after"]}) == 1
+    first_eight = next(entry for entry in runs["entries"] if entry.step == 8)
+    assert runs["latest"].step == 8 and runs["latest"].name != first_eight.name
 
 
 def test_resume_on_the_same_world_size_ends_bit_identical_to_the_uninterrupted_run(runs):
