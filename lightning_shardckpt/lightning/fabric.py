@@ -22,7 +22,6 @@ import atexit
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,18 +30,16 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, ModelPar
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
-from ..engine import catalog
-from ..engine.collectives import broadcast_from_coordinator, new_checkpoint_group, rank_and_world
+from ..engine.collectives import new_checkpoint_group, rank_and_world
 from ..engine.config import LoadConfig, SaveConfig, save_config_from
-from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.storage import fsio
-from ..errors import CheckpointNotFound, ConfigError, ShardCkptError
+from ..errors import ConfigError
 from ..training.data import ResumableDistributedSampler, gather_rng_states, restore_rng_state, rng_state_for_rank
-from . import fabric_state
+from . import fabric_sources, fabric_state
 from .fabric_sampler import use_fabric_sampler
-from .lightning_state import LIGHTNING_KEY, MODEL_KEY, OPTIMIZERS_KEY
+from .lightning_state import MODEL_KEY, OPTIMIZERS_KEY
 from .strategy import PARALLELISMS, mesh_sizes
 
 log = logging.getLogger(__name__)
@@ -155,8 +152,15 @@ class ShardedFabricStrategy:
                 "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer, 'step': 0})"
             )
         self.wait()  # the load's collectives share the checkpoint group with the saver's thread: one at a time
-        root, which, fresh_if_empty = self._resolve_source(str(self.broadcast(str(path))))
-        picked = self._pick(root, which, fresh_if_empty)
+        root, which, fresh_if_empty = fabric_sources.resolve_source(str(self.broadcast(str(path))), self.root)
+        picked = fabric_sources.pick(
+            root,
+            which,
+            fresh_if_empty=fresh_if_empty,
+            resume_required=self.resume_required,
+            storage_options=self.load_config.storage_options,
+            group=self.checkpoint_group(),
+        )
         if picked is None:
             return {}
         checkpoint, step, blob_key = picked.path, picked.step, picked.blob_key
@@ -266,58 +270,6 @@ class ShardedFabricStrategy:
         optimizers = f"{OPTIMIZERS_KEY}."
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
-    def _resolve_source(self, text: str) -> tuple[str, str, bool]:
-        """(root, which, fresh_if_empty) for `fabric.load`'s path: a selector relative to `root=`, or a path."""
-        is_selector = "/" not in text and (
-            text in ("latest", catalog.LAST_GOOD)
-            or text.isdigit()
-            or parse_dirname(text) is not None
-            or (len(text) == 12 and all(c in "0123456789abcdef" for c in text))
-        )
-        if not is_selector:
-            return text, "latest", False
-        if self.root is None:
-            raise ConfigError(
-                f"fabric.load({text!r}) names a checkpoint relative to a root, but the strategy has none; "
-                f"pass ShardedFabricStrategy(root=...) or a path"
-            )
-        return self.root, text, text == "latest"
-
-    def _pick(self, root: str, which: str, fresh_if_empty: bool) -> _Picked | None:
-        """The checkpoint to load, every rank alike; None: start fresh. Raises what rank 0 found."""
-        is_coordinator = rank_and_world(self.checkpoint_group())[0] == 0
-        picked = broadcast_from_coordinator(
-            "fabric-pick", self._pick_here(root, which) if is_coordinator else None, self.checkpoint_group()
-        )
-        if isinstance(picked, ShardCkptError):
-            if isinstance(picked, _NothingCommitted) and fresh_if_empty:
-                if self.resume_required:
-                    raise CheckpointNotFound(
-                        f"fabric.load('latest') but {root} holds no committed checkpoint and resume_required=True; "
-                        "check the strategy's root=, or set resume_required=False to start fresh"
-                    )
-                log.warning("no committed checkpoint in %s: starting fresh", root)
-                return None
-            raise picked
-        return picked
-
-    def _pick_here(self, root: str, which: str) -> Any:
-        try:
-            location = fsio.resolve(root, self.load_config.storage_options)
-            if parse_dirname(location.path) is None and which == "latest":
-                if catalog.newest_committed(catalog.list_checkpoints(location)) is None:
-                    return _NothingCommitted(
-                        f"{root} holds no committed checkpoint: found {catalog.describe_contents(location)}; pass a "
-                        "checkpoint root or directory that holds one (`shardckpt ls ROOT` lists them), or load "
-                        "'latest' with the strategy's root= set, which starts fresh on an empty root"
-                    )
-            location, entry = catalog.open_checkpoint(root, which, self.load_config.storage_options)
-        except ShardCkptError as err:  # sent to every rank, raised everywhere
-            return err
-        objects = {item["fqn"] for item in entry.manifest.get("objects", [])}
-        blob_key = next((key for key in (fabric_state.FABRIC_KEY, LIGHTNING_KEY) if key in objects), None)
-        return _Picked(join(location.url, entry.name), entry.step, blob_key, location.path, entry.run_id)
-
     def _apply_tensors(self, parts: fabric_state.FabricParts, target: dict[str, Any], strict: bool) -> None:
         if parts.module is None:
             return
@@ -355,21 +307,6 @@ class ShardedFabricStrategy:
         remainder = {key: value for key, value in rest.values.items() if key not in parts.values}
         remainder.update({key: value for key, value in rest.stateful.items() if key not in parts.stateful})
         return remainder
-
-
-@dataclass(frozen=True)
-class _Picked:
-    """The checkpoint a load opens, as rank 0 found it (broadcast to every rank)."""
-
-    path: str  # the checkpoint directory
-    step: int
-    blob_key: str | None  # "fabric", the Trainer's "lightning", or None (tensors only)
-    root_path: str  # its root, normalised: a save into it continues the run
-    run_id: str | None
-
-
-class _NothingCommitted(CheckpointNotFound):
-    """A root with no committed checkpoint: "latest" relative to the strategy's root starts fresh on it."""
 
 
 def _missing(key: str, where: str) -> KeyError:
