@@ -3,8 +3,8 @@
 Every public name is imported on first use (PEP 562): `import lightning_shardckpt` costs nothing, so the
 `shardckpt` command answers in well under a second, and the engine never imports Lightning. Using any
 of the Lightning names (ShardedCheckpoint, ShardedStrategy, ...) imports the Lightning adapter, which
-registers `Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")`; so does importing this package after
-Lightning. A script that only spells the strategy as a string after `import lightning_shardckpt`, with
+registers `Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")` and the same two names for Fabric; so
+does importing this package after Lightning. A script that only spells the strategy as a string after `import lightning_shardckpt`, with
 Lightning imported later, registers it with `import lightning_shardckpt.lightning`.
 """
 
@@ -57,6 +57,9 @@ LIGHTNING_NAMES = {
     "ShardedDDPStrategy": ".lightning.strategy",
     "ShardedFSDPStrategy": ".lightning.strategy",
     "ShardedStrategy": ".lightning.strategy",
+    "ShardedFabricStrategy": ".lightning.fabric",
+    "ShardedFabricDDPStrategy": ".lightning.fabric",
+    "ShardedFabricFSDPStrategy": ".lightning.fabric",
 }
 
 
@@ -78,7 +81,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: register the strategy names now, cheaply
+if "lightning" in sys.modules:  # Lightning is loaded already: register the strategy names now, cheaply
     importlib.import_module(".lightning", __name__)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
@@ -88,6 +91,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .engine.save.persist import SaveResult
     from .engine.save.saver import CheckpointSaver, PendingSave
     from .lightning.callback import ShardedCheckpoint
+    from .lightning.fabric import ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy, ShardedFabricStrategy
     from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
     from .ops.export import ExportOptions, ExportResult, export_checkpoint
     from .ops.verify import VerifyReport, verify_checkpoint
@@ -121,6 +125,9 @@ __all__ = [
     "ShardedCheckpoint",
     "ShardedDDPStrategy",
     "ShardedFSDPStrategy",
+    "ShardedFabricDDPStrategy",
+    "ShardedFabricFSDPStrategy",
+    "ShardedFabricStrategy",
     "ShardedStrategy",
     "StorageUnavailable",
     "Transition",
