@@ -81,7 +81,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if "lightning" in sys.modules:  # Lightning is loaded already: register the strategy names now, cheaply
+if sys.modules.get("lightning") is not None:  # Lightning is loaded already: register the strategy names now, cheaply
     importlib.import_module(".lightning", __name__)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
