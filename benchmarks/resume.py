@@ -15,6 +15,8 @@ saved once by our engine on 2, 3 and 4 gloo CPU ranks, then restored in a world 
   raw N         read its own shard file of the N = M checkpoint into a reused      (the floor)
                 buffer with plain readinto: the same bytes a same-size restore reads, no checksum
   dcp.load N->N torch.distributed.checkpoint.load of the N = M checkpoint (FileSystemReader)
+  one tensor    load_checkpoint of a checkpoint saved on 2 ranks holding the same      same 2->2
+                bytes as ONE tensor (each rank's shard one huge chunk)
 
 Each sample is wall time from a barrier before to a barrier after (the slowest rank counts), into
 tensors allocated once (the warm-up round touches them), checked bit-exact against the saved values.
@@ -22,7 +24,8 @@ Every load checks every chunk's checksum (load_checkpoint's default). Cases rota
 round. Without --cold the files sit in the page cache (they were just written or read): the numbers
 are then memory-bound and show the software's cost; --cold asks the kernel to drop each file's pages
 first (posix_fadvise DONTNEED on fsynced files), which this machine's disk honours only roughly.
-Targets (issue 13): resharded <= 1.3x same-size; same-size <= 1.5x raw.
+Targets (issue 13): resharded <= 1.3x same-size; same-size <= 1.5x raw. Issue 30: one huge chunk reads at
+>= 0.9x the throughput of many medium ones (one tensor <= 1.11x the time of same 2->2).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import save_load
@@ -48,7 +52,8 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine.format.layout import shard_filename
 
-SAVED_WORLDS = (2, 3, 4)  # every checkpoint is saved once, on this many ranks
+ONE_TENSOR = "2-one-tensor"  # saved on 2 ranks, the same bytes as one tensor
+SAVED_WORLDS = (2, 3, 4, ONE_TENSOR)  # every checkpoint is saved once, on this many ranks (or this layout)
 # restoring world -> (label, method, saved world); the first row of each world is its same-size reference
 CASES = {
     2: [
@@ -57,12 +62,14 @@ CASES = {
         ("resharded 3->2", "ours", 3),
         ("raw 2", "raw", 2),
         ("dcp.load 2->2", "dcp", 2),
+        ("one tensor 2->2", "ours", ONE_TENSOR),
     ],
     4: [("same 4->4", "ours", 4), ("resharded 2->4", "ours", 2), ("raw 4", "raw", 4), ("dcp.load 4->4", "dcp", 4)],
 }
 ROW_MULTIPLE = 12  # rows divisible by 2, 3 and 4: every world holds even shards
 RESHARD_TARGET = 1.3  # resharded restore / same-size restore
 RAW_TARGET = 1.5  # same-size restore / raw read
+ONE_TENSOR_TARGET = 1 / 0.9  # one huge chunk / many medium chunks, same bytes: >= 0.9x the throughput
 RANK_TIMEOUT_S = 900
 DEFAULT_OUT = "benchmarks/results/resume.json"
 
@@ -74,8 +81,13 @@ class BenchConfig(save_load.BenchConfig):
     read_threads: int | None = None  # None: the engine's default
 
 
-def rows_of(config: BenchConfig) -> list[int]:
-    return tensor_rows(config.tensors, ROW_MULTIPLE, config.size_gib, per_rank=False)
+def rows_of(config: BenchConfig, saved_on: int | str = 2) -> list[int]:
+    rows = tensor_rows(config.tensors, ROW_MULTIPLE, config.size_gib, per_rank=False)
+    return [sum(rows)] if saved_on == ONE_TENSOR else rows
+
+
+def world_of(saved_on: int | str) -> int:
+    return 2 if saved_on == ONE_TENSOR else int(saved_on)
 
 
 def make_state(rows: list[int], rank: int, world_size: int, *, zeros: bool) -> dict[str, DTensor]:
@@ -97,15 +109,16 @@ def make_state(rows: list[int], rank: int, world_size: int, *, zeros: bool) -> d
     return state
 
 
-def saved_root(config: BenchConfig, world_size: int) -> str:
-    return os.path.join(config.workdir, f"saved-on-{world_size}")
+def saved_root(config: BenchConfig, saved_on: int | str) -> str:
+    return os.path.join(config.workdir, f"saved-on-{saved_on}")
 
 
-def save_rank(rank: int, world_size: int, config: BenchConfig) -> str:
+def save_rank(rank: int, world_size: int, config: BenchConfig, saved_on: int | str) -> str:
     """A spawned rank of the saving world: one committed checkpoint; its directory."""
-    saver = CheckpointSaver(saved_root(config, world_size), SaveConfig(async_save=False))
+    saver = CheckpointSaver(saved_root(config, saved_on), SaveConfig(async_save=False))
     try:
-        result = saver.save(make_state(rows_of(config), rank, world_size, zeros=False), step=world_size).result()
+        state = make_state(rows_of(config, saved_on), rank, world_size, zeros=False)
+        result = saver.save(state, step=world_size).result()
     finally:
         saver.close()
     if not result.committed:
@@ -116,9 +129,9 @@ def save_rank(rank: int, world_size: int, config: BenchConfig) -> str:
 def load_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict[str, Any]]:
     """A spawned rank of the restoring world: every case of CASES[world_size], warm-up and repeats; its samples."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rows = rows_of(config)
-    expected = make_state(rows, rank, world_size, zeros=False)
-    target = make_state(rows, rank, world_size, zeros=True)
+    layouts = {saved_on for _, _, saved_on in CASES[world_size]}  # the one-tensor state has its own tensors
+    expected = {layout: make_state(rows_of(config, layout), rank, world_size, zeros=False) for layout in layouts}
+    targets = {layout: make_state(rows_of(config, layout), rank, world_size, zeros=True) for layout in layouts}
     shard_file = os.path.join(_committed_dir(saved_root(config, world_size)), shard_filename(rank))
     raw_buffer = bytearray(os.path.getsize(shard_file))
     load_config = LoadConfig() if config.read_threads is None else LoadConfig(read_threads=config.read_threads)
@@ -130,19 +143,22 @@ def load_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict[str,
             directory = _committed_dir(saved_root(config, saved_on))
             if config.cold and rank == 0:
                 evict_from_page_cache(directory)
+            target = targets[saved_on]
             for tensor in target.values():
                 tensor.to_local().zero_()  # a load that writes nothing must not pass the check
             if method == "raw":
                 seconds, value, error = timed(config.settle_s, _read_raw, shard_file, raw_buffer)
             elif method == "dcp":
                 seconds, value, error = timed(
-                    config.settle_s, lambda directory=directory: dcp.load(target, checkpoint_id=directory)
+                    config.settle_s,
+                    lambda directory=directory, target=target: dcp.load(target, checkpoint_id=directory),
                 )
             else:
                 seconds, value, error = timed(
-                    config.settle_s, lambda directory=directory: load_checkpoint(target, directory, config=load_config)
+                    config.settle_s,
+                    lambda directory=directory, target=target: load_checkpoint(target, directory, config=load_config),
                 )
-            error = error or (None if method == "raw" else mismatch(expected, target))
+            error = error or (None if method == "raw" else mismatch(expected[saved_on], target))
             sample = {"case": label, "seconds": seconds, "error": error, "warmup": round_index < config.warmup}
             if method == "ours" and value is not None:
                 sample.update(
@@ -214,7 +230,7 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         label, world = row["case"], row["ranks"]
         reference = None
-        if label.startswith("resharded") or label.startswith("dcp.load"):
+        if label.startswith("resharded") or label.startswith("dcp.load") or label.startswith("one tensor"):
             reference = f"same {world}->{world}"
         elif label.startswith("same"):
             reference = f"raw {world}"
@@ -247,6 +263,8 @@ def format_table(rows: list[dict[str, Any]], size_bytes: int) -> str:
             if row["case"].startswith("resharded")
             else RAW_TARGET
             if row["case"].startswith("same")
+            else ONE_TENSOR_TARGET
+            if row["case"].startswith("one tensor")
             else None
         )
         if target and row["ratio"]:
@@ -296,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             read_threads=args.read_threads,
         )
         report: dict[str, Any] = {"config": asdict(config), "environment": environment(), "results": []}
-        for world_size in SAVED_WORLDS:
-            print(f"saving on {world_size} rank(s): {args.size_gib} GiB in {workdir}", flush=True)
-            saved = run_world(world_size, save_rank, config, RANK_TIMEOUT_S)
+        for saved_on in SAVED_WORLDS:
+            print(f"saving on {saved_on} rank(s): {args.size_gib} GiB in {workdir}", flush=True)
+            saved = run_world(world_of(saved_on), partial(save_rank, saved_on=saved_on), config, RANK_TIMEOUT_S)
             if isinstance(saved, str):
-                print(f"save on {world_size} ranks failed: {saved}")
+                print(f"save on {saved_on} ranks failed: {saved}")
                 return 1
         for world_size in CASES:
             print(f"restoring on {world_size} rank(s), {args.repeats} repeat(s)", flush=True)

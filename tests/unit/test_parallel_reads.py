@@ -319,3 +319,28 @@ def test_a_flipped_byte_is_named_by_block_where_it_is_read_and_full_verify_finds
         assert torch.equal(targets["bottom"], weights[bottom:])
     report = verify_checkpoint(directory)
     assert not report.ok and report.problems[0]["tensor"] == "w"
+
+
+def test_one_large_chunk_is_read_by_several_threads_block_by_block_and_lands_bit_exact(committed_checkpoint):
+    weights, root, _, _, chunk = big_chunk(committed_checkpoint)  # one chunk, 9 blocks
+    options, log_id = counting(latency_s=0.05)
+    target = {"w": torch.zeros_like(weights)}
+
+    result = load_checkpoint(target, counting_url(root), config=LoadConfig(storage_options=options, read_threads=3))
+
+    assert torch.equal(target["w"], weights)
+    assert result.chunks_read == 1
+    assert 2 <= LOGS[log_id].peak_running <= 3 + 1  # the blocks' readers, plus the chunk's own head/tail read
+
+
+def test_a_flipped_byte_in_the_last_block_of_a_chunk_read_in_parallel_is_named_by_its_block(committed_checkpoint):
+    _, root, directory, _, chunk = big_chunk(committed_checkpoint)
+    path = os.path.join(directory, SHARD)
+    data = bytearray(open(path, "rb").read())
+    data[chunk["offset"] + chunk["length"] - TAIL_BYTES - 8] ^= 0x01  # inside the data, in the last block
+    open(path, "wb").write(bytes(data))
+    last_block = (chunk["length"] - TAIL_BYTES - 8) // chunk["blocks"]["size"]
+
+    with pytest.raises(CorruptCheckpoint, match=f"block {last_block}") as caught:
+        load_checkpoint({"w": torch.zeros(BIG_ROWS, BIG_COLUMNS)}, root, config=LoadConfig(read_threads=4))
+    assert (caught.value.problems[0]["file"], caught.value.problems[0]["tensor"]) == (SHARD, "w")

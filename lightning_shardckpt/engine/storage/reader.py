@@ -150,7 +150,7 @@ class ShardReader(StorageReader):
         chunks = self._chunks_of(plan)
         files: dict[str, ShardFile] = {}
         pool = BufferPool(self._read_ahead_bytes)
-        direct = DirectReader(hashing=self._expected is not None)
+        direct = DirectReader(hashing=self._expected is not None, range_threads=self._threads)
         executor = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=THREAD_NAME_PREFIX)
         pending: deque[tuple[_Chunk, ThreadFuture[Fetched]]] = deque()
         buffered = 0  # bytes of the chunk buffers in `pending`: read or being read, not yet placed
@@ -191,6 +191,7 @@ class ShardReader(StorageReader):
                 buffered, last_byte = self._place_oldest(pending, planner, pool, buffered, last_byte)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)  # a failed chunk: stop reading the rest
+            direct.close()
             for shard in files.values():
                 shard.close()
         self.read_s += last_byte - started
