@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import CatMetric, MaxMetric, MeanMetric, SumMetric
+from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric, SumMetric
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
 from tests.helpers.lightning_run import TinyModule, lightning_env
@@ -23,6 +23,20 @@ from tests.helpers.spawn import run_ranks
 
 SAMPLES, STOP_AT = 96, 3  # 2 ranks x batch 4: 12 steps an epoch; stopped after 3 (24 samples)
 LR = 0.1
+
+
+class UnreducedCount(Metric):
+    """A state without a reduction: its synced form is one entry per saved rank, so it is not merged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("count", torch.tensor(0.0), dist_reduce_fx=None)
+
+    def update(self, samples: int) -> None:
+        self.count = self.count + samples
+
+    def compute(self) -> torch.Tensor:
+        return self.count.sum()  # synced: one count per rank
 
 
 class UserStateModule(TinyModule):
@@ -33,6 +47,7 @@ class UserStateModule(TinyModule):
         self.signal_mean.persistent(True)  # also in the model state dict (rank 0's copy there)
         self.ids = CatMetric()  # cat reduction: every sample id once
         self.signal_max = MaxMetric()  # max reduction
+        self.unreduced = UnreducedCount()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, ids = batch
@@ -41,6 +56,7 @@ class UserStateModule(TinyModule):
         self.signal_mean.update(signal)
         self.ids.update(ids.float())
         self.signal_max.update(signal)
+        self.unreduced.update(len(ids))
         self.log("signal", signal.mean(), on_step=True, on_epoch=True, sync_dist=True)  # mean over samples
         self.log("samples_logged", float(len(ids)), on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         self.log("signal_peak", signal.max(), on_step=False, on_epoch=True, reduce_fx="max", sync_dist=True)
@@ -107,6 +123,7 @@ def _fit(
         "signal_mean": float(module.signal_mean.compute()),
         "ids": sorted(int(i) for i in module.ids.compute()),
         "signal_max": float(module.signal_max.compute()),
+        "unreduced": float(module.unreduced.compute()),
         "logged": {key: float(value) for key, value in trainer.callback_metrics.items()},
         "lr_at_step": rates.at_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
@@ -207,3 +224,10 @@ def test_epoch_plateau_update_after_an_epoch_end_checkpoint_is_applied_before_th
     resumed = runs["after_epoch_end"]
     assert min(resumed["lr_at_step"]) == epoch_steps and resumed["global_step"] == epoch_steps + SAMPLES // 4
     assert resumed["lr_at_step"][epoch_steps] == pytest.approx(runs["reference"][0]["lr"])  # 0.025, not 0.05
+
+
+def test_a_metric_state_without_a_reduction_comes_back_as_rank_zeros_own_share(runs):
+    # documented: not merged; rank 0 resumes with saved rank 0's share (12 of the 24 samples), the others empty
+    assert runs["reference"][0]["unreduced"] == SAMPLES
+    for resize, ranks in runs["resumed"].items():
+        assert {r["unreduced"] for r in ranks} == {SAMPLES - 4 * STOP_AT}, resize
