@@ -95,8 +95,7 @@ class ShardedCheckpoint(Checkpoint):
         self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints
         self.health_config = health_config_from(health)  # health rules; validated now
         self.plugins = checkpoint_plugins(self.options, self.tiers_config, self.drill_options, self.health_config)
-        self.schedule = SaveSchedule(self.options)
-        self.run_ids = RunIds(self.save_options.run_id)
+        self.schedule, self.run_ids = SaveSchedule(self.options), RunIds(self.save_options.run_id)
         self.plan: CheckpointPlan | None = None
         self._data, self._user = DataPosition(), UserState()  # user: torchmetrics, epoch aggregates, plateau steps
         self._signal = PreemptionSignal(self.options.preemption_grace_s)
@@ -202,8 +201,8 @@ class ShardedCheckpoint(Checkpoint):
         return {
             "dirpath": self.root,
             "last_saved_step": self.schedule.last_saved_step,
-            **self._data.state(self._trainer),
-            **self._user.state(self._trainer),  # "sampler", "rng", "user_state"
+            **self._data.state(self._trainer),  # "sampler", "rng"
+            **self._user.state(self._trainer),  # "user_state": metrics and epoch aggregates merged over ranks
             **self.plugins.state_dict(),  # "health": rank 0's (the one written) rule counters and mitigations
         }
 
