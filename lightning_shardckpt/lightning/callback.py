@@ -38,6 +38,7 @@ from .preemption import PreemptionSignal
 from .run_identity import RunIdentity
 from .saving import log_finished, request_save
 from .strategy import ShardedStrategy
+from .user_state import UserState
 
 
 class ShardedCheckpoint(Checkpoint):
@@ -95,10 +96,9 @@ class ShardedCheckpoint(Checkpoint):
         self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints
         self.health_config = health_config_from(health)  # health rules; validated now
         self.plugins = checkpoint_plugins(self.options, self.tiers_config, self.drill_options, self.health_config)
-        self.schedule = SaveSchedule(self.options)
-        self.run_ids = RunIds(self.save_options.run_id)
+        self.schedule, self.run_ids = SaveSchedule(self.options), RunIds(self.save_options.run_id)
         self.plan: CheckpointPlan | None = None
-        self._data = DataPosition()
+        self._data, self._user = DataPosition(), UserState()  # user: torchmetrics, epoch aggregates, plateau steps
         self._signal = PreemptionSignal(self.options.preemption_grace_s)
         self._resume_logged = False
         self._trainer: pl.Trainer | None = None  # bound in on_fit_start, which Lightning runs before it restores
@@ -149,6 +149,7 @@ class ShardedCheckpoint(Checkpoint):
         resume_event = None
         if resumed is not None:
             self._data.restore_rng()
+            self._user.resumed(trainer)
             resume_event = self.identity.check_resume(trainer, pl_module, self.plan.location)  # may raise
         # after the restore, before any save: a resume of this run's checkpoint continues its id
         run_id = self.run_ids.choose(resumed, self._continues_run, lambda: strategy.broadcast(ownership.new_run_id()))
@@ -179,6 +180,7 @@ class ShardedCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._save(trainer, self.schedule.at_epoch_end(trainer.global_step))
+        self._user.epoch_ended(trainer)  # after the save: the uninterrupted run's snapshot precedes it too
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_train_end, not on_fit_end: Lightning tears the strategy (and its savers) down in between
@@ -201,6 +203,7 @@ class ShardedCheckpoint(Checkpoint):
             "dirpath": self.root,
             "last_saved_step": self.schedule.last_saved_step,
             **self._data.state(self._trainer),  # "sampler", "rng"
+            **self._user.state(self._trainer),  # "user_state": metrics and epoch aggregates merged over ranks
             **self.plugins.state_dict(),  # "health": rank 0's (the one written) rule counters and mitigations
         }
 
@@ -208,6 +211,7 @@ class ShardedCheckpoint(Checkpoint):
         self.schedule.last_saved_step = state_dict.get("last_saved_step")
         self.plugins.load_state_dict(state_dict)
         self._data.load(state_dict, getattr(self._trainer, "strategy", None))
+        self._user.load(state_dict, self._trainer)
 
     # --- internals ---
     def _context(self, trainer: pl.Trainer, **fields: Any) -> PluginContext:
