@@ -44,8 +44,7 @@ from .user_state import UserState
 class ShardedCheckpoint(Checkpoint):
     """Asynchronous, committed, verified checkpoints of a Lightning run, resumable on any world size.
 
-    A `Checkpoint` subclass, so Lightning runs it after every other callback: their batch-end updates
-    are in the snapshot.
+    A `Checkpoint` subclass, so Lightning runs it after every other callback: their updates are in the snapshot.
     """
 
     def __init__(
