@@ -22,6 +22,8 @@ from .ops.verify import VerifyReport, verify_checkpoint
 from .policies.health_eval import Transition
 from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
 from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
+from .training.checkpointer import Checkpointer
+from .training.data import ResumableDistributedSampler
 
 LIGHTNING_NAMES = ("ShardedCheckpoint", "ShardedDDPStrategy", "ShardedFSDPStrategy", "ShardedStrategy")
 
@@ -32,7 +34,8 @@ if importlib.util.find_spec("lightning") is None:
         if name in LIGHTNING_NAMES:
             raise ImportError(
                 f"lightning_shardckpt.{name} is the Lightning adapter and Lightning does not import here; "
-                "install it (pip install 'lightning>=2.4'), or use the engine directly (CheckpointSaver, load_checkpoint)"
+                "install it (pip install 'lightning>=2.4'), or use the plain-PyTorch front door (Checkpointer) "
+                "or the engine (CheckpointSaver, load_checkpoint)"
             )
         raise AttributeError(f"module 'lightning_shardckpt' has no attribute {name!r}")
 
@@ -44,6 +47,7 @@ else:
     _register_strategies()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp")
 
 __all__ = [
+    "Checkpointer",
     "CheckpointNotFound",
     "CheckpointRecord",
     "CheckpointSaver",
@@ -61,6 +65,7 @@ __all__ = [
     "MitigationContext",
     "NormalRange",
     "PendingSave",
+    "ResumableDistributedSampler",
     "Persistence",
     "SaveConfig",
     "SaveResult",
