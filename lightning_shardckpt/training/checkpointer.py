@@ -44,7 +44,7 @@ from .data import (
     rng_state_for_rank,
     samples_consumed,
 )
-from .finished_saves import CallableReporter, drain_finished
+from .finished_saves import CallableReporter, drain_finished, record_logger
 from .preemption import DEFAULT_GRACE_S, PreemptionRequests
 from .preflight import preflight_on_every_rank
 from .resume import resume
@@ -291,7 +291,8 @@ class Checkpointer:
                 saver.guard(optimizer)
 
     def _drain(self) -> None:
-        drain_finished(self.host.existing_saver(self.root), self.plugins, self._context(), self._reporter)
+        saver = self.host.existing_saver(self.root)
+        drain_finished(saver, self.plugins, self._context(), record_logger(self._reporter))
 
     def _own_section(self, data: bytes, where: str) -> dict[str, Any]:
         try:

@@ -1,7 +1,7 @@
-"""Finished saves, on the training thread of a loop without Lightning: drain the saver, log, tell the plug-ins.
+"""Finished saves, on the training thread: drain the saver, log each record, tell the plug-ins of commits.
 
-The Lightning face of the same steps is lightning/saving.py (`log_finished`), which logs to the Trainer's
-loggers; here rank 0 logs through the loop's own `log_metrics(values, step)` callable (e.g. `wandb.log`).
+Every front door runs these steps at each step end; where a record is logged is the front door's: the
+Trainer's loggers (lightning/saving.py), or a plain loop's `log_metrics(values, step)` (e.g. `wandb.log`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ class CallableReporter(Reporter):
             self.log_metrics_to(values, self.step())
 
 
-def drain_finished(saver: Any, plugins: PluginList, context: PluginContext, reporter: CallableReporter) -> None:
-    """Every rank drains its saver's records; rank 0 logs them and hands the commits to the plug-ins (drills)."""
+def drain_finished(
+    saver: Any, plugins: PluginList, context: PluginContext, log_record: Callable[[Any, dict[str, int]], None]
+) -> None:
+    """Every rank drains its saver's records; rank 0 logs each (`log_record(record, counters)`) and hands the
+    commits to the plug-ins (drills). The front door says where a record goes (its loggers, a callable)."""
     if saver is None:
         return
     records = saver.poll_records()
@@ -39,12 +42,22 @@ def drain_finished(saver: Any, plugins: PluginList, context: PluginContext, repo
     plugins.drain(context)  # finished drills, health alerts and drill_now requests
     if not records:
         return
+    # notes: failed_dirs_removed, retention_errors, ...; plug-ins': replicated, replication_failed, ...
     counters = {**saver.counters.snapshot(), **saver.counters.notes(), **plugins.counters()}
     for record in records:
+        log_record(record, counters)
+        if record.outcome == metrics.COMMITTED:
+            plugins.on_commit(record)  # drills: a queue put, the drill runs on its own thread and processes
+
+
+def record_logger(reporter: CallableReporter) -> Callable[[Any, dict[str, int]], None]:
+    """A finished save's metrics and the saver's running counters, through the loop's `log_metrics`."""
+
+    def log_record(record: Any, counters: dict[str, int]) -> None:
         if record.outcome == metrics.FAILED:
             log.error("checkpoint of step %d failed: %s", record.step, record.cause)
         values = record.metrics()
         values.update({f"checkpoint/{name}": float(value) for name, value in counters.items()})
         reporter.log_metrics(values)
-        if record.outcome == metrics.COMMITTED:
-            plugins.on_commit(record)  # drills: a queue put, the drill runs on its own thread and processes
+
+    return log_record
