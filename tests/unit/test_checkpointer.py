@@ -3,6 +3,12 @@ retention, resume of every piece of state, run ids in either order, close, metri
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -198,3 +204,43 @@ def test_the_owner_refusal_advises_in_the_words_of_the_api_that_created_the_save
     assert "ckpt_path='latest'" in str(lightning.value) and "resume=latest" in str(lightning.value)
     with pytest.raises(ConfigError, match="front_door='fabric' is unknown"):
         SaveConfig(front_door="fabric")
+
+
+def test_a_preemption_signal_saves_the_step_blocking_and_asks_the_loop_to_stop(tmp_path):
+    root, run, before = str(tmp_path / "run"), Run(), signal.getsignal(signal.SIGTERM)
+    with Checkpointer(root, every_n_steps=100, save_on_preemption=True, preemption_grace_s=None) as ckpt:
+        run.train_step()
+        assert ckpt.maybe_save(1, run.state) is None and not ckpt.should_stop
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it: the process goes on
+        run.train_step()
+        pending = ckpt.maybe_save(2, run.state)
+        assert pending is not None and pending.done() and pending.result().committed  # blocking: committed now
+        assert ckpt.should_stop
+    assert signal.getsignal(signal.SIGTERM) == before  # put back at close
+    assert [entry.step for entry in committed(root)] == [2]
+
+
+def test_the_checkpointer_saves_and_resumes_where_lightning_is_not_installed(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            sys.modules[name] = None  # `import lightning` raises ImportError, as if it were not installed
+        import torch
+        from lightning_shardckpt import Checkpointer, ResumableDistributedSampler
+
+        model = torch.nn.Linear(3, 2)
+        sampler = ResumableDistributedSampler(list(range(10)), num_replicas=1, rank=0)
+        sampler.mark_consumed(2, 2)
+        with Checkpointer({str(tmp_path / "run")!r}, sampler=sampler) as ckpt:
+            ckpt.save(1, {{"model": model}})
+        fresh, again = torch.nn.Linear(3, 2), ResumableDistributedSampler(list(range(10)), num_replicas=1, rank=0)
+        with Checkpointer({str(tmp_path / "run")!r}, sampler=again) as ckpt:
+            assert ckpt.load({{"model": fresh}}) == 1
+        assert torch.equal(fresh.weight, model.weight) and again.global_position == 4
+        assert "lightning" not in {{name.split(".")[0] for name, module in sys.modules.items() if module}}
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
