@@ -244,3 +244,24 @@ def test_the_checkpointer_saves_and_resumes_where_lightning_is_not_installed(tmp
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
+
+
+def test_tiers_and_drills_work_as_with_the_callback_and_a_new_node_resumes_from_the_durable_tier(tmp_path):
+    fast, durable, run = str(tmp_path / "fast"), str(tmp_path / "durable"), Run()
+    logged: list[dict] = []
+    tiers = {"fast": {"dirpath": fast, "keep_last": 1}, "durable": {"dirpath": durable, "every_n_checkpoints": 1}}
+    drill = {"every_n_checkpoints": 2, "world_size": 1}
+    with Checkpointer(every_n_steps=1, tiers=tiers, drill=drill, log_metrics=lambda v, s: logged.append(v)) as ckpt:
+        for step in range(1, 3):
+            run.train_step()
+            ckpt.maybe_save(step, run.state)
+    # close waited for the copy and the drill: both checkpoints on the durable tier, step 2 drilled (last-good)
+    assert [entry.step for entry in committed(durable)] == [1, 2]
+    assert [entry.step for entry in committed(fast)] == [2]
+    assert find(resolve(fast), "last-good").step == 2
+    assert any(values.get("drill/ok") == 1.0 for values in logged)
+    fresh = Run(seed=5)
+    node = {"fast": {"dirpath": str(tmp_path / "other_node")}, "durable": {"dirpath": durable}}
+    with Checkpointer(tiers=node) as ckpt:
+        assert ckpt.load(fresh.state) == 2  # the new node's fast tier is empty: read from the durable tier
+    assert torch.equal(fresh.model[0].weight, run.model[0].weight)
