@@ -17,11 +17,15 @@ from lightning_shardckpt import (
     CheckpointNotFound,
     CheckpointSaver,
     ConfigError,
+    LoadConfig,
     ResumableDistributedSampler,
     SaveConfig,
 )
 from lightning_shardckpt.engine.catalog import find, list_checkpoints
 from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.policies.plugin import PluginList
+from lightning_shardckpt.training.checkpoint_setup import checkpoint_plan
+from lightning_shardckpt.training.plan import Placement
 
 BATCH = 4
 
@@ -204,6 +208,11 @@ def test_the_owner_refusal_advises_in_the_words_of_the_api_that_created_the_save
     assert "ckpt_path='latest'" in str(lightning.value) and "resume=latest" in str(lightning.value)
     with pytest.raises(ConfigError, match="front_door='fabric' is unknown"):
         SaveConfig(front_door="fabric")
+    # the callback's plan (checkpoint_plan's default) and the Checkpointer's say which advice their savers give
+    plan = checkpoint_plan(root, SaveConfig(), LoadConfig(), False, PluginList([]), Placement())
+    assert plan.save.front_door == "lightning"
+    with Checkpointer(str(tmp_path / "other")) as ckpt:
+        assert ckpt.plan.save.front_door == "checkpointer"
 
 
 def test_a_preemption_signal_saves_the_step_blocking_and_asks_the_loop_to_stop(tmp_path):
