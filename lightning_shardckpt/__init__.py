@@ -51,6 +51,8 @@ ENGINE_NAMES = {
     "HealthControl": ".policies.mitigations",
     "MitigationContext": ".policies.mitigations",
     "register_mitigation": ".policies.mitigations",
+    "Checkpointer": ".training.checkpointer",
+    "ResumableDistributedSampler": ".training.data",
 }
 LIGHTNING_NAMES = {
     "ShardedCheckpoint": ".lightning.callback",
@@ -67,7 +69,8 @@ def __getattr__(name: str) -> Any:
     if name in LIGHTNING_NAMES and importlib.util.find_spec("lightning") is None:
         raise ImportError(
             f"lightning_shardckpt.{name} is the Lightning adapter and Lightning does not import here; "
-            "install it (pip install 'lightning>=2.4'), or use the engine directly (CheckpointSaver, load_checkpoint)"
+            "install it (pip install 'lightning>=2.4'), or use the plain-PyTorch front door (Checkpointer) "
+            "or the engine (CheckpointSaver, load_checkpoint)"
         )
     module = ENGINE_NAMES.get(name) or LIGHTNING_NAMES.get(name)
     if module is None:
@@ -98,9 +101,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .policies.health_eval import Transition
     from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
     from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
+    from .training.checkpointer import Checkpointer
+    from .training.data import ResumableDistributedSampler
 
 # the errors above, ENGINE_NAMES and LIGHTNING_NAMES (tests/unit/test_public_api.py holds them equal)
 __all__ = [
+    "Checkpointer",
     "CheckpointNotFound",
     "CheckpointRecord",
     "CheckpointSaver",
@@ -118,6 +124,7 @@ __all__ = [
     "MitigationContext",
     "NormalRange",
     "PendingSave",
+    "ResumableDistributedSampler",
     "Persistence",
     "SaveConfig",
     "SaveResult",

@@ -1,6 +1,11 @@
 """Engine demo: save an FSDP2-sharded model + AdamW on 2 CPU ranks, load it back on 1 and on 3 ranks.
 
-Run: ./scripts/run_demo.sh [--dirpath checkpoints/demo]
+Run: python recipes/demo.py [--dirpath checkpoints/demo]   (it starts its own ranks; no torchrun)
+
+The engine directly (CheckpointSaver, load_checkpoint). Running it again continues the same run: the save
+phase loads the newest checkpoint first and creates the saver with that checkpoint's run id, which the
+root's owner check requires. `lightning_shardckpt.Checkpointer` does this for you in a training loop
+(recipes/plain_fsdp.py, docs/howto/plain-pytorch.md).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
+from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, SaveConfig, load_checkpoint
 
 
 def build(world_size: int, seed: int):
@@ -41,20 +46,29 @@ def rank_main(rank: int, world_size: int, port: int, mode: str, dirpath: str, qu
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
     )
     model, optimizer = build(world_size, seed=0 if mode == "save" else 123)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "progress": {"step": 0}}
     if mode == "save":
+        run_id = None  # a new run: the saver generates an id and claims the root
+        try:
+            # a second demo run continues the first: its state, and its run id, or the saver is refused
+            run_id = load_checkpoint(state, dirpath).manifest["run_id"]
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        except CheckpointNotFound:
+            pass
         for _ in range(3):
             model(torch.randn(16, 256)).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "progress": {"step": 3 if mode == "save" else 0}}
-    if mode == "save":
-        # a fixed run id: running the demo again continues the same run in the same root, not a second run
-        saver = CheckpointSaver(dirpath, SaveConfig(parallelism="fsdp", run_id="demo"))
-        result = saver.save(state, step=3).result()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        step = state["progress"]["step"] + 3
+        state = {"model": model_sd, "optim": optim_sd, "progress": {"step": step}}
+        saver = CheckpointSaver(dirpath, SaveConfig(parallelism="fsdp", run_id=run_id))  # created after the load
+        result = saver.save(state, step=step).result()
         saver.close()
         message = (
-            f"saved step 3 -> {result.path} (committed={result.committed}, {result.bytes_rank} bytes from this rank)"
+            f"saved step {step} -> {result.path} (run {saver.run_id}, committed={result.committed}, "
+            f"{result.bytes_rank} bytes from this rank)"
         )
     else:
         result = load_checkpoint(state, dirpath)

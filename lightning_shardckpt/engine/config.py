@@ -15,6 +15,9 @@ from .validate import did_you_mean, require_number
 VerifyMode = Literal["off", "sample", "full"]
 WhenBusy = Literal["wait", "skip"]
 OnError = Literal["log", "raise"]
+# the API a saver was created through: its errors advise in that API's words (engine/ownership.py)
+ENGINE, CHECKPOINTER, LIGHTNING = "engine", "checkpointer", "lightning"
+FRONT_DOORS = (ENGINE, CHECKPOINTER, LIGHTNING)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +73,13 @@ class SaveConfig:
     # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later);
     # False: the coordinator removes it once every rank saw the save fail
     keep_failed_attempts: bool = False
+    # the API that creates the saver: "engine" (CheckpointSaver), "checkpointer" (Checkpointer) or "lightning"
+    # (ShardedCheckpoint); front doors set it, so that an error's advice is in their words. Leave it as is
+    front_door: str = ENGINE
 
     def __post_init__(self) -> None:
+        if self.front_door not in FRONT_DOORS:
+            raise ConfigError(f"front_door={self.front_door!r} is unknown; use one of {', '.join(FRONT_DOORS)}")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
             raise ConfigError(f"run_id={self.run_id!r} must be a non-empty string, or null to generate one")
         require_number(

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, StorageUnavailable
 from .collectives import broadcast_from_coordinator, rank_and_world
+from .config import CHECKPOINTER, ENGINE, LIGHTNING
 from .format import bounded_json
 from .format.layout import OWNER, join
 from .storage import retry
@@ -77,18 +78,39 @@ def claim(root: Location, run_id: str) -> dict[str, Any]:
     return record
 
 
-def conflict_message(root: Location, owner: dict[str, Any], run_id: str) -> str:
+# How to continue the owning run, said in the words of the API that created the saver (SaveConfig.front_door)
+CONTINUE_ADVICE = {
+    ENGINE: (
+        "give this saver its own root; to continue that run, load its checkpoint first and create the saver with its "
+        "run id: result = load_checkpoint(state, root), then CheckpointSaver(root, "
+        "SaveConfig(run_id=result.manifest['run_id'])) (lightning_shardckpt.Checkpointer does this for you); or, if the "
+        "runs should share the root, set SaveConfig(allow_shared_root=True)"
+    ),
+    CHECKPOINTER: (
+        "give this run its own root; to continue that run, call checkpointer.load(state) before the first save, which "
+        "continues its run id; or, if the runs should share the root, pass save={'allow_shared_root': True}"
+    ),
+    LIGHTNING: (
+        "give this run its own dirpath; to continue that run, resume it (ckpt_path='latest', or resume=latest in "
+        "recipes/train.py), which adopts its run id; or, if the runs should share the root, set "
+        "save.allow_shared_root=true"
+    ),
+}
+
+
+def conflict_message(root: Location, owner: dict[str, Any], run_id: str, front_door: str = ENGINE) -> str:
     return (
         f"{root.url} belongs to another run: {OWNER} names run {owner.get('run_id')!r} (host {owner.get('host')}, "
         f"pid {owner.get('pid')}, since {owner.get('created_at')}), and this run is {run_id!r}. Two runs in one root "
-        "delete each other's checkpoints (retention) and move `latest` back and forth. Fix one of: give this run its "
-        "own dirpath; to continue that run, resume it (ckpt_path='latest', or resume=latest in recipes/train.py), "
-        "which adopts its run id; or, if the runs should share the root, set save.allow_shared_root=true"
+        "delete each other's checkpoints (retention) and move `latest` back and forth. Fix one of: "
+        + CONTINUE_ADVICE.get(front_door, CONTINUE_ADVICE[ENGINE])
     )
 
 
-def ensure_owner(root: Location, run_id: str, allow_shared_root: bool, group: Any) -> str:
+def ensure_owner(root: Location, run_id: str, allow_shared_root: bool, group: Any, front_door: str = ENGINE) -> str:
     """Collective "root-owner": claim or check `root` on the coordinator; every rank gets the same outcome.
+
+    `front_door`: the API that creates the saver (SaveConfig.front_door), whose words the refusal's advice uses.
 
     Returns the coordinator's run id (so all ranks record one). Raises ConfigError on every rank when
     another run owns the root and sharing is off, and StorageUnavailable when the marker could not be
@@ -99,7 +121,7 @@ def ensure_owner(root: Location, run_id: str, allow_shared_root: bool, group: An
         try:
             owner = claim(root, run_id)
             if owner["run_id"] != run_id:
-                message = conflict_message(root, owner, run_id)
+                message = conflict_message(root, owner, run_id, front_door)
                 if not allow_shared_root:
                     decision = (run_id, "config", message)
                 else:

@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from ..engine.collectives import rank_and_world
-from ..training.data import gather_rng_states, restore_rng_state, rng_state_for_rank
+from ..training.data import gather_rng_states, restore_rng_state, rng_state_for_rank, samples_consumed
 from .sampler_injection import train_sampler
 from .strategy import ShardedStrategy
 
@@ -35,7 +35,7 @@ class DataPosition:
     @staticmethod
     def samples_consumed(trainer: pl.Trainer) -> int | None:
         sampler, _ = train_sampler(trainer)
-        return sampler.epoch * sampler.dataset_length + sampler.global_position if sampler is not None else None
+        return samples_consumed(sampler) if sampler is not None else None
 
     @staticmethod
     def state(trainer: pl.Trainer | None) -> dict[str, Any]:

@@ -6,10 +6,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from ..engine import metrics
 from ..engine.format.outcomes import METRICS_EXTRA, encode_metrics
 from ..engine.save.saver import PendingSave
 from ..policies.plugin import PluginContext, PluginList
+from ..training.finished_saves import drain_finished
 from .checkpoint_logging import log_record
 from .data_position import DataPosition
 from .run_identity import RunIdentity
@@ -43,17 +43,11 @@ def log_finished(
     log_artifact: bool,
 ) -> None:
     """Finished saves, on the training thread: every rank drains its saver, rank 0 logs and tells the plug-ins."""
-    if saver is None:
-        return
-    records = saver.poll_records()
-    if not trainer.is_global_zero:
-        return
-    plugins.drain(context)  # finished drills, health alerts and drill_now requests
-    if not records:
-        return
-    # notes: failed_dirs_removed, retention_errors, ...; plug-ins': replicated, replication_failed, ...
-    counters = {**saver.counters.snapshot(), **saver.counters.notes(), **plugins.counters()}
-    for record in records:
-        log_record(trainer, record, counters, log_metrics=log_metrics, log_artifact=log_artifact)
-        if record.outcome == metrics.COMMITTED:
-            plugins.on_commit(record)  # drills: a queue put, the drill runs on its own thread and processes
+    drain_finished(
+        saver,
+        plugins,
+        context,
+        lambda record, counters: log_record(
+            trainer, record, counters, log_metrics=log_metrics, log_artifact=log_artifact
+        ),
+    )

@@ -78,7 +78,7 @@ class CheckpointTiers:
             return
         # its own group (see replicate.py): the saver's thread owns the checkpoint group
         self._group = new_checkpoint_group(self.config.collective_timeout_s)
-        ownership.ensure_owner(self.durable, run_id, allow_shared_root, self._group)
+        ownership.ensure_owner(self.durable, run_id, allow_shared_root, self._group, saver.config.front_door)
         catch_up = newest_durable = None
         if is_global_zero:
             try:

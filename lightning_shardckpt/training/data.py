@@ -225,6 +225,11 @@ class ResumableDistributedSampler(DistributedSampler):
         self.total_size = self.num_samples * self.num_replicas
 
 
+def samples_consumed(sampler: ResumableDistributedSampler) -> int:
+    """Samples trained on since the first epoch began (recorded in every manifest: `shardckpt timeline`)."""
+    return sampler.epoch * sampler.dataset_length + sampler.global_position
+
+
 # --- RNG state, per rank ---
 def capture_rng_state() -> dict[str, Any]:
     """This process's python, numpy, torch CPU and CUDA generator states, as plain picklable values.

@@ -97,7 +97,11 @@ class CheckpointSaver:
         self.rank = rank_and_world(self.group)[0]
         # before anything is written: a root another run owns is refused on every rank (ownership.py)
         self.run_id = ownership.ensure_owner(
-            self.root, self.config.run_id or ownership.new_run_id(), self.config.allow_shared_root, self.group
+            self.root,
+            self.config.run_id or ownership.new_run_id(),
+            self.config.allow_shared_root,
+            self.group,
+            self.config.front_door,
         )
         self.config = replace(self.config, run_id=self.run_id)  # every manifest records it
         self._fault_hook = fault_hook

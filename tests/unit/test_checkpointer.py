@@ -1,0 +1,276 @@
+"""The plain PyTorch front door (Checkpointer) in one process, world size 1 (no process group): schedule,
+retention, resume of every piece of state, run ids in either order, close, metrics, and the state's checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lightning_shardckpt import (
+    Checkpointer,
+    CheckpointNotFound,
+    CheckpointSaver,
+    ConfigError,
+    LoadConfig,
+    ResumableDistributedSampler,
+    SaveConfig,
+)
+from lightning_shardckpt.engine.catalog import find, list_checkpoints
+from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.policies.plugin import PluginList
+from lightning_shardckpt.training.checkpoint_setup import checkpoint_plan
+from lightning_shardckpt.training.plan import Placement
+
+BATCH = 4
+
+
+class Run:
+    """A tiny model with dropout (the RNG matters), AdamW, a scheduler, a resumable sampler and a plain counter."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+        self.data = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6) / 100
+        self.sampler = ResumableDistributedSampler(self.data, num_replicas=1, rank=0, seed=3)
+        self.state = {"model": self.model, "optim": self.optimizer, "sched": self.scheduler, "progress": {"seen": 0}}
+        self._batches = None
+
+    def train_step(self) -> None:
+        if self._batches is None:
+            # its own generator: creating an iterator then draws no seed from the global RNG, so an iterator created
+            # at the resume leaves the dropout masks as they would have been
+            loader = torch.utils.data.DataLoader(
+                self.data, batch_size=BATCH, sampler=self.sampler, generator=torch.Generator()
+            )
+            self._batches = iter(loader)
+        batch = next(self._batches)
+        self.model(batch).pow(2).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        self.sampler.mark_consumed(1, BATCH)
+        self.state["progress"]["seen"] += len(batch)
+
+
+def committed(root: str) -> list:
+    return [entry for entry in list_checkpoints(resolve(root)) if entry.committed]
+
+
+def test_maybe_save_follows_the_schedule_saves_the_last_step_and_keep_last_retains_the_newest(tmp_path):
+    root, run = str(tmp_path / "run"), Run()
+    with Checkpointer(root, every_n_steps=2, max_steps=5, keep_last=2) as ckpt:
+        saved = []
+        for step in range(1, 6):
+            run.train_step()
+            if ckpt.maybe_save(step, run.state) is not None:
+                saved.append(step)
+    assert saved == [2, 4, 5]  # every 2 steps, and max_steps
+    assert [entry.step for entry in committed(root)] == [4, 5]  # retention ran after each commit
+
+
+def test_a_load_restores_model_optimizer_scheduler_sampler_rng_and_plain_values_bit_exact(tmp_path):
+    root = str(tmp_path / "run")
+    uninterrupted = Run()
+    for _ in range(6):
+        uninterrupted.train_step()
+
+    first = Run()
+    with Checkpointer(root, every_n_steps=3, sampler=first.sampler) as ckpt:
+        for step in range(1, 5):  # step 4 is trained but never saved: lost, as in a crash
+            first.train_step()
+            ckpt.maybe_save(step, first.state)
+
+    resumed = Run(seed=99)  # other weights and RNG: everything must come from the checkpoint
+    with Checkpointer(root, every_n_steps=3, sampler=resumed.sampler) as ckpt:
+        assert ckpt.load(resumed.state) == 3
+        assert resumed.sampler.global_position == 3 * BATCH
+        assert resumed.state["progress"] == {"seen": 3 * BATCH}
+        assert resumed.scheduler.last_epoch == 3
+        for step in range(4, 7):
+            resumed.train_step()
+            ckpt.maybe_save(step, resumed.state)
+    for (name, expected), actual in zip(uninterrupted.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(actual, expected), name  # dropout masks, AdamW moments, data order: all as uninterrupted
+
+
+def test_load_on_an_empty_root_returns_none_and_resume_required_refuses(tmp_path):
+    run = Run()
+    with Checkpointer(str(tmp_path / "empty")) as ckpt:
+        assert ckpt.load(run.state) is None
+    with Checkpointer(str(tmp_path / "empty2"), resume_required=True) as ckpt:
+        with pytest.raises(CheckpointNotFound, match="resume_required"):
+            ckpt.load(run.state)
+
+
+def test_constructed_before_the_load_a_resume_continues_the_loaded_run_and_its_root(tmp_path):
+    root, run = str(tmp_path / "run"), Run()
+    with Checkpointer(root, every_n_steps=1) as ckpt:
+        run.train_step()
+        ckpt.maybe_save(1, run.state)
+        first_id = ckpt.run_id
+    # the README's failing order was: create the saver, then load; here construction claims nothing
+    with Checkpointer(root, every_n_steps=1) as ckpt:
+        step = ckpt.load(run.state)
+        run.train_step()
+        ckpt.maybe_save(step + 1, run.state)
+        assert ckpt.run_id == first_id
+    assert [(entry.step, entry.run_id) for entry in committed(root)] == [(1, first_id), (2, first_id)]
+
+
+def test_saved_before_a_load_a_rollback_within_the_run_keeps_its_id(tmp_path):
+    root, run = str(tmp_path / "run"), Run()
+    with Checkpointer(root) as ckpt:
+        ckpt.save(2, run.state)
+        ckpt.save(4, run.state)
+        run_id = ckpt.run_id
+        assert ckpt.load(run.state, which=2) == 2  # waits for the saves in flight, then loads step 2
+        ckpt.save(3, run.state, blocking=True)
+        assert ckpt.run_id == run_id
+    assert sorted((entry.step, entry.run_id) for entry in committed(root)) == [(2, run_id), (3, run_id), (4, run_id)]
+    assert find(resolve(root), "latest").step == 3  # the newest commit: the rolled-back branch
+
+
+def test_a_new_run_into_a_used_root_is_refused_at_its_first_save_with_the_checkpointers_advice(tmp_path):
+    root, run = str(tmp_path / "run"), Run()
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, run.state)
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(ConfigError, match="belongs to another run") as refused:
+            ckpt.maybe_save(1, run.state)
+    message = str(refused.value)
+    assert "checkpointer.load(state) before the first save" in message and "allow_shared_root" in message
+    assert "ckpt_path" not in message and "Hydra" not in message and "resume=latest" not in message
+    assert [entry.step for entry in committed(root)] == [1]
+
+
+def test_close_waits_for_the_last_commit_and_a_closed_checkpointer_refuses_to_save(tmp_path):
+    root, run = str(tmp_path / "run"), Run()
+    ckpt = Checkpointer(root)
+    pending = ckpt.save(1, run.state)  # asynchronous
+    ckpt.close()
+    assert pending.done() and pending.result().committed
+    ckpt.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="closed"):
+        ckpt.maybe_save(2, run.state)
+
+
+def test_an_exception_in_the_loop_lets_the_save_in_flight_commit_and_saves_nothing_more(tmp_path):
+    root, run = str(tmp_path / "run"), Run()
+    with pytest.raises(ValueError, match="boom"):
+        with Checkpointer(root, every_n_steps=1, max_steps=10) as ckpt:
+            ckpt.maybe_save(1, run.state)
+            raise ValueError("boom")
+    assert [entry.step for entry in committed(root)] == [1]
+
+
+def test_log_metrics_receives_each_finished_save_at_its_step(tmp_path):
+    logged: list[tuple[int, dict]] = []
+    run = Run()
+    with Checkpointer(
+        str(tmp_path / "run"), every_n_steps=2, log_metrics=lambda values, step: logged.append((step, values))
+    ) as ckpt:
+        for step in range(1, 5):
+            run.train_step()
+            ckpt.maybe_save(step, run.state)
+    records = [values for _, values in logged if "checkpoint/total_s" in values]
+    assert len(records) == 2 and all(values["checkpoint/committed"] >= 1 for values in records)
+    assert all(step in (3, 4) for step, _ in logged)  # drained at the next step, or at close (step 4)
+
+
+def test_a_state_the_checkpointer_cannot_save_is_refused_naming_the_fix(tmp_path):
+    run = Run()
+    with Checkpointer(str(tmp_path / "run")) as ckpt:
+        with pytest.raises(ConfigError, match="exactly one module"):
+            ckpt.save(1, {"a": run.model, "b": torch.nn.Linear(2, 2), "optim": run.optimizer})
+        with pytest.raises(ConfigError, match="Checkpointer's own entry"):
+            ckpt.save(1, {"model": run.model, "checkpointer": 1})
+        with pytest.raises(ConfigError, match="non-empty dict"):
+            ckpt.load([run.model])
+
+
+def test_the_owner_refusal_advises_in_the_words_of_the_api_that_created_the_saver(tmp_path):
+    root = str(tmp_path / "run")
+    CheckpointSaver(root, SaveConfig(run_id="run-a")).close()
+    with pytest.raises(ConfigError) as engine:
+        CheckpointSaver(root, SaveConfig(run_id="run-b"))
+    assert "SaveConfig(run_id=result.manifest['run_id'])" in str(engine.value)
+    assert "ckpt_path" not in str(engine.value) and "resume=latest" not in str(engine.value)
+    with pytest.raises(ConfigError) as lightning:
+        CheckpointSaver(root, SaveConfig(run_id="run-b", front_door="lightning"))
+    assert "ckpt_path='latest'" in str(lightning.value) and "resume=latest" in str(lightning.value)
+    with pytest.raises(ConfigError, match="front_door='fabric' is unknown"):
+        SaveConfig(front_door="fabric")
+    # the callback's plan (checkpoint_plan's default) and the Checkpointer's say which advice their savers give
+    plan = checkpoint_plan(root, SaveConfig(), LoadConfig(), False, PluginList([]), Placement())
+    assert plan.save.front_door == "lightning"
+    with Checkpointer(str(tmp_path / "other")) as ckpt:
+        assert ckpt.plan.save.front_door == "checkpointer"
+
+
+def test_a_preemption_signal_saves_the_step_blocking_and_asks_the_loop_to_stop(tmp_path):
+    root, run, before = str(tmp_path / "run"), Run(), signal.getsignal(signal.SIGTERM)
+    with Checkpointer(root, every_n_steps=100, save_on_preemption=True, preemption_grace_s=None) as ckpt:
+        run.train_step()
+        assert ckpt.maybe_save(1, run.state) is None and not ckpt.should_stop
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it: the process goes on
+        run.train_step()
+        pending = ckpt.maybe_save(2, run.state)
+        assert pending is not None and pending.done() and pending.result().committed  # blocking: committed now
+        assert ckpt.should_stop
+    assert signal.getsignal(signal.SIGTERM) == before  # put back at close
+    assert [entry.step for entry in committed(root)] == [2]
+
+
+def test_the_checkpointer_saves_and_resumes_where_lightning_is_not_installed(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            sys.modules[name] = None  # `import lightning` raises ImportError, as if it were not installed
+        import torch
+        from lightning_shardckpt import Checkpointer, ResumableDistributedSampler
+
+        model = torch.nn.Linear(3, 2)
+        sampler = ResumableDistributedSampler(list(range(10)), num_replicas=1, rank=0)
+        sampler.mark_consumed(2, 2)
+        with Checkpointer({str(tmp_path / "run")!r}, sampler=sampler) as ckpt:
+            ckpt.save(1, {{"model": model}})
+        fresh, again = torch.nn.Linear(3, 2), ResumableDistributedSampler(list(range(10)), num_replicas=1, rank=0)
+        with Checkpointer({str(tmp_path / "run")!r}, sampler=again) as ckpt:
+            assert ckpt.load({{"model": fresh}}) == 1
+        assert torch.equal(fresh.weight, model.weight) and again.global_position == 4
+        assert "lightning" not in {{name.split(".")[0] for name, module in sys.modules.items() if module}}
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
+
+
+def test_tiers_and_drills_work_as_with_the_callback_and_a_new_node_resumes_from_the_durable_tier(tmp_path):
+    fast, durable, run = str(tmp_path / "fast"), str(tmp_path / "durable"), Run()
+    logged: list[dict] = []
+    tiers = {"fast": {"dirpath": fast, "keep_last": 1}, "durable": {"dirpath": durable, "every_n_checkpoints": 1}}
+    drill = {"every_n_checkpoints": 2, "world_size": 1}
+    with Checkpointer(every_n_steps=1, tiers=tiers, drill=drill, log_metrics=lambda v, s: logged.append(v)) as ckpt:
+        for step in range(1, 3):
+            run.train_step()
+            ckpt.maybe_save(step, run.state)
+    # close waited for the copy and the drill: both checkpoints on the durable tier, step 2 drilled (last-good)
+    assert [entry.step for entry in committed(durable)] == [1, 2]
+    assert [entry.step for entry in committed(fast)] == [2]
+    assert find(resolve(fast), "last-good").step == 2
+    assert any(values.get("drill/ok") == 1.0 for values in logged)
+    fresh = Run(seed=5)
+    node = {"fast": {"dirpath": str(tmp_path / "other_node")}, "durable": {"dirpath": durable}}
+    with Checkpointer(tiers=node) as ckpt:
+        assert ckpt.load(fresh.state) == 2  # the new node's fast tier is empty: read from the durable tier
+    assert torch.equal(fresh.model[0].weight, run.model[0].weight)
