@@ -12,4 +12,4 @@ if [ "${1:-}" = "--fast" ]; then
     shift
     exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not distributed and not e2e and not slow" "$@"
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"  # the slowest 25: where the 15-minute budget goes
