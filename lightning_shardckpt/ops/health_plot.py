@@ -39,7 +39,7 @@ class Panel:
 class HealthPlot:
     figure: Any  # the matplotlib Figure, saved and released from pyplot (still inspectable)
     panels: list[Panel] = field(default_factory=list)
-    constant: list[str] = field(default_factory=list)  # "metric = value unit on slice=key", folded into text
+    constant: list[str] = field(default_factory=list)  # "skipped = 0 (60x, in range)": folded into the text
     no_data: list[str] = field(default_factory=list)  # rules that never saw a value
 
 
@@ -92,7 +92,6 @@ def plot(report: HealthReport, path: str) -> HealthPlot:
         result.panels.append(_draw_panel(axis, rule, key, state, spans.get((rule.name, key), []), last + margin))
     if len(panel_axes):
         panel_axes[0].set_xlim(first - margin, last + margin)
-    if len(panel_axes):
         panel_axes[-1].set_xlabel("training step", fontsize=10)
     figure.tight_layout(h_pad=0.6)
     figure.savefig(path, dpi=DPI, pil_kwargs={"optimize": True} if str(path).endswith(".png") else None)
