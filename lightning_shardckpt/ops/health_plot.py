@@ -135,17 +135,19 @@ def _draw_panel(
     pad = (top - bottom) * 0.08 or 0.5
     ylim = (bottom - pad * 0.5, top + pad)
     nan = float("nan")
-    axis.fill_between(
-        band_steps,
-        [ylim[0] if low is None else low for low in lows],
-        [ylim[1] if high is None else high for high in highs],
-        where=[low is not None or high is not None for low, high in zip(lows, highs)],
-        step="post",
-        color="tab:green",
-        alpha=0.15,
-        lw=0,
-        label="normal range",
-    )
+    banded = [low is not None or high is not None for low, high in zip(lows, highs)]
+    if any(banded):
+        axis.fill_between(
+            band_steps,
+            [ylim[0] if low is None else low for low in lows],
+            [ylim[1] if high is None else high for high in highs],
+            where=banded,
+            step="post",
+            color="tab:green",
+            alpha=0.15,
+            lw=0,
+            label="normal range",
+        )
     for bound in (lows, highs):
         if any(edge is not None for edge in bound):
             edge_line = [nan if edge is None else edge for edge in bound]
@@ -170,7 +172,7 @@ def _draw_panel(
         0.005,
         0.96,
         f"last {values[-1]:.3g}, max {max(values):.3g}{_spaced_unit(rule.metric)}; "
-        f"normal {range_text(state.low, state.high)}{firing_now}",
+        f"normal {_normal_text(state)}{firing_now}",
         transform=axis.transAxes,
         va="top",
         fontsize=8.5,
@@ -216,6 +218,12 @@ def _text_lines(report: HealthReport, result: HealthPlot, spans: dict[tuple[str,
 
 def _wrapped(head: str, body: str) -> list[str]:
     return textwrap.wrap(head + body, TEXT_WIDTH_CHARS, subsequent_indent=" " * len(head)) or [head]
+
+
+def _normal_text(state: SeriesState) -> str:
+    if state.low is None and state.high is None:
+        return "not learned yet (no verdict)"
+    return range_text(state.low, state.high)
 
 
 def _where(rule: HealthRule, key: str) -> str:
