@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from ..errors import ConfigError, ShardCkptError
-from ..ops.health_report import evaluate_root, plot
+from ..ops.health_plot import plot
+from ..ops.health_report import evaluate_root
 from ..ops.investigate import open_root
 from ..policies.health_rules import HealthConfig, load_rules_file
 from . import exit_codes, options
@@ -30,7 +31,10 @@ def add_commands(commands: Any) -> None:
         "--plot",
         metavar="OUT.png",
         default=None,
-        help="also draw each metric over steps with its normal band and firing periods shaded (matplotlib)",
+        help=(
+            "also draw each varying metric over steps with its normal band and firing periods shaded; "
+            "constant series and rules without data go into one text panel (matplotlib)"
+        ),
     )
     health.set_defaults(run=cmd_health)
 
@@ -57,7 +61,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     config = _rules_file(args.rules) if args.rules else None
     report = evaluate_root(location, config)
     if args.plot:
-        panels = plot(report, args.plot)
+        drawn = plot(report, args.plot)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, sort_keys=True, default=str))
     else:
@@ -78,5 +82,8 @@ def cmd_health(args: argparse.Namespace) -> int:
             + (": " + ", ".join(f"{r['rule']} ({r['severity']}, owner {r['owner']})" for r in firing) if firing else "")
         )
         if args.plot:
-            print(f"plot: {args.plot} ({panels} panels)")
+            print(
+                f"plot: {args.plot} ({len(drawn.panels)} panels; {len(drawn.constant)} constant series and "
+                f"{len(drawn.no_data)} rules without data listed in its text panel)"
+            )
     return exit_codes.FOUND_PROBLEM if report.firing else exit_codes.OK

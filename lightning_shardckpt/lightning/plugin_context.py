@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..policies.plugin import PluginContext, Reporter
-from .wandb_artifacts import wandb_run
+from .wandb_artifacts import mark_deleted, wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,9 @@ class TrainerReporter(Reporter):
             run.alert(title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=wait_s)
         except Exception:  # an alert that cannot be sent is logged, never raised into training
             log.warning("could not send the W&B alert %r", title, exc_info=True)
+
+    def checkpoints_deleted(self, deleted: list[dict[str, Any]]) -> None:
+        mark_deleted(self.trainer.loggers, deleted)  # their W&B artifacts say so
 
 
 def all_reduce_max(trainer: pl.Trainer):

@@ -64,6 +64,24 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "fast-tier commits not yet on the durable tier, after a copy attempt",
     ),
 }
+# the unit of one value of each metric, for axes and tables (`shardckpt health --plot`)
+METRIC_UNITS: dict[str, str] = {
+    "pause_s": "seconds",
+    "total_s": "seconds",
+    "write_gbps": "GB/s",
+    "skipped": "skipped saves (0/1)",
+    "committed": "commits (1 ok, 0 failed)",
+    "commit_ratio": "committed share (0-1)",
+    "failed": "failed saves (0/1)",
+    "failed_dirs_left": "dirs left (0/1)",
+    "storage_retries": "retries per save",
+    "drill_ok": "drill passed (1) / failed (0)",
+    "time_to_resume_s": "seconds",
+    "drill_lag_checkpoints": "checkpoints",
+    "resume_s": "seconds",
+    "replication_ok": "copy ok (1) / failed (0)",
+    "replication_lag_checkpoints": "checkpoints",
+}
 SLICES = (RUN, RANK, CAUSE, ROOT)
 SEVERITIES = ("info", "warning", "error", "critical")
 BUILTIN_MITIGATIONS = ("alert", "lower_frequency", "skip_when_busy", "drill_now", "stop_training")

@@ -30,6 +30,10 @@ class Reporter:
     def alert(self, title: str, text: str, level: str, wait_s: float) -> None:
         """`level`: INFO, WARN or ERROR. The log line and the event under ROOT/events/ are the alert otherwise."""
 
+    def checkpoints_deleted(self, deleted: list[dict[str, Any]]) -> None:
+        """Retention deleted these checkpoints (rank 0, training thread): whatever references them (a W&B
+        artifact) says so, so nobody follows a dead reference. Each: checkpoint, step, uri, deleted_at."""
+
 
 @dataclass
 class PluginContext:

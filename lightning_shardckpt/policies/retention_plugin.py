@@ -1,13 +1,17 @@
-"""Retention as a plug-in: after each commit, delete what fell out of the window (rank 0, saver thread)."""
+"""Retention as a plug-in: after each commit, delete what fell out of the window (rank 0, saver thread), and
+tell the run's reporter what it deleted (training thread), so a W&B artifact never points at it unmarked."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..engine import metrics
+from ..engine.format.layout import parse_dirname
 from ..engine.metrics import CheckpointRecord
 from . import retention
 from .plugin import Plugin, PluginContext
@@ -28,6 +32,8 @@ class RetentionPlugin(Plugin):
         self.keep_every_n_steps = keep_every_n_steps
         self.keep_last_drilled = keep_last_drilled
         self._attached: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention: once each
+        self._lock = threading.Lock()
+        self._deleted: list[dict[str, Any]] = []  # deleted on the saver thread, not yet reported (drain)
 
     def start(self, context: PluginContext) -> None:
         saver = context.saver
@@ -45,7 +51,7 @@ class RetentionPlugin(Plugin):
             return
         just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
         try:
-            retention.apply(
+            deleted = retention.apply(
                 location,
                 self.keep_last,
                 self.keep_every_n_steps,
@@ -61,3 +67,26 @@ class RetentionPlugin(Plugin):
                 record.step,
                 exc_info=True,
             )
+            return
+        self._note_deleted(location, deleted)
+
+    def drain(self, context: PluginContext) -> None:
+        """Rank 0, training thread: report the deletions since the last drain (W&B marks their artifacts)."""
+        with self._lock:
+            deleted, self._deleted = self._deleted, []
+        if deleted:
+            context.reporter.checkpoints_deleted(deleted)
+
+    def _note_deleted(self, location: Any, names: list[str]) -> None:
+        now = time.time()
+        found = [(name, parse_dirname(name)) for name in names]
+        with self._lock:
+            self._deleted += [
+                {
+                    "checkpoint": name,
+                    "step": parsed.step if parsed else None,
+                    "uri": f"{location.url.rstrip('/')}/{name}",
+                    "deleted_at": now,
+                }
+                for name, parsed in found
+            ]
