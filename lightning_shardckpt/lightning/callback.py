@@ -16,7 +16,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from ..engine import ownership
 from ..engine.config import LoadConfig, save_config_from
 from ..engine.tiers.config import tiers_config_from
 from ..policies.drill_plugin import drill_config_from
@@ -150,14 +149,14 @@ class ShardedCheckpoint(Checkpoint):
             self._data.restore_rng()
             resume_event = self.identity.check_resume(trainer, pl_module, self.plan.location)  # may raise
         # after the restore, before any save: a resume of this run's checkpoint continues its id
-        run_id = self.run_ids.choose(resumed, self._continues_run, lambda: strategy.broadcast(ownership.new_run_id()))
+        run_id = self.run_ids.for_fit(resumed, self.plan, self.plugins, strategy.broadcast)
         strategy.adopt_run_id(run_id)
         # the saver is created now: a root another run owns is refused before the first step, not at the first save
         saver = self._saver(trainer)
         self.plugins.start(self._context(trainer, saver=saver, run_id=run_id, resume_event=resume_event))
         if resumed is not None and trainer.is_global_zero and not self._resume_logged:
             self._resume_logged = True
-            log_resume(trainer)
+            log_resume(trainer, self.plan.tier_restore)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)
@@ -211,10 +210,6 @@ class ShardedCheckpoint(Checkpoint):
     # --- internals ---
     def _context(self, trainer: pl.Trainer, **fields: Any) -> PluginContext:
         return plugin_context(trainer, self.plan, **fields)
-
-    def _continues_run(self, checkpoint_path: str) -> bool:
-        """A checkpoint of this run's roots (this one, or a tier's): resuming from it continues the run."""
-        return self.plan.owns(checkpoint_path) or self.plugins.owns(checkpoint_path)
 
     def _saver(self, trainer: pl.Trainer, create: bool = True) -> Any:
         """Where saves go now: tiers' degraded mode overrides the root's saver (created unless `create` is False)."""
