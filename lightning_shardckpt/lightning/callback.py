@@ -30,6 +30,7 @@ from ..training.preflight import preflight_on_every_rank
 from ..training.run_ids import RunIds
 from ..training.schedule import PREEMPTION, Due, SaveSchedule
 from .checkpoint_logging import log_resume
+from .ckpt_paths import forked_callback_state
 from .data_position import DataPosition
 from .plugin_context import plugin_context
 from .preemption import PreemptionSignal
@@ -201,6 +202,11 @@ class ShardedCheckpoint(Checkpoint):
             **self._data.state(self._trainer),  # "sampler", "rng"
             **self.plugins.state_dict(),  # "health": rank 0's (the one written) rule counters and mitigations
         }
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        forked = forked_callback_state(checkpoint, self.state_key)  # saved under another dirpath: a fork
+        if forked is not None:  # Lightning hands over only a state saved under this dirpath
+            self.load_state_dict(forked)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.schedule.last_saved_step = state_dict.get("last_saved_step")

@@ -2,9 +2,12 @@
 
 - `ckpt_path="last"`: Lightning resolves it before any hook of ours runs, from ModelCheckpoint's `last*.ckpt`
   files (or OnExceptionCheckpoint's); with ShardedCheckpoint alone it finds none, warns and starts fresh.
-  The strategy's launcher is the one place that sees `ckpt_path` first: where Lightning has no source of
-  its own, "last" becomes "latest" (the callback's root's newest commit, `ShardedStrategy.load_checkpoint`).
-  With `ModelCheckpoint(save_last=...)` beside ShardedCheckpoint, "last" keeps Lightning's meaning.
+  The strategy's launcher is the one place that sees `ckpt_path` first: with ShardedCheckpoint and no
+  source of Lightning's own, "last" becomes "latest" (the callback's root's newest commit, resolved in
+  `ShardedStrategy.load_checkpoint`). With `ModelCheckpoint(save_last=...)` beside ShardedCheckpoint,
+  "last" keeps Lightning's meaning (its `last.ckpt`); without ShardedCheckpoint, Lightning's as well.
+- A fork (a resume into another dirpath): Lightning keys a callback's state by its `state_key`, which
+  names ShardedCheckpoint's dirpath, so the source's state (data position, RNG) would not be handed over.
 - A path Lightning saves to (`trainer.save_checkpoint(path)`, ModelCheckpoint's `last.ckpt` and top-k
   paths) becomes a checkpoint root. Lightning overwrites such a file; the root keeps its newest checkpoint
   only, the older ones deleted once the new one committed (an interrupted save leaves the previous one).
@@ -17,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 from ..engine.storage.fsio import Location
@@ -46,17 +49,21 @@ def lightning_spelling(function: Callable, args: tuple, kwargs: dict[str, Any], 
         bound = inspect.signature(function).bind(*args, **kwargs)
     except (TypeError, ValueError):  # not a Trainer entry point we know: as given
         return args, kwargs
-    if bound.arguments.get("ckpt_path") == "last" and not _lightning_finds_last(trainer):
+    if bound.arguments.get("ckpt_path") == "last" and _only_ours_saves_last(trainer):
         bound.arguments["ckpt_path"] = "latest"
         log.debug("ckpt_path='last': the newest committed checkpoint of ShardedCheckpoint's root")
     return bound.args, bound.kwargs
 
 
-def _lightning_finds_last(trainer: Any) -> bool:
-    """A callback whose files Lightning's "last" looks for (its _CheckpointConnector._parse_ckpt_path)."""
-    return any(
+def _only_ours_saves_last(trainer: Any) -> bool:
+    """A checkpoint callback of ours (a `Checkpoint` Lightning does not know), and none whose files Lightning's
+    "last" looks for (ModelCheckpoint(save_last=...), OnExceptionCheckpoint: its _CheckpointConnector)."""
+    callbacks = getattr(trainer, "callbacks", [])
+    lightnings = (ModelCheckpoint, OnExceptionCheckpoint)
+    ours = any(isinstance(callback, Checkpoint) and not isinstance(callback, lightnings) for callback in callbacks)
+    return ours and not any(
         isinstance(callback, OnExceptionCheckpoint) or (isinstance(callback, ModelCheckpoint) and callback.save_last)
-        for callback in getattr(trainer, "callbacks", [])
+        for callback in callbacks
     )
 
 
@@ -93,3 +100,14 @@ def keep_only_newest(location: Location, run_id: str | None, just_committed: str
         retention.apply(location, 1, None, run_id=run_id, just_committed=just_committed, keep_last_drilled=0)
     except Exception:  # noqa: BLE001 - the save committed; a leftover older checkpoint is only space
         log.warning("could not delete the older checkpoints of %s; the next save retries", location.url, exc_info=True)
+
+
+def forked_callback_state(checkpoint: dict[str, Any], state_key: str) -> dict[str, Any] | None:
+    """ShardedCheckpoint's state in `checkpoint` saved under another dirpath's key, when there is none under
+    `state_key` (a fork into a new root) and exactly one other: None otherwise (Lightning loads its own)."""
+    states = checkpoint.get("callbacks") or {}
+    if state_key in states:
+        return None
+    prefix = state_key.split("{", 1)[0] + "{"
+    others = [state for key, state in states.items() if isinstance(key, str) and key.startswith(prefix)]
+    return others[0] if len(others) == 1 else None

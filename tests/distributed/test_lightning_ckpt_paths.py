@@ -92,6 +92,6 @@ def test_a_resume_prints_one_line_and_lightning_does_not_call_our_loader_not_res
         assert stderr[0].count(line) == 1, stderr[0]
     assert "lightning_shardckpt: resumed from" not in stderr[1]  # rank 0 only
     assert "Restoring states from the checkpoint path at latest" in stderr[0]  # Lightning's own line is there too
-    for text in stderr:
+    for text in stderr:  # the fork too: its data position came from the state saved under the source's dirpath
         assert "not resumable" not in text, text
         assert "no last checkpoint available" not in text

@@ -4,7 +4,8 @@
    `train_loss` logged without sync_dist (a per-rank value in the filename);
 2. `ckpt_path="last"` with both: Lightning's `last.ckpt` (step 6 -> 10);
 3. `ckpt_path="last"` with ShardedCheckpoint alone: its root's newest (step 10 -> 11);
-4. `ckpt_path=<a checkpoint of another root>` into a new root: a fork (step 11 -> 13).
+4. `ckpt_path=<a checkpoint of another root>` into a new root: a fork (step 11 -> 13), whose callback state
+   Lightning files under the source's dirpath.
 Every resume is mid-epoch (12 batches per epoch), where Lightning warns about loaders it cannot resume.
 
 Each rank's stderr (fd 2) goes to a file for the test to read: what the console shows at the default level.
