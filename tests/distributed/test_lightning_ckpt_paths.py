@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ from tests.helpers.spawn import run_ranks
 def fits(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("ckpt_paths"))
     outcomes = run_ranks(ckpt_paths_on_rank, 2, workdir, timeout_s=300)
-    stderr = [open(f"{workdir}/stderr-{rank}.txt").read() for rank in range(2)]
+    stderr = [Path(f"{workdir}/stderr-{rank}.txt").read_text() for rank in range(2)]
     return workdir, [o.value for o in outcomes], stderr
 
 
@@ -64,7 +65,7 @@ def test_an_explicit_path_into_a_new_root_forks_a_run_that_names_its_parent(fits
     forked = _committed(f"{workdir}/fork")
     assert [e.step for e in forked] == [13]
     assert forked[0].run_id and forked[0].run_id != source.run_id  # a new run in its own root
-    events = [json.load(open(p)) for p in glob.glob(f"{workdir}/fork/events/resume-*.json")]
+    events = [json.loads(Path(p).read_text()) for p in glob.glob(f"{workdir}/fork/events/resume-*.json")]
     assert [(e["from_id"], e["run_id"]) for e in events] == [(source.checkpoint_id, source.run_id)]
 
 
