@@ -16,7 +16,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from ..engine import ownership
 from ..engine.config import LoadConfig, SaveConfig, save_config_from
 from ..engine.tiers.config import TiersConfig, tiers_config_from
 from ..identity.diff import IdentityPolicy
@@ -32,6 +31,7 @@ from ..training.preflight import preflight_on_every_rank
 from ..training.run_ids import RunIds
 from ..training.schedule import PREEMPTION, Due, SaveSchedule
 from .checkpoint_logging import log_resume
+from .ckpt_paths import forked_callback_state
 from .data_position import DataPosition
 from .plugin_context import plugin_context
 from .preemption import PreemptionSignal
@@ -151,14 +151,14 @@ class ShardedCheckpoint(Checkpoint):
             self._user.resumed(trainer)
             resume_event = self.identity.check_resume(trainer, pl_module, self.plan.location)  # may raise
         # after the restore, before any save: a resume of this run's checkpoint continues its id
-        run_id = self.run_ids.choose(resumed, self._continues_run, lambda: strategy.broadcast(ownership.new_run_id()))
+        run_id = self.run_ids.for_fit(resumed, self.plan, self.plugins, strategy.broadcast)
         strategy.adopt_run_id(run_id)
         # the saver is created now: a root another run owns is refused before the first step, not at the first save
         saver = self._saver(trainer)
         self.plugins.start(self._context(trainer, saver=saver, run_id=run_id, resume_event=resume_event))
         if resumed is not None and trainer.is_global_zero and not self._resume_logged:
             self._resume_logged = True
-            log_resume(trainer)
+            log_resume(trainer, self.plan.tier_restore)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)
@@ -206,6 +206,11 @@ class ShardedCheckpoint(Checkpoint):
             **self.plugins.state_dict(),  # "health": rank 0's (the one written) rule counters and mitigations
         }
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # a fork (saved under another dirpath): Lightning hands over only a state saved under this dirpath
+        if (forked := forked_callback_state(checkpoint, self.state_key)) is not None:
+            self.load_state_dict(forked)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.schedule.last_saved_step = state_dict.get("last_saved_step")
         self.plugins.load_state_dict(state_dict)
@@ -215,10 +220,6 @@ class ShardedCheckpoint(Checkpoint):
     # --- internals ---
     def _context(self, trainer: pl.Trainer, **fields: Any) -> PluginContext:
         return plugin_context(trainer, self.plan, **fields)
-
-    def _continues_run(self, checkpoint_path: str) -> bool:
-        """A checkpoint of this run's roots (this one, or a tier's): resuming from it continues the run."""
-        return self.plan.owns(checkpoint_path) or self.plugins.owns(checkpoint_path)
 
     def _saver(self, trainer: pl.Trainer, create: bool = True) -> Any:
         """Where saves go now: tiers' degraded mode overrides the root's saver (created unless `create` is False)."""

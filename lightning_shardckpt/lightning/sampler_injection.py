@@ -3,21 +3,34 @@
 Users keep writing plain DataLoaders: Lightning injects a DistributedSampler (use_distributed_sampler
 =True), and the strategy's `process_dataloader` replaces it with ours, same arguments, same order at
 position 0. Samplers of other types (custom ones, Lightning's wrappers) are left alone.
+
+While a fit resumed through our sampler runs, Lightning's "your dataloader is not resumable" warning is
+silenced (that message only, until the strategy's teardown): the position it misses is the one
+`restore_position` restored.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
+import warnings
 from typing import Any
 
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..training.data import ResumableDistributedSampler
 
 log = logging.getLogger(__name__)
+
+# lightning/pytorch/loops/training_epoch_loop.py, at a mid-epoch resume whose loader has no state_dict
+NOT_RESUMABLE_WARNING = (
+    "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable"
+)
+_quieted: list[Any] = []  # the warnings filter entry installed for the running fit (one at most)
 
 
 def use_resumable_sampler(dataloader: Any) -> Any:
@@ -61,6 +74,7 @@ def restore_position(trainer: Any, dataloader: Any, state: dict[str, Any]) -> bo
         log.warning("the training loader has no resumable sampler: its position in the epoch is not restored")
         return False
     sampler.load_state_dict(state)
+    _quiet_not_resumable_warning()
     if sampler.global_position == 0:
         return True  # at an epoch start: Lightning's restored counters are right as they are
     batch_size = getattr(dataloader, "batch_size", None) or 1
@@ -94,3 +108,18 @@ def _sampler_of(dataloader: Any) -> ResumableDistributedSampler | None:
 
 def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
     return samples // batch_size if drop_last else math.ceil(samples / batch_size)
+
+
+def _quiet_not_resumable_warning() -> None:
+    """Lightning sees a plain DataLoader and warns that the epoch's position is lost; ours was restored."""
+    if not _quieted:
+        warnings.filterwarnings("ignore", message=re.escape(NOT_RESUMABLE_WARNING), category=PossibleUserWarning)
+        _quieted.append(warnings.filters[0])
+
+
+def end_of_fit() -> None:
+    """The strategy's teardown: the next fit may have no resumable sampler, and then the warning is right."""
+    while _quieted:
+        entry = _quieted.pop()
+        if entry in warnings.filters:  # a caller's catch_warnings may have restored the list meanwhile
+            warnings.filters.remove(entry)

@@ -45,8 +45,8 @@ from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from ..policies import retention
 from ..training.plan import CheckpointPlan
 from ..training.staging_fence import StagingFence
-from . import lightning_state
-from .sampler_injection import restore_position, use_resumable_sampler
+from . import ckpt_paths, lightning_state
+from .sampler_injection import end_of_fit, restore_position, use_resumable_sampler
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,11 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # optimizers are restored in load_checkpoint, resharded
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        # the one hook that sees fit(ckpt_path=...) before Lightning resolves "last" (lightning/ckpt_paths.py)
+        self._launcher = ckpt_paths.with_last_resolved(self._launcher)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.lightning_module)
 
@@ -156,21 +161,28 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         pass  # already loaded in load_checkpoint()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """`trainer.save_checkpoint(path)`: a blocking save; `path` becomes a checkpoint root."""
+        """`trainer.save_checkpoint(path)` (and ModelCheckpoint's saves): a blocking save; `path` becomes a
+        checkpoint root that keeps only its newest checkpoint, as Lightning overwrites its file."""
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported; set save.storage_options"
             )
+        # Rank 0's path, on every rank, as Lightning's own save writes rank 0's file: a name formatted from a
+        # per-rank value (ModelCheckpoint(filename="{train_loss}") without sync_dist) differs between ranks.
+        filepath = str(self.broadcast(str(filepath)))
         # One thread at a time on the checkpoint group: let background saves finish first.
         self.wait_for_staging()
         for in_flight in self._savers.values():
             in_flight.wait()
         config = replace(self.save_config, async_save=False)
-        saver = self._keep_first_run_id(CheckpointSaver(str(filepath), config, group=self.checkpoint_group()))
+        saver = self._keep_first_run_id(CheckpointSaver(filepath, config, group=self.checkpoint_group()))
         result = self.save_to_saver(saver, checkpoint).result()
         saver.close()
         if not result.committed:
             raise result.error or RuntimeError(f"checkpoint {filepath} did not commit")
+        callbacks_root = bool(self._plan.root) and saver.root.same_place(self._plan.location)
+        if self.is_global_zero and result.path and not callbacks_root:  # there, the callback's keep_last decides
+            ckpt_paths.keep_only_newest(saver.root, saver.run_id, result.path.rstrip("/").rsplit("/", 1)[-1])
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
@@ -247,6 +259,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
     def teardown(self) -> None:
         savers, self._savers = list(self._savers.values()), {}
         self._remove_optimizer_guards()
+        end_of_fit()  # Lightning's "not resumable" warning is right again for a next fit without our sampler
         try:
             for saver in savers:
                 saver.close()

@@ -124,6 +124,15 @@ def test_the_callback_adopts_the_run_id_of_a_checkpoint_resumed_from_its_own_roo
     assert adopt(make_callback(root), loaded_from(root, "run-a")) == "run-a"
 
 
+def test_the_callback_continues_the_run_that_owns_its_root_when_resuming_from_that_runs_other_path(tmp_path):
+    # Lightning's last.ckpt (or a top-k path) beside the callback's root: the strategy wrote it as the same run
+    callback, loaded = make_callback(str(tmp_path / "run")), loaded_from(str(tmp_path / "last.ckpt"), "run-a")
+    plan = CheckpointPlan(root=callback.dirpath)
+    assert callback.run_ids.choose(loaded, plan.owns, new_run_id, root_owner=lambda: "run-a") == "run-a"
+    other = make_callback(str(tmp_path / "run-b"))  # owned by another run: a new run, as from any other root
+    assert other.run_ids.choose(loaded, plan.owns, new_run_id, root_owner=lambda: "run-b") not in ("run-a", "run-b")
+
+
 def test_the_callback_starts_a_new_run_id_when_resuming_from_another_root(tmp_path):
     # a warm start or fine-tune from someone else's checkpoint is a new run: two of them into one
     # new root must still be told apart
