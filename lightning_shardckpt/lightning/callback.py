@@ -151,8 +151,7 @@ class ShardedCheckpoint(Checkpoint):
             self._user.resumed(trainer)
             resume_event = self.identity.check_resume(trainer, pl_module, self.plan.location)  # may raise
         # after the restore, before any save: a resume of this run's checkpoint continues its id
-        run_id = self.run_ids.for_fit(resumed, self.plan, self.plugins, strategy.broadcast)
-        strategy.adopt_run_id(run_id)
+        strategy.adopt_run_id(run_id := self.run_ids.for_fit(resumed, self.plan, self.plugins, strategy.broadcast))
         # the saver is created now: a root another run owns is refused before the first step, not at the first save
         saver = self._saver(trainer)
         self.plugins.start(self._context(trainer, saver=saver, run_id=run_id, resume_event=resume_event))
