@@ -39,7 +39,13 @@ def add_commands(commands: Any) -> None:
     )
     export.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory, a root (its latest) or ROOT/latest")
     export.add_argument("out", metavar="OUT", help="the file to write (a directory with --max-shard-size)")
-    export.add_argument("--format", choices=EXPORT_FORMATS, default=SAFETENSORS)
+    export.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        default=SAFETENSORS,
+        help="safetensors: the tensors by name, no code on load (Hugging Face, vLLM; default); torch: one "
+        "torch.save file of a {name: tensor} dict, for torch.load(weights_only=True)",
+    )
     export.add_argument(
         "--max-shard-size",
         type=parse_size,
