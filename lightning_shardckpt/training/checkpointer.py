@@ -34,7 +34,7 @@ from ..policies.drill_plugin import drill_config_from
 from ..policies.health_rules import health_config_from
 from ..policies.plugin import PluginContext
 from ..policies.tiers import tiered_dirpath
-from . import user_state
+from . import front_doors, user_state
 from .callback_options import CallbackConfig
 from .checkpoint_setup import checkpoint_plan, checkpoint_plugins, placement_from_env
 from .data import (
@@ -113,6 +113,7 @@ class Checkpointer:
         self._reporter = CallableReporter(log_metrics, lambda: self.step)
         self.step = 0  # the last step the loop reported (metrics are logged at it)
         self.last_load: LoadResult | None = None
+        self.not_restored: tuple[str, ...] = ()  # after a load: what the checkpoint did not give back
         self._resume_event: dict[str, Any] | None = None  # rank 0, after a load: handed to the plug-ins at start
         self.should_stop = False  # a preemption save or a health rule's stop: leave the loop
         self._started = False
@@ -135,25 +136,31 @@ class Checkpointer:
         return self.run_ids.current
 
     # --- resume ---
-    def load(self, state: dict[str, Any], which: str | int = "latest") -> int | None:
+    def load(self, state: dict[str, Any], which: str | int = "latest", *, strict: bool = True) -> int | None:
         """Load a committed checkpoint into `state` in place, resharded onto this world size, with the sampler's
         position and the RNG; returns its step, or None when there is nothing to resume from (start fresh).
 
-        `which`: "latest" (this run's root, or the tiers), "last-good", a step, a checkpoint id, or a path."""
+        `which`: "latest" (this run's root, or the tiers), "last-good", a step, a checkpoint id, or a path. A
+        checkpoint of the Trainer or Fabric opens too (training/front_doors.py): the model from its "model", the
+        one optimizer from "optimizers.0"; what it does not give back (its data position, RNG) is logged once and
+        listed in `not_restored`. `strict=False`: a state entry the checkpoint lacks keeps its value (listed too)."""
         user_state.check_state(state)
         self.host.fence()
         self.host.wait()  # one thread at a time on the checkpoint group
-        target = {**user_state.to_dcp(state), user_state.RESERVED_KEY: b""}
-        loaded = resume(self.plan, target, which, self.host.checkpoint_group())
+        target = front_doors.CheckpointTarget(state, strict=strict)
+        loaded = resume(self.plan, target, which, self.host.checkpoint_group(), strict=strict)
         if loaded is None:
             return None
-        own = self._own_section(target[user_state.RESERVED_KEY], loaded.path)
-        user_state.apply_loaded(state, target)
+        layout = target.layout
+        assert layout is not None  # the loader shaped the target for the checkpoint it loaded
+        own = self._own_section(target.own_section(), loaded.path) if layout.native else {}
+        user_state.apply_loaded(state, target.restored())
         if self.sampler is not None and own.get("sampler") is not None:
             self.sampler.load_state_dict(own["sampler"])
         if self.restore_rng and own.get("rng"):
             restore_rng_state(rng_state_for_rank(own["rng"], self.rank))
         self.plugins.load_state_dict(own.get("plugins") or {})
+        self.not_restored = self._report_not_restored(layout, loaded.path)
         self.schedule.started(loaded.step)
         self.step, self.last_load = loaded.step, loaded
         run_id = self.run_ids.choose(loaded, self._continues_run, self._new_run_id)
@@ -293,6 +300,24 @@ class Checkpointer:
     def _drain(self) -> None:
         saver = self.host.existing_saver(self.root)
         drain_finished(saver, self.plugins, self._context(), record_logger(self._reporter))
+
+    def _report_not_restored(self, layout: front_doors.Layout, where: str) -> tuple[str, ...]:
+        """What the state (or the Checkpointer) asked for and this checkpoint did not give back: logged once
+        (rank 0), never silently: the loop then runs on with its own values for them."""
+        lacking = [f"state[{key!r}]" for key in layout.missing]
+        if not layout.native:
+            lacking += ["the sampler's position"] if self.sampler is not None else []
+            lacking += ["the RNG states"] if self.restore_rng else []
+        mapped = ", ".join(f"state[{key!r}] <- {section!r}" for key, section in layout.mapped().items())
+        if lacking and self.rank == 0:
+            log.warning(
+                "%s was written by %s%s; not restored (they keep their current values): %s",
+                where,
+                layout.writer,
+                f" (loaded {mapped})" if mapped else "",
+                ", ".join(lacking),
+            )
+        return tuple(lacking)
 
     def _own_section(self, data: bytes, where: str) -> dict[str, Any]:
         try:

@@ -10,6 +10,7 @@ the others get its answer on `group`. ShardedStrategy.load_checkpoint walks the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..engine import catalog
@@ -24,9 +25,15 @@ from .plan import CheckpointPlan
 log = logging.getLogger(__name__)
 
 
-def resume(plan: CheckpointPlan, target: dict[str, Any], which: str | int, group: Any) -> LoadResult | None:
+Target = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]  # or shaped by the picked manifest
+
+
+def resume(
+    plan: CheckpointPlan, target: Target, which: str | int, group: Any, *, strict: bool = True
+) -> LoadResult | None:
     """Load `which` into `target` in place ("latest", "last-good", a step, an id, or a path); None: nothing to
-    resume from (a `latest` of an empty root). Collective over `group`."""
+    resume from (a `latest` of an empty root). `strict=False`: what the checkpoint lacks keeps its value.
+    Collective over `group`."""
     which = str(which) if isinstance(which, int) else which
     root, config, fallbacks = plan.root, plan.load, []
     if "/" in which or which == plan.root:  # a path: it must hold a checkpoint, never "start fresh"
@@ -48,18 +55,20 @@ def resume(plan: CheckpointPlan, target: dict[str, Any], which: str | int, group
         log.info("no committed checkpoint in %s: starting fresh", root)
         return None
     try:
-        return load_checkpoint(target, root, which, config=config, process_group=group)
+        return load_checkpoint(target, root, which, config=config, strict=strict, process_group=group)
     except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
         for path, other, message in fallbacks:
             log.warning("%s (%s)", message, err)
             try:
-                return load_checkpoint(target, path, config=other, process_group=group)
+                return load_checkpoint(target, path, config=other, strict=strict, process_group=group)
             except CorruptCheckpoint as again:
                 err = again
-        return _last_good(plan, err, target, which, group)
+        return _last_good(plan, err, target, which, group, strict)
 
 
-def _last_good(plan: CheckpointPlan, err: CorruptCheckpoint, target: dict, which: str, group: Any) -> LoadResult:
+def _last_good(
+    plan: CheckpointPlan, err: CorruptCheckpoint, target: Target, which: str, group: Any, strict: bool
+) -> LoadResult:
     if which != "latest":
         raise err
     if plan.tier_restore is not None:
@@ -76,7 +85,7 @@ def _last_good(plan: CheckpointPlan, err: CorruptCheckpoint, target: dict, which
         )
         raise CorruptCheckpoint(f"{err}\n{hint}", problems=err.problems) from err
     log.warning("the latest checkpoint did not load (%s); fallback_to_last_good: resuming from %s", err, path)
-    return load_checkpoint(target, path, config=config, process_group=group)
+    return load_checkpoint(target, path, config=config, strict=strict, process_group=group)
 
 
 def _last_good_path(plan: CheckpointPlan) -> str | None:

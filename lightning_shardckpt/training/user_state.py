@@ -62,6 +62,10 @@ def is_module(value: Any) -> bool:
     return isinstance(value, torch.nn.Module)
 
 
+def is_optimizer(value: Any) -> bool:
+    return isinstance(value, torch.optim.Optimizer)
+
+
 def is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
@@ -82,8 +86,11 @@ def to_dcp(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_loaded(state: dict[str, Any], loaded: dict[str, Any]) -> None:
-    """Put what a load filled into `loaded` (from `to_dcp(state)`) into the user's objects."""
+    """Put what a load filled into `loaded` (from `to_dcp(state)`) into the user's objects; an entry `loaded`
+    lacks (a partial load: the checkpoint had nothing for it) keeps its value."""
     for key, value in state.items():
+        if key not in loaded:
+            continue
         if isinstance(value, torch.nn.Module):
             set_model_state_dict(value, loaded[key])
         elif isinstance(value, torch.optim.Optimizer):

@@ -3,7 +3,9 @@ retention, resume of every piece of state, run ids in either order, close, metri
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -11,12 +13,14 @@ import textwrap
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_shardckpt import (
     Checkpointer,
     CheckpointNotFound,
     CheckpointSaver,
     ConfigError,
+    IncompatibleCheckpoint,
     LoadConfig,
     ResumableDistributedSampler,
     SaveConfig,
@@ -274,3 +278,65 @@ def test_tiers_and_drills_work_as_with_the_callback_and_a_new_node_resumes_from_
     with Checkpointer(tiers=node) as ckpt:
         assert ckpt.load(fresh.state) == 2  # the new node's fast tier is empty: read from the durable tier
     assert torch.equal(fresh.model[0].weight, run.model[0].weight)
+
+
+def save_in_the_trainers_layout(root: str, run: Run, step: int) -> None:
+    """What ShardedStrategy writes: "model", "optimizers.0", a pickled "lightning" section; no "checkpointer"."""
+    saver = CheckpointSaver(root, SaveConfig(front_door="lightning"))
+    state = {
+        "model": get_model_state_dict(run.model),
+        "optimizers": {"0": get_optimizer_state_dict(run.model, run.optimizer)},
+        "lightning": pickle.dumps({"global_step": step, "loops": {}}),
+    }
+    assert saver.save(state, step).result().committed
+    saver.close()
+
+
+def test_a_trainer_layout_checkpoint_loads_the_model_and_its_one_optimizer_and_warns_what_it_lacks(tmp_path, caplog):
+    root, trained = str(tmp_path / "trainer"), Run()
+    for _ in range(3):
+        trained.train_step()
+    save_in_the_trainers_layout(root, trained, 3)
+    fresh = Run(seed=7)
+    with Checkpointer(str(tmp_path / "plain"), sampler=fresh.sampler) as ckpt:
+        with caplog.at_level(logging.WARNING, logger="lightning_shardckpt.training.checkpointer"):
+            assert ckpt.load({"net": fresh.model, "optim": fresh.optimizer}, which=root) == 3
+        assert ckpt.not_restored == ("the sampler's position", "the RNG states")
+    expected = get_optimizer_state_dict(trained.model, trained.optimizer)
+    loaded = get_optimizer_state_dict(fresh.model, fresh.optimizer)
+    for name, value in trained.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], value), name
+    for name, moments in expected["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(torch.as_tensor(loaded["state"][name][key]), torch.as_tensor(value)), (name, key)
+    warning = " ".join(record.getMessage() for record in caplog.records)
+    assert "the Trainer" in warning and "state['optim'] <- 'optimizers.0'" in warning and "RNG" in warning
+    assert fresh.sampler.global_position == 0  # not restored, and said so
+
+
+def test_what_another_doors_checkpoint_lacks_fails_unless_strict_false_which_keeps_and_names_it(tmp_path):
+    root, trained = str(tmp_path / "trainer"), Run()
+    save_in_the_trainers_layout(root, trained, 1)
+    fresh = Run(seed=7)
+    with Checkpointer(str(tmp_path / "plain"), restore_rng=False) as ckpt:
+        with pytest.raises(IncompatibleCheckpoint, match=r"(?s)not in the checkpoint.*sched.*strict=False"):
+            ckpt.load(fresh.state, which=root)
+        last_epoch = fresh.scheduler.last_epoch
+        assert ckpt.load(fresh.state, which=root, strict=False) == 1
+        assert ckpt.not_restored == ("state['sched']", "state['progress']")
+    assert fresh.scheduler.last_epoch == last_epoch and fresh.state["progress"] == {"seen": 0}
+    assert torch.equal(fresh.model[0].weight, trained.model[0].weight)
+
+
+def test_an_optimizer_is_not_guessed_among_several_saved_ones(tmp_path):
+    root, run = str(tmp_path / "two"), Run()
+    saver = CheckpointSaver(root, SaveConfig())
+    optimizer_state = get_optimizer_state_dict(run.model, run.optimizer)
+    state = {"model": get_model_state_dict(run.model), "optimizers": {"0": optimizer_state, "1": optimizer_state}}
+    assert saver.save(state, 1).result().committed
+    saver.close()
+    other = Run(seed=2)
+    with Checkpointer(str(tmp_path / "plain")) as ckpt:
+        with pytest.raises(IncompatibleCheckpoint, match=r"(?s)not in the checkpoint.*optim\.param_groups"):
+            ckpt.load({"model": other.model, "optim": other.optimizer}, which=root)
+        assert ckpt.load({"model": run.model}, which=root) == 1  # the model alone maps

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ class LoadResult:
 
 
 def load_checkpoint(
-    state_dict: dict[str, Any],
+    state_dict: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]],
     dirpath: str,
     which: str | int = "latest",
     *,
@@ -56,7 +57,9 @@ def load_checkpoint(
     """Load a committed checkpoint into `state_dict` in place, on whatever world size runs now.
 
     `dirpath` is a checkpoint root (then `which` picks `latest`, a step, an id or a directory name) or
-    one checkpoint directory. Uncommitted directories are never candidates.
+    one checkpoint directory. Uncommitted directories are never candidates. `state_dict` may also be a
+    function of the picked checkpoint's manifest returning the state to load into: a caller that reads
+    several layouts (the Checkpointer opening a Trainer's checkpoint) shapes it once it knows which.
     """
     config = config or LoadConfig()
     started = time.perf_counter()
@@ -74,7 +77,12 @@ def load_checkpoint(
 
 
 def _load_once(
-    state_dict: dict[str, Any], dirpath: str, which: str | int, config: LoadConfig, strict: bool, process_group: Any
+    state_dict: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]],
+    dirpath: str,
+    which: str | int,
+    config: LoadConfig,
+    strict: bool,
+    process_group: Any,
 ) -> LoadResult:
     # collective "pick-checkpoint": rank 0 lists and decides, so every rank loads the same directory
     is_coordinator = rank_and_world(process_group)[0] == 0
@@ -84,6 +92,8 @@ def _load_once(
     if isinstance(picked, ShardCkptError):
         raise picked
     root, entry = picked
+    if callable(state_dict):  # every rank alike: the manifest is rank 0's, broadcast
+        state_dict = state_dict(entry.manifest)
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
     expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
     reader = ShardReader(
