@@ -34,7 +34,6 @@ import argparse
 import cProfile
 import io
 import json
-import multiprocessing
 import os
 import pstats
 import resource
@@ -49,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import checkpoint_workdir, environment, parse_rank_counts, run_world
+from common import busy_cores, checkpoint_workdir, environment, parse_rank_counts, run_world
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 
@@ -288,11 +287,6 @@ def rereport(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def spin() -> None:
-    while True:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) >= 3 and sys.argv[1] == "--report":
         print(rereport(sys.argv[2:]))
@@ -308,23 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temp dir)")
     parser.add_argument("--out", default="benchmarks/results/save_cpu.json", help="the JSON report")
     args = parser.parse_args(argv)
-    spinners = [multiprocessing.get_context("spawn").Process(target=spin, daemon=True) for _ in range(args.busy)]
-    for spinner in spinners:
-        spinner.start()
     report: dict[str, Any] = {"environment": environment(), "busy": args.busy, "results": []}
-    try:
-        with checkpoint_workdir(args.workdir, prefix="shardckpt-savecpu-") as workdir:
-            config = CpuConfig(args.size_mib, args.repeats, args.warmup, args.threads, args.profile, workdir)
-            report["config"] = asdict(config)
-            for world_size in parse_rank_counts(args.ranks):
-                print(f"running {world_size} rank(s), {args.size_mib:.0f} MiB each ...", flush=True)
-                report["results"].append(
-                    summarize(world_size, run_world(world_size, rank_main, config, RANK_TIMEOUT_S))
-                )
-    finally:
-        for spinner in spinners:
-            spinner.terminate()
-            spinner.join()
+    with busy_cores(args.busy), checkpoint_workdir(args.workdir, prefix="shardckpt-savecpu-") as workdir:
+        config = CpuConfig(args.size_mib, args.repeats, args.warmup, args.threads, args.profile, workdir)
+        report["config"] = asdict(config)
+        for world_size in parse_rank_counts(args.ranks):
+            print(f"running {world_size} rank(s), {args.size_mib:.0f} MiB each ...", flush=True)
+            report["results"].append(summarize(world_size, run_world(world_size, rank_main, config, RANK_TIMEOUT_S)))
     report["load_average_at_end"] = os.getloadavg()
     table = format_table(report["results"], args.busy)
     report["table"] = table.splitlines()
