@@ -8,6 +8,7 @@ in the parent and in every spawned rank (spawn hands the parent's sys.path to it
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import platform
 import shutil
@@ -166,6 +167,26 @@ def add_shared_arguments(
 def parse_rank_counts(text: str) -> list[int]:
     """--ranks "1,2" as [1, 2]."""
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def busy_cores(count: int) -> Iterator[None]:
+    """`count` processes spinning on a core each while the block runs: the contended case, where every
+    CPU-second a background save spends is one the training loop does not get."""
+    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(count)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
 
 
 @contextmanager

@@ -6,6 +6,10 @@ Run from the repository root:
     .venv/bin/python benchmarks/pause_inloop.py --params-mib 32 --repeats 1 --ranks 1
     .venv/bin/python benchmarks/pause_inloop.py --report benchmarks/results/pause_inloop.json   # the table of a saved run
     .venv/bin/python benchmarks/pause_inloop.py --report run1.json run2.json run3.json   # min / median / max of three runs (markdown)
+    # issue 30's case, quiet and with one core kept busy by another process (--busy 1): one rank, a 170 MiB MLP
+    # (512 MiB of saved state with AdamW's moments), a checkpoint every 3 steps, ours vs Lightning's sync save
+    .venv/bin/python benchmarks/pause_inloop.py --ranks 1 --params-mib 170 --batch 64 --steps 21 --every 3 \
+        --methods none,ours_overlap,pl_sync --busy 1
 
 For each rank count N, N gloo CPU ranks (spawned, --threads torch threads each) train the same MLP
 (--layers Linear layers of --width, about --params-mib MiB of float32 parameters) under DDP with AdamW,
@@ -42,7 +46,12 @@ for a segment without checkpoints (divided by the checkpoints the others make): 
 blocked = the median time the training thread spent inside the checkpoint call plus, for
 ours_overlap, at the fence before the next optimizer step. The table shows medians over rounds;
 --out-dir/pause_inloop.json holds every step of every round. Targets: ours_overlap loop delta
-<= 0.25x the raw copy's blocked time, and >= 40x shorter than pl_sync's loop delta.
+<= 0.25x the raw copy's blocked time, and >= 40x shorter than pl_sync's loop delta; and (issue 30)
+ours_overlap loop delta <= 0.05x pl_sync's on a quiet machine, <= 0.1x with --busy (a core taken).
+
+--busy N runs N processes spinning on a core each for the whole run: the contended case. A background
+save then competes with training for CPU, and the loop loses what the save spends in CPU time, not only
+what it blocks. --methods runs a subset (the targets of methods not run say "no result").
 
 One warm-up round (--warmup) runs every method first: staging buffers, DCP's plan cache and the page
 cache are warm, as in a training run's steady state.
@@ -68,7 +77,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 # benchmarks/*.py: run as a script, this file's folder is sys.path[0]
-from common import checkpoint_workdir, environment, error_text, parse_rank_counts, ratio_or_none, run_world
+from common import busy_cores, checkpoint_workdir, environment, error_text, parse_rank_counts, ratio_or_none, run_world
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
@@ -86,6 +95,8 @@ LABELS = {
 }
 STALL_VS_COPY_TARGET = 0.25  # overlapped loop delta at most this multiple of the raw copy
 STALL_VS_PL_TARGET = 40.0  # and at least this many times shorter than Lightning's sync save
+# issue 30: ours' loop delta as a share of Lightning sync's, on a quiet machine and with a core kept busy
+DELTA_VS_PL_QUIET, DELTA_VS_PL_BUSY = 0.05, 0.1
 RANK_TIMEOUT_S = 1800
 
 
@@ -101,6 +112,8 @@ class InLoopConfig:
     warmup: int
     threads: int
     workdir: str
+    methods: tuple[str, ...] = METHODS
+    busy: int = 0
 
 
 # --- one rank ---
@@ -269,7 +282,7 @@ def rank_main(rank: int, world_size: int, config: InLoopConfig) -> dict[str, Any
     loop = Loop(rank, world_size, config)
     rounds = []
     for round_index in range(config.warmup + config.repeats):
-        order = METHODS if round_index % 2 == 0 else METHODS[::-1]
+        order = config.methods if round_index % 2 == 0 else config.methods[::-1]
         segments = {}
         for method in order:
             directory = os.path.join(config.workdir, f"{method}-{world_size}-{round_index}")
@@ -300,9 +313,10 @@ def _delta(segment: dict[str, Any], lead: int) -> float:
     return segment["seconds"] - statistics.median(steps[:lead]) * len(steps)
 
 
-def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str) -> dict[str, Any]:
+def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str, busy: int = 0) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "ranks": world_size,
+        "busy": busy,
         "methods": {m: {"delta_s": [], "blocked_s": [], "errors": []} for m in METHODS},
     }
     if isinstance(per_rank, str):
@@ -316,7 +330,9 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str)
         if rounds[0]["warmup"]:
             continue
         segments = [r["segments"] for r in rounds]
-        checkpoints = next((s[m]["checkpoints"] for s in segments for m in METHODS[1:] if s[m].get("checkpoints")), 1)
+        checkpoints = next(
+            (s[m]["checkpoints"] for s in segments for m in METHODS[1:] if s.get(m, {}).get("checkpoints")), 1
+        )
         for method in METHODS:
             if any(method not in s for s in segments):  # a run saved by an older version of this script
                 continue
@@ -357,7 +373,18 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str)
             methods["pl_sync"]["median_blocked_s"], overlap["median_blocked_s"]
         ),
     }
+    pl_share = DELTA_VS_PL_BUSY if busy else DELTA_VS_PL_QUIET
+    summary["pl_share_targets"] = {
+        f"ours overlapped loop delta <= {pl_share}x Lightning sync's ({_busy_words(busy)})": {
+            "ratio": ratio_or_none(overlap["median_delta_s"], methods["pl_sync"]["median_delta_s"]),
+            "limit": pl_share,
+        }
+    }
     return summary
+
+
+def _busy_words(busy: int) -> str:
+    return f"{busy} core(s) kept busy" if busy else "quiet machine"
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
@@ -407,6 +434,10 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
                     else f"{'met' if ratio >= STALL_VS_PL_TARGET else 'MISSED'} ({ratio:.1f}x shorter)"
                 )
             lines.append(f"  target: {name:<66} {verdict}")
+        for name, target in summary.get("pl_share_targets", {}).items():
+            ratio, limit = target["ratio"], target["limit"]
+            verdict = "no result" if ratio is None else f"{'met' if ratio <= limit else 'MISSED'} ({ratio:.3f}x)"
+            lines.append(f"  target: {name:<66} {verdict}")
         for method, entry in summary["methods"].items():
             lines.extend(f"  failure, {method}: {error}" for error in entry["errors"])
     return "\n".join(lines)
@@ -442,7 +473,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temp dir)")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where pause_inloop.json goes")
+    parser.add_argument("--out-name", default="pause_inloop.json", help="the report's file name in --out-dir")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--busy", type=int, default=0, help="processes spinning on a core each for the whole run")
     args = parser.parse_args(argv)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or "none" not in methods:
+        parser.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}, always with 'none'")
+    args.methods = tuple(m for m in METHODS if m in methods)
     if (
         min(args.params_mib, args.layers, args.batch, args.steps, args.every, args.repeats, args.threads) <= 0
         or args.warmup < 0
@@ -463,6 +502,7 @@ def _load_summaries(path: str) -> list[dict[str, Any]]:
             r["ranks"],
             every,
             [{"rounds": rounds, "state_bytes": r.get("state_bytes_per_rank", 0)} for rounds in r["per_rank_rounds"]],
+            report["config"].get("busy", 0),
         )
         for r in report["results"]
     ]
@@ -474,12 +514,13 @@ def rereport(paths: list[str]) -> str:
         return format_table(_load_summaries(paths[0]))
     runs = [_load_summaries(path) for path in paths]
     lines = [
-        "| ranks | method | blocked s | loop delta s | loop delta beyond the bare write s | blocked / raw copy"
-        " | Lightning sync blocked / blocked |",
-        "|---|---|---|---|---|---|---|",
+        "| busy | ranks | method | blocked s | loop delta s | loop delta beyond the bare write s | blocked / raw copy"
+        " | Lightning sync blocked / blocked | loop delta / Lightning sync's |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for first in runs[0]:
-        summaries = [summary for run in runs for summary in run if summary["ranks"] == first["ranks"]]
+    keys = sorted({(summary["busy"], summary["ranks"]) for run in runs for summary in run})
+    for busy, ranks in keys:
+        summaries = [summary for run in runs for summary in run if (summary["busy"], summary["ranks"]) == (busy, ranks)]
 
         def cell(
             value: Callable[[dict[str, Any]], float | None], digits: int, suffix: str = "", summaries=summaries
@@ -490,16 +531,19 @@ def rereport(paths: list[str]) -> str:
             return " / ".join(f"{v:.{digits}f}" for v in (values[0], statistics.median(values), values[-1])) + suffix
 
         for method in METHODS:
+            if all(not summary["methods"][method]["delta_s"] for summary in summaries):
+                continue  # not run
 
             def entry(summary: dict[str, Any], key: str, of: str = method) -> float | None:
                 return summary["methods"][of][key]
 
             lines.append(
-                f"| {first['ranks']} | {LABELS[method]} | {cell(lambda s: entry(s, 'median_blocked_s'), 3)}"
+                f"| {busy} | {ranks} | {LABELS[method]} | {cell(lambda s: entry(s, 'median_blocked_s'), 3)}"
                 f" | {cell(lambda s: entry(s, 'median_delta_s'), 2)}"
                 f" | {cell(lambda s: _minus(entry(s, 'median_delta_s'), entry(s, 'median_delta_s', 'write_floor')), 2)}"
                 f" | {cell(lambda s: ratio_or_none(entry(s, 'median_blocked_s'), entry(s, 'median_blocked_s', 'copy')), 2, 'x')}"
-                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_blocked_s', 'pl_sync'), entry(s, 'median_blocked_s')), 1, 'x')} |"
+                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_blocked_s', 'pl_sync'), entry(s, 'median_blocked_s')), 1, 'x')}"
+                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_delta_s'), entry(s, 'median_delta_s', 'pl_sync')), 3, 'x')} |"
             )
     return "\n".join(lines)
 
@@ -524,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             threads=args.threads,
             workdir=workdir,
+            methods=args.methods,
+            busy=args.busy,
         )
         report["config"] = {**asdict(config), "ranks": args.ranks}
         for world_size in parse_rank_counts(args.ranks):
@@ -531,14 +577,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"running {world_size} rank(s): {args.layers} x Linear({width}, {width}), {args.repeats} round(s) ...",
                 flush=True,
             )
-            report["results"].append(
-                summarize(world_size, config.every, run_world(world_size, rank_main, config, RANK_TIMEOUT_S))
-            )
+            with busy_cores(args.busy):
+                per_rank = run_world(world_size, rank_main, config, RANK_TIMEOUT_S)
+            report["results"].append(summarize(world_size, config.every, per_rank, args.busy))
     report["load_average_at_end"] = os.getloadavg()
     table = format_table(report["results"])
     report["table"] = table.splitlines()
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "pause_inloop.json")
+    path = os.path.join(out_dir, args.out_name)
     with open(path, "w") as handle:
         json.dump(report, handle, indent=2)
     print(table)

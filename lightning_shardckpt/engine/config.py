@@ -26,7 +26,7 @@ class VerifyConfig:
 
     mode: VerifyMode = "sample"
     fraction: float = 0.01  # share of the rank's bytes read back in "sample" mode
-    min_chunks: int = 1  # at least this many chunks per rank are read back in "sample" mode
+    min_chunks: int = 1  # at least this many pieces per rank are read back in "sample" mode (a block of a large chunk)
     seed: int | None = None  # fixes which chunks are sampled (tests); None: fresh randomness
 
     def __post_init__(self) -> None:
