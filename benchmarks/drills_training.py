@@ -45,11 +45,14 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--drill-every", type=int, default=None)
+    parser.add_argument("--drill-mode", choices=("training", "external"), default="training")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     data = lm.CharDataModule(num_chars=400_000, batch_size=16)
     model = lm.CharLM(vocab_size=len(lm.ALPHABET), d_model=args.d_model, n_layers=4, n_heads=4, decay_steps=args.steps)
     drill = {"every_n_checkpoints": args.drill_every, "probe": "lm:probe"} if args.drill_every else None
+    if args.drill_mode == "external":  # a follower drills (benchmarks/drills.py starts it); the run watches
+        drill = {"mode": "external", "probe": "lm:probe"}
     checkpoint = ShardedCheckpoint(
         args.root, every_n_train_steps=args.save_every, keep_last=2, log_artifact=False, drill=drill
     )

@@ -2,8 +2,10 @@
 
     python recipes/drill.py                                   # the main job's latest checkpoint, 1 rank, lm:probe
     python recipes/drill.py root=s3://bucket/run-7 which=500 world_size=2
+    python recipes/drill.py follow=true root=s3://bucket/run-7    # the drill service (drill.mode=external runs)
 
-Exit status: 0 when the drill passed, 1 when it failed or could not run (the record says why).
+Exit status: 0 when the drill passed, 1 when it failed or could not run (the record says why); a follower
+exits 0 when stopped.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ def main(cfg: DictConfig) -> int:
         safe_globals=tuple(spec_of(name) for name in cfg.allow_globals),
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
     )
+    if cfg.follow:
+        from lightning_shardckpt.policies.drill_follower import DrillFollower
+
+        follower = DrillFollower(
+            cfg.root, options, every_n_checkpoints=cfg.every_n_checkpoints, interval_s=cfg.interval_s
+        )
+        follower.run(exit_when_idle_s=cfg.exit_when_idle_s)
+        return 0
     record = run_drill(str(cfg.which), options, root=cfg.root)
     print(
         json.dumps(

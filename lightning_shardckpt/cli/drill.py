@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ..engine import catalog
@@ -16,8 +17,10 @@ from .output import print_table
 
 # the drill phases, in the order they run (policies/drill_worker.py times them), as the table shows them
 PHASES = (
-    ("init_s", "start ranks and process group"),
+    ("process_start_s", "start ranks (fork from the warm pool)"),
+    ("init_s", "process group"),
     ("listing_s", "list the root"),
+    ("target_s", "device mesh and empty tensors"),
     ("metadata_s", "read the metadata"),
     ("read_s", "read and check the bytes"),
     ("reshard_s", "reshard onto the drill ranks"),
@@ -81,6 +84,35 @@ def add_commands(commands: Any) -> None:
         help="also allow this class, as torch.serialization.add_safe_globals does in the run (repeatable; "
         "importable from here)",
     )
+    follow = drill.add_argument_group(
+        "follow", "a long-running drill service: drill each new checkpoint of ROOT (training runs drill.mode=external)"
+    )
+    follow.add_argument(
+        "--follow", action="store_true", help="keep watching ROOT and drill its newly committed checkpoints"
+    )
+    follow.add_argument(
+        "--every-n-checkpoints",
+        type=options.number("--every-n-checkpoints", integer=True, at_least=1),
+        default=1,
+        help="with --follow: drill the newest checkpoint once N have committed since the last drilled one "
+        "(default: %(default)s)",
+    )
+    follow.add_argument(
+        "--interval",
+        type=options.number("--interval", above=0),
+        default=30.0,
+        help="with --follow: seconds between looks at ROOT (default: %(default)s)",
+    )
+    follow.add_argument(
+        "--once", action="store_true", help="with --follow: drill what is due now, then exit (for cron jobs)"
+    )
+    follow.add_argument(
+        "--exit-when-idle",
+        type=options.number("--exit-when-idle", above=0),
+        default=None,
+        metavar="SECONDS",
+        help="with --follow: exit once nothing was committed or drilled for this long",
+    )
     drill.set_defaults(run=cmd_drill)
     last_good = commands.add_parser(
         "last-good", parents=[options.common()], help="print the newest drilled (known-good) checkpoint of a root"
@@ -92,6 +124,8 @@ def add_commands(commands: Any) -> None:
 def cmd_drill(args: argparse.Namespace) -> int:
     from ..policies.drill_runner import DrillOptions, run_drill  # here: torch, which --help must not wait for
 
+    if not args.follow and (args.once or args.exit_when_idle is not None):
+        raise ConfigError("--once and --exit-when-idle stop a follower; add --follow, or drop them")
     options = DrillOptions(
         world_size=args.world_size,
         timeout_s=args.timeout,
@@ -102,19 +136,62 @@ def cmd_drill(args: argparse.Namespace) -> int:
         safe_globals=tuple(args.safe_globals),
         storage_options=args.storage_options,
     )
+    if args.follow:
+        return _follow(args, options)
     record = run_drill(args.path, options)
-    if args.json:
-        print(json.dumps(record, indent=1, sort_keys=True, default=str))
-    else:
-        print(
-            f"{record['checkpoint']}: {record['verdict']} on {record['world_size']} rank(s) "
-            f"(written on {record['writer_world_size']})" + (f": {record['cause']}" if record.get("cause") else "")
-        )
-        _print_timings(record)
-        probe = (record.get("checks") or {}).get("probe")
-        if probe and "value" in probe:
-            print(f"probe {probe['name']}: {probe['value']!r} restored, {probe['saved']!r} at save")
+    _print_record(record, args.json)
     return exit_codes.OK if record["verdict"] == drill_records.PASSED else exit_codes.FOUND_PROBLEM
+
+
+def _follow(args: argparse.Namespace, options: Any) -> int:
+    """Drill ROOT's new checkpoints until stopped; SIGTERM (a Kubernetes stop) ends it like Ctrl-C."""
+    import signal
+
+    from ..policies.drill_follower import DrillFollower
+
+    if parse_dirname(fsio.resolve(args.path, args.storage_options).path) is not None:
+        raise ConfigError(f"--follow watches a root; {args.path} is a checkpoint: pass its parent directory")
+    follower = DrillFollower(
+        args.path,
+        options,
+        every_n_checkpoints=args.every_n_checkpoints,
+        interval_s=args.interval,
+        on_record=lambda record: _print_record(record, args.json, compact=True),
+    )
+    signal.signal(signal.SIGTERM, _stop_following)
+    try:
+        warm_s = follower.warm_up()
+        print(
+            f"following {follower.location.url}: drill workers warm in {warm_s:.1f} s; a drill every "
+            f"{args.every_n_checkpoints} checkpoint(s), a look every {args.interval:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        follower.run(once=args.once, exit_when_idle_s=args.exit_when_idle)
+    except KeyboardInterrupt:
+        pass  # the lease is released and the warm workers stopped on the way out
+    return exit_codes.OK
+
+
+def _stop_following(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through the follower's finally blocks: lease released, workers stopped
+
+
+def _print_record(record: dict[str, Any], as_json: bool, *, compact: bool = False) -> None:
+    if as_json:
+        print(json.dumps(record, indent=None if compact else 1, sort_keys=True, default=str), flush=True)
+        return
+    print(
+        f"{record['checkpoint']}: {record['verdict']} on {record['world_size']} rank(s) "
+        f"(written on {record['writer_world_size']})" + (f": {record['cause']}" if record.get("cause") else ""),
+        flush=True,
+    )
+    if compact:
+        return
+    _print_timings(record)
+    probe = (record.get("checks") or {}).get("probe")
+    if probe and "value" in probe:
+        print(f"probe {probe['name']}: {probe['value']!r} restored, {probe['saved']!r} at save")
 
 
 def cmd_last_good(args: argparse.Namespace) -> int:

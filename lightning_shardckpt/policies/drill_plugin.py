@@ -1,10 +1,12 @@
 """Restore drills during training: which checkpoints to drill, the probe value at save time, and metrics.
 
 A plug-in (policies/plugin.py) of ShardedCheckpoint, free of any framework. At a save it records the probe's value (when a probe is
-configured) in the manifest's `extra`; when a checkpoint commits, rank 0 hands every N-th one to a
-background `DrillRunner` (fresh processes, low priority; policies/drill_runner.py), and when a drill finishes its
-result is logged through the run's `Reporter` on the training thread and written as an event under
-ROOT/events/. Nothing here touches training state: a drill reads storage only.
+configured) in the manifest's `extra`. `mode: training`: when a checkpoint commits, rank 0 hands every N-th one
+to a background `DrillRunner` (ranks forked from warm workers at low priority; policies/drill_runner.py).
+`mode: external`: a drill follower outside training drills them (`shardckpt drill --follow ROOT`) and rank 0
+only watches its records (policies/drill_external.py). Either way, when a drill finishes its result is logged
+through the run's `Reporter` on the training thread and written as an event under ROOT/events/. Nothing here
+touches training state: a drill reads storage only.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from ..engine import metrics
 from ..engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ..engine.storage.fsio import Location
 from ..engine.validate import require_number
+from ..errors import ConfigError
 from . import drill_trust
 from .config_blocks import options_from
+from .drill_external import FollowerWatch
+from .drill_leases import DrillLeases
 from .drill_runner import DrillOptions, DrillRunner
 from .drill_worker import PROBE_EXTRA, load_callable
 from .plugin import Plugin, PluginContext, Reporter
 
 log = logging.getLogger(__name__)
+
+TRAINING, EXTERNAL = "training", "external"  # who drills: rank 0 of the run, or a drill follower
+DRILL_LAG_EVENT = "drill_lag"  # policies/health_observe.py: the lag alone, after commits a follower has not drilled
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +44,10 @@ class DrillConfig:
     """`ShardedCheckpoint(drill=...)` / `checkpoint.drill` in YAML."""
 
     every_n_checkpoints: int | None = None  # drill every N-th committed checkpoint; None: no drills during training
+    # training: rank 0 drills (every_n_checkpoints); external: a drill follower does (`shardckpt drill --follow
+    # ROOT`) and the run only watches its records: drill metrics, events and health rules as if it drilled
+    mode: str = TRAINING
+    poll_s: float = 10.0  # mode external: seconds between the run's looks at the follower's records
     world_size: int | None = None  # drill ranks; None: differs from the writer's (1, or 2 for a 1-rank run)
     probe: str | None = (
         None  # "module:function" of the model's state dict -> float; recorded at save, compared in the drill
@@ -51,7 +63,13 @@ class DrillConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.mode not in (TRAINING, EXTERNAL):
+            raise ConfigError(
+                f"drill.mode={self.mode!r} is unknown; use 'training' (rank 0 drills every_n_checkpoints) or "
+                "'external' (a follower drills: shardckpt drill --follow ROOT)"
+            )
         require_number("drill.every_n_checkpoints", self.every_n_checkpoints, integer=True, at_least=1, allow_none=True)
+        require_number("drill.poll_s", self.poll_s, above=0, hint="seconds")
         require_number(
             "drill.keep_last_drilled",
             self.keep_last_drilled,
@@ -63,7 +81,12 @@ class DrillConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.every_n_checkpoints is not None
+        """Rank 0 drills during training."""
+        return self.mode == TRAINING and self.every_n_checkpoints is not None
+
+    @property
+    def external(self) -> bool:
+        return self.mode == EXTERNAL
 
     def options(
         self,
@@ -109,6 +132,7 @@ class TrainingDrills(Plugin):
         self._storage_options = dict(storage_options or {})
         self._trust_checkpoint = False  # the run's LoadConfig.trust_checkpoint, from the plan (shape_plan)
         self._runner: DrillRunner | None = None
+        self._watch: FollowerWatch | None = None  # mode external: the follower's records, seen from here
         self._committed = 0
         self._lock = threading.Lock()
         self.tally = DrillCounters()  # not `counters`: that is the plug-in hook
@@ -148,15 +172,31 @@ class TrainingDrills(Plugin):
         self.log(context.reporter)  # drills that finished since the last batch
 
     def on_commit(self, record: Any) -> None:
+        if self.config.external and record.path:
+            self._follower_watch().committed(record.path.rstrip("/").rsplit("/", 1)[-1])
+            return
         self.on_committed(record.path)  # a queue put: the drill runs on its own thread and processes
 
     def drill_now(self, checkpoint_path: str) -> None:
+        if self.config.external:  # the run drills nothing itself; the alert that asked says the follower is behind
+            log.warning(
+                "drill of %s requested, but drills are external: is `shardckpt drill --follow %s` running?",
+                checkpoint_path,
+                self._location.url if self._location is not None else "ROOT",
+            )
+            return
         self.request_now(checkpoint_path)
 
     def spare(self, keep_last: int | None) -> set[str]:
+        if self.config.external and self._location is not None:
+            return set(DrillLeases(self._location).held())  # what a follower is drilling right now
         return set(self.pending())
 
     def close(self, context: PluginContext, *, finished: bool) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+            self.log(context.reporter)
         if not finished:
             self.stop(self.config.timeout_s, finish_queued=False)
         elif context.is_global_zero:
@@ -167,8 +207,8 @@ class TrainingDrills(Plugin):
     # --- at a save (every rank) ---
     def probe_extra(self, module: torch.nn.Module, rank: int) -> dict[str, Any] | None:
         """The probe's value on the live model, for the manifest's `extra` (every rank: full tensors are collectives)."""
-        if not self.config.enabled or not self.config.probe:
-            return None
+        if not (self.config.enabled or self.config.external) or not self.config.probe:
+            return None  # external: the follower compares the probe too
         state = {name: _full(value) for name, value in module.state_dict().items()}
         if rank != 0:
             return None
@@ -201,7 +241,8 @@ class TrainingDrills(Plugin):
             self._runner = DrillRunner(options, self.record_result)
         self._runner.request(checkpoint_path)
 
-    def record_result(self, record: dict[str, Any]) -> None:  # the drill thread: one finished drill
+    def record_result(self, record: dict[str, Any], lag: dict[str, float] | None = None) -> None:
+        """One finished drill (the drill thread), or one the follower filed (`lag`: the watch thread's)."""
         with self._lock:
             verdict = record.get("verdict")
             if verdict == PASSED:
@@ -211,16 +252,43 @@ class TrainingDrills(Plugin):
                 self.tally.failed += 1
             else:
                 self.tally.not_drilled += 1
+            if lag is not None:
+                self.tally.committed_since_drilled = int(lag["lag_checkpoints"])
             self.tally.results.append(record)
-            lag = self.tally.committed_since_drilled
+            lag_checkpoints = self.tally.committed_since_drilled
         event = {
             "event": "drill",
             **_summary(record),
-            "lag_checkpoints": lag,
+            "lag_checkpoints": lag_checkpoints,
             "run_id": self.run_id,
             "created_at": time.time(),
         }
+        if lag is not None:
+            event["lag_s"] = lag["lag_s"]
         metrics.write_json_event(self._location, f"drill-step-{int(record.get('step') or 0):09d}", event)
+        self._publish(event)
+
+    def record_lag(self, lag: dict[str, float]) -> None:
+        """Commits the follower has not drilled yet (the watch thread): the health rules' only sign of a
+        follower that fell behind or stopped."""
+        with self._lock:
+            self.tally.committed_since_drilled = int(lag["lag_checkpoints"])
+        event = {
+            "event": DRILL_LAG_EVENT,
+            "lag_checkpoints": lag["lag_checkpoints"],
+            "lag_s": lag["lag_s"],
+            "run_id": self.run_id,
+            "created_at": time.time(),
+        }
+        metrics.write_json_event(self._location, "drill-lag", event)
+        self._publish(event)
+
+    def _follower_watch(self) -> FollowerWatch:
+        if self._watch is None:
+            self._watch = FollowerWatch(self._location, self.record_result, self.record_lag, poll_s=self.config.poll_s)
+        return self._watch
+
+    def _publish(self, event: dict[str, Any]) -> None:
         for listener in self.listeners:
             try:
                 listener(event)

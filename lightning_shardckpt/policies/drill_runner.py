@@ -1,14 +1,15 @@
 """Restore drills: prove a committed checkpoint restores, in fresh processes, on another world size.
 
-`run_drill` starts `world_size` new Python processes (policies/drill_worker.py) at low priority with a
-bounded number of threads each; they form their own gloo group, restore the checkpoint through the
+`run_drill` forks `world_size` rank processes (policies/drill_worker.py) from a warm pool that has
+already imported torch and the engine (policies/drill_pool.py), at low priority with a bounded number
+of threads each; they form a fresh gloo group of their own, restore the checkpoint through the
 resume path and check it. The outcome becomes a write-once drill record (ops/drill_records.py):
 `passed` only when the drill ranks said so; a drill that times out or dies is `failed` with the cause;
 a drill that cannot start is `not-drilled`. The process that wrote a checkpoint never decides that it
 passed: it only starts the drill and files what the drill processes report.
 
 `DrillRunner` runs drills one at a time on a background thread for the training callback, so a drill
-never holds up a save or the training thread.
+never holds up a save or the training thread; it keeps one warm pool for the run.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import json
 import logging
 import os
 import queue
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,18 +31,18 @@ from typing import Any
 
 from ..engine import catalog
 from ..engine.format import drill_records
-from ..engine.format.drill_records import FAILED, NOT_DRILLED, PASSED
+from ..engine.format.drill_records import FAILED, NOT_DRILLED, PASSED, outcome_details
 from ..engine.format.layout import join
 from ..engine.validate import require_number
 from ..errors import ConfigError, StorageUnavailable
 from . import drill_trust
+from .drill_pool import PoolFailed, WarmPool
 
 log = logging.getLogger(__name__)
 
 # Drills yield the CPU to training: at +19 a drill gets ~1.5% of a core that training wants (CFS weights
 # 15 vs 1024), and whatever training leaves idle.
 NICE_INCREMENT = 19
-STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,13 +90,28 @@ def default_world_size(writer_world_size: int) -> int:
     return 2 if writer_world_size == 1 else 1
 
 
-def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str | None = None) -> dict[str, Any]:
+def run_drill(
+    checkpoint: str,
+    options: DrillOptions | None = None,
+    *,
+    root: str | None = None,
+    pool: WarmPool | None = None,
+    record_fields: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Drill one checkpoint (a checkpoint directory URL, or `root` + a selector); return its record.
 
     The record is written to ROOT/drills/ before this returns. Never raises for a bad checkpoint:
     that is a failed drill. Raises CheckpointNotFound when there is nothing committed to drill.
+    `pool`: warm workers to fork the ranks from (kept warm by the caller); None starts one for this drill.
+    `record_fields`: added to the record (who drilled it: the follower names itself).
     """
     options = options or DrillOptions()
+    if pool is None:
+        pool = WarmPool(threads=options.threads, nice=options.nice)
+        try:
+            return run_drill(checkpoint, options, root=root, pool=pool, record_fields=record_fields)
+        finally:
+            pool.close()
     _check_probe_importable(options.probe)  # the operator's mistake is not the checkpoint's: refuse, record nothing
     drill_trust.check_importable(options.safe_globals)
     location, entry = catalog.open_checkpoint(
@@ -119,8 +133,9 @@ def run_drill(checkpoint: str, options: DrillOptions | None = None, *, root: str
         # the run's trust, carried over (policies/drill_trust.py): what this drill let the checkpoint unpickle
         "unpickle_trust": drill_trust.label(options.trust_checkpoint, options.safe_globals),
         "allowed_globals": list(options.safe_globals),
+        **(record_fields or {}),
     }
-    outcome = _run_ranks(path, world_size, options, record)
+    outcome = _run_ranks(path, world_size, options, record, pool)
     if outcome.get("verdict") == PASSED:
         record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
     else:
@@ -169,41 +184,49 @@ def _check_probe_importable(probe: str | None) -> None:
         )
 
 
-def _run_ranks(path: str, world_size: int, options: DrillOptions, header: dict[str, Any]) -> dict[str, Any]:
-    """Start the drill ranks, wait at most timeout_s, and turn what happened into verdict + details."""
+def _run_ranks(
+    path: str, world_size: int, options: DrillOptions, header: dict[str, Any], pool: WarmPool
+) -> dict[str, Any]:
+    """Fork the drill ranks from the warm pool, wait at most timeout_s, and turn what happened into verdict +
+    details."""
     with tempfile.TemporaryDirectory(prefix="shardckpt-drill-") as scratch:
         out = os.path.join(scratch, "outcome.json")
+        try:
+            pool_start_s = pool.ensure_started()  # before the clock: time to resume measures the restore
+        except OSError as err:  # no processes, no memory: not a verdict on the checkpoint
+            return {"verdict": NOT_DRILLED, "cause": f"the drill could not start: {err}"}
+        header["worker_pool"] = {"warm": pool_start_s == 0.0, "start_s": round(pool_start_s, 3)}
         with open(os.path.join(scratch, "header.json"), "w") as handle:  # rank 0 completes it into the record
             json.dump(header, handle)
-        spawned_at = time.time()
+        logs = [os.path.join(scratch, f"rank{rank}.log") for rank in range(world_size)]
         try:
             port = _free_port()
-            processes = [
-                _start_rank(
-                    path, rank, world_size, port, out, os.path.join(scratch, f"rank{rank}.log"), spawned_at, options
-                )
+            spawned_at = time.time()
+            ranks = [
+                (_rank_argv(path, rank, world_size, port, out, spawned_at, options), logs[rank])
                 for rank in range(world_size)
             ]
-        except OSError as err:  # no processes, no memory, no port: not a verdict on the checkpoint
+            codes = pool.run(ranks, options.timeout_s)
+        except PoolFailed as err:
+            return {"verdict": FAILED, "cause": str(err), "logs": [_tail(log) for log in logs]}
+        except OSError as err:  # no port
             return {"verdict": NOT_DRILLED, "cause": f"the drill could not start: {err}"}
-        deadline = spawned_at + options.timeout_s
-        codes = _wait_all(processes, deadline)
-        logs = [_tail(os.path.join(scratch, f"rank{rank}.log")) for rank in range(world_size)]
+        tails = [_tail(log) for log in logs]
+        if any(code not in (None, 0) for code in codes):
+            rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0))
+            how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+            return {"verdict": FAILED, "cause": f"drill rank {rank} {how} before it finished", "logs": tails}
         if any(code is None for code in codes):
             return {
                 "verdict": FAILED,
                 "cause": f"the drill did not finish within timeout_s={options.timeout_s:g}; killed",
-                "logs": logs,
+                "logs": tails,
             }
-        if any(code != 0 for code in codes):
-            rank, code = next((r, c) for r, c in enumerate(codes) if c != 0)
-            how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
-            return {"verdict": FAILED, "cause": f"drill rank {rank} {how} before it finished", "logs": logs}
         try:
             with open(out) as handle:
                 outcome = json.load(handle)
         except (OSError, ValueError) as err:
-            return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": logs}
+            return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": tails}
     if outcome.get("ok") and outcome.get("record"):
         return {"verdict": PASSED, "record": outcome["record"]}
     return {
@@ -213,37 +236,11 @@ def _run_ranks(path: str, world_size: int, options: DrillOptions, header: dict[s
     }
 
 
-def outcome_details(outcome: dict[str, Any]) -> dict[str, Any]:
-    """What a drill record keeps of rank 0's outcome: checks, timings, bytes, read GB/s, time to resume."""
-    details = {key: outcome[key] for key in ("checks", "timings", "bytes_read", "traceback") if key in outcome}
-    timings = details.get("timings", {})
-    if outcome.get("bytes_read") and timings.get("load_s"):
-        details["read_gbps"] = outcome["bytes_read"] / timings["load_s"] / 1e9
-    if timings.get("time_to_resume_s") is not None:
-        details["time_to_resume_s"] = timings["time_to_resume_s"]
-    return details
-
-
-# The drill ranks import this very package (the directory above it goes first on sys.path: the drill
-# runs the code that started it, installed or not). Its __init__ imports nothing until a name is used,
-# so a drill rank pays for the engine only, never for Lightning (tests/unit/test_package_layout.py).
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_WORKER_BOOTSTRAP = (
-    "import sys\n"
-    "sys.path.insert(0, sys.argv.pop(1))\n"
-    "from lightning_shardckpt.policies.drill_worker import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
-def _start_rank(
-    path: str, rank: int, world_size: int, port: int, out: str, log_path: str, spawned_at: float, options: DrillOptions
-) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-c",
-        _WORKER_BOOTSTRAP,
-        _PACKAGE_DIR,
+def _rank_argv(
+    path: str, rank: int, world_size: int, port: int, out: str, spawned_at: float, options: DrillOptions
+) -> list[str]:
+    """policies/drill_worker.py's command line for one rank."""
+    argv = [
         "--checkpoint",
         path,
         "--rank",
@@ -266,79 +263,12 @@ def _start_rank(
         json.dumps(options.storage_options),
     ]
     if options.probe:
-        command += ["--probe", options.probe]
+        argv += ["--probe", options.probe]
     if options.trust_checkpoint:
-        command.append("--trust")
+        argv.append("--trust")
     for spec in options.safe_globals:
-        command += ["--safe-global", spec]
-    threads = str(options.threads)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
-        "PYTHONUNBUFFERED": "1",
-        # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
-        "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry),
-    }
-    for name in (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "GROUP_RANK",
-        "NODE_RANK",
-    ):
-        env.pop(name, None)  # the drill is not part of the training job's world
-    with open(log_path, "wb") as output:  # a file, not a pipe: a chatty rank can never block on a full pipe
-        process = subprocess.Popen(
-            command,
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            # its own process group, so a Ctrl-C or a preemption signal of the training job is not the drill's;
-            # the same session, so the same scheduler autogroup: with a new session Linux gives the drill a
-            # group of its own, weighted like the whole training job, and its nice value means nothing
-            # (measured: +23% training time at nice +19 with a new session)
-            process_group=0,
-        )
-    if options.nice:
-        # after the start, not in a preexec_fn: that is unsafe in a process with threads (the training job)
-        try:
-            os.setpriority(os.PRIO_PROCESS, process.pid, os.getpriority(os.PRIO_PROCESS, 0) + options.nice)
-        except OSError:  # the process already ended, or the platform refuses: the drill still runs
-            log.debug("could not lower the drill's priority", exc_info=True)
-    return process
-
-
-def _wait_all(processes: list[subprocess.Popen], deadline: float) -> list[int | None]:
-    """Exit codes; None for a rank killed at the deadline. One dead rank takes the others down."""
-    codes: list[int | None] = [None] * len(processes)
-    while time.time() < deadline and any(code is None for code in codes):
-        for index, process in enumerate(processes):
-            if codes[index] is None:
-                codes[index] = process.poll()
-        if any(code not in (None, 0) for code in codes):
-            break  # a rank died: the others would wait for it until their collective timeout
-        time.sleep(0.05)
-    for index, process in enumerate(processes):
-        if process.poll() is None:
-            _stop(process)
-        elif codes[index] is None:
-            codes[index] = process.returncode
-    return codes
-
-
-def _stop(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    except ProcessLookupError:
-        pass
+        argv += ["--safe-global", spec]
+    return argv
 
 
 def _tail(log_path: str, limit: int = 2000) -> str:
@@ -373,6 +303,8 @@ class DrillRunner:
         self._on_result = on_result
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._max_queued = max_queued
+        # created on the drill thread, which it dies with (drill_pool: PR_SET_PDEATHSIG); warm for the run
+        self._pool = WarmPool(threads=options.threads, nice=options.nice)
         self._thread = threading.Thread(target=self._run, name="shardckpt-drill", daemon=True)
         self._pending: list[str] = []  # checkpoint paths queued or being drilled
         self._pending_lock = threading.Lock()
@@ -417,9 +349,15 @@ class DrillRunner:
         self._thread.join(None if timeout is None else timeout * pending)
 
     def _run(self) -> None:
+        try:
+            self._drill_until_closed()
+        finally:
+            self._pool.close()
+
+    def _drill_until_closed(self) -> None:
         while (path := self._queue.get()) is not None:
             try:
-                record = run_drill(path, self.options)
+                record = run_drill(path, self.options, pool=self._pool)
             except Exception as err:  # nothing to drill (deleted by retention meanwhile), storage down
                 record = {
                     "checkpoint": path.rstrip("/").rsplit("/", 1)[-1],

@@ -1,7 +1,7 @@
 """One rank of a restore drill: a fresh process restores a checkpoint and checks what it got.
 
-Started by policies/drill_runner.py as `python -m lightning_shardckpt.policies.drill_worker ...`, N of them forming
-their own gloo group (never the training ranks' group or memory). Each rank allocates its share of
+Forked by the warm pool of policies/drill_pool.py (or run as `python -m lightning_shardckpt.policies.drill_worker
+...`), N of them forming a fresh gloo group of their own (never the training ranks' group or memory). Each rank allocates its share of
 every tensor the manifest lists (sharded along dim 0 across the drill's ranks, so DCP reshards from
 the writer's layout), loads through `load_checkpoint` (the resume path: checksums on every byte,
 `.metadata` checked before use), then checks:
@@ -40,8 +40,6 @@ from ..engine.load.loader import load_checkpoint
 from ..errors import ShardCkptError
 from . import drill_trust
 
-IMPORTED = time.time()  # interpreter start + torch, DCP and engine imports: part of any resume's time
-
 MODEL_PREFIX = "model."  # the Lightning strategy saves the model's state dict under "model"
 LIGHTNING_FQN = "lightning"  # the pickled rest of Lightning's checkpoint (lightning/lightning_state.py)
 PROBE_EXTRA = "probe"  # manifest extra: {"name": "module:function", "value": float}
@@ -52,9 +50,10 @@ class DrillFailed(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    entered = time.time()  # forked from the warm pool: the fork; run cold: interpreter start and imports too
     args = _parse(argv)
     torch.set_num_threads(args.threads)
-    timings: dict[str, float] = {"process_start_s": IMPORTED - args.spawned_at}  # start and imports
+    timings: dict[str, float] = {"process_start_s": entered - args.spawned_at}
     outcome: dict[str, Any] = {"rank": args.rank, "world_size": args.world_size}
     try:
         started = time.time()
@@ -94,8 +93,10 @@ def drill(args: argparse.Namespace, timings: dict[str, float]) -> dict[str, Any]
     manifest = entry.manifest
     timings["listing_s"] = time.time() - started
 
+    started = time.time()
     mesh = _mesh(args.world_size)
     target = build_target(manifest, mesh)
+    timings["target_s"] = time.time() - started  # the device mesh and the empty tensors to restore into
     started = time.time()
     config = LoadConfig(verify_checksums=True, storage_options=storage_options, trust_checkpoint=args.trust)
     result = load_checkpoint(target, args.checkpoint, config=config)
@@ -120,18 +121,28 @@ def drill(args: argparse.Namespace, timings: dict[str, float]) -> dict[str, Any]
     }
 
 
+def warm_imports() -> None:
+    """What a drill imports on first use (DTensor, the device mesh, DCP's planners): the warm pool
+    (policies/drill_pool.py) imports them once, so no drill pays for them."""
+    import torch._dynamo  # noqa: F401  (DTensor's factories are wrapped in torch._disable_dynamo: ~2 s at first use)
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    from ..engine.storage.fsio import resolve  # noqa: F401  (rank 0 files its pass with it)
+
+
 def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dict[str, Any] | None:
     """Rank 0 of the drill files the pass itself: no process that wrote or started it can make it drilled."""
     from ..engine.format import drill_records
     from ..engine.storage.fsio import resolve
-    from .drill_runner import outcome_details
 
     with open(args.record_header) as handle:
         record = json.load(handle)
     record.update(
         verdict=drill_records.PASSED,
         finished_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-        **outcome_details(outcome),
+        **drill_records.outcome_details(outcome),
     )
     root = resolve(args.checkpoint.rstrip("/").rsplit("/", 1)[0], json.loads(args.storage_options or "{}"))
     try:

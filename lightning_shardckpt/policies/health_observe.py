@@ -15,6 +15,7 @@ from ..engine.metrics import COMMITTED, FAILED, SKIPPED
 from .health_rules import CAUSE, RANK, ROOT, RUN
 
 DRILL_EVENT, RESUME_EVENT, HEALTH_EVENT, RULES_EVENT = "drill", "resume", "health", "health_rules"
+DRILL_LAG_EVENT = "drill_lag"  # policies/drill_plugin.py, drills external: commits the follower has not drilled
 REPLICATION_EVENT = "replication"  # engine/tiers/replicate.py: one copy attempt to the durable tier
 ALL_SERIES = None  # an observation's slice key that applies to every series of the rule (a commit clears every cause)
 PASSED = "passed"  # a drill's verdict (engine/format/drill_records.py)
@@ -86,6 +87,11 @@ def observe(event: dict[str, Any]) -> list[Observation]:
             each_scope("time_to_resume_s", float(event["time_to_resume_s"]))
         if event.get("lag_checkpoints") is not None:
             each_scope("drill_lag_checkpoints", float(event["lag_checkpoints"]))
+        if event.get("lag_s") is not None:
+            each_scope("drill_lag_s", float(event["lag_s"]))
+    elif kind == DRILL_LAG_EVENT:
+        each_scope("drill_lag_checkpoints", float(event.get("lag_checkpoints") or 0))
+        each_scope("drill_lag_s", float(event.get("lag_s") or 0))
     elif kind == REPLICATION_EVENT:
         each_scope("replication_ok", 1.0 if event.get("outcome") == COMMITTED else 0.0)
         each_scope("replication_lag_checkpoints", float(event.get("lag_checkpoints") or 0))

@@ -51,6 +51,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (RUN, ROOT),
         "checkpoints committed since the newest drilled one, when a drill ends",
     ),
+    "drill_lag_s": (
+        RESTORE,
+        (RUN, ROOT),
+        "drills external: seconds the oldest checkpoint the follower has not drilled has waited (after commits)",
+    ),
     "resume_s": (RESTORE, (RUN, ROOT), "seconds a real resume took to load its checkpoint"),
     # tiers (engine/tiers/replicate.py): one value per copy attempt to the durable tier
     "replication_ok": (
@@ -78,6 +83,7 @@ METRIC_UNITS: dict[str, str] = {
     "drill_ok": "drill passed (1) / failed (0)",
     "time_to_resume_s": "seconds",
     "drill_lag_checkpoints": "checkpoints",
+    "drill_lag_s": "seconds",
     "resume_s": "seconds",
     "replication_ok": "copy ok (1) / failed (0)",
     "replication_lag_checkpoints": "checkpoints",

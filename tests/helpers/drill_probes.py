@@ -33,3 +33,10 @@ def dies(model_state: dict[str, torch.Tensor]) -> float:
 def differs_every_call(model_state: dict[str, torch.Tensor]) -> float:
     """A different value in every process: the drill's probe never matches the one saved (a failing drill)."""
     return float(int.from_bytes(os.urandom(4), "little") + 1)
+
+
+def slow_weighted_sum(model_state: dict[str, torch.Tensor]) -> float:
+    """weighted_sum, after DRILL_PROBE_SLEEP_S seconds where that is set (in drill followers, not in training):
+    a drill long enough for a test to kill its follower in the middle of it."""
+    time.sleep(float(os.environ.get("DRILL_PROBE_SLEEP_S", "0")))
+    return weighted_sum(model_state)

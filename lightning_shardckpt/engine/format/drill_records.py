@@ -70,6 +70,17 @@ def parse_record_name(filename: str) -> RecordName | None:
     return RecordName(*parts)
 
 
+def outcome_details(outcome: dict[str, Any]) -> dict[str, Any]:
+    """What a drill record keeps of rank 0's outcome: checks, timings, bytes, read GB/s, time to resume."""
+    details = {key: outcome[key] for key in ("checks", "timings", "bytes_read", "traceback") if key in outcome}
+    timings = details.get("timings", {})
+    if outcome.get("bytes_read") and timings.get("load_s"):
+        details["read_gbps"] = outcome["bytes_read"] / timings["load_s"] / 1e9
+    if timings.get("time_to_resume_s") is not None:
+        details["time_to_resume_s"] = timings["time_to_resume_s"]
+    return details
+
+
 def check_writable(location: Location) -> None:
     """Raise the storage's OSError now if ROOT/drills/ cannot take a record: a drill that runs for minutes
     and then cannot file its verdict wasted them. Writes and removes one small probe file."""
@@ -110,6 +121,8 @@ def list_records(location: Location) -> Listing:
     malformed = []
     parsed_names = []
     for name in names:
+        if name.rstrip("/").rsplit("/", 1)[-1].startswith("."):
+            continue  # a follower's drill lease (policies/drill_leases.py), a write in progress: never a record
         parsed = parse_record_name(name)
         if parsed is None:
             malformed.append(name.rstrip("/").rsplit("/", 1)[-1])

@@ -1,0 +1,194 @@
+"""Drills `external`: a run on 2 ranks drills nothing itself while drill followers (`shardckpt drill --follow`)
+drill its checkpoints; one follower is killed in the middle of a drill and restarted, another runs beside it.
+
+One run, several checks: last-good advances while training runs; a killed follower's drill dies with it and
+its restart picks up from the records; two followers never drill one checkpoint at once (nor twice); the
+run's health rule on the follower's lag fires while no follower runs and resolves once they catch up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt.engine import catalog, metrics
+from lightning_shardckpt.engine.format.layout import DRILLS_DIR
+from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.spawn import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = "tests.helpers.drill_probes:slow_weighted_sum"  # sleeps in the followers only: a drill lasts ~1 s
+FOLLOWER_RULE = {  # tighter than conf/health/default.yaml's drill_follower, so a test run sees it fire
+    "name": "follower_lag",
+    "metric": "drill_lag_s",
+    "owner": "tests",
+    "range": {"kind": "static", "max": 2.0},
+    "persistence": {"fire_after": 1, "resolve_after": 1},
+}
+
+
+class Pace(pl.Callback):
+    """A slow enough run for followers to start, drill, be killed and restart while it trains; at the end it
+    waits for the last checkpoint's drill, so the run sees its follower catch up."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(0.4)
+
+    def on_train_end(self, *args: Any) -> None:
+        deadline = time.monotonic() + 60
+        while not list((self.root / DRILLS_DIR).glob("step-000000044-*--passed.json")):
+            if time.monotonic() > deadline:
+                return  # the test's assertions say what is missing
+            time.sleep(0.1)
+        time.sleep(1.0)  # the run's next look at the records (poll_s) sees it
+
+
+def external_fit(rank: int, world_size: int, root: str) -> int:
+    lightning_env(rank, world_size)
+    checkpoint = ShardedCheckpoint(
+        root,
+        every_n_train_steps=2,
+        keep_last=None,
+        log_artifact=False,
+        drill={"mode": "external", "poll_s": 0.3, "probe": PROBE},
+        health={"rules": [FOLLOWER_RULE], "alert_every_s": 0},
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=44,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint, Pace(root)],
+    )
+    trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData())
+    return trainer.global_step
+
+
+def start_follower(root: str, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "lightning_shardckpt.cli.main", "drill", root, "--follow", "--json"]
+    command += ["--interval", "0.2", "--world-size", "1", "--probe", PROBE, "--timeout", "60"]
+    env = {**os.environ, "DRILL_PROBE_SLEEP_S": "1.0"}
+    with open(log, "w") as out:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def lease_held_by(root: Path, pid: int) -> str | None:
+    """The checkpoint a follower process holds a drill lease on, if any."""
+    for lease in (root / DRILLS_DIR).glob(".lease--*.json"):
+        try:
+            body = json.loads(lease.read_text())
+        except (OSError, ValueError):
+            continue
+        if body.get("pid") == pid:
+            return body["checkpoint"]
+    return None
+
+
+def following(log: Path) -> bool:
+    return "drill workers warm" in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def followed_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("follow")
+    root = workdir / "ckpt"
+    first = start_follower(str(root), workdir / "a.log")
+    second = start_follower(str(root), workdir / "b.log")
+    wait_for(lambda: following(workdir / "a.log") and following(workdir / "b.log"), 120, "both followers warm")
+    trained: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            trained["steps"] = [outcome.value for outcome in run_ranks(external_fit, 2, str(root), timeout_s=240)]
+        except Exception as err:  # the first test reports it
+            trained["error"] = err
+
+    training = threading.Thread(target=train)
+    training.start()
+    killed_in = wait_for(lambda: lease_held_by(root, first.pid), 120, "follower A in the middle of a drill")
+    first.send_signal(signal.SIGKILL)  # mid-drill: its warm pool and drill rank die with it
+    second.send_signal(signal.SIGSTOP)  # and B stalls: no follower drills, the run's lag rule fires
+    first.wait(10)
+    restarted = start_follower(str(root), workdir / "a2.log")
+    time.sleep(4.0)
+    second.send_signal(signal.SIGCONT)
+    training.join(240)  # it ends once its last checkpoint is drilled (Pace)
+    for follower in (second, restarted):
+        follower.send_signal(signal.SIGTERM)  # how Kubernetes stops one: it ends cleanly
+    stopped = [follower.wait(60) for follower in (second, restarted)]
+    logs = {name: (workdir / f"{name}.log").read_text() for name in ("a", "b", "a2")}
+    return {"root": root, "killed": first, "killed_in": killed_in, "logs": logs, "trained": trained, "stopped": stopped}
+
+
+def _records(root: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted((root / DRILLS_DIR).glob("step-*.json"))]
+
+
+def test_followers_drill_the_run_and_last_good_advances_to_its_final_checkpoint(followed_run):
+    root = followed_run["root"]
+    assert followed_run["trained"].get("steps") == [44, 44], (followed_run["trained"], followed_run["logs"])
+    assert followed_run["stopped"] == [0, 0], followed_run["logs"]
+    location = fsio.resolve(str(root))
+    entries = catalog.list_checkpoints(location)
+    good = catalog.last_good(location, entries)
+    assert good and good[-1].name == entries[-1].name, (followed_run["logs"], [r["checkpoint"] for r in _records(root)])
+    # the run saw the follower's verdicts as its own drills: passed drills of later and later checkpoints
+    drill_events = [e for e in metrics.read_events(location) if e.get("event") == "drill"]
+    passed_steps = [e["step"] for e in sorted(drill_events, key=lambda e: e["created_at"]) if e["verdict"] == "passed"]
+    assert len(passed_steps) >= 3 and passed_steps[-1] > passed_steps[0], passed_steps
+    assert all(record["verdict"] == "passed" for record in _records(root)), _records(root)
+
+
+def test_a_killed_followers_drill_dies_with_it_and_its_restart_picks_up_from_the_records(followed_run):
+    records = _records(followed_run["root"])
+    killed = f":{followed_run['killed'].pid}:"
+    assert not [r for r in records if killed in r["drilled_by"] and r["checkpoint"] == followed_run["killed_in"]]
+    restarted_drills = [json.loads(line) for line in followed_run["logs"]["a2"].splitlines() if line.startswith("{")]
+    assert restarted_drills, followed_run["logs"]["a2"]
+    assert not {r["checkpoint"] for r in restarted_drills} & {
+        r["checkpoint"] for r in records if r["finished_at"] < restarted_drills[0]["started_at"]
+    }  # nothing drilled before it started is drilled again
+
+
+def test_two_followers_on_one_root_never_drill_one_checkpoint_twice(followed_run):
+    records = _records(followed_run["root"])
+    by_checkpoint: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_checkpoint.setdefault(record["checkpoint"], []).append(record)
+    assert all(len(drills) == 1 for drills in by_checkpoint.values()), by_checkpoint
+    assert len({record["drilled_by"] for record in records}) >= 2  # both followers did drill
+
+
+def test_the_runs_follower_lag_rule_fires_without_a_follower_and_resolves_when_it_catches_up(followed_run):
+    location = fsio.resolve(str(followed_run["root"]))
+    health = [e for e in metrics.read_events(location) if e.get("event") == "health" and e["rule"] == "follower_lag"]
+    transitions = [e["transition"] for e in sorted(health, key=lambda e: e["time"])]
+    assert "fired" in transitions and transitions[-1] == "resolved", transitions
