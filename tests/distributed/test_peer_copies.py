@@ -9,11 +9,14 @@ object from it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 
 import pytest
 
+from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.peer_ranks import resume_with_peers, save_with_peers
@@ -39,6 +42,10 @@ def peer_run(tmp_path_factory, s3_server):
         out["after_save"] = {
             node: sorted(p.name for p in (base / node).rglob("*") if p.is_file()) for node in ("node0", "node1")
         }
+        listing = io.StringIO()
+        with contextlib.redirect_stdout(listing):
+            out["ls_code"] = main(["ls", str(base / "node{node_rank}"), "--json"])
+        out["ls"] = json.loads(listing.getvalue())
         out["records"] = {
             str(p.relative_to(base)): json.loads(p.read_text()) for p in sorted(base.glob("node*/peers/*/*.json"))
         }
@@ -79,6 +86,8 @@ def test_peer_copies_make_each_node_root_hold_the_checkpoint_whole_verified_and_
     assert any(r.startswith("node1/") and r.endswith("from-rank-0.json") for r in records)
     assert any(r.startswith("node0/") and r.endswith("from-rank-3.json") for r in records)
     assert not any(r.startswith("node0/") and r.endswith("from-rank-1.json") for r in records)
+    assert peer_run["ls_code"] == 0  # `shardckpt ls 'ROOT/node{node_rank}'`: on which nodes each one is complete
+    assert [(row["step"], row["complete_on"]) for row in peer_run["ls"]["checkpoints"]] == [(1, [0, 1]), (2, [0, 1])]
     record = records[max(records)]
     assert record["verified"] and record["files"] and record["from_root"].endswith("node0")
 

@@ -276,7 +276,8 @@ class PeerReplicator:
             "cause": cause or None,
             "seconds": seconds,
             "complete_on": nodes,
-            "lag_checkpoints": self.lag - 1 if ok else self.lag,
+            # commits still waiting for a peer copy (this one too when it failed): what the health rule watches
+            "lag_checkpoints": sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1),
             "created_at": time.time(),
         }
         metrics.write_json_event(self.fast, f"peers-{name}-{event['outcome']}", event)
@@ -296,3 +297,34 @@ def holds_all(root: Location, directory: str, manifest: dict[str, Any]) -> bool:
     except FileNotFoundError:
         return False
     return all(listing.get(rel) == size for rel, size in all_files(manifest).items())
+
+
+def node_roots(template: str, storage_options: dict[str, Any] | None = None) -> dict[int, Location]:
+    """The node roots a `{node_rank}` fast-tier template names that exist, by node rank."""
+    import re
+
+    from .config import NODE_RANK
+
+    pattern = fsio.resolve(template.replace(NODE_RANK, "*"), storage_options)
+    number = re.compile(re.escape(pattern.path).replace(r"\*", r"(\d+)") + "$")
+    roots = {}
+    for path in pattern.fs.glob(pattern.path):
+        match = number.match(str(path).rstrip("/"))
+        if match:
+            url = template.replace(NODE_RANK, match[1])
+            roots[int(match[1])] = fsio.resolve(url, storage_options)
+    return dict(sorted(roots.items()))
+
+
+def complete_on(roots: dict[int, Location]) -> dict[str, list[int]]:
+    """For each committed checkpoint of any node root: the nodes whose root holds it whole (manifest and every file
+    at its committed size), the owner's copy and peer copies alike."""
+    from .. import catalog
+
+    out: dict[str, list[int]] = {}
+    for node, root in roots.items():
+        for entry in catalog.list_checkpoints(root):
+            out.setdefault(entry.name, [])
+            if entry.committed and holds_all(root, entry.path, entry.manifest):
+                out[entry.name].append(node)
+    return out
