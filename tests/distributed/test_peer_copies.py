@@ -19,7 +19,7 @@ import pytest
 from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.peer_ranks import resume_with_peers, save_with_peers
+from tests.helpers.peer_ranks import exchange_with_a_damaged_range, resume_with_peers, save_with_peers
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,6 +42,7 @@ def peer_run(tmp_path_factory, s3_server):
         out["after_save"] = {
             node: sorted(p.name for p in (base / node).rglob("*") if p.is_file()) for node in ("node0", "node1")
         }
+        out["dirs"] = {node: {p.name for p in (base / node).glob("step-*")} for node in ("node0", "node1")}
         listing = io.StringIO()
         with contextlib.redirect_stdout(listing):
             out["ls_code"] = main(["ls", str(base / "node{node_rank}"), "--json"])
@@ -73,7 +74,7 @@ def test_peer_copies_make_each_node_root_hold_the_checkpoint_whole_verified_and_
     for rank in peer_run["save"]:
         assert rank["flushed"]
         counters = rank["counters"]
-        assert counters.get("peer_replicated", 0) + counters.get("peer_replication_skipped", 0) == 2
+        assert counters.get("peer_replicated", 0) + counters.get("peer_replication_skipped", 0) == 3
         assert counters.get("peer_replication_failed", 0) == 0 and counters["peer_replication_lag_checkpoints"] == 0
     for node, files in peer_run["after_save"].items():
         # every rank's shard, .metadata and the commit: each node root is a complete checkpoint now
@@ -86,8 +87,12 @@ def test_peer_copies_make_each_node_root_hold_the_checkpoint_whole_verified_and_
     assert any(r.startswith("node1/") and r.endswith("from-rank-0.json") for r in records)
     assert any(r.startswith("node0/") and r.endswith("from-rank-3.json") for r in records)
     assert not any(r.startswith("node0/") and r.endswith("from-rank-1.json") for r in records)
+    # node 0's retention kept the last 2: node 1's root follows it, peer records included
+    assert (
+        {r.split("/")[2] for r in records} == {name for name in peer_run["dirs"]["node0"]} == peer_run["dirs"]["node1"]
+    )
     assert peer_run["ls_code"] == 0  # `shardckpt ls 'ROOT/node{node_rank}'`: on which nodes each one is complete
-    assert [(row["step"], row["complete_on"]) for row in peer_run["ls"]["checkpoints"]] == [(1, [0, 1]), (2, [0, 1])]
+    assert [(row["step"], row["complete_on"]) for row in peer_run["ls"]["checkpoints"]] == [(2, [0, 1]), (3, [0, 1])]
     record = records[max(records)]
     assert record["verified"] and record["files"] and record["from_root"].endswith("node0")
 
@@ -96,7 +101,7 @@ def test_node_lost_resumes_on_one_node_of_three_ranks_bit_exact_from_the_survivo
     run = peer_run["one_node"]
     assert run["object_reads"] == 0  # not one object read from the durable tier
     for rank in run["ranks"]:
-        assert rank["exact"] and rank["step"] == 2
+        assert rank["exact"] and rank["step"] == 3
         assert "/node0/" in rank["path"]  # the new node's own root, assembled from the survivor's (node1) root
     restore = run["ranks"][0]["restore"]
     assert restore["copied_locally"] > 0 and restore["fetched"] == 0
@@ -105,15 +110,22 @@ def test_node_lost_resumes_on_one_node_of_three_ranks_bit_exact_from_the_survivo
 def test_replaced_node_fetches_its_files_over_the_group_bit_exact_without_the_durable_tier(peer_run):
     run = peer_run["replaced"]
     assert run["object_reads"] == 0
-    assert all(rank["exact"] and rank["step"] == 2 for rank in run["ranks"])
+    assert all(rank["exact"] and rank["step"] == 3 for rank in run["ranks"])
     restore = run["ranks"][2]["restore"]
     assert restore["fetched"] > 0 and restore["copied_locally"] == 0  # scan_local_roots off: only the group
-    assert run["node1_committed"] == [2]  # the replacement node's root holds the checkpoint committed again
+    assert run["node1_committed"] == [3]  # the replacement node's root holds the checkpoint committed again
 
 
 def test_clique_lost_resumes_from_the_durable_tier_with_the_reason(peer_run):
     run = peer_run["clique_lost"]
-    assert all(rank["exact"] and rank["step"] == 2 for rank in run["ranks"])
+    assert all(rank["exact"] and rank["step"] == 3 for rank in run["ranks"])
     assert all(rank["path"].startswith(peer_run["durable"]) for rank in run["ranks"])
     assert run["object_reads"] > 0
     assert "no fast-tier checkpoint survives" in run["ranks"][0]["restore"]["reason"]
+
+
+def test_a_peer_copy_is_checked_as_it_arrives_and_a_damaged_one_never_lands(tmp_path):
+    outcomes = [o.value for o in run_ranks(exchange_with_a_damaged_range, 2, str(tmp_path))]
+    assert outcomes[1] == {"problems": [], "received": True, "part_left": False}  # whole and good: renamed in
+    assert outcomes[0]["received"] is None and not outcomes[0]["part_left"]  # nothing under the name, no .part
+    assert "bytes 2000..4000 have checksum" in outcomes[0]["problems"][0]

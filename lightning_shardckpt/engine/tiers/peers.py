@@ -159,15 +159,18 @@ class PeerReplicator:
             self._queue.put(item)  # seen here before the coordinator: the next round takes it
         return names[:count]
 
-    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes] | None:
+    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str]] | None:
+        """Coordinator: the checkpoint to copy, its manifest and commit record, and what its own root still holds
+        (the other roots follow its retention)."""
         directory = join(self.fast.path, name)
         try:
             manifest_bytes = self.fast.fs.cat_file(join(directory, MANIFEST))
             record_bytes = self.fast.fs.cat_file(join(directory, COMMIT_RECORD))
+            kept = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fast.fs.ls(self.fast.path, detail=False)]
         except Exception as err:  # noqa: BLE001 - retention deleted it meanwhile: nothing to copy
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
-        return name, json.loads(manifest_bytes), manifest_bytes, record_bytes
+        return name, json.loads(manifest_bytes), manifest_bytes, record_bytes, kept
 
     def _mark_handled(self, count: int) -> None:
         with self._idle:
@@ -175,7 +178,9 @@ class PeerReplicator:
             self.lag = max(0, self._submitted - self._handled)
             self._idle.notify_all()
 
-    def _copy(self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes) -> None:
+    def _copy(
+        self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes, kept: list[str]
+    ) -> None:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
         problems: list[str] = []
@@ -204,6 +209,7 @@ class PeerReplicator:
         failed = [p for rank_problems in receipts for p in rank_problems]
         self.counters.note(PEER_REPLICATION_FAILED if failed else PEER_REPLICATED)
         self.bytes_sent += sent
+        self._follow_owner_retention(kept, parse_dirname(name).step)
         self._gc()
         if failed:
             log.warning("copying %s to peer nodes failed: %s", name, "; ".join(failed[:3]))
@@ -249,6 +255,21 @@ class PeerReplicator:
             log.warning("could not commit the peer copy of %s in %s", name, self.fast.url, exc_info=True)
             return None
         return self.fast.url
+
+    def _follow_owner_retention(self, kept: list[str], step: int) -> None:
+        """The first rank of every other node root deletes the checkpoints older than the one just copied that the
+        coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
+        if not self._first_of_root() or self.fast.url == self._roots[0]:
+            return
+        keep = set(kept)
+        try:
+            for path in self.fast.fs.ls(self.fast.path, detail=False):
+                other = str(path).rstrip("/").rsplit("/", 1)[-1]
+                parsed = parse_dirname(other)
+                if parsed is not None and parsed.step < step and other not in keep:
+                    self.fast.fs.rm(join(self.fast.path, other), recursive=True)
+        except Exception:  # noqa: BLE001 - the next copy retries
+            log.debug("following the coordinator's retention failed in %s", self.fast.url, exc_info=True)
 
     def _gc(self) -> None:
         """Peer records of checkpoints retention deleted from this root go with them (first rank of each root)."""
