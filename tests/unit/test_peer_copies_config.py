@@ -29,6 +29,7 @@ def test_peers_parse_from_a_dict_and_place_each_copy_on_another_node():
             {"fast": "/f/{node_rank}", "durable": {"dirpath": "s3://b/r", "peers": {"factor": 2}}},
             "tiers.durable.peers",
         ),
+        ({"fast": {"dirpath": "/shared/ckpt", "peers": {"jump": 2}}}, "has no {node_rank}"),
     ],
 )
 def test_peer_options_that_cannot_work_are_refused_naming_the_option(tiers, message):

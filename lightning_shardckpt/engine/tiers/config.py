@@ -139,6 +139,11 @@ class TiersConfig:
                 raise ConfigError(
                     f"fast and durable dirpath are both {self.fast.dirpath!r}; give the durable tier its own root"
                 )
+        if self.fast.peers is not None and not self.fast.node_local:
+            raise ConfigError(
+                f"tiers.fast.peers is set but tiers.fast.dirpath={self.fast.dirpath!r} has no {NODE_RANK}: peer copies "
+                f"are for node-local fast roots; put {NODE_RANK} in the path, or drop peers on a shared filesystem"
+            )
         if self.fast.every_n_checkpoints not in (None, 1) or self.fast.every_minutes is not None:
             raise ConfigError(
                 "the fast tier receives every save; set the save cadence on the callback (every_n_train_steps), "

@@ -84,8 +84,19 @@ class PeerReplicator:
         self._submitted = self._handled = 0
         self._idle = threading.Condition()
         self._roots: list[str] = all_gather_objects("peer-roots", fast.url, group)  # each rank's node root
+        same = [r for r in range(self.world_size) if any(self._roots[p] == self._roots[r] for p in self._peers(r))]
+        if same and self.rank == 0:
+            log.warning(
+                "peer copies of rank(s) %s land on their own node (jump=%d); set tiers.fast.peers.jump to the ranks "
+                "per node so a lost node loses no file",
+                same[:8],
+                config.jump,
+            )
         self._thread = threading.Thread(target=self._work, name="shardckpt-peer-replicator", daemon=True)
         self._thread.start()
+
+    def _peers(self, rank: int) -> list[int]:
+        return self.config.peers_of(rank, self.world_size)
 
     # --- the caller's side ---
     def submit(self, dirname: str) -> None:
@@ -127,12 +138,15 @@ class PeerReplicator:
                         pending.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                stop = _STOP in pending
+                saw_stop = _STOP in pending
                 names = [item for item in pending if item is not _STOP]
-                decision = self._decide(names[-1]) if self.rank == 0 and names else None
-                decision = broadcast_from_coordinator("peer-pick", (decision, len(names)), self.group)
-                (picked, count) = decision
+                decision = None
+                if self.rank == 0:  # the coordinator's view decides for all: what to copy, how many, whether to stop
+                    decision = (self._decide(names[-1]) if names else None, len(names), saw_stop)
+                picked, count, stop = broadcast_from_coordinator("peer-pick", decision, self.group)
                 names = self._take(names, count)
+                if saw_stop and not stop:
+                    self._queue.put(_STOP)  # this rank saw close before the coordinator did: stop next round
                 if picked is not None:
                     for _ in names[:-1]:
                         self.counters.note(PEER_REPLICATION_SKIPPED)
