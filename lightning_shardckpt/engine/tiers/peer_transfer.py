@@ -170,7 +170,8 @@ class _Writer:
             handle.close()
         try:
             if index in self._failed:
-                item.fs.rm(item.path + PART_SUFFIX)
+                if item.fs.exists(item.path + PART_SUFFIX):
+                    item.fs.rm(item.path + PART_SUFFIX)
                 return
             if check is not None:
                 check.finish()
