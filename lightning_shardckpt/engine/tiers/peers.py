@@ -202,20 +202,23 @@ class PeerReplicator:
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
-            if dst == self.rank:
-                continue  # a world too small for a peer in another failure domain
+            # a peer on this node's own root adds no failure domain (a world shrunk to one node): nothing to send
+            send = self._roots[dst] != self.fast.url
+            receive = self._roots[src] != self.fast.url
             outgoing = [
                 Outgoing(self.fast.fs, join(directory, rel), file_size(manifest, rel))
-                for rel in files_of_rank(manifest, self.rank)
+                for rel in (files_of_rank(manifest, self.rank) if send else [])
             ]
             incoming = [
                 Incoming(self.fast.fs, join(directory, rel), file_size(manifest, rel), expected_ranges(manifest, rel))
-                for rel in files_of_rank(manifest, src)
+                for rel in (files_of_rank(manifest, src) if receive else [])
             ]
+            if not outgoing and not incoming:
+                continue
             result = exchange(outgoing, dst, incoming, src, self.group)
             sent += sum(item.size for item in outgoing)
             problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
-            if not result.problems:
+            if receive and not result.problems:
                 self._record(name, manifest, src)
         receipts = all_gather_objects("peer-receipts", problems, self.group)
         complete = self._commit_node_copy(name, manifest, manifest_bytes, record_bytes)
