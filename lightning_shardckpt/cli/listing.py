@@ -29,6 +29,8 @@ def add_commands(commands: Any) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.durable:  # tiers: both side by side (tiers.py)
         return tiers.cmd_ls_tiers(args)
+    if "{node_rank}" in args.root:  # a node-local fast tier: on which nodes each checkpoint is complete
+        return tiers.cmd_ls_nodes(args)
     location = investigate.open_root(args.root, args.storage_options)
     entries = catalog.list_checkpoints(location)
     latest = catalog.resolve_latest(location, entries)

@@ -7,6 +7,8 @@ import json
 
 from ..engine import catalog
 from ..engine.format import drill_records
+from ..engine.format.layout import parse_dirname
+from ..engine.tiers.peers import complete_on, node_roots
 from ..engine.tiers.restore import choose
 from ..ops.investigate import open_root
 from . import exit_codes, options
@@ -28,6 +30,27 @@ def add_arguments(ls: argparse.ArgumentParser) -> None:
         default=[],
         help="fsspec option of the durable tier (repeatable), like --storage-option",
     )
+
+
+def cmd_ls_nodes(args: argparse.Namespace) -> int:
+    """`shardckpt ls '/nvme/ckpt/node{node_rank}'`: per checkpoint, on which nodes' fast roots it is complete."""
+    roots = node_roots(args.root, args.storage_options)
+    if not roots:
+        print(f"no node roots match {args.root}; give the fast tier's dirpath with {{node_rank}} in it")
+        return exit_codes.CANNOT_RUN
+    held = complete_on(roots)
+    rows = [
+        {"step": parse_dirname(name).step, "name": name, "complete_on": nodes}
+        for name, nodes in sorted(held.items(), key=lambda item: parse_dirname(item[0]).step)
+    ]
+    if args.json:
+        print(json.dumps({"nodes": {n: r.url for n, r in roots.items()}, "checkpoints": rows}, indent=1))
+        return exit_codes.OK
+    table = [("STEP", "COMPLETE ON NODES", "NAME")]
+    table += [(str(r["step"]), ",".join(map(str, r["complete_on"])) or "none", r["name"]) for r in rows]
+    print_table(table)
+    print(f"nodes: {', '.join(f'{n}={r.url}' for n, r in roots.items())}; complete: the manifest and every file")
+    return exit_codes.OK
 
 
 def cmd_ls_tiers(args: argparse.Namespace) -> int:

@@ -56,6 +56,17 @@ def broadcast_from_coordinator(name: str, value: Any, group: Any) -> Any:
     return payload[0]
 
 
+def broadcast_from(name: str, value: Any, src: int, group: Any) -> Any:
+    """Collective `name`: every rank returns rank `src`'s (of `group`) `value`."""
+    if not is_distributed():
+        return value
+    payload = [value]
+    log.debug("collective %s: broadcast from %d", name, src)
+    dist = _dist()
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    return payload[0]
+
+
 def all_gather_objects(name: str, value: Any, group: Any) -> list[Any]:
     """Collective `name`: every rank returns every rank's `value`, in rank order."""
     if not is_distributed():

@@ -17,6 +17,7 @@ from .health_rules import CAUSE, RANK, ROOT, RUN
 DRILL_EVENT, RESUME_EVENT, HEALTH_EVENT, RULES_EVENT = "drill", "resume", "health", "health_rules"
 DRILL_LAG_EVENT = "drill_lag"  # policies/drill_plugin.py, drills external: commits the follower has not drilled
 REPLICATION_EVENT = "replication"  # engine/tiers/replicate.py: one copy attempt to the durable tier
+PEER_REPLICATION_EVENT = "peer_replication"  # engine/tiers/peers.py: one checkpoint copied to peer nodes
 ALL_SERIES = None  # an observation's slice key that applies to every series of the rule (a commit clears every cause)
 PASSED = "passed"  # a drill's verdict (engine/format/drill_records.py)
 
@@ -95,6 +96,9 @@ def observe(event: dict[str, Any]) -> list[Observation]:
     elif kind == REPLICATION_EVENT:
         each_scope("replication_ok", 1.0 if event.get("outcome") == COMMITTED else 0.0)
         each_scope("replication_lag_checkpoints", float(event.get("lag_checkpoints") or 0))
+    elif kind == PEER_REPLICATION_EVENT:
+        each_scope("peer_replication_ok", 1.0 if event.get("outcome") == COMMITTED else 0.0)
+        each_scope("peer_replication_lag_checkpoints", float(event.get("lag_checkpoints") or 0))
     elif kind == RESUME_EVENT and event.get("seconds") is not None:
         each_scope("resume_s", float(event["seconds"]))
     return [Observation(metric, slice_, key, value, step, when) for metric, slice_, key, value in values]

@@ -68,6 +68,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (RUN, ROOT),
         "fast-tier commits not yet on the durable tier, after a copy attempt",
     ),
+    # peer copies of the fast tier (engine/tiers/peers.py): one value per checkpoint copied to peer nodes
+    "peer_replication_ok": (
+        COMMIT_COMPLETENESS,
+        (RUN, ROOT),
+        "1 for a checkpoint whose files all reached their peer nodes verified, 0 for a failed copy",
+    ),
+    "peer_replication_lag_checkpoints": (
+        COMMIT_COMPLETENESS,
+        (RUN, ROOT),
+        "fast-tier commits without a complete peer copy yet, after a peer copy",
+    ),
 }
 # the unit of one value of each metric, for axes and tables (`shardckpt health --plot`)
 METRIC_UNITS: dict[str, str] = {
@@ -87,6 +98,8 @@ METRIC_UNITS: dict[str, str] = {
     "resume_s": "seconds",
     "replication_ok": "copy ok (1) / failed (0)",
     "replication_lag_checkpoints": "checkpoints",
+    "peer_replication_ok": "peer copy ok (1) / failed (0)",
+    "peer_replication_lag_checkpoints": "checkpoints",
 }
 SLICES = (RUN, RANK, CAUSE, ROOT)
 SEVERITIES = ("info", "warning", "error", "critical")

@@ -18,6 +18,8 @@ from ..engine.config import LoadConfig, SaveConfig, save_config_from
 from ..engine.format.layout import parse_dirname
 from ..engine.storage import fsio
 from ..engine.tiers.config import TiersConfig
+from ..engine.tiers.peer_restore import PeerRestore, restore_from_peers
+from ..engine.tiers.peers import PeerReplicator
 from ..engine.tiers.replicate import (
     DEGRADED_SAVES,
     UNREPLICATED_DROPPED,
@@ -44,6 +46,9 @@ class CheckpointTiers:
         self.durable = fsio.resolve(config.durable.dirpath, config.durable.storage_options) if config.durable else None
         self.replicator: Replicator | None = None
         self._group: Any = None
+        self.peer_replicator: PeerReplicator | None = None  # tiers.fast.peers: copies on peer nodes
+        self._peer_group: Any = None
+        self.peer_restore: PeerRestore | None = None  # the last resume's peer assembly (what it copied, why)
         self._dropped = 0
         self._fast_failed = False  # a save on the fast tier failed (full, failing): degraded mode at the next save
         self.degraded_saver: Any = None  # saves go straight to the durable tier (degraded mode)
@@ -74,6 +79,7 @@ class CheckpointTiers:
     ) -> None:
         """Once per fit, on every rank at the same point, after the saver exists: replicator, catch-up, listeners."""
         self.run_id = run_id  # the fast tier's retention rule counts this run's checkpoints
+        self._start_peers(saver)
         if self.durable is None or self.replicator is not None:
             return
         # its own group (see replicate.py): the saver's thread owns the checkpoint group
@@ -111,10 +117,39 @@ class CheckpointTiers:
         if self.config.fast.node_local and self.node_rank > 0 and self.local_rank == 0:
             saver.add_listener(self.prune_node_local)
 
+    def _start_peers(self, saver: Any) -> None:
+        """tiers.fast.peers: a PeerReplicator on its own group (its thread's collectives), fed every fast commit."""
+        if self.config.fast.peers is None or self.peer_replicator is not None:
+            return
+        self._peer_group = new_checkpoint_group(self.config.collective_timeout_s)
+        peers = PeerReplicator(self.config.fast.peers, self.fast, group=self._peer_group)
+        self.peer_replicator = peers
+        saver.add_listener(
+            lambda record: (
+                peers.submit(record.path.rstrip("/").rsplit("/", 1)[-1])
+                if record.outcome == "committed" and record.path
+                else None
+            )
+        )
+
+    def _close_peers(self, timeout: float) -> None:
+        peers, self.peer_replicator = self.peer_replicator, None
+        if peers is None:
+            return
+        if not peers.close(timeout):
+            log.error("peer copies of the newest fast-tier checkpoint did not complete before close")
+        if peers.stopped and self._peer_group is not None and peers.broken is None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._peer_group)
+        self._peer_group = None
+        self._last_counters = {**self._last_counters, **peers.snapshot()}
+
     def close(self, timeout: float | None = None) -> None:
         """Bounded flush of pending copies (flush_timeout_s), then stop; the group goes once the thread is gone."""
         if self.degraded_saver is not None:
             self.degraded_saver.close()
+        self._close_peers(self.config.flush_timeout_s if timeout is None else timeout)
         replicator, self.replicator = self.replicator, None
         if replicator is None:
             return
@@ -124,10 +159,13 @@ class CheckpointTiers:
 
             dist.destroy_process_group(self._group)
         self._group = None
-        self._last_counters = replicator.snapshot()
+        self._last_counters = {**self._last_counters, **replicator.snapshot()}
 
     def counters(self) -> dict[str, int]:
-        source = self.replicator.snapshot() if self.replicator is not None else self._last_counters
+        source = dict(self._last_counters)
+        for running in (self.replicator, self.peer_replicator):
+            if running is not None:
+                source.update(running.snapshot())
         return {
             **source,
             **({UNREPLICATED_DROPPED: self._dropped} if self._dropped else {}),
@@ -243,8 +281,15 @@ class CheckpointTiers:
     def pick(
         self, which: str, base: LoadConfig, group: Any
     ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]]:
-        """(checkpoint path to load, its load config, fallbacks) for `latest` / `last-good`; collective on every rank."""
-        choices = choose(self.fast, self.durable, which, group)
+        """(checkpoint path to load, its load config, fallbacks) for `latest` / `last-good`; collective on every rank.
+
+        With peer copies, `latest` first assembles the newest checkpoint the surviving nodes hold whole in every
+        node root (engine/tiers/peer_restore.py); the durable tier is then consulted only if it lists a newer step.
+        """
+        durable = self.durable
+        if self.config.fast.peers is not None and which == "latest":
+            durable = self._restore_from_peers(group)
+        choices = choose(self.fast, durable, which, group)
         if not choices:
             return self.fast_dirpath, base, []
         first = choices[0]
@@ -260,6 +305,24 @@ class CheckpointTiers:
             if c.name == first.name
         ]
         return first.url, self._config_for(first.tier, base), fallbacks
+
+    def _restore_from_peers(self, group: Any) -> Any:
+        """Collective: assemble from peer copies; returns the durable location to consider too (None: not needed)."""
+        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group)
+        self.peer_restore = restored
+        if restored.name is None:
+            if rank_zero():
+                log.warning("no complete peer copy on the fast tier: %s; reading the durable tier", restored.reason)
+            return self.durable
+        if rank_zero():
+            log.info("fast tier: %s", restored.reason)
+        newer = None
+        if self.durable is not None and rank_zero():
+            newer = _durable_newest_step(self.durable)  # a listing of names only: no object is read
+        newer = broadcast_from_coordinator("peer-durable-newer", newer, group)
+        if newer is not None and newer > restored.step:
+            return self.durable
+        return None
 
     def last_good(self, base: LoadConfig, group: Any) -> tuple[str, LoadConfig] | None:
         """(path, load config) of the newest drilled checkpoint every rank can read, on either tier; collective.
@@ -288,6 +351,15 @@ def _written_at(info: dict[str, Any]) -> float:
     """A listed directory's modification time in seconds (local disks give `mtime`; object stores `LastModified`)."""
     value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
     return value.timestamp() if hasattr(value, "timestamp") else float(value or 0.0)
+
+
+def _durable_newest_step(durable: Any) -> int | None:
+    try:
+        names = [str(n).rstrip("/").rsplit("/", 1)[-1] for n in durable.fs.ls(durable.path, detail=False)]
+    except Exception:  # noqa: BLE001 - unreachable: the peer copy is what there is
+        return None
+    steps = [parsed.step for name in names if (parsed := parse_dirname(name)) is not None]
+    return max(steps) if steps else None
 
 
 def rank_zero() -> bool:
@@ -348,6 +420,12 @@ class TiersPlugin(Plugin):
             and context.publish not in tiers.replicator.listeners
         ):
             tiers.replicator.listeners.append(context.publish)  # replication_ok, replication_lag_checkpoints
+        if (
+            context.is_global_zero
+            and tiers.peer_replicator is not None
+            and context.publish not in tiers.peer_replicator.listeners
+        ):
+            tiers.peer_replicator.listeners.append(context.publish)  # peer_replication_ok, ..._lag_checkpoints
 
     def before_save(self, context: PluginContext) -> None:
         self.tiers.before_save(context.strategy)  # collective: degraded mode when the fast tier failed

@@ -20,6 +20,35 @@ NODE_RANK = "{node_rank}"
 
 
 @dataclass(frozen=True, kw_only=True)
+class PeersConfig:
+    """Fast tier only: each rank's committed files are also copied to `factor - 1` peer ranks' node-local roots.
+
+    Rank r's peers are r + k * jump (k = 1 .. factor-1, modulo the world size): with `jump` = ranks per node,
+    every copy lands on another node, so losing one node loses no file. The copies travel over a gloo group
+    of their own (no shared filesystem, no new transport), on a background thread (engine/tiers/peers.py).
+    """
+
+    factor: int = 2  # copies of each file, the owner's included (2: one peer copy)
+    jump: int = 1  # ranks between a rank and its first peer: set it to the ranks per node
+    # at resume, also read other nodes' roots this machine's disk holds (the `{node_rank}` template's siblings:
+    # a survivor's root after the cluster shrank, or roots that happen to be shared); false: only the group
+    scan_local_roots: bool = True
+
+    def __post_init__(self) -> None:
+        require_number("factor", self.factor, integer=True, at_least=2, hint="2 keeps one peer copy")
+        require_number("jump", self.jump, integer=True, at_least=1, hint="set it to the ranks per node")
+
+    def peers_of(self, rank: int, world_size: int) -> list[int]:
+        """The ranks holding copies of `rank`'s files (never itself: a world too small for a peer has none)."""
+        out = []
+        for k in range(1, self.factor):
+            peer = (rank + k * self.jump) % world_size
+            if peer != rank and peer not in out:
+                out.append(peer)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class TierConfig:
     """One tier: where it lives, how often it receives a checkpoint, what it keeps."""
 
@@ -35,6 +64,7 @@ class TierConfig:
     # fast tier only: checkpoints newer than the newest durable copy it may hold beyond keep_last before
     # it drops the oldest of them anyway (counted as unreplicated_dropped): bounds the space a long outage costs
     max_unreplicated: int = 4
+    peers: PeersConfig | None = None  # fast tier only: copies on peer nodes (None: no peer copies)
 
     def __post_init__(self) -> None:
         if not self.dirpath or not isinstance(self.dirpath, str):
@@ -103,10 +133,17 @@ class TiersConfig:
                     f"durable dirpath={self.durable.dirpath!r} contains {NODE_RANK}; the durable tier must be one place "
                     "every node reaches (e.g. s3://bucket/run)"
                 )
+            if self.durable.peers is not None:
+                raise ConfigError("tiers.durable.peers is set; peer copies are a fast-tier option (tiers.fast.peers)")
             if self.durable.dirpath.rstrip("/") == self.fast.dirpath.rstrip("/"):
                 raise ConfigError(
                     f"fast and durable dirpath are both {self.fast.dirpath!r}; give the durable tier its own root"
                 )
+        if self.fast.peers is not None and not self.fast.node_local:
+            raise ConfigError(
+                f"tiers.fast.peers is set but tiers.fast.dirpath={self.fast.dirpath!r} has no {NODE_RANK}: peer copies "
+                f"are for node-local fast roots; put {NODE_RANK} in the path, or drop peers on a shared filesystem"
+            )
         if self.fast.every_n_checkpoints not in (None, 1) or self.fast.every_minutes is not None:
             raise ConfigError(
                 "the fast tier receives every save; set the save cadence on the callback (every_n_train_steps), "
@@ -157,6 +194,14 @@ def _tier(value: Any, name: str) -> TierConfig:
         )
     values = dict(value)
     values["storage_options"] = dict(values.get("storage_options") or {})
+    if isinstance(values.get("peers"), dict):
+        peers = values["peers"]
+        unknown = set(peers) - {f.name for f in fields(PeersConfig)}
+        if unknown:
+            raise ConfigError(
+                f"unknown tiers.{name}.peers option(s) {sorted(unknown)}; known: {sorted(f.name for f in fields(PeersConfig))}"
+            )
+        values["peers"] = PeersConfig(**peers)
     try:
         return TierConfig(**values)
     except ConfigError as err:  # which tier's option: both have keep_last

@@ -60,8 +60,7 @@ def copy_verified(
             f"{relative}: not listed in the manifest of {src_dir}; refusing to copy an unverifiable file"
         )
     src_path, dst_path = join(src_dir, relative), join(dst_dir, relative)
-    position, index = 0, 0
-    hasher = streaming_checksum()
+    check = RangeCheck(src_path, ranges, size)
     with src_fs.open(src_path, "rb") as source:
         sink = dst_fs.open(dst_path, "wb")
         try:
@@ -69,37 +68,53 @@ def copy_verified(
                 piece = source.read(piece_bytes)
                 if not piece:
                     break
-                view = memoryview(piece)
-                start = 0
-                while start < len(view):
-                    if index >= len(ranges):
-                        raise CorruptCheckpoint(f"{src_path}: longer than the {size} bytes its manifest lists")
-                    offset, length, expected = ranges[index]
-                    end = offset + length
-                    take = min(len(view) - start, end - (position + start))
-                    hasher.update(view[start : start + take])
-                    start += take
-                    if position + start == end:
-                        actual = hasher.hexdigest()
-                        if actual != expected:
-                            raise CorruptCheckpoint(
-                                f"{src_path}: bytes {offset}..{end} have checksum {actual}, the manifest says {expected}; "
-                                "the fast-tier copy is damaged and will not be replicated",
-                                problems=[{"file": src_path, "offset": offset, "expected": expected, "actual": actual}],
-                            )
-                        hasher.reset()
-                        index += 1
+                check.feed(piece)
                 sink.write(piece)
-                position += len(piece)
                 if on_piece is not None:
                     on_piece()  # tests: a rank dying mid-upload
-            if position != size or index != len(ranges):
-                raise CorruptCheckpoint(
-                    f"{src_path}: {position} bytes, its manifest lists {size}; the fast-tier copy is truncated"
-                )
+            check.finish()
             fsio.sync_local_file(sink)
             sink.close()
         except BaseException:
             fsio.abort_write(sink)  # never commit a partial or damaged object
             raise
-    return position
+    return check.position
+
+
+class RangeCheck:
+    """The manifest's checksums of one file, checked as its bytes stream past in pieces of any size."""
+
+    def __init__(self, label: str, ranges: list[tuple[int, int, str]], size: int) -> None:
+        self.label, self.ranges, self.size = label, ranges, size
+        self.position, self._index = 0, 0
+        self._hasher = streaming_checksum()
+
+    def feed(self, piece: bytes | memoryview) -> None:
+        """Raises CorruptCheckpoint naming the range as soon as a range's bytes do not match."""
+        view = memoryview(piece)
+        start = 0
+        while start < len(view):
+            if self._index >= len(self.ranges):
+                raise CorruptCheckpoint(f"{self.label}: longer than the {self.size} bytes its manifest lists")
+            offset, length, expected = self.ranges[self._index]
+            end = offset + length
+            take = min(len(view) - start, end - (self.position + start))
+            self._hasher.update(view[start : start + take])
+            start += take
+            if self.position + start == end:
+                actual = self._hasher.hexdigest()
+                if actual != expected:
+                    raise CorruptCheckpoint(
+                        f"{self.label}: bytes {offset}..{end} have checksum {actual}, the manifest says {expected}; "
+                        "the fast-tier copy is damaged and will not be replicated",
+                        problems=[{"file": self.label, "offset": offset, "expected": expected, "actual": actual}],
+                    )
+                self._hasher.reset()
+                self._index += 1
+        self.position += len(view)
+
+    def finish(self) -> None:
+        if self.position != self.size or self._index != len(self.ranges):
+            raise CorruptCheckpoint(
+                f"{self.label}: {self.position} bytes, its manifest lists {self.size}; the fast-tier copy is truncated"
+            )

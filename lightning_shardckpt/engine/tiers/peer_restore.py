@@ -1,0 +1,191 @@
+"""Resume from the nearest complete copy of a fast-tier checkpoint, before any durable-tier read.
+
+Collective "peer-restore", on every rank before the tier choice (restore.py):
+
+1. each rank reports what it holds: for the newest few checkpoint directories of every root it can read
+   (its own node root and, with `scan_local_roots`, the other `{node_rank}` roots on this machine's disk),
+   every file at its size, and the manifests it has (all-gather "peer-holdings");
+2. every rank computes the same plan: the newest checkpoint whose every file some rank holds at its
+   committed size; for each node root of the new world, the files it lacks and the nearest source of each:
+   a root its first rank reads itself (a verified local copy), else another rank (sent over the group,
+   checked as it arrives: peer_transfer.py);
+3. the manifest goes from one holder to every rank ("peer-manifest"), the copies run in the plan's order,
+   and each node root that now holds every file commits the checkpoint there (commit record, manifest).
+
+Afterwards every node root holds the checkpoint whole, so the tier choice finds the fast copy readable by
+every rank and DCP reshards it onto the new world as usual. Nothing is read from the durable tier here.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..collectives import all_gather_objects, broadcast_from, rank_and_world
+from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from ..storage import fsio
+from ..storage.fsio import Location
+from .config import NODE_RANK, PeersConfig
+from .peer_transfer import Incoming, Outgoing, exchange
+from .peers import all_files, holds_all
+from .verified_copy import copy_verified, expected_ranges
+
+log = logging.getLogger(__name__)
+
+CANDIDATES_PER_ROOT = 3  # newest checkpoint directories reported per root
+
+
+@dataclass(frozen=True)
+class PeerRestore:
+    name: str | None  # the checkpoint made whole in every node root (None: no complete copy survives)
+    step: int | None
+    copied_locally: int  # bytes copied from another root on the same machine
+    fetched: int  # bytes received from other ranks over the group
+    reason: str
+
+
+def visible_roots(own: Location, template: str, scan: bool) -> dict[str, Location]:
+    """This rank's own root, then the other node roots of the template on this machine's disk."""
+    roots = {own.url: own}
+    if scan and NODE_RANK in template and "://" not in template:
+        for path in sorted(glob.glob(template.replace(NODE_RANK, "*"))):
+            location = fsio.resolve(path)
+            if not location.same_place(own):
+                roots[location.url] = location
+    return roots
+
+
+def _holdings(root: Location) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
+    """{checkpoint: {file: size}} of the newest directories in `root`, and {checkpoint: manifest facts}."""
+    try:
+        names = [str(info).rstrip("/").rsplit("/", 1)[-1] for info in root.fs.ls(root.path, detail=False)]
+    except FileNotFoundError:
+        return {}, {}
+    dirs = sorted((parse_dirname(n).step, n) for n in names if parse_dirname(n) is not None)[-CANDIDATES_PER_ROOT:]
+    held, manifests = {}, {}
+    for _, name in dirs:
+        directory = join(root.path, name)
+        try:
+            listing = {
+                str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: i.get("size") for i in root.fs.ls(directory, detail=True)
+            }
+            held[name] = listing
+            if MANIFEST in listing and COMMIT_RECORD in listing:
+                manifest = json.loads(root.fs.cat_file(join(directory, MANIFEST)))
+                manifests[name] = {
+                    "files": all_files(manifest),
+                    "seq": manifest.get("seq") or 0,
+                    "step": manifest.get("step"),
+                }
+        except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
+            log.debug("cannot read %s", directory, exc_info=True)
+    return held, manifests
+
+
+def restore_from_peers(own: Location, template: str, config: PeersConfig, group: Any) -> PeerRestore:
+    """Collective: make the newest checkpoint any rank can still assemble whole in every node root."""
+    rank = rank_and_world(group)[0]
+    roots = visible_roots(own, template, config.scan_local_roots)
+    report: dict[str, Any] = {"own": own.url, "roots": {}, "manifests": {}}
+    for url, location in roots.items():
+        report["roots"][url], manifests = _holdings(location)
+        for name, facts in manifests.items():
+            report["manifests"].setdefault(name, {**facts, "holder": url})
+    reports = all_gather_objects("peer-holdings", report, group)
+    plan = _plan(reports)
+    if isinstance(plan, str):
+        return PeerRestore(None, None, 0, 0, plan)
+    name, step, holder_rank, holder_root, transfers = plan
+    documents = None
+    if rank == holder_rank:
+        directory = join(roots[holder_root].path, name)
+        fs = roots[holder_root].fs
+        documents = (fs.cat_file(join(directory, MANIFEST)), fs.cat_file(join(directory, COMMIT_RECORD)))
+    manifest_bytes, record_bytes = broadcast_from("peer-manifest", documents, holder_rank, group)
+    manifest = json.loads(manifest_bytes)
+    problems: list[str] = []
+    local = fetched = 0
+    own_dir = join(own.path, name)
+    for relative, writer, source, source_root in transfers:
+        if rank not in (writer, source):
+            continue
+        size = all_files(manifest)[relative]
+        try:
+            if writer == source:  # the nearest copy is on this machine: a verified local copy
+                src = roots[source_root]
+                own.fs.makedirs(own_dir, exist_ok=True)
+                local += copy_verified(src.fs, join(src.path, name), own.fs, own_dir, relative, manifest)
+            elif rank == source:
+                src = roots[source_root]
+                result = exchange([Outgoing(src.fs, join(src.path, name, relative), size)], writer, [], None, group)
+                problems.extend(result.problems)
+            else:
+                incoming = Incoming(own.fs, join(own_dir, relative), size, expected_ranges(manifest, relative))
+                result = exchange([], None, [incoming], source, group)
+                fetched += result.bytes
+                problems.extend(result.problems)
+        except Exception as err:  # noqa: BLE001 - gathered below: the tier choice then falls back
+            problems.append(f"rank {rank}: {relative}: {type(err).__name__}: {err}")
+    if reports[rank]["own"] == own.url and [r["own"] for r in reports].index(own.url) == rank:
+        try:
+            if holds_all(own, own_dir, manifest) and not own.fs.exists(join(own_dir, MANIFEST)):
+                fsio.write_new_file(own.fs, join(own_dir, COMMIT_RECORD), record_bytes)
+                fsio.create_if_absent(own.fs, join(own_dir, MANIFEST), manifest_bytes)
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"rank {rank}: committing {name} in {own.url}: {err}")
+    outcomes = all_gather_objects("peer-restored", (problems, local, fetched), group)
+    failed = [p for rank_problems, _, _ in outcomes for p in rank_problems]
+    local_total = sum(o[1] for o in outcomes)
+    fetched_total = sum(o[2] for o in outcomes)
+    if failed:
+        return PeerRestore(None, step, local_total, fetched_total, f"assembling {name} failed: {'; '.join(failed[:3])}")
+    reason = (
+        f"{name} assembled from peer copies: {local_total} bytes copied on the same machine, "
+        f"{fetched_total} bytes fetched from other ranks"
+    )
+    return PeerRestore(name, step, local_total, fetched_total, reason)
+
+
+def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple[str, int, int, str]]] | str:
+    """The same plan on every rank: (checkpoint, step, manifest holder rank, its root, transfers) or why none."""
+    manifests: dict[str, dict[str, Any]] = {}
+    holder: dict[str, tuple[int, str]] = {}
+    for rank, report in enumerate(reports):
+        for name, facts in report["manifests"].items():
+            if name not in manifests:
+                manifests[name], holder[name] = facts, (rank, facts["holder"])
+    if not manifests:
+        return "no fast-tier checkpoint survives on any node"
+    reasons = []
+    for name in sorted(manifests, key=lambda n: (manifests[n]["seq"], manifests[n]["step"]), reverse=True):
+        expected = manifests[name]["files"]
+        holders: dict[str, list[tuple[int, str]]] = {rel: [] for rel in expected}
+        for rank, report in enumerate(reports):
+            for url, held in report["roots"].items():
+                for rel, size in held.get(name, {}).items():
+                    if rel in expected and expected[rel] == size:
+                        holders[rel].append((rank, url))
+        lacking = sorted(rel for rel, found in holders.items() if not found)
+        if lacking:
+            reasons.append(f"{name}: no complete copy survives ({', '.join(lacking[:4])} lost with their nodes)")
+            continue
+        writers: dict[str, int] = {}
+        for rank, report in enumerate(reports):
+            writers.setdefault(report["own"], rank)
+        transfers = []
+        for own_url, writer in sorted(writers.items(), key=lambda item: item[1]):
+            present = reports[writer]["roots"].get(own_url, {}).get(name, {})
+            for rel in sorted(expected):
+                if present.get(rel) == expected[rel]:
+                    continue
+                mine = [url for rank, url in holders[rel] if rank == writer and url != own_url]
+                if mine:
+                    transfers.append((rel, writer, writer, mine[0]))
+                else:
+                    source, url = min(holders[rel])
+                    transfers.append((rel, writer, source, url))
+        return name, manifests[name]["step"], *holder[name], transfers
+    return "; ".join(reasons)

@@ -1,0 +1,368 @@
+"""Peer replication of the fast tier: each rank's committed files also land in its peers' node-local roots.
+
+One background thread per rank takes fast-tier commits in commit order. For each copy:
+
+1. collective "peer-pick": the coordinator picks the newest commit waiting (one that fell behind skips to
+   the newest, counted as `peer_replication_skipped`) and broadcasts its manifest and commit record bytes;
+2. for each peer round k (rank r sends to r + k*jump, receives from r - k*jump), every rank streams the files
+   it wrote (rank 0: also `.metadata`) to its peer, which checks every range against the manifest as the
+   bytes arrive and renames a file into place only when it is whole and good (peer_transfer.py);
+3. collective "peer-receipts": every rank's outcome and the files it received; then the first rank of each
+   node root whose directory now holds every file of the checkpoint commits it there (commit record, then
+   the manifest, create-if-absent): a peer copy counts only when complete and verified. Each receiving
+   rank records what it holds in `ROOT/peers/<checkpoint>/from-rank-<r>.json` (which checkpoint, which
+   rank's files, from where), which `shardckpt ls` and the resume read.
+
+Like the durable replicator, it owns a gloo group of its own: one thread's collectives per group.
+A failed copy is not retried (the next commit is copied whole); a collective that fails (a dead rank)
+stops peer replication for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import metrics
+from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..metrics import RunCounters
+from ..storage import fsio
+from ..storage.fsio import Location
+from .config import PeersConfig
+from .peer_transfer import Incoming, Outgoing, exchange
+from .verified_copy import expected_ranges, file_size
+
+log = logging.getLogger(__name__)
+
+PEERS_DIR = "peers"  # ROOT/peers/<checkpoint>/from-rank-<r>.json: the peer copies this root holds
+PEER_REPLICATED = "peer_replicated"
+PEER_REPLICATION_FAILED = "peer_replication_failed"
+PEER_REPLICATION_SKIPPED = "peer_replication_skipped"
+PEER_REPLICATION_LAG = "peer_replication_lag_checkpoints"  # commits not yet complete on a peer
+PEER_BYTES_SENT = "peer_bytes_sent"
+
+_STOP = object()
+
+
+def files_of_rank(manifest: dict[str, Any], rank: int) -> list[str]:
+    """The files `rank` wrote for the checkpoint (the coordinator also wrote `.metadata`)."""
+    mine = [entry["path"] for entry in manifest["files"] if shard_rank(entry["path"]) == rank]
+    return mine + ([DCP_METADATA] if rank == 0 else [])
+
+
+def all_files(manifest: dict[str, Any]) -> dict[str, int]:
+    """Every data file of the checkpoint and its committed size (`.metadata` included)."""
+    sizes = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
+    sizes[DCP_METADATA] = file_size(manifest, DCP_METADATA)
+    return sizes
+
+
+def record_path(root: Location, name: str, from_rank: int) -> str:
+    return join(root.path, PEERS_DIR, name, f"from-rank-{from_rank}.json")
+
+
+class PeerReplicator:
+    """Construct on every rank at the same point (after the group exists); `submit` on every rank alike."""
+
+    def __init__(self, config: PeersConfig, fast: Location, *, group: Any) -> None:
+        self.config = config
+        self.fast = fast
+        self.group = group
+        self.rank, self.world_size = rank_and_world(group)
+        self.counters = RunCounters()
+        self.lag = 0
+        self.bytes_sent = 0  # this rank's bytes sent to peers (the network cost of peer copies)
+        self.broken: BaseException | None = None
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # coordinator: each copy's event
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._submitted = self._handled = 0
+        self._idle = threading.Condition()
+        self._roots: list[str] = all_gather_objects("peer-roots", fast.url, group)  # each rank's node root
+        same = [r for r in range(self.world_size) if any(self._roots[p] == self._roots[r] for p in self._peers(r))]
+        if same and self.rank == 0:
+            log.warning(
+                "peer copies of rank(s) %s land on their own node (jump=%d); set tiers.fast.peers.jump to the ranks "
+                "per node so a lost node loses no file",
+                same[:8],
+                config.jump,
+            )
+        self._thread = threading.Thread(target=self._work, name="shardckpt-peer-replicator", daemon=True)
+        self._thread.start()
+
+    def _peers(self, rank: int) -> list[int]:
+        return self.config.peers_of(rank, self.world_size)
+
+    # --- the caller's side ---
+    def submit(self, dirname: str) -> None:
+        with self._idle:
+            self._submitted += 1
+            self.lag += 1
+        self._queue.put(dirname)
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._handled < self._submitted and self.broken is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(min(remaining, 0.5))
+        return self.broken is None
+
+    def close(self, timeout: float) -> bool:
+        flushed = self.flush(timeout)
+        self._queue.put(_STOP)
+        self._thread.join(max(1.0, timeout))
+        return flushed
+
+    @property
+    def stopped(self) -> bool:
+        return not self._thread.is_alive()
+
+    def snapshot(self) -> dict[str, int]:
+        return {**self.counters.notes(), PEER_REPLICATION_LAG: self.lag, PEER_BYTES_SENT: self.bytes_sent}
+
+    # --- the thread ---
+    def _work(self) -> None:
+        try:
+            while True:
+                pending = [self._queue.get()]
+                while True:  # what else waits: copy the newest only
+                    try:
+                        pending.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                saw_stop = _STOP in pending
+                names = [item for item in pending if item is not _STOP]
+                decision = None
+                if self.rank == 0:  # the coordinator's view decides for all: what to copy, how many, whether to stop
+                    decision = (self._decide(names[-1]) if names else None, len(names), saw_stop)
+                picked, count, stop = broadcast_from_coordinator("peer-pick", decision, self.group)
+                names = self._take(names, count)
+                if saw_stop and not stop:
+                    self._queue.put(_STOP)  # this rank saw close before the coordinator did: stop next round
+                if picked is not None:
+                    for _ in names[:-1]:
+                        self.counters.note(PEER_REPLICATION_SKIPPED)
+                    self._copy(*picked)
+                self._mark_handled(len(names))
+                if stop:
+                    return
+        except BaseException as err:  # a collective failed (a rank died): the group is unusable now
+            self.broken = err
+            self.counters.note(PEER_REPLICATION_FAILED)
+            log.error("rank %d: peer replication stopped: %s; checkpoints stay on this node only", self.rank, err)
+            with self._idle:
+                self._idle.notify_all()
+
+    def _take(self, names: list[str], count: int) -> list[str]:
+        """Exactly the coordinator's `count` submissions (a rank may see a commit's notice a little later)."""
+        while len(names) < count:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.put(_STOP)
+                raise RuntimeError(f"rank {self.rank}: stopped while the coordinator copies a checkpoint it never saw")
+            names.append(item)
+        for item in names[count:]:
+            self._queue.put(item)  # seen here before the coordinator: the next round takes it
+        return names[:count]
+
+    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str]] | None:
+        """Coordinator: the checkpoint to copy, its manifest and commit record, and what its own root still holds
+        (the other roots follow its retention)."""
+        directory = join(self.fast.path, name)
+        try:
+            manifest_bytes = self.fast.fs.cat_file(join(directory, MANIFEST))
+            record_bytes = self.fast.fs.cat_file(join(directory, COMMIT_RECORD))
+            kept = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fast.fs.ls(self.fast.path, detail=False)]
+        except Exception as err:  # noqa: BLE001 - retention deleted it meanwhile: nothing to copy
+            log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
+            return None
+        return name, json.loads(manifest_bytes), manifest_bytes, record_bytes, kept
+
+    def _mark_handled(self, count: int) -> None:
+        with self._idle:
+            self._handled += count
+            self.lag = max(0, self._submitted - self._handled)
+            self._idle.notify_all()
+
+    def _copy(
+        self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes, kept: list[str]
+    ) -> None:
+        started = time.perf_counter()
+        directory = join(self.fast.path, name)
+        problems: list[str] = []
+        sent = 0
+        for k in range(1, self.config.factor):
+            dst = (self.rank + k * self.config.jump) % self.world_size
+            src = (self.rank - k * self.config.jump) % self.world_size
+            # a peer on this node's own root adds no failure domain (a world shrunk to one node): nothing to send
+            send = self._roots[dst] != self.fast.url
+            receive = self._roots[src] != self.fast.url
+            outgoing = [
+                Outgoing(self.fast.fs, join(directory, rel), file_size(manifest, rel))
+                for rel in (files_of_rank(manifest, self.rank) if send else [])
+            ]
+            incoming = [
+                Incoming(self.fast.fs, join(directory, rel), file_size(manifest, rel), expected_ranges(manifest, rel))
+                for rel in (files_of_rank(manifest, src) if receive else [])
+            ]
+            if not outgoing and not incoming:
+                continue
+            result = exchange(outgoing, dst, incoming, src, self.group)
+            sent += sum(item.size for item in outgoing)
+            problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
+            if receive and not result.problems:
+                self._record(name, manifest, src)
+        receipts = all_gather_objects("peer-receipts", problems, self.group)
+        complete = self._commit_node_copy(name, manifest, manifest_bytes, record_bytes)
+        nodes = [n for n in all_gather_objects("peer-complete", complete, self.group) if n]
+        failed = [p for rank_problems in receipts for p in rank_problems]
+        self.counters.note(PEER_REPLICATION_FAILED if failed else PEER_REPLICATED)
+        self.bytes_sent += sent
+        self._follow_owner_retention(kept, parse_dirname(name).step)
+        self._gc()
+        if failed:
+            log.warning("copying %s to peer nodes failed: %s", name, "; ".join(failed[:3]))
+        self._event(
+            name, manifest, not failed, "; ".join(failed[:3]), sorted(set(nodes)), time.perf_counter() - started
+        )
+
+    def _record(self, name: str, manifest: dict[str, Any], src: int) -> None:
+        record = {
+            "checkpoint": name,
+            "step": manifest.get("step"),
+            "run_id": manifest.get("run_id"),
+            "from_rank": src,
+            "from_root": self._roots[src],
+            "files": {rel: file_size(manifest, rel) for rel in files_of_rank(manifest, src)},
+            "verified": True,
+            "received_at": time.time(),
+        }
+        path = record_path(self.fast, name, src)
+        try:
+            self.fast.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fsio.replace_small_file(self.fast.fs, path, json.dumps(record).encode())
+        except Exception:  # noqa: BLE001 - the files are there and verified; listing just lacks the note
+            log.warning("could not record the peer copy of %s from rank %d", name, src, exc_info=True)
+
+    def _first_of_root(self) -> bool:
+        return self._roots.index(self.fast.url) == self.rank
+
+    def _commit_node_copy(self, name: str, manifest: dict, manifest_bytes: bytes, record_bytes: bytes) -> str | None:
+        """The node root's first rank: when this root now holds every file of `name`, commit it here too.
+        Returns this root's URL when the checkpoint is complete in it."""
+        if not self._first_of_root():
+            return None
+        directory = join(self.fast.path, name)
+        if not holds_all(self.fast, directory, manifest):
+            return None
+        fs = self.fast.fs
+        try:
+            if not fs.exists(join(directory, MANIFEST)):
+                fsio.write_new_file(fs, join(directory, COMMIT_RECORD), record_bytes)
+                fsio.create_if_absent(fs, join(directory, MANIFEST), manifest_bytes)
+        except Exception:  # noqa: BLE001 - an incomplete copy: the files stay, the resume fetches what lacks
+            log.warning("could not commit the peer copy of %s in %s", name, self.fast.url, exc_info=True)
+            return None
+        return self.fast.url
+
+    def _follow_owner_retention(self, kept: list[str], step: int) -> None:
+        """The first rank of every other node root deletes the checkpoints older than the one just copied that the
+        coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
+        if not self._first_of_root() or self.fast.url == self._roots[0]:
+            return
+        keep = set(kept)
+        try:
+            for path in self.fast.fs.ls(self.fast.path, detail=False):
+                other = str(path).rstrip("/").rsplit("/", 1)[-1]
+                parsed = parse_dirname(other)
+                if parsed is not None and parsed.step < step and other not in keep:
+                    self.fast.fs.rm(join(self.fast.path, other), recursive=True)
+        except Exception:  # noqa: BLE001 - the next copy retries
+            log.debug("following the coordinator's retention failed in %s", self.fast.url, exc_info=True)
+
+    def _gc(self) -> None:
+        """Peer records of checkpoints retention deleted from this root go with them (first rank of each root)."""
+        if not self._first_of_root():
+            return
+        try:
+            for info in self.fast.fs.ls(join(self.fast.path, PEERS_DIR), detail=False):
+                name = str(info).rstrip("/").rsplit("/", 1)[-1]
+                if parse_dirname(name) is not None and not self.fast.fs.exists(join(self.fast.path, name)):
+                    self.fast.fs.rm(join(self.fast.path, PEERS_DIR, name), recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception:  # noqa: BLE001 - the next copy retries
+            log.debug("peer record cleanup failed in %s", self.fast.url, exc_info=True)
+
+    def _event(self, name: str, manifest: dict, ok: bool, cause: str, nodes: list[str], seconds: float) -> None:
+        if self.rank != 0:
+            return
+        event = {
+            "event": "peer_replication",
+            "name": name,
+            "step": manifest.get("step"),
+            "run_id": manifest.get("run_id"),
+            "outcome": "committed" if ok else "failed",
+            "cause": cause or None,
+            "seconds": seconds,
+            "complete_on": nodes,
+            # commits still waiting for a peer copy (this one too when it failed): what the health rule watches
+            "lag_checkpoints": sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1),
+            "created_at": time.time(),
+        }
+        metrics.write_json_event(self.fast, f"peers-{name}-{event['outcome']}", event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - metrics never fail a copy
+                log.warning("a peer replication listener failed", exc_info=True)
+
+
+def holds_all(root: Location, directory: str, manifest: dict[str, Any]) -> bool:
+    """`directory` in this view holds every data file of the checkpoint at its committed size."""
+    try:
+        listing = {
+            str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: i.get("size") for i in root.fs.ls(directory, detail=True)
+        }
+    except FileNotFoundError:
+        return False
+    return all(listing.get(rel) == size for rel, size in all_files(manifest).items())
+
+
+def node_roots(template: str, storage_options: dict[str, Any] | None = None) -> dict[int, Location]:
+    """The node roots a `{node_rank}` fast-tier template names that exist, by node rank."""
+    import re
+
+    from .config import NODE_RANK
+
+    pattern = fsio.resolve(template.replace(NODE_RANK, "*"), storage_options)
+    number = re.compile(re.escape(pattern.path).replace(r"\*", r"(\d+)") + "$")
+    roots = {}
+    for path in pattern.fs.glob(pattern.path):
+        match = number.match(str(path).rstrip("/"))
+        if match:
+            url = template.replace(NODE_RANK, match[1])
+            roots[int(match[1])] = fsio.resolve(url, storage_options)
+    return dict(sorted(roots.items()))
+
+
+def complete_on(roots: dict[int, Location]) -> dict[str, list[int]]:
+    """For each committed checkpoint of any node root: the nodes whose root holds it whole (manifest and every file
+    at its committed size), the owner's copy and peer copies alike."""
+    from .. import catalog
+
+    out: dict[str, list[int]] = {}
+    for node, root in roots.items():
+        for entry in catalog.list_checkpoints(root):
+            out.setdefault(entry.name, [])
+            if entry.committed and holds_all(root, entry.path, entry.manifest):
+                out[entry.name].append(node)
+    return out

@@ -1,0 +1,131 @@
+"""Peer copies of the fast tier on real gloo ranks: 2 simulated nodes × 2 ranks, each node its own root.
+
+One run saves with peer copies on, then three resumes after losing nodes: node 0 lost, resumed on 1 node ×
+3 ranks (the survivor's root is on this machine's disk: copied locally); node 1 replaced by an empty one,
+resumed on 2 × 2 (its files fetched over the group); both nodes of the clique lost, resumed from S3. The
+durable tier is the loopback S3 server behind a proxy that records every request: the peer path reads no
+object from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+
+import pytest
+
+from lightning_shardckpt.cli.main import main
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.peer_ranks import exchange_with_a_damaged_range, resume_with_peers, save_with_peers
+from tests.helpers.spawn import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+OBJECT_READ = r"/step-\d+-[0-9a-f]+/"  # a GET of an object inside a checkpoint directory (listings carry no key)
+
+
+@pytest.fixture(scope="module")
+def peer_run(tmp_path_factory, s3_server):
+    from tests.conftest import S3_BUCKET
+    from tests.helpers.s3_server import FaultProxy
+
+    proxy = FaultProxy(s3_server.host, s3_server.port)
+    base = tmp_path_factory.mktemp("peers")
+    durable = f"s3://{S3_BUCKET}/peers-{base.name}"
+    options = s3_server.storage_options(proxy.endpoint)
+    out: dict = {"base": base, "durable": durable, "options": options}
+    try:
+        out["save"] = [o.value for o in run_ranks(save_with_peers, 4, str(base), durable, options, 2)]
+        out["after_save"] = {
+            node: sorted(p.name for p in (base / node).rglob("*") if p.is_file()) for node in ("node0", "node1")
+        }
+        out["dirs"] = {node: {p.name for p in (base / node).glob("step-*")} for node in ("node0", "node1")}
+        listing = io.StringIO()
+        with contextlib.redirect_stdout(listing):
+            out["ls_code"] = main(["ls", str(base / "node{node_rank}"), "--json"])
+        out["ls"] = json.loads(listing.getvalue())
+        out["records"] = {
+            str(p.relative_to(base)): json.loads(p.read_text()) for p in sorted(base.glob("node*/peers/*/*.json"))
+        }
+
+        def resume(world: int, per_node: int, scan: bool) -> dict:
+            proxy.clear()
+            values = [o.value for o in run_ranks(resume_with_peers, world, str(base), durable, options, per_node, scan)]
+            return {"ranks": values, "object_reads": len(proxy.requests("GET", OBJECT_READ))}
+
+        shutil.rmtree(base / "node0")  # node 0 (with the manifest's original) is lost with its disk
+        out["one_node"] = resume(3, 3, True)
+        shutil.rmtree(base / "node1")  # node 1 replaced by an empty one; its files only on node 0, over the group
+        out["replaced"] = resume(4, 2, False)
+        node1 = fsio.resolve(str(base / "node1"))
+        out["replaced"]["node1_committed"] = [e.step for e in catalog.list_checkpoints(node1) if e.committed]
+        shutil.rmtree(base / "node0")
+        shutil.rmtree(base / "node1")  # both nodes of the clique lost: only S3 has it
+        out["clique_lost"] = resume(4, 2, True)
+    finally:
+        proxy.stop()
+    return out
+
+
+def test_peer_copies_make_each_node_root_hold_the_checkpoint_whole_verified_and_recorded(peer_run):
+    for rank in peer_run["save"]:
+        assert rank["flushed"]
+        counters = rank["counters"]
+        assert counters.get("peer_replicated", 0) + counters.get("peer_replication_skipped", 0) == 3
+        assert counters.get("peer_replication_failed", 0) == 0 and counters["peer_replication_lag_checkpoints"] == 0
+    for node, files in peer_run["after_save"].items():
+        # every rank's shard, .metadata and the commit: each node root is a complete checkpoint now
+        assert {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", ".metadata", "manifest.json"} <= set(
+            files
+        ), node
+        assert not [name for name in files if name.endswith(".part")]
+    records = peer_run["records"]
+    # node 1 holds node 0's ranks' files and the other way round (jump = ranks per node: another failure domain)
+    assert any(r.startswith("node1/") and r.endswith("from-rank-0.json") for r in records)
+    assert any(r.startswith("node0/") and r.endswith("from-rank-3.json") for r in records)
+    assert not any(r.startswith("node0/") and r.endswith("from-rank-1.json") for r in records)
+    # node 0's retention kept the last 2: node 1's root follows it, peer records included
+    assert (
+        {r.split("/")[2] for r in records} == {name for name in peer_run["dirs"]["node0"]} == peer_run["dirs"]["node1"]
+    )
+    assert peer_run["ls_code"] == 0  # `shardckpt ls 'ROOT/node{node_rank}'`: on which nodes each one is complete
+    assert [(row["step"], row["complete_on"]) for row in peer_run["ls"]["checkpoints"]] == [(2, [0, 1]), (3, [0, 1])]
+    record = records[max(records)]
+    assert record["verified"] and record["files"] and record["from_root"].endswith("node0")
+
+
+def test_node_lost_resumes_on_one_node_of_three_ranks_bit_exact_from_the_survivors_copy(peer_run):
+    run = peer_run["one_node"]
+    assert run["object_reads"] == 0  # not one object read from the durable tier
+    for rank in run["ranks"]:
+        assert rank["exact"] and rank["step"] == 3
+        assert "/node0/" in rank["path"]  # the new node's own root, assembled from the survivor's (node1) root
+    restore = run["ranks"][0]["restore"]
+    assert restore["copied_locally"] > 0 and restore["fetched"] == 0
+
+
+def test_replaced_node_fetches_its_files_over_the_group_bit_exact_without_the_durable_tier(peer_run):
+    run = peer_run["replaced"]
+    assert run["object_reads"] == 0
+    assert all(rank["exact"] and rank["step"] == 3 for rank in run["ranks"])
+    restore = run["ranks"][2]["restore"]
+    assert restore["fetched"] > 0 and restore["copied_locally"] == 0  # scan_local_roots off: only the group
+    assert run["node1_committed"] == [3]  # the replacement node's root holds the checkpoint committed again
+
+
+def test_clique_lost_resumes_from_the_durable_tier_with_the_reason(peer_run):
+    run = peer_run["clique_lost"]
+    assert all(rank["exact"] and rank["step"] == 3 for rank in run["ranks"])
+    assert all(rank["path"].startswith(peer_run["durable"]) for rank in run["ranks"])
+    assert run["object_reads"] > 0
+    assert "no fast-tier checkpoint survives" in run["ranks"][0]["restore"]["reason"]
+
+
+def test_a_peer_copy_is_checked_as_it_arrives_and_a_damaged_one_never_lands(tmp_path):
+    outcomes = [o.value for o in run_ranks(exchange_with_a_damaged_range, 2, str(tmp_path))]
+    assert outcomes[1] == {"problems": [], "received": True, "part_left": False}  # whole and good: renamed in
+    assert outcomes[0]["received"] is None and not outcomes[0]["part_left"]  # nothing under the name, no .part
+    assert "bytes 2000..4000 have checksum" in outcomes[0]["problems"][0]

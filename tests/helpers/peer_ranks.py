@@ -1,0 +1,122 @@
+"""Rank functions for the peer-copy tests: simulated nodes (node rank = rank // ranks per node), each with its own
+node-local fast root (`base/node{node_rank}`), peer copies on, S3 as the durable tier (no Lightning)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt.engine.collectives import new_checkpoint_group
+from lightning_shardckpt.engine.config import LoadConfig
+from lightning_shardckpt.engine.load.loader import load_checkpoint
+from lightning_shardckpt.engine.tiers.config import PeersConfig, TierConfig, TiersConfig
+from lightning_shardckpt.policies import retention
+from lightning_shardckpt.policies.tiers import CheckpointTiers
+
+KEYS = tuple("abcdefgh")  # written spread over the ranks (declared identical): every rank writes a shard
+
+
+def state(step: int) -> dict[str, Any]:
+    return {key: torch.arange(2048, dtype=torch.float32) * (step + 1) + index for index, key in enumerate(KEYS)}
+
+
+def config(base: str, durable: str, options: dict, per_node: int, scan: bool = True) -> TiersConfig:
+    return TiersConfig(
+        fast=TierConfig(
+            dirpath=f"{base}/node{{node_rank}}",
+            peers=PeersConfig(factor=2, jump=per_node, scan_local_roots=scan),
+        ),
+        durable=TierConfig(dirpath=durable, storage_options=options, every_n_checkpoints=100),
+        retry_backoff_s=0.2,
+        retry_backoff_max_s=1.0,
+        collective_timeout_s=30.0,
+    )
+
+
+def save_with_peers(rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int) -> dict:
+    """Save steps 1, 2, 3 on the fast tier with peer copies (and a durable copy at close); node 0 keeps the last 2
+    (the retention plug-in's rule, run after each commit as it does)."""
+    tiers = CheckpointTiers(config(base, durable, options, per_node), rank // per_node, rank % per_node)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
+    )
+    if rank == 0:
+        saver.add_listener(
+            lambda record: (
+                retention.apply(tiers.fast, 2, None, run_id=saver.run_id, just_committed=record.path.rsplit("/", 1)[-1])
+                if record.outcome == "committed"
+                else None
+            )
+        )
+    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+    for step in (1, 2, 3):
+        saver.save(state(step), step=step, identical=lambda key: True)
+        saver.wait()
+    flushed = tiers.peer_replicator.flush(60.0)
+    counters = tiers.peer_replicator.snapshot()
+    tiers.close(60.0)
+    saver.close()
+    return {"flushed": flushed, "counters": counters}
+
+
+def resume_with_peers(
+    rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int, scan: bool
+) -> dict:
+    """A new world (`per_node` ranks per node) picks `latest` across the tiers and loads it resharded."""
+    tiers = CheckpointTiers(config(base, durable, options, per_node, scan), rank // per_node, rank % per_node)
+    group = new_checkpoint_group(30.0)
+    path, load_config, _ = tiers.pick("latest", LoadConfig(), group)
+    target = {key: torch.zeros(2048) for key in KEYS}
+    result = load_checkpoint(target, path, config=load_config, process_group=group)
+    expected = state(result.step)
+    return {
+        "path": path,
+        "step": result.step,
+        "exact": all(torch.equal(target[key], expected[key]) for key in KEYS),
+        "restore": dataclasses.asdict(tiers.peer_restore) if tiers.peer_restore else None,
+    }
+
+
+def exchange_with_a_damaged_range(rank: int, world_size: int, base: str) -> dict:
+    """Two ranks swap one file each in 1 KiB pieces (a ring of two); rank 1's file arrives at rank 0 with one
+    range that does not match the checksum rank 0 expects (it rotted after its commit, say)."""
+    import os
+
+    import fsspec
+
+    from lightning_shardckpt.engine.format.checksum import streaming_checksum
+    from lightning_shardckpt.engine.tiers.peer_transfer import Incoming, Outgoing, exchange
+
+    fs = fsspec.filesystem("file")
+    data = [bytes((i * 7 + r) % 251 for i in range(5000 + 123 * r)) for r in range(2)]
+
+    def ranges(payload: bytes, spoil: bool) -> list[tuple[int, int, str]]:
+        out = []
+        for offset in range(0, len(payload), 2000):
+            piece = payload[offset : offset + 2000]
+            hasher = streaming_checksum()
+            hasher.update(piece if not (spoil and offset == 2000) else piece[::-1])
+            out.append((offset, len(piece), hasher.hexdigest()))
+        return out
+
+    mine = os.path.join(base, f"rank{rank}", "sent.bin")
+    fs.makedirs(os.path.dirname(mine), exist_ok=True)
+    fs.pipe_file(mine, data[rank])
+    other = 1 - rank
+    target = os.path.join(base, f"rank{rank}", "received.bin")
+    result = exchange(
+        [Outgoing(fs, mine, len(data[rank]))],
+        other,
+        [Incoming(fs, target, len(data[other]), ranges(data[other], spoil=rank == 0))],
+        other,
+        None,
+        piece_bytes=1024,
+    )
+    return {
+        "problems": result.problems,
+        "received": fs.cat_file(target) == data[other] if fs.exists(target) else None,
+        "part_left": fs.exists(target + ".part"),
+    }
