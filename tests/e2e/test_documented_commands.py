@@ -137,7 +137,7 @@ def test_every_bash_block_of_the_document_runs_as_printed(document, tmp_path):
     reached = progress.read_text().strip() if progress.exists() else "0"
     if code != 0 or reached != "done":
         block = next((b for b in blocks if str(b.index) == reached), None)
-        where = f"block {block.index} (line {block.line})" if block else f"before its first block ({reached})"
+        where = f"the block at line {block.line}" if block else f"before its first block ({reached})"
         how = f"timed out after {SCRIPT_TIMEOUT_S}s" if code is None else f"exited {code}"
         pytest.fail(
             f"{document}: {where} {how}\n--- the block ---\n{block.body if block else ''}"
