@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -225,6 +226,7 @@ class CharLM(pl.LightningModule):
         decay_steps: int = 200,
         min_lr_ratio: float = 0.1,
         init_seed: int | None = 0,
+        freeze: Sequence[str] = (),
     ) -> None:
         super().__init__()
         if d_model % n_heads:
@@ -251,6 +253,7 @@ class CharLM(pl.LightningModule):
                 mlp_ratio=mlp_ratio,
                 dropout=dropout,
             )
+        freeze_modules(self.net, freeze)
 
     def configure_model(self) -> None:
         mesh = self.device_mesh  # set by Lightning's ModelParallelStrategy (our fsdp); None under DDP
@@ -281,6 +284,8 @@ class CharLM(pl.LightningModule):
         hp = self.hparams
         decay, no_decay = [], []
         for name, param in self.named_parameters():
+            if not param.requires_grad:  # frozen (model.freeze): no gradient, no optimizer state, never changes
+                continue
             (no_decay if param.ndim < 2 or name.endswith("_emb.weight") else decay).append(param)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -292,6 +297,22 @@ class CharLM(pl.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def freeze_modules(net: nn.Module, names: Sequence[str]) -> None:
+    """Stop training the named submodules of the transformer (`model.freeze=[tok_emb,blocks.0]`), as a
+    fine-tune of a pretrained base would. Their parameters then never change, which is what lets an
+    incremental checkpoint (`checkpoint.save.incremental=true`) reference them instead of writing them."""
+    modules = dict(net.named_modules())
+    unknown = [name for name in names if not name or name not in modules]
+    if unknown:
+        known = ", ".join(name for name in modules if name and name.count(".") <= 1)
+        raise ValueError(
+            f"model.freeze names no module of the model: {', '.join(map(repr, unknown))}; use some of: {known}"
+        )
+    for name in names:
+        for param in modules[name].parameters():
+            param.requires_grad_(False)
 
 
 def _data_parallel_mesh(mesh):

@@ -65,3 +65,18 @@ def test_model_learns_the_corpus_in_a_few_steps():
         losses.append(loss.item())
     assert losses[0] > 3.0  # ~ln(33): uniform over the alphabet
     assert sum(losses[-5:]) / 5 < losses[0] - 0.8, losses
+
+
+def test_frozen_modules_get_no_gradients_and_no_optimizer_state():
+    model = CharLM(vocab_size=len(ALPHABET), d_model=16, n_layers=2, n_heads=2, freeze=["tok_emb", "blocks.0"])
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(name.startswith(("net.tok_emb.", "net.blocks.0.")) for name in frozen)
+    assert "net.blocks.1.qkv.weight" not in frozen and "net.pos_emb.weight" not in frozen
+    optimizer = model.configure_optimizers()["optimizer"]
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+def test_freezing_an_unknown_module_names_the_option_and_the_known_modules():
+    with pytest.raises(ValueError, match=r"model.freeze names no module of the model: 'blocks.9'.*tok_emb"):
+        CharLM(vocab_size=len(ALPHABET), d_model=16, n_heads=2, freeze=["blocks.9"])
