@@ -8,7 +8,6 @@ import json
 from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.layout import parse_dirname
-from ..engine.tiers.peers import complete_on, node_roots
 from ..engine.tiers.restore import choose
 from ..ops.investigate import open_root
 from . import exit_codes, options
@@ -34,6 +33,8 @@ def add_arguments(ls: argparse.ArgumentParser) -> None:
 
 def cmd_ls_nodes(args: argparse.Namespace) -> int:
     """`shardckpt ls '/nvme/ckpt/node{node_rank}'`: per checkpoint, on which nodes' fast roots it is complete."""
+    from ..engine.tiers.peers import complete_on, node_roots  # here: torch, which --help must not wait for
+
     roots = node_roots(args.root, args.storage_options)
     if not roots:
         print(f"no node roots match {args.root}; give the fast tier's dirpath with {{node_rank}} in it")
