@@ -14,7 +14,7 @@ from typing import Any
 from lightning.fabric.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..training.data import ResumableDistributedSampler
+from ..training.data import ResumableDistributedSampler, replacing
 
 
 class FabricResumableSampler(ResumableDistributedSampler):
@@ -49,13 +49,4 @@ def use_fabric_sampler(dataloader: Any) -> Any:
     position 0); other samplers (custom ones, ours already) are left alone."""
     if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
         return dataloader
-    plain = dataloader.sampler
-    sampler = FabricResumableSampler(
-        plain.dataset,
-        num_replicas=plain.num_replicas,
-        rank=plain.rank,
-        shuffle=plain.shuffle,
-        seed=plain.seed,
-        drop_last=plain.drop_last,
-    )
-    return _update_dataloader(dataloader, sampler)
+    return _update_dataloader(dataloader, replacing(dataloader.sampler, FabricResumableSampler))

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..training.data import ResumableDistributedSampler
+from ..training.data import ResumableDistributedSampler, replacing
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +36,7 @@ _quieted: list[Any] = []  # the warnings filter entry installed for the running 
 def use_resumable_sampler(dataloader: Any) -> Any:
     if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
         return dataloader
-    plain = dataloader.sampler
-    sampler = ResumableDistributedSampler(
-        plain.dataset,
-        num_replicas=plain.num_replicas,
-        rank=plain.rank,
-        shuffle=plain.shuffle,
-        seed=plain.seed,
-        drop_last=plain.drop_last,
-    )
-    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+    return _update_dataloader(dataloader, replacing(dataloader.sampler), mode=RunningStage.TRAINING)
 
 
 def train_sampler(trainer: Any) -> tuple[ResumableDistributedSampler | None, int | None]:

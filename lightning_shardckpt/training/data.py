@@ -225,6 +225,18 @@ class ResumableDistributedSampler(DistributedSampler):
         self.total_size = self.num_samples * self.num_replicas
 
 
+def replacing(plain: DistributedSampler, kind: type[ResumableDistributedSampler] = ResumableDistributedSampler):
+    """A resumable sampler (`kind`) with the arguments of an injected DistributedSampler: same order at position 0."""
+    return kind(
+        plain.dataset,
+        num_replicas=plain.num_replicas,
+        rank=plain.rank,
+        shuffle=plain.shuffle,
+        seed=plain.seed,
+        drop_last=plain.drop_last,
+    )
+
+
 def samples_consumed(sampler: ResumableDistributedSampler) -> int:
     """Samples trained on since the first epoch began (recorded in every manifest: `shardckpt timeline`)."""
     return sampler.epoch * sampler.dataset_length + sampler.global_position
