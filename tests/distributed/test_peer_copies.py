@@ -18,8 +18,15 @@ import pytest
 
 from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.peer_ranks import exchange_with_a_damaged_range, resume_with_peers, save_with_peers
+from lightning_shardckpt.policies.health_observe import observe
+from tests.helpers.peer_ranks import (
+    a_dead_peer_stops_replication,
+    exchange_with_a_damaged_range,
+    resume_with_peers,
+    save_with_peers,
+)
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,6 +64,10 @@ def peer_run(tmp_path_factory, s3_server):
             return {"ranks": values, "object_reads": len(proxy.requests("GET", OBJECT_READ))}
 
         shutil.rmtree(base / "node0")  # node 0 (with the manifest's original) is lost with its disk
+        for step in (97, 98, 99):  # newer saves the crash cut short on the survivor: they must not hide step 3
+            cut_short = base / "node1" / checkpoint_dirname(step, f"{step:08x}")
+            cut_short.mkdir()
+            (cut_short / "__2_0.distcp").write_bytes(b"half a shard")
         out["one_node"] = resume(3, 3, True)
         shutil.rmtree(base / "node1")  # node 1 replaced by an empty one; its files only on node 0, over the group
         out["replaced"] = resume(4, 2, False)
@@ -98,6 +109,7 @@ def test_peer_copies_make_each_node_root_hold_the_checkpoint_whole_verified_and_
 
 
 def test_node_lost_resumes_on_one_node_of_three_ranks_bit_exact_from_the_survivors_copy(peer_run):
+    """...past three newer saves the crash cut short on the survivor (directories without a manifest)."""
     run = peer_run["one_node"]
     assert run["object_reads"] == 0  # not one object read from the durable tier
     for rank in run["ranks"]:
@@ -111,6 +123,8 @@ def test_replaced_node_fetches_its_files_over_the_group_bit_exact_without_the_du
     run = peer_run["replaced"]
     assert run["object_reads"] == 0
     assert all(rank["exact"] and rank["step"] == 3 for rank in run["ranks"])
+    # each rank read its own node's root (another node's disk is not there on a real cluster)
+    assert [f"/node{r // 2}/" in rank["loaded"] for r, rank in enumerate(run["ranks"])] == [True] * 4, run["ranks"]
     restore = run["ranks"][2]["restore"]
     assert restore["fetched"] > 0 and restore["copied_locally"] == 0  # scan_local_roots off: only the group
     assert run["node1_committed"] == [3]  # the replacement node's root holds the checkpoint committed again
@@ -129,3 +143,18 @@ def test_a_peer_copy_is_checked_as_it_arrives_and_a_damaged_one_never_lands(tmp_
     assert outcomes[1] == {"problems": [], "received": True, "part_left": False}  # whole and good: renamed in
     assert outcomes[0]["received"] is None and not outcomes[0]["part_left"]  # nothing under the name, no .part
     assert "bytes 2000..4000 have checksum" in outcomes[0]["problems"][0]
+
+
+def test_commits_after_peer_replication_stopped_are_reported_as_failed_copies_with_growing_lag(tmp_path):
+    """A dead rank stops the replicator's thread for the rest of the run; the health rule must still see the newest
+    checkpoints pile up without a peer copy (it watches `peer_replication_lag_checkpoints`)."""
+    outcomes = run_ranks(a_dead_peer_stops_replication, 2, str(tmp_path), allow_failures=True, pg_timeout_s=15.0)
+    assert outcomes[0].ok, outcomes[0].error
+    result = outcomes[0].value
+    assert result["broken"] and result["stopped"]
+    events = result["events"]
+    assert events[0]["outcome"] == "committed" and events[0]["lag_checkpoints"] == 0
+    stopped = [e for e in events[1:] if (e["cause"] or "").startswith("peer replication stopped")]
+    assert [(e["outcome"], e["lag_checkpoints"]) for e in stopped] == [("failed", 2), ("failed", 3)], events
+    seen = [(o.metric, o.value) for e in stopped for o in observe(e)]
+    assert ("peer_replication_lag_checkpoints", 3.0) in seen and ("peer_replication_ok", 0.0) in seen

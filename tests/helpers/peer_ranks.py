@@ -74,6 +74,7 @@ def resume_with_peers(
     expected = state(result.step)
     return {
         "path": path,
+        "loaded": result.path,  # where this rank read it: its own node root
         "step": result.step,
         "exact": all(torch.equal(target[key], expected[key]) for key in KEYS),
         "restore": dataclasses.asdict(tiers.peer_restore) if tiers.peer_restore else None,
@@ -120,3 +121,34 @@ def exchange_with_a_damaged_range(rank: int, world_size: int, base: str) -> dict
         "received": fs.cat_file(target) == data[other] if fs.exists(target) else None,
         "part_left": fs.exists(target + ".part"),
     }
+
+
+def a_dead_peer_stops_replication(rank: int, world_size: int, base: str) -> dict:
+    """Two nodes of one rank: step 1 is copied to the peer; then rank 1 dies (its process exits), and rank 0's
+    later commits reach a replicator whose group is dead. Rank 0 returns the `peer_replication` events its
+    listener saw (what the health rules observe)."""
+    import os
+    import time
+
+    os.makedirs(f"{base}/durable", exist_ok=True)
+    tiers_config = dataclasses.replace(config(base, f"{base}/durable", {}, 1), collective_timeout_s=10.0)
+    tiers = CheckpointTiers(tiers_config, rank, 0)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=10.0, node_local=True)
+    )
+    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+    peers = tiers.peer_replicator
+    events: list[dict] = []
+    peers.listeners.append(events.append)
+    name = saver.save(state(1), step=1, identical=lambda key: True).result(60.0).path.rstrip("/").rsplit("/", 1)[-1]
+    assert peers.flush(60.0), "the first copy completes while both ranks live"
+    if rank == 1:
+        os._exit(0)  # the node is lost: its sockets close mid-run
+    peers.submit(name)  # a commit arrives; the copy finds its peer gone
+    deadline = time.monotonic() + 30
+    while peers.broken is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    broken = peers.broken is not None
+    for _ in range(2):  # commits after the thread stopped: nobody copies them
+        peers.submit(name)
+    return {"broken": broken, "stopped": peers.stopped, "events": events, "lag": peers.snapshot()}

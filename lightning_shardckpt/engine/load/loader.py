@@ -6,6 +6,7 @@ every chunk it reads against the manifest's checksums.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ..config import LoadConfig
 from ..format import manifest as manifest_format
 from ..format.layout import MANIFEST, join, parse_dirname
 from ..format.safe_pickle import DCP_METADATA_FIELD
+from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.reader import ShardReader
 
@@ -91,7 +93,7 @@ def _load_once(
     )
     if isinstance(picked, ShardCkptError):
         raise picked
-    root, entry = picked
+    root, entry = _in_own_view(*picked, dirpath, config)
     if callable(state_dict):  # every rank alike: the manifest is rank 0's, broadcast
         state_dict = state_dict(entry.manifest)
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
@@ -137,6 +139,20 @@ def _load_once(
         place_s=reader.place_s,
         chunks_read=reader.chunks_read,
     )
+
+
+def _in_own_view(
+    root: Location, entry: catalog.CheckpointEntry, dirpath: str, config: LoadConfig
+) -> tuple[Location, catalog.CheckpointEntry]:
+    """Rank 0's pick, read where this rank was told to look: node-local roots (`{node_rank}` tiers, a checkpoint
+    assembled from peer copies in every node root) hold the same checkpoint under each node's own path, which
+    the other nodes cannot read. Ranks given rank 0's path (the usual case) keep it."""
+    own = fsio.resolve(str(dirpath), config.storage_options)
+    if parse_dirname(own.path) is not None:  # a checkpoint directory: its root is the parent
+        own = fsio.resolve(str(dirpath).rstrip("/").rsplit("/", 1)[0], config.storage_options)
+    if own.same_place(root):
+        return root, entry
+    return own, dataclasses.replace(entry, path=join(own.path, entry.name))
 
 
 def _gone(root: Location, entry: catalog.CheckpointEntry) -> bool:
