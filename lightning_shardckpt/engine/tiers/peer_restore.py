@@ -2,7 +2,8 @@
 
 Collective "peer-restore", on every rank before the tier choice (restore.py):
 
-1. each rank reports what it holds: for the newest few checkpoint directories of every root it can read
+1. each rank reports what it holds: for the newest few checkpoint directories of every root it can read, and the
+   newest few it holds peer copies of (a copy that fell behind holds older ones)
    (its own node root and, with `scan_local_roots`, the other `{node_rank}` roots on this machine's disk),
    every file at its size, and the manifests it has (all-gather "peer-holdings");
 2. every rank computes the same plan: the newest checkpoint whose every file some rank holds at its
@@ -30,12 +31,12 @@ from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
-from .peers import all_files, holds_all
+from .peers import PEERS_DIR, all_files, holds_all
 from .verified_copy import copy_verified, expected_ranges
 
 log = logging.getLogger(__name__)
 
-CANDIDATES_PER_ROOT = 3  # newest checkpoint directories reported per root
+CANDIDATES_PER_ROOT = 3  # newest checkpoint directories reported per root, and newest with a peer record
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,12 @@ def _holdings(root: Location) -> tuple[dict[str, dict[str, int]], dict[str, dict
         names = [str(info).rstrip("/").rsplit("/", 1)[-1] for info in root.fs.ls(root.path, detail=False)]
     except FileNotFoundError:
         return {}, {}
-    dirs = sorted((parse_dirname(n).step, n) for n in names if parse_dirname(n) is not None)[-CANDIDATES_PER_ROOT:]
+    dirs = _newest(names)
+    try:  # checkpoints this root holds peer copies of: a replicator that fell behind copied older ones than the newest
+        recorded = [str(info).rstrip("/").rsplit("/", 1)[-1] for info in root.fs.ls(join(root.path, PEERS_DIR))]
+    except FileNotFoundError:
+        recorded = []
+    dirs = sorted(set(dirs) | set(_newest([n for n in recorded if n in names])))
     held, manifests = {}, {}
     for _, name in dirs:
         directory = join(root.path, name)
@@ -83,6 +89,10 @@ def _holdings(root: Location) -> tuple[dict[str, dict[str, int]], dict[str, dict
         except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
             log.debug("cannot read %s", directory, exc_info=True)
     return held, manifests
+
+
+def _newest(names: list[str]) -> list[tuple[int, str]]:
+    return sorted((parse_dirname(n).step, n) for n in names if parse_dirname(n) is not None)[-CANDIDATES_PER_ROOT:]
 
 
 def restore_from_peers(own: Location, template: str, config: PeersConfig, group: Any) -> PeerRestore:

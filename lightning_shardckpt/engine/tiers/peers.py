@@ -14,8 +14,9 @@ One background thread per rank takes fast-tier commits in commit order. For each
    rank's files, from where), which `shardckpt ls` and the resume read.
 
 Like the durable replicator, it owns a gloo group of its own: one thread's collectives per group.
-A failed copy is not retried (the next commit is copied whole); a collective that fails (a dead rank)
-stops peer replication for the rest of the run.
+A failed copy (a damaged or short file) is not retried: the next commit is copied whole. A collective that
+fails (a dead rank) stops peer replication for the rest of the run; every later commit is then reported as a
+failed copy with its lag, so the health rule still fires.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class PeerReplicator:
         with self._idle:
             self._submitted += 1
             self.lag += 1
+        if self.broken is not None:  # no thread copies it any more: the health rule still sees the lag grow
+            self._stopped_event(dirname)
+            return
         self._queue.put(dirname)
 
     def flush(self, timeout: float) -> bool:
@@ -302,22 +306,42 @@ class PeerReplicator:
         except Exception:  # noqa: BLE001 - the next copy retries
             log.debug("peer record cleanup failed in %s", self.fast.url, exc_info=True)
 
+    def _stopped_event(self, name: str) -> None:
+        """A commit after the thread stopped: reported as a failed copy, with every commit since counted as lag."""
+        parsed = parse_dirname(name)
+        self._publish(
+            name,
+            {
+                "step": parsed.step if parsed else None,
+                "run_id": None,
+                "outcome": "failed",
+                "cause": f"peer replication stopped: {self.broken}",
+                "seconds": 0.0,
+                "complete_on": [],
+                "lag_checkpoints": self.lag,
+            },
+        )
+
     def _event(self, name: str, manifest: dict, ok: bool, cause: str, nodes: list[str], seconds: float) -> None:
+        self._publish(
+            name,
+            {
+                "step": manifest.get("step"),
+                "run_id": manifest.get("run_id"),
+                "outcome": "committed" if ok else "failed",
+                "cause": cause or None,
+                "seconds": seconds,
+                "complete_on": nodes,
+                # commits still waiting for a peer copy (this one too when it failed): what the health rule watches
+                "lag_checkpoints": sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1),
+            },
+        )
+
+    def _publish(self, name: str, facts: dict[str, Any]) -> None:
+        """The coordinator writes one `peer_replication` event per copy (or stopped commit) and tells listeners."""
         if self.rank != 0:
             return
-        event = {
-            "event": "peer_replication",
-            "name": name,
-            "step": manifest.get("step"),
-            "run_id": manifest.get("run_id"),
-            "outcome": "committed" if ok else "failed",
-            "cause": cause or None,
-            "seconds": seconds,
-            "complete_on": nodes,
-            # commits still waiting for a peer copy (this one too when it failed): what the health rule watches
-            "lag_checkpoints": sum(1 for item in list(self._queue.queue) if item is not _STOP) + (0 if ok else 1),
-            "created_at": time.time(),
-        }
+        event = {"event": "peer_replication", "name": name, **facts, "created_at": time.time()}
         metrics.write_json_event(self.fast, f"peers-{name}-{event['outcome']}", event)
         for listener in self.listeners:
             try:
