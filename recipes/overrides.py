@@ -15,9 +15,10 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 NOT_A_KEY = re.compile(r"Could not override '([^']+)'")
+_ABSENT = object()
 UNEXPECTED = re.compile(r"unexpected keyword argument '([^']+)'")
 
 
@@ -35,11 +36,23 @@ def unknown_keys(config_dir: str, config_name: str, overrides: list[str]) -> lis
             except ConfigCompositionException as err:
                 match = NOT_A_KEY.search(str(err))
                 if match is None:
-                    return problems  # not ours to explain
+                    return []  # not ours to explain: Hydra reports it
                 key = match.group(1)
                 remaining = [o for o in remaining if _key_of(o) != key]
-                problems.append(key)
-    return [_did_you_mean(key, config) for key in problems]
+                problems.append((key, str(err.__cause__ or "").split("\n")[0]))
+    return [_explained(key, cause, config) for key, cause in problems]
+
+
+def _explained(key: str, cause: str, config: DictConfig) -> str:
+    """A key the config has was refused for what the override gives it (a dict given twice keeps the first's keys:
+    `tiers.fast.peers={factor:2}` then `tiers.fast.peers={...,scan_local_roots:false}`); else "did you mean"."""
+    try:
+        exists = OmegaConf.select(config, key, throw_on_missing=False, default=_ABSENT) is not _ABSENT
+    except Exception:  # noqa: BLE001 - a path through a value: not a key
+        exists = False
+    if not exists:
+        return _did_you_mean(key, config)
+    return f"{key}: Hydra could not apply it ({cause}); give {key} once, in one override with every key it needs"
 
 
 def unexpected_argument(err: BaseException, target: Any, group: str) -> str | None:

@@ -46,6 +46,20 @@ def test_a_key_far_from_every_known_one_lists_the_group_without_hydra_internals(
     assert "checkpoint has: dataset_version, dirpath, drill," in problem and "_target_" not in problem
 
 
+def test_a_dict_given_twice_is_explained_not_called_an_unknown_option():
+    """Hydra keeps the first dict's keys; the second, with a key the first lacks, is refused. The key exists, so
+    "no such option" would send the user looking for a typo that is not there."""
+    given = [
+        "tiers=local+s3",
+        "tiers.fast.peers={factor:2,jump:2}",
+        "tiers.fast.peers={factor:2,scan_local_roots:false}",
+    ]
+    (problem,) = overrides.unknown_keys(CONF, "train", given)
+    assert problem.startswith("tiers.fast.peers: Hydra could not apply it (Key 'scan_local_roots' is not in struct)")
+    assert "give tiers.fast.peers once, in one override with every key it needs" in problem
+    assert overrides.unknown_keys(CONF, "train", ["tiers=local+s3", given[2]]) == []
+
+
 def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "recipes" / "train.py"), *args]
