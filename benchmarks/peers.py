@@ -10,7 +10,8 @@ Per repeat:
   train    4 gloo CPU ranks as 2 simulated nodes × 2 (each node its own fast root, `base/node{node_rank}`),
            S3 (moto on loopback, behind a request-counting proxy) as the durable tier, a training loop of
            --steps steps (matmuls) with an async save every 4 steps: once without peer copies, once with
-           (factor 2, jump 2); the loop's wall time per step (slowest rank), and the bytes each node root holds
+           (factor 2, jump 2); the loop's wall time per step and the median pause of a save (the training
+           thread's wait in `save()`; slowest rank), and the bytes each node root holds
   peers    node 0's root deleted, then 1 node × 3 ranks resume `latest` (tier choice, peer assembly, DCP load
            resharded 4 -> 3): seconds from the first collective to the loaded state, object GETs on S3
   durable  both roots deleted (a clique lost), the same resume from S3: seconds, object GETs on S3
@@ -71,15 +72,19 @@ def train_rank(rank: int, world: int, base: str, durable: str, options: dict, si
         saver = CheckpointSaver(tiers.fast_dirpath, SaveConfig(write_events=False, node_local=True))
         tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
         a = torch.randn(384, 384)
+        pauses: list[float] = []
         dist.barrier()
         started = time.perf_counter()
         for step in range(1, steps + 1):
             for _ in range(6):
                 a = torch.tanh(a @ a)
             if step % 4 == 0:
+                asked = time.perf_counter()
                 saver.save(mine, step=step)
+                pauses.append(time.perf_counter() - asked)  # what the training thread waits for
         saver.wait()
         out[f"{mode}_loop_s"] = time.perf_counter() - started
+        out[f"{mode}_pause_s"] = statistics.median(pauses)
         tiers.close(600)
         saver.close()
         dist.barrier()
@@ -132,7 +137,8 @@ def main() -> None:
             trained = run_ranks(
                 train_rank, 4, str(base), durable, options, args.size_mib, args.steps, timeout_s=3600, pg_timeout_s=900
             )
-            row = {key: max(o.value[key] for o in trained) / args.steps for key in trained[0].value}
+            row = {key: max(o.value[key] for o in trained) for key in trained[0].value}  # the slowest rank
+            row.update({key: row[key] / args.steps for key in row if key.endswith("_loop_s")})  # per step
             row["space_off_mib"] = _bytes(base / "off") / 2**20
             row["space_peers_mib"] = _bytes(base / "peers") / 2**20
             shutil.rmtree(base / "peers" / "node0")  # node 0 lost with its disk: resume on 1 node × 3 ranks
