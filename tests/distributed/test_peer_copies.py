@@ -2,7 +2,8 @@
 
 One run saves with peer copies on, then three resumes after losing nodes: node 0 lost, resumed on 1 node ×
 3 ranks (the survivor's root is on this machine's disk: copied locally); node 1 replaced by an empty one,
-resumed on 2 × 2 (its files fetched over the group); both nodes of the clique lost, resumed from S3. The
+resumed on 2 × 2 (its files fetched over the group); node 0 lost again, resumed on 3 nodes × 1 rank (two empty
+roots filled over the group); both nodes of the clique lost, resumed from S3. The
 durable tier is the loopback S3 server behind a proxy that records every request: the peer path reads no
 object from it.
 """
@@ -73,8 +74,11 @@ def peer_run(tmp_path_factory, s3_server):
         out["replaced"] = resume(4, 2, False)
         node1 = fsio.resolve(str(base / "node1"))
         out["replaced"]["node1_committed"] = [e.step for e in catalog.list_checkpoints(node1) if e.committed]
+        shutil.rmtree(base / "node0")  # node 0 lost again; now 3 nodes of 1 rank: nodes 0 and 2 start empty
+        out["three_nodes"] = resume(3, 1, False)
         shutil.rmtree(base / "node0")
-        shutil.rmtree(base / "node1")  # both nodes of the clique lost: only S3 has it
+        shutil.rmtree(base / "node1")  # both nodes of the clique lost (node 2 too): only S3 has it
+        shutil.rmtree(base / "node2")
         out["clique_lost"] = resume(4, 2, True)
     finally:
         proxy.stop()
@@ -128,6 +132,14 @@ def test_replaced_node_fetches_its_files_over_the_group_bit_exact_without_the_du
     restore = run["ranks"][2]["restore"]
     assert restore["fetched"] > 0 and restore["copied_locally"] == 0  # scan_local_roots off: only the group
     assert run["node1_committed"] == [3]  # the replacement node's root holds the checkpoint committed again
+
+
+def test_three_nodes_of_one_rank_resume_with_two_empty_roots_filled_over_the_group(peer_run):
+    run = peer_run["three_nodes"]
+    assert run["object_reads"] == 0
+    assert all(rank["exact"] and rank["step"] == 3 for rank in run["ranks"])
+    assert [f"/node{r}/" in rank["loaded"] for r, rank in enumerate(run["ranks"])] == [True] * 3, run["ranks"]
+    assert run["ranks"][0]["restore"]["fetched"] > 0  # bytes all ranks received over the group
 
 
 def test_clique_lost_resumes_from_the_durable_tier_with_the_reason(peer_run):
