@@ -25,6 +25,7 @@ from lightning_shardckpt.policies.health_observe import observe
 from tests.helpers.peer_ranks import (
     a_dead_peer_stops_replication,
     exchange_with_a_damaged_range,
+    peer_copies_onto_a_full_node_root,
     resume_with_peers,
     save_with_peers,
 )
@@ -170,3 +171,23 @@ def test_commits_after_peer_replication_stopped_are_reported_as_failed_copies_wi
     assert [(e["outcome"], e["lag_checkpoints"]) for e in stopped] == [("failed", 2), ("failed", 3)], events
     seen = [(o.metric, o.value) for e in stopped for o in observe(e)]
     assert ("peer_replication_lag_checkpoints", 3.0) in seen and ("peer_replication_ok", 0.0) in seen
+
+
+def test_a_peer_copy_onto_a_full_node_root_fails_cleanly_and_training_saves_on(tmp_path):
+    """ENOSPC on the receiving node (a real 1 MiB tmpfs): that copy fails with the cause, nothing half-written stays
+    under the peer's name, the owner's checkpoints commit, and the replicator copies the next commit (not stopped)."""
+    from tests.helpers.full_disk import mounted_tmpfs
+
+    try:
+        with mounted_tmpfs(tmp_path / "node1", "1m"):
+            outcomes = run_ranks(peer_copies_onto_a_full_node_root, 2, str(tmp_path))
+            leftovers = sorted(p.name for p in (tmp_path / "node1").rglob("*") if p.name.startswith("__0_"))
+    except PermissionError as err:
+        pytest.skip(str(err))
+    owner, peer = (o.value for o in outcomes)
+    assert owner["committed"] == [True, True] and peer["committed"] == [True, True]
+    assert not owner["broken"] and not peer["broken"]  # a failed copy, not a dead replicator
+    assert [e["outcome"] for e in owner["events"]] == ["failed", "failed"], owner["events"]
+    assert all("No space left" in (e["cause"] or "") for e in owner["events"]), owner["events"]
+    assert owner["counters"]["peer_replication_failed"] == 2
+    assert leftovers == []  # neither rank 0's shard nor its .part on the full node

@@ -123,6 +123,14 @@ def exchange_with_a_damaged_range(rank: int, world_size: int, base: str) -> dict
     }
 
 
+def _local_durable(base: str) -> str:
+    """A durable tier on local disk (these tests never copy to it; the tiers need one)."""
+    import os
+
+    os.makedirs(f"{base}/durable", exist_ok=True)
+    return f"{base}/durable"
+
+
 def a_dead_peer_stops_replication(rank: int, world_size: int, base: str) -> dict:
     """Two nodes of one rank: step 1 is copied to the peer; then rank 1 dies (its process exits), and rank 0's
     later commits reach a replicator whose group is dead. Rank 0 returns the `peer_replication` events its
@@ -152,3 +160,27 @@ def a_dead_peer_stops_replication(rank: int, world_size: int, base: str) -> dict
     for _ in range(2):  # commits after the thread stopped: nobody copies them
         peers.submit(name)
     return {"broken": broken, "stopped": peers.stopped, "events": events, "lag": peers.snapshot()}
+
+
+def peer_copies_onto_a_full_node_root(rank: int, world_size: int, base: str) -> dict:
+    """Two nodes of one rank; node 1's root is a small tmpfs (mounted by the test) with room for its own shard but
+    not for rank 0's, which is its peer copy. Two saves; rank 0 returns the `peer_replication` events."""
+    tiers_config = dataclasses.replace(config(base, _local_durable(base), {}, 1), collective_timeout_s=30.0)
+    tiers = CheckpointTiers(tiers_config, rank, 0)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
+    )
+    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+    peers = tiers.peer_replicator
+    events: list[dict] = []
+    peers.listeners.append(events.append)
+    elements = (3 << 20) // 4 if rank == 0 else 16 << 10  # rank 0: 3 MiB of float32, rank 1: 64 KiB
+    committed = []
+    for step in (1, 2):
+        mine = {f"rank{rank}": torch.full((elements,), float(step))}
+        committed.append(saver.save(mine, step=step).result(60.0).committed)
+        assert peers.flush(60.0), f"rank {rank}: the peer copy of step {step} did not finish"
+    counters = peers.snapshot()
+    tiers.close(60.0)
+    saver.close()
+    return {"committed": committed, "events": events, "counters": counters, "broken": peers.broken is not None}
