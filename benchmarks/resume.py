@@ -17,9 +17,13 @@ saved once by our engine on 2, 3 and 4 gloo CPU ranks, then restored in a world 
   dcp.load N->N torch.distributed.checkpoint.load of the N = M checkpoint (FileSystemReader)
   one tensor    load_checkpoint of a checkpoint saved on 2 ranks holding the same      same 2->2
                 bytes as ONE tensor (each rank's shard one huge chunk)
+  first 2->2    same 2->2, but into FRESH tensors every round (a new anonymous mapping,   same 2->2
+                never touched): the kernel faults each page in during the load, as in a
+                process's first restore (a drill's, a restarted job's before its model
+                was initialized)
 
 Each sample is wall time from a barrier before to a barrier after (the slowest rank counts), into
-tensors allocated once (the warm-up round touches them), checked bit-exact against the saved values.
+tensors allocated once (the warm-up round touches them; `first` excepted), checked bit-exact against the saved values.
 Every load checks every chunk's checksum (load_checkpoint's default). Cases rotate order from round to
 round. Without --cold the files sit in the page cache (they were just written or read): the numbers
 are then memory-bound and show the software's cost; --cold asks the kernel to drop each file's pages
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -63,6 +68,7 @@ CASES = {
         ("raw 2", "raw", 2),
         ("dcp.load 2->2", "dcp", 2),
         ("one tensor 2->2", "ours", ONE_TENSOR),
+        ("first 2->2", "first", 2),
     ],
     4: [("same 4->4", "ours", 4), ("resharded 2->4", "ours", 2), ("raw 4", "raw", 4), ("dcp.load 4->4", "dcp", 4)],
 }
@@ -143,8 +149,8 @@ def load_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict[str,
             directory = _committed_dir(saved_root(config, saved_on))
             if config.cold and rank == 0:
                 evict_from_page_cache(directory)
-            target = targets[saved_on]
-            for tensor in target.values():
+            target = targets[saved_on] if method != "first" else fresh_state(rows_of(config, saved_on), world_size)
+            for tensor in target.values() if method != "first" else ():
                 tensor.to_local().zero_()  # a load that writes nothing must not pass the check
             if method == "raw":
                 seconds, value, error = timed(config.settle_s, _read_raw, shard_file, raw_buffer)
@@ -153,14 +159,14 @@ def load_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict[str,
                     config.settle_s,
                     lambda directory=directory, target=target: dcp.load(target, checkpoint_id=directory),
                 )
-            else:
+            else:  # ours, into the targets or (first) into fresh ones
                 seconds, value, error = timed(
                     config.settle_s,
                     lambda directory=directory, target=target: load_checkpoint(target, directory, config=load_config),
                 )
             error = error or (None if method == "raw" else mismatch(expected[saved_on], target))
             sample = {"case": label, "seconds": seconds, "error": error, "warmup": round_index < config.warmup}
-            if method == "ours" and value is not None:
+            if method in ("ours", "first") and value is not None:
                 sample.update(
                     read_s=getattr(value, "read_s", None),
                     place_s=getattr(value, "place_s", None),
@@ -168,6 +174,23 @@ def load_rank(rank: int, world_size: int, config: BenchConfig) -> list[dict[str,
                 )
             samples.append(sample)
     return samples
+
+
+def fresh_state(rows: list[int], world_size: int) -> dict[str, DTensor]:
+    """This rank's Shard(0) part of every tensor in memory no one has touched: one new anonymous mapping
+    (unmapped when the tensors are dropped). A fresh mapping reads as zeros, so a load that writes nothing
+    fails the check as with the zeroed targets."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    local_rows = [global_rows // world_size for global_rows in rows]
+    memory = torch.frombuffer(mmap.mmap(-1, sum(local_rows) * COLUMNS * 4), dtype=torch.float32)
+    state, used = {}, 0
+    for index, (global_rows, count) in enumerate(zip(rows, local_rows)):
+        local = memory[used : used + count * COLUMNS].view(count, COLUMNS)
+        used += count * COLUMNS
+        state[f"layer{index:02d}.weight"] = DTensor.from_local(
+            local, mesh, [Shard(0)], shape=torch.Size((global_rows, COLUMNS)), stride=(COLUMNS, 1)
+        )
+    return state
 
 
 def _read_raw(path: str, buffer: bytearray) -> int:
@@ -230,7 +253,7 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         label, world = row["case"], row["ranks"]
         reference = None
-        if label.startswith("resharded") or label.startswith("dcp.load") or label.startswith("one tensor"):
+        if label.startswith(("resharded", "dcp.load", "one tensor", "first")):
             reference = f"same {world}->{world}"
         elif label.startswith("same"):
             reference = f"raw {world}"

@@ -9,6 +9,14 @@ forms a fresh gloo group of its own, so a drill never shares collective state wi
 
 The pool side (`serve`) speaks one JSON line each way over stdin/stdout: a request names every rank's
 argv and log file and the timeout; the reply gives each rank's exit code (None: killed at the deadline).
+Destination memory: restoring into freshly allocated tensors costs the kernel a page fault per 4 KiB (0.5 GiB:
+~0.2 s here, more than reading and checksumming the same bytes from the page cache), and a real resume pays
+it once, when its model is built, not at every restore. The pool keeps one shared, already faulted mapping
+(up to `keep_bytes`) and hands each rank its own region of it; a drill that needs more grows it (and pays the
+faults, inside its time to resume); one over `keep_bytes` gets none and its ranks allocate as before. Each
+rank fills its region with NaN bytes before restoring into it, so no byte of an earlier drill survives into
+the checks: a tensor the load did not write is caught by the non-finite check.
+
 The pool waits for its ranks itself (only a parent can reap them), stops the others when one dies, and
 dies with its starter (Linux PR_SET_PDEATHSIG), as the ranks die with the pool: a drill is never left
 running by a starter that was killed, so a restarted follower cannot race an orphaned drill.
@@ -17,6 +25,7 @@ running by a starter that was killed, so a restarted follower cannot race an orp
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import select
 import signal
@@ -29,6 +38,11 @@ from typing import Any
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
 REPLY_GRACE_S = 30.0  # beyond the drill's own timeout, how long the starter waits for the pool's reply
 POOL_START_TIMEOUT_S = 300.0  # importing torch on a loaded node at nice +19 can take a while
+KEEP_BYTES = 2 * 2**30  # destination memory the pool keeps faulted between drills (all ranks together)
+ALIGN = 64  # each tensor's bytes in a region start on this boundary (torch's CPU allocator aligns to 64 too)
+# bytes per element by the manifest's dtype name; a dtype not listed: the drill allocates as before
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8}
+_ITEMSIZE |= {"int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 # The pool imports this very package (the directory above it goes first on sys.path: the drill runs the
 # code that started it, installed or not).
@@ -52,8 +66,8 @@ class WarmPool:
     """The starter's handle on one pool process. Use it from the thread that created it (the pool dies
     with that thread under PR_SET_PDEATHSIG)."""
 
-    def __init__(self, *, threads: int = 1, nice: int = 0) -> None:
-        self.threads, self.nice = threads, nice
+    def __init__(self, *, threads: int = 1, nice: int = 0, keep_bytes: int = KEEP_BYTES) -> None:
+        self.threads, self.nice, self.keep_bytes = threads, nice, keep_bytes
         self._process: subprocess.Popen | None = None
         self.start_s: float | None = None  # seconds the last start took (interpreter + imports)
 
@@ -101,10 +115,17 @@ class WarmPool:
         self.start_s = time.time() - started
         return self.start_s
 
-    def run(self, ranks: list[tuple[list[str], str]], timeout_s: float) -> list[int | None]:
-        """Fork one rank per (argv, log path); their exit codes, None for a rank killed at the deadline."""
+    def run(
+        self, ranks: list[tuple[list[str], str]], timeout_s: float, *, destination_bytes: int = 0
+    ) -> list[int | None]:
+        """Fork one rank per (argv, log path); their exit codes, None for a rank killed at the deadline.
+        `destination_bytes`: what one rank restores into (`destination_bytes()`), 0: unknown (it allocates)."""
         self.ensure_started()
-        request = {"ranks": [{"argv": argv, "log": log} for argv, log in ranks], "timeout_s": timeout_s}
+        request = {
+            "ranks": [{"argv": argv, "log": log} for argv, log in ranks],
+            "timeout_s": timeout_s,
+            "destination_bytes": destination_bytes if destination_bytes * len(ranks) <= self.keep_bytes else 0,
+        }
         try:
             self._process.stdin.write(json.dumps(request) + "\n")
             self._process.stdin.flush()
@@ -144,6 +165,24 @@ class WarmPool:
         return json.loads(line) if line else None
 
 
+def destination_bytes(manifest: dict[str, Any], world_size: int) -> int:
+    """Bytes of one drill rank's share of every tensor (dim 0 split as DTensor splits it, rounded up; each
+    tensor aligned); 0 when a dtype is unknown (the rank then allocates its tensors itself)."""
+    total = 0
+    for tensor in manifest["tensors"]:
+        itemsize = _ITEMSIZE.get(str(tensor["dtype"]).removeprefix("torch."))
+        if itemsize is None:
+            return 0
+        shape = list(tensor["shape"])
+        if shape and shape[0] > 0:
+            shape[0] = -(-shape[0] // world_size)
+        elements = 1
+        for size in shape:
+            elements *= size
+        total += -(-elements * itemsize // ALIGN) * ALIGN
+    return total
+
+
 # --- the pool process ---------------------------------------------------------------------------
 
 
@@ -158,11 +197,46 @@ def serve() -> int:
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies goes down the starter's pipe
     _write(reply, {"ready": True, "pid": os.getpid()})
+    memory = _Destinations()
     for line in sys.stdin:
         request = json.loads(line)
-        pids = [_fork_rank(drill_worker.main, rank["argv"], rank["log"]) for rank in request["ranks"]]
+        each = int(request.get("destination_bytes") or 0)
+        regions = memory.regions(each, len(request["ranks"]))
+        pids = [
+            _fork_rank(drill_worker.main, rank["argv"], rank["log"], region)
+            for rank, region in zip(request["ranks"], regions)
+        ]
+        del regions  # the pool's views: the mapping stays for the next drill, the ranks hold their own
         _write(reply, {"codes": _wait_all(pids, time.time() + float(request["timeout_s"]), parent)})
     return 0
+
+
+class _Destinations:
+    """The pool's destination memory: one shared anonymous mapping, faulted in once, a region per rank.
+    Shared, not private: a forked rank writing into a private mapping would copy every page (a fault each)."""
+
+    def __init__(self) -> None:
+        self._mapping: mmap.mmap | None = None
+
+    def regions(self, each: int, ranks: int) -> list[memoryview | None]:
+        if each <= 0:
+            return [None] * ranks
+        needed = each * ranks
+        if self._mapping is None or len(self._mapping) < needed:
+            if self._mapping is not None:
+                self._mapping.close()
+            self._mapping = mmap.mmap(-1, needed, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+            _touch(self._mapping)
+        view = memoryview(self._mapping)
+        return [view[rank * each : (rank + 1) * each] for rank in range(ranks)]
+
+
+def _touch(mapping: mmap.mmap) -> None:
+    """Fault every page in now, one write per page (a drill rank then writes into resident memory)."""
+    import torch
+
+    pages = torch.frombuffer(mapping, dtype=torch.uint8)
+    pages[:: mmap.PAGESIZE] = 0
 
 
 def _write(stream: Any, message: dict[str, Any]) -> None:
@@ -170,7 +244,7 @@ def _write(stream: Any, message: dict[str, Any]) -> None:
     stream.flush()
 
 
-def _fork_rank(main: Any, argv: list[str], log_path: str) -> int:
+def _fork_rank(main: Any, argv: list[str], log_path: str, destination: memoryview | None = None) -> int:
     sys.stderr.flush()
     pid = os.fork()
     if pid:
@@ -185,7 +259,7 @@ def _fork_rank(main: Any, argv: list[str], log_path: str) -> int:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the pool's requests are not the rank's input
         sys.stdout = sys.stderr
-        code = main(argv)
+        code = main(argv, destination=destination)
     except BaseException:
         traceback.print_exc()
     finally:

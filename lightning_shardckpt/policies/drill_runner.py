@@ -36,7 +36,7 @@ from ..engine.format.layout import join
 from ..engine.validate import require_number
 from ..errors import ConfigError, StorageUnavailable
 from . import drill_trust
-from .drill_pool import PoolFailed, WarmPool
+from .drill_pool import PoolFailed, WarmPool, destination_bytes
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def run_drill(
         "allowed_globals": list(options.safe_globals),
         **(record_fields or {}),
     }
-    outcome = _run_ranks(path, world_size, options, record, pool)
+    outcome = _run_ranks(path, world_size, options, record, pool, destination_bytes(entry.manifest, world_size))
     if outcome.get("verdict") == PASSED:
         record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
     else:
@@ -185,7 +185,7 @@ def _check_probe_importable(probe: str | None) -> None:
 
 
 def _run_ranks(
-    path: str, world_size: int, options: DrillOptions, header: dict[str, Any], pool: WarmPool
+    path: str, world_size: int, options: DrillOptions, header: dict[str, Any], pool: WarmPool, rank_bytes: int = 0
 ) -> dict[str, Any]:
     """Fork the drill ranks from the warm pool, wait at most timeout_s, and turn what happened into verdict +
     details."""
@@ -206,7 +206,7 @@ def _run_ranks(
                 (_rank_argv(path, rank, world_size, port, out, spawned_at, options), logs[rank])
                 for rank in range(world_size)
             ]
-            codes = pool.run(ranks, options.timeout_s)
+            codes = pool.run(ranks, options.timeout_s, destination_bytes=rank_bytes)
         except PoolFailed as err:
             return {"verdict": FAILED, "cause": str(err), "logs": [_tail(log) for log in logs]}
         except OSError as err:  # no port

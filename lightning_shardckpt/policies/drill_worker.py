@@ -18,15 +18,17 @@ Rank 0 writes the outcome as JSON to `--out` for the parent; the parent writes t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import json
 import math
+import mmap
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -49,14 +51,15 @@ class DrillFailed(Exception):
     """A check failed; the message is the drill's recorded cause."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, destination: memoryview | None = None) -> int:
+    """`destination`: memory the warm pool keeps faulted in for this rank's tensors (drill_pool.py); None: allocate."""
     entered = time.time()  # forked from the warm pool: the fork; run cold: interpreter start and imports too
     args = _parse(argv)
     torch.set_num_threads(args.threads)
     timings: dict[str, float] = {"process_start_s": entered - args.spawned_at}
     outcome: dict[str, Any] = {"rank": args.rank, "world_size": args.world_size}
     try:
-        started = time.time()
+        started, cpu = time.time(), time.process_time()
         if args.world_size > 1:
             dist.init_process_group(
                 "gloo",
@@ -66,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=timedelta(seconds=args.collective_timeout_s),
             )
         timings["init_s"] = time.time() - started
-        outcome.update(drill(args, timings))
+        timings["init_cpu_s"] = time.process_time() - cpu
+        outcome.update(drill(args, timings, destination))
         outcome["ok"] = True
     except DrillFailed as err:
         outcome.update(ok=False, cause=str(err))
@@ -85,40 +89,47 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def drill(args: argparse.Namespace, timings: dict[str, float]) -> dict[str, Any]:
-    started = time.time()
-    drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
-    storage_options = json.loads(args.storage_options) if args.storage_options else {}
-    _, entry = catalog.open_checkpoint(args.checkpoint, storage_options=storage_options)
-    manifest = entry.manifest
-    timings["listing_s"] = time.time() - started
-
-    started = time.time()
-    mesh = _mesh(args.world_size)
-    target = build_target(manifest, mesh)
-    timings["target_s"] = time.time() - started  # the device mesh and the empty tensors to restore into
-    started = time.time()
-    config = LoadConfig(verify_checksums=True, storage_options=storage_options, trust_checkpoint=args.trust)
-    result = load_checkpoint(target, args.checkpoint, config=config)
-    timings["load_s"] = time.time() - started  # listing (again, on rank 0), metadata, read, reshard
+def drill(args: argparse.Namespace, timings: dict[str, float], destination: memoryview | None = None) -> dict[str, Any]:
+    with _phase(timings, "listing"):
+        drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
+        storage_options = json.loads(args.storage_options) if args.storage_options else {}
+        _, entry = catalog.open_checkpoint(args.checkpoint, storage_options=storage_options)
+        manifest = entry.manifest
+    with _phase(timings, "target"):  # the device mesh and the empty tensors to restore into
+        mesh = _mesh(args.world_size)
+        target = build_target(manifest, mesh, destination)
+    with _phase(timings, "load"):  # listing (again, on rank 0), metadata, planning, read, reshard
+        config = LoadConfig(verify_checksums=True, storage_options=storage_options, trust_checkpoint=args.trust)
+        result = load_checkpoint(target, args.checkpoint, config=config)
     timings["metadata_s"], timings["read_s"] = result.metadata_s, result.read_s  # rank 0's
     timings["reshard_s"] = max(0.0, timings["load_s"] - result.metadata_s - result.read_s)
     timings["time_to_resume_s"] = time.time() - args.spawned_at
     checks: dict[str, Any] = {"tensors": len(manifest["tensors"]), "objects": len(manifest["objects"])}
 
-    started = time.time()
-    check_shapes(manifest, target)
-    checks["nonfinite"] = check_finite(manifest, target)
-    checks["lightning_state"] = check_lightning_state(target.get(LIGHTNING_FQN), trust=args.trust)
-    if args.probe:
-        checks["probe"] = check_probe(args.probe, manifest, target, args.tolerance)
-    timings["checks_s"] = time.time() - started
+    with _phase(timings, "checks"):
+        check_shapes(manifest, target)
+        checks["nonfinite"] = check_finite(manifest, target)
+        checks["lightning_state"] = check_lightning_state(target.get(LIGHTNING_FQN), trust=args.trust)
+        if args.probe:
+            checks["probe"] = check_probe(args.probe, manifest, target, args.tolerance)
     return {
         "checkpoint": entry.name,
         "step": entry.step,
         "bytes_read": _sum_across_ranks(result.bytes_read),
         "checks": checks,
     }
+
+
+@contextlib.contextmanager
+def _phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Wall seconds (`NAME_s`) and this process's CPU seconds, every thread (`NAME_cpu_s`), of one drill phase:
+    CPU well below wall time is waiting (on another rank, on the disk, on a busy machine's scheduler)."""
+    started, cpu = time.time(), time.process_time()
+    try:
+        yield
+    finally:
+        timings[f"{name}_s"] = time.time() - started
+        timings[f"{name}_cpu_s"] = time.process_time() - cpu
 
 
 def warm_imports() -> None:
@@ -155,22 +166,73 @@ def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dic
     return record
 
 
-def build_target(manifest: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """Empty tensors of the manifest's global shapes and dtypes, this rank's dim-0 share of each."""
-    from torch.distributed.tensor import Replicate, Shard
+def build_target(manifest: dict[str, Any], mesh: Any, destination: memoryview | None = None) -> dict[str, Any]:
+    """Empty tensors of the manifest's global shapes and dtypes, this rank's dim-0 share of each: views into
+    `destination` (filled with NaN bytes first: nothing an earlier drill restored survives) when it is given
+    and large enough, else newly allocated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor import empty as dtensor_empty
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    memory = _Carver(destination) if destination is not None else None
     target: dict[str, Any] = {}
     for tensor in manifest["tensors"]:
         shape, dtype = tensor["shape"], _dtype(tensor["dtype"])
-        if mesh is None:
-            target[tensor["fqn"]] = torch.empty(shape, dtype=dtype)
+        placements = [Shard(0) if shape and shape[0] > 0 else Replicate()]
+        local_shape = shape if mesh is None else compute_local_shape_and_global_offset(shape, mesh, placements)[0]
+        local = memory.take(local_shape, dtype) if memory is not None else None
+        if local is None and mesh is None:
+            local = torch.empty(shape, dtype=dtype)
+        if local is None:
+            target[tensor["fqn"]] = dtensor_empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
+        elif mesh is None:
+            target[tensor["fqn"]] = local
         else:
-            placement = Shard(0) if shape and shape[0] > 0 else Replicate()
-            target[tensor["fqn"]] = dtensor_empty(shape, dtype=dtype, device_mesh=mesh, placements=[placement])
+            stride = torch.empty(shape, dtype=dtype, device="meta").stride()
+            target[tensor["fqn"]] = DTensor.from_local(local, mesh, placements, shape=torch.Size(shape), stride=stride)
     for obj in manifest["objects"]:
         target[obj["fqn"]] = None  # replaced by the loaded object
     return target
+
+
+class _Carver:
+    """Consecutive 64-byte-aligned tensors out of one region of memory, which is filled with 0xFF first
+    (NaN in every float dtype)."""
+
+    def __init__(self, region: memoryview) -> None:
+        self._bytes = torch.frombuffer(region, dtype=torch.uint8) if len(region) else torch.empty(0, dtype=torch.uint8)
+        _map_in(self._bytes)
+        self._bytes.fill_(0xFF)
+        self._used = 0
+
+    def take(self, shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor of `shape` in the region; None when the region is full (the caller allocates)."""
+        count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self._used + count > self._bytes.numel():
+            return None
+        piece = self._bytes[self._used : self._used + count]
+        self._used += -(-count // 64) * 64
+        return piece.view(dtype).view(tuple(shape))
+
+
+def _map_in(memory: torch.Tensor) -> None:
+    """Map the region's pages into this forked rank in one call (Linux MADV_POPULATE_WRITE): fork copies no
+    page table entries of a shared mapping, and a fault per 4 KiB costs ~2x what this does. Best effort."""
+    if not sys.platform.startswith("linux") or memory.numel() < mmap.PAGESIZE:
+        return
+    import ctypes
+
+    start = -(-memory.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    length = (memory.data_ptr() + memory.numel() - start) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(start, length, _MADV_POPULATE_WRITE)  # an older kernel says EINVAL: the fill faults them in
+    except (OSError, AttributeError):
+        pass
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
 def check_shapes(manifest: dict[str, Any], target: dict[str, Any]) -> None:
