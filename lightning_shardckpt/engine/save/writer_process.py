@@ -61,6 +61,7 @@ class WriterProcess:
         """`fault_hook` (tests) must be picklable: it runs in the writer process."""
         rank, world = rank_and_world(group)
         self.rank = rank
+        self._shared: list[torch.Tensor] = []  # the shared-memory tensors the writer process holds, in order
         # torchrun sets MASTER_ADDR (rank 0's host); single-node runs without it reach rank 0 on loopback
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self._store = None
@@ -94,7 +95,14 @@ class WriterProcess:
         # a callable does not cross the pipe: the keys it accepts do
         keys = None if identical is None else frozenset(k for k in flatten_state_dict(state)[0] if identical(k))
         portable = SaveMeta(meta.epoch, meta.samples_consumed, meta.identity, meta.extra, None, meta.references)
-        self._connection.send((state, step, portable, keys))
+        tensors: list[torch.Tensor] = []
+        tree = _by_reference(state, tensors)
+        # the staging slot refills the same tensors every save: they cross the pipe (one fd handshake with the
+        # parent's resource-sharer thread each, GIL held) only when the slot was (re)allocated
+        if len(tensors) != len(self._shared) or any(a is not b for a, b in zip(tensors, self._shared)):
+            self._connection.send(("tensors", tensors))
+            self._shared = tensors
+        self._connection.send(("save", tree, step, portable, keys))
         reply = self._receive(f"writing step {step}")
         if isinstance(reply, SaveResult):
             return reply
@@ -139,6 +147,7 @@ def _serve(
     fault_hook: FaultHook | None,
 ) -> None:
     """The writer process: join the writer group, then persist every staged tree it is sent, in order."""
+    shared: list[torch.Tensor] = []
     torch.set_num_threads(1)  # the write is I/O and checksums; never compete with training for intra-op threads
     try:
         store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(host, port, world, is_master=False))
@@ -159,7 +168,11 @@ def _serve(
                 return
             if request is None:
                 return
-            state, step, meta, identical_keys = request
+            if request[0] == "tensors":
+                shared = request[1]
+                continue
+            _, tree, step, meta, identical_keys = request
+            state = _resolve(tree, shared)
             meta.identical = None if identical_keys is None else identical_keys.__contains__
             try:
                 result = persist_checkpoint(root, group, config, state, step, meta, fault_hook)
@@ -183,3 +196,40 @@ def _portable_error(err: BaseException) -> BaseException:
         return err
     except Exception:
         return CommitFailed(f"{type(err).__name__}: {err}")
+
+
+class _TensorRef:
+    """Stands for the `index`-th shared tensor the writer process holds."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_TensorRef, (self.index,))
+
+
+def _by_reference(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """`tree` with every tensor replaced by a _TensorRef into `tensors` (appended in order)."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return _TensorRef(len(tensors) - 1)
+    if isinstance(tree, dict):
+        return {key: _by_reference(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_by_reference(value, tensors) for value in tree]
+        return tuple(items) if isinstance(tree, tuple) else items
+    return tree
+
+
+def _resolve(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of _by_reference, in the writer process."""
+    if isinstance(tree, _TensorRef):
+        return tensors[tree.index]
+    if isinstance(tree, dict):
+        return {key: _resolve(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_resolve(value, tensors) for value in tree]
+        return tuple(items) if isinstance(tree, tuple) else items
+    return tree
