@@ -15,8 +15,12 @@ the store held by the parent: no port race, and a writer that dies cannot take t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import types
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +65,10 @@ class WriterProcess:
         """`fault_hook` (tests) must be picklable: it runs in the writer process."""
         rank, world = rank_and_world(group)
         self.rank = rank
-        self._shared: list[torch.Tensor] = []  # the shared-memory tensors the writer process holds, in order
+        # per staging slot, the shared-memory tensors the writer process holds (in order), keyed by the id of the
+        # slot's first tensor (held here, so the id stays unique); bounded: a layout change allocates anew
+        self._shared: dict[int, list[torch.Tensor]] = {}
+        self._shared_limit = 2 * config.max_in_flight
         # torchrun sets MASTER_ADDR (rank 0's host); single-node runs without it reach rank 0 on loopback
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self._store = None
@@ -76,7 +83,8 @@ class WriterProcess:
             name=f"shardckpt-writer-{rank}",
             daemon=True,
         )
-        self._process.start()
+        with _main_module_hidden():
+            self._process.start()
         child.close()
         reply = self._receive("starting")
         if reply != READY:
@@ -99,10 +107,16 @@ class WriterProcess:
         tree = _by_reference(state, tensors)
         # the staging slot refills the same tensors every save: they cross the pipe (one fd handshake with the
         # parent's resource-sharer thread each, GIL held) only when the slot was (re)allocated
-        if len(tensors) != len(self._shared) or any(a is not b for a, b in zip(tensors, self._shared)):
-            self._connection.send(("tensors", tensors))
-            self._shared = tensors
-        self._connection.send(("save", tree, step, portable, keys))
+        key = id(tensors[0]) if tensors else 0
+        held = self._shared.get(key)
+        if held is None or len(held) != len(tensors) or any(a is not b for a, b in zip(tensors, held)):
+            if held is None and len(self._shared) >= self._shared_limit:
+                oldest = next(iter(self._shared))
+                del self._shared[oldest]
+                self._connection.send(("forget", oldest))
+            self._connection.send(("tensors", key, tensors))
+            self._shared[key] = tensors
+        self._connection.send(("save", key, tree, step, portable, keys))
         reply = self._receive(f"writing step {step}")
         if isinstance(reply, SaveResult):
             return reply
@@ -136,6 +150,23 @@ class WriterProcess:
         self._connection.close()
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawned process without it re-running the training script.
+
+    Spawn imports the parent's __main__ in the child (as __mp_main__); a training script without an
+    `if __name__ == "__main__":` guard would train again in the writer. The writer needs nothing from
+    __main__ (its target and arguments live in this package), so the child is told of none.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 def _serve(
     connection: Any,
     dirpath: str,
@@ -147,7 +178,7 @@ def _serve(
     fault_hook: FaultHook | None,
 ) -> None:
     """The writer process: join the writer group, then persist every staged tree it is sent, in order."""
-    shared: list[torch.Tensor] = []
+    shared: dict[int, list[torch.Tensor]] = {}  # per staging slot (WriterProcess._shared)
     torch.set_num_threads(1)  # the write is I/O and checksums; never compete with training for intra-op threads
     try:
         store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(host, port, world, is_master=False))
@@ -169,10 +200,13 @@ def _serve(
             if request is None:
                 return
             if request[0] == "tensors":
-                shared = request[1]
+                shared[request[1]] = request[2]
                 continue
-            _, tree, step, meta, identical_keys = request
-            state = _resolve(tree, shared)
+            if request[0] == "forget":
+                shared.pop(request[1], None)
+                continue
+            _, key, tree, step, meta, identical_keys = request
+            state = _resolve(tree, shared[key])
             meta.identical = None if identical_keys is None else identical_keys.__contains__
             try:
                 result = persist_checkpoint(root, group, config, state, step, meta, fault_hook)
