@@ -37,6 +37,12 @@ background write), timed from a barrier to a barrier; after the timer stops the 
                 caller, writes on its one-thread executor), then the same barrier
   dcp_async     dcp.async_save(get_state_dict(...), process_group=<dedicated gloo group>), thread mode; the
                 previous one's future is waited for before the next (one in flight, as ours)
+  ours_process  as ours_overlap, with SaveConfig(writer="process"): persist + verify + commit run in a per-rank
+                writer process fed from shared-memory staging, so the training process holds no GIL for the write
+  dcp_async_thread / dcp_async_process
+                dcp.async_save(..., storage_writer=FileSystemWriter(dir), async_checkpointer_type=THREAD / PROCESS):
+                PyTorch's thread executor vs its per-rank checkpoint daemon process (own gloo group, TCPStore
+                rendezvous, staged state in shared memory); the previous future is waited for before the next
 
 Per method, per round, per rank: loop delta per checkpoint = (segment seconds - lead step x steps) /
 checkpoints, where the lead step is the median of the segment's own first --every steps (before its
@@ -82,17 +88,34 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 
-METHODS = ("none", "copy", "write_floor", "ours_block", "ours_overlap", "pl_sync", "pl_async", "dcp_async")
+METHODS = (
+    "none",
+    "copy",
+    "write_floor",
+    "ours_block",
+    "ours_overlap",
+    "ours_process",
+    "pl_sync",
+    "pl_async",
+    "dcp_async",
+    "dcp_async_thread",
+    "dcp_async_process",
+)
 LABELS = {
     "none": "none (noise floor)",
     "copy": "raw copy (blocking)",
     "write_floor": "raw copy + bare write",
     "ours_block": "ours, blocking copy",
     "ours_overlap": "ours, overlapped copy",
+    "ours_process": "ours, overlapped, writer process",
     "pl_sync": "Lightning sync",
     "pl_async": "Lightning AsyncCheckpointIO",
     "dcp_async": "dcp.async_save",
+    "dcp_async_thread": "dcp.async_save THREAD",
+    "dcp_async_process": "dcp.async_save PROCESS",
 }
+# PyTorch's own anchors: async_save with a FileSystemWriter, its thread executor vs its writer daemon process
+DCP_ASYNC_TYPES = {"dcp_async_thread": "THREAD", "dcp_async_process": "PROCESS"}
 STALL_VS_COPY_TARGET = 0.25  # overlapped loop delta at most this multiple of the raw copy
 STALL_VS_PL_TARGET = 40.0  # and at least this many times shorter than Lightning's sync save
 # issue 30: ours' loop delta as a share of Lightning sync's, on a quiet machine and with a core kept busy
@@ -146,6 +169,18 @@ class Loop:
             os.path.join(config.workdir, f"ours-overlap-{world_size}"), SaveConfig(overlap_staging=True)
         )
         self.overlapped.guard(self.optimizer)
+        # a writer process per saver: only built when the method runs (it spawns a process and its own group)
+        self.in_process = (
+            CheckpointSaver(
+                os.path.join(config.workdir, f"ours-process-{world_size}"),
+                SaveConfig(overlap_staging=True, writer="process"),
+            )
+            if "ours_process" in config.methods
+            else None
+        )
+        if self.in_process is not None:
+            self.in_process.guard(self.optimizer)
+        self.fenced = {"ours_overlap": self.overlapped, "ours_process": self.in_process}
         self.floor_buffers = [torch.empty_like(t) for t in self._tensors()]
         self.floor_thread: threading.Thread | None = None
         self.torch_io = TorchCheckpointIO()
@@ -200,8 +235,9 @@ class Loop:
             path = os.path.join(directory, f"floor-{self.rank}-{self.saved_step}.bin")
             self.floor_thread = threading.Thread(target=self._write_floor, args=(path,), daemon=True)
             self.floor_thread.start()
-        elif method == "ours_overlap":
-            self.overlapped.save(self.state(), step=self.saved_step, defer=lambda fqn: True)  # no buffers in this MLP
+        elif method in ("ours_overlap", "ours_process"):
+            saver = self.fenced[method]
+            saver.save(self.state(), step=self.saved_step, defer=lambda fqn: True)  # no buffers in this MLP
         elif method in ("pl_sync", "pl_async"):
             if self.rank == 0:
                 io = self.torch_io if method == "pl_sync" else self.lightning_async
@@ -214,6 +250,19 @@ class Loop:
                 self.state(),
                 checkpoint_id=os.path.join(directory, f"step-{self.saved_step}"),
                 process_group=self.dcp_group,
+            )
+        elif method in DCP_ASYNC_TYPES:
+            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            if self.dcp_future is not None:
+                self.dcp_future.result()  # one in flight, as a real loop would
+            path = os.path.join(directory, f"step-{self.saved_step}")
+            self.dcp_future = dcp.async_save(
+                self.state(),
+                storage_writer=FileSystemWriter(path),
+                process_group=self.dcp_group,
+                async_checkpointer_type=getattr(AsyncCheckpointerType, DCP_ASYNC_TYPES[method]),
             )
         self.blocked.append(time.perf_counter() - started)
 
@@ -235,12 +284,12 @@ class Loop:
             self.blocking.wait()
         elif method == "write_floor":
             self._join_floor()
-        elif method == "ours_overlap":
-            self.overlapped.fence()
-            self.overlapped.wait()
+        elif method in ("ours_overlap", "ours_process"):
+            self.fenced[method].fence()
+            self.fenced[method].wait()
         elif method == "pl_async" and self.rank == 0:
             self.lightning_async.teardown()
-        elif method == "dcp_async" and self.dcp_future is not None:
+        elif method.startswith("dcp_async") and self.dcp_future is not None:
             self.dcp_future.result()
             self.dcp_future = None
 
@@ -252,10 +301,11 @@ class Loop:
         started = time.perf_counter()
         for index in range(1, config.steps + config.every + 1):
             step_started = time.perf_counter()
-            fence_before = self.overlapped.fence_wait_total_s if method == "ours_overlap" else 0.0
+            fenced = self.fenced.get(method)
+            fence_before = fenced.fence_wait_total_s if fenced is not None else 0.0
             self.step()
-            if method == "ours_overlap":
-                waited = self.overlapped.fence_wait_total_s - fence_before
+            if fenced is not None:
+                waited = fenced.fence_wait_total_s - fence_before
                 if waited and self.blocked:
                     self.blocked[-1] += waited  # the fence belongs to the checkpoint that caused it
             steps.append(time.perf_counter() - step_started)
@@ -275,6 +325,8 @@ class Loop:
     def close(self) -> None:
         self.blocking.close()
         self.overlapped.close()
+        if self.in_process is not None:
+            self.in_process.close()
 
 
 def rank_main(rank: int, world_size: int, config: InLoopConfig) -> dict[str, Any]:
@@ -298,7 +350,7 @@ def rank_main(rank: int, world_size: int, config: InLoopConfig) -> dict[str, Any
         rounds.append({"round": round_index, "warmup": round_index < config.warmup, "segments": segments})
     loop.close()
     if rank == 0:
-        for saver_dir in ("ours-block", "ours-overlap"):
+        for saver_dir in ("ours-block", "ours-overlap", "ours-process"):
             shutil.rmtree(os.path.join(config.workdir, f"{saver_dir}-{world_size}"), ignore_errors=True)
     state_bytes = sum(t.nbytes for t in loop._tensors())
     return {"rounds": rounds, "state_bytes": state_bytes}

@@ -37,6 +37,9 @@ class VerifyConfig:
         require_number("verify.seed", self.seed, integer=True, allow_none=True, none_means="fresh randomness")
 
 
+WRITERS = ("thread", "process")  # SaveConfig.writer
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveConfig:
     """How the engine writes and commits one checkpoint."""
@@ -47,6 +50,11 @@ class SaveConfig:
     # thread waits only before the optimizer step (and copies buffers, counters and pickled state at once).
     # No effect when async_save is False (nothing is staged)
     overlap_staging: bool = True
+    # where persist + verify + commit run: "thread" (a background thread of the training process) or "process"
+    # (a long-lived writer process per rank, fed from shared-memory staging: the training process holds no GIL
+    # for the write; engine/save/writer_process.py). "process" needs async_save, plain (non-DTensor) tensors
+    # and incremental=false
+    writer: str = "thread"
     max_in_flight: int = 1  # saves staged but not yet committed; each holds one host copy of the rank's state
     when_busy: WhenBusy = (
         "wait"  # a save requested while max_in_flight are running: "wait" (counted as pause) or "skip"
@@ -91,6 +99,16 @@ class SaveConfig:
         if not isinstance(self.overlap_staging, bool):
             raise ConfigError(
                 f"overlap_staging={self.overlap_staging!r} must be true or false; true hides the staging copy behind the next step"
+            )
+        if self.writer not in WRITERS:
+            raise ConfigError(
+                f"writer={self.writer!r} is unknown; use 'thread' (write on a background thread) or 'process' "
+                "(a writer process per rank fed from shared memory)"
+            )
+        if self.writer == "process" and (not self.async_save or self.incremental):
+            raise ConfigError(
+                "writer='process' needs async_save=true and incremental=false (the writer process reads staged "
+                "copies only); set writer='thread' or change those options"
             )
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"incremental={self.incremental!r} must be true or false")

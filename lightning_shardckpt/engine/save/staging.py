@@ -198,7 +198,9 @@ def _nothing(fqn: str) -> bool:
 class StagingBuffers:
     """One reusable host copy of a state dict (one checkpoint's worth of staging memory)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
+        """`shared`: buffers in shared memory, so a writer process maps them (writer_process.py)."""
+        self.shared = shared
         self._buffers: dict[str, Any] | None = None
         self._signature: tuple | None = None
         self._event: Any = None
@@ -286,8 +288,9 @@ class StagingBuffers:
             deferred.wait()
 
     def _allocate(self, state_dict: dict[str, Any], signature: tuple, *, pin: bool) -> None:
-        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
+        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin, share_memory=self.shared)
         self._signature = signature
         self.allocations += 1
         self.nbytes = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in iter_tensors(self._buffers))
-        log.info("allocated %.1f MiB of %s staging memory", self.nbytes / 2**20, "pinned" if pin else "host")
+        kind = ("pinned " if pin else "") + ("shared" if self.shared else "host")
+        log.info("allocated %.1f MiB of %s staging memory", self.nbytes / 2**20, kind)

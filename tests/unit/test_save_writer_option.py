@@ -1,0 +1,30 @@
+"""SaveConfig.writer: "thread" (default) or "process"; anything else is refused with the allowed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_shardckpt import SaveConfig
+from lightning_shardckpt.engine.config import save_config_from
+from lightning_shardckpt.errors import ConfigError
+
+
+def test_writer_defaults_to_the_background_thread():
+    assert SaveConfig().writer == "thread"
+
+
+def test_writer_is_read_from_the_hydra_save_block():
+    assert save_config_from({"writer": "process", "overlap_staging": True}).writer == "process"
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"writer": "processes"}, "writer='processes' is unknown"),
+        ({"writer": "process", "async_save": False}, "writer='process' needs async_save=true"),
+        ({"writer": "process", "incremental": True}, "incremental=false"),
+    ],
+)
+def test_writer_option_is_validated_with_the_allowed_values(options, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        SaveConfig(**options)
