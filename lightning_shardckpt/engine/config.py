@@ -110,6 +110,11 @@ class SaveConfig:
                 "writer='process' needs async_save=true and incremental=false (the writer process reads staged "
                 "copies only); set writer='thread' or change those options"
             )
+        if self.writer == "process" and self.parallelism == "fsdp":  # known before training: refused then
+            raise ConfigError(
+                "writer='process' saves plain tensors only and an FSDP2 state is DTensors; set save.writer='thread' "
+                "(or parallelism='ddp')"
+            )
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"incremental={self.incremental!r} must be true or false")
         if self.incremental and self.node_local:

@@ -28,3 +28,11 @@ def test_writer_is_read_from_the_hydra_save_block():
 def test_writer_option_is_validated_with_the_allowed_values(options, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
         SaveConfig(**options)
+
+
+def test_a_writer_process_for_an_fsdp_state_is_refused_when_the_callback_builds_its_config():
+    """The callback builds its SaveConfig with the strategy's parallelism at setup, before the first step: an FSDP2
+    state (DTensors) cannot cross to the writer process, so it is refused there, not at the first save."""
+    with pytest.raises(ConfigError, match="set save.writer='thread'"):
+        save_config_from({"writer": "process"}, parallelism="fsdp")
+    assert save_config_from({"writer": "process"}, parallelism="ddp").writer == "process"
