@@ -214,7 +214,7 @@ def test_replicator_copies_every_nth_commit_and_the_newest_at_close(tmp_path):
         names.append(_commit(fast, step, run_id="run-b"))
         replicator.submit(names[-1])
         deadline = time.monotonic() + 30
-        while replicator._handled < replicator._submitted and time.monotonic() < deadline:
+        while replicator.pending and time.monotonic() < deadline:
             time.sleep(0.01)
     on_durable = [e.step for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed]
     assert on_durable == [2, 4]  # every 2nd
@@ -231,7 +231,7 @@ def test_replicator_with_every_minutes_copies_the_newest_once_the_interval_passe
     def commit_and_wait(step: int) -> None:
         replicator.submit(_commit(fast, step, run_id="run-m"))
         deadline = time.monotonic() + 30
-        while replicator._handled < replicator._submitted and time.monotonic() < deadline:
+        while replicator.pending and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def on_durable() -> list[int]:

@@ -35,6 +35,7 @@ from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_d
 from ..metrics import RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
+from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
 from .verified_copy import expected_ranges, file_size
@@ -77,13 +78,11 @@ class PeerReplicator:
         self.group = group
         self.rank, self.world_size = rank_and_world(group)
         self.counters = RunCounters()
-        self.lag = 0
         self.bytes_sent = 0  # this rank's bytes sent to peers (the network cost of peer copies)
         self.broken: BaseException | None = None
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # coordinator: each copy's event
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._submitted = self._handled = 0
-        self._idle = threading.Condition()
+        self._backlog = Backlog()
         self._roots: list[str] = all_gather_objects("peer-roots", fast.url, group)  # each rank's node root
         same = [r for r in range(self.world_size) if any(self._roots[p] == self._roots[r] for p in self._peers(r))]
         if same and self.rank == 0:
@@ -101,29 +100,25 @@ class PeerReplicator:
 
     # --- the caller's side ---
     def submit(self, dirname: str) -> None:
-        with self._idle:
-            self._submitted += 1
-            self.lag += 1
+        self._backlog.add()
         if self.broken is not None:  # no thread copies it any more: the health rule still sees the lag grow
             self._stopped_event(dirname)
             return
         self._queue.put(dirname)
 
     def flush(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._idle:
-            while self._handled < self._submitted and self.broken is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._idle.wait(min(remaining, 0.5))
-        return self.broken is None
+        return self._backlog.wait_empty(time.monotonic() + timeout, lambda: self.broken is not None)
 
     def close(self, timeout: float) -> bool:
         flushed = self.flush(timeout)
         self._queue.put(_STOP)
         self._thread.join(max(1.0, timeout))
         return flushed
+
+    @property
+    def lag(self) -> int:
+        """Commits not yet copied to peers (or skipped): what `peer_replication_lag_checkpoints` reports."""
+        return self._backlog.pending
 
     @property
     def stopped(self) -> bool:
@@ -155,15 +150,14 @@ class PeerReplicator:
                     for _ in names[:-1]:
                         self.counters.note(PEER_REPLICATION_SKIPPED)
                     self._copy(*picked)
-                self._mark_handled(len(names))
+                self._backlog.done(len(names))
                 if stop:
                     return
         except BaseException as err:  # a collective failed (a rank died): the group is unusable now
             self.broken = err
             self.counters.note(PEER_REPLICATION_FAILED)
             log.error("rank %d: peer replication stopped: %s; checkpoints stay on this node only", self.rank, err)
-            with self._idle:
-                self._idle.notify_all()
+            self._backlog.wake()
 
     def _take(self, names: list[str], count: int) -> list[str]:
         """Exactly the coordinator's `count` submissions (a rank may see a commit's notice a little later)."""
@@ -189,12 +183,6 @@ class PeerReplicator:
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
         return name, json.loads(manifest_bytes), manifest_bytes, record_bytes, kept
-
-    def _mark_handled(self, count: int) -> None:
-        with self._idle:
-            self._handled += count
-            self.lag = max(0, self._submitted - self._handled)
-            self._idle.notify_all()
 
     def _copy(
         self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes, kept: list[str]

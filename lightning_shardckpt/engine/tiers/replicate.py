@@ -38,6 +38,7 @@ from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_r
 from ..metrics import RunCounters
 from ..save.commit import publish
 from ..storage.fsio import Location
+from .backlog import Backlog
 from .config import TiersConfig
 from .verified_copy import copy_verified
 
@@ -82,9 +83,7 @@ class Replicator:
         self._fault = fault_hook or (lambda point: None)
         self._sleep = sleep
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._submitted = 0
-        self._handled = 0
-        self._idle = threading.Condition()
+        self._backlog = Backlog()  # its lock also guards lag and newest_durable
         self._stop_requested = threading.Event()
         self._flush_deadline: float | None = None
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # coordinator: each attempt's event (health rules)
@@ -97,10 +96,15 @@ class Replicator:
     # --- the caller's side (any thread; every rank alike) ---
     def submit(self, dirname: str) -> None:
         """A checkpoint committed on the fast tier; call on every rank in commit order."""
-        with self._idle:
-            self._submitted += 1
+        with self._backlog.lock:
+            self._backlog.submitted += 1
             self.lag += 1
         self._queue.put(dirname)
+
+    @property
+    def pending(self) -> int:
+        """Submitted commits the thread has not yet copied or skipped (it may still be on them)."""
+        return self._backlog.pending
 
     def flush(self, timeout: float) -> bool:
         """Wait until every submitted checkpoint was copied or skipped; False if `timeout` passed first.
@@ -109,13 +113,7 @@ class Replicator:
         """
         deadline = time.monotonic() + timeout
         self._flush_deadline = deadline
-        with self._idle:
-            while self._handled < self._submitted and self.broken is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._idle.wait(min(remaining, 0.5))
-        return self.broken is None
+        return self._backlog.wait_empty(deadline, lambda: self.broken is not None)
 
     def close(self, timeout: float) -> bool:
         """Copy the newest checkpoint not yet on the durable tier (whatever the cadence), then stop; bounded by
@@ -127,7 +125,7 @@ class Replicator:
         # the thread stops itself once the owed copy committed or the deadline passed (a copy running then
         # finishes its current attempt); it is a daemon: the run never waits for it without bound
         self._thread.join(max(1.0, timeout + 5.0))
-        left = self._submitted - self._handled
+        left = self._backlog.pending
         owed = self._owed is not None or left
         if owed:
             log.error(
@@ -172,9 +170,9 @@ class Replicator:
                 if action == "copy":
                     self._copy_with_retries(name, manifest)
                 elif action == "skip":
-                    self._mark_handled(1)
+                    self._backlog.done(1)
                 if action == "stop":
-                    self._mark_handled(len(pending))
+                    self._backlog.done(len(pending))
                     return
         except BaseException as err:  # a collective timed out (a rank died) or a bug: the group is unusable now
             self.broken = err
@@ -185,8 +183,7 @@ class Replicator:
                 self.durable.url,
                 err,
             )
-            with self._idle:
-                self._idle.notify_all()
+            self._backlog.wake()
 
     def _drain(self, pending: list[str], stopping: bool) -> tuple[list[str], bool]:
         while True:
@@ -266,13 +263,8 @@ class Replicator:
         if index:
             for _ in range(index):
                 self.counters.note(REPLICATION_SKIPPED)
-            self._mark_handled(index)
+            self._backlog.done(index)
         return pending[index + 1 :]
-
-    def _mark_handled(self, count: int) -> None:
-        with self._idle:
-            self._handled += count
-            self._idle.notify_all()
 
     def _copy_with_retries(self, name: str, manifest: dict[str, Any], counted: bool = True) -> None:
         """Copy until committed, the coordinator gives up (closing past its deadline) or a newer one waits.
@@ -285,13 +277,13 @@ class Replicator:
             if ok:
                 self._since_copy = 0
                 self._last_copy_time = time.monotonic()
-                with self._idle:
+                with self._backlog.lock:
                     self.newest_durable = name
                     self.lag = sum(
                         1 for item in list(self._queue.queue) if item is not _STOP
                     )  # what stays queued is still behind
                 self.counters.note(REPLICATED)
-                self._mark_handled(1 if counted else 0)
+                self._backlog.done(1 if counted else 0)
                 return
             failures += 1
             self.counters.note(REPLICATION_FAILED)
@@ -312,14 +304,14 @@ class Replicator:
             )
             give_up = broadcast_from_coordinator("replicate-retry", give_up, self.group)
             if give_up:
-                self._mark_handled(1 if counted else 0)
+                self._backlog.done(1 if counted else 0)
                 return
             self._sleep(wait)
             newer = any(item is not _STOP for item in list(self._queue.queue))
             if broadcast_from_coordinator("replicate-newer", newer, self.group):
                 # behind: drop this one, the loop picks the newest (counted as skipped)
                 self.counters.note(REPLICATION_SKIPPED)
-                self._mark_handled(1 if counted else 0)
+                self._backlog.done(1 if counted else 0)
                 return
 
     def _event(self, name: str, manifest: dict[str, Any], ok: bool, message: str, seconds: float) -> None:
