@@ -183,6 +183,15 @@ class LostNode:
         durable.fs.invalidate_cache()
         self.proxy.clear()
 
+    def resume_on_one_node(self, phase: str, devices: int, to_step: int) -> str:
+        """The main recipe with `resume=latest` on one node of `devices` ranks; its output (it must exit 0)."""
+        command = [sys.executable, str(TRAIN), f"trainer.devices={devices}", f"trainer.max_steps={to_step}"]
+        command += ["resume=latest", *_overrides(self.tmp_path, phase, self.run_name)]
+        proc = subprocess.run(command, cwd=self.tmp_path, env=self.env, capture_output=True, text=True, timeout=400)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"({phase}) resume on {devices} ranks exited {proc.returncode}\n{out[-8000:]}"
+        return out
+
     def s3_reads(self) -> list[str]:
         return [r.path for r in self.proxy.requests("GET", DATA_READ)]
 
@@ -203,16 +212,7 @@ def test_a_lost_node_resumes_from_peer_copies_on_any_world_without_s3_and_a_lost
     # (a) one node of 3 ranks: node 0's root is assembled from node 1's root on this machine's disk
     lost.back_to_the_kill()
     resume = [f"trainer.max_steps={lost.step + 1}", "resume=latest"]
-    proc = subprocess.run(
-        [sys.executable, str(TRAIN), "trainer.devices=3", *resume, *_overrides(lost.tmp_path, "a", lost.run_name)],
-        cwd=lost.tmp_path,
-        env=lost.env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"(a) resume on 3 ranks exited {proc.returncode}\n{out[-8000:]}"
+    out = lost.resume_on_one_node("a", devices=3, to_step=lost.step + 1)
     line = _resume_line(out)
     assert line and line.groups()[1:] == (str(lost.step), "4", "3", "fast"), out[-4000:]
     assert line[1].endswith(f"/node0/{lost.newest}"), line[0]
@@ -261,23 +261,7 @@ def test_a_lost_node_resumes_from_peer_copies_on_any_world_without_s3_and_a_lost
     on_s3 = max(final, key=lambda name: int(name.split("-")[1]))  # (b)'s close copies its newest to S3
     shutil.rmtree(lost.local)
     lost.proxy.clear()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            "trainer.devices=2",
-            f"trainer.max_steps={int(on_s3.split('-')[1]) + 1}",
-            "resume=latest",
-            *_overrides(lost.tmp_path, "c", lost.run_name),
-        ],
-        cwd=lost.tmp_path,
-        env=lost.env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"(c) resume on 2 ranks exited {proc.returncode}\n{out[-8000:]}"
+    out = lost.resume_on_one_node("c", devices=2, to_step=int(on_s3.split("-")[1]) + 1)
     assert re.search(
         r"no complete peer copy on the fast tier: no fast-tier checkpoint survives on any node; reading the durable "
         r"tier",

@@ -123,12 +123,21 @@ def exchange_with_a_damaged_range(rank: int, world_size: int, base: str) -> dict
     }
 
 
-def _local_durable(base: str) -> str:
-    """A durable tier on local disk (these tests never copy to it; the tiers need one)."""
+def _two_nodes_of_one_rank(rank: int, base: str, timeout_s: float) -> tuple[Any, Any, Any, list[dict]]:
+    """Rank r is node r with its own fast root, peer copies on, a local durable tier these tests never copy to;
+    (tiers, saver, peer replicator, the `peer_replication` events rank 0's listener collects)."""
     import os
 
     os.makedirs(f"{base}/durable", exist_ok=True)
-    return f"{base}/durable"
+    tiers_config = dataclasses.replace(config(base, f"{base}/durable", {}, 1), collective_timeout_s=timeout_s)
+    tiers = CheckpointTiers(tiers_config, rank, 0)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=timeout_s, node_local=True)
+    )
+    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+    events: list[dict] = []
+    tiers.peer_replicator.listeners.append(events.append)
+    return tiers, saver, tiers.peer_replicator, events
 
 
 def a_dead_peer_stops_replication(rank: int, world_size: int, base: str) -> dict:
@@ -138,16 +147,7 @@ def a_dead_peer_stops_replication(rank: int, world_size: int, base: str) -> dict
     import os
     import time
 
-    os.makedirs(f"{base}/durable", exist_ok=True)
-    tiers_config = dataclasses.replace(config(base, f"{base}/durable", {}, 1), collective_timeout_s=10.0)
-    tiers = CheckpointTiers(tiers_config, rank, 0)
-    saver = CheckpointSaver(
-        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=10.0, node_local=True)
-    )
-    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
-    peers = tiers.peer_replicator
-    events: list[dict] = []
-    peers.listeners.append(events.append)
+    _, saver, peers, events = _two_nodes_of_one_rank(rank, base, timeout_s=10.0)
     name = saver.save(state(1), step=1, identical=lambda key: True).result(60.0).path.rstrip("/").rsplit("/", 1)[-1]
     assert peers.flush(60.0), "the first copy completes while both ranks live"
     if rank == 1:
@@ -165,15 +165,7 @@ def a_dead_peer_stops_replication(rank: int, world_size: int, base: str) -> dict
 def peer_copies_onto_a_full_node_root(rank: int, world_size: int, base: str) -> dict:
     """Two nodes of one rank; node 1's root is a small tmpfs (mounted by the test) with room for its own shard but
     not for rank 0's, which is its peer copy. Two saves; rank 0 returns the `peer_replication` events."""
-    tiers_config = dataclasses.replace(config(base, _local_durable(base), {}, 1), collective_timeout_s=30.0)
-    tiers = CheckpointTiers(tiers_config, rank, 0)
-    saver = CheckpointSaver(
-        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
-    )
-    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
-    peers = tiers.peer_replicator
-    events: list[dict] = []
-    peers.listeners.append(events.append)
+    tiers, saver, peers, events = _two_nodes_of_one_rank(rank, base, timeout_s=30.0)
     elements = (3 << 20) // 4 if rank == 0 else 16 << 10  # rank 0: 3 MiB of float32, rank 1: 64 KiB
     committed = []
     for step in (1, 2):
