@@ -17,6 +17,8 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -178,6 +180,44 @@ def resolve_latest(
 
 
 LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/format/drill_records.py): proven to restore
+_STEP_WORD = re.compile(r"^step-(\d+)$")  # `step-500`, as people say it: the step, not a directory name
+_CHECKPOINT_ID = re.compile(r"^[0-9a-f]{12}$")  # layout.new_checkpoint_id's spelling
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A checkpoint as a user names it (`ckpt_path`, `fabric.load`, `Checkpointer.load`, the CLI): a selector
+    within a root the caller knows, or a path that names its own root (or one checkpoint directory)."""
+
+    text: str  # as given
+    selector: str | int | None  # "latest", "last-good", a step (int), an id or a directory name; None: a path
+
+    @property
+    def is_path(self) -> bool:
+        return self.selector is None
+
+    @property
+    def newest(self) -> bool:
+        """`latest` (or a path, which means its root's latest): the one spelling an empty root may answer
+        with nothing (start fresh) instead of an error."""
+        return self.selector == "latest"
+
+
+def parse_reference(text: str | int) -> Reference:
+    """The one parser of checkpoint spellings. Without a `/`: `latest`, `last-good`, a step (`500` or
+    `step-500`), a checkpoint id (12 hex digits) or a directory name (`step-000000500-<id>`) is a selector;
+    anything else is a path (write `./name` for a directory here whose name looks like a selector)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return Reference(str(text), text)
+    text = str(text)
+    if "/" not in text:
+        if text in ("latest", LAST_GOOD) or parse_dirname(text) is not None or _CHECKPOINT_ID.match(text):
+            return Reference(text, text)
+        if text.isdigit():
+            return Reference(text, int(text))
+        if (word := _STEP_WORD.match(text)) is not None:
+            return Reference(text, int(word[1]))
+    return Reference(text, None)
 
 
 def last_good(
