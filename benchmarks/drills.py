@@ -136,8 +136,8 @@ def _train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 def resume(args: argparse.Namespace) -> dict[str, Any]:
     from common import run_world, tensor_rows
 
-    from lightning_shardckpt.policies.drill_pool import WarmPool
-    from lightning_shardckpt.policies.drill_runner import DrillOptions, run_drill
+    from lightning_shardckpt.policies.drills.pool import WarmPool
+    from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
 
     with tempfile.TemporaryDirectory(prefix="shardckpt-drillbench-") as workdir:
         root = os.path.join(workdir, "ckpt")

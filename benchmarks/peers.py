@@ -61,7 +61,7 @@ def train_rank(rank: int, world: int, base: str, durable: str, options: dict, si
     import torch.distributed as dist
 
     from lightning_shardckpt import CheckpointSaver, SaveConfig
-    from lightning_shardckpt.policies.tiers import CheckpointTiers
+    from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 
     torch.set_num_threads(1)
     mine = {k: v for k, v in make_state(rank, size_mib).items() if k.startswith(f"r{rank}.")}
@@ -95,7 +95,7 @@ def resume_rank(rank: int, world: int, base: str, durable: str, options: dict, s
     from lightning_shardckpt.engine.collectives import new_checkpoint_group
     from lightning_shardckpt.engine.config import LoadConfig
     from lightning_shardckpt.engine.load.loader import load_checkpoint
-    from lightning_shardckpt.policies.tiers import CheckpointTiers
+    from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 
     torch.set_num_threads(1)
     tiers = CheckpointTiers(_tiers(f"{base}/peers", f"{durable}/peers", options, 3, True), 0, rank)

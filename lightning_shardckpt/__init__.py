@@ -43,25 +43,25 @@ ENGINE_NAMES = {
     "export_checkpoint": ".ops.export",
     "VerifyReport": ".ops.verify",
     "verify_checkpoint": ".ops.verify",
-    "Transition": ".policies.health_eval",
-    "HealthConfig": ".policies.health_rules",
-    "HealthRule": ".policies.health_rules",
-    "NormalRange": ".policies.health_rules",
-    "Persistence": ".policies.health_rules",
-    "HealthControl": ".policies.mitigations",
-    "MitigationContext": ".policies.mitigations",
-    "register_mitigation": ".policies.mitigations",
+    "Transition": ".policies.health.evaluate",
+    "HealthConfig": ".policies.health.rules",
+    "HealthRule": ".policies.health.rules",
+    "NormalRange": ".policies.health.rules",
+    "Persistence": ".policies.health.rules",
+    "HealthControl": ".policies.health.mitigations",
+    "MitigationContext": ".policies.health.mitigations",
+    "register_mitigation": ".policies.health.mitigations",
     "Checkpointer": ".training.checkpointer",
     "ResumableDistributedSampler": ".training.data",
 }
 LIGHTNING_NAMES = {
-    "ShardedCheckpoint": ".lightning.callback",
-    "ShardedDDPStrategy": ".lightning.strategy",
-    "ShardedFSDPStrategy": ".lightning.strategy",
-    "ShardedStrategy": ".lightning.strategy",
-    "ShardedFabricStrategy": ".lightning.fabric",
-    "ShardedFabricDDPStrategy": ".lightning.fabric",
-    "ShardedFabricFSDPStrategy": ".lightning.fabric",
+    "ShardedCheckpoint": ".lightning.trainer.callback",
+    "ShardedDDPStrategy": ".lightning.trainer.strategy",
+    "ShardedFSDPStrategy": ".lightning.trainer.strategy",
+    "ShardedStrategy": ".lightning.trainer.strategy",
+    "ShardedFabricStrategy": ".lightning.fabric.strategy",
+    "ShardedFabricDDPStrategy": ".lightning.fabric.strategy",
+    "ShardedFabricFSDPStrategy": ".lightning.fabric.strategy",
 }
 
 
@@ -93,14 +93,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .engine.metrics import CheckpointRecord, read_events
     from .engine.save.persist import SaveResult
     from .engine.save.saver import CheckpointSaver, PendingSave
-    from .lightning.callback import ShardedCheckpoint
-    from .lightning.fabric import ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy, ShardedFabricStrategy
-    from .lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
+    from .lightning.fabric.strategy import ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy, ShardedFabricStrategy
+    from .lightning.trainer.callback import ShardedCheckpoint
+    from .lightning.trainer.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
     from .ops.export import ExportOptions, ExportResult, export_checkpoint
     from .ops.verify import VerifyReport, verify_checkpoint
-    from .policies.health_eval import Transition
-    from .policies.health_rules import HealthConfig, HealthRule, NormalRange, Persistence
-    from .policies.mitigations import HealthControl, MitigationContext, register_mitigation
+    from .policies.health.evaluate import Transition
+    from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
+    from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence
     from .training.checkpointer import Checkpointer
     from .training.data import ResumableDistributedSampler
 

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 @hydra.main(config_path="../conf", config_name="drill", version_base="1.3")
 def main(cfg: DictConfig) -> int:
-    from lightning_shardckpt.policies.drill_runner import DrillOptions, run_drill
-    from lightning_shardckpt.policies.drill_trust import spec_of
+    from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
+    from lightning_shardckpt.policies.drills.trust import spec_of
 
     options = DrillOptions(
         world_size=cfg.world_size,
@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> int:
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
     )
     if cfg.follow:
-        from lightning_shardckpt.policies.drill_follower import DrillFollower
+        from lightning_shardckpt.policies.drills.follower import DrillFollower
 
         follower = DrillFollower(
             cfg.root, options, every_n_checkpoints=cfg.every_n_checkpoints, interval_s=cfg.interval_s

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..ops import investigate
+from ..ops import diff as checkpoint_diff
+from ..ops import references
 from ..ops.choices import BISECT_TOP
 from . import exit_codes, options
 from .compare import print_changes
@@ -40,7 +41,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     from ..ops.bisect import bisect  # here: it imports torch, which `shardckpt --help` must not wait for
     from ..ops.checks import parse_check
 
-    location = investigate.open_root(args.root, args.storage_options)
+    location = references.open_root(args.root, args.storage_options)
     check, kind = parse_check(args.bad, storage_options=args.storage_options)
     report = bisect(
         location, check, kind=kind, linear=args.linear, run_id=args.run_id, top=args.top, check_name=args.bad
@@ -95,9 +96,9 @@ def _print_bisect(report: dict[str, Any]) -> None:
 
 def _print_identity(identity: dict[str, Any]) -> None:
     print("\n2. identity across the boundary (good -> bad):")
-    for name in investigate.SHOWN:
+    for name in checkpoint_diff.SHOWN:
         block = identity["blocks"][name]
-        if block["status"] in (investigate.SAME, investigate.UNRECORDED):
+        if block["status"] in (checkpoint_diff.SAME, checkpoint_diff.UNRECORDED):
             continue
         print(f"   {name}: {block['status']}" + ("" if block["compared"] else " (position/run: shown, not compared)"))
         for line in block["lines"]:

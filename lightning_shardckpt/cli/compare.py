@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..ops import investigate
+from ..ops import references
 from . import exit_codes, options
 from .output import print_json, print_table
 
@@ -35,7 +35,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..engine.load.global_tensors import GlobalTensorReader  # here: torch, which --help must not wait for
     from ..ops.compare import compare_readers, summary
 
-    a, b = investigate.resolve_pair(args.a, args.b, args.root, args.storage_options)
+    a, b = references.resolve_pair(args.a, args.b, args.root, args.storage_options)
     with GlobalTensorReader(a.root, a.entry) as reader_a, GlobalTensorReader(b.root, b.entry) as reader_b:
         changes = compare_readers(reader_a, reader_b)
     counts = summary(changes)

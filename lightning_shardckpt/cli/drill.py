@@ -15,7 +15,7 @@ from ..errors import CheckpointNotFound, ConfigError
 from . import exit_codes, options
 from .output import print_table
 
-# the drill phases, in the order they run (policies/drill_worker.py times them), as the table shows them
+# the drill phases, in the order they run (policies/drills/worker.py times them), as the table shows them
 PHASES = (
     ("process_start_s", "start ranks (fork from the warm pool)"),
     ("init_s", "process group"),
@@ -122,7 +122,7 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    from ..policies.drill_runner import DrillOptions, run_drill  # here: torch, which --help must not wait for
+    from ..policies.drills.runner import DrillOptions, run_drill  # here: torch, which --help must not wait for
 
     if not args.follow and (args.once or args.exit_when_idle is not None):
         raise ConfigError("--once and --exit-when-idle stop a follower; add --follow, or drop them")
@@ -147,7 +147,7 @@ def _follow(args: argparse.Namespace, options: Any) -> int:
     """Drill ROOT's new checkpoints until stopped; SIGTERM (a Kubernetes stop) ends it like Ctrl-C."""
     import signal
 
-    from ..policies.drill_follower import DrillFollower
+    from ..policies.drills.follower import DrillFollower
 
     if parse_dirname(fsio.resolve(args.path, args.storage_options).path) is not None:
         raise ConfigError(f"--follow watches a root; {args.path} is a checkpoint: pass its parent directory")
@@ -232,7 +232,7 @@ def cmd_last_good(args: argparse.Namespace) -> int:
 
 
 def _safe_global(name: str) -> str:
-    from ..policies import drill_trust  # here: torch, which --help must not wait for
+    from ..policies.drills import trust as drill_trust  # here: torch, which --help must not wait for
 
     try:
         return drill_trust.spec_of(name)

@@ -9,8 +9,8 @@ from typing import Any
 from ..errors import ConfigError, ShardCkptError
 from ..ops.health_plot import plot
 from ..ops.health_report import evaluate_root
-from ..ops.investigate import open_root
-from ..policies.health_rules import HealthConfig, load_rules_file
+from ..ops.references import open_root
+from ..policies.health.rules import HealthConfig, load_rules_file
 from . import exit_codes, options
 
 

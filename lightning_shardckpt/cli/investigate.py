@@ -8,7 +8,9 @@ import sys
 from typing import Any
 
 from ..engine.format.layout import join
-from ..ops import investigate
+from ..ops import diff as checkpoint_diff
+from ..ops import references
+from ..ops import timeline as root_timeline
 from . import exit_codes, options
 from .output import PROG, human_bytes, print_json, print_table, short_time
 
@@ -38,7 +40,7 @@ def add_commands(commands: Any) -> None:
     timeline.add_argument(
         "--grace",
         type=options.number("--grace", at_least=0, too_small="is negative"),
-        default=investigate.IN_FLIGHT_GRACE_S,
+        default=root_timeline.IN_FLIGHT_GRACE_S,
         metavar="SECONDS",
         help="an uncommitted directory last written less than this ago, with no failure event, is in-flight "
         "(default: %(default).0f)",
@@ -54,8 +56,8 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    a, b = investigate.resolve_pair(args.a, args.b, args.root, args.storage_options)
-    result = investigate.diff(a, b)
+    a, b = references.resolve_pair(args.a, args.b, args.root, args.storage_options)
+    result = checkpoint_diff.diff(a, b)
     if args.json:
         print_json(result)
     else:
@@ -64,8 +66,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    location = investigate.open_root(args.root, args.storage_options)
-    result = investigate.timeline(location, grace_s=args.grace)
+    location = references.open_root(args.root, args.storage_options)
+    result = root_timeline.timeline(location, grace_s=args.grace)
     if result["events_problem"]:
         print(f"{PROG}: warning: {result['events_problem']}; causes are not shown", file=sys.stderr)
     if args.json:
@@ -85,10 +87,10 @@ def _print_diff(result: dict[str, Any]) -> None:
             f"{side.upper()}  {head['name']}  step {head['step']}  created {short_time(head['created_at'])}  {head['path']}"
         )
     unrecorded = []
-    for name in investigate.SHOWN:
+    for name in checkpoint_diff.SHOWN:
         block = result["blocks"][name]
         print(f"\n{name}: {_diff_status(block)}")
-        if block["status"] == investigate.UNRECORDED:
+        if block["status"] == checkpoint_diff.UNRECORDED:
             unrecorded += [name] if block["compared"] else []
             continue
         a, b = _flatten(block["a"]), _flatten(block["b"])
@@ -117,11 +119,11 @@ def _print_diff(result: dict[str, Any]) -> None:
 def _diff_status(block: dict[str, Any]) -> str:
     status, compared = block["status"], block["compared"]
     text = {
-        investigate.SAME: "same",
-        investigate.DIFFERS: "DIFFERS" if compared else "differs",
-        investigate.UNRECORDED: "not recorded",
-        investigate.ONLY_A: "DIFFERS: recorded in A only" if compared else "recorded in A only",
-        investigate.ONLY_B: "DIFFERS: recorded in B only" if compared else "recorded in B only",
+        checkpoint_diff.SAME: "same",
+        checkpoint_diff.DIFFERS: "DIFFERS" if compared else "differs",
+        checkpoint_diff.UNRECORDED: "not recorded",
+        checkpoint_diff.ONLY_A: "DIFFERS: recorded in A only" if compared else "recorded in A only",
+        checkpoint_diff.ONLY_B: "DIFFERS: recorded in B only" if compared else "recorded in B only",
     }[status]
     return text if compared else f"{text} (shown, not compared)"
 
@@ -170,7 +172,7 @@ def _print_timeline(result: dict[str, Any], metrics: list[str]) -> None:
             print(f"step {row['step']}: {_resume_line(row['resume'])}")
         elif row["cause"]:
             print(f"step {row['step']} {row['id'] or '(no id)'}: {row['state']}: {row['cause']}")
-    if any(row["state"] == investigate.IN_FLIGHT for row in rows):
+    if any(row["state"] == root_timeline.IN_FLIGHT for row in rows):
         print(
             f"in-flight: no manifest yet and no failure event, last written less than {result['grace_s']:.0f}s ago (--grace)"
         )

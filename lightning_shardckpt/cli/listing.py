@@ -11,7 +11,7 @@ from ..engine.format import drill_records
 from ..engine.format import manifest as manifest_format
 from ..engine.format.layout import join
 from ..engine.storage.fsio import Location
-from ..ops import investigate
+from ..ops import references
 from . import exit_codes, options, tiers
 from .output import human_age, human_bytes, print_json, print_table
 
@@ -31,7 +31,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return tiers.cmd_ls_tiers(args)
     if "{node_rank}" in args.root:  # a node-local fast tier: on which nodes each checkpoint is complete
         return tiers.cmd_ls_nodes(args)
-    location = investigate.open_root(args.root, args.storage_options)
+    location = references.open_root(args.root, args.storage_options)
     entries = catalog.list_checkpoints(location)
     latest = catalog.resolve_latest(location, entries)
     report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/, passed records read
@@ -86,7 +86,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    location, entry = investigate.open_path(args.path, args.storage_options)
+    location, entry = references.open_path(args.path, args.storage_options)
     manifest = entry.manifest
     identity = manifest.get("identity") or {}
     summary = {

@@ -9,7 +9,7 @@ from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.layout import parse_dirname
 from ..engine.tiers.restore import choose
-from ..ops.investigate import open_root
+from ..ops.references import open_root
 from . import exit_codes, options
 from .output import print_table
 

@@ -9,8 +9,8 @@ Lightning's dataloaders; `lightning_state` carries Lightning's own checkpoint en
 The only room that imports Lightning. May import every room below it; never `..cli`.
 """
 
-from .fabric import register as register_fabric
-from .strategy import register
+from .fabric.strategy import register as register_fabric
+from .trainer.strategy import register
 
 register()  # Trainer(strategy="shardckpt_ddp" / "shardckpt_fsdp"), from whichever import loads the adapter first
 register_fabric()  # Fabric(strategy="shardckpt_ddp" / "shardckpt_fsdp"): Fabric's own registry

@@ -22,10 +22,11 @@ from ..engine import catalog
 from ..engine.format.layout import join, shard_rank
 from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound
-from . import investigate
+from . import diff as identity_diff
 from .checks import NUMERIC, Check, CheckpointHandle, CheckResult, safely
 from .choices import BISECT_TOP as DEFAULT_TOP
 from .compare import compare_readers, summary
+from .references import Resolved
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,8 @@ def bisect(
     report["earliest_known_bad_at"] = bad_entry.record["created_at"]
     if good_entry is not None:
         report["last_good"] = _header(location, good_entry, search.results[first_bad - 1])
-        good, bad = (investigate.Resolved(entry.name, location, entry) for entry in (good_entry, bad_entry))
-        report["identity"] = investigate.diff(good, bad)
+        good, bad = (Resolved(entry.name, location, entry) for entry in (good_entry, bad_entry))
+        report["identity"] = identity_diff.diff(good, bad)
         report["resume"] = resume_commands(location, good_entry)
     report["affected"] = _affected(location, good_entry, bad_entry, search.results[first_bad], kind, top)
     return report

@@ -29,8 +29,8 @@ from ..engine.format.outcomes import decode_metrics
 from ..engine.load.global_tensors import GlobalTensorReader
 from ..engine.storage.fsio import Location
 from ..errors import ConfigError, CorruptCheckpoint
-from ..policies.drill_runner import DrillOptions, run_drill
-from ..policies.drill_worker import DrillFailed, load_callable
+from ..policies.drills.runner import DrillOptions, run_drill
+from ..policies.drills.worker import DrillFailed, load_callable
 from .compare import nonfinite_count
 from .verify import verify_checkpoint
 

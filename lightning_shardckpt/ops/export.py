@@ -44,8 +44,8 @@ from .export_formats import (
     shard_plan,
     tensor_bytes,
 )
-from .investigate import open_path
 from .progress import progress
+from .references import open_path
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..policies.health_eval import FIRED, RESOLVED, SeriesState, range_text
-from ..policies.health_rules import METRIC_UNITS, ROOT, RUN, HealthRule
+from ..policies.health.evaluate import FIRED, RESOLVED, SeriesState, range_text
+from ..policies.health.rules import METRIC_UNITS, ROOT, RUN, HealthRule
 from .health_report import HealthReport
 
 PANEL_HEIGHT_IN, LINE_HEIGHT_IN, WIDTH_IN, DPI = 2.1, 0.19, 11.0, 80

@@ -13,9 +13,9 @@ from typing import Any
 from ..engine.metrics import read_events
 from ..engine.storage.fsio import Location
 from ..errors import ConfigError
-from ..policies.health_eval import FIRED, HealthEvaluator, Transition, range_text
-from ..policies.health_observe import HEALTH_EVENT, RULES_EVENT
-from ..policies.health_rules import HealthConfig, health_config_from
+from ..policies.health.evaluate import FIRED, HealthEvaluator, Transition, range_text
+from ..policies.health.observe import HEALTH_EVENT, RULES_EVENT
+from ..policies.health.rules import HealthConfig, health_config_from
 
 
 @dataclass

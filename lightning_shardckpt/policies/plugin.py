@@ -1,6 +1,6 @@
 """The plug-in lifecycle of a checkpointing run: retention, tiers, drills and health are plug-ins.
 
-A front door (lightning/callback.py) holds one `PluginList` and calls each hook at its point of the
+A front door (lightning/trainer/callback.py) holds one `PluginList` and calls each hook at its point of the
 loop; every hook has a no-op default in `Plugin`, so a plug-in implements only what it does. Nothing
 here knows a framework: what a plug-in sees of the run is a `PluginContext` the front door fills in
 (ranks, the saver, a `Reporter` for metrics and alerts, the collectives it may run).

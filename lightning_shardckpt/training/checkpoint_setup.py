@@ -8,12 +8,12 @@ from typing import Any
 
 from ..engine.config import LIGHTNING, LoadConfig, SaveConfig
 from ..engine.tiers.config import TiersConfig
-from ..policies.drill_plugin import DrillConfig, TrainingDrills
-from ..policies.health_plugin import HealthWatch
-from ..policies.health_rules import HealthConfig
+from ..policies.drills.plugin import DrillConfig, TrainingDrills
+from ..policies.health.plugin import HealthWatch
+from ..policies.health.rules import HealthConfig
 from ..policies.plugin import PluginList
 from ..policies.retention_plugin import RetentionPlugin
-from ..policies.tiers import TiersPlugin
+from ..policies.tiers.plugin import TiersPlugin
 from .callback_options import CallbackConfig
 from .plan import CheckpointPlan, Placement
 

@@ -30,10 +30,10 @@ from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.tiers.config import tiers_config_from
-from ..policies.drill_plugin import drill_config_from
-from ..policies.health_rules import health_config_from
+from ..policies.drills.plugin import drill_config_from
+from ..policies.health.rules import health_config_from
 from ..policies.plugin import PluginContext
-from ..policies.tiers import tiered_dirpath
+from ..policies.tiers.plugin import tiered_dirpath
 from . import front_doors, user_state
 from .callback_options import CallbackConfig
 from .checkpoint_setup import checkpoint_plan, checkpoint_plugins, placement_from_env

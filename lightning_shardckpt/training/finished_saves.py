@@ -1,7 +1,7 @@
 """Finished saves, on the training thread: drain the saver, log each record, tell the plug-ins of commits.
 
 Every front door runs these steps at each step end; where a record is logged is the front door's: the
-Trainer's loggers (lightning/saving.py), or a plain loop's `log_metrics(values, step)` (e.g. `wandb.log`).
+Trainer's loggers (lightning/trainer/saving.py), or a plain loop's `log_metrics(values, step)` (e.g. `wandb.log`).
 """
 
 from __future__ import annotations

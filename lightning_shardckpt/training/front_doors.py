@@ -13,7 +13,7 @@ optimizer from "optimizers.0", provided the state holds exactly one of each and 
 optimizer. What the state asks for and the checkpoint lacks fails the load unless `strict=False` (then it keeps
 its value and is named in `not_restored`). The other door's pickled section is not read: its data position and
 RNG are reported as not restored. The sections' names are lightning/lightning_state.py's and
-lightning/fabric_state.py's (training/ does not import lightning/).
+lightning/fabric/state.py's (training/ does not import lightning/).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A resume under a checkpoint plan, framework-free: which checkpoint, from which tier, and what if it fails.
 
 `latest` (or `last-good`) is looked up in the plan's root, or across the tiers when the plan has them
-(policies/tiers.py); with nothing committed a resume starts fresh (None), unless `resume_required`. A
+(policies/tiers/plugin.py); with nothing committed a resume starts fresh (None), unless `resume_required`. A
 checkpoint that fails its checksums loads again from the other tier's copy, then, with
 `drill.fallback_to_last_good`, from the last known-good. Every rank decides alike: rank 0 lists, and
 the others get its answer on `group`. ShardedStrategy.load_checkpoint walks the same steps for Lightning.

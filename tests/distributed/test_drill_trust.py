@@ -1,6 +1,6 @@
 """Restore drills trust what the run trusts: a checkpoint whose Lightning state holds the user's own class
 resumes with `trust_checkpoint=True` or with the class in `torch.serialization.add_safe_globals`, so its
-drills (fresh processes, policies/drill_worker.py) must unpickle with the same trust, or no checkpoint of
+drills (fresh processes, policies/drills/worker.py) must unpickle with the same trust, or no checkpoint of
 that run ever becomes known-good. The drill record says which trust it used."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.drill_plugin import DrillConfig, TrainingDrills
+from lightning_shardckpt.policies.drills.plugin import DrillConfig, TrainingDrills
 from lightning_shardckpt.training.plan import CheckpointPlan, Placement
 from tests.helpers.drill_user_state import UserState
 

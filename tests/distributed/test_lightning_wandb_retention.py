@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-from lightning_shardckpt.lightning.wandb_artifacts import SUMMARY_DELETED, SUMMARY_DELETED_STEPS
+from lightning_shardckpt.lightning.trainer.wandb_artifacts import SUMMARY_DELETED, SUMMARY_DELETED_STEPS
 from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
 from tests.helpers.spawn import run_ranks
 from tests.helpers.wandb_reader import find_run_file, read_run

@@ -21,7 +21,7 @@ from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.policies.health_observe import observe
+from lightning_shardckpt.policies.health.observe import observe
 from tests.helpers.peer_ranks import (
     a_dead_peer_stops_replication,
     exchange_with_a_damaged_range,

@@ -47,7 +47,7 @@ from lightning_shardckpt.cli import main as cli
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.layout import DCP_METADATA, MANIFEST, shard_filename
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.lightning.strategy import ShardedDDPStrategy, ShardedFSDPStrategy
+from lightning_shardckpt.lightning.trainer.strategy import ShardedDDPStrategy, ShardedFSDPStrategy
 from tests.helpers import training_state as ts
 from tests.helpers.lightning_run import CaptureAtStart, TinyData, TinyModule, _full, lightning_env
 from tests.helpers.spawn import run_ranks

@@ -20,7 +20,7 @@ from lightning_shardckpt.engine.format.checksum import checksum, checksum_of_che
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.format.manifest import to_bytes
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.drill_runner import DrillOptions, run_drill
+from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
 from tests.helpers import drill_probes
 from tests.helpers.spawn import run_ranks
 
@@ -224,7 +224,7 @@ def test_retention_spares_a_checkpoint_while_a_drill_of_it_is_queued_or_running(
     import time
 
     from lightning_shardckpt.policies import retention
-    from lightning_shardckpt.policies.drill_runner import DrillRunner
+    from lightning_shardckpt.policies.drills.runner import DrillRunner
 
     root = tmp_path / "root"
     saver = CheckpointSaver(str(root), SaveConfig(async_save=False))

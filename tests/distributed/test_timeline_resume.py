@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.ops import investigate
+from lightning_shardckpt.ops import timeline
 from tests.helpers.lightning_run import fit_on_rank
 from tests.helpers.spawn import run_ranks
 
@@ -15,7 +15,7 @@ def test_timeline_shows_a_lightning_resume_from_2_to_3_ranks_as_a_resume(tmp_pat
     run_ranks(fit_on_rank, 2, root, "ddp", 3, None, {"every": 3}, timeout_s=240)
     run_ranks(fit_on_rank, 3, root, "ddp", 6, "latest", {"every": 3}, timeout_s=240)
 
-    rows = investigate.timeline(fsio.resolve(root))["checkpoints"]
+    rows = timeline.timeline(fsio.resolve(root))["checkpoints"]
     assert [row["state"] for row in rows] == ["committed", "resumed", "committed"], rows
     saved, resume, after = rows
     assert resume["step"] == 3 and resume["cause"] is None

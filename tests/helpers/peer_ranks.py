@@ -14,7 +14,7 @@ from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.tiers.config import PeersConfig, TierConfig, TiersConfig
 from lightning_shardckpt.policies import retention
-from lightning_shardckpt.policies.tiers import CheckpointTiers
+from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 
 KEYS = tuple("abcdefgh")  # written spread over the ranks (declared identical): every rank writes a shard
 

@@ -21,7 +21,7 @@ from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CorruptCheckpoint
-from lightning_shardckpt.ops import investigate
+from lightning_shardckpt.ops import timeline
 from lightning_shardckpt.policies import retention
 from tests.helpers import counting_fs
 from tests.helpers.counting_fs import counting_url
@@ -97,7 +97,7 @@ def test_timeline_reads_each_manifest_once_and_holds_no_tensor_table(big_root):
     location = resolve(counting_url(root), {"log_id": log_id})
     tracemalloc.start()
     try:
-        result = investigate.timeline(location)
+        result = timeline.timeline(location)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -127,7 +127,7 @@ def test_timeline_of_a_manifest_not_in_the_writers_layout_parses_it_in_full_and_
             handle.write(data)
     with open(os.path.join(root, names[3], MANIFEST), "ab") as handle:
         handle.write(b" ")  # one byte more than committed
-    rows = {row["name"]: row for row in investigate.timeline(resolve(root))["checkpoints"]}
+    rows = {row["name"]: row for row in timeline.timeline(resolve(root))["checkpoints"]}
     assert [rows[name]["state"] for name in names] == ["committed", "committed", "committed", "corrupt"]
     assert rows[names[0]]["verification"] == rows[names[2]]["verification"]
     assert "does not match its commit record" in rows[names[3]]["cause"]

@@ -1,4 +1,4 @@
-"""A drill rank restores into the memory its warm pool keeps (policies/drill_pool.py): each tensor is a view
+"""A drill rank restores into the memory its warm pool keeps (policies/drills/pool.py): each tensor is a view
 of the rank's region, and the region is all NaN bytes before the load, so nothing an earlier drill left
 there can pass for a restored tensor: a tensor the load did not write fails the non-finite check."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardckpt.policies.drill_pool import destination_bytes
-from lightning_shardckpt.policies.drill_worker import DrillFailed, build_target, check_finite
+from lightning_shardckpt.policies.drills.pool import destination_bytes
+from lightning_shardckpt.policies.drills.worker import DrillFailed, build_target, check_finite
 
 MANIFEST = {
     "tensors": [

@@ -9,7 +9,7 @@ import sys
 
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.drill_leases import DrillLeases
+from lightning_shardckpt.policies.drills.leases import DrillLeases
 
 CHECKPOINT = "step-000000004-0123456789ab"
 

@@ -11,10 +11,10 @@ import pytest
 from lightning_shardckpt import ConfigError, HealthConfig, register_mitigation
 from lightning_shardckpt.engine import metrics
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.policies.health_eval import FIRED, RESOLVED, HealthEvaluator
-from lightning_shardckpt.policies.health_observe import failure_cause
-from lightning_shardckpt.policies.health_plugin import HealthWatch
-from lightning_shardckpt.policies.health_rules import health_config_from, load_rules_file, rule_from
+from lightning_shardckpt.policies.health.evaluate import FIRED, RESOLVED, HealthEvaluator
+from lightning_shardckpt.policies.health.observe import failure_cause
+from lightning_shardckpt.policies.health.plugin import HealthWatch
+from lightning_shardckpt.policies.health.rules import health_config_from, load_rules_file, rule_from
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "health"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_shardckpt.errors import ConfigError
-from lightning_shardckpt.lightning.strategy import mesh_sizes
+from lightning_shardckpt.lightning.parallelism import mesh_sizes
 
 
 def test_no_sizes_shard_over_every_rank():

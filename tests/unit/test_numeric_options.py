@@ -18,7 +18,7 @@ from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine.config import LoadConfig, SaveConfig, VerifyConfig
 from lightning_shardckpt.engine.storage.retry import RetryPolicy
 from lightning_shardckpt.errors import ConfigError
-from lightning_shardckpt.policies.drill_runner import DrillOptions
+from lightning_shardckpt.policies.drills.runner import DrillOptions
 
 NAN, INF = math.nan, math.inf
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -66,7 +66,7 @@ CASES = [
     ("read_ahead_bytes", [*NOT_A_COUNT, 0], lambda v, t: LoadConfig(read_ahead_bytes=v)),
     ("retry.attempts", [*NOT_A_COUNT, 0], lambda v, t: RetryPolicy(attempts=v)),
     ("retry.base_s", [*NOT_A_NUMBER, -1], lambda v, t: RetryPolicy(base_s=v)),
-    # drills (policies/drill_plugin.py DrillConfig, policies/drill_runner.py DrillOptions)
+    # drills (policies/drills/plugin.py DrillConfig, policies/drills/runner.py DrillOptions)
     ("drill.tolerance", [*NOT_A_NUMBER, -1], lambda v, t: _callback(t, drill={"tolerance": v})),
     ("drill.timeout_s", [*NOT_A_NUMBER, 0], lambda v, t: _callback(t, drill={"timeout_s": v})),
     ("drill.threads", [*NOT_A_COUNT, 0], lambda v, t: _callback(t, drill={"threads": v})),
@@ -74,7 +74,7 @@ CASES = [
     ("drill.every_n_checkpoints", [*NOT_A_COUNT, 0], lambda v, t: _callback(t, drill={"every_n_checkpoints": v})),
     ("drill.keep_last_drilled", [*NOT_A_COUNT, -1], lambda v, t: _callback(t, drill={"keep_last_drilled": v})),
     ("drill.nice", [*NOT_A_COUNT, -1, 20], lambda v, t: DrillOptions(nice=v)),
-    # health rules (policies/health_rules.py): range, persistence, the mitigation's factor
+    # health rules (policies/health/rules.py): range, persistence, the mitigation's factor
     ("range.max", NOT_A_NUMBER, lambda v, t: _callback(t, health=[_rule(range={"kind": "static", "max": v})])),
     ("range.min", NOT_A_NUMBER, lambda v, t: _callback(t, health=[_rule(range={"kind": "static", "min": v})])),
     ("range.k", [*NOT_A_NUMBER, 0, -1], lambda v, t: _callback(t, **_range(k=v))),

@@ -308,7 +308,7 @@ def test_nothing_outside_the_strategy_reaches_into_it():
     files = [
         path for top in ("lightning_shardckpt", "tests", "benchmarks", "recipes") for path in (repo / top).rglob("*.py")
     ]
-    assert strategy_private_uses(files, PACKAGE / "lightning" / "strategy.py") == []
+    assert strategy_private_uses(files, PACKAGE / "lightning" / "trainer" / "strategy.py") == []
 
 
 def test_the_strategy_checker_finds_a_private_read_and_an_attribute_write(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 
 from lightning_shardckpt.engine.tiers.config import PeersConfig, tiers_config_from
 from lightning_shardckpt.errors import ConfigError
-from lightning_shardckpt.policies.health_observe import observe
-from lightning_shardckpt.policies.health_rules import health_config_from
+from lightning_shardckpt.policies.health.observe import observe
+from lightning_shardckpt.policies.health.rules import health_config_from
 
 
 def test_peers_parse_from_a_dict_and_place_each_copy_on_another_node():

@@ -1,5 +1,5 @@
 """Retention tells the run's Reporter what it deleted, on the drain after the deleting commit, once each: the
-hook W&B uses to mark artifacts whose checkpoint is gone (lightning/wandb_artifacts.py)."""
+hook W&B uses to mark artifacts whose checkpoint is gone (lightning/trainer/wandb_artifacts.py)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from lightning_shardckpt.engine.tiers.replicate import REPLICATED_FROM, Replicat
 from lightning_shardckpt.engine.tiers.restore import choose
 from lightning_shardckpt.engine.tiers.verified_copy import copy_verified
 from lightning_shardckpt.errors import CorruptCheckpoint
-from lightning_shardckpt.policies.tiers import CheckpointTiers
+from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 
 
 # --- configuration ---
@@ -250,8 +250,8 @@ def test_replicator_with_every_minutes_copies_the_newest_once_the_interval_passe
 
 def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
     from lightning_shardckpt.engine.metrics import read_events
-    from lightning_shardckpt.policies.health_observe import observe
-    from lightning_shardckpt.policies.health_rules import health_config_from
+    from lightning_shardckpt.policies.health.observe import observe
+    from lightning_shardckpt.policies.health.rules import health_config_from
 
     fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
     _replicate(fast, durable, [_commit(fast, 1)])

@@ -1,7 +1,7 @@
 """`shardckpt timeline` shows a resume as a resume (from which checkpoint, world size before -> after),
 and failures as failures with their cause (issue 9, item 11).
 
-The resume events here carry exactly what ShardedCheckpoint writes (lightning/callback.py); a real
+The resume events here carry exactly what ShardedCheckpoint writes (lightning/trainer/callback.py); a real
 Lightning resume on 2 -> 3 ranks is tests/distributed/test_timeline_resume.py.
 """
 
@@ -15,7 +15,7 @@ import torch
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine import metrics
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.ops import investigate
+from lightning_shardckpt.ops import timeline
 from tests.helpers.faults import FailOnce
 
 
@@ -57,8 +57,8 @@ def root(tmp_path_factory):
 
 def test_timeline_rows_a_resume_as_resumed_from_its_checkpoint_with_world_sizes(root):
     path, name = root
-    rows = investigate.timeline(fsio.resolve(path))["checkpoints"]
-    resumes = [row for row in rows if row["state"] == investigate.RESUMED]
+    rows = timeline.timeline(fsio.resolve(path))["checkpoints"]
+    resumes = [row for row in rows if row["state"] == timeline.RESUMED]
     assert len(resumes) == 2
     legacy, current = resumes
     # an event without world sizes: "before" comes from the checkpoint's own topology, "after" is unknown

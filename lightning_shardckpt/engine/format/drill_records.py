@@ -122,7 +122,7 @@ def list_records(location: Location) -> Listing:
     parsed_names = []
     for name in names:
         if name.rstrip("/").rsplit("/", 1)[-1].startswith("."):
-            continue  # a follower's drill lease (policies/drill_leases.py), a write in progress: never a record
+            continue  # a follower's drill lease (policies/drills/leases.py), a write in progress: never a record
         parsed = parse_record_name(name)
         if parsed is None:
             malformed.append(name.rstrip("/").rsplit("/", 1)[-1])

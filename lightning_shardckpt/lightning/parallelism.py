@@ -1,0 +1,72 @@
+"""Parallelism dispatch shared by the Trainer's and Fabric's strategies: which class a `parallelism=` builds,
+the mesh sizes both use, and the default FSDP2 wrapping of a model that brings no `parallelize_fn`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+PARALLELISMS = ("ddp", "fsdp")
+
+
+def strategy_class(parallelism: str, *, ddp: type, fsdp: type) -> type:
+    """The class `parallelism` names among a door's two strategies; anything else is a ConfigError."""
+    if parallelism not in PARALLELISMS:
+        raise ConfigError(f"parallelism={parallelism!r} is unknown; use 'ddp' (replicated) or 'fsdp' (FSDP2 sharded)")
+    return ddp if parallelism == "ddp" else fsdp
+
+
+def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size: int) -> tuple[int, int]:
+    """(data_parallel_size, tensor_parallel_size) for `world_size` ranks; "auto" fills what is not given."""
+    if data_parallel == "auto" and tensor_parallel == "auto":
+        return world_size, 1
+    if data_parallel == "auto" or tensor_parallel == "auto":
+        given_name, given = (
+            ("tensor_parallel_size", tensor_parallel)
+            if data_parallel == "auto"
+            else ("data_parallel_size", data_parallel)
+        )
+        if not isinstance(given, int) or given < 1 or world_size % given:
+            raise ConfigError(
+                f"{given_name}={given!r} does not divide the world size {world_size}; give both data_parallel_size "
+                f"and tensor_parallel_size (their product is the world size), or neither (data-parallel over all ranks)"
+            )
+        other = world_size // given
+        return (other, given) if data_parallel == "auto" else (given, other)
+    if data_parallel * tensor_parallel != world_size:
+        raise ConfigError(
+            f"data_parallel_size={data_parallel} × tensor_parallel_size={tensor_parallel} must equal the world size "
+            f"{world_size} (devices × num_nodes); set data_parallel_size={max(world_size // max(tensor_parallel, 1), 1)}"
+        )
+    return data_parallel, tensor_parallel
+
+
+def shard_repeated_blocks(module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    """The default `parallelize_fn`: FSDP2 on each block holding parameters, then on the root.
+
+    A block is a child module with a forward of its own; containers without one (`ModuleDict`, `ModuleList`,
+    as LitGPT's `transformer = ModuleDict(h=ModuleList(blocks), ...)`, HF and torchtitan models hold their
+    layers) are looked into, and their blocks sharded one by one: `fully_shard` refuses a container itself.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh["data_parallel"]
+    for block in _blocks(module):
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    found = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if type(child).forward is torch.nn.Module.forward:  # a container: its forward is nn.Module's, which raises
+            found.extend(_blocks(child))
+        else:
+            found.append(child)
+    return found

@@ -1,0 +1,83 @@
+"""Checkpoints as the command line names them: a root, a checkpoint directory, `ROOT/latest`, or a selector
+(`latest`, `last-good`, a step, an id, a directory name: engine/catalog.parse_reference) within a root."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import catalog
+from ..engine.format.layout import LATEST, join, parse_dirname
+from ..engine.storage import fsio
+from ..engine.storage.fsio import Location
+from ..errors import CheckpointNotFound, ConfigError
+
+
+@dataclass
+class Resolved:
+    """A checkpoint reference resolved to a committed checkpoint."""
+
+    ref: str
+    root: Location
+    entry: catalog.CheckpointEntry
+
+    @property
+    def path(self) -> str:
+        return join(self.root.url, self.entry.name)
+
+
+def open_path(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog.CheckpointEntry]:
+    """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
+    head, sep, tail = path.rstrip("/").rpartition("/")
+    if sep and head and tail == LATEST:
+        location = fsio.resolve(path, storage_options)
+        # `ROOT/latest` names the pointer file; it means the root's latest, checked against the manifests
+        if not location.fs.isdir(location.path):
+            return catalog.open_checkpoint(head, LATEST, storage_options)
+    return catalog.open_checkpoint(path, LATEST, storage_options)
+
+
+def is_selector(ref: str) -> bool:
+    """A selector within a root (a step, an id, a directory name, `latest`, `last-good`), not a path."""
+    return not catalog.parse_reference(ref).is_path
+
+
+def open_root(url: str, storage_options: dict[str, Any]) -> Location:
+    """A checkpoint root that exists; a checkpoint directory given instead is refused, naming its root."""
+    location = fsio.resolve(url, storage_options)
+    if parse_dirname(location.path) is not None:
+        parent = location.path.rstrip("/").rsplit("/", 1)[0]
+        raise ConfigError(f"{url} is a checkpoint directory, not a root; give the root that holds it: {parent}")
+    if not location.fs.exists(location.path):
+        raise CheckpointNotFound(f"{url} does not exist; check the path (and --storage-option for remote storage)")
+    return location
+
+
+def resolve_pair(
+    ref_a: str, ref_b: str, root: str | None, storage_options: dict[str, Any]
+) -> tuple[Resolved, Resolved]:
+    """Resolve A and B. Selectors go to `root`, else to the root of the other reference, which is a path."""
+    root_location = open_root(root, storage_options) if root is not None else None
+    resolved: dict[str, Resolved] = {}
+    for ref in (ref_a, ref_b):
+        if root_location is None and is_selector(ref):
+            continue
+        if is_selector(ref):
+            resolved[ref] = Resolved(ref, root_location, _find(root_location, ref))
+        else:
+            location, entry = open_path(ref, storage_options)
+            resolved[ref] = Resolved(ref, location, entry)
+            root_location = root_location or location  # bare selectors resolve next to the first path
+    for ref in (ref_a, ref_b):
+        if ref not in resolved:
+            if root_location is None:
+                raise ConfigError(
+                    f"{ref_a!r} and {ref_b!r} are both selectors; say which root they are in: "
+                    f"shardckpt diff --root ROOT {ref_a} {ref_b} (or write ./{ref_a} for a directory here)"
+                )
+            resolved[ref] = Resolved(ref, root_location, _find(root_location, ref))
+    return resolved[ref_a], resolved[ref_b]
+
+
+def _find(root: Location, selector: str) -> catalog.CheckpointEntry:
+    return catalog.find(root, catalog.parse_reference(selector).selector)

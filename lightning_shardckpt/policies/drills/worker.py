@@ -1,0 +1,423 @@
+"""One rank of a restore drill: a fresh process restores a checkpoint and checks what it got.
+
+Forked by the warm pool of policies/drills/pool.py (or run as `python -m lightning_shardckpt.policies.drills.worker
+...`), N of them forming a fresh gloo group of their own (never the training ranks' group or memory). Each rank allocates its share of
+every tensor the manifest lists (sharded along dim 0 across the drill's ranks, so DCP reshards from
+the writer's layout), loads through `load_checkpoint` (the resume path: checksums on every byte,
+`.metadata` checked before use), then checks:
+
+- every tensor came back with the manifest's dtype and global shape;
+- no tensor holds NaN/Inf unless the writer recorded that it already did (`finite` per tensor);
+- the Lightning state, when there is one, deserialises through the allow-list and has its loops;
+- a probe, when given: a function of the model's state dict returning a scalar, compared with the
+  value the callback recorded at save time (manifest `extra.probe`), within a tolerance.
+
+Rank 0 writes the outcome as JSON to `--out` for the parent; the parent writes the drill record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import math
+import mmap
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...engine import catalog
+from ...engine.config import LoadConfig
+from ...engine.format import safe_pickle
+from ...engine.load.loader import load_checkpoint
+from ...engine.storage.writer import is_finite
+from ...errors import ShardCkptError
+from . import trust as drill_trust
+
+MODEL_PREFIX = "model."  # the Lightning strategy saves the model's state dict under "model"
+LIGHTNING_FQN = "lightning"  # the pickled rest of Lightning's checkpoint (lightning/lightning_state.py)
+PROBE_EXTRA = "probe"  # manifest extra: {"name": "module:function", "value": float}
+
+
+class DrillFailed(Exception):
+    """A check failed; the message is the drill's recorded cause."""
+
+
+def main(argv: list[str] | None = None, *, destination: memoryview | None = None) -> int:
+    """`destination`: memory the warm pool keeps faulted in for this rank's tensors (drill_pool.py); None: allocate."""
+    entered = time.time()  # forked from the warm pool: the fork; run cold: interpreter start and imports too
+    args = _parse(argv)
+    torch.set_num_threads(args.threads)
+    timings: dict[str, float] = {"process_start_s": entered - args.spawned_at}
+    outcome: dict[str, Any] = {"rank": args.rank, "world_size": args.world_size}
+    try:
+        started, cpu = time.time(), time.process_time()
+        if args.world_size > 1:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{args.port}",
+                rank=args.rank,
+                world_size=args.world_size,
+                timeout=timedelta(seconds=args.collective_timeout_s),
+            )
+        timings["init_s"] = time.time() - started
+        timings["init_cpu_s"] = time.process_time() - cpu
+        outcome.update(drill(args, timings, destination))
+        outcome["ok"] = True
+    except DrillFailed as err:
+        outcome.update(ok=False, cause=str(err))
+    except ShardCkptError as err:  # corrupt, missing, incompatible: the loader's own words
+        outcome.update(ok=False, cause=f"{type(err).__name__}: {err}")
+    except Exception as err:  # anything else is a failed drill too, with its traceback for the record
+        outcome.update(ok=False, cause=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=8))
+    outcome["timings"] = timings
+    if args.rank == 0:
+        if outcome["ok"]:
+            outcome["record"] = file_passed_record(args, outcome)
+        with open(args.out, "w") as handle:
+            json.dump(outcome, handle, default=str)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def drill(args: argparse.Namespace, timings: dict[str, float], destination: memoryview | None = None) -> dict[str, Any]:
+    with _phase(timings, "listing"):
+        drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
+        storage_options = json.loads(args.storage_options) if args.storage_options else {}
+        _, entry = catalog.open_checkpoint(args.checkpoint, storage_options=storage_options)
+        manifest = entry.manifest
+    with _phase(timings, "target"):  # the device mesh and the empty tensors to restore into
+        mesh = _mesh(args.world_size)
+        target = build_target(manifest, mesh, destination)
+    with _phase(timings, "load"):  # listing (again, on rank 0), metadata, planning, read, reshard
+        config = LoadConfig(verify_checksums=True, storage_options=storage_options, trust_checkpoint=args.trust)
+        result = load_checkpoint(target, args.checkpoint, config=config)
+    timings["metadata_s"], timings["read_s"] = result.metadata_s, result.read_s  # rank 0's
+    timings["reshard_s"] = max(0.0, timings["load_s"] - result.metadata_s - result.read_s)
+    timings["time_to_resume_s"] = time.time() - args.spawned_at
+    checks: dict[str, Any] = {"tensors": len(manifest["tensors"]), "objects": len(manifest["objects"])}
+
+    with _phase(timings, "checks"):
+        check_shapes(manifest, target)
+        checks["nonfinite"] = check_finite(manifest, target)
+        checks["lightning_state"] = check_lightning_state(target.get(LIGHTNING_FQN), trust=args.trust)
+        if args.probe:
+            checks["probe"] = check_probe(args.probe, manifest, target, args.tolerance)
+    return {
+        "checkpoint": entry.name,
+        "step": entry.step,
+        "bytes_read": _sum_across_ranks(result.bytes_read),
+        "checks": checks,
+    }
+
+
+@contextlib.contextmanager
+def _phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Wall seconds (`NAME_s`) and this process's CPU seconds, every thread (`NAME_cpu_s`), of one drill phase:
+    CPU well below wall time is waiting (on another rank, on the disk, on a busy machine's scheduler)."""
+    started, cpu = time.time(), time.process_time()
+    try:
+        yield
+    finally:
+        timings[f"{name}_s"] = time.time() - started
+        timings[f"{name}_cpu_s"] = time.process_time() - cpu
+
+
+def warm_imports() -> None:
+    """What a drill imports on first use (DTensor, the device mesh, DCP's planners): the warm pool
+    (policies/drills/pool.py) imports them once, so no drill pays for them."""
+    import torch._dynamo  # noqa: F401  (DTensor's factories are wrapped in torch._disable_dynamo: ~2 s at first use)
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    from ...engine.storage.fsio import resolve  # noqa: F401  (rank 0 files its pass with it)
+
+
+def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0 of the drill files the pass itself: no process that wrote or started it can make it drilled."""
+    from ...engine.format import drill_records
+    from ...engine.storage.fsio import resolve
+
+    with open(args.record_header) as handle:
+        record = json.load(handle)
+    record.update(
+        verdict=drill_records.PASSED,
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        **drill_records.outcome_details(outcome),
+    )
+    root = resolve(args.checkpoint.rstrip("/").rsplit("/", 1)[0], json.loads(args.storage_options or "{}"))
+    try:
+        drill_records.write_record(root, record)
+    except Exception as err:  # the starter files a failure instead: a pass nobody can see is not a pass
+        outcome.update(
+            ok=False, cause=f"the drill passed but its record could not be written: {type(err).__name__}: {err}"
+        )
+        return None
+    return record
+
+
+def build_target(manifest: dict[str, Any], mesh: Any, destination: memoryview | None = None) -> dict[str, Any]:
+    """Empty tensors of the manifest's global shapes and dtypes, this rank's dim-0 share of each: views into
+    `destination` (filled with NaN bytes first: nothing an earlier drill restored survives) when it is given
+    and large enough, else newly allocated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    memory = _Carver(destination) if destination is not None else None
+    target: dict[str, Any] = {}
+    for tensor in manifest["tensors"]:
+        shape, dtype = tensor["shape"], _dtype(tensor["dtype"])
+        placements = [Shard(0) if shape and shape[0] > 0 else Replicate()]
+        local_shape = shape if mesh is None else compute_local_shape_and_global_offset(shape, mesh, placements)[0]
+        local = memory.take(local_shape, dtype) if memory is not None else None
+        if local is None and mesh is None:
+            local = torch.empty(shape, dtype=dtype)
+        if local is None:
+            target[tensor["fqn"]] = dtensor_empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
+        elif mesh is None:
+            target[tensor["fqn"]] = local
+        else:
+            stride = torch.empty(shape, dtype=dtype, device="meta").stride()
+            target[tensor["fqn"]] = DTensor.from_local(local, mesh, placements, shape=torch.Size(shape), stride=stride)
+    for obj in manifest["objects"]:
+        target[obj["fqn"]] = None  # replaced by the loaded object
+    return target
+
+
+class _Carver:
+    """Consecutive 64-byte-aligned tensors out of one region of memory, which is filled with 0xFF first
+    (NaN in every float dtype)."""
+
+    def __init__(self, region: memoryview) -> None:
+        self._bytes = torch.frombuffer(region, dtype=torch.uint8) if len(region) else torch.empty(0, dtype=torch.uint8)
+        _map_in(self._bytes)
+        self._bytes.fill_(0xFF)
+        self._used = 0
+
+    def take(self, shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor of `shape` in the region; None when the region is full (the caller allocates)."""
+        count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self._used + count > self._bytes.numel():
+            return None
+        piece = self._bytes[self._used : self._used + count]
+        self._used += -(-count // 64) * 64
+        return piece.view(dtype).view(tuple(shape))
+
+
+def _map_in(memory: torch.Tensor) -> None:
+    """Map the region's pages into this forked rank in one call (Linux MADV_POPULATE_WRITE): fork copies no
+    page table entries of a shared mapping, and a fault per 4 KiB costs ~2x what this does. Best effort."""
+    if not sys.platform.startswith("linux") or memory.numel() < mmap.PAGESIZE:
+        return
+    import ctypes
+
+    start = -(-memory.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    length = (memory.data_ptr() + memory.numel() - start) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(start, length, _MADV_POPULATE_WRITE)  # an older kernel says EINVAL: the fill faults them in
+    except (OSError, AttributeError):
+        pass
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def check_shapes(manifest: dict[str, Any], target: dict[str, Any]) -> None:
+    wrong = []
+    for tensor in manifest["tensors"]:
+        value = target[tensor["fqn"]]
+        if list(value.shape) != tensor["shape"] or str(value.dtype) != tensor["dtype"]:
+            wrong.append(
+                f"{tensor['fqn']}: saved {tensor['dtype']}{tensor['shape']}, restored {value.dtype}{list(value.shape)}"
+            )
+    if wrong:
+        raise DrillFailed(f"{len(wrong)} tensor(s) restored with the wrong dtype or shape: " + "; ".join(wrong[:5]))
+
+
+def check_finite(manifest: dict[str, Any], target: dict[str, Any]) -> list[str]:
+    """Tensors holding NaN/Inf; a failure when the writer recorded them finite (or recorded nothing)."""
+    names = [t["fqn"] for t in manifest["tensors"]]
+    flags = torch.tensor([_nonfinite_local(target[name]) for name in names], dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite = [name for name, flag in zip(names, flags.tolist()) if flag]
+    saved_nonfinite = {t["fqn"] for t in manifest["tensors"] if t.get("finite") is False}
+    new = [name for name in nonfinite if name not in saved_nonfinite]
+    if new:
+        raise DrillFailed(
+            f"{len(new)} tensor(s) hold NaN/Inf that {'were finite at save' if _has_flags(manifest) else 'the drill did not expect'}: "
+            + ", ".join(new[:10])
+        )
+    return nonfinite
+
+
+def check_lightning_state(blob: Any, *, trust: bool) -> dict[str, Any] | None:
+    """The pickled rest of Lightning's checkpoint deserialises (allow-listed classes only) and has its loops."""
+    if blob is None:
+        return None  # not written by the Lightning strategy: nothing to check
+    if not isinstance(blob, (bytes, bytearray)):
+        raise DrillFailed(f"the Lightning state is a {type(blob).__name__}, expected pickled bytes")
+    try:
+        state = _loads_without_frameworks(bytes(blob), trust=trust)
+    except Exception as err:
+        raise DrillFailed(f"the Lightning state does not deserialise: {type(err).__name__}: {err}") from err
+    missing = [key for key in ("global_step", "epoch", "loops") if key not in state]
+    if missing:
+        raise DrillFailed(f"the Lightning state lacks {missing}")
+    return {"global_step": state["global_step"], "epoch": state["epoch"], "keys": sorted(map(str, state))}
+
+
+class _Stand_in(dict):  # noqa: N801 - a stand-in type, named for what it is
+    """Takes the place of an allow-listed class of a framework the drill has not imported (Lightning's
+    AttributeDict, OmegaConf's containers): the drill needs the data and the allow-list check, not the class."""
+
+    def __setstate__(self, state: Any) -> None:
+        self["__state__"] = state
+
+    def append(self, item: Any) -> None:
+        self.setdefault("__items__", []).append(item)
+
+    def extend(self, items: Any) -> None:
+        self.setdefault("__items__", []).extend(items)
+
+
+_NOT_IMPORTED = ("lightning", "lightning_fabric", "pytorch_lightning", "omegaconf")
+
+
+class _StructuralUnpickler(safe_pickle.RestrictedUnpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        key = f"{module}.{name}"
+        if key in self._allowed and module.split(".")[0] in _NOT_IMPORTED and module not in sys.modules:
+            return _Stand_in  # allowed, and not worth importing Lightning (~1.3 s of CPU) to rebuild
+        return super().find_class(module, name)
+
+
+def _loads_without_frameworks(data: bytes, *, trust: bool) -> dict[str, Any]:
+    """The Lightning state under the resume's allow-list, with stand-ins for Lightning/OmegaConf classes;
+    anything the stand-ins cannot take is unpickled for real (same allow-list)."""
+    if not trust:
+        try:
+            return _StructuralUnpickler(io.BytesIO(data), safe_pickle.LIGHTNING_STATE_GLOBALS, torch_safe=True).load()
+        except safe_pickle.BlockedGlobal:
+            raise
+        except Exception:  # a layout the stand-ins do not fit: the real classes decide
+            pass
+    return safe_pickle.loads(data, safe_pickle.LIGHTNING_STATE_GLOBALS, trust=trust)
+
+
+def check_probe(spec: str, manifest: dict[str, Any], target: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """Run the probe on the restored model state; compare with the value recorded at save time."""
+    saved = (manifest.get("extra") or {}).get(PROBE_EXTRA) or {}
+    model_state = {}
+    for fqn, value in target.items():
+        if fqn.startswith(MODEL_PREFIX) and isinstance(value, torch.Tensor):
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value  # collective on every rank
+            model_state[fqn[len(MODEL_PREFIX) :]] = full
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {"name": spec, "ran_on": "rank 0"}
+    value = float(load_callable(spec)(model_state))
+    expected = saved.get("value")
+    report = {"name": spec, "value": value, "saved": expected, "tolerance": tolerance, "compared": expected is not None}
+    if not math.isfinite(value):
+        raise DrillFailed(f"probe {spec} gave {value!r} on the restored state")
+    if expected is None:
+        return report  # nothing recorded at save time (no probe configured then): the model rebuilt and ran
+    if abs(value - float(expected)) > tolerance * max(1.0, abs(float(expected))):
+        raise DrillFailed(
+            f"probe {spec} gave {value!r} on the restored state, {expected!r} at save time (tolerance {tolerance})"
+        )
+    return report
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """`package.module:function` -> the function (the user's own code, named by the operator)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise DrillFailed(f"probe {spec!r} is not 'module:function'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # probes in the user's project (recipes.lm:probe) import from the cwd
+    function = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(function):
+        raise DrillFailed(f"probe {spec!r}: {module_name} has no callable {attr!r}")
+    return function
+
+
+def _nonfinite_local(value: torch.Tensor) -> int:
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return int(is_finite(local) is False)  # one sum, no mask the tensor's size (the writer's own check)
+
+
+def _has_flags(manifest: dict[str, Any]) -> bool:
+    return any("finite" in t for t in manifest["tensors"])
+
+
+def _sum_across_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    total = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def _mesh(world_size: int) -> Any:
+    if world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise DrillFailed(f"the manifest names an unknown dtype {name!r}")
+    return dtype
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="one rank of a restore drill (started by lightning_shardckpt.policies.drills.runner)"
+    )
+    parser.add_argument("--checkpoint", required=True, help="the checkpoint directory (URL)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--out", required=True, help="rank 0 writes its outcome here as JSON")
+    parser.add_argument(
+        "--record-header", required=True, help="JSON the starter knows of the record; rank 0 completes and files it"
+    )
+    parser.add_argument("--spawned-at", type=float, required=True, help="wall time the parent started the ranks")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--probe", default=None, help="module:function taking the model state dict, returning a float")
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--storage-options", default="", help="JSON for fsspec")
+    parser.add_argument("--collective-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--trust", action="store_true", help="unpickle any class the checkpoint names (trusted checkpoints only)"
+    )
+    parser.add_argument(
+        "--safe-global",
+        action="append",
+        default=[],
+        metavar="MODULE:QUALNAME",
+        help="a class the run allowed with torch.serialization.add_safe_globals (repeatable)",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
