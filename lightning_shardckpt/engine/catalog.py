@@ -256,6 +256,12 @@ def find(location: Location, which: str | int = "latest", run_id: str | None = N
     raise AssertionError("unreachable")
 
 
+def names(entry: CheckpointEntry, selector: str | int) -> bool:
+    """`selector` (a step, an id or a directory name, as parse_reference gives them) names this checkpoint."""
+    text = str(selector)
+    return entry.name == text or entry.checkpoint_id == text or (text.isdigit() and entry.step == int(text))
+
+
 def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, run_id: str | None) -> CheckpointEntry:
     if which == "latest":
         while True:
@@ -278,9 +284,7 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
         )
     else:
         text = str(which)
-        matches = [
-            e for e in entries if e.name == text or e.checkpoint_id == text or (text.isdigit() and e.step == int(text))
-        ]
+        matches = [e for e in entries if names(e, text)]
         uncommitted = [e for e in matches if not e.committed]
         matches = [e for e in matches if e.committed]
         if uncommitted and not matches:

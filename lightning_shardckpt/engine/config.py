@@ -16,8 +16,8 @@ VerifyMode = Literal["off", "sample", "full"]
 WhenBusy = Literal["wait", "skip"]
 OnError = Literal["log", "raise"]
 # the API a saver was created through: its errors advise in that API's words (engine/ownership.py)
-ENGINE, CHECKPOINTER, LIGHTNING = "engine", "checkpointer", "lightning"
-FRONT_DOORS = (ENGINE, CHECKPOINTER, LIGHTNING)
+ENGINE, CHECKPOINTER, LIGHTNING, FABRIC = "engine", "checkpointer", "lightning", "fabric"
+FRONT_DOORS = (ENGINE, CHECKPOINTER, LIGHTNING, FABRIC)
 
 
 @dataclass(frozen=True, kw_only=True)

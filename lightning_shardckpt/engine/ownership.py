@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, StorageUnavailable
 from .collectives import broadcast_from_coordinator, rank_and_world
-from .config import CHECKPOINTER, ENGINE, LIGHTNING
+from .config import CHECKPOINTER, ENGINE, FABRIC, LIGHTNING
 from .format import bounded_json
 from .format.layout import OWNER, join
 from .storage import retry
@@ -89,6 +89,11 @@ CONTINUE_ADVICE = {
     CHECKPOINTER: (
         "give this run its own root; to continue that run, call checkpointer.load(state) before the first save, which "
         "continues its run id; or, if the runs should share the root, pass save={'allow_shared_root': True}"
+    ),
+    FABRIC: (
+        "give this run its own root; to continue that run, fabric.load('latest', state) with the strategy's root= "
+        "before the first save, which continues its run id; or, if the runs should share the root, pass "
+        "save={'allow_shared_root': True} to the strategy"
     ),
     LIGHTNING: (
         "give this run its own dirpath; to continue that run, resume it (ckpt_path='latest', or resume=latest in "

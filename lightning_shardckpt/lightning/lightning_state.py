@@ -11,6 +11,8 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import lightning
+
 from ..engine.format import safe_pickle
 
 MODEL_KEY = "model"
@@ -34,6 +36,15 @@ def load_target(model_state: dict[str, Any], optimizer_states: list[dict[str, An
         MODEL_KEY: model_state,
         OPTIMIZERS_KEY: {str(index): state for index, state in enumerate(optimizer_states)},
         LIGHTNING_KEY: b"",
+    }
+
+
+def warm_start(trainer: Any) -> dict[str, Any]:
+    """Lightning's checkpoint dict for a checkpoint another door wrote: no loops (the fit starts at step 0), the
+    run's own LR scheduler states (Lightning requires the key); the model and optimizers come from the load."""
+    return {
+        "pytorch-lightning_version": lightning.__version__,
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
     }
 
 

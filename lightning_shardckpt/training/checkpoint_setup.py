@@ -1,4 +1,5 @@
-"""How a front door's options (ShardedCheckpoint's, Checkpointer's) become its plug-ins and its checkpoint plan."""
+"""How a front door's options (ShardedCheckpoint's, ShardedFabricStrategy's, Checkpointer's) become its plug-ins
+and its checkpoint plan."""
 
 from __future__ import annotations
 
@@ -7,15 +8,40 @@ import os
 from typing import Any
 
 from ..engine.config import LIGHTNING, LoadConfig, SaveConfig
-from ..engine.tiers.config import TiersConfig
-from ..policies.drills.plugin import DrillConfig, TrainingDrills
+from ..engine.tiers.config import TiersConfig, tiers_config_from
+from ..policies.drills.plugin import DrillConfig, TrainingDrills, drill_config_from
 from ..policies.health.plugin import HealthWatch
-from ..policies.health.rules import HealthConfig
+from ..policies.health.rules import HealthConfig, health_config_from
+from ..policies.plan import CheckpointPlan, Placement
 from ..policies.plugin import PluginList
 from ..policies.retention_plugin import RetentionPlugin
-from ..policies.tiers.plugin import TiersPlugin
+from ..policies.tiers.plugin import TiersPlugin, tiered_dirpath
 from .callback_options import CallbackConfig
-from .plan import CheckpointPlan, Placement
+
+
+def door_plugins(options: CallbackConfig, tiers: Any, drill: Any, health: Any) -> tuple[PluginList, TiersConfig | None]:
+    """A door's plug-ins from its options as the user gave them (dataclasses, dicts, Hydra blocks), validated now:
+    bad options fail before training starts. Returns the tiers' config too (it moves the root)."""
+    tiers_config = tiers_config_from(tiers)
+    return checkpoint_plugins(options, tiers_config, drill_config_from(drill), health_config_from(health)), tiers_config
+
+
+def door_plan(
+    root: str | None,
+    options: CallbackConfig,
+    save: SaveConfig,
+    load: LoadConfig,
+    *,
+    tiers: Any,
+    drill: Any,
+    health: Any,
+    placement: Placement,
+    front_door: str,
+) -> tuple[PluginList, CheckpointPlan]:
+    """A door's plug-ins and its plan in one step, where the placement is known at construction (a plain loop)."""
+    plugins, tiers_config = door_plugins(options, tiers, drill, health)
+    root = tiered_dirpath(root, tiers_config, save)
+    return plugins, checkpoint_plan(root, save, load, options.resume_required, plugins, placement, front_door)
 
 
 def checkpoint_plugins(

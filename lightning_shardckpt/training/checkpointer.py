@@ -8,35 +8,29 @@
         ckpt.maybe_save(step, state)                   # when the schedule says so; commits in the background
     ckpt.close()                                       # waits for the last commit
 
-The same schedule (training/schedule.py), plan (training/plan.py), plug-ins (retention, tiers, drills,
-health: policies/) and run ids (training/run_ids.py) as ShardedCheckpoint, the Lightning front door. It
-owns the run id (a resume continues the loaded run, whatever was constructed first), the sampler's
-position and every rank's RNG (training/data.py), and, opt-in, the preemption signals (training/preemption.py).
-How the user's objects become DCP state: training/user_state.py. Docs: docs/howto/plain-pytorch.md.
+The same door core as the Trainer's and Fabric's: the save loop (training/save_loop.py: schedule, plug-ins for
+retention, tiers, drills and health, run ids), the saver host (training/savers.py) and the one resume
+(training/resume.py). It owns the sampler's position and every rank's RNG (training/data.py), and, opt-in, the
+preemption signals (training/preemption.py). How the user's objects become DCP state: training/user_state.py;
+checkpoints of the other doors: training/layouts.py. Docs: docs/howto/plain-pytorch.md.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import metrics, ownership
 from ..engine.collectives import rank_and_world
 from ..engine.config import CHECKPOINTER, LoadConfig, save_config_from
 from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
-from ..engine.tiers.config import tiers_config_from
-from ..policies.drills.plugin import drill_config_from
-from ..policies.health.rules import health_config_from
-from ..policies.plugin import PluginContext
-from ..policies.tiers.plugin import tiered_dirpath
-from . import front_doors, user_state
+from ..errors import IncompatibleCheckpoint
+from . import console, user_state
 from .callback_options import CallbackConfig
-from .checkpoint_setup import checkpoint_plan, checkpoint_plugins, placement_from_env
+from .checkpoint_setup import door_plan, placement_from_env
 from .data import (
     ResumableDistributedSampler,
     gather_rng_states,
@@ -44,17 +38,15 @@ from .data import (
     rng_state_for_rank,
     samples_consumed,
 )
-from .finished_saves import CallableReporter, drain_finished, record_logger
+from .finished_saves import CallableReporter
+from .layouts import Layout, warn_not_restored
 from .preemption import DEFAULT_GRACE_S, PreemptionRequests
-from .preflight import preflight_on_every_rank
-from .resume import resume
-from .run_ids import RunIds
-from .savers import SaverHost
-from .schedule import PREEMPTION, Due, SaveSchedule
+from .resume import resume, resume_event, resume_line, write_resume_event
+from .save_loop import SaveLoop
+from .savers import ControlGroup, SaverHost
+from .schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
-
-MANUAL = "manual"  # a save the loop asked for with save()
 
 
 class Checkpointer:
@@ -94,33 +86,38 @@ class Checkpointer:
             keep_every_n_steps=keep_every_n_steps,
             resume_required=resume_required,
         )
-        tiers_config = tiers_config_from(tiers)
-        save_options = save_config_from(save)
         self.max_steps, self.sampler, self.restore_rng = max_steps, sampler, restore_rng
-        self.schedule = SaveSchedule(self.options)
-        self.plugins = checkpoint_plugins(
-            self.options, tiers_config, drill_config_from(drill), health_config_from(health)
+        plugins, plan = door_plan(
+            root,
+            self.options,
+            save_config_from(save),
+            LoadConfig(verify_checksums=verify_on_load, trust_checkpoint=trust_checkpoint),
+            tiers=tiers,
+            drill=drill,
+            health=health,
+            placement=placement_from_env(),
+            front_door=CHECKPOINTER,
         )
-        self.run_ids = RunIds(save_options.run_id)
-        load = LoadConfig(verify_checksums=verify_on_load, trust_checkpoint=trust_checkpoint)
-        root = tiered_dirpath(root, tiers_config, save_options)
-        placement = placement_from_env()
-        self.plan = checkpoint_plan(
-            root, save_options, load, resume_required, self.plugins, placement, front_door=CHECKPOINTER
-        )
+        self.plan, self.plugins = plan, plugins
         self.rank, self.world_size = rank_and_world()
-        self.host = SaverHost(self.plan.save)
-        self._reporter = CallableReporter(log_metrics, lambda: self.step)
+        self._control = ControlGroup(plan.save.collective_timeout_s)  # the training thread's agreements
+        self.host = SaverHost(plan.save, self._control)
+        self.loop = SaveLoop(
+            plan=plan,
+            plugins=plugins,
+            options=self.options,
+            host=self.host,
+            reporter=CallableReporter(log_metrics, lambda: self.step),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         self.step = 0  # the last step the loop reported (metrics are logged at it)
         self.last_load: LoadResult | None = None
         self.not_restored: tuple[str, ...] = ()  # after a load: what the checkpoint did not give back
         self._resume_event: dict[str, Any] | None = None  # rank 0, after a load: handed to the plug-ins at start
         self.should_stop = False  # a preemption save or a health rule's stop: leave the loop
-        self._started = False
         self._closed = False
-        self._guarded: set[tuple[int, int]] = set()  # (saver, optimizer) pairs with a fence before the step
-        preflight_on_every_rank(self.plan.location)
-        self.plugins.setup(self._context(stage="fit"))
+        self.loop.setup("fit")
         self._signal = PreemptionRequests(self.options.preemption_grace_s)
         if save_on_preemption:
             self._signal.install()
@@ -131,9 +128,13 @@ class Checkpointer:
         return self.plan.root
 
     @property
+    def schedule(self) -> SaveSchedule:
+        return self.loop.schedule
+
+    @property
     def run_id(self) -> str | None:
         """This run's id once known: the loaded checkpoint's (a resume) or a new one (at the first save)."""
-        return self.run_ids.current
+        return self.loop.run_ids.current
 
     # --- resume ---
     def load(self, state: dict[str, Any], which: str | int = "latest", *, strict: bool = True) -> int | None:
@@ -141,34 +142,39 @@ class Checkpointer:
         position and the RNG; returns its step, or None when there is nothing to resume from (start fresh).
 
         `which`: "latest" (this run's root, or the tiers), "last-good", a step, a checkpoint id, or a path. A
-        checkpoint of the Trainer or Fabric opens too (training/front_doors.py): the model from its "model", the
-        one optimizer from "optimizers.0"; what it does not give back (its data position, RNG) is logged once and
+        checkpoint of the Trainer or Fabric opens too (training/layouts.py): the model from its "model", the
+        optimizers from "optimizers.<i>"; what it does not give back (its data position, RNG) is logged once and
         listed in `not_restored`. `strict=False`: a state entry the checkpoint lacks keeps its value (listed too)."""
         user_state.check_state(state)
         self.host.fence()
         self.host.wait()  # one thread at a time on the checkpoint group
-        target = front_doors.CheckpointTarget(state, strict=strict)
-        loaded = resume(self.plan, target, which, self.host.checkpoint_group(), strict=strict)
+        target = user_state.door_target(state, strict=strict)
+        try:
+            loaded = resume(self.plan, target, which, self.host.checkpoint_group(), strict=strict)
+        except IncompatibleCheckpoint as err:
+            raise target.explain(err) from err
         if loaded is None:
             return None
         layout = target.layout
         assert layout is not None  # the loader shaped the target for the checkpoint it loaded
-        own = self._own_section(target.own_section(), loaded.path) if layout.native else {}
-        user_state.apply_loaded(state, target.restored())
+        own = self._own_section(target.own_section(), loaded.path)
+        user_state.apply_loaded(state, {key[0]: value for key, value in target.restored().items()})
         if self.sampler is not None and own.get("sampler") is not None:
             self.sampler.load_state_dict(own["sampler"])
         if self.restore_rng and own.get("rng"):
             restore_rng_state(rng_state_for_rank(own["rng"], self.rank))
         self.plugins.load_state_dict(own.get("plugins") or {})
         self.not_restored = self._report_not_restored(layout, loaded.path)
-        self.schedule.started(loaded.step)
         self.step, self.last_load = loaded.step, loaded
-        run_id = self.run_ids.choose(loaded, self._continues_run, self._new_run_id)
-        if self._started and self.host.save_config.run_id != run_id:
-            self._started = False  # saved as another run before this load: the plug-ins start again on its saver
-        self.host.adopt_run_id(run_id)  # a saver of another id is closed; the next save makes this run's
-        self._resume_event = self._resumed(loaded)
-        log.info("resumed from %s (step %d) in %.2fs, run %s", loaded.path, loaded.step, loaded.seconds, run_id)
+        before = self.host.save_config.run_id
+        if self.loop.continue_from(loaded) != before and self.loop.started:
+            self.loop.started = False  # saved as another run before this load: the plug-ins start again on its saver
+        self.loop.schedule.started(loaded.step)
+        if self.rank == 0:
+            self._resume_event = resume_event(loaded, self.world_size)
+            if self.plan.save.write_events:
+                write_resume_event(self.plan.location, self._resume_event)
+            console.say(resume_line(loaded, self.world_size))
         return loaded.step
 
     # --- saving ---
@@ -176,27 +182,21 @@ class Checkpointer:
         """After the optimizer step `step` (every rank, every step): save when the schedule says so. Returns the
         save (its `result()` waits for the commit), or None; sets `should_stop` after a preemption save."""
         self._start(state, step)
-        local = self.options.save_on_preemption and self._signal.requested
-        preempted = self.plugins.sync(local, self._context())
-        if preempted is None:
-            preempted = self.options.save_on_preemption and self.host.reduce_boolean_decision(local, all=False)
-        self.plugins.apply_control(self.host.existing_saver(self.root), self.plan.save.when_busy)
-        due = self.schedule.at_batch_end(
+        outcome = self.loop.at_step_end(
             step,
+            self._request_of(step, state),
             max_steps=self.max_steps,
-            preempted=bool(preempted),
-            stop_reason=self.plugins.stop_reason(),
-            interval_factor=self.plugins.interval_factor(),
-            agree=lambda due: bool(self.host.broadcast(due)),  # rank 0's clock decides for all
+            preemption_requested=self._signal.requested,
         )
-        return self._save(step, state, due)
+        self.should_stop = self.should_stop or outcome.stop
+        return outcome.pending
 
     def save(self, step: int, state: dict[str, Any], *, blocking: bool = False) -> PendingSave:
-        """Save now (every rank, same step), whatever the schedule; `blocking` waits for the commit."""
+        """Save now (every rank, same step), whatever the schedule; `blocking` waits for the commit (so does
+        the returned save's `result()`)."""
         self._start(state, step)
-        pending = self._save(step, state, Due(reason=MANUAL, blocking=blocking, never_skip=True))
-        assert pending is not None
-        return pending
+        self.loop.drain()
+        return self.loop.save_now(step, self._request_of(step, state), blocking=blocking)
 
     def close(self) -> None:
         """Wait for in-flight saves to commit, finish the plug-ins' work (drills, copies), release everything."""
@@ -204,15 +204,9 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            saver = self.host.existing_saver(self.root)
-            if saver is not None:
-                saver.close()  # the run's last checkpoint commits; a failure under on_error="raise" is raised
-            self.plugins.flush()
-            self._drain()
-            self.plugins.close(self._context(), finished=True)
+            self.loop.finish()
         finally:
-            self.host.close()
-            self._signal.close()
+            self._release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -223,10 +217,9 @@ class Checkpointer:
             return
         self._closed = True  # training failed: let in-flight saves commit, save nothing more
         try:
-            self.plugins.close(PluginContext(is_global_zero=self.rank == 0), finished=False)
+            self.loop.abort()
         finally:
-            self.host.close()
-            self._signal.close()
+            self._release()
 
     # --- internals ---
     def _start(self, state: dict[str, Any], step: int) -> None:
@@ -235,88 +228,50 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed; create a new one to save again")
         self.step = step
-        if self._started:
-            self._drain()
-            return
-        user_state.check_state(state)
-        self._started = True
-        self.schedule.started(self.last_load.step if self.last_load is not None else None)
-        run_id = self.run_ids.choose(None, self._continues_run, self._new_run_id)
-        self.host.adopt_run_id(run_id)
-        saver = self.host.saver_for(self.root)
-        self.plugins.start(self._context(saver=saver, run_id=run_id, resume_event=self._resume_event))
+        if not self.loop.started:
+            user_state.check_state(state)
+            self.loop.start(self.last_load, resume_event=self._resume_event)
 
-    def _save(self, step: int, state: dict[str, Any], due: Due | None) -> PendingSave | None:
-        pending = None
-        if due is not None and due.save:
-            self.plugins.before_save(self._context())  # tiers: degraded mode when the fast tier failed
-            previous = self.schedule.saving(step)
-            saver = self.plugins.saver_override() or self.host.saver_for(self.root)
-            pending = self._request(saver, step, state, due.never_skip)
-            if pending.done() and pending.result().skipped:
-                self.schedule.skipped(previous)
-            self.schedule.saved()
-            if due.blocking:
-                pending.result()
-                self._drain()
-        if due is not None and due.stop:
-            self.should_stop = True
-            if due.reason == PREEMPTION and self.rank == 0:
-                committed = pending is not None and pending.result().committed
-                log.warning(
-                    "preempted: step %d %s under %s", step, "committed" if committed else "NOT committed", self.root
-                )
-        return pending
+    def _request_of(self, step: int, state: dict[str, Any]) -> Callable[[CheckpointSaver, bool], PendingSave]:
+        def request(saver: CheckpointSaver, never_skip: bool) -> PendingSave:
+            """Every rank: the user's state and the Checkpointer's own section, handed to the saver."""
+            own = {
+                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                "rng": gather_rng_states(self._control.group),  # every rank's, so a resized run finds its own
+                "plugins": self.plugins.state_dict(),  # health: rule counters and mitigations
+            }
+            dcp_state = {**user_state.to_dcp(state), user_state.RESERVED_KEY: pickle.dumps(own)}
+            if saver.config.overlap_staging:
+                self.host.guard(user_state.optimizers_of(state))
+            models = [value for value in state.values() if user_state.is_module(value)]
+            return saver.save(
+                dcp_state,
+                step,
+                epoch=self.sampler.epoch if self.sampler is not None else None,
+                samples_consumed=samples_consumed(self.sampler) if self.sampler is not None else None,
+                extra=self.plugins.save_extra(models[0], self.rank) if len(models) == 1 else None,
+                defer=user_state.deferrable(state),
+                never_skip=never_skip,
+            )
 
-    def _request(self, saver: CheckpointSaver, step: int, state: dict[str, Any], never_skip: bool) -> PendingSave:
-        """Every rank: the user's state and the Checkpointer's own section, handed to the saver."""
-        own = {
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "rng": gather_rng_states(self.host.control_group),  # every rank's, so a resized run finds its own
-            "plugins": self.plugins.state_dict(),  # health: rule counters and mitigations
-        }
-        dcp_state = {**user_state.to_dcp(state), user_state.RESERVED_KEY: pickle.dumps(own)}
-        if saver.config.overlap_staging:
-            self._guard(saver, state)
-        models = [value for value in state.values() if user_state.is_module(value)]
-        return saver.save(
-            dcp_state,
-            step,
-            epoch=self.sampler.epoch if self.sampler is not None else None,
-            samples_consumed=samples_consumed(self.sampler) if self.sampler is not None else None,
-            extra=self.plugins.save_extra(models[0], self.rank) if len(models) == 1 else None,
-            defer=user_state.deferrable(state),
-            never_skip=never_skip,
-        )
+        return request
 
-    def _guard(self, saver: CheckpointSaver, state: dict[str, Any]) -> None:
-        """Overlapped staging copies parameters and optimizer state while the loop goes on: every optimizer's
-        step waits for that copy first (a step pre-hook), once per optimizer and saver."""
-        for optimizer in user_state.optimizers_of(state):
-            if (id(saver), id(optimizer)) not in self._guarded:
-                self._guarded.add((id(saver), id(optimizer)))
-                saver.guard(optimizer)
+    def _release(self) -> None:
+        try:
+            if self.host.close():
+                self._control.close()
+        finally:
+            self._signal.close()
 
-    def _drain(self) -> None:
-        saver = self.host.existing_saver(self.root)
-        drain_finished(saver, self.plugins, self._context(), record_logger(self._reporter))
-
-    def _report_not_restored(self, layout: front_doors.Layout, where: str) -> tuple[str, ...]:
+    def _report_not_restored(self, layout: Layout, where: str) -> tuple[str, ...]:
         """What the state (or the Checkpointer) asked for and this checkpoint did not give back: logged once
         (rank 0), never silently: the loop then runs on with its own values for them."""
-        lacking = [f"state[{key!r}]" for key in layout.missing]
+        lacking = [f"state[{path[0]!r}]" for path in layout.missing if path != (user_state.RESERVED_KEY,)]
         if not layout.native:
             lacking += ["the sampler's position"] if self.sampler is not None else []
             lacking += ["the RNG states"] if self.restore_rng else []
-        mapped = ", ".join(f"state[{key!r}] <- {section!r}" for key, section in layout.mapped().items())
-        if lacking and self.rank == 0:
-            log.warning(
-                "%s was written by %s%s; not restored (they keep their current values): %s",
-                where,
-                layout.writer,
-                f" (loaded {mapped})" if mapped else "",
-                ", ".join(lacking),
-            )
+        if self.rank == 0:
+            warn_not_restored(where, layout, lacking, spell=lambda key: f"state[{key!r}]")
         return tuple(lacking)
 
     def _own_section(self, data: bytes, where: str) -> dict[str, Any]:
@@ -326,42 +281,3 @@ class Checkpointer:
             raise safe_pickle.untrusted(
                 where, f"the Checkpointer's {user_state.RESERVED_KEY!r} entry", err.name
             ) from err
-
-    def _continues_run(self, checkpoint_path: str) -> bool:
-        return self.plan.owns(checkpoint_path) or self.plugins.owns(checkpoint_path)
-
-    def _new_run_id(self) -> str:
-        return self.host.broadcast(ownership.new_run_id())
-
-    def _resumed(self, loaded: LoadResult) -> dict[str, Any] | None:
-        """Rank 0: the resume's event (`shardckpt timeline`, the health rules' resume_s) under ROOT/events/."""
-        if self.rank != 0:
-            return None
-        event = {
-            "event": "resume",
-            "from": loaded.path,
-            "step": loaded.step,
-            "seconds": loaded.seconds,
-            "from_id": loaded.checkpoint_id,
-            "world_size": self.world_size,
-            "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
-            "run_id": loaded.manifest.get("run_id"),
-            "created_at": time.time(),
-        }
-        if self.plan.save.write_events:
-            metrics.write_json_event(self.plan.location, f"resume-step-{loaded.step:09d}", event)
-        return event
-
-    def _context(self, **fields: Any) -> PluginContext:
-        return PluginContext(
-            location=self.plan.location,
-            storage_options=dict(self.plan.save.storage_options),
-            stage=fields.pop("stage", "fit"),
-            is_global_zero=self.rank == 0,
-            world_size=self.world_size,
-            strategy=self.host,
-            reporter=self._reporter,
-            all_reduce_max=self.host.all_reduce_max,
-            allow_shared_root=self.plan.save.allow_shared_root,
-            **fields,
-        )

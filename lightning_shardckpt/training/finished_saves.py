@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine import metrics
+from ..engine.metrics import CheckpointRecord
 from ..policies.plugin import PluginContext, PluginList, Reporter
+
+if TYPE_CHECKING:
+    from ..engine.save.saver import CheckpointSaver
 
 log = logging.getLogger(__name__)
 
 LogMetrics = Callable[[dict[str, float], int], Any]
+LogRecord = Callable[[CheckpointRecord, dict[str, int]], None]  # a finished save and the running counters
 
 
 class CallableReporter(Reporter):
@@ -30,7 +35,7 @@ class CallableReporter(Reporter):
 
 
 def drain_finished(
-    saver: Any, plugins: PluginList, context: PluginContext, log_record: Callable[[Any, dict[str, int]], None]
+    saver: CheckpointSaver | None, plugins: PluginList, context: PluginContext, log_record: LogRecord
 ) -> None:
     """Every rank drains its saver's records; rank 0 logs each (`log_record(record, counters)`) and hands the
     commits to the plug-ins (drills). The front door says where a record goes (its loggers, a callable)."""
@@ -50,10 +55,10 @@ def drain_finished(
             plugins.on_commit(record)  # drills: a queue put, the drill runs on its own thread and processes
 
 
-def record_logger(reporter: CallableReporter) -> Callable[[Any, dict[str, int]], None]:
-    """A finished save's metrics and the saver's running counters, through the loop's `log_metrics`."""
+def record_logger(reporter: Reporter) -> LogRecord:
+    """A finished save's metrics and the saver's running counters, through the reporter's `log_metrics`."""
 
-    def log_record(record: Any, counters: dict[str, int]) -> None:
+    def log_record(record: CheckpointRecord, counters: dict[str, int]) -> None:
         if record.outcome == metrics.FAILED:
             log.error("checkpoint of step %d failed: %s", record.step, record.cause)
         values = record.metrics()

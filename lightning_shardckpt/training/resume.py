@@ -1,102 +1,199 @@
-"""A resume under a checkpoint plan, framework-free: which checkpoint, from which tier, and what if it fails.
+"""The one resume of every front door: which checkpoint, from which copy, what if it fails, and the line it shows.
 
-`latest` (or `last-good`) is looked up in the plan's root, or across the tiers when the plan has them
-(policies/tiers/plugin.py); with nothing committed a resume starts fresh (None), unless `resume_required`. A
-checkpoint that fails its checksums loads again from the other tier's copy, then, with
-`drill.fallback_to_last_good`, from the last known-good. Every rank decides alike: rank 0 lists, and
-the others get its answer on `group`. ShardedStrategy.load_checkpoint walks the same steps for Lightning.
+`resume(plan, target, reference, group)` is what `trainer.fit(ckpt_path=...)`, `fabric.load(path, state)` and
+`Checkpointer.load(state, which)` do:
+
+- the reference is parsed once (engine/catalog.parse_reference). A selector ("latest", "last-good", a step, an
+  id, a directory name) is looked up in the plan's root, or across the tiers when the plan has them (any
+  selector: a step only the durable tier still holds is found there). Anything else is a path, which must hold a
+  committed checkpoint: a typo'd or emptied path never trains from scratch;
+- `latest` on a root with nothing committed starts fresh (None), unless the plan says `resume_required`;
+- a checkpoint that fails its checksums is loaded again from another copy of it (the other tier's), then, with
+  `fallback_to_last_good`, from the last known-good; the log names the copy read;
+- every rank decides alike: rank 0 lists, the others get its answer on `group`.
+
+`resume_line` is the one line every door shows (rank 0, once the state is applied): path, step, world size
+before and after, the tier read, seconds.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ..engine import catalog
+from ..engine import catalog, metrics
 from ..engine.collectives import broadcast_from_coordinator, rank_and_world
-from ..engine.config import LoadConfig
+from ..engine.config import CHECKPOINTER, ENGINE, FABRIC, LIGHTNING, LoadConfig
 from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.storage import fsio
-from ..errors import CheckpointNotFound, CorruptCheckpoint
-from .plan import CheckpointPlan
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from ..policies.plan import CheckpointPlan
 
 log = logging.getLogger(__name__)
-
 
 Target = dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]  # or shaped by the picked manifest
 
 
+@dataclass(frozen=True)
+class DoorWords:
+    """How a front door's user spells a resume, for the errors that tell them what to do."""
+
+    asked: str  # the call, with {!r} for the reference
+    last_good: str  # how to resume from the last known-good
+    needs_root: str  # what gives a selector its root
+
+
+WORDS = {
+    LIGHTNING: DoorWords(
+        "ckpt_path={!r}",
+        "ckpt_path='last-good' (Hydra: resume=last-good)",
+        "add ShardedCheckpoint(dirpath=...) to the Trainer's callbacks or pass a path",
+    ),
+    FABRIC: DoorWords(
+        "fabric.load({!r})", "fabric.load('last-good', state)", "pass ShardedFabricStrategy(root=...) or a path"
+    ),
+    CHECKPOINTER: DoorWords(
+        "load(state, which={!r})", "load(state, which='last-good')", "pass Checkpointer(root=...) or a path"
+    ),
+    ENGINE: DoorWords("{!r}", "which='last-good'", "pass a checkpoint root"),
+}
+
+
 def resume(
-    plan: CheckpointPlan, target: Target, which: str | int, group: Any, *, strict: bool = True
+    plan: CheckpointPlan, target: Target, reference: str | int, group: Any, *, strict: bool = True
 ) -> LoadResult | None:
-    """Load `which` into `target` in place ("latest", "last-good", a step, an id, or a path); None: nothing to
-    resume from (a `latest` of an empty root). `strict=False`: what the checkpoint lacks keeps its value.
-    Collective over `group`."""
-    which = str(which) if isinstance(which, int) else which
-    root, config, fallbacks = plan.root, plan.load, []
-    if "/" in which or which == plan.root:  # a path: it must hold a checkpoint, never "start fresh"
-        root, which = which, "latest"
+    """Load the checkpoint `reference` names into `target` in place, resharded onto this world size; None:
+    nothing to resume from (`latest` of an empty root). `strict=False`: what the checkpoint lacks keeps its value.
+    Collective over `group` (the checkpoint group: no save may run on it meanwhile)."""
+    words = WORDS.get(plan.save.front_door, WORDS[ENGINE])
+    ref = catalog.parse_reference(reference)
+    asked = words.asked.format(ref.text)
+    root, which, config, fallbacks = plan.root, ref.selector, plan.load, []
+    if ref.is_path:  # a path names its own root (or one checkpoint directory): it must hold a checkpoint
+        root, which = ref.text, "latest"
         if not _agreed_has_committed(root, config, group):
             raise CheckpointNotFound(
-                f"{root} holds no committed checkpoint; pass a checkpoint root or directory that holds one "
-                "(`shardckpt ls ROOT` lists them), or load(state) to resume from the Checkpointer's root"
+                f"{asked} holds no committed checkpoint: found {_contents(root, config, group)}; pass a checkpoint "
+                f"root or checkpoint directory that holds one (`shardckpt ls ROOT` lists them), or 'latest' to resume "
+                "from the run's own root, starting fresh if it is empty"
             )
-    elif plan.tier_restore is not None and which in ("latest", catalog.LAST_GOOD):
-        root, config, fallbacks = plan.tier_restore.pick(which, plan.load, group)  # collective
-        which = "latest"
-    if which == "latest" and not _agreed_has_committed(root, config, group):
+    elif not plan.root:
+        raise ConfigError(
+            f"{asked} names a checkpoint relative to a checkpoint root, but there is none; {words.needs_root}"
+        )
+    elif plan.tier_restore is not None:
+        picked = plan.tier_restore.pick(which, plan.load, group)  # collective
+        if picked is None and not ref.newest:
+            raise CheckpointNotFound(f"{asked}: no committed checkpoint {which!r} on the fast or the durable tier")
+        if picked is not None:
+            root, config, fallbacks = picked
+            which = "latest"  # `root` is now the picked checkpoint's own directory
+    if ref.newest and not _agreed_has_committed(root, config, group):
         if plan.resume_required:
             raise CheckpointNotFound(
-                f"load(state) found no committed checkpoint in {root} and resume_required=True; check the root, "
-                "or set resume_required=False to start fresh"
+                f"{asked} but {root} holds no committed checkpoint and resume_required=true; check the root, or "
+                "set resume_required=false to start fresh"
             )
-        log.info("no committed checkpoint in %s: starting fresh", root)
+        if rank_and_world()[0] == 0:
+            log.warning("no committed checkpoint in %s: starting fresh", root)
         return None
     try:
-        return load_checkpoint(target, root, which, config=config, strict=strict, process_group=group)
+        loaded = load_checkpoint(target, root, which, config=config, strict=strict, process_group=group)
     except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
-        for path, other, message in fallbacks:
-            log.warning("%s (%s)", message, err)
-            try:
-                return load_checkpoint(target, path, config=other, strict=strict, process_group=group)
-            except CorruptCheckpoint as again:
-                err = again
-        return _last_good(plan, err, target, which, group, strict)
-
-
-def _last_good(
-    plan: CheckpointPlan, err: CorruptCheckpoint, target: Target, which: str, group: Any, strict: bool
-) -> LoadResult:
-    if which != "latest":
-        raise err
+        loaded = _from_another_copy(
+            plan, err, target, fallbacks, strict, group, words, newest=ref.newest or ref.is_path
+        )
     if plan.tier_restore is not None:
-        good = plan.tier_restore.last_good(plan.load, group)  # collective
-        path, config = good if good is not None else (None, plan.load)
-    else:
-        path, config = broadcast_from_coordinator("last-good", _last_good_path(plan), group), plan.load
-    if path is None or not plan.fallback_to_last_good:
+        loaded.source = plan.tier_restore.tier_of(loaded.path)
+    return loaded
+
+
+def resume_event(loaded: LoadResult, world_size: int, **identity: Any) -> dict[str, Any]:
+    """The `resume` event document every door writes under ROOT/events/ (`write_resume_event`): what
+    `shardckpt timeline` shows and the health rules' `resume_s`. `identity`: the door's identity comparison."""
+    return {
+        "event": "resume",
+        "from": loaded.path,
+        "step": loaded.step,
+        "seconds": loaded.seconds,
+        "from_id": loaded.checkpoint_id,
+        "world_size": world_size,  # `shardckpt timeline` shows before -> after
+        "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
+        **identity,
+        "run_id": loaded.manifest.get("run_id"),
+        "created_at": time.time(),
+    }
+
+
+def write_resume_event(location: fsio.Location, event: dict[str, Any]) -> None:
+    metrics.write_json_event(location, f"resume-step-{event['step']:09d}", event)
+
+
+def resume_line(loaded: LoadResult, world_size: int) -> str:
+    """`lightning_shardckpt: resumed from PATH (step 40) on 4 -> 2 ranks, durable tier, in 1.23s` (the words of
+    `shardckpt timeline`)."""
+    before = (loaded.manifest.get("topology") or {}).get("world_size")
+    source = f", {loaded.source}" if loaded.source else ""
+    return (
+        f"lightning_shardckpt: resumed from {loaded.path} (step {loaded.step}) on "
+        f"{before if before is not None else '?'} -> {world_size} ranks{source}, in {loaded.seconds:.2f}s"
+    )
+
+
+def _from_another_copy(
+    plan: CheckpointPlan,
+    err: CorruptCheckpoint,
+    target: Target,
+    fallbacks: list[tuple[str, LoadConfig, str]],
+    strict: bool,
+    group: Any,
+    words: DoorWords,
+    *,
+    newest: bool,
+) -> LoadResult:
+    """After a load failed its checks: the same checkpoint's other copies, then (for `latest`) the last known-good."""
+    for path, config, message in fallbacks:
+        if rank_and_world()[0] == 0:
+            log.warning("%s (%s)", message, err)
+        try:
+            return load_checkpoint(target, path, config=config, strict=strict, process_group=group)
+        except CorruptCheckpoint as again:  # every rank alike, as the first
+            err = again
+    if not newest:  # a checkpoint named explicitly is that one or none
+        raise err
+    good, config = _last_good(plan, group)
+    if good is None or not plan.fallback_to_last_good:
         hint = (
-            f"the last known-good checkpoint is {path}: load(state, which='last-good'), or set "
-            "drill={'fallback_to_last_good': True} to do so automatically"
-            if path
-            else "no checkpoint of this root has passed a restore drill; pick an older one with `shardckpt ls`"
+            f"The last known-good checkpoint (newest that passed a restore drill) is {good}: resume from it with "
+            f"{words.last_good}, or set drill.fallback_to_last_good=true to do so automatically"
+            if good
+            else "No checkpoint of this root has passed a restore drill, so there is no known-good one to fall back "
+            "to; pick an older one with `shardckpt ls` and resume from its path"
         )
         raise CorruptCheckpoint(f"{err}\n{hint}", problems=err.problems) from err
-    log.warning("the latest checkpoint did not load (%s); fallback_to_last_good: resuming from %s", err, path)
-    return load_checkpoint(target, path, config=config, strict=strict, process_group=group)
+    if rank_and_world()[0] == 0:
+        log.warning("the latest checkpoint did not load (%s); fallback_to_last_good: resuming from %s", err, good)
+    return load_checkpoint(target, good, config=config, strict=strict, process_group=group)
 
 
-def _last_good_path(plan: CheckpointPlan) -> str | None:
-    if rank_and_world()[0] != 0:
-        return None
-    try:
-        good = catalog.last_good(plan.location, catalog.list_checkpoints(plan.location))
-    except Exception:  # noqa: BLE001 - a hint for an error being raised; never a second error
-        log.debug("could not look up the last known-good checkpoint of %s", plan.root, exc_info=True)
-        return None
-    return join(plan.location.url, good[-1].name) if good else None
+def _last_good(plan: CheckpointPlan, group: Any) -> tuple[str | None, LoadConfig]:
+    """(path, load config) of the last known-good checkpoint every rank can read (both tiers with tiers: drill
+    records live in a tier's root); (None, ...) without one. Collective."""
+    if plan.tier_restore is not None:
+        good = plan.tier_restore.last_good(plan.load, group)
+        return good if good is not None else (None, plan.load)
+    path = None
+    if rank_and_world()[0] == 0 and plan.root:
+        try:
+            entries = catalog.last_good(plan.location, catalog.list_checkpoints(plan.location))
+            path = join(plan.location.url, entries[-1].name) if entries else None
+        except Exception:  # noqa: BLE001 - a hint for an error being raised; never a second error
+            log.debug("could not look up the last known-good checkpoint of %s", plan.root, exc_info=True)
+    return broadcast_from_coordinator("last-good", path, group), plan.load
 
 
 def _agreed_has_committed(root: str, config: LoadConfig, group: Any) -> bool:
@@ -107,3 +204,11 @@ def _agreed_has_committed(root: str, config: LoadConfig, group: Any) -> bool:
             catalog.newest_committed(catalog.list_checkpoints(fsio.resolve(root, config.storage_options))) is not None
         )
     return bool(broadcast_from_coordinator("has-committed", answer, group))
+
+
+def _contents(root: str, config: LoadConfig, group: Any) -> str:
+    """What a path that holds no committed checkpoint holds instead (rank 0 looks)."""
+    found = None
+    if rank_and_world(group)[0] == 0:
+        found = catalog.describe_contents(fsio.resolve(root, config.storage_options))
+    return broadcast_from_coordinator("path-contents", found, group)

@@ -5,10 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import ownership
-from ..engine.collectives import rank_and_world
-from .plan import CheckpointPlan
-
 
 class RunIds:
     """This run's id, kept across fits of one callback.
@@ -44,23 +40,3 @@ class RunIds:
         elif self.current is None:
             self.current = new_id()
         return self.current
-
-    def for_fit(self, resumed: Any, plan: CheckpointPlan, plugins: Any, broadcast: Callable[[Any], Any]) -> str:
-        """`choose` for a fit of ShardedCheckpoint: its plan's root and the plug-ins' (tiers) decide which
-        checkpoints are this run's; `broadcast(value)` gives every rank rank 0's value."""
-        return self.choose(
-            resumed,
-            lambda path: plan.owns(path) or plugins.owns(path),
-            lambda: broadcast(ownership.new_run_id()),
-            lambda: broadcast(_owner_run_id(plan) if rank_and_world()[0] == 0 else None),
-        )
-
-
-def _owner_run_id(plan: CheckpointPlan) -> str | None:
-    """The run id recorded in the root's owner marker; None without one (an unreadable marker: the
-    saver's owner check reports it, with its fix, when the root's saver is created)."""
-    try:
-        owner = ownership.read_owner(plan.location)
-    except Exception:  # noqa: BLE001 - a question asked before the owner check, which raises the real error
-        return None
-    return owner.get("run_id") if owner else None

@@ -1,4 +1,4 @@
-"""When a save is due, and why: the save schedule of ShardedCheckpoint, free of any framework.
+"""When a save is due, and why: the save schedule of every front door, free of any framework.
 
 Plain inputs (the optimizer step, the clock, flags the caller already agreed on across ranks) in, a
 `Due` (why, whether to block, whether training stops) or None out. The caller owns the collectives: a
@@ -22,6 +22,7 @@ EPOCH_END = "epoch_end"
 FIT_END = "fit_end"
 PREEMPTION = "preemption"
 HEALTH_STOP = "health_stop"
+MANUAL = "manual"  # a save the loop asked for (Checkpointer.save, fabric.save)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,12 +14,12 @@ from typing import Any
 
 
 class StagingFence:
-    """Mixin of ShardedStrategy (which holds `_savers`); the fence itself is `CheckpointSaver.fence`."""
+    """Mixin of ShardedStrategy, whose savers are its `host` (training/savers.py SaverHost): the fence itself is
+    `SaverHost.fence`, the step pre-hooks `SaverHost.guard`."""
 
-    _savers: dict[str, Any]
+    host: Any
 
     def _init_staging_fence(self) -> None:
-        self._guarded: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         self._in_optimizer_step = False  # inside optimizer_step: its closure fences, the pre-hook need not
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -41,17 +41,13 @@ class StagingFence:
         finally:
             self._in_optimizer_step = False
 
-    def open_savers(self) -> list:
-        """The host's savers whose staging may be in flight (the strategy says which)."""
-        raise NotImplementedError(f"{type(self).__name__} must say which savers it holds (open_savers)")
-
     def wait_for_staging(self) -> float:
         """Block until every requested checkpoint's state is copied; seconds blocked.
 
         Called before the optimizer step, a load and a blocking save. Code that changes parameters or
         optimizer state outside `optimizer.step()` (e.g. averaging weights in a callback) must call it first.
         """
-        return sum(saver.fence() for saver in self.open_savers())
+        return self.host.fence()
 
     def _guard_optimizers(self) -> None:
         """A step pre-hook on every optimizer fences `step()` calls that bypass `optimizer_step`.
@@ -60,17 +56,6 @@ class StagingFence:
         `optimizer.step()` does not. Inside optimizer_step the hook does nothing: the closure fences
         after the forward and backward that automatic optimization runs inside `step()`.
         """
-        for optimizer in (
-            getattr(opt, "_optimizer", opt) for opt in self.optimizers
-        ):  # LightningOptimizer wraps the real one
-            if id(optimizer) not in self._guarded:
-                self._guarded[id(optimizer)] = optimizer.register_step_pre_hook(self._fence_unless_in_step)
-
-    def _fence_unless_in_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._in_optimizer_step:
-            self.wait_for_staging()
-
-    def _remove_optimizer_guards(self) -> None:
-        for handle in self._guarded.values():
-            handle.remove()
-        self._guarded = {}
+        # LightningOptimizer wraps the real one
+        optimizers = [getattr(optimizer, "_optimizer", optimizer) for optimizer in self.optimizers]
+        self.host.guard(optimizers, unless=lambda: self._in_optimizer_step)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
+from .layouts import DoorTarget
 
 RESERVED_KEY = "checkpointer"  # the Checkpointer's own section (data position, RNG, plug-ins)
 
@@ -56,6 +57,21 @@ def _module_of(state: dict[str, Any], optimizer_key: str) -> torch.nn.Module:
             "models in one torch.nn.ModuleDict)"
         )
     return modules[0]
+
+
+def door_target(state: dict[str, Any], *, strict: bool) -> DoorTarget:
+    """What a Checkpointer load fills: the user's entries by name (live tensors fill in place), its own section."""
+    entries: dict[tuple[str, ...], Any] = {(key,): value for key, value in to_dcp(state).items()}
+    entries[(RESERVED_KEY,)] = b""
+    modules = [key for key, value in state.items() if is_module(value)]
+    return DoorTarget(
+        entries,
+        model=(modules[0],) if len(modules) == 1 else None,
+        optimizers=tuple((key,) for key, value in state.items() if is_optimizer(value)),
+        own=(RESERVED_KEY,),
+        strict=strict,
+        strict_hint="load(state, strict=False)",
+    )
 
 
 def is_module(value: Any) -> bool:

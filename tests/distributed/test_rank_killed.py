@@ -116,13 +116,7 @@ class _RecordsSaves:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.save_records: list[dict[str, Any]] = []
-
-    def saver_for(self, root: str) -> Any:
-        known = self.existing_saver(root) is not None
-        saver = super().saver_for(root)
-        if not known:
-            saver.add_listener(self._record)
-        return saver
+        self.host.add_listener(self._record)
 
     def _record(self, record: Any) -> None:  # on the saver's background thread
         self.save_records.append(

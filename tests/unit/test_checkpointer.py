@@ -27,9 +27,9 @@ from lightning_shardckpt import (
 )
 from lightning_shardckpt.engine.catalog import find, list_checkpoints
 from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.policies.plan import Placement
 from lightning_shardckpt.policies.plugin import PluginList
 from lightning_shardckpt.training.checkpoint_setup import checkpoint_plan
-from lightning_shardckpt.training.plan import Placement
 
 BATCH = 4
 
@@ -210,8 +210,11 @@ def test_the_owner_refusal_advises_in_the_words_of_the_api_that_created_the_save
     with pytest.raises(ConfigError) as lightning:
         CheckpointSaver(root, SaveConfig(run_id="run-b", front_door="lightning"))
     assert "ckpt_path='latest'" in str(lightning.value) and "resume=latest" in str(lightning.value)
-    with pytest.raises(ConfigError, match="front_door='fabric' is unknown"):
-        SaveConfig(front_door="fabric")
+    with pytest.raises(ConfigError) as fabric:
+        CheckpointSaver(root, SaveConfig(run_id="run-b", front_door="fabric"))
+    assert "fabric.load('latest', state)" in str(fabric.value) and "ckpt_path" not in str(fabric.value)
+    with pytest.raises(ConfigError, match="front_door='keras' is unknown"):
+        SaveConfig(front_door="keras")
     # the callback's plan (checkpoint_plan's default) and the Checkpointer's say which advice their savers give
     plan = checkpoint_plan(root, SaveConfig(), LoadConfig(), False, PluginList([]), Placement())
     assert plan.save.front_door == "lightning"

@@ -7,8 +7,8 @@ from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.drills.plugin import DrillConfig, TrainingDrills
 from lightning_shardckpt.policies.health.plugin import HealthWatch
 from lightning_shardckpt.policies.health.rules import health_config_from
+from lightning_shardckpt.policies.plan import CheckpointPlan, Placement
 from lightning_shardckpt.policies.plugin import Plugin, PluginContext, PluginList, Reporter
-from lightning_shardckpt.training.plan import CheckpointPlan, Placement
 
 
 class Recording(Plugin):

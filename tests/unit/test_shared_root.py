@@ -14,7 +14,7 @@ from lightning_shardckpt.engine.format.layout import OWNER
 from lightning_shardckpt.engine.load.loader import LoadResult
 from lightning_shardckpt.engine.ownership import new_run_id
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.training.plan import CheckpointPlan
+from lightning_shardckpt.policies.plan import CheckpointPlan
 
 
 def small_state(value: float = 1.0) -> dict:

@@ -45,6 +45,7 @@ class LoadResult:
     read_s: float = 0.0  # this rank: first range read to last chunk read and checksummed (placing overlaps it)
     place_s: float = 0.0  # this rank: the loading thread copying chunks into the state (mostly inside read_s)
     chunks_read: int = 0  # this rank: stored chunks read, each once however many read items it feeds
+    source: str | None = None  # which copy was read, in a resume line's words ("fast tier"); set by the resume
 
 
 def load_checkpoint(

@@ -48,8 +48,9 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
         return False
 
 
-def _candidates(location: Location | None, which: str) -> tuple[list[catalog.CheckpointEntry], set[str]]:
-    """The tier's newest committed checkpoints of its latest run (newest first), and its drilled ones."""
+def _candidates(location: Location | None, which: str | int) -> tuple[list[catalog.CheckpointEntry], set[str]]:
+    """The tier's newest committed checkpoints of its latest run (newest first), and its drilled ones; for a
+    step, an id or a directory name, the committed checkpoints it names (newest commit first)."""
     if location is None:
         return [], set()
     try:
@@ -57,6 +58,9 @@ def _candidates(location: Location | None, which: str) -> tuple[list[catalog.Che
     except Exception:  # noqa: BLE001 - an unreachable tier offers nothing
         log.warning("cannot list %s; not considering it for the resume", location.url, exc_info=True)
         return [], set()
+    if which not in ("latest", catalog.LAST_GOOD):
+        named = [entry for entry in entries if entry.committed and catalog.names(entry, which)]
+        return sorted(named, key=catalog.time_order, reverse=True)[:CANDIDATES_PER_TIER], set()
     newest = catalog.newest_committed(entries)
     if newest is None:
         return [], set()
@@ -69,11 +73,21 @@ def _candidates(location: Location | None, which: str) -> tuple[list[catalog.Che
     return list(reversed(mine))[:CANDIDATES_PER_TIER] if which != catalog.LAST_GOOD else list(reversed(mine)), drilled
 
 
-def choose(fast: Location | None, durable: Location | None, which: str, group: Any) -> list[TierChoice]:
+def listed_anywhere(fast: Location | None, durable: Location | None, which: str | int) -> list[str]:
+    """The candidates for `which` either tier lists (readable or not), as `TIER:NAME`."""
+    return [
+        f"{tier}:{entry.name}"
+        for tier, location in ((FAST, fast), (DURABLE, durable))
+        for entry in _candidates(location, which)[0]
+    ]
+
+
+def choose(fast: Location | None, durable: Location | None, which: str | int, group: Any) -> list[TierChoice]:
     """Collective "tier-readable": every rank calls it; returns the choices in preference order (same on every rank).
 
-    `which`: "latest" or "last-good" (among checkpoints drilled on either tier). The first choice is
-    the one to load; the others are fallbacks (the same checkpoint on the other tier first).
+    `which`: "latest", "last-good" (among checkpoints drilled on either tier), or a step, an id or a directory
+    name (on either tier). The first choice is the one to load; the others are fallbacks (the same checkpoint on
+    the other tier first).
     """
     tiers = {FAST: fast, DURABLE: durable}
     found: dict[str, list[catalog.CheckpointEntry]] = {}

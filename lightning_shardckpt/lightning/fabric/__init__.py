@@ -1,5 +1,6 @@
 """The Fabric front door: `Fabric(strategy=ShardedFabricStrategy(...))`, `fabric.save` / `fabric.load`.
 
-`strategy.py` the strategies and their registration; `state.py` a Fabric state to and from DCP state;
-`sources.py` which checkpoint a load opens; `sampler.py` the Fabric loop's resumable sampler.
+`strategy.py` the strategies and their registration (on the door core of training/: the save loop, the saver
+host, the one resume); `state.py` a Fabric state to and from DCP state; `sampler.py` the Fabric loop's resumable
+sampler.
 """

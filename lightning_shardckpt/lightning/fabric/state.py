@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from ...engine.format import safe_pickle
 from ...errors import ConfigError, IncompatibleCheckpoint
 from ...training.data import ResumableDistributedSampler
+from ...training.layouts import DoorTarget
 from ..lightning_state import LIGHTNING_KEY, MODEL_KEY, OPTIMIZERS_KEY, lightning_rest
 
 FABRIC_KEY = "fabric"  # the pickled rest of a Fabric state
@@ -153,19 +154,24 @@ def check_loadable(data: bytes) -> None:
         ) from err
 
 
-def load_target(parts: FabricParts, blob_key: str | None) -> dict[str, Any]:
-    """The DCP state to load into: live model tensors (loaded in place), fresh optimizer states, the blob
-    (`blob_key`: "fabric", the Trainer's "lightning", or None for a checkpoint of tensors only)."""
-    target: dict[str, Any] = {}
+def door_target(parts: FabricParts, *, strict: bool) -> DoorTarget:
+    """What `fabric.load` fills (training/layouts.py): live model tensors (loaded in place), fresh optimizer states,
+    its own section; a Trainer checkpoint's "lightning" section is read in its place."""
+    entries: dict[tuple[str, ...], Any] = {}
     if parts.module is not None:
-        target[MODEL_KEY] = get_model_state_dict(parts.module)
-        target[OPTIMIZERS_KEY] = {
-            str(index): get_optimizer_state_dict(parts.module, optimizer)
-            for index, optimizer in enumerate(parts.optimizers.values())
-        }
-    if blob_key is not None:
-        target[blob_key] = b""
-    return target
+        entries[(MODEL_KEY,)] = get_model_state_dict(parts.module)
+        for index, optimizer in enumerate(parts.optimizers.values()):
+            entries[(OPTIMIZERS_KEY, str(index))] = get_optimizer_state_dict(parts.module, optimizer)
+    entries[(FABRIC_KEY,)] = b""
+    return DoorTarget(
+        entries,
+        model=(MODEL_KEY,) if parts.module is not None else None,
+        optimizers=tuple((OPTIMIZERS_KEY, str(index)) for index in range(len(parts.optimizers))),
+        own=(FABRIC_KEY,),
+        reads_own=(LIGHTNING_KEY,),
+        strict=strict,
+        strict_hint="fabric.load(path, state, strict=False)",
+    )
 
 
 @dataclass

@@ -11,34 +11,49 @@ ModelParallelStrategy (FSDP2 / DTensor, sharded by `parallelize_fn`); `Fabric(st
   commits. `close()` (also at `teardown()` and at interpreter exit) waits for the last commit.
 - `fabric.load(path, state)`: `path` is a root (its latest committed checkpoint), a checkpoint directory, or,
   relative to `root=`, "latest" (an empty root: nothing is restored, as the Trainer's resume), "last-good", a
-  step, an id. Models and optimizers are restored resharded onto this world size, plain values and
-  `load_state_dict` objects from the pickled rest (through the allow-list), the sampler's position and every
-  rank's RNG. Checkpoints the Trainer wrote (ShardedStrategy) load too: see lightning/fabric/state.py.
+  step, an id (training/resume.py, the resume of every door: tiers, fallbacks, the resume line). Models and
+  optimizers are restored resharded onto this world size, plain values and `load_state_dict` objects from the
+  pickled rest (through the allow-list), the sampler's position and every rank's RNG. Checkpoints the Trainer
+  and the Checkpointer wrote load too (training/layouts.py, lightning/fabric/state.py).
+- Saves to the run's root (`root=`, else the first root saved to) run the save loop of every door
+  (training/save_loop.py): retention (`keep_last`, `keep_every_n_steps`), `tiers`, restore `drill`s and `health`
+  rules, with the options of ShardedCheckpoint and the Checkpointer.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
-from ...engine.collectives import new_checkpoint_group, rank_and_world
-from ...engine.config import LoadConfig, SaveConfig, save_config_from
-from ...engine.load.loader import LoadResult, load_checkpoint
+from ...engine.collectives import rank_and_world
+from ...engine.config import FABRIC, LoadConfig, SaveConfig, save_config_from
+from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
+from ...errors import IncompatibleCheckpoint
+from ...policies.plan import CheckpointPlan, Placement
+from ...policies.tiers.plugin import tiered_dirpath
+from ...training import console
+from ...training.callback_options import CallbackConfig
+from ...training.checkpoint_setup import checkpoint_plan, door_plugins
 from ...training.data import ResumableDistributedSampler, gather_rng_states, restore_rng_state, rng_state_for_rank
+from ...training.finished_saves import CallableReporter
+from ...training.layouts import warn_not_restored
+from ...training.resume import resume, resume_event, resume_line, write_resume_event
+from ...training.save_loop import SaveLoop
+from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ..lightning_state import MODEL_KEY, OPTIMIZERS_KEY
 from ..parallelism import mesh_sizes, shard_repeated_blocks, strategy_class
-from . import sources as fabric_sources
 from . import state as fabric_state
 from .sampler import use_fabric_sampler
 
@@ -48,10 +63,12 @@ log = logging.getLogger(__name__)
 class ShardedFabricStrategy:
     """Base of the sharded Fabric strategies; calling it builds the one for `parallelism`.
 
-    Options (keyword-only, besides the Fabric strategy's own): `root` (where "latest", steps and ids passed to
-    `fabric.load` resolve), `save` (SaveConfig or dict), `load` (LoadConfig or dict), `resume_required`
-    ("latest" on an empty root raises instead of starting fresh), `step_key` (the state entry that names a
-    save's step), `restore_rng` (save every rank's RNG and restore it on load; default True).
+    Options (keyword-only, besides the Fabric strategy's own): `root` (the run's checkpoint root: where "latest",
+    steps and ids passed to `fabric.load` resolve and where the plug-ins work), `save` (SaveConfig or dict), `load`
+    (LoadConfig or dict), `resume_required` ("latest" on an empty root raises instead of starting fresh),
+    `step_key` (the state entry that names a save's step), `restore_rng` (save every rank's RNG and restore it on
+    load; default True), `keep_last` / `keep_every_n_steps` (retention), `tiers`, `drill`, `health` (as
+    ShardedCheckpoint's), `log_metrics(values, step)` (rank 0's checkpoint metrics, e.g. `fabric.log_dict`).
     """
 
     parallelism: str = "unknown"
@@ -64,30 +81,43 @@ class ShardedFabricStrategy:
     def _init_checkpointing(
         self,
         *,
-        root: str | None,
-        save: SaveConfig | dict | None,
-        load: LoadConfig | dict | None,
-        resume_required: bool,
-        step_key: str | None,
-        restore_rng: bool,
-        fault_hook: Any,
+        root: str | None = None,
+        save: SaveConfig | dict | None = None,
+        load: LoadConfig | dict | None = None,
+        resume_required: bool = False,
+        step_key: str | None = None,
+        restore_rng: bool = True,
+        keep_last: int | None = None,
+        keep_every_n_steps: int | None = None,
+        tiers: Any = None,
+        drill: Any = None,
+        health: Any = None,
+        log_metrics: Callable[[dict[str, float], int], Any] | None = None,
+        fault_hook: Any = None,  # tests only: fail, stall or kill a rank at named points of a save
     ) -> None:
-        self.root = str(root) if root is not None else None
-        self.save_config = save_config_from(save or {}, parallelism=self.parallelism)
-        self.load_config = load if isinstance(load, LoadConfig) else LoadConfig(**(load or {}))
-        self.resume_required = resume_required
+        # validated now: bad options fail when the strategy is built, before Fabric starts any rank
+        self.options = CallbackConfig(
+            save_on_fit_end=False,
+            save_on_preemption=False,
+            keep_last=keep_last,
+            keep_every_n_steps=keep_every_n_steps,
+            resume_required=resume_required,
+        )
+        self.plugins, tiers_config = door_plugins(self.options, tiers, drill, health)
+        self._save_options = save_config_from(save or {}, parallelism=self.parallelism, front_door=FABRIC)
+        self._load_options = load if isinstance(load, LoadConfig) else LoadConfig(**(load or {}))
+        self.root = tiered_dirpath(root, tiers_config, self._save_options) if root or tiers_config else None
         self.step_key = step_key
         self.restore_rng = restore_rng
         self.last_save: PendingSave | None = None
         self.last_load: LoadResult | None = None
+        self.not_restored: tuple[str, ...] = ()  # after a load: what the checkpoint did not give back
+        self._log_metrics = log_metrics
         self._fault_hook = fault_hook
-        self._group: Any = None
-        self._saver: CheckpointSaver | None = None
-        self._saver_path: str | None = None
-        self._saver_outlived = False  # a closed saver's thread outlived its timeout: the group must stay
-        self._guarded: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
-        self._run_id_given = self.save_config.run_id is not None
-        self._resumed_run: tuple[str | None, str | None] = (None, None)  # (root path, run id) of the last load
+        self._host: SaverHost | None = None  # made at first use: the processes exist by then
+        self._loop: SaveLoop | None = None  # the run's save loop, once its root is known
+        self._elsewhere: str | None = None  # the last root saved to outside the run's root (one saver at a time)
+        self._resume_event: dict[str, Any] | None = None
         self._last_step = -1  # saved or loaded: a state without a step is saved as the next one
         reference = weakref.ref(self)
         atexit.register(lambda: (strategy := reference()) is not None and strategy.close())
@@ -115,20 +145,19 @@ class ShardedFabricStrategy:
         parts = fabric_state.split(state)
         step = fabric_state.step_of(parts, self.step_key)
         step = self._last_step + 1 if step is None else step
-        saver = self._saver_for(path)
-        rng = gather_rng_states() if self.restore_rng else None  # every rank's: a collective on the training group
-        dcp_state = fabric_state.to_dcp_state(parts, rng)
-        if saver.config.overlap_staging:
-            self._guard(parts.optimizers.values())
-        updated_in_step = self._parameters_or_optimizer_state(parts)
-        self.last_save = saver.save(
-            dcp_state,
-            step=step,
-            epoch=_plain_int(parts.values.get("epoch")),
-            samples_consumed=fabric_state.samples_consumed(parts),
-            identical=updated_in_step,
-            defer=updated_in_step,
-        )
+        request = self._request_of(parts, step)
+        loop = self._run_loop(path)
+        if self._is_run_root(loop, path):
+            if not loop.started:
+                loop.start(self.last_load, resume_event=self._resume_event)
+            loop.drain()
+            self.last_save = loop.save_now(step, request)
+        else:  # a root other than the run's: a plain save, no plug-ins; one such root's saver at a time
+            if self._elsewhere not in (None, path):
+                log.info("saving to %s: waiting for the saves to %s to commit first", path, self._elsewhere)
+                self.host.release(self._elsewhere)
+            self._elsewhere = path
+            self.last_save = request(self.host.saver_for(path), False)
         self._last_step = step
 
     def load_checkpoint(
@@ -147,32 +176,41 @@ class ShardedFabricStrategy:
                 f"{type(self).__name__} loads into a state dict, got state={state!r}: pass the objects to restore, "
                 "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer, 'step': 0})"
             )
+        self.host.fence()
         self.wait()  # the load's collectives share the checkpoint group with the saver's thread: one at a time
-        root, which, fresh_if_empty = fabric_sources.resolve_source(str(self.broadcast(str(path))), self.root)
-        picked = fabric_sources.pick(
-            root,
-            which,
-            fresh_if_empty=fresh_if_empty,
-            resume_required=self.resume_required,
-            storage_options=self.load_config.storage_options,
-            group=self.checkpoint_group(),
-        )
-        if picked is None:
-            return {}
-        checkpoint, step, blob_key = picked.path, picked.step, picked.blob_key
+        reference = str(self.broadcast(str(path)))
+        loop = self._run_loop(None)
+        plan = loop.plan if loop is not None else self._plan_without_root()
         parts = fabric_state.split(state)
-        target = fabric_state.load_target(parts, blob_key)
-        self.last_load = load_checkpoint(
-            target, checkpoint, config=self.load_config, strict=strict, process_group=self.checkpoint_group()
-        )
-        self._apply_tensors(parts, target, strict)
+        target = fabric_state.door_target(parts, strict=strict)
+        try:
+            loaded = resume(plan, target, reference, self.host.checkpoint_group(), strict=strict)
+        except IncompatibleCheckpoint as err:
+            raise target.explain(err) from err
+        if loaded is None:
+            return {}
+        self.last_load = loaded
+        restored = target.restored()
+        self._apply_tensors(parts, restored, strict)
+        blob_key = target.layout.own_source  # "fabric", the Trainer's "lightning", or None (another door's)
         if blob_key is None:
             rest = fabric_state.SavedRest(values={}, stateful={}, rng=None, sampler=None)
         else:
-            rest = fabric_state.saved_rest(target, blob_key, trust=self.load_config.trust_checkpoint, where=checkpoint)
-        remainder = self._apply_rest(parts, rest, state, strict, checkpoint)
-        self._last_step = step
-        self._resumed_run = (picked.root_path, picked.run_id)
+            rest = fabric_state.saved_rest(
+                {blob_key: target.own_section()}, blob_key, trust=plan.load.trust_checkpoint, where=loaded.path
+            )
+        remainder = self._apply_rest(parts, rest, state, strict, loaded.path)
+        self.not_restored = tuple(target.layout.not_restored())
+        if self.global_rank == 0:
+            warn_not_restored(loaded.path, target.layout, list(self.not_restored))
+        self._last_step = loaded.step
+        if loop is not None and loop.started and loop.continue_from(loaded) != loop.run_ids.current:
+            loop.started = False
+        if self.global_rank == 0:
+            self._resume_event = resume_event(loaded, self.world_size)
+            if loop is not None and plan.save.write_events:
+                write_resume_event(plan.location, self._resume_event)
+            console.say(resume_line(loaded, self.world_size))
         return remainder
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -183,42 +221,46 @@ class ShardedFabricStrategy:
         try:
             self.close()
         finally:
-            if self._group is not None and not self._saver_outlived:  # a worker still running keeps its group
-                dist.destroy_process_group(self._group)
-                self._group = None
             super().teardown()
 
     # --- for the training loop ---
+    @property
+    def host(self) -> SaverHost:
+        """This strategy's savers and the checkpoint group (made at first use, on every rank)."""
+        if self._host is None:
+            self._host = SaverHost(self._save_options, self, fault_hook=self._fault_hook)
+        return self._host
+
     def wait_for_staging(self) -> float:
         """Block until the last save's state is copied (seconds blocked). Optimizer steps fence by themselves;
         code that changes parameters or optimizer state another way must call this first."""
-        return self._saver.fence() if self._saver is not None else 0.0
+        return self._host.fence() if self._host is not None else 0.0
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every save requested so far finished (committed or failed); False if `timeout` passed."""
-        return self._saver.wait(timeout) if self._saver is not None else True
+        return self._host.wait(timeout) if self._host is not None else True
 
     def close(self) -> bool:
-        """Wait (up to save.teardown_timeout_s) for the last save to commit and stop the saver; saving again
-        starts a new one. Call it on every rank before the process group goes (teardown and exit call it).
-        True when no saver thread runs any more (False: one outlived the timeout and still uses the group)."""
-        saver, self._saver, self._saver_path = self._saver, None, None
-        for handle in self._guarded.values():
-            handle.remove()
-        self._guarded = {}
-        if saver is None:
-            return not self._saver_outlived
+        """Wait (up to save.teardown_timeout_s) for the last save to commit, let the plug-ins finish (drills,
+        copies), stop the savers; saving again starts anew. Call it on every rank before the process group goes
+        (teardown and exit call it). True when no saver thread runs any more (False: one outlived the timeout)."""
+        loop, host = self._loop, self._host
         try:
-            saver.close()  # may raise a background save's error (save.on_error="raise") once the worker stopped
+            if loop is not None and loop.started:
+                loop.started = False
+                loop.finish()  # may raise a background save's error (save.on_error="raise")
         finally:
-            self._saver_outlived = not saver.stopped
-        return saver.stopped
+            self._elsewhere = None
+            stopped = host.close() if host is not None else True
+        return stopped
 
     def checkpoint_group(self) -> Any:
         """The dedicated gloo group for checkpoint collectives (created once, on first use, on every rank)."""
-        if self._group is None:
-            self._group = new_checkpoint_group(self.save_config.collective_timeout_s)
-        return self._group
+        return self.host.checkpoint_group()
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """MAX over every rank on the training group (the health rules' control state)."""
+        return all_reduce_max_on_default_group(values, self.root_device)
 
     @property
     def fault_hook(self) -> Any:
@@ -226,36 +268,64 @@ class ShardedFabricStrategy:
         return self._fault_hook
 
     # --- internals ---
-    def _saver_for(self, path: str) -> CheckpointSaver:
-        if self._saver is not None and self._saver_path != path:
-            log.info("saving to %s: waiting for the saves to %s to commit first", path, self._saver_path)
-            self.close()  # one saver (one host copy of the state) at a time
-        if self._saver is None:
-            config = self.save_config
-            resumed_root, resumed_run_id = self._resumed_run
-            if (
-                not self._run_id_given
-                and resumed_run_id
-                and fsio.resolve(path, config.storage_options).path == resumed_root
-            ):
-                # saving into the root this run resumed from continues that run: its id, so the root's owner
-                # check lets it in and `latest` orders the new commits after the ones it resumed from
-                config = self.save_config = save_config_from(config, run_id=resumed_run_id)
-            self._saver = CheckpointSaver(path, config, group=self.checkpoint_group(), fault_hook=self._fault_hook)
-            self._saver_path = path
-            if self.save_config.run_id is None:  # every later root of this run records the same id
-                self.save_config = save_config_from(self.save_config, run_id=self._saver.run_id)
-        return self._saver
+    def _run_loop(self, path: str | None) -> SaveLoop | None:
+        """The run's save loop over its root (`root=`, else the first root saved to), built once."""
+        root = self.root or path
+        if self._loop is None and root:
+            placement = Placement(node_rank=self.node_rank, local_rank=self.local_rank, num_nodes=self.num_nodes)
+            plan = checkpoint_plan(
+                root,
+                self._save_options,
+                self._load_options,
+                self.options.resume_required,
+                self.plugins,
+                placement,
+                front_door=FABRIC,
+            )
+            self.host.configure(plan.save)
+            self._loop = SaveLoop(
+                plan=plan,
+                plugins=self.plugins,
+                options=self.options,
+                host=self.host,
+                reporter=CallableReporter(self._log_metrics, lambda: max(self._last_step, 0)),
+                rank=self.global_rank,
+                world_size=self.world_size,
+            )
+            self._loop.setup("fit")
+        return self._loop
 
-    def _guard(self, optimizers: Any) -> None:
-        """Fence before each optimizer step: the staging copy of parameters and optimizer state overlaps the
-        next forward and backward, and must be complete before the update changes them."""
-        for optimizer in optimizers:
-            if id(optimizer) not in self._guarded:
-                self._guarded[id(optimizer)] = optimizer.register_step_pre_hook(self._fence_before_step)
+    def _is_run_root(self, loop: SaveLoop | None, path: str) -> bool:
+        if loop is None:
+            return False
+        if path in (self.root, loop.root):
+            return True
+        return fsio.resolve(path, loop.plan.save.storage_options).same_place(loop.plan.location)
 
-    def _fence_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.wait_for_staging()  # a step pre-hook returns None (or replacement arguments)
+    def _plan_without_root(self) -> CheckpointPlan:
+        """What a load needs before the run's root is known: explicit paths only."""
+        return CheckpointPlan(root="", save=self._save_options, load=self._load_options)
+
+    def _request_of(self, parts: fabric_state.FabricParts, step: int) -> Callable[[CheckpointSaver, bool], PendingSave]:
+        def request(saver: CheckpointSaver, never_skip: bool) -> PendingSave:
+            rng = gather_rng_states() if self.restore_rng else None  # every rank's: a collective on the training group
+            dcp_state = fabric_state.to_dcp_state(parts, rng)
+            if saver.config.overlap_staging:
+                self.host.guard(parts.optimizers.values())
+            updated_in_step = self._parameters_or_optimizer_state(parts)
+            extra = self.plugins.save_extra(parts.module, self.global_rank) if parts.module is not None else None
+            return saver.save(
+                dcp_state,
+                step=step,
+                epoch=_plain_int(parts.values.get("epoch")),
+                samples_consumed=fabric_state.samples_consumed(parts),
+                extra=extra,
+                identical=updated_in_step,
+                defer=updated_in_step,
+                never_skip=never_skip,
+            )
+
+        return request
 
     @staticmethod
     def _parameters_or_optimizer_state(parts: fabric_state.FabricParts):
@@ -266,16 +336,16 @@ class ShardedFabricStrategy:
         optimizers = f"{OPTIMIZERS_KEY}."
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
-    def _apply_tensors(self, parts: fabric_state.FabricParts, target: dict[str, Any], strict: bool) -> None:
-        if parts.module is None:
+    def _apply_tensors(
+        self, parts: fabric_state.FabricParts, restored: dict[tuple[str, ...], Any], strict: bool
+    ) -> None:
+        if parts.module is None or (MODEL_KEY,) not in restored:
             return
-        set_model_state_dict(parts.module, target[MODEL_KEY], options=StateDictOptions(strict=strict))
-        manifest = self.last_load.manifest
-        saved = [item["fqn"] for kind in ("objects", "tensors") for item in manifest.get(kind, [])]
+        set_model_state_dict(parts.module, restored[(MODEL_KEY,)], options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(parts.optimizers.values()):
-            prefix = f"{OPTIMIZERS_KEY}.{index}.param_groups."  # flattened: one entry per group option
-            if any(fqn.startswith(prefix) for fqn in saved):  # strict=False: one the checkpoint lacks stays as is
-                set_optimizer_state_dict(parts.module, optimizer, target[OPTIMIZERS_KEY][str(index)])
+            loaded = restored.get((OPTIMIZERS_KEY, str(index)))
+            if loaded is not None:  # strict=False: one the checkpoint lacks stays as is
+                set_optimizer_state_dict(parts.module, optimizer, loaded)
 
     def _apply_rest(
         self,
@@ -311,6 +381,12 @@ def _missing(key: str, where: str) -> KeyError:
     )
 
 
+def _checkpoint_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take ShardedFabricStrategy's own options out of `kwargs` (what is left goes to Fabric's strategy)."""
+    names = inspect.signature(ShardedFabricStrategy._init_checkpointing).parameters
+    return {name: kwargs.pop(name) for name in list(kwargs) if name in names}
+
+
 def _plain_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -321,29 +397,11 @@ class ShardedFabricDDPStrategy(ShardedFabricStrategy, DDPStrategy):
     strategy_name = "shardckpt_ddp"
     parallelism = "ddp"
 
-    def __init__(
-        self,
-        *args: Any,
-        parallelism: str = "ddp",
-        root: str | None = None,
-        save: SaveConfig | dict | None = None,
-        load: LoadConfig | dict | None = None,
-        resume_required: bool = False,
-        step_key: str | None = None,
-        restore_rng: bool = True,
-        fault_hook: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, parallelism: str = "ddp", **kwargs: Any) -> None:
+        """The checkpoint options of ShardedFabricStrategy; the rest go to Fabric's DDPStrategy."""
+        checkpointing = _checkpoint_options(kwargs)
         DDPStrategy.__init__(self, *args, **kwargs)
-        self._init_checkpointing(
-            root=root,
-            save=save,
-            load=load,
-            resume_required=resume_required,
-            step_key=step_key,
-            restore_rng=restore_rng,
-            fault_hook=fault_hook,
-        )
+        self._init_checkpointing(**checkpointing)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -362,30 +420,11 @@ class ShardedFabricFSDPStrategy(ShardedFabricStrategy, ModelParallelStrategy):
     strategy_name = "shardckpt_fsdp"
     parallelism = "fsdp"
 
-    def __init__(
-        self,
-        parallelize_fn: Any = None,
-        *args: Any,
-        parallelism: str = "fsdp",
-        root: str | None = None,
-        save: SaveConfig | dict | None = None,
-        load: LoadConfig | dict | None = None,
-        resume_required: bool = False,
-        step_key: str | None = None,
-        restore_rng: bool = True,
-        fault_hook: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, parallelize_fn: Any = None, *args: Any, parallelism: str = "fsdp", **kwargs: Any) -> None:
+        """The checkpoint options of ShardedFabricStrategy; the rest go to Fabric's ModelParallelStrategy."""
+        checkpointing = _checkpoint_options(kwargs)
         ModelParallelStrategy.__init__(self, parallelize_fn or shard_repeated_blocks, *args, **kwargs)
-        self._init_checkpointing(
-            root=root,
-            save=save,
-            load=load,
-            resume_required=resume_required,
-            step_key=step_key,
-            restore_rng=restore_rng,
-            fault_hook=fault_hook,
-        )
+        self._init_checkpointing(**checkpointing)
 
     def teardown(self) -> None:
         try:

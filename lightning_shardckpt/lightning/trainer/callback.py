@@ -1,4 +1,4 @@
-"""ShardedCheckpoint: the Lightning face of the save schedule, the checkpoint plan and the plug-ins.
+"""ShardedCheckpoint: the Lightning face of the save loop, the checkpoint plan and the plug-ins.
 
 Add it to the Trainer's callbacks together with a ShardedStrategy:
 
@@ -6,7 +6,10 @@ Add it to the Trainer's callbacks together with a ShardedStrategy:
             callbacks=[ShardedCheckpoint(dirpath="s3://bucket/run-7", every_n_train_steps=500, keep_last=3)])
     trainer.fit(model, datamodule, ckpt_path="latest")
 
-When to save: training/schedule.py; the strategy's one plan: training/plan.py; plug-ins: policies/plugin.py.
+It translates Lightning's hooks into the door core of training/: the save loop (save_loop.py: schedule,
+preemption agreement, plug-ins, drain), run on the strategy's saver host; the plan (policies/plan.py) it hands
+the strategy, whose resume is training/resume.py's. What stays here is Lightning's own: the checkpoint dict,
+identity, data position, the user's metrics and logged aggregates, loggers and W&B.
 """
 
 from __future__ import annotations
@@ -17,26 +20,28 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
 from ...engine.config import LoadConfig, SaveConfig, save_config_from
-from ...engine.tiers.config import TiersConfig, tiers_config_from
+from ...engine.save.saver import CheckpointSaver, PendingSave
+from ...engine.tiers.config import TiersConfig
 from ...identity.diff import IdentityPolicy
 from ...policies.drills.plugin import DrillConfig, drill_config_from
 from ...policies.health.rules import HealthConfig, health_config_from
-from ...policies.plugin import PluginContext
+from ...policies.plan import CheckpointPlan
 from ...policies.tiers.plugin import tiered_dirpath
+from ...training import console
 from ...training.callback_options import CallbackConfig
-from ...training.checkpoint_setup import checkpoint_plan, checkpoint_plugins, placement_of
-from ...training.plan import CheckpointPlan
+from ...training.checkpoint_setup import checkpoint_plan, door_plugins, placement_of
 from ...training.preemption import DEFAULT_GRACE_S
-from ...training.preflight import preflight_on_every_rank
+from ...training.resume import resume_line
 from ...training.run_ids import RunIds
-from ...training.schedule import PREEMPTION, Due, SaveSchedule
-from .checkpoint_logging import log_resume
+from ...training.save_loop import Request, SaveLoop, StepEnd
+from ...training.schedule import SaveSchedule
+from .checkpoint_logging import log_record, log_resume_metrics
 from .ckpt_paths import forked_callback_state
 from .data_position import DataPosition
-from .plugin_context import plugin_context
+from .plugin_context import TrainerReporter
 from .preemption import PreemptionSignal
 from .run_identity import RunIdentity
-from .saving import log_finished, request_save
+from .saving import request_save
 from .strategy import ShardedStrategy
 from .user_state import UserState
 
@@ -72,11 +77,7 @@ class ShardedCheckpoint(Checkpoint):
         health: HealthConfig | dict | list | str | None = HealthConfig(),
         tiers: TiersConfig | None = None,
     ) -> None:
-        self.tiers_config = tiers_config_from(tiers)  # a fast and a durable tier (policies/tiers/plugin.py)
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
-        # as given, or with tiers the fast tier's (a node-local one's template): the state key
-        self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
-        self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up
         self.options = CallbackConfig(
             every_n_train_steps=every_n_train_steps,
             every_n_minutes=every_n_minutes,
@@ -88,15 +89,21 @@ class ShardedCheckpoint(Checkpoint):
             keep_every_n_steps=keep_every_n_steps,
             resume_required=resume_required,
         )
+        self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints
+        self.health_config = health_config_from(health)  # health rules; validated now
+        # retention, tiers (a fast and a durable tier), restore drills, health rules: validated now
+        self.plugins, self.tiers_config = door_plugins(self.options, tiers, self.drill_options, self.health_config)
+        # as given, or with tiers the fast tier's (a node-local one's template): the state key
+        self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
+        self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up
         self.verify_on_load, self.trust_checkpoint = verify_on_load, trust_checkpoint
         self.load_options = LoadConfig(verify_checksums=verify_on_load, trust_checkpoint=trust_checkpoint)
         self.log_metrics, self.log_artifact = log_metrics, log_artifact
         self.identity = RunIdentity(run_config, dataset_version, identity_policy)  # validated now
-        self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints
-        self.health_config = health_config_from(health)  # health rules; validated now
-        self.plugins = checkpoint_plugins(self.options, self.tiers_config, self.drill_options, self.health_config)
+        # kept across fits (the loop is rebuilt at each set-up): the last saved step and the run's id
         self.schedule, self.run_ids = SaveSchedule(self.options), RunIds(self.save_options.run_id)
         self.plan: CheckpointPlan | None = None
+        self.loop: SaveLoop | None = None
         self._data, self._user = DataPosition(), UserState()  # user: torchmetrics, epoch aggregates, plateau steps
         self._signal = PreemptionSignal(self.options.preemption_grace_s)
         self._resume_logged = False
@@ -123,9 +130,21 @@ class ShardedCheckpoint(Checkpoint):
         self.plan = checkpoint_plan(self.dirpath, save, self.load_options, required, self.plugins, placement)
         self.root = self.plan.root
         strategy.use_plan(self.plan)
-        if stage == "fit":
-            preflight_on_every_rank(self.plan.location)
-        self.plugins.setup(self._context(trainer, stage=stage))
+        self.loop = SaveLoop(
+            plan=self.plan,
+            plugins=self.plugins,
+            options=self.options,
+            host=strategy.host,
+            reporter=TrainerReporter(trainer),
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            log_record=lambda record, counters: log_record(
+                trainer, record, counters, log_metrics=self.log_metrics, log_artifact=self.log_artifact
+            ),
+            schedule=self.schedule,
+            run_ids=self.run_ids,
+        )
+        self.loop.setup(stage)
         if stage == "fit" and self.options.save_on_preemption:
             self._signal.install()
 
@@ -141,8 +160,7 @@ class ShardedCheckpoint(Checkpoint):
     # --- the loop ---
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._signal.take_back()  # Lightning installed its SIGTERM handler just before: ours runs instead
-        strategy, resumed = trainer.strategy, trainer.strategy.last_load
-        self.schedule.started(trainer.global_step if resumed is not None else None)
+        resumed = trainer.strategy.last_load
         self._data.started(trainer)
         self.identity.forget()
         resume_event = None
@@ -150,49 +168,40 @@ class ShardedCheckpoint(Checkpoint):
             self._data.restore_rng()
             self._user.resumed(trainer)
             resume_event = self.identity.check_resume(trainer, pl_module, self.plan.location)  # may raise
-        # after the restore, before any save: a resume of this run's checkpoint continues its id
-        strategy.adopt_run_id(run_id := self.run_ids.for_fit(resumed, self.plan, self.plugins, strategy.broadcast))
-        # the saver is created now: a root another run owns is refused before the first step, not at the first save
-        saver = self._saver(trainer)
-        self.plugins.start(self._context(trainer, saver=saver, run_id=run_id, resume_event=resume_event))
+        # after the restore, before any save: a resume of this run's checkpoint continues its id, and the root's
+        # saver is created now (a root another run owns is refused before the first step, not at the first save)
+        self.loop.start(resumed, resume_event=resume_event)
         if resumed is not None and trainer.is_global_zero and not self._resume_logged:
             self._resume_logged = True
-            log_resume(trainer, self.plan.tier_restore)
+            console.say(resume_line(resumed, trainer.world_size))
+            log_resume_metrics(trainer, resumed)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)
-        self._drain(trainer)
         if trainer.global_step >= 1:  # the optimizer state exists now: staging memory before the first save
-            trainer.strategy.prepare_staging(self._saver(trainer))
-        preempted = self._signal.agreed(trainer, self.options.save_on_preemption, self.plugins, self._context(trainer))
-        self.plugins.apply_control(trainer.strategy.existing_saver(self.root), self.save_options.when_busy)
-        due = self.schedule.at_batch_end(
-            trainer.global_step,
-            max_steps=trainer.max_steps,
-            preempted=preempted,
-            stop_reason=self.plugins.stop_reason(),
-            interval_factor=self.plugins.interval_factor(),
-            agree=lambda due: bool(trainer.strategy.broadcast(due)),  # rank 0's clock decides for all
+            trainer.strategy.prepare_staging(self.loop.saver())
+        # Lightning's flag counts too: a SIGTERM in the moment before `take_back` reached Lightning's handler
+        requested = self._signal.requested or bool(getattr(trainer, "received_sigterm", False))
+        outcome = self.loop.at_step_end(
+            trainer.global_step, self._request(trainer), max_steps=trainer.max_steps, preemption_requested=requested
         )
-        self._save(trainer, due)
+        self._after(trainer, outcome)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._save(trainer, self.schedule.at_epoch_end(trainer.global_step))
+        self._after(trainer, self.loop.at_epoch_end(trainer.global_step, self._request(trainer)))
         self._user.epoch_ended(trainer)  # after the save: the uninterrupted run's snapshot precedes it too
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_train_end, not on_fit_end: Lightning tears the strategy (and its savers) down in between
-        self._save(trainer, self.schedule.at_fit_end(trainer.global_step))
-        self._saver(trainer).close()  # the run's last checkpoint commits before teardown
-        self.plugins.flush()
-        self._drain(trainer)
-        self.plugins.close(self._context(trainer), finished=True)
+        self._after(trainer, self.loop.at_fit_end(trainer.global_step, self._request(trainer)))
+        self.loop.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(trainer.strategy, ShardedStrategy) and (saver := trainer.strategy.existing_saver(self.root)):
-            saver.close()  # let in-flight saves commit; a half-finished one stays uncommitted
-        self.plugins.close(PluginContext(is_global_zero=trainer.is_global_zero), finished=False)
-        self._signal.restore()  # Lightning calls no teardown hook after an exception
+        try:
+            if self.loop is not None:
+                self.loop.abort()  # in-flight saves may commit; a half-finished one stays uncommitted
+        finally:
+            self._signal.restore()  # Lightning calls no teardown hook after an exception
 
     # --- own state, carried in every checkpoint ---
     def state_dict(self) -> dict[str, Any]:
@@ -217,34 +226,16 @@ class ShardedCheckpoint(Checkpoint):
         self._user.load(state_dict, self._trainer)
 
     # --- internals ---
-    def _context(self, trainer: pl.Trainer, **fields: Any) -> PluginContext:
-        return plugin_context(trainer, self.plan, **fields)
+    def _request(self, trainer: pl.Trainer) -> Request:
+        """A save of this step: Lightning's snapshot and what goes with it (every rank)."""
 
-    def _saver(self, trainer: pl.Trainer, create: bool = True) -> Any:
-        """Where saves go now: tiers' degraded mode overrides the root's saver (created unless `create` is False)."""
-        strategy, override = trainer.strategy, self.plugins.saver_override()
-        return override or (strategy.saver_for(self.root) if create else strategy.existing_saver(self.root))
+        def request(saver: CheckpointSaver, never_skip: bool) -> PendingSave:
+            return request_save(trainer, saver, self.identity, self.plugins, never_skip=never_skip)
 
-    def _save(self, trainer: pl.Trainer, due: Due | None) -> None:
-        """What the schedule asked for: a save (collectives: every rank at the same step), then maybe a stop."""
-        result = None
-        if due is not None and due.save:
-            self.plugins.before_save(self._context(trainer))  # tiers: degraded mode when the fast tier failed
-            previous = self.schedule.saving(trainer.global_step)  # before the dump, so the snapshot records it too
-            saver = self._saver(trainer)
-            pending = request_save(trainer, saver, self.identity, self.plugins, never_skip=due.never_skip)
-            if pending.done() and pending.result().skipped:
-                self.schedule.skipped(previous)  # nothing was saved: the fit-end save must still happen
-            self.schedule.saved()
-            if due.blocking:
-                result = pending.result()
-                self._drain(trainer)
-        if due is not None and due.stop:
+        return request
+
+    def _after(self, trainer: pl.Trainer, outcome: StepEnd) -> None:
+        if outcome.preempted:
+            self._signal.stopped_at = trainer.global_step
+        if outcome.stop:
             trainer.should_stop = True
-            if due.reason == PREEMPTION:
-                self._signal.stopping(trainer, result is not None and result.committed, self.root)
-
-    def _drain(self, trainer: pl.Trainer) -> None:
-        """Log finished saves, on the training thread (rank 0 logs, all ranks drain); retention runs elsewhere."""
-        saver, context = self._saver(trainer, create=False), self._context(trainer)
-        log_finished(trainer, saver, self.plugins, context, self.log_metrics, self.log_artifact)

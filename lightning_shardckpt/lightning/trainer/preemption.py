@@ -1,5 +1,5 @@
-"""Preemption in a Lightning fit: our flag-only SIGTERM / SIGUSR1 handlers instead of Lightning's, and the
-ranks' agreement on them at each batch end.
+"""Preemption in a Lightning fit: our flag-only SIGTERM / SIGUSR1 handlers instead of Lightning's (the ranks
+agree on them at each batch end in the save loop, training/save_loop.py).
 
 Lightning's own SIGTERM handler (trainer/connectors/signal_connector.py) broadcasts from inside the signal
 handler, and its loops then raise SIGTERMException on the signalled rank only: SIGTERM to every rank, to one,
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import logging
 
-import lightning.pytorch as pl
-
-from ...policies.plugin import PluginContext, PluginList
 from ...training.preemption import PreemptionRequests
 
 log = logging.getLogger(__name__)
@@ -35,20 +32,7 @@ class PreemptionSignal:
     def restore(self) -> None:
         self.requests.close()
 
-    def agreed(self, trainer: pl.Trainer, enabled: bool, plugins: PluginList, context: PluginContext) -> bool:
-        """Any rank's request, agreed by every rank at this batch end in one collective: a plug-in's own
-        all-reduce (the health rules' control state) carries it, else the strategy's. Lightning's flag counts
-        too: a SIGTERM in the moment before `take_back` reached Lightning's handler."""
-        local = enabled and (self.requests.requested or bool(getattr(trainer, "received_sigterm", False)))
-        verdict = plugins.sync(local, context)
-        if verdict is None:
-            verdict = enabled and trainer.strategy.reduce_boolean_decision(local, all=False)
-        if verdict:
-            self.stopped_at = trainer.global_step
-        return bool(verdict)
-
-    def stopping(self, trainer: pl.Trainer, committed: bool, root: str) -> None:
-        """Rank 0 says where the preempted run stands: its final save committed, or not."""
-        if trainer.is_global_zero:
-            saved = "is committed" if committed else "did NOT commit (see above)"
-            log.warning("preempted: step %d %s under %s; training stops", trainer.global_step, saved, root)
+    @property
+    def requested(self) -> bool:
+        """This rank received SIGTERM / SIGUSR1 (the ranks then agree: training/save_loop.py)."""
+        return self.requests.requested

@@ -7,15 +7,14 @@ the first step, under the user's IdentityPolicy (identity/diff.py: error, warn o
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 
-from ...engine import metrics
 from ...identity import blocks as identity
 from ...identity.diff import WARN, IdentityPolicy, compare
 from ...policies.config_blocks import options_from
+from ...training.resume import resume_event, write_resume_event
 from .sampler_injection import train_sampler
 from .wandb_artifacts import wandb_run
 
@@ -77,19 +76,7 @@ class RunIdentity:
         if warned:
             summary = f"{summary}\n(differs in {', '.join(warned)}: warned above)".lstrip("\n")
         log.info("identity of %s: %s", loaded.path, summary)
-        event = {
-            "event": "resume",
-            "from": loaded.path,
-            "step": loaded.step,
-            "seconds": loaded.seconds,
-            "from_id": loaded.checkpoint_id,
-            "world_size": trainer.world_size,  # `shardckpt timeline` shows before -> after
-            "from_world_size": (loaded.manifest.get("topology") or {}).get("world_size"),
-            "differences": report.differences,
-            "unrecorded": report.unrecorded,
-            "run_id": loaded.manifest.get("run_id"),
-            "created_at": time.time(),
-        }
+        event = resume_event(loaded, trainer.world_size, differences=report.differences, unrecorded=report.unrecorded)
         if location is not None:
-            metrics.write_json_event(location, f"resume-step-{event['step']:09d}", event)
+            write_resume_event(location, event)
         return event

@@ -1,4 +1,4 @@
-"""The two halves of a save on the training thread: the request (every rank) and logging what finished."""
+"""A save's request on the training thread (every rank): Lightning's snapshot and what goes with it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import lightning.pytorch as pl
 
 from ...engine.format.outcomes import METRICS_EXTRA, encode_metrics
 from ...engine.save.saver import PendingSave
-from ...policies.plugin import PluginContext, PluginList
-from ...training.finished_saves import drain_finished
-from .checkpoint_logging import log_record
+from ...policies.plugin import PluginList
 from .data_position import DataPosition
 from .run_identity import RunIdentity
 
@@ -31,23 +29,4 @@ def request_save(
         samples_consumed=DataPosition.samples_consumed(trainer),
         extra=extra,
         never_skip=never_skip,
-    )
-
-
-def log_finished(
-    trainer: pl.Trainer,
-    saver: Any,
-    plugins: PluginList,
-    context: PluginContext,
-    log_metrics: bool,
-    log_artifact: bool,
-) -> None:
-    """Finished saves, on the training thread: every rank drains its saver, rank 0 logs and tells the plug-ins."""
-    drain_finished(
-        saver,
-        plugins,
-        context,
-        lambda record, counters: log_record(
-            trainer, record, counters, log_metrics=log_metrics, log_artifact=log_artifact
-        ),
     )

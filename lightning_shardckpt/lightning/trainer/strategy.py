@@ -4,10 +4,11 @@
 (FSDP2 / DTensor, sharded in `configure_model`); both save the model and optimizers as sharded DCP state
 (each rank writes its own shards, replicated tensors once) and restore them onto any world size.
 
-ShardedCheckpoint hands the strategy one `CheckpointPlan` (training/plan.py) through `use_plan`; what
-others need of it is public: `saver_for`, `existing_saver`, `replace_saver`, `adopt_run_id`,
-`resume_sampler_state`. `fault_hook=` (tests only) is a constructor option: a picklable callable the
-savers call at named points of a save (tests/helpers/faults.py), to fail, stall or kill a rank there.
+Only Lightning's overrides live here; the checkpointing is the door core of training/: the strategy's
+savers are a `SaverHost` (`host`, training/savers.py), a resume is training/resume.py's (tiers, fallbacks, the
+resume line), and a checkpoint of any door opens (training/layouts.py). ShardedCheckpoint hands the strategy
+one `CheckpointPlan` (policies/plan.py) through `use_plan`. `fault_hook=` (tests only) is a constructor option:
+a picklable callable the savers call at named points of a save (tests/helpers/faults.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,15 +35,17 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from ...engine import catalog
-from ...engine.collectives import new_checkpoint_group
-from ...engine.config import LoadConfig, SaveConfig, save_config_from
-from ...engine.format.layout import join, parse_dirname
-from ...engine.load.loader import LoadResult, load_checkpoint
+from ...engine.config import LIGHTNING, LoadConfig, SaveConfig
+from ...engine.format.layout import parse_dirname
+from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
-from ...errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from ...errors import ConfigError, IncompatibleCheckpoint
 from ...policies import retention
-from ...training.plan import CheckpointPlan
+from ...policies.plan import CheckpointPlan
+from ...training.layouts import DoorTarget, warn_not_restored
+from ...training.resume import resume
+from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ...training.staging_fence import StagingFence
 from .. import lightning_state
 from ..parallelism import PARALLELISMS, mesh_sizes, strategy_class
@@ -102,17 +104,14 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         return super().__new__(cls)
 
     def _init_checkpointing(self, fault_hook: Any) -> None:
-        # the plan ShardedCheckpoint hands over (use_plan); without one: saves to explicit paths only
-        self._plan = CheckpointPlan(root="", save=SaveConfig(parallelism=self.parallelism))
-        self.save_config = self._plan.save  # the plan's, with this run's id once adopted
-        self.load_config = self._plan.load
+        # the plan ShardedCheckpoint hands over (use_plan); without one: saves and loads of explicit paths only
+        self._plan = CheckpointPlan(root="", save=SaveConfig(parallelism=self.parallelism, front_door=LIGHTNING))
+        self.host = SaverHost(self._plan.save, self, fault_hook=fault_hook)
         self.last_load: LoadResult | None = None
+        self.not_restored: tuple[str, ...] = ()  # after a load: what the checkpoint did not give back
         self._resumed_sampler_state: dict[str, Any] | None = None  # applied in process_dataloader
-        self._group: Any = None
-        self._savers: dict[str, CheckpointSaver] = {}
         self._staging_prepared: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
         self._init_staging_fence()
-        self._fault_hook = fault_hook
 
     @staticmethod
     def of(trainer: Any) -> ShardedStrategy:
@@ -168,10 +167,8 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         filepath = str(self.broadcast(str(filepath)))
         # One thread at a time on the checkpoint group: let background saves finish first.
         self.wait_for_staging()
-        for in_flight in self._savers.values():
-            in_flight.wait()
-        config = replace(self.save_config, async_save=False)
-        saver = self._keep_first_run_id(CheckpointSaver(filepath, config, group=self.checkpoint_group()))
+        self.host.wait()
+        saver = self.host.new_saver(filepath, replace(self.host.save_config, async_save=False))
         result = self.save_to_saver(saver, checkpoint).result()
         saver.close()
         if not result.committed:
@@ -181,52 +178,43 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             ckpt_paths.keep_only_newest(saver.root, saver.run_id, result.path.rstrip("/").rsplit("/", 1)[-1])
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """`fit(ckpt_path=...)`: the one resume of every door (training/resume.py), into fresh model tensors and
+        the optimizers (resharded); returns Lightning's checkpoint dict for its restore hooks."""
         self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
         started = time.perf_counter()
-        root, which = self._resolve_source(str(checkpoint_path))
-        load_config, tier_fallbacks, requested = self.load_config, [], which
-        tiers = self._plan.tier_restore
-        from_tiers = tiers is not None and which in ("latest", catalog.LAST_GOOD) and root == self._plan.root
-        if not from_tiers:  # an explicit path to the root itself may still be restored from another tier
-            self._refuse_a_path_without_a_checkpoint(str(checkpoint_path), root)
-        if from_tiers:  # `root` becomes the picked checkpoint's directory, on whichever tier it was found
-            root, load_config, tier_fallbacks = tiers.pick(which, self.load_config, self.checkpoint_group())
-            which = "latest"
-        if which == "latest" and not self._has_committed(root):
-            if self._plan.resume_required:
-                raise CheckpointNotFound(
-                    f"ckpt_path='latest' but {root} holds no committed checkpoint and resume_required=true; "
-                    "check checkpoint.dirpath, or set resume_required=false to start fresh"
-                )
-            log.warning("no committed checkpoint in %s: starting fresh", root)
-            self.lightning_module.trainer._checkpoint_connector._ckpt_path = None  # nothing was restored
-            return _NothingToRestore({"pytorch-lightning_version": pl.__version__})
         module = self.lightning_module
         optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
-        # The model loads into fresh tensors (this rank's shards only), not into the live parameters:
-        # Lightning's on_load_checkpoint hooks see and may edit checkpoint["state_dict"] before
-        # load_model_state_dict applies it, as with a plain Lightning checkpoint.
-        model_target = {
-            key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value
-            for key, value in get_model_state_dict(module).items()
-        }
-        target = lightning_state.load_target(
-            model_target, [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-        )
         strict = module.strict_loading  # Lightning's partial-checkpoint switch: missing keys keep their initial values
+        target = self._door_target(module, optimizers, strict)
         try:
-            self.last_load = load_checkpoint(
-                target, root, which, config=load_config, strict=strict, process_group=self.checkpoint_group()
-            )
-        except CorruptCheckpoint as err:  # every rank raises it alike (DCP gathers failures)
-            self.last_load = self._load_fallback(err, target, root, requested, strict, tier_fallbacks, from_tiers)
+            loaded = resume(self._plan, target, str(checkpoint_path), self.host.checkpoint_group(), strict=strict)
+        except IncompatibleCheckpoint as err:
+            raise target.explain(err) from err
+        if loaded is None:
+            module.trainer._checkpoint_connector._ckpt_path = None  # nothing was restored
+            return _NothingToRestore({"pytorch-lightning_version": pl.__version__})
+        self.last_load = loaded
+        restored = target.restored()
         for index, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(module, optimizer, target[lightning_state.OPTIMIZERS_KEY][str(index)])
-        checkpoint = lightning_state.lightning_rest(
-            target, trust=self.load_config.trust_checkpoint, where=self.last_load.path
+            if (state := restored.get((lightning_state.OPTIMIZERS_KEY, str(index)))) is not None:
+                set_optimizer_state_dict(module, optimizer, state)
+        layout = target.layout
+        if layout.own_source == lightning_state.LIGHTNING_KEY:
+            checkpoint = lightning_state.lightning_rest(
+                {lightning_state.LIGHTNING_KEY: target.own_section()},
+                trust=self.load_config.trust_checkpoint,
+                where=loaded.path,
+            )
+        else:  # another door's checkpoint: its model and optimizers, a fresh fit otherwise (a warm start)
+            checkpoint = lightning_state.warm_start(module.trainer)
+        self.not_restored = tuple(layout.not_restored())
+        if self.is_global_zero:
+            warn_not_restored(loaded.path, layout, list(self.not_restored))
+        model_section = layout.sources.get((lightning_state.MODEL_KEY,), (lightning_state.MODEL_KEY,))
+        checkpoint["state_dict"] = self._present_in_checkpoint(
+            restored.get((lightning_state.MODEL_KEY,), {}), model_section
         )
-        checkpoint["state_dict"] = self._present_in_checkpoint(target[lightning_state.MODEL_KEY])
-        self.last_load.seconds = time.perf_counter() - started  # pick + read; load_model_state_dict adds the apply
+        loaded.seconds = time.perf_counter() - started  # pick + read; load_model_state_dict adds the apply
         return checkpoint
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -253,26 +241,26 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
                 location.fs.rm(location.path, recursive=True)
 
     def teardown(self) -> None:
-        savers, self._savers = list(self._savers.values()), {}
-        self._remove_optimizer_guards()
         end_of_fit()  # Lightning's "not resumable" warning is right again for a next fit without our sampler
         try:
-            for saver in savers:
-                saver.close()
+            # in-flight saves commit; the checkpoint group is released only once no saver thread can touch it
+            self.host.close()
         finally:
-            # release the checkpoint group's gloo threads cleanly, only once no saver thread can touch it:
-            # close() joined the workers; one still running (a save past the teardown timeout) keeps the group
-            if self._group is not None and all(saver.wait(0) and saver.stopped for saver in savers):
-                dist.destroy_process_group(self._group)
-                self._group = None
             super().teardown()
 
-    # --- what ShardedCheckpoint (and plug-ins) use ---
+    # --- what ShardedCheckpoint uses ---
     def use_plan(self, plan: CheckpointPlan) -> None:
         """Where checkpoints go and how they are saved and loaded: the callback's whole hand-over, in one call."""
         self._plan = plan
-        self.save_config = plan.save
-        self.load_config = plan.load
+        self.host.configure(plan.save)
+
+    @property
+    def save_config(self) -> SaveConfig:
+        return self.host.save_config
+
+    @property
+    def load_config(self) -> LoadConfig:
+        return self._plan.load
 
     @property
     def root(self) -> str | None:
@@ -282,40 +270,23 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
     @property
     def fault_hook(self) -> Any:
         """Tests only: the constructor's `fault_hook`, failing saves at named points (engine/save/saver.py passes it on)."""
-        return self._fault_hook
+        return self.host.fault_hook
 
     def adopt_run_id(self, run_id: str) -> None:
-        """This run's id for every saver created from now on (set before the root's saver exists)."""
-        self.save_config = save_config_from(self.save_config, run_id=run_id)
+        """This run's id for every saver from now on."""
+        self.host.adopt_run_id(run_id)
+
+    def existing_saver(self, root: str) -> CheckpointSaver | None:
+        """The saver of `root` if one was created this fit, else None (creates nothing)."""
+        return self.host.existing_saver(root)
 
     def resume_sampler_state(self, state: dict[str, Any] | None) -> None:
         """The resumed sampler position, applied as the training loader is built (process_dataloader)."""
         self._resumed_sampler_state = state
 
-    def open_savers(self) -> list[CheckpointSaver]:
-        """Every saver this strategy holds (the staging fence waits on each)."""
-        return list(self._savers.values())
-
-    def existing_saver(self, root: str) -> CheckpointSaver | None:
-        """The saver of `root` if one was created this fit, else None (creates nothing)."""
-        return self._savers.get(root)
-
-    def replace_saver(self, root: str, saver: CheckpointSaver) -> None:
-        """Adopt a saver made elsewhere (tiers' degraded mode): save_checkpoint waits for it, teardown closes it."""
-        self._savers[root] = saver
-
-    def checkpoint_group(self) -> Any:
-        """The dedicated gloo group for checkpoint collectives (created once, on first use, on every rank)."""
-        if self._group is None:
-            self._group = new_checkpoint_group(self.save_config.collective_timeout_s)
-        return self._group
-
-    def saver_for(self, root: str) -> CheckpointSaver:
-        """The saver of `root`, created on first use with the plan's save config."""
-        if root not in self._savers:
-            saver = CheckpointSaver(root, self.save_config, group=self.checkpoint_group(), fault_hook=self._fault_hook)
-            self._savers[root] = self._keep_first_run_id(saver)
-        return self._savers[root]
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """MAX over every rank on the training group (the health rules' control state)."""
+        return all_reduce_max_on_default_group(values, self.root_device)
 
     def prepare_staging(self, saver: CheckpointSaver) -> None:
         """Once the optimizer state exists (after the first step): allocate `saver`'s staging memory in the
@@ -363,15 +334,39 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
     # --- internals ---
-    def _present_in_checkpoint(self, model_state: dict[str, Any]) -> dict[str, Any]:
+    def _door_target(self, module: pl.LightningModule, optimizers: list[Optimizer], strict: bool) -> DoorTarget:
+        """What a resume fills: fresh model tensors (this rank's shards; Lightning's on_load_checkpoint hooks see and
+        may edit checkpoint["state_dict"] before load_model_state_dict applies it, as with a plain Lightning
+        checkpoint), the optimizers' states, the pickled rest of Lightning's dict."""
+        entries: dict[tuple[str, ...], Any] = {
+            (lightning_state.MODEL_KEY,): {
+                key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+                for key, value in get_model_state_dict(module).items()
+            }
+        }
+        for index, optimizer in enumerate(optimizers):
+            entries[(lightning_state.OPTIMIZERS_KEY, str(index))] = get_optimizer_state_dict(module, optimizer)
+        entries[(lightning_state.LIGHTNING_KEY,)] = b""
+        return DoorTarget(
+            entries,
+            model=(lightning_state.MODEL_KEY,),
+            optimizers=tuple((lightning_state.OPTIMIZERS_KEY, str(index)) for index in range(len(optimizers))),
+            own=(lightning_state.LIGHTNING_KEY,),
+            strict=strict,
+            strict_hint="LightningModule.strict_loading = False",
+        )
+
+    def _present_in_checkpoint(self, model_state: dict[str, Any], section: tuple[str, ...]) -> dict[str, Any]:
         """The loaded model state without keys the checkpoint lacks (a load gets here with them only when
-        strict_loading=False); warns naming every model key left as initialised."""
+        strict_loading=False); warns naming every model key left as initialised. `section`: where the checkpoint
+        holds the model ("model"; another door's name for it)."""
+        prefix = ".".join(section) + "."
         saved = {entry["fqn"] for entry in self.last_load.manifest.get("tensors", [])}
         saved |= {entry["fqn"] for entry in self.last_load.manifest.get("objects", [])}
-        missing = {key for key in model_state if f"{lightning_state.MODEL_KEY}.{key}" not in saved}
+        missing = {key for key in model_state if f"{prefix}{key}" not in saved}
         # also what the module's own state_dict() leaves out (Lightning's frozen-backbone pattern): never loaded
         module_keys = torch.nn.Module.state_dict(self.lightning_module, keep_vars=True).keys()
-        left = sorted(missing | {key for key in module_keys if f"{lightning_state.MODEL_KEY}.{key}" not in saved})
+        left = sorted(missing | {key for key in module_keys if f"{prefix}{key}" not in saved})
         if left and self.is_global_zero:
             log.warning(
                 "strict_loading=False: %d model key(s) are not in %s and keep their initialised values: %s",
@@ -380,115 +375,6 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
                 ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""),
             )
         return {key: value for key, value in model_state.items() if key not in missing}
-
-    def _keep_first_run_id(self, saver: CheckpointSaver) -> CheckpointSaver:
-        """Without a run id set (no ShardedCheckpoint), the first saver's generated one stays this run's."""
-        if self.save_config.run_id is None:
-            self.save_config = replace(self.save_config, run_id=saver.run_id)
-        return saver
-
-    def _resolve_source(self, text: str) -> tuple[str, str]:
-        """(root, which) for `ckpt_path`: a selector relative to the callback's root, or a path."""
-        is_selector = (
-            text in ("latest", catalog.LAST_GOOD)
-            or text.isdigit()
-            or parse_dirname(text) is not None
-            or _looks_like_id(text)
-        )
-        if is_selector and "/" not in text:
-            if not self._plan.root:
-                raise ConfigError(
-                    f"ckpt_path={text!r} is relative to a checkpoint root, but no ShardedCheckpoint callback set one; "
-                    "add ShardedCheckpoint(dirpath=...) to the Trainer's callbacks or pass a path"
-                )
-            return self._plan.root, text
-        return text, "latest"
-
-    def _load_fallback(
-        self,
-        err: CorruptCheckpoint,
-        target: dict[str, Any],
-        root: str,
-        which: str,
-        strict: bool,
-        tier_fallbacks: list[tuple[str, LoadConfig, str]],
-        from_tiers: bool,
-    ) -> LoadResult:
-        """After a load failed: the same checkpoint on the other tier (policies/tiers/plugin.py), then the last known-good."""
-        for path, config, message in tier_fallbacks:
-            log.warning("%s (%s)", message, err)
-            try:
-                return load_checkpoint(
-                    target, path, config=config, strict=strict, process_group=self.checkpoint_group()
-                )
-            except CorruptCheckpoint as again:  # every rank alike, as the first
-                err = again
-        return self._load_last_good(err, target, root, which, strict, from_tiers)
-
-    def _refuse_a_path_without_a_checkpoint(self, asked: str, root: str) -> None:
-        """A path given explicitly must hold a committed checkpoint: only a selector ('latest') may start
-        fresh. Starting fresh from a typo'd or emptied path would train from scratch and exit 0."""
-        if asked != root or self._has_committed(root):  # a selector, or a path that holds one
-            return
-        found = catalog.describe_contents(fsio.resolve(root, self.load_config.storage_options))
-        raise CheckpointNotFound(
-            f"ckpt_path={asked!r} holds no committed checkpoint: found {found}; pass a checkpoint root or "
-            "checkpoint directory that holds one (`shardckpt ls ROOT` lists them), or ckpt_path='latest' "
-            "(Hydra: resume=latest) to resume from the callback's root, starting fresh if it is empty"
-        )
-
-    def _load_last_good(
-        self, err: CorruptCheckpoint, target: dict[str, Any], root: str, which: str, strict: bool, from_tiers: bool
-    ) -> LoadResult:
-        if which != "latest":
-            raise err
-        good, config = self._last_good(root, from_tiers)
-        if good is None or not self._plan.fallback_to_last_good:
-            raise CorruptCheckpoint(f"{err}\n{_last_good_hint(good)}", problems=err.problems) from err
-        log.warning(
-            "the latest checkpoint of %s did not load (%s); fallback_to_last_good: resuming from %s", root, err, good
-        )
-        return load_checkpoint(target, good, config=config, strict=strict, process_group=self.checkpoint_group())
-
-    def _last_good(self, root: str, from_tiers: bool) -> tuple[str | None, LoadConfig]:
-        """(path, load config) of the last known-good checkpoint, every rank alike; (None, ...) without one.
-
-        A `latest` picked from the tiers looks in the tier roots (both tiers, what every rank can read),
-        where the drill records are: `root` is then the picked checkpoint's own directory, which holds none.
-        """
-        if from_tiers:
-            good = self._plan.tier_restore.last_good(self.load_config, self.checkpoint_group())  # collective
-            return good if good is not None else (None, self.load_config)
-        return self.broadcast(self._last_good_path(root)), self.load_config  # rank 0 lists: every rank alike
-
-    def _last_good_path(self, root: str) -> str | None:
-        if self.global_rank != 0:
-            return None
-        try:
-            location = fsio.resolve(root, self.load_config.storage_options)
-            good = catalog.last_good(location, catalog.list_checkpoints(location))
-        except Exception:  # noqa: BLE001 - a hint for an error being raised; never a second error
-            log.debug("could not look up the last known-good checkpoint of %s", root, exc_info=True)
-            return None
-        return join(location.url, good[-1].name) if good else None
-
-    def _has_committed(self, root: str) -> bool:
-        if parse_dirname(root) is not None:  # a checkpoint directory itself: the loader opens it (or says why not)
-            return True
-        location = fsio.resolve(root, self.load_config.storage_options)
-        return catalog.newest_committed(catalog.list_checkpoints(location)) is not None
-
-
-def _last_good_hint(path: str | None) -> str:
-    if path is None:
-        return (
-            "No checkpoint of this root has passed a restore drill, so there is no known-good one to fall back to; "
-            "pick an older one with `shardckpt ls` and resume with ckpt_path=<its path>"
-        )
-    return (
-        f"The last known-good checkpoint (newest that passed a restore drill) is {path}: resume from it with "
-        "ckpt_path='last-good' (Hydra: resume=last-good), or set drill.fallback_to_last_good=true to do so automatically"
-    )
 
 
 class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):

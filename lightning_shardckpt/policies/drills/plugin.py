@@ -22,10 +22,12 @@ import torch
 
 from ...engine import metrics
 from ...engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
+from ...engine.metrics import CheckpointRecord
 from ...engine.storage.fsio import Location
 from ...engine.validate import require_number
 from ...errors import ConfigError
 from ..config_blocks import options_from
+from ..plan import CheckpointPlan, Placement
 from ..plugin import Plugin, PluginContext, Reporter
 from . import trust as drill_trust
 from .external import FollowerWatch
@@ -140,7 +142,7 @@ class TrainingDrills(Plugin):
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # called with each drill event (the drill thread)
 
     # --- plug-in hooks ---
-    def shape_plan(self, plan: Any, placement: Any) -> Any:
+    def shape_plan(self, plan: CheckpointPlan, placement: Placement) -> CheckpointPlan:
         """The fallback option goes to the strategy; no drills where no node holds a whole checkpoint."""
         tiers = plan.tier_restore
         self._trust_checkpoint = plan.load.trust_checkpoint  # a drill unpickles what the run's resume does
@@ -165,13 +167,13 @@ class TrainingDrills(Plugin):
     def start(self, context: PluginContext) -> None:
         self.run_id = context.run_id
 
-    def save_extra(self, module: Any, rank: int) -> dict[str, Any] | None:
+    def save_extra(self, module: torch.nn.Module, rank: int) -> dict[str, Any] | None:
         return self.probe_extra(module, rank)
 
     def drain(self, context: PluginContext) -> None:
         self.log(context.reporter)  # drills that finished since the last batch
 
-    def on_commit(self, record: Any) -> None:
+    def on_commit(self, record: CheckpointRecord) -> None:
         if self.config.external and record.path:
             self._follower_watch().committed(record.path.rstrip("/").rsplit("/", 1)[-1])
             return

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from pathlib import Path
 import select
 import signal
 import subprocess
@@ -46,7 +47,7 @@ _ITEMSIZE |= {"int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool":
 
 # The pool imports this very package (the directory above it goes first on sys.path: the drill runs the
 # code that started it, installed or not).
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[3])  # the directory holding lightning_shardckpt/
 _POOL_BOOTSTRAP = (
     "import sys\n"
     "sys.path.insert(0, sys.argv.pop(1))\n"

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...engine import metrics
 from ...engine.storage.fsio import Location
@@ -31,6 +31,9 @@ from .evaluate import FIRED, HealthEvaluator, Transition
 from .mitigations import DRILL, HealthControl, MitigationContext, MitigationWorker, edits_control_only, mitigation_for
 from .observe import HEALTH_EVENT, RULES_EVENT
 from .rules import HealthConfig
+
+if TYPE_CHECKING:
+    from ...engine.save.saver import CheckpointSaver
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class HealthWatch(Plugin):
             return None
         return self.share_control(preempted, context.is_global_zero, context.all_reduce_max)
 
-    def apply_control(self, saver: Any, when_busy: str) -> None:
+    def apply_control(self, saver: CheckpointSaver | None, when_busy: str) -> None:
         if self.enabled:
             self.apply_when_busy(saver, when_busy)
 

@@ -27,9 +27,10 @@ from ...engine.tiers.replicate import (
     missing_on_durable,
     newest_on_both,
 )
-from ...engine.tiers.restore import FAST, choose
-from ...errors import StorageUnavailable
+from ...engine.tiers.restore import FAST, choose, listed_anywhere
+from ...errors import CheckpointNotFound, StorageUnavailable
 from .. import retention
+from ..plugin import SaverHosting
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class CheckpointTiers:
         if record.outcome == "failed":
             self._fast_failed = True
 
-    def before_save(self, strategy: Any) -> None:
+    def before_save(self, host: SaverHosting) -> None:
         """Every rank, before each save: one collective decides, for all alike, whether saves leave the fast tier.
 
         After a fast-tier save failed (a full disk, a failing device), the rest of the fit saves directly to
@@ -187,19 +188,17 @@ class CheckpointTiers:
         if self.degraded_saver is not None:
             self._degraded_saves += 1
             return
-        if not strategy.reduce_boolean_decision(self._fast_failed, all=False):
+        if not host.reduce_boolean_decision(self._fast_failed, all=False):
             return
         from ...engine.save.saver import CheckpointSaver
 
-        fast = strategy.existing_saver(self.fast_dirpath)
+        fast = host.existing_saver(self.fast_dirpath)
         if fast is not None:
             fast.wait()  # one saver thread at a time on the checkpoint group
-        config = replace(
-            strategy.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False
-        )
-        self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=strategy.checkpoint_group())
-        # the strategy's savers: trainer.save_checkpoint waits for it, teardown closes it before the group goes
-        strategy.replace_saver(self.config.durable.dirpath, self.degraded_saver)
+        config = replace(host.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
+        self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=host.checkpoint_group())
+        # the door's savers: a blocking save waits for it, closing the door closes it before the group goes
+        host.replace_saver(self.config.durable.dirpath, self.degraded_saver)
         self._degraded_saves += 1
         if rank_zero():
             log.error(
@@ -278,19 +277,30 @@ class CheckpointTiers:
 
     # --- restore ---
     def pick(
-        self, which: str, base: LoadConfig, group: Any
-    ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]]:
-        """(checkpoint path to load, its load config, fallbacks) for `latest` / `last-good`; collective on every rank.
+        self, which: str | int, base: LoadConfig, group: Any
+    ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]] | None:
+        """(checkpoint path to load, its load config, fallbacks) for `latest`, `last-good`, a step, an id or a
+        directory name, on either tier; None when neither tier holds it. Collective on every rank.
 
         With peer copies, `latest` first assembles the newest checkpoint the surviving nodes hold whole in every
         node root (engine/tiers/peer_restore.py); the durable tier is then consulted only if it lists a newer step.
+        A checkpoint some rank cannot read is no candidate; if every one listed is such, that is an error (never a
+        fresh start over checkpoints that exist).
         """
         durable = self.durable
         if self.config.fast.peers is not None and which == "latest":
             durable = self._restore_from_peers(group)
         choices = choose(self.fast, durable, which, group)
         if not choices:
-            return self.fast_dirpath, base, []
+            listed = listed_anywhere(self.fast, durable, which) if rank_zero() else None
+            listed = broadcast_from_coordinator("tier-listed", listed, group)
+            if listed:
+                raise CheckpointNotFound(
+                    f"{', '.join(listed)} {'is' if len(listed) == 1 else 'are'} committed but not readable by every "
+                    "rank (a node-local tier on a resized or replaced cluster): resume from the durable tier's copy, "
+                    "or on the nodes that hold the files"
+                )
+            return None
         first = choices[0]
         if rank_zero():
             log.info("resuming from the %s tier: %s (step %d); %s", first.tier, first.url, first.step, first.reason)
@@ -333,6 +343,10 @@ class CheckpointTiers:
         if not choices:
             return None
         return choices[0].url, self._config_for(choices[0].tier, base)
+
+    def tier_of(self, checkpoint_path: str) -> str:
+        """Where a resume read `checkpoint_path`, in the words of its console line."""
+        return "durable tier" if self.owns(checkpoint_path) else "fast tier"
 
     def _config_for(self, tier: str, base: LoadConfig) -> LoadConfig:
         options = self.config.fast.storage_options if tier == FAST else self.config.durable.storage_options

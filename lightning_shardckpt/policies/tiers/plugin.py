@@ -4,11 +4,12 @@ considers both tiers) and runs CheckpointTiers (checkpoint_tiers.py) through the
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from ...engine.config import SaveConfig, save_config_from
+from ...engine.save.saver import CheckpointSaver
 from ...engine.tiers.config import TiersConfig
 from ...errors import ConfigError
+from ..plan import CheckpointPlan, Placement
 from ..plugin import Plugin, PluginContext
 from .checkpoint_tiers import CheckpointTiers
 
@@ -40,7 +41,7 @@ class TiersPlugin(Plugin):
         self.config = config
         self.tiers: CheckpointTiers | None = None
 
-    def shape_plan(self, plan: Any, placement: Any) -> Any:
+    def shape_plan(self, plan: CheckpointPlan, placement: Placement) -> CheckpointPlan:
         """This node's fast root becomes the root; the strategy's resume considers both tiers."""
         if self.tiers is None:
             self.tiers = CheckpointTiers(self.config, placement.node_rank, placement.local_rank)
@@ -75,9 +76,9 @@ class TiersPlugin(Plugin):
             tiers.peer_replicator.listeners.append(context.publish)  # peer_replication_ok, ..._lag_checkpoints
 
     def before_save(self, context: PluginContext) -> None:
-        self.tiers.before_save(context.strategy)  # collective: degraded mode when the fast tier failed
+        self.tiers.before_save(context.host)  # collective: degraded mode when the fast tier failed
 
-    def saver_override(self) -> Any:
+    def saver_override(self) -> CheckpointSaver | None:
         return self.tiers.degraded_saver if self.tiers is not None else None
 
     def owns(self, checkpoint_path: str) -> bool:

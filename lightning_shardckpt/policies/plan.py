@@ -1,15 +1,16 @@
-"""CheckpointPlan: everything a strategy needs from the checkpoint callback, handed over in one call.
+"""CheckpointPlan: where a run's checkpoints go and how they are saved and loaded, handed over in one piece.
 
-`ShardedCheckpoint.setup` builds one plan (plug-ins shape it: tiers move the root to the fast tier) and
-gives it to `ShardedStrategy.use_plan`. Frozen: a later change is a new plan, never an attribute written
-on the strategy from outside.
+A front door builds one plan from its options (training/checkpoint_setup.py), plug-ins shape it (tiers move the
+root to this node's fast tier; drills set the fallback), and the door's resume and savers use it: the Trainer's
+callback hands it to `ShardedStrategy.use_plan`. Frozen: a later change is a new plan, never an attribute
+written from outside. Here, below the plug-ins, so that their `shape_plan` is typed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 from ..engine.config import LoadConfig, SaveConfig
 from ..engine.storage import fsio
@@ -24,6 +25,24 @@ class Placement:
     num_nodes: int = 1
 
 
+class TierRestore(Protocol):
+    """Which copy a resume reads when the run has tiers (policies/tiers/checkpoint_tiers.py `CheckpointTiers`).
+    Each is collective over `group` (every rank, the same answer)."""
+
+    def pick(
+        self, which: str | int, base: LoadConfig, group: Any
+    ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]] | None:
+        """(checkpoint path, its load config, fallbacks: (path, config, why)) for `latest`, `last-good`, a step,
+        an id or a directory name, on either tier; None: neither tier holds it."""
+        ...
+
+    def last_good(self, base: LoadConfig, group: Any) -> tuple[str, LoadConfig] | None: ...
+
+    def tier_of(self, checkpoint_path: str) -> str:
+        """The words a resume line uses for where `checkpoint_path` was read ("fast tier", "durable tier")."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPlan:
     """The checkpoint root of this process and how to save to and load from it."""
@@ -33,7 +52,7 @@ class CheckpointPlan:
     load: LoadConfig = field(default_factory=LoadConfig)
     resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
     fallback_to_last_good: bool = False  # "latest" that fails to load resumes from the last known-good instead
-    tier_restore: Any = None  # policies.tiers.CheckpointTiers: `latest` / `last-good` consider every tier
+    tier_restore: TierRestore | None = None  # with tiers: every selector considers every tier
 
     @cached_property
     def location(self) -> fsio.Location:
