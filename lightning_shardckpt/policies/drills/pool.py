@@ -27,13 +27,13 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from pathlib import Path
 import select
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
