@@ -51,6 +51,8 @@ ENGINE_NAMES = {
     "HealthControl": ".policies.health.mitigations",
     "MitigationContext": ".policies.health.mitigations",
     "register_mitigation": ".policies.health.mitigations",
+    "Plugin": ".policies.plugin",
+    "PluginContext": ".policies.plugin",
     "Checkpointer": ".training.checkpointer",
     "ResumableDistributedSampler": ".training.data",
 }
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .policies.health.evaluate import Transition
     from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
     from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence
+    from .policies.plugin import Plugin, PluginContext
     from .training.checkpointer import Checkpointer
     from .training.data import ResumableDistributedSampler
 
@@ -124,6 +127,8 @@ __all__ = [
     "MitigationContext",
     "NormalRange",
     "PendingSave",
+    "Plugin",
+    "PluginContext",
     "ResumableDistributedSampler",
     "Persistence",
     "SaveConfig",

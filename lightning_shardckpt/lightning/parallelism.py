@@ -44,6 +44,27 @@ def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size:
     return data_parallel, tensor_parallel
 
 
+class AllRanksDataParallel:
+    """Mixin of both doors' FSDP strategies (Lightning's and Fabric's ModelParallelStrategy): their "auto" sizes
+    are data_parallel=num_nodes, tensor_parallel=devices, so on one node a model sharded over
+    device_mesh["data_parallel"] is neither sharded nor gradient-synced and the replicas silently diverge. Ours:
+    data-parallel over every rank unless sizes are given (`mesh_sizes`)."""
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
+        )
+        super().setup_environment()
+
+
+def register_in(registry: Any, strategies: tuple[type, ...]) -> None:
+    """Each strategy under its `strategy_name` (with its `description`), once: the Trainer's and Fabric's
+    registries are separate, and `lightning_shardckpt.lightning` may be imported more than once."""
+    for strategy in strategies:
+        if strategy.strategy_name not in registry:
+            registry.register(strategy.strategy_name, strategy, description=strategy.description)
+
+
 def shard_repeated_blocks(module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
     """The default `parallelize_fn`: FSDP2 on each block holding parameters, then on the root.
 

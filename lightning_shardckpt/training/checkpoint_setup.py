@@ -5,25 +5,38 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ..engine.config import LIGHTNING, LoadConfig, SaveConfig
 from ..engine.tiers.config import TiersConfig, tiers_config_from
+from ..errors import ConfigError
 from ..policies.drills.plugin import DrillConfig, TrainingDrills, drill_config_from
 from ..policies.health.plugin import HealthWatch
 from ..policies.health.rules import HealthConfig, health_config_from
 from ..policies.plan import CheckpointPlan, Placement
-from ..policies.plugin import PluginList
+from ..policies.plugin import Plugin, PluginList
 from ..policies.retention_plugin import RetentionPlugin
 from ..policies.tiers.plugin import TiersPlugin, tiered_dirpath
 from .callback_options import CallbackConfig
 
 
-def door_plugins(options: CallbackConfig, tiers: Any, drill: Any, health: Any) -> tuple[PluginList, TiersConfig | None]:
+def door_plugins(
+    options: CallbackConfig, tiers: Any, drill: Any, health: Any, extra: Sequence[Plugin] | None = None
+) -> tuple[PluginList, TiersConfig | None]:
     """A door's plug-ins from its options as the user gave them (dataclasses, dicts, Hydra blocks), validated now:
-    bad options fail before training starts. Returns the tiers' config too (it moves the root)."""
+    bad options fail before training starts; `extra`: the user's own plug-ins, after ours. Returns the tiers'
+    config too (it moves the root)."""
     tiers_config = tiers_config_from(tiers)
-    return checkpoint_plugins(options, tiers_config, drill_config_from(drill), health_config_from(health)), tiers_config
+    plugins = checkpoint_plugins(options, tiers_config, drill_config_from(drill), health_config_from(health))
+    for plugin in extra or ():
+        if not isinstance(plugin, Plugin):
+            raise ConfigError(
+                f"plugins=[...] holds a {type(plugin).__name__}, not a lightning_shardckpt.Plugin; subclass Plugin "
+                "(docs/ARCHITECTURE.md, 'Write a plug-in')"
+            )
+        plugins.plugins.append(plugin)
+    return plugins, tiers_config
 
 
 def door_plan(
@@ -37,9 +50,10 @@ def door_plan(
     health: Any,
     placement: Placement,
     front_door: str,
+    extra: Sequence[Plugin] | None = None,
 ) -> tuple[PluginList, CheckpointPlan]:
     """A door's plug-ins and its plan in one step, where the placement is known at construction (a plain loop)."""
-    plugins, tiers_config = door_plugins(options, tiers, drill, health)
+    plugins, tiers_config = door_plugins(options, tiers, drill, health, extra)
     root = tiered_dirpath(root, tiers_config, save)
     return plugins, checkpoint_plan(root, save, load, options.resume_required, plugins, placement, front_door)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..engine.collectives import rank_and_world
@@ -28,6 +28,7 @@ from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..errors import IncompatibleCheckpoint
+from ..policies.plugin import Plugin
 from . import console, user_state
 from .callback_options import CallbackConfig
 from .checkpoint_setup import door_plan, placement_from_env
@@ -73,9 +74,11 @@ class Checkpointer:
         drill: Any = None,
         health: Any = None,
         tiers: Any = None,
+        plugins: Sequence[Plugin] | None = None,
     ) -> None:
         """`max_steps`: the last step saves (never skipped). `save`: SaveConfig or dict. `log_metrics(values,
-        step)`: rank 0's checkpoint metrics (e.g. `wandb.log`); they are also under ROOT/events/ (`read_events`)."""
+        step)`: rank 0's checkpoint metrics (e.g. `wandb.log`); they are also under ROOT/events/ (`read_events`).
+        `plugins`: your own plug-ins (lightning_shardckpt.Plugin), after retention, tiers, drills and health."""
         self.options = CallbackConfig(
             every_n_train_steps=every_n_steps,
             every_n_minutes=every_n_minutes,
@@ -97,6 +100,7 @@ class Checkpointer:
             health=health,
             placement=placement_from_env(),
             front_door=CHECKPOINTER,
+            extra=plugins,
         )
         self.plan, self.plugins = plan, plugins
         self.rank, self.world_size = rank_and_world()

@@ -108,6 +108,7 @@ class DoorTarget:
         self.strict, self.strict_hint = strict, strict_hint
         self.layout: Layout | None = None
         self.target: dict[str, Any] = {}
+        self._put_back: list[tuple[dict, str, Any]] = []
 
     def __call__(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.layout = layout = self.layout_of(manifest)
@@ -123,11 +124,14 @@ class DoorTarget:
                 node = node.setdefault(part, {})
             node[path[-1]] = value
         self.target = target
+        self._put_back = [] if layout.native else self._options_the_writer_lacks(manifest, layout)
         return target
 
     def restored(self) -> dict[Path, Any]:
         """After the load: what it filled, by door path (plain values were replaced in the target)."""
         assert self.layout is not None, "restored() before a load"
+        for group, key, value in self._put_back:
+            group.setdefault(key, value)
         return {key: _at(self.target, path) for key, path in self.layout.sources.items() if key != self.own}
 
     def own_section(self) -> bytes:
@@ -141,6 +145,21 @@ class DoorTarget:
         if self.layout is None or self.layout.native:
             return error
         return IncompatibleCheckpoint(f"{error}\n{self._what_loads(self.layout)}")
+
+    def _options_the_writer_lacks(self, manifest: dict[str, Any], layout: Layout) -> list[tuple[dict, str, Any]]:
+        """An optimizer from another door: its param-group options the writer did not record (an LR scheduler's
+        `initial_lr`) are taken out of what the load must find, and put back with this run's values after it."""
+        saved = {item["fqn"] for kind in ("tensors", "objects") for item in manifest.get(kind, [])}
+        put_back = []
+        for key in self.optimizers:
+            path, state = layout.sources.get(key), self.entries[key]
+            if path is None or not isinstance(state, dict):
+                continue
+            for index, group in enumerate(state.get(PARAM_GROUPS) or []):
+                for option in list(group):
+                    if f"{'.'.join(path)}.{PARAM_GROUPS}.{index}.{option}" not in saved:
+                        put_back.append((group, option, group.pop(option)))
+        return put_back
 
     # --- the mapping ---
     def layout_of(self, manifest: dict[str, Any]) -> Layout:
@@ -176,7 +195,7 @@ class DoorTarget:
 
     def _writer_roles(self, held: dict[str, set[str]], writer_own: str | None) -> tuple[Path | None, list[Path]]:
         """The writer's model section and its optimizers, in order."""
-        if any(name.startswith(f"{OPTIMIZERS}.") for name in held) or MODEL in held:
+        if writer_own in ("lightning", "fabric") or any(name.startswith(f"{OPTIMIZERS}.") for name in held):
             optimizers = sorted((name for name in held if name.startswith(f"{OPTIMIZERS}.")), key=_index)
             return ((MODEL,) if MODEL in held else None), [tuple(name.split(".", 1)) for name in optimizers]
         optimizers = sorted(name for name, keys in held.items() if any(k.startswith(f"{PARAM_GROUPS}.") for k in keys))

@@ -1,8 +1,11 @@
-"""Issue 28: one checkpoint, three front doors, on 2 real gloo ranks. The Trainer's FSDP2 checkpoint opens in a
-resuming Trainer, in Fabric and in a plain loop's Checkpointer with the same weights and optimizer state; Fabric's
-and the Checkpointer's own checkpoints open in each other. One spawn (tests/helpers/three_doors.py does the work)."""
+"""Issues 28 and 38: one checkpoint, three front doors, every direction, on 2 real gloo ranks. The Trainer's FSDP2
+checkpoint opens in a resuming Trainer, in Fabric and in a plain loop's Checkpointer with the same weights and
+optimizer state; Fabric's and the Checkpointer's own checkpoints open in each other and in the Trainer; every resume
+shows the same console line. One spawn (tests/helpers/three_doors.py does the work)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -47,3 +50,17 @@ def test_fabric_and_checkpointer_checkpoints_open_in_each_other(ranks):
         assert rank["from_fabric"]["step"] == 3 and rank["from_fabric"]["unequal"] == []
         assert rank["from_fabric"]["not_restored"] == ["the sampler's position", "the RNG states"]  # in "fabric"
         assert rank["from_checkpointer"]["unequal"] == []
+
+
+def test_the_trainer_opens_fabrics_and_the_checkpointers_checkpoints_as_a_warm_start(ranks):
+    for rank in ranks:
+        assert rank["trainer_from_fabric"] == {"unequal": [], "step": 0}
+        assert rank["trainer_from_checkpointer"] == {"unequal": [], "step": 0}
+
+
+def test_every_door_shows_the_same_resume_line_on_rank_0_only(ranks):
+    line = re.compile(r"^lightning_shardckpt: resumed from (\S+) \(step 3\) on 2 -> 2 ranks, in \d+\.\d\ds$")
+    resumed_from = [match[1].rsplit("/", 2)[-2] for text in ranks[0]["lines"] if (match := line.match(text))]
+    # Trainer, Fabric, Checkpointer x2, Fabric, Trainer x2: each resume of the scenario, in order
+    assert resumed_from == ["trainer", "trainer", "trainer", "fabric", "plain", "fabric", "plain"], ranks[0]["lines"]
+    assert ranks[1]["lines"] == []

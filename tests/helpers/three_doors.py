@@ -8,7 +8,11 @@ when it saved (`trained`: full model + optimizer state, keyed model.<fqn> / opti
 - "checkpointer": a plain FSDP2 loop's Checkpointer loads it into {"model", "optim"} (the mapped layout), what
   it could not restore named in `not_restored`;
 - "from_fabric": a second state loads Fabric's checkpoint through the Checkpointer, then saves it (the
-  Checkpointer's own layout); "from_checkpointer": Fabric loads that one's model.
+  Checkpointer's own layout); "from_checkpointer": Fabric loads that one's model and optimizer (the optimizer is
+  under the user's name "optim": found by its param_groups);
+- "trainer_from_fabric", "trainer_from_checkpointer": a Trainer opens Fabric's and the Checkpointer's checkpoints
+  (fit(ckpt_path=PATH)): model and optimizer, a warm start at step 0 (their loops are not in them).
+Every resume says so in the one console line of training/resume.py ("lines", rank 0).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lightning_shardckpt import Checkpointer, ResumableDistributedSampler, ShardedFabricStrategy
-from tests.helpers.fabric_ranks import TrainerShaped, full_model, full_state
+from tests.helpers.fabric_ranks import TrainerShaped, full_state
 from tests.helpers.lightning_run import fit_on_rank, lightning_env
+from tests.helpers.tiered_doors import ConsoleLines
 
 
 def unequal(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> list[str]:
@@ -43,6 +48,7 @@ def sharded_plain_model(seed: int, world_size: int) -> tuple[torch.nn.Module, to
 
 
 def one_checkpoint_three_doors(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    console = ConsoleLines()
     trainer_root, fabric_root, plain_root = f"{workdir}/trainer", f"{workdir}/fabric", f"{workdir}/plain"
     trained = fit_on_rank(rank, world_size, trainer_root, "fsdp", 3, None, {"every": 3})["final"]
     # (a) the Trainer resumes it (saving on into a root of its own: the others open the step-3 checkpoint)
@@ -87,10 +93,16 @@ def one_checkpoint_three_doors(rank: int, world_size: int, workdir: str) -> dict
         }
         assert ckpt.save(3, state, blocking=True).result().committed
 
-    # Fabric opens the Checkpointer's checkpoint (the model: its optimizer is under the user's name "optim")
+    # Fabric opens the Checkpointer's checkpoint: the model, and the optimizer it saved under the name "optim"
     fresh = fabric.setup_module(TrainerShaped(seed=5))
-    fabric.load(plain_root, {"model": fresh})
-    expected_model = {key: value for key, value in trained.items() if key.startswith("model.")}
-    out["from_checkpointer"] = {"unequal": unequal(expected_model, full_model(fresh.module))}
+    fresh_optimizer = fabric.setup_optimizers(torch.optim.AdamW(fresh.parameters(), lr=1.0))
+    fabric.load(plain_root, {"model": fresh, "optimizer": fresh_optimizer})
+    out["from_checkpointer"] = {"unequal": unequal(trained, full_state(fresh.module, fresh_optimizer.optimizer))}
     fabric.strategy.teardown()
+
+    # the Trainer opens Fabric's and the Checkpointer's checkpoints: their model and optimizer, a warm start
+    for label, source in (("trainer_from_fabric", fabric_root), ("trainer_from_checkpointer", plain_root)):
+        warm = fit_on_rank(rank, world_size, f"{workdir}/{label}", "fsdp", 1, source, {"every": 3})
+        out[label] = {"unequal": unequal(trained, warm["at_start"]["full"]), "step": warm["at_start"]["global_step"]}
+    out["lines"] = console.take()
     return out

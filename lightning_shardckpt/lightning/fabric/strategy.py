@@ -27,7 +27,7 @@ import inspect
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
 from ...errors import IncompatibleCheckpoint
 from ...policies.plan import CheckpointPlan, Placement
+from ...policies.plugin import Plugin
 from ...policies.tiers.plugin import tiered_dirpath
 from ...training import console
 from ...training.callback_options import CallbackConfig
@@ -53,7 +54,7 @@ from ...training.resume import resume, resume_event, resume_line, write_resume_e
 from ...training.save_loop import SaveLoop
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ..lightning_state import MODEL_KEY, OPTIMIZERS_KEY
-from ..parallelism import mesh_sizes, shard_repeated_blocks, strategy_class
+from ..parallelism import AllRanksDataParallel, register_in, shard_repeated_blocks, strategy_class
 from . import state as fabric_state
 from .sampler import use_fabric_sampler
 
@@ -68,7 +69,8 @@ class ShardedFabricStrategy:
     (LoadConfig or dict), `resume_required` ("latest" on an empty root raises instead of starting fresh),
     `step_key` (the state entry that names a save's step), `restore_rng` (save every rank's RNG and restore it on
     load; default True), `keep_last` / `keep_every_n_steps` (retention), `tiers`, `drill`, `health` (as
-    ShardedCheckpoint's), `log_metrics(values, step)` (rank 0's checkpoint metrics, e.g. `fabric.log_dict`).
+    ShardedCheckpoint's), `log_metrics(values, step)` (rank 0's checkpoint metrics, e.g. `fabric.log_dict`),
+    `plugins` (your own lightning_shardckpt.Plugin instances).
     """
 
     parallelism: str = "unknown"
@@ -93,6 +95,7 @@ class ShardedFabricStrategy:
         drill: Any = None,
         health: Any = None,
         log_metrics: Callable[[dict[str, float], int], Any] | None = None,
+        plugins: Sequence[Plugin] | None = None,
         fault_hook: Any = None,  # tests only: fail, stall or kill a rank at named points of a save
     ) -> None:
         # validated now: bad options fail when the strategy is built, before Fabric starts any rank
@@ -103,7 +106,7 @@ class ShardedFabricStrategy:
             keep_every_n_steps=keep_every_n_steps,
             resume_required=resume_required,
         )
-        self.plugins, tiers_config = door_plugins(self.options, tiers, drill, health)
+        self.plugins, tiers_config = door_plugins(self.options, tiers, drill, health, plugins)
         self._save_options = save_config_from(save or {}, parallelism=self.parallelism, front_door=FABRIC)
         self._load_options = load if isinstance(load, LoadConfig) else LoadConfig(**(load or {}))
         self.root = tiered_dirpath(root, tiers_config, self._save_options) if root or tiers_config else None
@@ -396,6 +399,7 @@ class ShardedFabricDDPStrategy(ShardedFabricStrategy, DDPStrategy):
 
     strategy_name = "shardckpt_ddp"
     parallelism = "ddp"
+    description = "Fabric DDP with lightning_shardckpt checkpoints"
 
     def __init__(self, *args: Any, parallelism: str = "ddp", **kwargs: Any) -> None:
         """The checkpoint options of ShardedFabricStrategy; the rest go to Fabric's DDPStrategy."""
@@ -403,12 +407,8 @@ class ShardedFabricDDPStrategy(ShardedFabricStrategy, DDPStrategy):
         DDPStrategy.__init__(self, *args, **kwargs)
         self._init_checkpointing(**checkpointing)
 
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register(cls.strategy_name, cls, description="Fabric DDP with lightning_shardckpt checkpoints")
 
-
-class ShardedFabricFSDPStrategy(ShardedFabricStrategy, ModelParallelStrategy):
+class ShardedFabricFSDPStrategy(AllRanksDataParallel, ShardedFabricStrategy, ModelParallelStrategy):
     """Fabric FSDP2 / DTensor (ModelParallelStrategy) with sharded, asynchronous, committed checkpoints.
 
     Without a `parallelize_fn`, the repeated blocks and then the root are `fully_shard`-ed over all ranks
@@ -419,6 +419,7 @@ class ShardedFabricFSDPStrategy(ShardedFabricStrategy, ModelParallelStrategy):
 
     strategy_name = "shardckpt_fsdp"
     parallelism = "fsdp"
+    description = "Fabric FSDP2 with lightning_shardckpt checkpoints"
 
     def __init__(self, parallelize_fn: Any = None, *args: Any, parallelism: str = "fsdp", **kwargs: Any) -> None:
         """The checkpoint options of ShardedFabricStrategy; the rest go to Fabric's ModelParallelStrategy."""
@@ -434,21 +435,7 @@ class ShardedFabricFSDPStrategy(ShardedFabricStrategy, ModelParallelStrategy):
             # to have (Fabric never calls it); what comes before that (ours, precision, accelerator) has run
             log.debug("ModelParallelStrategy.teardown: no checkpoint_io to tear down", exc_info=True)
 
-    def setup_environment(self) -> None:
-        # Fabric's "auto" sizes are data_parallel=num_nodes, tensor_parallel=devices (as the Trainer's, see
-        # lightning/trainer/strategy.py): ours are data-parallel over every rank unless sizes are given
-        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
-            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
-        )
-        super().setup_environment()
-
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register(cls.strategy_name, cls, description="Fabric FSDP2 with lightning_shardckpt checkpoints")
-
 
 def register() -> None:
     """`Fabric(strategy="shardckpt_ddp" / "shardckpt_fsdp")`: Fabric's registry, separate from the Trainer's."""
-    for strategy in (ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy):
-        if strategy.strategy_name not in STRATEGY_REGISTRY:
-            strategy.register_strategies(STRATEGY_REGISTRY)
+    register_in(STRATEGY_REGISTRY, (ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy))

@@ -26,6 +26,7 @@ from ...identity.diff import IdentityPolicy
 from ...policies.drills.plugin import DrillConfig, drill_config_from
 from ...policies.health.rules import HealthConfig, health_config_from
 from ...policies.plan import CheckpointPlan
+from ...policies.plugin import Plugin
 from ...policies.tiers.plugin import tiered_dirpath
 from ...training import console
 from ...training.callback_options import CallbackConfig
@@ -76,6 +77,7 @@ class ShardedCheckpoint(Checkpoint):
         drill: DrillConfig = DrillConfig(),
         health: HealthConfig | dict | list | str | None = HealthConfig(),
         tiers: TiersConfig | None = None,
+        plugins: list[Plugin] | None = None,
     ) -> None:
         self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
         self.options = CallbackConfig(
@@ -92,7 +94,9 @@ class ShardedCheckpoint(Checkpoint):
         self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints
         self.health_config = health_config_from(health)  # health rules; validated now
         # retention, tiers (a fast and a durable tier), restore drills, health rules: validated now
-        self.plugins, self.tiers_config = door_plugins(self.options, tiers, self.drill_options, self.health_config)
+        self.plugins, self.tiers_config = door_plugins(
+            self.options, tiers, self.drill_options, self.health_config, plugins
+        )
         # as given, or with tiers the fast tier's (a node-local one's template): the state key
         self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
         self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up

@@ -48,7 +48,7 @@ from ...training.resume import resume
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ...training.staging_fence import StagingFence
 from .. import lightning_state
-from ..parallelism import PARALLELISMS, mesh_sizes, strategy_class
+from ..parallelism import PARALLELISMS, AllRanksDataParallel, register_in, strategy_class
 from . import ckpt_paths
 from .sampler_injection import end_of_fit, restore_position, use_resumable_sampler
 
@@ -382,6 +382,7 @@ class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
 
     strategy_name = "shardckpt_ddp"
     parallelism = "ddp"
+    description = "DDP with lightning_shardckpt checkpoints"
 
     def __init__(
         self,
@@ -411,16 +412,13 @@ class ShardedDDPStrategy(ShardedStrategy, DDPStrategy):
         )
         self._init_checkpointing(fault_hook)
 
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register(cls.strategy_name, cls, description="DDP with lightning_shardckpt checkpoints")
 
-
-class ShardedFSDPStrategy(ShardedStrategy, ModelParallelStrategy):
+class ShardedFSDPStrategy(AllRanksDataParallel, ShardedStrategy, ModelParallelStrategy):
     """FSDP2 / DTensor (ModelParallelStrategy; shard in `configure_model`) with lightning_shardckpt checkpoints."""
 
     strategy_name = "shardckpt_fsdp"
     parallelism = "fsdp"
+    description = "FSDP2 with lightning_shardckpt checkpoints"
 
     def __init__(
         self,
@@ -444,24 +442,9 @@ class ShardedFSDPStrategy(ShardedStrategy, ModelParallelStrategy):
         )
         self._init_checkpointing(fault_hook)
 
-    def setup_environment(self) -> None:
-        # Lightning's "auto" sizes are data_parallel=num_nodes, tensor_parallel=devices: on one node a
-        # model sharded over device_mesh["data_parallel"] is neither sharded nor gradient-synced, and the
-        # replicas silently diverge. Ours: data-parallel over every rank unless sizes are given.
-        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
-            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
-        )
-        super().setup_environment()
-
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register(cls.strategy_name, cls, description="FSDP2 with lightning_shardckpt checkpoints")
-
 
 def register() -> None:
-    for strategy in (ShardedDDPStrategy, ShardedFSDPStrategy):
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+    register_in(StrategyRegistry, (ShardedDDPStrategy, ShardedFSDPStrategy))
 
 
 def _own_options(cls: type[ShardedStrategy], parallelism: str, options: dict[str, Any]) -> dict[str, Any]:

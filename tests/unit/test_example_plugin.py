@@ -1,0 +1,60 @@
+"""The example plug-in of docs/ARCHITECTURE.md ("Write a plug-in") runs as printed: a newcomer's plug-in, taking an
+event (on_commit), a saver listener and a decision (spare), with its state carried in every checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shardckpt import Checkpointer, ConfigError
+from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.doc_blocks import REPO, parse
+
+DOCUMENT = "docs/ARCHITECTURE.md"
+
+
+def example_plugin() -> type:
+    text = (REPO / DOCUMENT).read_text()
+    section = text[text.index("## Write a plug-in") :]
+    (block,) = [block for block in parse(section, DOCUMENT) if block.language == "python"][:1]
+    namespace: dict = {}
+    exec(compile(block.body, DOCUMENT, "exec"), namespace)  # noqa: S102 - the document's own code, as printed
+    return namespace["KeepSteps"]
+
+
+def committed_steps(root: str) -> list[int]:
+    return [entry.step for entry in catalog.list_checkpoints(fsio.resolve(root)) if entry.committed]
+
+
+def save_four(root: str, plugins: list) -> None:
+    model = torch.nn.Linear(4, 2)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with Checkpointer(root, keep_last=1, plugins=plugins) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, state, blocking=True)
+
+
+def test_the_documented_plugin_keeps_the_steps_it_names_whatever_keep_last_says(tmp_path):
+    keep_steps = example_plugin()({2})
+    save_four(str(tmp_path / "with"), [keep_steps])
+    save_four(str(tmp_path / "without"), [])
+    assert committed_steps(str(tmp_path / "with")) == [2, 4]
+    assert committed_steps(str(tmp_path / "without")) == [4]
+    assert keep_steps.commits == 4  # the on_commit event, once per commit, on the training thread
+
+
+def test_the_plugins_state_travels_in_the_checkpoint_and_comes_back_on_resume(tmp_path):
+    KeepSteps = example_plugin()
+    root = str(tmp_path / "run")
+    save_four(root, [KeepSteps({2})])
+    resumed = KeepSteps(set())
+    model = torch.nn.Linear(4, 2)
+    with Checkpointer(root, keep_last=1, plugins=[resumed]) as ckpt:
+        assert ckpt.load({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}) == 4
+    assert [name.split("-")[1] for name in resumed.kept] == ["000000002"]
+
+
+def test_a_plugin_that_is_not_a_plugin_is_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="not a lightning_shardckpt.Plugin"):
+        Checkpointer(str(tmp_path / "run"), plugins=[object()])
