@@ -8,6 +8,7 @@ written from outside. Here, below the plug-ins, so that their `shape_plan` is ty
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
@@ -25,15 +26,23 @@ class Placement:
     num_nodes: int = 1
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """Another copy of the checkpoint a resume picked, tried when the picked one fails its checks."""
+
+    path: str
+    config: LoadConfig
+    why: str  # logged when it is tried: which copy, and why
+    prepare: Callable[[Any], None] | None = None  # collective over the group, before the load (a repair)
+
+
 class TierRestore(Protocol):
     """Which copy a resume reads when the run has tiers (policies/tiers/checkpoint_tiers.py `CheckpointTiers`).
     Each is collective over `group` (every rank, the same answer)."""
 
-    def pick(
-        self, which: str | int, base: LoadConfig, group: Any
-    ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]] | None:
-        """(checkpoint path, its load config, fallbacks: (path, config, why)) for `latest`, `last-good`, a step,
-        an id or a directory name, on either tier; None: neither tier holds it."""
+    def pick(self, which: str | int, base: LoadConfig, group: Any) -> tuple[str, LoadConfig, list[Fallback]] | None:
+        """(checkpoint path, its load config, the other copies to try) for `latest`, `last-good`, a step, an id or
+        a directory name, on either tier; None: neither tier holds it."""
         ...
 
     def last_good(self, base: LoadConfig, group: Any) -> tuple[str, LoadConfig] | None: ...

@@ -31,7 +31,7 @@ from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
-from ..policies.plan import CheckpointPlan
+from ..policies.plan import CheckpointPlan, Fallback
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _from_another_copy(
     plan: CheckpointPlan,
     err: CorruptCheckpoint,
     target: Target,
-    fallbacks: list[tuple[str, LoadConfig, str]],
+    fallbacks: list[Fallback],
     strict: bool,
     group: Any,
     words: DoorWords,
@@ -156,13 +156,18 @@ def _from_another_copy(
     newest: bool,
 ) -> LoadResult:
     """After a load failed its checks: the same checkpoint's other copies, then (for `latest`) the last known-good."""
-    for path, config, message in fallbacks:
+    for fallback in fallbacks:
         if rank_and_world()[0] == 0:
-            log.warning("%s (%s)", message, err)
+            log.warning("%s (%s)", fallback.why, err)
         try:
-            return load_checkpoint(target, path, config=config, strict=strict, process_group=group)
+            if fallback.prepare is not None:
+                fallback.prepare(group)  # every rank: a repair of the copy before it is read again
+            return load_checkpoint(target, fallback.path, config=fallback.config, strict=strict, process_group=group)
         except CorruptCheckpoint as again:  # every rank alike, as the first
             err = again
+        except CheckpointNotFound:  # that copy does not exist (a tier that never got it): the next one
+            if rank_and_world()[0] == 0:
+                log.warning("%s holds no copy of it", fallback.path)
     if not newest:  # a checkpoint named explicitly is that one or none
         raise err
     good, config = _last_good(plan, group)

@@ -27,6 +27,7 @@ from tests.helpers.peer_ranks import (
     exchange_with_a_damaged_range,
     peer_copies_onto_a_full_node_root,
     resume_with_peers,
+    rollback_and_damage_on_two_nodes,
     save_with_peers,
 )
 from tests.helpers.spawn import run_ranks
@@ -191,3 +192,16 @@ def test_a_peer_copy_onto_a_full_node_root_fails_cleanly_and_training_saves_on(t
     assert all("No space left" in (e["cause"] or "") for e in owner["events"]), owner["events"]
     assert owner["counters"]["peer_replication_failed"] == 2
     assert leftovers == []  # neither rank 0's shard nor its .part on the full node
+
+
+def test_peer_copies_follow_commit_order_repair_a_damaged_file_and_skip_a_corrupt_directory(tmp_path):
+    """Issue 37 items 1, 2, 7 (tests/helpers/peer_ranks.py rollback_and_damage_on_two_nodes says how)."""
+    ranks = [o.value for o in run_ranks(rollback_and_damage_on_two_nodes, 4, str(tmp_path), timeout_s=280)]
+    for rank in ranks:
+        # a step only the durable tier still holds resolves there (item 7)
+        assert rank["rolled_back_to"] == 4 and rank["rolled_back_from"] == "durable tier"
+        # newest means newest commit: the rollback's step 6, not the abandoned branch's step 12 (item 1)
+        assert rank["after_rollback"]["step"] == 6 and rank["after_rollback"]["exact"], rank["after_rollback"]
+        # a damaged fast file is replaced from an intact peer copy and the fast copy loads; a corrupt
+        # directory (seq "x") is skipped, not fatal (item 2)
+        assert rank["after_damage"] == {**rank["after_damage"], "step": 6, "exact": True, "source": "fast tier"}

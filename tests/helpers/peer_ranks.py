@@ -4,6 +4,7 @@ node-local fast root (`base/node{node_rank}`), peer copies on, S3 as the durable
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import torch
@@ -176,3 +177,81 @@ def peer_copies_onto_a_full_node_root(rank: int, world_size: int, base: str) -> 
     tiers.close(60.0)
     saver.close()
     return {"committed": committed, "events": events, "counters": counters, "broken": peers.broken is not None}
+
+
+def rollback_and_damage_on_two_nodes(rank: int, world_size: int, base: str) -> dict:
+    """Issue 37 items 1, 2 and 7, through the Checkpointer's one resume: 4 ranks as 2 nodes of 2, node-local fast
+    roots with peer copies, every commit copied to the durable tier, one DTensor row-sharded over the 4 ranks.
+
+    Run 1 commits steps 4, 8, 10, 12 (the fast tier keeps 3); run 2 resumes step 4 (only the durable tier still
+    holds it) and commits step 6, now the newest commit; node 1's root is emptied (a replacement) and `latest`
+    resumes. Then 256 bytes of node 1's copy of the resumed checkpoint are flipped (same size) and a directory
+    `ls` marks corrupt (its manifest's seq is "x") is added to node 0's root, and `latest` resumes again."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_shardckpt import Checkpointer
+
+    os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
+    mesh = init_device_mesh("cpu", (world_size,))
+    tiers = {
+        "fast": {"dirpath": f"{base}/node{{node_rank}}", "keep_last": 3, "peers": {"factor": 2, "jump": 2}},
+        "durable": {"dirpath": f"{base}/durable", "every_n_checkpoints": 1},
+        "collective_timeout_s": 60.0,
+    }
+
+    def value(step: int) -> torch.Tensor:
+        return torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) * (step + 1)
+
+    def state(step: int) -> dict[str, Any]:
+        return {"w": distribute_tensor(value(step), mesh, [Shard(0)])}
+
+    def resume(which: Any = "latest") -> dict[str, Any]:
+        loaded = state(-1)
+        with Checkpointer(tiers=tiers) as ckpt:
+            step = ckpt.load(loaded, which=which)
+            source = ckpt.last_load.source
+            path = ckpt.last_load.path
+        return {
+            "step": step,
+            "exact": torch.equal(loaded["w"].full_tensor(), value(step)),
+            "source": source,
+            "path": path,
+        }
+
+    with Checkpointer(tiers=tiers) as ckpt:  # run 1
+        for step in (4, 8, 10, 12):
+            assert ckpt.save(step, state(step), blocking=True).result().committed
+    out: dict[str, Any] = {}
+    with Checkpointer(tiers=tiers) as ckpt:  # run 2: a rollback to step 4, held only by the durable tier
+        rolled = state(-1)
+        out["rolled_back_to"] = ckpt.load(rolled, which=4)
+        out["rolled_back_from"] = ckpt.last_load.source
+        assert ckpt.save(6, state(6), blocking=True).result().committed
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{base}/node1")  # a replacement node
+    dist.barrier()
+    out["after_rollback"] = resume()
+    dist.barrier()
+    if rank == 0:
+        name = out["after_rollback"]["path"].rstrip("/").rsplit("/", 1)[-1]
+        with open(f"{base}/node1/{name}/__2_0.distcp", "r+b") as shard:
+            shard.seek(os.path.getsize(shard.name) // 2)
+            middle = shard.read(256)
+            shard.seek(-256, 1)
+            shard.write(bytes(byte ^ 0xFF for byte in middle))
+        corrupt = f"{base}/node0/step-000000020-00000000abcd"
+        shutil.copytree(f"{base}/node0/{name}", corrupt)
+        with open(f"{corrupt}/manifest.json") as handle:
+            manifest = json.load(handle)
+        manifest["seq"] = "x"
+        with open(f"{corrupt}/manifest.json", "w") as handle:
+            json.dump(manifest, handle)
+    dist.barrier()
+    out["after_damage"] = resume()
+    return out

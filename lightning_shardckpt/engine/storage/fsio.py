@@ -186,3 +186,10 @@ def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm_file(path)
     except Exception:
         log.debug("could not remove probe %s", path, exc_info=True)
+
+
+def written_at(info: dict) -> float:
+    """A listed entry's modification time in seconds since the epoch (local disks give `mtime`, object stores
+    `LastModified`); 0 when the listing says nothing."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
+    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0.0)

@@ -25,14 +25,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import CorruptCheckpoint
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
+from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
 from .peers import PEERS_DIR, all_files, holds_all
-from .verified_copy import copy_verified, expected_ranges
+from .verified_copy import PIECE_BYTES, RangeCheck, copy_verified, expected_ranges
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +61,21 @@ def visible_roots(own: Location, template: str, scan: bool) -> dict[str, Locatio
     return roots
 
 
-def _holdings(root: Location) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
-    """{checkpoint: {file: size}} of the newest directories in `root`, and {checkpoint: manifest facts}."""
+def _holdings(root: Location, only: str | None = None) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
+    """{checkpoint: {file: size}} of the newest directories in `root`, and {checkpoint: manifest facts}. `only`: that
+    one checkpoint, every file checked against its manifest's checksums (a damaged one is not held)."""
     try:
-        names = [str(info).rstrip("/").rsplit("/", 1)[-1] for info in root.fs.ls(root.path, detail=False)]
+        infos = root.fs.ls(root.path, detail=True)
     except FileNotFoundError:
         return {}, {}
-    dirs = _newest(names)
+    if only is not None:
+        return _verified_holding(root, only)
+    dirs = _newest(infos)
     try:  # checkpoints this root holds peer copies of: a replicator that fell behind copied older ones than the newest
-        recorded = [str(info).rstrip("/").rsplit("/", 1)[-1] for info in root.fs.ls(join(root.path, PEERS_DIR))]
+        recorded = {str(info).rstrip("/").rsplit("/", 1)[-1] for info in root.fs.ls(join(root.path, PEERS_DIR))}
     except FileNotFoundError:
-        recorded = []
-    dirs = sorted(set(dirs) | set(_newest([n for n in recorded if n in names])))
+        recorded = set()
+    dirs = sorted(set(dirs) | set(_newest([info for info in infos if _name(info) in recorded])))
     held, manifests = {}, {}
     for _, name in dirs:
         directory = join(root.path, name)
@@ -80,28 +85,82 @@ def _holdings(root: Location) -> tuple[dict[str, dict[str, int]], dict[str, dict
             }
             held[name] = listing
             if MANIFEST in listing and COMMIT_RECORD in listing:
-                manifest = json.loads(root.fs.cat_file(join(directory, MANIFEST)))
+                # validated as every reader does: a directory `ls` marks corrupt offers nothing, never stops a resume
+                manifest = manifest_format.parse(root.fs.cat_file(join(directory, MANIFEST)), directory)
                 manifests[name] = {
                     "files": all_files(manifest),
                     "seq": manifest.get("seq") or 0,
                     "step": manifest.get("step"),
+                    "created_at": manifest.get("created_at") or "",
                 }
         except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
             log.debug("cannot read %s", directory, exc_info=True)
     return held, manifests
 
 
-def _newest(names: list[str]) -> list[tuple[int, str]]:
-    return sorted((parse_dirname(n).step, n) for n in names if parse_dirname(n) is not None)[-CANDIDATES_PER_ROOT:]
+def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
+    """The files of checkpoint `name` in `root` whose every byte matches its manifest (read whole: the repair after a
+    load failed its checks, never the usual resume); a root without the manifest offers nothing."""
+    directory = join(root.path, name)
+    try:
+        manifest = manifest_format.parse(root.fs.cat_file(join(directory, MANIFEST)), directory)
+        listing = {_name(info): info.get("size") for info in root.fs.ls(directory, detail=True)}
+    except Exception:  # noqa: BLE001 - no readable manifest here: nothing this root can vouch for
+        log.debug("cannot read %s", directory, exc_info=True)
+        return {}, {}
+    held = {}
+    for relative, size in listing.items():
+        if relative in (MANIFEST, COMMIT_RECORD) or _intact(root, join(directory, relative), manifest, relative):
+            held[relative] = size
+        else:
+            log.warning(
+                "%s does not match its manifest's checksums: fetching it from a peer copy", join(directory, relative)
+            )
+    facts = {"files": all_files(manifest), "seq": manifest.get("seq") or 0, "step": manifest.get("step")}
+    return {name: held}, {name: {**facts, "created_at": manifest.get("created_at") or ""}}
 
 
-def restore_from_peers(own: Location, template: str, config: PeersConfig, group: Any) -> PeerRestore:
-    """Collective: make the newest checkpoint any rank can still assemble whole in every node root."""
+def _intact(root: Location, path: str, manifest: dict[str, Any], relative: str) -> bool:
+    ranges = expected_ranges(manifest, relative)
+    if not ranges:
+        return relative not in all_files(manifest)  # a stray file is harmless; a listed one must be checkable
+    check = RangeCheck(path, ranges, all_files(manifest)[relative])
+    try:
+        with root.fs.open(path, "rb") as source:
+            while piece := source.read(PIECE_BYTES):
+                check.feed(piece)
+        check.finish()
+    except (CorruptCheckpoint, OSError):
+        return False
+    return True
+
+
+def _name(info: dict[str, Any]) -> str:
+    return str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _newest(infos: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The newest checkpoint directories of a listing by when this disk last wrote them, not by step: after a
+    rollback the new branch's smaller steps are the newest commits (a node root without manifests knows no seq)."""
+    dirs = [
+        (fsio.written_at(info), parse_dirname(_name(info)).step, _name(info))
+        for info in infos
+        if parse_dirname(_name(info))
+    ]
+    return [(step, name) for _, step, name in sorted(dirs)[-CANDIDATES_PER_ROOT:]]
+
+
+def restore_from_peers(
+    own: Location, template: str, config: PeersConfig, group: Any, *, repair: str | None = None
+) -> PeerRestore:
+    """Collective: make the newest checkpoint any rank can still assemble whole in every node root. `repair`: make
+    that checkpoint whole again after a load found a file of it damaged: every file is checked against the
+    manifest's checksums, and one that fails is replaced from an intact copy (a peer's, checked as it arrives)."""
     rank = rank_and_world(group)[0]
     roots = visible_roots(own, template, config.scan_local_roots)
     report: dict[str, Any] = {"own": own.url, "roots": {}, "manifests": {}}
     for url, location in roots.items():
-        report["roots"][url], manifests = _holdings(location)
+        report["roots"][url], manifests = _holdings(location, only=repair)
         for name, facts in manifests.items():
             report["manifests"].setdefault(name, {**facts, "holder": url})
     reports = all_gather_objects("peer-holdings", report, group)
@@ -170,7 +229,8 @@ def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple
     if not manifests:
         return "no fast-tier checkpoint survives on any node"
     reasons = []
-    for name in sorted(manifests, key=lambda n: (manifests[n]["seq"], manifests[n]["step"]), reverse=True):
+    # newest commit first: within a run by seq, as `latest` orders (a rollback's new branch after the old one)
+    for name in sorted(manifests, key=lambda n: (manifests[n]["seq"], manifests[n]["created_at"]), reverse=True):
         expected = manifests[name]["files"]
         holders: dict[str, list[tuple[int, str]]] = {rel: [] for rel in expected}
         for rank, report in enumerate(reports):

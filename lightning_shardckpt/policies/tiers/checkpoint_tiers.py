@@ -15,8 +15,9 @@ from typing import Any
 from ...engine import catalog, ownership
 from ...engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
 from ...engine.config import LoadConfig
-from ...engine.format.layout import parse_dirname
+from ...engine.format.layout import join, parse_dirname
 from ...engine.storage import fsio
+from ...engine.storage.fsio import Location
 from ...engine.tiers.config import TiersConfig
 from ...engine.tiers.peer_restore import PeerRestore, restore_from_peers
 from ...engine.tiers.peers import PeerReplicator
@@ -27,9 +28,10 @@ from ...engine.tiers.replicate import (
     missing_on_durable,
     newest_on_both,
 )
-from ...engine.tiers.restore import FAST, choose, listed_anywhere
+from ...engine.tiers.restore import DURABLE, FAST, choose, listed_anywhere
 from ...errors import CheckpointNotFound, StorageUnavailable
 from .. import retention
+from ..plan import Fallback
 from ..plugin import SaverHosting
 
 log = logging.getLogger(__name__)
@@ -264,7 +266,7 @@ class CheckpointTiers:
             listed = [(str(info["name"]).rstrip("/").rsplit("/", 1)[-1], info) for info in infos]
             # oldest first: earlier processes' directories by write time, then this process's commits in order
             checkpoints = sorted(
-                (order.get(name, -1), _written_at(info), parsed.step, name)
+                (order.get(name, -1), fsio.written_at(info), parsed.step, name)
                 for name, info in listed
                 if (parsed := parse_dirname(name)) is not None
             )
@@ -276,14 +278,15 @@ class CheckpointTiers:
         return deleted
 
     # --- restore ---
-    def pick(
-        self, which: str | int, base: LoadConfig, group: Any
-    ) -> tuple[str, LoadConfig, list[tuple[str, LoadConfig, str]]] | None:
+    def pick(self, which: str | int, base: LoadConfig, group: Any) -> tuple[str, LoadConfig, list[Fallback]] | None:
         """(checkpoint path to load, its load config, fallbacks) for `latest`, `last-good`, a step, an id or a
         directory name, on either tier; None when neither tier holds it. Collective on every rank.
 
-        With peer copies, `latest` first assembles the newest checkpoint the surviving nodes hold whole in every
-        node root (engine/tiers/peer_restore.py); the durable tier is then consulted only if it lists a newer step.
+        With peer copies, `latest` first assembles the newest commit the surviving nodes hold whole in every node
+        root (engine/tiers/peer_restore.py); the durable tier is considered beside it, by commit order, unless its
+        `latest` pointer names the same checkpoint (then nothing of it is read: a rollback's newer commit of a
+        smaller step is never hidden, and a resume that has it locally reads no object). The durable copy of the
+        picked checkpoint is always a fallback when the fast one fails its checks.
         A checkpoint some rank cannot read is no candidate; if every one listed is such, that is an error (never a
         fresh start over checkpoints that exist).
         """
@@ -304,19 +307,33 @@ class CheckpointTiers:
         first = choices[0]
         if rank_zero():
             log.info("resuming from the %s tier: %s (step %d); %s", first.tier, first.url, first.step, first.reason)
+        copies = [(c.tier, c.url) for c in choices[1:] if c.name == first.name]
+        if first.tier == FAST and self.durable is not None and not copies:
+            # not considered (peer copies: the durable tier was not read): its copy, if it has one, is still a copy
+            copies.append((DURABLE, join(self.durable.url, first.name)))
         fallbacks = [
-            (
-                c.url,
-                self._config_for(c.tier, base),
-                f"the {first.tier} copy of {first.name} did not load; falling back to its {c.tier} copy at {c.url}",
+            Fallback(
+                url,
+                self._config_for(tier, base),
+                f"the {first.tier} copy of {first.name} did not load; falling back to its {tier} copy at {url}",
             )
-            for c in choices[1:]
-            if c.name == first.name
+            for tier, url in copies
         ]
+        if first.tier == FAST and self.config.fast.peers is not None:  # first: the nearest intact copy of a file
+            fallbacks.insert(
+                0,
+                Fallback(
+                    first.url,
+                    self._config_for(FAST, base),
+                    f"the fast copy of {first.name} did not load; replacing its damaged files from intact peer copies",
+                    prepare=lambda group: self._repair(first.name, group),
+                ),
+            )
         return first.url, self._config_for(first.tier, base), fallbacks
 
-    def _restore_from_peers(self, group: Any) -> Any:
-        """Collective: assemble from peer copies; returns the durable location to consider too (None: not needed)."""
+    def _restore_from_peers(self, group: Any) -> Location | None:
+        """Collective: assemble from peer copies; returns the durable location to consider beside it (None: its
+        `latest` pointer names the checkpoint just assembled, so nothing newer is there)."""
         restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group)
         self.peer_restore = restored
         if restored.name is None:
@@ -325,13 +342,21 @@ class CheckpointTiers:
             return self.durable
         if rank_zero():
             log.info("fast tier: %s", restored.reason)
-        newer = None
+        pointer = None
         if self.durable is not None and rank_zero():
-            newer = _durable_newest_step(self.durable)  # a listing of names only: no object is read
-        newer = broadcast_from_coordinator("peer-durable-newer", newer, group)
-        if newer is not None and newer > restored.step:
-            return self.durable
-        return None
+            try:  # the pointer file, not a checkpoint's object: one small read
+                pointer = catalog.read_latest_pointer(self.durable)
+            except Exception:  # noqa: BLE001 - unreachable: consider it (the choice lists it or leaves it out)
+                log.debug("cannot read %s's latest pointer", self.durable.url, exc_info=True)
+        pointer = broadcast_from_coordinator("peer-durable-latest", pointer, group)
+        return None if pointer == restored.name else self.durable
+
+    def _repair(self, name: str, group: Any) -> None:
+        """Collective: files of `name` that fail their checksums in any node root are replaced from intact peer
+        copies (the load that follows says whether that was enough)."""
+        repaired = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group, repair=name)
+        if rank_zero():
+            log.warning("fast tier: %s", repaired.reason)
 
     def last_good(self, base: LoadConfig, group: Any) -> tuple[str, LoadConfig] | None:
         """(path, load config) of the newest drilled checkpoint every rank can read, on either tier; collective.
@@ -358,21 +383,6 @@ class CheckpointTiers:
             return False
         root = fsio.resolve(path.rstrip("/").rsplit("/", 1)[0], self.config.durable.storage_options)
         return root.same_place(self.durable)
-
-
-def _written_at(info: dict[str, Any]) -> float:
-    """A listed directory's modification time in seconds (local disks give `mtime`; object stores `LastModified`)."""
-    value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))
-    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0.0)
-
-
-def _durable_newest_step(durable: Any) -> int | None:
-    try:
-        names = [str(n).rstrip("/").rsplit("/", 1)[-1] for n in durable.fs.ls(durable.path, detail=False)]
-    except Exception:  # noqa: BLE001 - unreachable: the peer copy is what there is
-        return None
-    steps = [parsed.step for name in names if (parsed := parse_dirname(name)) is not None]
-    return max(steps) if steps else None
 
 
 def rank_zero() -> bool:
