@@ -43,6 +43,7 @@ class DoorWords:
     """How a front door's user spells a resume, for the errors that tell them what to do."""
 
     asked: str  # the call, with {!r} for the reference
+    latest: str  # how to resume the run's own root (an empty one starts fresh)
     last_good: str  # how to resume from the last known-good
     needs_root: str  # what gives a selector its root
 
@@ -50,16 +51,23 @@ class DoorWords:
 WORDS = {
     LIGHTNING: DoorWords(
         "ckpt_path={!r}",
+        "ckpt_path='latest' (Hydra: resume=latest)",
         "ckpt_path='last-good' (Hydra: resume=last-good)",
         "add ShardedCheckpoint(dirpath=...) to the Trainer's callbacks or pass a path",
     ),
     FABRIC: DoorWords(
-        "fabric.load({!r})", "fabric.load('last-good', state)", "pass ShardedFabricStrategy(root=...) or a path"
+        "fabric.load({!r})",
+        "fabric.load('latest', state) with the strategy's root=",
+        "fabric.load('last-good', state)",
+        "pass ShardedFabricStrategy(root=...) or a path",
     ),
     CHECKPOINTER: DoorWords(
-        "load(state, which={!r})", "load(state, which='last-good')", "pass Checkpointer(root=...) or a path"
+        "load(state, which={!r})",
+        "load(state) (which='latest')",
+        "load(state, which='last-good')",
+        "pass Checkpointer(root=...) or a path",
     ),
-    ENGINE: DoorWords("{!r}", "which='last-good'", "pass a checkpoint root"),
+    ENGINE: DoorWords("{!r}", "which='latest'", "which='last-good'", "pass a checkpoint root"),
 }
 
 
@@ -78,8 +86,8 @@ def resume(
         if not _agreed_has_committed(root, config, group):
             raise CheckpointNotFound(
                 f"{asked} holds no committed checkpoint: found {_contents(root, config, group)}; pass a checkpoint "
-                f"root or checkpoint directory that holds one (`shardckpt ls ROOT` lists them), or 'latest' to resume "
-                "from the run's own root, starting fresh if it is empty"
+                f"root or checkpoint directory that holds one (`shardckpt ls ROOT` lists them), or {words.latest} to "
+                "resume from the run's own root, starting fresh if it is empty"
             )
     elif not plan.root:
         raise ConfigError(
