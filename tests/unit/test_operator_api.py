@@ -95,7 +95,7 @@ def test_list_checkpoints_shows_every_state_its_trust_and_the_two_checkpoints_a_
     assert by_step[9].bytes == len(b"half a shard")
 
 
-@pytest.mark.parametrize("how", ["edited-manifest"])
+@pytest.mark.parametrize("how", ["edited-manifest", "record-claims-a-later-seq"])
 def test_the_listings_latest_is_the_checkpoint_a_resume_loads_not_the_newest_record(backend, how):
     old, new = dirname_of(save(backend, 1)), dirname_of(save(backend, 2))
     location = backend.location()
