@@ -36,13 +36,24 @@ ENGINE_NAMES = {
     "CheckpointRecord": ".engine.metrics",
     "read_events": ".engine.metrics",
     "SaveResult": ".engine.save.persist",
+    "PeersConfig": ".engine.tiers.config",
+    "TierConfig": ".engine.tiers.config",
+    "TiersConfig": ".engine.tiers.config",
     "CheckpointSaver": ".engine.save.saver",
     "PendingSave": ".engine.save.saver",
+    "CheckpointInfo": ".ops.roots",
+    "CheckpointListing": ".ops.roots",
+    "ManifestSummary": ".ops.roots",
+    "follow_checkpoints": ".ops.roots",
+    "list_checkpoints": ".ops.roots",
+    "read_manifest_summary": ".ops.roots",
+    "resolve_checkpoint": ".ops.roots",
     "ExportOptions": ".ops.export",
     "ExportResult": ".ops.export",
     "export_checkpoint": ".ops.export",
     "VerifyReport": ".ops.verify",
     "verify_checkpoint": ".ops.verify",
+    "DrillConfig": ".policies.drills.plugin",
     "Transition": ".policies.health.evaluate",
     "HealthConfig": ".policies.health.rules",
     "HealthRule": ".policies.health.rules",
@@ -95,11 +106,22 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .engine.metrics import CheckpointRecord, read_events
     from .engine.save.persist import SaveResult
     from .engine.save.saver import CheckpointSaver, PendingSave
+    from .engine.tiers.config import PeersConfig, TierConfig, TiersConfig
     from .lightning.fabric.strategy import ShardedFabricDDPStrategy, ShardedFabricFSDPStrategy, ShardedFabricStrategy
     from .lightning.trainer.callback import ShardedCheckpoint
     from .lightning.trainer.strategy import ShardedDDPStrategy, ShardedFSDPStrategy, ShardedStrategy
     from .ops.export import ExportOptions, ExportResult, export_checkpoint
+    from .ops.roots import (
+        CheckpointInfo,
+        CheckpointListing,
+        ManifestSummary,
+        follow_checkpoints,
+        list_checkpoints,
+        read_manifest_summary,
+        resolve_checkpoint,
+    )
     from .ops.verify import VerifyReport, verify_checkpoint
+    from .policies.drills.plugin import DrillConfig
     from .policies.health.evaluate import Transition
     from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
     from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence
@@ -110,12 +132,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
 # the errors above, ENGINE_NAMES and LIGHTNING_NAMES (tests/unit/test_public_api.py holds them equal)
 __all__ = [
     "Checkpointer",
+    "CheckpointInfo",
+    "CheckpointListing",
     "CheckpointNotFound",
     "CheckpointRecord",
     "CheckpointSaver",
     "CommitFailed",
     "ConfigError",
     "CorruptCheckpoint",
+    "DrillConfig",
     "ExportOptions",
     "ExportResult",
     "HealthConfig",
@@ -124,8 +149,10 @@ __all__ = [
     "IncompatibleCheckpoint",
     "LoadConfig",
     "LoadResult",
+    "ManifestSummary",
     "MitigationContext",
     "NormalRange",
+    "PeersConfig",
     "PendingSave",
     "Plugin",
     "PluginContext",
@@ -142,13 +169,19 @@ __all__ = [
     "ShardedFabricStrategy",
     "ShardedStrategy",
     "StorageUnavailable",
+    "TierConfig",
+    "TiersConfig",
     "Transition",
     "UntrustedCheckpoint",
     "VerifyConfig",
     "VerifyReport",
     "export_checkpoint",
+    "follow_checkpoints",
+    "list_checkpoints",
     "load_checkpoint",
     "read_events",
+    "read_manifest_summary",
     "register_mitigation",
+    "resolve_checkpoint",
     "verify_checkpoint",
 ]

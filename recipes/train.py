@@ -95,10 +95,9 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> list[str]:
 def committed_steps(dirpath: str, storage_options: dict[str, Any]) -> list[int]:
     """Steps of the committed checkpoints under `dirpath` ([] if none, or if it cannot be listed)."""
     try:
-        from lightning_shardckpt.engine.catalog import list_checkpoints
-        from lightning_shardckpt.engine.storage.fsio import resolve
+        from lightning_shardckpt import list_checkpoints
 
-        return [entry.step for entry in list_checkpoints(resolve(dirpath, storage_options)) if entry.committed]
+        return list_checkpoints(dirpath, storage_options=storage_options).all_steps()
     except Exception:  # noqa: BLE001 - an unreachable root is the callback's error to report, with its own message
         return []
 

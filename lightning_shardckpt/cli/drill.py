@@ -7,11 +7,11 @@ import json
 import sys
 from typing import Any
 
-from ..engine import catalog
 from ..engine.format import drill_records
-from ..engine.format.layout import join, parse_dirname
+from ..engine.format.layout import parse_dirname
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError
+from ..ops.roots import list_checkpoints
 from . import exit_codes, options
 from .output import print_table
 
@@ -195,31 +195,25 @@ def _print_record(record: dict[str, Any], as_json: bool, *, compact: bool = Fals
 
 
 def cmd_last_good(args: argparse.Namespace) -> int:
-    location = fsio.resolve(args.root, args.storage_options)
-    if parse_dirname(location.path) is not None:
-        raise CheckpointNotFound(f"{args.root} is a checkpoint, not a root; pass its parent directory")
-    entries = catalog.list_checkpoints(location)
-    newest = catalog.last_good(location, entries)
-    good = newest[-1] if newest else None
+    listing = list_checkpoints(args.root, storage_options=args.storage_options)
+    good = listing.last_good
     if good is None:
-        states = drill_records.trust_states(location, entries)
-        drilled_any = any(state != drill_records.COMMITTED for state in states.values())
+        drilled_any = any(info.trust not in (None, drill_records.COMMITTED) for info in listing.checkpoints)
         raise CheckpointNotFound(
-            f"no drilled checkpoint in {location.url}"
+            f"no drilled checkpoint in {listing.root}"
             + (
                 "; every drill so far failed, see `shardckpt ls`"
                 if drilled_any
-                else f"; drill one: shardckpt drill {location.url}"
+                else f"; drill one: shardckpt drill {listing.root}"
             )
         )
-    path = join(location.url, good.name)
     if args.json:
         print(
             json.dumps(
                 {
-                    "root": location.url,
+                    "root": listing.root,
                     "last_good": good.name,
-                    "path": path,
+                    "path": good.path,
                     "step": good.step,
                     "checkpoint_id": good.checkpoint_id,
                 },
@@ -227,7 +221,7 @@ def cmd_last_good(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(path)
+        print(good.path)
     return exit_codes.OK
 
 

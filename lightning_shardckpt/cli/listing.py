@@ -6,12 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..engine import catalog
-from ..engine.format import drill_records
-from ..engine.format import manifest as manifest_format
-from ..engine.format.layout import join
-from ..engine.storage.fsio import Location
-from ..ops import references
+from ..ops.roots import CheckpointInfo, CheckpointListing, list_checkpoints, read_manifest_summary
 from . import exit_codes, options, tiers
 from .output import human_age, human_bytes, print_json, print_table
 
@@ -31,27 +26,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return tiers.cmd_ls_tiers(args)
     if "{node_rank}" in args.root:  # a node-local fast tier: on which nodes each checkpoint is complete
         return tiers.cmd_ls_nodes(args)
-    location = references.open_root(args.root, args.storage_options)
-    entries = catalog.list_checkpoints(location)
-    latest = catalog.resolve_latest(location, entries)
-    report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/, passed records read
-    trust = report.states
-    good = catalog.last_good(location, entries)
-    rows = [_ls_row(entry, location, latest, trust, good[-1] if good else None) for entry in entries]
+    listing = list_checkpoints(args.root, storage_options=args.storage_options)
+    rows = [_ls_row(info, listing) for info in listing.checkpoints]
     if args.json:
         print_json(
             {
-                "root": location.url,
-                "latest": latest.name if latest else None,
-                "last_good": good[-1].name if good else None,
-                "latest_pointer": catalog.read_latest_pointer(location),
+                "root": listing.root,
+                "latest": listing.latest.name if listing.latest else None,
+                "last_good": listing.last_good.name if listing.last_good else None,
+                "latest_pointer": listing.latest_pointer,
                 "checkpoints": rows,
-                "malformed_drill_records": report.malformed,
+                "malformed_drill_records": list(listing.malformed_drill_records),
             }
         )
         return exit_codes.OK
     if not rows:
-        print(f"no checkpoints in {location.url}")
+        print(f"no checkpoints in {listing.root}")
         return exit_codes.OK
     table = [("STEP", "ID", "STATE", "TRUST", "SIZE", "REFERENCED", "AGE", "LATEST", "NAME")]
     for row in rows:
@@ -73,7 +63,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(
         "LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'"
     )
-    for line in report.malformed:
+    for line in listing.malformed_drill_records:
         print(f"NOT TRUSTED: drill record {line}")
     if any(row["bytes_referenced"] for row in rows):
         print(
@@ -86,29 +76,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    location, entry = references.open_path(args.path, args.storage_options)
-    manifest = entry.manifest
-    identity = manifest.get("identity") or {}
+    manifest = read_manifest_summary(args.path, storage_options=args.storage_options)
+    identity = manifest.identity
     summary = {
-        "path": join(location.url, entry.name),
-        "id": manifest["id"],
-        "parent": manifest.get("parent"),
-        "run_id": manifest.get("run_id"),
-        "step": manifest["step"],
-        "epoch": manifest.get("epoch"),
-        "samples_consumed": manifest.get("samples_consumed"),
-        "created_at": manifest["created_at"],
-        "format_version": manifest["format_version"],
-        "writer": manifest.get("writer"),
-        "topology": manifest["topology"],
-        "files": {"count": len(manifest["files"]), "bytes": manifest_format.total_bytes(manifest)},
-        "referenced": {
-            "files": len(manifest.get("references") or []),
-            "bytes": manifest_format.referenced_bytes(manifest),
-        },
-        "tensors": len(manifest["tensors"]),
-        "objects": len(manifest["objects"]),
-        "verification": manifest.get("verification"),
+        "path": manifest.path,
+        "id": manifest.checkpoint_id,
+        "parent": manifest.parent,
+        "run_id": manifest.run_id,
+        "step": manifest.step,
+        "epoch": manifest.epoch,
+        "samples_consumed": manifest.samples_consumed,
+        "created_at": manifest.created_at.isoformat(timespec="milliseconds"),
+        "format_version": manifest.format_version,
+        "writer": manifest.writer,
+        "topology": manifest.topology,
+        "files": {"count": manifest.file_count, "bytes": manifest.bytes},
+        "referenced": {"files": manifest.referenced_file_count, "bytes": manifest.bytes_referenced},
+        "tensors": manifest.tensor_count,
+        "objects": manifest.object_count,
+        "verification": manifest.verification,
         "identity": {"keys": sorted(identity), "filled": sorted(key for key, value in identity.items() if value)},
     }
     if args.json:
@@ -132,29 +118,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
-def _ls_row(
-    entry: catalog.CheckpointEntry,
-    location: Location,
-    latest: catalog.CheckpointEntry | None,
-    trust: dict[str, str],
-    last_good: catalog.CheckpointEntry | None,
-) -> dict[str, Any]:
-    age = catalog.age_seconds(entry, location)
+def _ls_row(info: CheckpointInfo, listing: CheckpointListing) -> dict[str, Any]:
     return {
-        "name": entry.name,
-        "path": join(location.url, entry.name),
-        "step": entry.step,
-        "id": entry.checkpoint_id,
-        "state": entry.state,
-        "bytes": catalog.size_bytes(entry, location),
-        "bytes_referenced": (entry.record or {}).get("bytes_referenced", 0),  # incremental (FORMAT.md §9)
-        "age_s": None if age is None else round(age, 3),
-        "latest": latest is not None and entry.name == latest.name,
-        "trust": trust.get(entry.name),  # committed | drilled | drill-failed | not-drilled (None: not committed)
-        "last_good": last_good is not None and entry.name == last_good.name,
-        "problem": entry.problem,
+        "name": info.name,
+        "path": info.path,
+        "step": info.step,
+        "id": info.checkpoint_id,
+        "state": info.state,
+        "bytes": info.bytes,
+        "bytes_referenced": info.bytes_referenced,  # incremental (FORMAT.md §9)
+        "age_s": None if info.age_s is None else round(info.age_s, 3),
+        "latest": listing.latest is not None and info.name == listing.latest.name,
+        "trust": info.trust,  # committed | drilled | drill-failed | not-drilled (None: not committed)
+        "last_good": listing.last_good is not None and info.name == listing.last_good.name,
+        "problem": info.problem,
         # commit order (docs/FORMAT.md §4): which run wrote it, its place in that run, what it followed
-        "run_id": entry.run_id,
-        "seq": entry.seq,
-        "parent": (entry.record or {}).get("parent"),
+        "run_id": info.run_id,
+        "seq": info.seq,
+        "parent": info.parent,
     }

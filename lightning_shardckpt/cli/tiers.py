@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.layout import parse_dirname
 from ..engine.tiers.restore import choose
 from ..ops.references import open_root
+from ..ops.roots import list_checkpoints
 from . import exit_codes, options
 from .output import print_table
 
@@ -55,14 +55,13 @@ def cmd_ls_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_ls_tiers(args: argparse.Namespace) -> int:
-    fast = open_root(args.root, args.storage_options)
-    durable = open_root(args.durable, dict(options.storage_option(o) for o in args.durable_storage_option))
-    tiers = {"fast": fast, "durable": durable}
-    entries = {tier: catalog.list_checkpoints(location) for tier, location in tiers.items()}
-    drilled = set()
-    for tier, location in tiers.items():
-        trust = drill_records.trust_states(location, entries[tier])
-        drilled |= {name for name, state in trust.items() if state == drill_records.DRILLED}
+    durable_options = dict(options.storage_option(o) for o in args.durable_storage_option)
+    fast, durable = open_root(args.root, args.storage_options), open_root(args.durable, durable_options)
+    entries = {
+        "fast": list_checkpoints(args.root, storage_options=args.storage_options).checkpoints,
+        "durable": list_checkpoints(args.durable, storage_options=durable_options).checkpoints,
+    }
+    drilled = {e.name for listing in entries.values() for e in listing if e.trust == drill_records.DRILLED}
     names = sorted(
         {e.name for listing in entries.values() for e in listing},
         key=lambda n: next(e.step for listing in entries.values() for e in listing if e.name == n),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -40,12 +41,14 @@ V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while
 POINTER_MAX_BYTES = 4096  # `latest` holds one directory name (~30 bytes)
 
 
-def list_checkpoints(location: Location) -> list[CheckpointEntry]:
+def list_checkpoints(location: Location, only: Callable[[str], bool] | None = None) -> list[CheckpointEntry]:
     """Every checkpoint directory under the root, oldest step first; commit records read and validated.
 
     Costs one listing of the root, one small ranged read per directory (does `manifest.json` exist?)
     and one small read per committed directory (its commit record); all batched, so concurrent on
-    object stores. Tensor tables are never parsed here.
+    object stores. Tensor tables are never parsed here. `only`, a test of directory names applied
+    before any read, narrows the reads to the directories it accepts (a follower polling a root reads
+    only what it has not seen yet).
     """
     fs, root = location.fs, location.path
     try:
@@ -56,7 +59,7 @@ def list_checkpoints(location: Location) -> list[CheckpointEntry]:
     for info in infos:
         name = str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
         parsed = parse_dirname(name)
-        if parsed is None:
+        if parsed is None or (only is not None and not only(name)):
             continue
         entry = CheckpointEntry(name, join(root, name), parsed.step, parsed.checkpoint_id, UNCOMMITTED, _fs=fs)
         if info.get("type") != "directory":
@@ -221,15 +224,21 @@ def parse_reference(text: str | int) -> Reference:
 
 
 def last_good(
-    location: Location, entries: list[CheckpointEntry], run_id: str | None = None, keep: int = 1
+    location: Location,
+    entries: list[CheckpointEntry],
+    run_id: str | None = None,
+    keep: int = 1,
+    states: dict[str, str] | None = None,
 ) -> list[CheckpointEntry]:
     """The newest `keep` drilled checkpoints (newest last) of the run `latest` would come from.
 
     In the run's commit order, like `latest`: after a rollback, a drilled checkpoint of the abandoned
     branch is older than the new branch's commits. Falls back to every run's by commit time when that
-    run has none drilled.
+    run has none drilled. `states`: the entries' trust states when the caller has them (one listing of
+    ROOT/drills/ less); read here otherwise.
     """
-    states = drill_records.trust_states(location, entries)
+    if states is None:
+        states = drill_records.trust_states(location, entries)
     newest = newest_committed(entries, run_id)
     if newest is None:
         return []
@@ -248,7 +257,7 @@ def find(location: Location, which: str | int = "latest", run_id: str | None = N
     for attempt in (1, 2):
         entries = list_checkpoints(location)
         try:
-            return _pick(location, entries, which, run_id)
+            return pick(location, entries, which, run_id)
         except CheckpointDeleted as err:
             if which not in ("latest", LAST_GOOD) or attempt == 2:
                 raise
@@ -262,7 +271,21 @@ def names(entry: CheckpointEntry, selector: str | int) -> bool:
     return entry.name == text or entry.checkpoint_id == text or (text.isdigit() and entry.step == int(text))
 
 
-def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, run_id: str | None) -> CheckpointEntry:
+def pick(
+    location: Location,
+    entries: list[CheckpointEntry],
+    which: str | int,
+    run_id: str | None = None,
+    states: dict[str, str] | None = None,
+) -> CheckpointEntry:
+    """The committed checkpoint `which` names among `entries`, its manifest read and validated: the one pick
+    behind a resume, `verify ROOT`, the star of `shardckpt ls` and the public API (ops/roots.py).
+
+    `latest` and `last-good` skip a checkpoint whose manifest does not validate (marking its entry corrupt,
+    so a listing shows why); a step, an id or a name that is not sound raises, naming it. Raises
+    CheckpointNotFound when nothing committed matches, CheckpointDeleted when the pick went meanwhile (`find`
+    lists again). `states`: trust states the caller already read, for `last-good`.
+    """
     if which == "latest":
         while True:
             chosen = resolve_latest(location, entries, run_id)
@@ -273,7 +296,7 @@ def _pick(location: Location, entries: list[CheckpointEntry], which: str | int, 
             except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
                 log.warning("%s: skipping %s for `latest`: %s", location.url, chosen.name, err)
     elif which == LAST_GOOD:
-        for chosen in reversed(last_good(location, entries, run_id, keep=len(entries))):
+        for chosen in reversed(last_good(location, entries, run_id, keep=len(entries), states=states)):
             try:
                 return _with_manifest_read(chosen)
             except CorruptCheckpoint as err:

@@ -1,6 +1,7 @@
 """Operator library: what people and cron jobs run on a checkpoint root, with no training loop.
 
-Full verification (`verify`), garbage collection of uncommitted directories (`gc`), investigation
+The public operator API (`roots`: list a root, resolve a reference, a manifest summary, follow new
+commits), full verification (`verify`), garbage collection of uncommitted directories (`gc`), investigation
 (`investigate`: diff, timeline; `bisect`, `checks`, `compare`), export to other formats (`export`,
 `export_formats`) and health reports (`health_report`). The `shardckpt` command (`..cli`) is their
 front door; retention, health rules, drills and tiers live in `..policies`.

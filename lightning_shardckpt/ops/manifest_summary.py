@@ -55,9 +55,12 @@ def read_summary(fs: Any, entry: catalog.CheckpointEntry) -> dict[str, Any]:
         manifest_format.check_matches_record(data, record, entry.path)
         split = _split_top_level(data)
         if split is None:  # not the writer's layout: parse it all, once, as opening it would
-            return _without_tables(manifest_format.parse(data, entry.path))
+            manifest = manifest_format.parse(data, entry.path)
+            manifest_format.check_record_agrees(record, manifest, entry.path)
+            return _without_tables(manifest)
         summary, tables = split
         _validate(summary, tables, entry.path)
+        manifest_format.check_record_agrees(record, summary, entry.path)
         return summary
     except ShardCkptError as err:
         entry.state, entry.problem = catalog.CORRUPT, str(err)

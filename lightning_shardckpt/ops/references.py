@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,15 +27,32 @@ class Resolved:
         return join(self.root.url, self.entry.name)
 
 
-def open_path(path: str, storage_options: dict[str, Any]) -> tuple[Location, catalog.CheckpointEntry]:
+def open_path(
+    path: str | os.PathLike, storage_options: dict[str, Any] | None, run_id: str | None = None
+) -> tuple[Location, catalog.CheckpointEntry]:
     """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
+    path = os.fspath(path)
     head, sep, tail = path.rstrip("/").rpartition("/")
     if sep and head and tail == LATEST:
         location = fsio.resolve(path, storage_options)
         # `ROOT/latest` names the pointer file; it means the root's latest, checked against the manifests
         if not location.fs.isdir(location.path):
-            return catalog.open_checkpoint(head, LATEST, storage_options)
-    return catalog.open_checkpoint(path, LATEST, storage_options)
+            return catalog.open_checkpoint(head, LATEST, storage_options, run_id)
+    return catalog.open_checkpoint(path, LATEST, storage_options, run_id)
+
+
+def open_reference(
+    where: str | os.PathLike, which: str | int, storage_options: dict[str, Any] | None, run_id: str | None = None
+) -> tuple[Location, catalog.CheckpointEntry]:
+    """The root and the picked, validated entry that `where` (a root, a checkpoint directory or `ROOT/latest`)
+    and `which` (any spelling of catalog.parse_reference) name; a path in `which` names its own root."""
+    reference = catalog.parse_reference(which)
+    if reference.is_path:  # as ckpt_path does
+        return open_path(reference.text, storage_options, run_id)
+    if reference.newest:
+        return open_path(where, storage_options, run_id)
+    root_location(where, storage_options)  # a selector picks within a root, never within a checkpoint
+    return catalog.open_checkpoint(os.fspath(where), reference.selector, storage_options, run_id)
 
 
 def is_selector(ref: str) -> bool:
@@ -42,14 +60,25 @@ def is_selector(ref: str) -> bool:
     return not catalog.parse_reference(ref).is_path
 
 
-def open_root(url: str, storage_options: dict[str, Any]) -> Location:
-    """A checkpoint root that exists; a checkpoint directory given instead is refused, naming its root."""
+def root_location(url: str | os.PathLike, storage_options: dict[str, Any] | None) -> Location:
+    """Where a root is (it need not exist yet); a checkpoint directory given instead is refused, naming its root."""
     location = fsio.resolve(url, storage_options)
     if parse_dirname(location.path) is not None:
-        parent = location.path.rstrip("/").rsplit("/", 1)[0]
-        raise ConfigError(f"{url} is a checkpoint directory, not a root; give the root that holds it: {parent}")
+        parent = location.url.rstrip("/").rsplit("/", 1)[0]
+        raise ConfigError(
+            f"{os.fspath(url)} is a checkpoint directory, not a root; give the root that holds it: {parent}"
+        )
+    return location
+
+
+def open_root(url: str | os.PathLike, storage_options: dict[str, Any] | None) -> Location:
+    """A checkpoint root that exists; a checkpoint directory given instead is refused, naming its root."""
+    location = root_location(url, storage_options)
     if not location.fs.exists(location.path):
-        raise CheckpointNotFound(f"{url} does not exist; check the path (and --storage-option for remote storage)")
+        raise CheckpointNotFound(
+            f"{os.fspath(url)} does not exist; check the path (and the storage options, --storage-option on the "
+            "command line, for remote storage)"
+        )
     return location
 
 

@@ -38,8 +38,10 @@ class Block:
 
 
 def documents(repo: Path = REPO) -> list[str]:
-    """README.md and every how-to guide, relative to the repository root."""
-    return ["README.md", *sorted(str(p.relative_to(repo)) for p in (repo / "docs" / "howto").glob("*.md"))]
+    """README.md, the operator API's page (its examples run like a how-to's) and every how-to guide, relative
+    to the repository root."""
+    howtos = sorted(str(p.relative_to(repo)) for p in (repo / "docs" / "howto").glob("*.md"))
+    return ["README.md", "docs/API.md", *howtos]
 
 
 def parse(text: str, document: str = "<text>") -> list[Block]:

@@ -151,3 +151,16 @@ def test_a_manifest_summary_is_the_full_parse_without_the_tables(tmp_path, commi
         assert split is not None, f"{path} is the writer's layout and must split"
         assert split[0] == full, path
     assert manifest_summary._split_top_level(b'{"compact": true}') is None  # another layout: parsed in full
+
+
+def test_ls_reads_one_manifest_of_hundreds_the_latest_one_it_stars(big_root, run_cli):
+    """`ls` stars what `latest` loads, so it validates that one manifest, and only that one (issue 37, item 11)."""
+    root, names = big_root
+    log_id = f"ls-{uuid.uuid4().hex}"
+    code, out, err = run_cli("ls", counting_url(root), "--json", "--storage-option", f"log_id={log_id}")
+    assert code == 0, err
+    assert json.loads(out)["latest"] == names[-1]
+    manifest_reads = {
+        path.rsplit("/", 2)[-2] for path, _, _ in counting_fs.LOGS[log_id].reads if path.endswith(MANIFEST)
+    }
+    assert manifest_reads == {names[-1]}, "the star's manifest, validated; no other (nothing drilled: no last-good)"

@@ -60,6 +60,20 @@ def test_ls_of_a_local_root_imports_no_torch(tmp_path):
     assert _heavy_modules_after(statement) == []
 
 
+def test_the_public_operator_api_imports_no_torch(tmp_path):
+    """A cron job or an evaluation job's loop that lists, resolves, inspects and follows a root starts at once."""
+    root = str(tmp_path / "root")
+    save_checkpoint(root, step=5)
+    statement = (
+        "import lightning_shardckpt as api\n"
+        f"assert api.list_checkpoints({root!r}).latest_step() == 5\n"
+        f"assert api.resolve_checkpoint({root!r}, 5).step == 5\n"
+        f"assert api.read_manifest_summary({root!r}).step == 5\n"
+        f"assert list(api.follow_checkpoints({root!r}, timeout_s=0)) == []"
+    )
+    assert _heavy_modules_after(statement) == []
+
+
 def test_no_arguments_lists_every_command_and_exits_0(run_cli):
     code, out, _ = run_cli()
     assert code == exit_codes.OK

@@ -213,3 +213,88 @@ def test_chunks_of_a_sharded_tensor_that_tile_it_exactly_are_sound():
         "chunks[2] and chunks[3] overlap at [2:4, 2:3]",
         "[2:4, 5:6] is in no chunk",
     ], where
+
+
+# --- one pick for `ls`, `latest`, load and verify (issue 37, item 11) ---
+
+
+def _tamper_newest_manifest(directory: str, how: str) -> None:
+    if how == "edited-after-commit":  # the commit record's checksum no longer matches
+        path = os.path.join(directory, MANIFEST)
+        manifest = json.load(open(path))
+        os.chmod(path, 0o644)
+        with open(path, "wb") as handle:
+            handle.write(manifest_format.to_bytes(dict(manifest, epoch=99)))
+    else:  # "bad-schema": forged with a record that vouches for it, but a table entry breaks the schema
+        from tests.helpers.forgery import forge_manifest
+
+        forge_manifest(directory, lambda manifest: manifest["files"][0].update(checksum="XYZ"))
+
+
+@pytest.mark.parametrize("how", ["edited-after-commit", "bad-schema"])
+def test_ls_stars_the_checkpoint_latest_resumes_when_the_newest_manifest_fails_validation(tmp_path, run_cli, how):
+    root = str(tmp_path / "run")
+    old = save_checkpoint(root, step=1)
+    new = save_checkpoint(root, step=2)
+    _tamper_newest_manifest(os.path.join(root, dirname_of(new)), how)
+    assert catalog.find(resolve(root), "latest").name == dirname_of(old)
+    assert load_checkpoint(fresh_state(seed=0), root, "latest").step == 1
+    code, out, _ = run_cli("verify", root)
+    assert code == 0 and dirname_of(old) in out  # the root's latest, as load picks it
+    code, out, err = run_cli("ls", root, "--json")
+    assert code == 0, err
+    listing = json.loads(out)
+    rows = {row["step"]: row for row in listing["checkpoints"]}
+    assert listing["latest"] == dirname_of(old) and rows[1]["latest"] and not rows[2]["latest"]
+    assert rows[2]["state"] == "corrupt" and rows[2]["problem"]
+    table = {line.split()[0]: line for line in run_cli("ls", root)[1].splitlines()[1:] if line[:1].isdigit()}
+    assert " * " in table["1"] and " * " not in table["2"] and "corrupt" in table["2"]
+
+
+def _edit_commit_record(directory: str, **changes) -> None:
+    path = os.path.join(directory, COMMIT_RECORD)
+    record = json.load(open(path))
+    record.update(changes)  # manifest_checksum untouched: it still matches the manifest
+    os.chmod(path, 0o644)
+    with open(path, "wb") as handle:
+        handle.write(manifest_format.to_bytes(record))
+
+
+def test_an_older_checkpoint_whose_record_claims_a_later_seq_is_corrupt_and_never_latest(tmp_path, run_cli):
+    root = str(tmp_path / "run")
+    old = save_checkpoint(root, step=1)
+    new = save_checkpoint(root, step=2)
+    _edit_commit_record(os.path.join(root, dirname_of(old)), seq=1000)
+    location = resolve(root)
+    assert catalog.find(location, "latest").name == dirname_of(new)
+    assert load_checkpoint(fresh_state(seed=0), root, "latest").step == 2
+    rows = {row["step"]: row for row in json.loads(run_cli("ls", root, "--json")[1])["checkpoints"]}
+    assert rows[2]["latest"] and not rows[1]["latest"]
+    assert rows[1]["state"] == "corrupt" and "seq" in rows[1]["problem"]
+    with pytest.raises(CorruptCheckpoint, match=r"commit record says seq=1000.*manifest says seq=1"):
+        catalog.find(location, 1)
+
+
+RECORD_EDITS = {
+    "seq": {"seq": 7},
+    "run_id": {"run_id": "someone-else"},
+    "parent": {"parent": "0123456789ab"},
+    "created_at": {"created_at": "2031-01-01T00:00:00.000+00:00"},
+    "bytes_total": {"bytes_total": 1},
+}
+
+
+@pytest.mark.parametrize("field", sorted(RECORD_EDITS))
+def test_a_commit_record_that_disagrees_with_its_manifest_makes_every_reader_call_it_corrupt(tmp_path, run_cli, field):
+    root = str(tmp_path / "run")
+    save_checkpoint(root, step=1)
+    edited = save_checkpoint(root, step=2)
+    _edit_commit_record(os.path.join(root, dirname_of(edited)), **RECORD_EDITS[field])
+    location = resolve(root)
+    with pytest.raises(CorruptCheckpoint, match=f"commit record says {field}="):
+        catalog.find(location, 2)
+    rows = {row["step"]: row for row in json.loads(run_cli("timeline", root, "--json")[1])["checkpoints"]}
+    # the timeline reads manifests without their tables: the fields that order a root are checked, sizes are not
+    assert rows[2]["state"] == ("corrupt" if field in manifest_format.RECORD_FIELDS else "committed")
+    code, _, err = run_cli("inspect", os.path.join(root, dirname_of(edited)))
+    assert code == 2 and field in err

@@ -80,13 +80,17 @@ class CheckpointEntry:
 
 
 def load_manifest(fs: Any, directory: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest of checkpoint `directory`: read (retried), matched against its commit record when
-    given, validated. FileNotFoundError when it has none; CorruptCheckpoint when it does not validate."""
+    """The manifest of checkpoint `directory`: read (retried), validated, and matched against its commit
+    record when given (its checksum, then every field the record copies). FileNotFoundError when it has none;
+    CorruptCheckpoint when it does not validate or does not match."""
     path = join(directory, MANIFEST)
     data = retry.call("read", lambda: fs.cat_file(path), target=path)
     if record is not None:
         manifest_format.check_matches_record(data, record, directory)
-    return manifest_format.parse(data, directory)
+    manifest = manifest_format.parse(data, directory)
+    if record is not None:
+        manifest_format.check_record_agrees(record, manifest, directory)
+    return manifest
 
 
 def read_manifest(fs: Any, entry: CheckpointEntry) -> dict[str, Any]:

@@ -160,6 +160,29 @@ def parse_commit_record(data: bytes, where: str) -> dict[str, Any]:
     return record
 
 
+def check_record_agrees(record: dict[str, Any], manifest: dict[str, Any], where: str) -> None:
+    """The commit record says what its manifest says, field by field (the checksum proves only the manifest's
+    bytes): a record edited after commit would otherwise reorder the root, e.g. an old checkpoint whose record
+    claims `seq: 1000` becoming `latest`. `manifest` may be a summary without its tables (ops/manifest_summary.py):
+    the sizes are then not compared, the checksum vouched for the tables they come from."""
+    problems = [
+        f"commit record says {name}={record.get(name)!r}, its manifest says {name}={manifest.get(name)!r}"
+        for name in RECORD_FIELDS
+        if record.get(name) != manifest.get(name)
+    ]
+    if "files" in manifest:
+        for name, actual in (("bytes_total", total_bytes(manifest)), ("bytes_referenced", referenced_bytes(manifest))):
+            expected = record.get(name, 0 if name == "bytes_referenced" else None)
+            if expected != actual:
+                problems.append(f"commit record says {name}={expected!r}, its manifest adds up to {actual!r}")
+    if problems:
+        raise CorruptCheckpoint(
+            f"{where}: {'; '.join(problems)}: the commit record was edited after commit. Listing orders and sizes "
+            "checkpoints by the record, so this one is not trusted; load another checkpoint, or restore the directory "
+            "from a replica"
+        )
+
+
 def record_of_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
     """A v1 manifest's listing fields, as a commit record holds them (no seq, no manifest checksum)."""
     record = {name: manifest.get(name) for name in RECORD_FIELDS}

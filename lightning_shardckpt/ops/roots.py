@@ -1,0 +1,301 @@
+"""The public operator API: what a checkpoint root holds, which checkpoint a reference names, what one
+checkpoint's manifest says, and each new commit as it lands.
+
+For scripts and jobs beside training (an evaluation job that follows it, a cron that reports the last
+known-good), and for the `shardckpt` command, its first client: `ls`, `inspect` and `last-good` print what
+these functions return. Everything here reads, nothing writes; local disk and object stores alike
+(`storage_options` go to fsspec, as everywhere in the package). Nothing here imports torch.
+
+Costs, so a script can run them often: `list_checkpoints` lists the root once, reads one small commit record
+per committed checkpoint and lists ROOT/drills/ once; it reads the manifests of the two checkpoints it names,
+`latest` and `last_good`, and validates them, because that is what a resume opens: its `latest` is the pick
+`ckpt_path="latest"`, `load_checkpoint` and `verify_checkpoint` make, never a guess from the records.
+`follow_checkpoints` lists the root once per poll and reads only the directories it has not seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ..engine import catalog
+from ..engine.format import drill_records
+from ..engine.format import manifest as manifest_format
+from ..engine.format.entry import CheckpointEntry
+from ..engine.format.layout import join
+from ..engine.format.manifest_schema import REFERENCES_FIELD, parse_time
+from ..engine.storage.fsio import Location
+from ..engine.validate import require_number
+from ..errors import CheckpointDeleted, CheckpointNotFound, ShardCkptError
+from .manifest_summary import read_summary
+from .references import open_reference, open_root, root_location
+
+log = logging.getLogger(__name__)
+
+COMMITTED, UNCOMMITTED, CORRUPT = catalog.COMMITTED, catalog.UNCOMMITTED, catalog.CORRUPT
+DEFAULT_POLL_S = 5.0  # follow_checkpoints: seconds between two looks at the root (one listing each)
+
+PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """One checkpoint directory of a root. `path` (or `name` within the root) is what `load_checkpoint`,
+    `ckpt_path`, `verify_checkpoint` and `export_checkpoint` take."""
+
+    name: str  # step-<step, 9 digits>-<id>: a reference every front door accepts within the root
+    path: str  # the root's URL joined with the name
+    root: str
+    step: int
+    checkpoint_id: str
+    state: str  # committed | uncommitted (never loaded: in flight or abandoned) | corrupt (see problem)
+    trust: str | None  # committed (not drilled) | drilled | drill-failed | not-drilled; None unless committed
+    bytes: int | None  # its own files: from the commit record, or what storage holds of an uncommitted one
+    bytes_referenced: int  # incremental saves: unchanged chunks it reads from earlier checkpoints
+    committed_at: datetime | None  # the commit record's time (UTC); None unless committed
+    age_s: float | None  # seconds since the commit (uncommitted: since its newest file), when it was listed
+    run_id: str | None  # the run that wrote it; commit order within a run is seq
+    seq: int | None
+    parent: str | None  # the id of the checkpoint committed before it in its run
+    problem: str | None  # why it is corrupt
+
+    @property
+    def committed(self) -> bool:
+        return self.state == COMMITTED
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointListing:
+    """Every checkpoint directory of a root (oldest step first, as `shardckpt ls` shows them) and the two that
+    references name: `latest` (what `ckpt_path="latest"` resumes) and `last_good` (the newest drilled one,
+    what `"last-good"` resumes); Lightning's `last_model_path` is `listing.latest.path`."""
+
+    root: str
+    checkpoints: tuple[CheckpointInfo, ...]
+    latest: CheckpointInfo | None  # None: nothing committed that validates
+    last_good: CheckpointInfo | None  # None: no drill has passed
+    latest_pointer: str | None  # what ROOT/latest holds: a hint writers leave, `latest` above is the answer
+    malformed_drill_records: tuple[str, ...]  # files of ROOT/drills/ not trusted, each with why
+
+    @property
+    def committed(self) -> tuple[CheckpointInfo, ...]:
+        return tuple(info for info in self.checkpoints if info.committed)
+
+    def all_steps(self) -> list[int]:
+        """The committed checkpoints' steps, ascending (Orbax's `CheckpointManager.all_steps()`)."""
+        return sorted({info.step for info in self.committed})
+
+    def latest_step(self) -> int | None:
+        """The step `latest` resumes (after a rollback not always the largest step), None when none."""
+        return None if self.latest is None else self.latest.step
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestSummary:
+    """One committed checkpoint's manifest without its tensor tables: position, writer, topology, counts,
+    verification at commit, extras and its identity (docs/FORMAT.md)."""
+
+    path: str
+    checkpoint_id: str
+    parent: str | None
+    run_id: str | None
+    step: int
+    epoch: int | None
+    samples_consumed: int | None
+    created_at: datetime  # the commit time (UTC)
+    format_version: int
+    writer: dict[str, str]  # lightning_shardckpt, torch and python versions of the writer
+    topology: dict[str, Any]  # world size, device type, parallelism, mesh shape at save
+    file_count: int  # its own shard files
+    bytes: int  # ... and their bytes
+    referenced_file_count: int  # files of earlier checkpoints it reads unchanged chunks from (incremental)
+    bytes_referenced: int
+    tensor_count: int
+    object_count: int
+    verification: dict[str, Any] | None  # what was read back before the commit
+    identity: dict[str, Any]  # the blocks as recorded (config, data, model, code, run); None: left empty at save
+    extra: dict[str, Any]  # what plug-ins added at save (a drill probe's value, ...)
+
+
+def list_checkpoints(
+    root: PathLike, *, storage_options: dict[str, Any] | None = None, run_id: str | None = None
+) -> CheckpointListing:
+    """Every checkpoint directory under `root`: committed, uncommitted and corrupt, with trust, size and times.
+
+    `latest` and `last_good` are picked as a resume picks them and their manifests validated (a newest
+    checkpoint whose manifest fails is listed corrupt, and `latest` is the one before it). `run_id`: the
+    newest commit of that run instead of the run that committed last (what a resuming run with that id
+    gets). Raises CheckpointNotFound when `root` does not exist, ConfigError when it is a checkpoint directory.
+    """
+    location = open_root(root, storage_options)
+    for attempt in (1, 2):
+        entries = catalog.list_checkpoints(location)
+        report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/
+        try:
+            latest = _pick_or_none(location, entries, "latest", run_id, report.states)
+            good = _pick_or_none(location, entries, catalog.LAST_GOOD, run_id, report.states)
+            break
+        except CheckpointDeleted as err:  # another job's retention removed the pick meanwhile: list again once
+            if attempt == 2:
+                raise
+            log.warning("%s; listing %s again", err, location.url)
+    infos = {entry.name: _info(location, entry, report.states) for entry in entries}
+    return CheckpointListing(
+        root=location.url,
+        checkpoints=tuple(infos.values()),
+        latest=infos[latest.name] if latest else None,
+        last_good=infos[good.name] if good else None,
+        latest_pointer=catalog.read_latest_pointer(location),
+        malformed_drill_records=tuple(report.malformed),
+    )
+
+
+def resolve_checkpoint(
+    where: PathLike,
+    which: str | int = "latest",
+    *,
+    storage_options: dict[str, Any] | None = None,
+    run_id: str | None = None,
+) -> CheckpointInfo:
+    """The committed checkpoint a reference names, its manifest validated: what a resume would open.
+
+    `where` is a root, a checkpoint directory, or `ROOT/latest`. `which`, within a root: `latest`,
+    `last-good`, a step (`500` or `step-500`), a checkpoint id or a directory name; or a path, which names
+    its own root as `ckpt_path` does. Raises CheckpointNotFound naming the root and what it holds instead.
+    """
+    location, entry = open_reference(where, which, storage_options, run_id)
+    return _info(location, entry, drill_records.trust_states(location, [entry]))
+
+
+def read_manifest_summary(
+    where: PathLike, which: str | int = "latest", *, storage_options: dict[str, Any] | None = None
+) -> ManifestSummary:
+    """The manifest of the checkpoint `where` and `which` name (as resolve_checkpoint), without its tables."""
+    location, entry = open_reference(where, which, storage_options)
+    manifest = entry.manifest  # read and validated by the pick
+    return ManifestSummary(
+        path=join(location.url, entry.name),
+        checkpoint_id=manifest["id"],
+        parent=manifest.get("parent"),
+        run_id=manifest.get("run_id"),
+        step=manifest["step"],
+        epoch=manifest.get("epoch"),
+        samples_consumed=manifest.get("samples_consumed"),
+        created_at=parse_time(manifest["created_at"]),
+        format_version=manifest["format_version"],
+        writer=dict(manifest.get("writer") or {}),
+        topology=manifest["topology"],
+        file_count=len(manifest["files"]),
+        bytes=manifest_format.total_bytes(manifest),
+        referenced_file_count=len(manifest.get(REFERENCES_FIELD) or []),
+        bytes_referenced=manifest_format.referenced_bytes(manifest),
+        tensor_count=len(manifest["tensors"]),
+        object_count=len(manifest["objects"]),
+        verification=manifest.get("verification"),
+        identity=dict(manifest.get("identity") or {}),
+        extra=dict(manifest.get("extra") or {}),
+    )
+
+
+def follow_checkpoints(
+    root: PathLike,
+    *,
+    timeout_s: float | None = None,
+    poll_s: float = DEFAULT_POLL_S,
+    include_existing: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[CheckpointInfo]:
+    """Yield each checkpoint committed under `root` from now on, in commit order, as it lands; like Orbax's
+    and TensorFlow's `checkpoints_iterator`, for an evaluation job that follows training.
+
+    Never yields an uncommitted or a corrupt checkpoint (its commit record and the top of its manifest are
+    checked, as `shardckpt timeline` checks them). Looks every `poll_s` seconds: one listing of the root, and
+    reads only of directories not seen yet (object stores have no change notifications). Ends once `timeout_s`
+    pass without a new commit, counted from when the caller asks for the next one (None: never ends).
+    `include_existing`: first yield what is committed already. A root that does not exist yet is waited for.
+    """
+    # checked now, not at the first next(): a generator function would defer these errors to the loop
+    require_number("poll_s", poll_s, above=0, hint="seconds between looks at the root, e.g. 5")
+    require_number("timeout_s", timeout_s, at_least=0, allow_none=True, none_means="wait forever", hint="seconds")
+    location = root_location(root, storage_options)
+    settled: set[str] = set()  # yielded, found corrupt, or there before (not include_existing): never read again
+    if not include_existing:
+        settled = {entry.name for entry in catalog.list_checkpoints(location) if entry.state != UNCOMMITTED}
+    return _follow(location, settled, timeout_s, poll_s)
+
+
+def _follow(location: Location, settled: set[str], timeout_s: float | None, poll_s: float) -> Iterator[CheckpointInfo]:
+    while True:
+        asked = time.monotonic()
+        while not (fresh := _newly_committed(location, settled)):
+            left = None if timeout_s is None else timeout_s - (time.monotonic() - asked)
+            if left is not None and left <= 0:
+                return
+            time.sleep(poll_s if left is None else min(poll_s, left))
+        yield from fresh
+
+
+# --- helpers ---
+
+
+def _pick_or_none(
+    location: Location, entries: list[CheckpointEntry], which: str, run_id: str | None, states: dict[str, str]
+) -> CheckpointEntry | None:
+    try:
+        return catalog.pick(location, entries, which, run_id, states)
+    except CheckpointDeleted:
+        raise
+    except CheckpointNotFound:
+        return None
+
+
+def _newly_committed(location: Location, settled: set[str]) -> list[CheckpointInfo]:
+    """The committed, sound checkpoints not in `settled`, in commit order; settles them and the corrupt ones."""
+    fresh = []
+    for entry in catalog.list_checkpoints(location, only=lambda name: name not in settled):
+        if entry.state == UNCOMMITTED:
+            continue  # in flight (or abandoned): looked at again next time, one small read
+        settled.add(entry.name)
+        if entry.committed:
+            try:
+                read_summary(location.fs, entry)  # the record matches the manifest, the top of it validates
+            except CheckpointDeleted:
+                continue  # retention was quicker than this poll: nothing to evaluate
+            except ShardCkptError as err:
+                log.warning("%s: not following %s: %s", location.url, entry.name, err)
+                continue
+            fresh.append(entry)
+        else:
+            log.warning("%s: not following %s: %s", location.url, entry.name, entry.problem)
+    if not fresh:
+        return []
+    fresh.sort(key=catalog.time_order)
+    states = drill_records.trust_states(location, fresh)
+    return [_info(location, entry, states) for entry in fresh]
+
+
+def _info(location: Location, entry: CheckpointEntry, states: dict[str, str]) -> CheckpointInfo:
+    age = catalog.age_seconds(entry, location)
+    record = entry.record or {}
+    return CheckpointInfo(
+        name=entry.name,
+        path=join(location.url, entry.name),
+        root=location.url,
+        step=entry.step,
+        checkpoint_id=entry.checkpoint_id,
+        state=entry.state,
+        trust=states.get(entry.name) if entry.committed else None,
+        bytes=catalog.size_bytes(entry, location),
+        bytes_referenced=record.get("bytes_referenced", 0),
+        committed_at=entry.created_at if entry.committed else None,
+        age_s=age,
+        run_id=entry.run_id,
+        seq=entry.seq,
+        parent=record.get("parent"),
+        problem=entry.problem,
+    )
