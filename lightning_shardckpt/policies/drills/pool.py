@@ -35,6 +35,8 @@ import time
 import traceback
 from typing import Any
 
+import lightning_shardckpt
+
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
 REPLY_GRACE_S = 30.0  # beyond the drill's own timeout, how long the starter waits for the pool's reply
 POOL_START_TIMEOUT_S = 300.0  # importing torch on a loaded node at nice +19 can take a while
@@ -45,8 +47,10 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex12
 _ITEMSIZE |= {"int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 # The pool imports this very package (the directory above it goes first on sys.path: the drill runs the
-# code that started it, installed or not).
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# code that started it, installed or not). Computed from the package's root, not by counting levels up from
+# this file: one level short put lightning_shardckpt/ itself on sys.path, where our lightning/ room shadows
+# Lightning ("No module named 'lightning.fabric.strategies'" in every drill of more than one rank).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(lightning_shardckpt.__file__)))
 _POOL_BOOTSTRAP = (
     "import sys\n"
     "sys.path.insert(0, sys.argv.pop(1))\n"
