@@ -6,7 +6,7 @@ The suite runs in pieces (markers registered in pyproject.toml):
 - `slow`: a unit test that starts a Python process of its own or runs over ~10 s alone; marked in its file.
 
   ./scripts/run_tests.sh --fast          the fast lane: tests/unit with `-m "not distributed and not e2e and not slow"`,
-                                         one process, under a minute
+                                         on 2 xdist workers, under a minute on a quiet machine
   ./scripts/run_tests.sh -m distributed  one marker (or `-m slow`, `-m e2e`), on the xdist workers
   ./scripts/run_tests.sh tests/unit/test_gc.py -k retention -n 0   one file (and a -k filter) in one process
   ./scripts/run_tests.sh                 everything: what CI runs, nothing deselected, on 4 xdist workers
