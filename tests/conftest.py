@@ -5,10 +5,17 @@ The suite runs in pieces (markers registered in pyproject.toml):
 - `e2e`: runs a recipe or script end to end; every test under tests/e2e/ gets it here, by directory.
 - `slow`: a unit test that starts a Python process of its own or runs over ~10 s alone; marked in its file.
 
-  ./scripts/run_tests.sh --fast                               the fast lane: `-m "not distributed and not e2e and not slow"`
-  ./scripts/run_tests.sh -m distributed                       one marker (or `-m slow`, `-m e2e`)
-  ./scripts/run_tests.sh tests/unit/test_gc.py -k retention   one file (and a -k filter)
-  ./scripts/run_tests.sh                                      everything: what CI runs, nothing deselected
+  ./scripts/run_tests.sh --fast          the fast lane: tests/unit with `-m "not distributed and not e2e and not slow"`,
+                                         on 2 xdist workers, under a minute on a quiet machine
+  ./scripts/run_tests.sh -m distributed  one marker (or `-m slow`, `-m e2e`), on the xdist workers
+  ./scripts/run_tests.sh tests/unit/test_gc.py -k retention -n 0   one file (and a -k filter) in one process
+  ./scripts/run_tests.sh                 everything: what CI runs, nothing deselected, on 4 xdist workers
+
+Running in parallel (pytest-xdist, `-n 4 --dist loadgroup`): a test that uses a module- or class-scoped fixture
+gets an `xdist_group` named after its file, so its fixture is built once, on one worker; tests that need one
+machine-wide resource share a named group (the documents that start moto on its documented port:
+"docs-moto-port"); everything else runs anywhere, e2e first, then distributed, then unit, so the long tests
+start early. A test that must not run beside a given other one says so with `@pytest.mark.xdist_group(NAME)`.
 
 Fixtures for every test: `backend` (a fresh checkpoint root, run once on local disk and once on the loopback
 S3 server), `run_cli` (the `shardckpt` command in-process: exit code, stdout, stderr) and
@@ -32,12 +39,37 @@ TESTS = Path(__file__).parent
 MARKER_BY_DIRECTORY = {TESTS / "distributed": "distributed", TESTS / "e2e": "e2e"}
 
 
+# The order tests are handed to xdist workers: the long ones first (whole recipes, then spawned ranks, then
+# single-process units), so no worker picks up a 60-second recipe while the others have run out of work.
+RUN_ORDER = ("e2e", "distributed")
+SHARED_SCOPES = ("module", "class", "package")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns xdist_group marks into work units
 def pytest_collection_modifyitems(config, items):
-    """Mark by directory, so a new file under tests/distributed/ or tests/e2e/ cannot forget its marker."""
+    """Mark by directory, so a new file under tests/distributed/ or tests/e2e/ cannot forget its marker; keep
+    the tests that share a module fixture on one xdist worker; hand out the longest tests first."""
     for item in items:
         for directory, marker in MARKER_BY_DIRECTORY.items():
             if item.path.is_relative_to(directory):
                 item.add_marker(marker)
+        if shares_a_fixture(item) and item.get_closest_marker("xdist_group") is None:
+            # one worker runs the whole module, so its fixture (a trained run, a committed root) is built once
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=run_order)  # stable: a module's tests stay together and in file order
+
+
+def shares_a_fixture(item) -> bool:
+    """Whether the test uses a fixture that outlives it (module or class scope): built once per worker."""
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    if fixtureinfo is None:
+        return False
+    return any(defs[-1].scope in SHARED_SCOPES for defs in fixtureinfo.name2fixturedefs.values() if defs)
+
+
+def run_order(item) -> int:
+    markers = [marker for marker in RUN_ORDER if item.get_closest_marker(marker)]
+    return RUN_ORDER.index(markers[0]) if markers else len(RUN_ORDER)
 
 
 # --- S3 on loopback: one moto server per session, a fresh root per test -----------------------------

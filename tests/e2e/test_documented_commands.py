@@ -97,7 +97,19 @@ def tail(path: Path, limit: int = 4000) -> str:
     return text[-limit:]
 
 
-@pytest.mark.parametrize("document", DOCUMENTS)
+def needs_the_port(document: str) -> bool:
+    return "moto.server" in "".join(block.body for block in runnable(blocks_of(document)))
+
+
+# Under xdist the documents that need the port run one after another on one worker, instead of each holding a
+# worker idle while it waits for the lock (which still keeps two test runs on this machine apart).
+CASES = [
+    pytest.param(document, marks=pytest.mark.xdist_group("docs-moto-port")) if needs_the_port(document) else document
+    for document in DOCUMENTS
+]
+
+
+@pytest.mark.parametrize("document", CASES)
 def test_every_bash_block_of_the_document_runs_as_printed(document, tmp_path):
     blocks = runnable(blocks_of(document))
     if not blocks:
@@ -114,7 +126,7 @@ def test_every_bash_block_of_the_document_runs_as_printed(document, tmp_path):
     script = tmp_path / "doc.sh"
     script.write_text(script_of(blocks, progress))
     started = time.monotonic()
-    with port_lock("moto.server" in "".join(b.body for b in blocks)):
+    with port_lock(needs_the_port(document)):
         with open(stdout, "w") as out, open(stderr, "w") as err:
             process = subprocess.Popen(
                 ["bash", "-e", "-o", "pipefail", str(script)],

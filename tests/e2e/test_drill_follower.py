@@ -138,7 +138,10 @@ def followed_run(tmp_path_factory):
     second.send_signal(signal.SIGSTOP)  # and B stalls: no follower drills, the run's lag rule fires
     first.wait(10)
     restarted = start_follower(str(root), workdir / "a2.log")
-    time.sleep(4.0)
+    # B resumes once the restarted follower holds a lease of its own, not after a fixed 4 s: on a loaded machine
+    # (a parallel suite) A's restart needed longer than that to warm up, B then drilled everything and the
+    # restart's pick-up was never exercised. No follower drills meanwhile, so the run's lag rule still fires.
+    wait_for(lambda: lease_held_by(root, restarted.pid), 120, "the restarted follower A in a drill")
     second.send_signal(signal.SIGCONT)
     training.join(240)  # it ends once its last checkpoint is drilled (Pace)
     for follower in (second, restarted):

@@ -236,6 +236,7 @@ def test_a_preemption_signal_saves_the_step_blocking_and_asks_the_loop_to_stop(t
     assert [entry.step for entry in committed(root)] == [2]
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_the_checkpointer_saves_and_resumes_where_lightning_is_not_installed(tmp_path):
     code = textwrap.dedent(
         f"""
@@ -262,6 +263,7 @@ def test_the_checkpointer_saves_and_resumes_where_lightning_is_not_installed(tmp
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_tiers_and_drills_work_as_with_the_callback_and_a_new_node_resumes_from_the_durable_tier(tmp_path):
     fast, durable, run = str(tmp_path / "fast"), str(tmp_path / "durable"), Run()
     logged: list[dict] = []

@@ -41,15 +41,18 @@ def _heavy_modules_after(statement: str, cwd: Path | None = None) -> list[str]:
     return eval(done.stdout.strip().splitlines()[-1])  # a list literal printed by the child
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_building_the_parser_imports_neither_torch_nor_lightning():
     assert _heavy_modules_after("from lightning_shardckpt.cli.main import build_parser; build_parser()") == []
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_importing_the_package_imports_nothing_heavy_until_a_name_is_used():
     assert _heavy_modules_after("import lightning_shardckpt") == []
     assert "torch" in _heavy_modules_after("import lightning_shardckpt; lightning_shardckpt.CheckpointSaver")
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_ls_of_a_local_root_imports_no_torch(tmp_path):
     save_checkpoint(str(tmp_path / "root"), step=5)
     statement = (
@@ -140,6 +143,7 @@ def test_drill_of_a_read_only_root_fails_before_drilling_naming_the_records_dire
     assert "on 2 rank(s)" not in err  # refused before a rank started, not after minutes of drilling
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_a_probe_in_the_current_directory_is_found_by_the_installed_command(tmp_path):
     """The console script's sys.path holds its bin/ directory, not the current one; the drill looks in the
     current directory as its ranks do, so `--probe recipes.lm:probe` works from the repository root."""
@@ -182,6 +186,7 @@ def _stderr_on_a_terminal(argv: list[str]) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("command", ["verify", "compare"])
+@pytest.mark.slow  # starts a Python process of its own
 def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_when_piped(tmp_path, command, run_cli):
     root = str(tmp_path / "root")
     save_checkpoint(root, step=1)

@@ -66,6 +66,7 @@ def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=180)
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_the_main_job_refuses_a_typo_and_the_plus_form_of_it_with_did_you_mean(tmp_path):
     typo = _train("checkpoint.every_n_train_step=5", cwd=tmp_path)
     assert typo.returncode == 2

@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import lightning_shardckpt
 
 PACKAGE = Path(lightning_shardckpt.__file__).parent
@@ -299,6 +301,7 @@ def test_no_import_cycle():
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_every_module_outside_the_adapter_imports_without_lightning():
     assert modules_needing_lightning(PACKAGE) == []
 
@@ -348,6 +351,7 @@ def _package(tmp_path: Path, files: dict[str, str], name: str = "pkg") -> Path:
     return root
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_a_clean_synthetic_package_passes_every_checker(tmp_path):
     package = _package(
         tmp_path,
@@ -412,6 +416,7 @@ def test_the_cycle_checker_names_a_cycle_held_by_a_late_import(tmp_path):
     assert import_cycles(package) == [["pkg.engine.a", "pkg.engine.b", "pkg.engine.c", "pkg.engine.a"]]
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_the_lightning_free_import_check_names_a_module_that_needs_lightning(tmp_path):
     # the runtime check catches what needs Lightning however it gets there (here: through the adapter)
     package = _package(
@@ -423,6 +428,7 @@ def test_the_lightning_free_import_check_names_a_module_that_needs_lightning(tmp
     assert [line.split(":")[0] for line in found] == ["pkg_needs_lightning.ops.tool needs Lightning"]
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_without_lightning_the_adapter_names_say_how_to_get_them():
     code = (
         "import sys\n"
