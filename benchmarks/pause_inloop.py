@@ -37,8 +37,6 @@ background write), timed from a barrier to a barrier; after the timer stops the 
                 caller, writes on its one-thread executor), then the same barrier
   dcp_async     dcp.async_save(get_state_dict(...), process_group=<dedicated gloo group>), thread mode; the
                 previous one's future is waited for before the next (one in flight, as ours)
-  ours_process  as ours_overlap, with SaveConfig(writer="process"): persist + verify + commit run in a per-rank
-                writer process fed from shared-memory staging, so the training process holds no GIL for the write
   dcp_async_thread / dcp_async_process
                 dcp.async_save(..., storage_writer=FileSystemWriter(dir), async_checkpointer_type=THREAD / PROCESS):
                 PyTorch's thread executor vs its per-rank checkpoint daemon process (own gloo group, TCPStore
@@ -94,7 +92,6 @@ METHODS = (
     "write_floor",
     "ours_block",
     "ours_overlap",
-    "ours_process",
     "pl_sync",
     "pl_async",
     "dcp_async",
@@ -107,7 +104,6 @@ LABELS = {
     "write_floor": "raw copy + bare write",
     "ours_block": "ours, blocking copy",
     "ours_overlap": "ours, overlapped copy",
-    "ours_process": "ours, overlapped, writer process",
     "pl_sync": "Lightning sync",
     "pl_async": "Lightning AsyncCheckpointIO",
     "dcp_async": "dcp.async_save",
@@ -169,18 +165,7 @@ class Loop:
             os.path.join(config.workdir, f"ours-overlap-{world_size}"), SaveConfig(overlap_staging=True)
         )
         self.overlapped.guard(self.optimizer)
-        # a writer process per saver: only built when the method runs (it spawns a process and its own group)
-        self.in_process = (
-            CheckpointSaver(
-                os.path.join(config.workdir, f"ours-process-{world_size}"),
-                SaveConfig(overlap_staging=True, writer="process"),
-            )
-            if "ours_process" in config.methods
-            else None
-        )
-        if self.in_process is not None:
-            self.in_process.guard(self.optimizer)
-        self.fenced = {"ours_overlap": self.overlapped, "ours_process": self.in_process}
+        self.fenced = {"ours_overlap": self.overlapped}
         self.floor_buffers = [torch.empty_like(t) for t in self._tensors()]
         self.floor_thread: threading.Thread | None = None
         self.torch_io = TorchCheckpointIO()
@@ -235,7 +220,7 @@ class Loop:
             path = os.path.join(directory, f"floor-{self.rank}-{self.saved_step}.bin")
             self.floor_thread = threading.Thread(target=self._write_floor, args=(path,), daemon=True)
             self.floor_thread.start()
-        elif method in ("ours_overlap", "ours_process"):
+        elif method == "ours_overlap":
             saver = self.fenced[method]
             saver.save(self.state(), step=self.saved_step, defer=lambda fqn: True)  # no buffers in this MLP
         elif method in ("pl_sync", "pl_async"):
@@ -284,7 +269,7 @@ class Loop:
             self.blocking.wait()
         elif method == "write_floor":
             self._join_floor()
-        elif method in ("ours_overlap", "ours_process"):
+        elif method == "ours_overlap":
             self.fenced[method].fence()
             self.fenced[method].wait()
         elif method == "pl_async" and self.rank == 0:
@@ -325,8 +310,6 @@ class Loop:
     def close(self) -> None:
         self.blocking.close()
         self.overlapped.close()
-        if self.in_process is not None:
-            self.in_process.close()
 
 
 def rank_main(rank: int, world_size: int, config: InLoopConfig) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""SaveConfig.writer: "thread" (default) or "process"; anything else is refused with the allowed values."""
+"""SaveConfig.writer: "thread", the one placement; "process" (a writer process per rank, removed in wave 4) is refused
+with the reason and the fix, and so is anything else."""
 
 from __future__ import annotations
 
@@ -11,28 +12,17 @@ from lightning_shardckpt.errors import ConfigError
 
 def test_writer_defaults_to_the_background_thread():
     assert SaveConfig().writer == "thread"
-
-
-def test_writer_is_read_from_the_hydra_save_block():
-    assert save_config_from({"writer": "process", "overlap_staging": True}).writer == "process"
+    assert save_config_from({"writer": "thread"}).writer == "thread"  # a Hydra save block that spells it out
 
 
 @pytest.mark.parametrize(
     "options, named",
     [
-        ({"writer": "processes"}, "writer='processes' is unknown"),
-        ({"writer": "process", "async_save": False}, "writer='process' needs async_save=true"),
-        ({"writer": "process", "incremental": True}, "incremental=false"),
+        ({"writer": "processes"}, "writer='processes' is unknown; use 'thread'"),
+        ({"writer": "process"}, "writer='process' was removed"),
     ],
 )
-def test_writer_option_is_validated_with_the_allowed_values(options, named):
-    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
-        SaveConfig(**options)
-
-
-def test_a_writer_process_for_an_fsdp_state_is_refused_when_the_callback_builds_its_config():
-    """The callback builds its SaveConfig with the strategy's parallelism at setup, before the first step: an FSDP2
-    state (DTensors) cannot cross to the writer process, so it is refused there, not at the first save."""
-    with pytest.raises(ConfigError, match="set save.writer='thread'"):
-        save_config_from({"writer": "process"}, parallelism="fsdp")
-    assert save_config_from({"writer": "process"}, parallelism="ddp").writer == "process"
+def test_writer_option_is_refused_with_the_reason_and_the_fix(options, named):
+    with pytest.raises(ConfigError, match=named) as refused:
+        save_config_from(options)
+    assert "thread" in str(refused.value)

@@ -34,9 +34,8 @@ from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
 from ..storage.writer import FaultHook
 from .incremental import ChangeTracker
-from .persist import REMOVED, SaveMeta, SaveResult, release_frames
+from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import DeferredCopy, StagingBuffers
-from .writer_process import InThreadWriter, WriterProcess
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +106,7 @@ class CheckpointSaver:
         self.config = replace(self.config, run_id=self.run_id)  # every manifest records it
         # staging memory is bounded: one host copy of the state per save that may be in flight
         self._free_slots: queue.Queue[StagingBuffers] = queue.Queue()
-        in_process = self.config.writer == "process"
-        self.slots = [StagingBuffers(shared=in_process) for _ in range(self.config.max_in_flight)]
+        self.slots = [StagingBuffers() for _ in range(self.config.max_in_flight)]
         for slot in self.slots:
             self._free_slots.put(slot)
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()  # run in order by the worker
@@ -127,12 +125,7 @@ class CheckpointSaver:
         self._tracker = ChangeTracker(self.config.full_every_n) if self.config.incremental else None
         self._base: str | None = None
         self._base_failed = False
-        # where persist + verify + commit run (SaveConfig.writer): this process's worker thread, or a writer process
-        self._writer = (
-            WriterProcess(dirpath, self.config, self.group, fault_hook)
-            if in_process
-            else InThreadWriter(self.root, self.group, self.config, fault_hook)
-        )
+        self._fault_hook = fault_hook
 
     # --- the training thread's side ---
     def save(
@@ -284,7 +277,6 @@ class CheckpointSaver:
                     self.rank,
                     timeout,
                 )
-        self._writer.close(max(1.0, deadline - time.monotonic()))
         self._raise_first_error()
 
     @property
@@ -377,7 +369,9 @@ class CheckpointSaver:
                         "its unchanged tensors were not copied, so it cannot be written. The next save is full"
                     )
                 job.meta.references = refs.chunk_map(refs.read_base(self.root, self._base), self._base, job.unchanged)
-            result = self._writer.persist(job.state, job.step, job.meta)
+            result = persist_checkpoint(
+                self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook
+            )
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)
             result = SaveResult(step=job.step, checkpoint_id=None, path=None, committed=False, error=err)

@@ -198,9 +198,7 @@ def _nothing(fqn: str) -> bool:
 class StagingBuffers:
     """One reusable host copy of a state dict (one checkpoint's worth of staging memory)."""
 
-    def __init__(self, *, shared: bool = False) -> None:
-        """`shared`: buffers in shared memory, so a writer process maps them (writer_process.py)."""
-        self.shared = shared
+    def __init__(self) -> None:
         self._buffers: dict[str, Any] | None = None
         self._signature: tuple | None = None
         self._event: Any = None
@@ -288,9 +286,9 @@ class StagingBuffers:
             deferred.wait()
 
     def _allocate(self, state_dict: dict[str, Any], signature: tuple, *, pin: bool) -> None:
-        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin, share_memory=self.shared)
+        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=pin, share_memory=False)
         self._signature = signature
         self.allocations += 1
         self.nbytes = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in iter_tensors(self._buffers))
-        kind = ("pinned " if pin else "") + ("shared" if self.shared else "host")
+        kind = ("pinned " if pin else "") + "host"
         log.info("allocated %.1f MiB of %s staging memory", self.nbytes / 2**20, kind)
