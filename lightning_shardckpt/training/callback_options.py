@@ -27,6 +27,20 @@ class CallbackConfig:
     keep_every_n_steps: int | None = None  # also keep every checkpoint whose step is a multiple of this
     resume_required: bool = False  # ckpt_path="latest" with nothing committed: fail instead of starting fresh
 
+    @classmethod
+    def saves_when_asked(
+        cls, *, keep_last: int | None, keep_every_n_steps: int | None, resume_required: bool
+    ) -> CallbackConfig:
+        """A door that saves only when its loop asks (Fabric's `fabric.save`): retention and the resume policy
+        apply, no schedule, no fit-end or preemption save of its own."""
+        return cls(
+            save_on_fit_end=False,
+            save_on_preemption=False,
+            keep_last=keep_last,
+            keep_every_n_steps=keep_every_n_steps,
+            resume_required=resume_required,
+        )
+
     def __post_init__(self) -> None:
         require_number(
             "every_n_train_steps",

@@ -45,7 +45,6 @@ from .preemption import DEFAULT_GRACE_S, PreemptionRequests
 from .resume import resume, resume_event, resume_line, write_resume_event
 from .save_loop import SaveLoop
 from .savers import ControlGroup, SaverHost
-from .schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +129,6 @@ class Checkpointer:
     def root(self) -> str:
         """This node's checkpoint root (with tiers: the fast tier's)."""
         return self.plan.root
-
-    @property
-    def schedule(self) -> SaveSchedule:
-        return self.loop.schedule
 
     @property
     def run_id(self) -> str | None:

@@ -99,12 +99,8 @@ class ShardedFabricStrategy:
         fault_hook: Any = None,  # tests only: fail, stall or kill a rank at named points of a save
     ) -> None:
         # validated now: bad options fail when the strategy is built, before Fabric starts any rank
-        self.options = CallbackConfig(
-            save_on_fit_end=False,
-            save_on_preemption=False,
-            keep_last=keep_last,
-            keep_every_n_steps=keep_every_n_steps,
-            resume_required=resume_required,
+        self.options = CallbackConfig.saves_when_asked(
+            keep_last=keep_last, keep_every_n_steps=keep_every_n_steps, resume_required=resume_required
         )
         self.plugins, tiers_config = door_plugins(self.options, tiers, drill, health, plugins)
         self._save_options = save_config_from(save or {}, parallelism=self.parallelism, front_door=FABRIC)
