@@ -101,7 +101,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "format_version": manifest["format_version"],
         "writer": manifest.get("writer"),
         "topology": manifest["topology"],
-        "files": {"count": len(manifest["files"]), "bytes": manifest_format.total_bytes(manifest)},
+        "files": {"count": len(manifest_format.files_of(manifest)), "bytes": manifest_format.total_bytes(manifest)},
         "referenced": {
             "files": len(manifest.get("references") or []),
             "bytes": manifest_format.referenced_bytes(manifest),

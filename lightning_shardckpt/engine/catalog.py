@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
+from . import commit_index
 from .format import drill_records
 from .format import manifest as manifest_format
 
@@ -243,8 +244,16 @@ def find(location: Location, which: str | int = "latest", run_id: str | None = N
     """Pick a committed checkpoint by `latest`, `last-good`, a step number, an id or a directory name.
 
     `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
-    picked is deleted meanwhile (another job's retention on this root).
+    picked is deleted meanwhile (another job's retention on this root). It asks the run's commit index first
+    (commit_index.py: a few small reads, no listing of the root) and lists the root when the index cannot answer.
     """
+    if which == "latest":
+        indexed = commit_index.newest_of_run_by_index(location, run_id)
+        if indexed is not None:
+            try:
+                return _with_manifest_read(indexed)
+            except (CorruptCheckpoint, CheckpointDeleted) as err:  # the listing skips it, or lists what is left
+                log.warning("%s: %s; listing the root for `latest`", location.url, err)
     for attempt in (1, 2):
         entries = list_checkpoints(location)
         try:

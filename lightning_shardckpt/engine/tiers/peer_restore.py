@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
+from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
 from .peers import PEERS_DIR, all_files, holds_all
-from .verified_copy import copy_verified, expected_ranges
+from .verified_copy import copy_verified, expected_ranges, transfer_order
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,9 @@ def restore_from_peers(own: Location, template: str, config: PeersConfig, group:
                 result = exchange([Outgoing(src.fs, join(src.path, name, relative), size)], writer, [], None, group)
                 problems.extend(result.problems)
             else:
-                incoming = Incoming(own.fs, join(own_dir, relative), size, expected_ranges(manifest, relative))
+                incoming = Incoming(
+                    own.fs, join(own_dir, relative), size, _incoming_ranges(manifest, relative, own, roots, name)
+                )
                 result = exchange([], None, [incoming], source, group)
                 fetched += result.bytes
                 problems.extend(result.problems)
@@ -157,6 +160,17 @@ def restore_from_peers(own: Location, template: str, config: PeersConfig, group:
         f"{fetched_total} bytes fetched from other ranks"
     )
     return PeerRestore(name, step, local_total, fetched_total, reason)
+
+
+def _incoming_ranges(
+    manifest: dict[str, Any], relative: str, own: Location, roots: dict[str, Location], name: str
+) -> Any:
+    """What a fetched file is checked against; a v4 shard's ranges come from its part, looked up when the shard
+    starts arriving: in this node's root (the part was fetched first) or any root this rank sees."""
+    if not manifest_format.is_parts_format(manifest):
+        return expected_ranges(manifest, relative)
+    places = [(own.fs, join(own.path, name))] + [(root.fs, join(root.path, name)) for root in roots.values()]
+    return lambda: expected_ranges(manifest, relative, places)
 
 
 def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple[str, int, int, str]]] | str:
@@ -188,7 +202,7 @@ def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple
         transfers = []
         for own_url, writer in sorted(writers.items(), key=lambda item: item[1]):
             present = reports[writer]["roots"].get(own_url, {}).get(name, {})
-            for rel in sorted(expected):
+            for rel in sorted(expected, key=transfer_order):  # a v4 part lands before the shard it describes
                 if present.get(rel) == expected[rel]:
                     continue
                 mine = [url for rank, url in holders[rel] if rank == writer and url != own_url]
