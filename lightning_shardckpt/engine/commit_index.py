@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import ShardCkptError
 from .format import manifest as manifest_format
 from .format.entry import COMMITTED, CheckpointEntry
-from .format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
 from .storage import fsio, retry
 from .storage.fsio import Location
 
@@ -31,7 +31,22 @@ log = logging.getLogger(__name__)
 INDEX_DIR = "index"
 _SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MARKER_MAX_BYTES = 256  # a marker holds one directory name
+POINTER_MAX_BYTES = 4096  # `latest` holds one directory name (~30 bytes)
 MAX_WALK = 64  # commits past the pointer followed before giving up on the index (a pointer this stale: list)
+
+
+def read_latest_pointer(location: Location) -> str | None:
+    """The directory name `latest` holds; None when it is absent or cannot be a name (only a hint, see above)."""
+    path = join(location.path, LATEST)
+    try:
+        # read within the bound: a huge file someone put there must not be read whole
+        data = retry.call("read", lambda: location.fs.cat_file(path, start=0, end=POINTER_MAX_BYTES + 1), target=path)
+        if len(data) > POINTER_MAX_BYTES:
+            log.warning("%s holds over %d bytes, not a checkpoint name; ignoring it", path, POINTER_MAX_BYTES)
+            return None
+        return data.decode().strip() or None
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
 
 
 def marker_path(root_path: str, run_id: str, seq: int) -> str:
@@ -64,8 +79,6 @@ def newest_of_run_by_index(location: Location, run_id: str | None) -> Checkpoint
 
 
 def _walk(location: Location, run_id: str | None) -> CheckpointEntry | None:
-    from .catalog import read_latest_pointer  # catalog uses this module; the pointer's reader lives there
-
     name = read_latest_pointer(location)
     if name is None or parse_dirname(name) is None:
         return None

@@ -72,6 +72,11 @@ def dirname_regex(step: int) -> str:
     return re.escape(checkpoint_dirname(step, ANY_ID)).replace(ANY_ID, "[0-9a-f]+")
 
 
-def chunk_of(manifest: dict, fqn: str) -> dict:
-    """The (first) chunk of tensor `fqn` as the manifest lists it: file, offset, length, checksum."""
-    return next(t for t in manifest["tensors"] if t["fqn"] == fqn)["chunks"][0]
+def chunk_of(manifest: dict, fqn: str, directory: str | None = None) -> dict:
+    """The (first) chunk of tensor `fqn`: file, offset, length, checksum. A format-v4 manifest as committed lists
+    no chunk: give the checkpoint's `directory`, whose parts do (a manifest in the v2 shape needs none)."""
+    tensor = next(t for t in manifest["tensors"] if t["fqn"] == fqn)
+    if "chunks" in tensor:
+        return tensor["chunks"][0]
+    location = fsio.resolve(directory)
+    return ChunkIndex(location.fs, location.path, manifest).tensor_chunks(fqn)[0]

@@ -12,6 +12,7 @@ MANIFEST = "manifest.json"
 COMMIT_RECORD = "commit.json"
 DCP_METADATA = ".metadata"  # DCP's own file name: plain `dcp.load` looks for exactly this
 LATEST = "latest"
+DCP_METADATA_FIELD = "dcp_metadata"  # manifest v2+: {"checksum", "bytes"} of `.metadata` as committed
 OWNER = ".owner.json"  # ROOT/.owner.json: which run writes into this root (see ownership.py)
 SHARD_SUFFIX = ".distcp"
 FORMAT_VERSION = 2  # what the collective save path emits (docs/FORMAT.md)

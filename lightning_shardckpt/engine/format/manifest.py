@@ -18,6 +18,8 @@ from . import bounded_json, manifest_schema, parts_manifest
 from .checksum import checksum, checksum_of_checksums
 from .layout import (
     CHECKSUM_ALGORITHM,
+    DCP_METADATA,
+    DCP_METADATA_FIELD,
     FORMAT_VERSION,
     INCREMENTAL_FORMAT_VERSION,
     NEWEST_FORMAT_VERSION,
@@ -27,6 +29,7 @@ from .layout import (
     parse_dirname,
 )
 from .manifest_schema import BLOCKS_FIELD, REFERENCES_FIELD
+from .parts import PART_SUFFIX
 from .parts_manifest import PARTS_FIELD
 
 if TYPE_CHECKING:
@@ -389,3 +392,16 @@ def _files(receipts: Any) -> list[dict[str, Any]]:
             }
         )
     return files
+
+
+def files_with_metadata(manifest: dict[str, Any]) -> dict[str, int]:
+    """Every file of the checkpoint and its committed size, `.metadata` included when the checkpoint has one."""
+    sizes = {entry["path"]: entry["bytes"] for entry in files_of(manifest)}
+    if manifest.get(DCP_METADATA_FIELD) is not None:  # v4 writes it for small checkpoints only; v1 recorded none
+        sizes[DCP_METADATA] = manifest[DCP_METADATA_FIELD]["bytes"]
+    return sizes
+
+
+def transfer_order(relative: str) -> tuple[int, str]:
+    """Parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the part lands first."""
+    return (0 if relative.endswith(PART_SUFFIX) else 1, relative)

@@ -52,19 +52,30 @@ def plan_resume(fs: Any, directory: str, manifest: dict[str, Any], state_dict: d
     """The metadata of the chunks this rank's `state_dict` (the target, as DCP flattens it) overlaps, read from
     the parts that hold them; keys the checkpoint lacks are left out (DCP then reports them, or skips them in
     a partial load)."""
-    started = time.perf_counter()
     flat, mappings = flatten_state_dict(state_dict)
+    shapes = {tensor["fqn"]: tensor["shape"] for tensor in manifest["tensors"]}
+    boxes = {fqn: _target_box(value, shapes[fqn]) if fqn in shapes else None for fqn, value in flat.items()}
+    return plan_boxes(fs, directory, manifest, boxes, mappings)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def plan_boxes(
+    fs: Any, directory: str, manifest: dict[str, Any], boxes: dict[str, Box | None], mappings: dict[str, Any]
+) -> ResumePlan:
+    """plan_resume for a target given as the box (offsets, sizes) of each tensor this rank holds (None: none of
+    it; objects: any value). What a resume plans with, without a state dict (benchmarks/scale.py plans so)."""
+    started = time.perf_counter()
     tensors = {tensor["fqn"]: tensor for tensor in manifest["tensors"]}
     objects = {item["fqn"]: item for item in manifest["objects"]}
     wanted_cells: dict[str, list[chunk_layout.Cell]] = {}
     wanted_objects: list[str] = []
-    for fqn, value in flat.items():
+    for fqn, box in boxes.items():
         if fqn in tensors:
-            box = _target_box(value, tensors[fqn]["shape"])
             layout = chunk_layout.from_json(tensors[fqn][parts_manifest.LAYOUT_FIELD])
-            wanted_cells[fqn] = (
-                [] if box is None else list(chunk_layout.cells_within(layout, tensors[fqn]["shape"], box))
-            )
+            shape = tensors[fqn]["shape"]
+            wanted_cells[fqn] = [] if box is None else list(chunk_layout.cells_within(layout, shape, box))
         elif fqn in objects:
             wanted_objects.append(fqn)
     index = ChunkIndex(fs, directory, manifest)

@@ -160,7 +160,8 @@ def _persist_parts(
     result.committed = True
     result.manifest = committer.manifest
     result.ranks = committer.ranks
-    return outcome.stats
+    # what this rank put on storage: its shard file and its part (the checkpoint's bytes_total counts both)
+    return {**outcome.stats, "bytes": outcome.stats.get("bytes", 0) + (outcome.summary.part_bytes or 0)}
 
 
 def _persist_collectively(

@@ -28,12 +28,13 @@ from typing import Any
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from ..format.manifest import transfer_order
 from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
 from .peers import PEERS_DIR, all_files, holds_all
-from .verified_copy import copy_verified, expected_ranges, transfer_order
+from .verified_copy import copy_verified, expected_ranges
 
 log = logging.getLogger(__name__)
 

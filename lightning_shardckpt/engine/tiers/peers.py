@@ -33,13 +33,14 @@ from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..format.manifest import files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
 from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
-from .verified_copy import expected_ranges, file_size, files_with_metadata, transfer_order
+from .verified_copy import expected_ranges, file_size
 
 log = logging.getLogger(__name__)
 

@@ -35,13 +35,13 @@ from ...errors import CorruptCheckpoint
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
-from ..format.manifest import files_of
+from ..format.manifest import files_of, files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..save.commit import publish
 from ..storage.fsio import Location
 from .backlog import Backlog
 from .config import TiersConfig
-from .verified_copy import copy_verified, files_with_metadata, transfer_order
+from .verified_copy import copy_verified
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 from .. import catalog
 from ..collectives import all_gather_objects
 from ..format.layout import MANIFEST, join
+from ..format.manifest import files_with_metadata
 from ..storage.fsio import Location
-from .verified_copy import files_with_metadata
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from ..format import parts_manifest
 from ..format.checksum import streaming_checksum
 from ..format.chunk_index import read_parts
 from ..format.layout import DCP_METADATA, join, shard_rank
-from ..format.parts import PART_SUFFIX
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio
 
@@ -71,19 +70,6 @@ def file_size(manifest: dict[str, Any], relative: str) -> int | None:
     if relative == DCP_METADATA:
         return (manifest.get(DCP_METADATA_FIELD) or {}).get("bytes")
     return next((entry["bytes"] for entry in manifest_format.files_of(manifest) if entry["path"] == relative), None)
-
-
-def files_with_metadata(manifest: dict[str, Any]) -> dict[str, int]:
-    """Every file of the checkpoint and its committed size, `.metadata` included when the checkpoint has one."""
-    sizes = {entry["path"]: entry["bytes"] for entry in manifest_format.files_of(manifest)}
-    if manifest.get(DCP_METADATA_FIELD) is not None:  # v4 writes it for small checkpoints only; v1 recorded none
-        sizes[DCP_METADATA] = file_size(manifest, DCP_METADATA)
-    return sizes
-
-
-def transfer_order(relative: str) -> tuple[int, str]:
-    """Parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the part lands first."""
-    return (0 if relative.endswith(PART_SUFFIX) else 1, relative)
 
 
 def copy_verified(
