@@ -56,7 +56,7 @@ TP = 8  # the 2-D mesh's tensor-parallel size
 # a decoder layer's shapes, 70B-class: q/o [8192, 8192], k/v [1024, 8192], up/gate [28672, 8192], down [8192, 28672],
 # norms [8192]; optimizer moments repeat them
 SHAPES = ([8192, 8192], [1024, 8192], [1024, 8192], [8192, 8192], [28672, 8192], [28672, 8192], [8192, 28672], [8192])
-DEFAULT_THRESHOLD = 100_000  # SaveConfig.dcp_metadata_max_chunks
+DEFAULT_THRESHOLD = 50_000  # SaveConfig.dcp_metadata_max_chunks
 
 
 class CountingS3(MemoryFileSystem):

@@ -88,7 +88,7 @@ class SaveConfig:
     # DCP's `.metadata` (what a plain `torch.distributed.checkpoint.load` reads) is written only for checkpoints of
     # at most this many chunks: building it is O(chunks) on the coordinator and every plain-DCP reader unpickles
     # it whole, the cost format v4 removes. 0: never; our own readers never need it (docs/FORMAT.md §10)
-    dcp_metadata_max_chunks: int = 100_000
+    dcp_metadata_max_chunks: int = 50_000
     # the API that creates the saver: "engine" (CheckpointSaver), "checkpointer" (Checkpointer) or "lightning"
     # (ShardedCheckpoint); front doors set it, so that an error's advice is in their words. Leave it as is
     front_door: str = ENGINE

@@ -68,6 +68,11 @@ MUTATIONS = {  # name: (edit, what the refusal names, the format whose rule it i
     "id of another checkpoint": (lambda m: m.update(id="0123456789ab"), "id", V4),
     "identity a list": (lambda m: m.update(identity=[]), "identity", V4),
     "seq zero": (lambda m: m.update(seq=0), "seq", V4),
+    "an unknown checksum algorithm": (
+        lambda m: m.update(checksum_algorithm="sha256"),
+        "checksum_algorithm 'sha256' is not one this reader checks",
+        V4,
+    ),
     # format v2: the manifest lists every file and chunk
     "files not a list": (lambda m: m.update(files={"path": "__0_0.distcp"}), "files is not a list", V2),
     "file path escapes": (lambda m: m["files"][0].update(path="../../etc/passwd"), "relative path", V2),
