@@ -363,6 +363,31 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
     }
 
 
+def rank_save_requests(tensors: int) -> dict[str, int]:
+    """The storage requests of one rank's share of a save, through the real write path (`save_parts` with the
+    commit left out): its shard file, the read-back sample, the stored-size check and its part."""
+    from lightning_shardckpt.engine.config import SaveConfig
+    from lightning_shardckpt.engine.save import save_layout as layouts
+    from lightning_shardckpt.engine.save.parts_save import save_parts
+
+    location = fsio.resolve(f"s3sim:///rank-{uuid.uuid4().hex[:8]}")
+    state = {f"model.t{i}": torch.full((4, 4), float(i)) for i in range(tensors)}
+    state["lightning"] = {"global_step": 7}
+    layout = layouts.describe(state, None, None)
+    location.fs.requests.clear()
+    save_parts(
+        state,
+        layout,
+        fs=location.fs,
+        directory=join(location.path, checkpoint_dirname(7, "0123456789ab")),
+        checkpoint_id="0123456789ab",
+        group=None,
+        config=SaveConfig(),
+        commit=lambda summaries: None,
+    )
+    return dict(location.fs.requests)
+
+
 # --- ls / timeline over 2,000 checkpoints ---
 
 
@@ -503,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     result: dict[str, Any] = {"rows": rows}
+    saving = rank_save_requests(max(args.tensors))
+    print(
+        f"\nrequests of one rank's share of a save ({max(args.tensors):,} tensors, default verify.mode=sample): {_req(saving)}"
+    )
+    result["rank_save_requests"] = saving
     if args.listing:
         lst = listing("fsdp", max(args.ranks), max(args.tensors), args.listing)
         print(json.dumps(lst), flush=True)

@@ -149,7 +149,7 @@ def _chunks_from_parts(
         listed[shard] = {
             "path": shard,
             "bytes": table[parts_manifest.FILE_BYTES][rank],
-            "checksum": table[parts_manifest.FILE_CHECKSUMS][rank],
+            "checksum": parts_manifest.digest_at(table, parts_manifest.FILE_CHECKSUMS, rank),
         }
         if (part["file"], part["file_bytes"], part["file_checksum"]) != (
             shard,

@@ -59,7 +59,8 @@ def forge_part(directory: str, rank: int, edit: Callable[[dict[str, Any]], None]
 
     def record(manifest: dict[str, Any]) -> None:
         manifest["parts"]["part_bytes"][rank] = len(data)
-        manifest["parts"]["part_checksums"][rank] = checksum(data)
+        digests = manifest["parts"]["part_checksums"]
+        manifest["parts"]["part_checksums"] = digests[: 16 * rank] + checksum(data) + digests[16 * (rank + 1) :]
 
     forge_manifest(directory, record)
     return part

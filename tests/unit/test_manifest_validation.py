@@ -99,7 +99,16 @@ MUTATIONS = {  # name: (edit, what the refusal names, the format whose rule it i
     # format v4: the parts table and each tensor's layout
     "parts table of another world size": (lambda m: m["parts"].update(count=2), "not a list of 2 entries", V4),
     "part size negative": (lambda m: m["parts"]["part_bytes"].__setitem__(0, -1), "is not two sizes", V4),
-    "shard checksum not hex": (lambda m: m["parts"]["file_checksums"].__setitem__(0, "XYZ"), "16-hex", V4),
+    "shard checksum not hex": (
+        lambda m: m["parts"].update(file_checksums="XYZ" + m["parts"]["file_checksums"][3:]),
+        "16-hex",
+        V4,
+    ),
+    "checksums of another world size": (
+        lambda m: m["parts"].update(part_checksums=m["parts"]["part_checksums"] * 2),
+        "not a string of 1 x 16 characters",
+        V4,
+    ),
     "parts table not an object": (lambda m: m.update(parts=[]), "parts is not an object", V4),
     "a chunk on a rank of another save": (
         lambda m: m["tensors"][0]["layout"].update(rank=1),

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CorruptCheckpoint, IncompatibleCheckpoint
+from ..gc_pause import gc_paused
 from . import bounded_json, manifest_schema, parts_manifest
 from .checksum import checksum, checksum_of_checksums
 from .layout import (
@@ -284,7 +285,8 @@ SCHEMA_CHECKED_TABLES = ("tensors", "objects", "files", PARTS_FIELD)
 
 def _json_object(data: bytes, where: str, what: str, max_bytes: int) -> dict[str, Any]:
     try:
-        document = bounded_json.loads(data, max_bytes, schema_checked=SCHEMA_CHECKED_TABLES)
+        with gc_paused():  # a large manifest is many small objects (engine/gc_pause.py)
+            document = bounded_json.loads(data, max_bytes, schema_checked=SCHEMA_CHECKED_TABLES)
     except bounded_json.UnreadableJson as err:
         raise CorruptCheckpoint(f"{where}: {what} is {err}; the checkpoint is damaged, load an older one") from err
     if not isinstance(document, dict):
@@ -343,6 +345,8 @@ def iter_chunks(manifest: dict[str, Any]):
 def total_bytes(manifest: dict[str, Any]) -> int:
     """The bytes this checkpoint's own files hold (an incremental one's references are not counted; a v4
     one's parts are: they are files of the checkpoint)."""
+    if is_parts_format(manifest):
+        return parts_manifest.bytes_total(manifest)
     return sum(entry["bytes"] for entry in files_of(manifest))
 
 

@@ -2,10 +2,11 @@
 
 A v4 manifest is small and per checkpoint: each tensor once (fqn, shape, dtype, `layout`: chunk_layout.py),
 each object once (fqn and the `rank` whose part holds it), and the `parts` table: per rank of the save, the
-size and checksum of its shard file and of its part (parts.py), or nulls for a rank that wrote nothing.
-Names follow from the rank (`__<r>_0.distcp`, `__<r>_0.part.json`), so the table holds numbers only: at
-16,384 ranks it is under a megabyte. Chunks live in the parts; a reader finds a tensor's chunks through its
-layout and reads only the parts of the ranks that wrote them.
+size and checksum of its shard file and of its part (parts.py), or nothing for a rank that wrote nothing.
+Names follow from the rank (`__<r>_0.distcp`, `__<r>_0.part.json`), so the table holds numbers only, and the
+checksums of a column are one string of 16 hex characters per rank: ~0.8 MB at 16,384 ranks. Chunks live
+in the parts; a reader finds a tensor's chunks through its layout and reads only the parts of the ranks
+that wrote them.
 """
 
 from __future__ import annotations
@@ -21,20 +22,37 @@ PARTS_FIELD = "parts"
 LAYOUT_FIELD = "layout"
 # the columns of the parts table, one entry per rank of the save (null: the rank wrote no file)
 FILE_BYTES, FILE_CHECKSUMS, PART_BYTES, PART_CHECKSUMS = "file_bytes", "file_checksums", "part_bytes", "part_checksums"
-COLUMNS = (FILE_BYTES, FILE_CHECKSUMS, PART_BYTES, PART_CHECKSUMS)
+# sizes: a list (null: the rank wrote no file); checksums: one string, DIGEST_CHARS per rank (NO_DIGEST: none)
+SIZE_COLUMNS, DIGEST_COLUMNS = (FILE_BYTES, PART_BYTES), (FILE_CHECKSUMS, PART_CHECKSUMS)
+DIGEST_CHARS = 16
+NO_DIGEST = "-" * DIGEST_CHARS
 SHARD, PART = "shard", "part"  # what files_of calls each file
 MAX_PROBLEMS = 5
 
 
 def parts_table(world_size: int, summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The `parts` table from each writing rank's {file_bytes, file_checksum, part_bytes, part_checksum}."""
-    table: dict[str, Any] = {"count": world_size, **{column: [None] * world_size for column in COLUMNS}}
+    table: dict[str, Any] = {"count": world_size, **{column: [None] * world_size for column in SIZE_COLUMNS}}
+    digests = {column: [NO_DIGEST] * world_size for column in DIGEST_COLUMNS}
     for rank, summary in summaries.items():
         table[FILE_BYTES][rank] = summary["file_bytes"]
-        table[FILE_CHECKSUMS][rank] = summary["file_checksum"]
         table[PART_BYTES][rank] = summary["part_bytes"]
-        table[PART_CHECKSUMS][rank] = summary["part_checksum"]
+        digests[FILE_CHECKSUMS][rank] = summary["file_checksum"]
+        digests[PART_CHECKSUMS][rank] = summary["part_checksum"]
+    table.update({column: "".join(values) for column, values in digests.items()})
     return table
+
+
+def digest_at(table: dict[str, Any], column: str, rank: int) -> str | None:
+    """Rank `rank`'s checksum in a checksum column; None when it wrote nothing."""
+    digest = table[column][rank * DIGEST_CHARS : (rank + 1) * DIGEST_CHARS]
+    return None if digest == NO_DIGEST else digest
+
+
+def bytes_total(manifest: dict[str, Any]) -> int:
+    """The bytes of every shard file and part."""
+    table = manifest[PARTS_FIELD]
+    return sum(size for column in SIZE_COLUMNS for size in table[column] if size is not None)
 
 
 def writing_ranks(manifest: dict[str, Any]) -> list[int]:
@@ -47,7 +65,7 @@ def part_of(manifest: dict[str, Any], rank: int) -> tuple[str, int, str]:
     table = manifest[PARTS_FIELD]
     if not 0 <= rank < table["count"] or table[PART_BYTES][rank] is None:
         raise KeyError(f"rank {rank} wrote no part")
-    return part_filename(rank), table[PART_BYTES][rank], table[PART_CHECKSUMS][rank]
+    return part_filename(rank), table[PART_BYTES][rank], digest_at(table, PART_CHECKSUMS, rank)
 
 
 def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -59,7 +77,7 @@ def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "path": shard_filename(rank),
                 "bytes": table[FILE_BYTES][rank],
-                "checksum": table[FILE_CHECKSUMS][rank],
+                "checksum": digest_at(table, FILE_CHECKSUMS, rank),
                 "kind": SHARD,
             }
         )
@@ -67,7 +85,7 @@ def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "path": part_filename(rank),
                 "bytes": table[PART_BYTES][rank],
-                "checksum": table[PART_CHECKSUMS][rank],
+                "checksum": digest_at(table, PART_CHECKSUMS, rank),
                 "kind": PART,
             }
         )
@@ -126,19 +144,23 @@ def _table_problems(table: Any, problems: list[str]) -> int | None:
     if not is_int(world) or world < 1:
         problems.append(f"{PARTS_FIELD}.count is {world!r}, not an integer >= 1")
         return None
-    for column in COLUMNS:
+    for column in SIZE_COLUMNS:
         if not isinstance(table.get(column), list) or len(table[column]) != world:
             problems.append(f"{PARTS_FIELD}.{column} is not a list of {world} entries")
+    for column in DIGEST_COLUMNS:
+        value = table.get(column)
+        if not isinstance(value, str) or len(value) != world * DIGEST_CHARS:
+            problems.append(f"{PARTS_FIELD}.{column} is not a string of {world} x {DIGEST_CHARS} characters")
     if problems:
         return None
-    columns = [table[column] for column in COLUMNS]
-    for rank, (file_bytes, file_sum, part_bytes, part_sum) in enumerate(zip(*columns)):
-        if file_bytes is None and file_sum is None and part_bytes is None and part_sum is None:
+    for rank, (file_bytes, part_bytes) in enumerate(zip(table[FILE_BYTES], table[PART_BYTES])):
+        file_sum, part_sum = (table[c][rank * DIGEST_CHARS : (rank + 1) * DIGEST_CHARS] for c in DIGEST_COLUMNS)
+        if file_bytes is None and part_bytes is None and file_sum == NO_DIGEST and part_sum == NO_DIGEST:
             continue  # this rank wrote nothing
         if not (_size(file_bytes) and _size(part_bytes) and _digest(file_sum) and _digest(part_sum)):
             problems.append(
                 f"{PARTS_FIELD} rank {rank}: {[file_bytes, file_sum, part_bytes, part_sum]} is not two sizes and "
-                "two 16-hex-character checksums, nor four nulls"
+                f"two 16-hex-character checksums, nor two nulls and two {NO_DIGEST!r}"
             )
             if len(problems) > MAX_PROBLEMS:
                 return None

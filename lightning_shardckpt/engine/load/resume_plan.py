@@ -32,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..format import chunk_layout, parts_manifest
 from ..format.chunk_index import ChunkIndex
 from ..format.parts import BLOCKS_FIELD
+from ..gc_pause import gc_paused
 from .global_tensors import dtype_of
 
 
@@ -66,6 +67,13 @@ def plan_boxes(
 ) -> ResumePlan:
     """plan_resume for a target given as the box (offsets, sizes) of each tensor this rank holds (None: none of
     it; objects: any value). What a resume plans with, without a state dict (benchmarks/scale.py plans so)."""
+    with gc_paused():  # parts parsed and metadata built: a burst of small objects (engine/gc_pause.py)
+        return _plan_boxes(fs, directory, manifest, boxes, mappings)
+
+
+def _plan_boxes(
+    fs: Any, directory: str, manifest: dict[str, Any], boxes: dict[str, Box | None], mappings: dict[str, Any]
+) -> ResumePlan:
     started = time.perf_counter()
     tensors = {tensor["fqn"]: tensor for tensor in manifest["tensors"]}
     objects = {item["fqn"]: item for item in manifest["objects"]}

@@ -34,6 +34,7 @@ from ..format import parts as part_format
 from ..format.checksum import checksum
 from ..format.layout import DCP_METADATA, join
 from ..format.safe_pickle import DCP_METADATA_FIELD
+from ..gc_pause import gc_paused
 from ..storage import fsio
 from ..storage.writer import FaultHook
 from .commit import CheckpointTarget, lineage, publish
@@ -62,7 +63,8 @@ class PartsCommitter:
     def __call__(self, summaries: list[PartSummary | None]) -> None:
         started = time.perf_counter()
         try:
-            self._commit(summaries)
+            with gc_paused():  # O(ranks) small objects: the summaries, the tables (engine/gc_pause.py)
+                self._commit(summaries)
         finally:
             self.seconds = time.perf_counter() - started
 

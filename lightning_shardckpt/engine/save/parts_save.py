@@ -59,6 +59,14 @@ class PartSummary:
     nonfinite: list[str] = field(default_factory=list)  # floating tensors with NaN/Inf in this rank's chunks
     part: dict[str, Any] | None = None  # the part itself, only when rank 0 writes DCP's .metadata
 
+    # pickled as a tuple of values, not a dict of names to values: rank 0 unpickles one per rank
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__dataclass_fields__, state):
+            setattr(self, name, value)
+
 
 @dataclass
 class RankOutcome:
@@ -161,8 +169,11 @@ def _summarize(
     if written.relative is None:
         return summary  # nothing to write: no file, no part
     path = join(directory, written.relative)
-    # the stored size, checked by the rank that wrote it: one HEAD per rank, all in parallel (not N on rank 0)
-    stored = retry.call("size", lambda: fs.size(path), target=path)
+    # the stored size, checked by the rank that wrote it (all ranks in parallel, not N requests on rank 0): as the
+    # read-back found it, else one HEAD
+    stored = written.stored_bytes
+    if stored is None:
+        stored = retry.call("size", lambda: fs.size(path), target=path)
     if stored != written.file_bytes:
         raise CorruptCheckpoint(f"{path}: {stored} bytes on storage, {written.file_bytes} written (truncated upload?)")
     tensor_chunks, objects = [], []

@@ -231,15 +231,16 @@ def verify_chunks(fs: Any, path: str, chunks: list[tuple[int, int, str]], indice
     verify_reads(fs, path, [VerifyRead(i, *chunks[i]) for i in indices], names)
 
 
-def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) -> None:
+def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) -> int | None:
     """Read `reads` back from storage; raise CorruptCheckpoint naming each mismatch (tensor, and block if one).
+    Returns the file's size on storage as the reads saw it (None: nothing was read).
 
     Each range streams through one reused piece buffer and is hashed piece by piece: reading a chunk
     whole into fresh memory cost 3-4x as much CPU (a new allocation the chunk's size, faulted in page by
     page, on every save).
     """
     if not reads:
-        return
+        return None
     problems = []
     shard = ShardFile(fs, path)
     try:
@@ -259,6 +260,7 @@ def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) 
             "the storage returned other bytes than were written, so this checkpoint will not commit",
             problems=problems,
         )
+    return shard.size  # the file's size on storage, as the reads found it (the writer checks it: no extra request)
 
 
 def _read_back_checksum(shard: ShardFile, offset: int, length: int, piece: memoryview) -> str:
@@ -283,6 +285,7 @@ class RankWrite:
     stats: dict[str, Any]
     relative: str | None = None  # its file (None: it wrote none)
     file_bytes: int = 0
+    stored_bytes: int | None = None  # the file's size on storage, when the read-back saw it
 
 
 def write_rank_file(
@@ -345,7 +348,7 @@ def write_rank_file(
 
     names = [item.index.fqn for item in items]
     reads = choose_reads_to_verify(writer.chunks, writer.blocks, verify, rng)
-    verify_reads(fs, full_path, reads, names)
+    stored_bytes = verify_reads(fs, full_path, reads, names)
     read_back = [0] * len(items)  # bytes of each chunk read back
     for read in reads:
         read_back[read.chunk] += read.length
@@ -374,7 +377,7 @@ def write_rank_file(
         verify_s=time.perf_counter() - written,
         referenced_chunks=len(reference_receipts),
     )
-    return RankWrite(receipts + reference_receipts, stats, relative, file_bytes)
+    return RankWrite(receipts + reference_receipts, stats, relative, file_bytes, stored_bytes)
 
 
 class ShardWriter(StorageWriter):
