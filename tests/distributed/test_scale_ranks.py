@@ -110,3 +110,52 @@ def _old_ranks_overlapping(manifest: dict, rank: int) -> set[int]:
         layout = chunk_layout.from_json(tensor["layout"])
         ranks |= {cell.rank for cell in chunk_layout.cells_within(layout, tensor["shape"], box)}
     return ranks
+
+
+# --- a 2-D mesh, and ranks that disagree on their keys ---
+
+
+def save_on_a_2d_mesh(rank, world_size, root):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = _global(0)[:, :8]  # [96, 8]: rows over dp, columns over tp
+    local = full.chunk(2, dim=0)[mesh.get_coordinate()[0]].chunk(2, dim=1)[mesh.get_coordinate()[1]]
+    tensor = DTensor.from_local(local.clone(), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
+    result = saver.save({"w": tensor}, step=1).result(timeout=60)
+    saver.close()
+    assert result.committed, result.error
+    return result.manifest if rank == 0 else None
+
+
+def load_1d(rank, world_size, root):
+    state = {"w": _shard(torch.zeros(96, 8), init_device_mesh("cpu", (world_size,)), world_size, rank)}
+    load_checkpoint(state, root)
+    return torch.equal(state["w"].full_tensor(), _global(0)[:, :8])
+
+
+def test_a_2d_mesh_is_one_rule_of_two_cuts_and_resumes_on_a_1d_mesh_bit_exact(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_on_a_2d_mesh, 4, root)[0].value
+    (tensor,) = manifest["tensors"]
+    assert tensor["layout"] == {"rank": 0, "split": [[0, 2, 2], [1, 2, 1]]}
+    assert all(outcome.value for outcome in run_ranks(load_1d, 3, root))
+
+
+def save_with_a_key_only_rank_1_holds(rank, world_size, root):
+    state = {"model": {"w": torch.full((4,), 7.0)}}
+    if rank == 1:
+        state["rank1_only"] = {"note": "only here"}  # DCP's dedup still writes it (its lowest holder)
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
+    result = saver.save(state, step=1).result(timeout=60)
+    saver.close()
+    assert result.committed, result.error
+    return result.manifest if rank == 0 else None
+
+
+def test_ranks_holding_different_keys_fall_back_to_dcps_collective_planning_and_lose_nothing(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_with_a_key_only_rank_1_holds, 2, root)[0].value
+    assert manifest["format_version"] == 2  # the layouts' digests differed: DCP planned it (format v2)
+    state = {"model": {"w": torch.zeros(4)}, "rank1_only": {"note": ""}}
+    load_checkpoint(state, root)
+    assert torch.equal(state["model"]["w"], torch.full((4,), 7.0)) and state["rank1_only"] == {"note": "only here"}
