@@ -54,6 +54,10 @@ class TensorSpec:
         return self.numel * self.dtype.itemsize
 
     @property
+    def chunk_count(self) -> int:
+        return len(self.chunks) if self.layout is None else chunk_layout.chunk_count(self.layout)
+
+    @property
     def files(self) -> list[str]:
         if self.layout is not None:  # v4: the shard files of the ranks its layout names, no part read
             return sorted({shard_filename(rank) for rank in chunk_layout.ranks_of(self.layout)})
