@@ -191,7 +191,7 @@ def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]
 
 
 def record_problems(record: dict[str, Any], dirname: DirName | None) -> list[str]:
-    """The commit record (FORMAT.md §6): what a listing needs, typed and matching the directory name."""
+    """The commit record (FORMAT.md §5.1): what a listing needs, typed and matching the directory name."""
     problems = identity_problems(record, dirname)
     if not is_int(record.get("seq")):
         problems.append("seq is missing")
