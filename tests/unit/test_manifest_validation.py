@@ -283,3 +283,22 @@ def test_a_part_missing_a_chunk_its_layout_names_makes_verify_export_and_load_re
     assert not out_file.exists()
     with pytest.raises(CorruptCheckpoint, match=r"no chunk of 'model\.w'"):
         load_checkpoint({"model": {"w": torch.ones(64, 64)}, "progress": {"n": 0}}, directory)
+
+
+def test_a_part_that_names_another_file_than_its_ranks_shard_is_refused_by_load_and_verify(
+    tmp_path, run_cli, committed_checkpoint
+):
+    # format v4: rank 0's part sends readers to a copy of its shard under another name (same bytes, every
+    # checksum that vouches for the part rewritten): the part must name __0_0.distcp, as the manifest's table does
+    import torch
+
+    from tests.helpers.forgery import forge_part
+
+    state = {"model": {"w": torch.zeros(64, 64)}, "progress": {"n": 1}}
+    root, directory, _ = committed_checkpoint(state=state)
+    shutil.copy(os.path.join(directory, "__0_0.distcp"), os.path.join(directory, "elsewhere.distcp"))
+    forge_part(directory, 0, lambda part: part.update(file="elsewhere.distcp"))
+    with pytest.raises(CorruptCheckpoint, match=r"file is 'elsewhere\.distcp', the manifest says '__0_0\.distcp'"):
+        load_checkpoint({"model": {"w": torch.ones(64, 64)}, "progress": {"n": 0}}, directory)
+    code, out, err = run_cli("verify", directory)
+    assert code == 1 and "elsewhere.distcp" in out, (code, out, err)

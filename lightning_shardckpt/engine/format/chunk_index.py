@@ -64,9 +64,18 @@ def read_parts(
                 problems=[{"file": name, "tensor": None, "expected": digest, "actual": actual}],
             )
         try:
-            return rank, part_format.parse(data, path, checkpoint_id=manifest["id"], rank=rank)
+            part = part_format.parse(data, path, checkpoint_id=manifest["id"], rank=rank)
         except ValueError as err:
             raise CorruptCheckpoint(f"{err}; the checkpoint is damaged, load an older one") from err
+        disagreements = parts_manifest.part_entry_problems(manifest, rank, part)
+        if disagreements:
+            raise CorruptCheckpoint(
+                f"{path}: part is invalid: {'; '.join(disagreements)}; the checkpoint is damaged, load an older one",
+                problems=[
+                    {"file": name, "tensor": None, "expected": "its rank's shard file", "actual": disagreements[0]}
+                ],
+            )
+        return rank, part
 
     if len(wanted) == 1:
         return dict([read(wanted[0])])

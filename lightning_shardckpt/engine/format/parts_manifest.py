@@ -92,6 +92,23 @@ def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda item: item["path"])
 
 
+def part_entry_problems(manifest: dict[str, Any], rank: int, part: dict[str, Any]) -> list[str]:
+    """Where rank `rank`'s part disagrees with the manifest's record of that rank (FORMAT.md §10.2): its shard
+    file is `__<rank>_0.distcp`, of the size and checksum the parts table lists. The part's own bytes were checked
+    against the table already; this keeps a part from sending readers to another file."""
+    table = manifest[PARTS_FIELD]
+    expected = {
+        "file": shard_filename(rank),
+        "file_bytes": table[FILE_BYTES][rank],
+        "file_checksum": digest_at(table, FILE_CHECKSUMS, rank),
+    }
+    return [
+        f"{name} is {part.get(name)!r}, the manifest says {value!r}"
+        for name, value in expected.items()
+        if part.get(name) != value
+    ]
+
+
 def layouts(manifest: dict[str, Any]) -> dict[str, chunk_layout.Layout]:
     """fqn -> parsed layout of every tensor (the manifest was validated, so each parses)."""
     return {tensor["fqn"]: chunk_layout.from_json(tensor[LAYOUT_FIELD]) for tensor in manifest["tensors"]}
