@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import pickle
 import re
 import struct
 import zipfile
@@ -34,6 +36,7 @@ def test_every_record_kind_has_a_vector():
         "layout cells",
         "index marker",
         "tensor record",
+        "object record",
     }
 
 
@@ -126,3 +129,40 @@ def test_the_tensor_record_vector_decodes_without_torch_and_with_it():
     tensor = decode_tensor_record(memoryview(bytearray(data)), (2, 3), torch.bfloat16)
     assert torch.equal(tensor, torch.tensor([[1.0, 2.0, 3.0], [-0.5, 0.25, 8.0]], dtype=torch.bfloat16))
     assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+
+
+class _NoGlobals(pickle.Unpickler):
+    """What FORMAT.md §3.1 lets a reader without torch use on a plain object's data.pkl: no global at all."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
+
+def test_the_object_record_vector_is_what_a_save_writes_and_reads_without_torch(tmp_path):
+    from lightning_shardckpt import CheckpointSaver, SaveConfig
+
+    text = FORMAT.read_text()
+    data = bytes.fromhex("".join(vectors()["object record"].split()))
+    assert checksum(data) == re.search(r"An object record.*?xxh3_64 is\s+`([0-9a-f]{16})`", text, re.S)[1]
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    assert [info.filename for info in archive.infolist()] == [
+        "archive/data.pkl",
+        "archive/.format_version",
+        "archive/.storage_alignment",
+        "archive/byteorder",
+        "archive/version",
+        "archive/.data/serialization_id",
+    ]
+    pickled = archive.read("archive/data.pkl")  # zipfile checks the computed CRC-32s as it reads
+    assert pickled.hex(" ") == "80 02 4b 07 2e"
+    assert _NoGlobals(io.BytesIO(pickled)).load() == 7
+    assert torch.load(io.BytesIO(data), weights_only=True) == 7
+    # a save writes exactly these bytes for the object
+    saver = CheckpointSaver(str(tmp_path), SaveConfig(async_save=False, write_events=False))
+    result = saver.save({"model": {"w": torch.zeros(2)}, "progress": {"global_step": 7}}, step=7).result(timeout=60)
+    saver.close()
+    part = json.loads((Path(result.path) / parts.part_filename(0)).read_bytes())
+    [record] = part["objects"]
+    with open(os.path.join(result.path, part["file"]), "rb") as shard:
+        shard.seek(record["offset"])
+        assert shard.read(record["length"]) == data and record["checksum"] == checksum(data)
