@@ -160,12 +160,15 @@ def run_cli(capsys):
 
 @pytest.fixture
 def committed_checkpoint(tmp_path):
-    """`committed_checkpoint(root=None, step=3, state=None)` commits one small checkpoint (a fresh model by
-    default) under `root` (default: tmp_path/"ckpt") in this process and returns a `Committed`
-    (root, directory, manifest); see tests.helpers.checkpoints."""
+    """`committed_checkpoint(root=None, step=3, state=None, format_version=4)` commits one small checkpoint (a
+    fresh model by default) under `root` (default: tmp_path/"ckpt") in this process and returns a `Committed`
+    (root, directory, manifest in the v2 shape); see tests.helpers.checkpoints."""
     from tests.helpers.checkpoints import commit_checkpoint
 
-    def commit(root: str | os.PathLike | None = None, step: int = 3, state: dict | None = None):
-        return commit_checkpoint(str(tmp_path / "ckpt" if root is None else root), step=step, state=state)
+    def commit(
+        root: str | os.PathLike | None = None, step: int = 3, state: dict | None = None, format_version: int = 4
+    ):
+        root = str(tmp_path / "ckpt" if root is None else root)
+        return commit_checkpoint(root, step=step, state=state, format_version=format_version)
 
     return commit

@@ -24,6 +24,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
+from . import commit_index
+from .commit_index import read_latest_pointer as read_latest_pointer
 from .format import drill_records
 from .format import manifest as manifest_format
 
@@ -31,14 +33,13 @@ from .format import manifest as manifest_format
 # name them too; callers keep reaching them here, where a root is listed
 from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
 from .format.entry import read_manifest as read_manifest
-from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
-from .storage import fsio, retry
+from .format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from .storage import fsio
 from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
 
 V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while listing
-POINTER_MAX_BYTES = 4096  # `latest` holds one directory name (~30 bytes)
 
 
 def list_checkpoints(location: Location, only: Callable[[str], bool] | None = None) -> list[CheckpointEntry]:
@@ -134,20 +135,6 @@ def committed_of_run(entries: list[CheckpointEntry], run_id: str | None) -> list
 def newest_of_run(entries: list[CheckpointEntry], run_id: str | None) -> CheckpointEntry | None:
     mine = committed_of_run(entries, run_id)
     return mine[-1] if mine else None
-
-
-def read_latest_pointer(location: Location) -> str | None:
-    """The directory name `latest` holds; None when it is absent or cannot be a name (only a hint, see above)."""
-    path = join(location.path, LATEST)
-    try:
-        # read within the bound: a huge file someone put there must not be read whole
-        data = retry.call("read", lambda: location.fs.cat_file(path, start=0, end=POINTER_MAX_BYTES + 1), target=path)
-        if len(data) > POINTER_MAX_BYTES:
-            log.warning("%s holds over %d bytes, not a checkpoint name; ignoring it", path, POINTER_MAX_BYTES)
-            return None
-        return data.decode().strip() or None
-    except (FileNotFoundError, UnicodeDecodeError):
-        return None
 
 
 def newest_committed(entries: list[CheckpointEntry], run_id: str | None = None) -> CheckpointEntry | None:
@@ -252,8 +239,16 @@ def find(location: Location, which: str | int = "latest", run_id: str | None = N
     """Pick a committed checkpoint by `latest`, `last-good`, a step number, an id or a directory name.
 
     `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
-    picked is deleted meanwhile (another job's retention on this root).
+    picked is deleted meanwhile (another job's retention on this root). It asks the run's commit index first
+    (commit_index.py: a few small reads, no listing of the root) and lists the root when the index cannot answer.
     """
+    if which == "latest":
+        indexed = commit_index.newest_of_run_by_index(location, run_id)
+        if indexed is not None:
+            try:
+                return _with_manifest_read(indexed)
+            except (CorruptCheckpoint, CheckpointDeleted) as err:  # the listing skips it, or lists what is left
+                log.warning("%s: %s; listing the root for `latest`", location.url, err)
     for attempt in (1, 2):
         entries = list_checkpoints(location)
         try:

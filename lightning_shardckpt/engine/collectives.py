@@ -76,3 +76,44 @@ def all_gather_objects(name: str, value: Any, group: Any) -> list[Any]:
     log.debug("collective %s: all_gather", name)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def group_ranks_of(global_ranks: tuple[int, ...], group: Any) -> tuple[int, ...]:
+    """The ranks within `group` of processes known by their global ranks (DTensor meshes name global ranks;
+    a checkpoint's files are named by the rank in its own group)."""
+    if group is None or not is_distributed():
+        return tuple(global_ranks)
+    dist = _dist()
+    return tuple(dist.get_group_rank(group, rank) for rank in global_ranks)
+
+
+def agree(name: str, coordinator_value: int, local_digest: str, group: Any) -> tuple[int, bool]:
+    """Collective `name`, one all-reduce: every rank gets the coordinator's `coordinator_value` (an integer
+    below 2**62) and whether every rank's `local_digest` (16 hex characters) is the same."""
+    if not is_distributed():
+        return coordinator_value, True
+    import torch
+
+    dist = _dist()
+    rank = dist.get_rank(group)
+    high, low = int(local_digest[:8], 16), int(local_digest[8:], 16)
+    # MAX of (value, digest) and of (-digest): equal digests iff max == min on both halves
+    values = torch.tensor([coordinator_value if rank == 0 else -1, high, low, -high, -low], dtype=torch.int64)
+    log.debug("collective %s: all_reduce", name)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    value, max_high, max_low, neg_min_high, neg_min_low = (int(v) for v in values.tolist())
+    return value, max_high == -neg_min_high and max_low == -neg_min_low
+
+
+def gather_to_coordinator(name: str, value: Any, group: Any) -> list[Any] | None:
+    """Collective `name`: the coordinator (rank 0 of `group`) gets every rank's `value` in rank order; the
+    others get None. Each rank sends one object: O(ranks) on the coordinator, O(1) elsewhere."""
+    if not is_distributed():
+        return [value]
+    dist = _dist()
+    rank = dist.get_rank(group)
+    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    log.debug("collective %s: gather", name)
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather_object(value, out, dst=dst, group=group)
+    return out

@@ -79,6 +79,14 @@ class SaveConfig:
     # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later);
     # False: the coordinator removes it once every rank saw the save fail
     keep_failed_attempts: bool = False
+    # 4: per-rank parts beside the shards and a small manifest; each rank plans its own writes, the coordinator's
+    # commit is O(ranks) (docs/FORMAT.md §10). 2: every chunk in the manifest, planned by DCP's collectives, which
+    # readers of lightning_shardckpt before format v4 read; O(chunks) on the coordinator. Incremental saves write 3
+    format_version: int = 4
+    # DCP's `.metadata` (what a plain `torch.distributed.checkpoint.load` reads) is written only for checkpoints of
+    # at most this many chunks: building it is O(chunks) on the coordinator and every plain-DCP reader unpickles
+    # it whole, the cost format v4 removes. 0: never; our own readers never need it (docs/FORMAT.md §10)
+    dcp_metadata_max_chunks: int = 50_000
     # the API that creates the saver: "engine" (CheckpointSaver), "checkpointer" (Checkpointer) or "lightning"
     # (ShardedCheckpoint); front doors set it, so that an error's advice is in their words. Leave it as is
     front_door: str = ENGINE
@@ -117,6 +125,18 @@ class SaveConfig:
                 "resolved per node); use one or the other"
             )
         require_number("full_every_n", self.full_every_n, integer=True, at_least=1, hint="1: every save is full")
+        if self.format_version not in (2, 4):
+            raise ConfigError(
+                f"format_version={self.format_version!r} is not one this writer writes; use 4 (per-rank parts, flat at "
+                "scale) or 2 (every chunk in the manifest, for readers older than format v4)"
+            )
+        require_number(
+            "dcp_metadata_max_chunks",
+            self.dcp_metadata_max_chunks,
+            integer=True,
+            at_least=0,
+            hint="chunks; 0 never writes DCP's .metadata",
+        )
         require_number(
             "max_in_flight",
             self.max_in_flight,

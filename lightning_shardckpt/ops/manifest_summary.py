@@ -22,24 +22,36 @@ from ..engine import catalog
 from ..engine.format import manifest as manifest_format
 from ..engine.format import manifest_schema
 from ..engine.format.entry import read_manifest
-from ..engine.format.layout import MANIFEST, join, parse_dirname
+from ..engine.format.layout import MANIFEST, PARTS_FORMAT_VERSION, join, parse_dirname
+from ..engine.format.parts_manifest import PARTS_FIELD
 from ..engine.storage import retry
 from ..errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
 
-TABLES = ("tensors", "objects", "files", manifest_schema.REFERENCES_FIELD)  # skipped: the bulk of a manifest
+# skipped: the bulk of a manifest (v4: its parts table)
+TABLES = ("tensors", "objects", "files", manifest_schema.REFERENCES_FIELD, PARTS_FIELD)
 _TOP_LEVEL_KEY = re.compile(rb'\n "((?:[^"\\\n]|\\.)*)": ')  # indent=1: one space before a top-level key
 _KEY_START = b'\n "'
 _BRACKETS = {ord("["): ord("]"), ord("{"): ord("}")}
 
 
-def read_summary(fs: Any, entry: catalog.CheckpointEntry) -> dict[str, Any]:
+def read_summary(fs: Any, entry: catalog.CheckpointEntry, *, from_record: bool = True) -> dict[str, Any]:
     """The manifest of a listed, committed entry minus its tables; validated like `entry.manifest`.
 
-    Raises (and marks the entry) as `entry.manifest` does: CheckpointDeleted when the directory went after
-    listing, CorruptCheckpoint when the manifest is not the committed one or does not validate. Never
-    stores anything on the entry: the caller drops the summary when done with it.
+    A format-v4 commit record carries this summary itself, with each identity block as a digest
+    (`identity_digests`): then nothing more is read, unless `from_record` is False (the full identity blocks,
+    from the manifest). Raises (and marks the entry) as `entry.manifest` does: CheckpointDeleted when the
+    directory went after listing, CorruptCheckpoint when the manifest is not the committed one or does not
+    validate. Never stores anything on the entry: the caller drops the summary when done with it.
     """
     record = entry.record or {}
+    summary = record.get(manifest_format.SUMMARY_FIELD)
+    # a record whose listing fields no longer match the digest the writer put in its summary was edited after
+    # commit: read the manifest, whose comparison names the field (and marks the entry corrupt)
+    if from_record and isinstance(summary, dict) and _record_unedited(record, summary):
+        return {
+            **{name: record.get(name) for name in manifest_format.RECORD_FIELDS},
+            **record[manifest_format.SUMMARY_FIELD],
+        }
     if record.get("manifest_checksum") is None:  # v1: nothing proves the tables sound but parsing them
         return _without_tables(read_manifest(fs, entry))
     path = join(entry.path, MANIFEST)
@@ -65,6 +77,11 @@ def read_summary(fs: Any, entry: catalog.CheckpointEntry) -> dict[str, Any]:
     except ShardCkptError as err:
         entry.state, entry.problem = catalog.CORRUPT, str(err)
         raise
+
+
+def _record_unedited(record: dict[str, Any], summary: dict[str, Any]) -> bool:
+    expected = summary.get(manifest_format.RECORD_DIGEST_FIELD)
+    return expected is None or expected == manifest_format.record_fields_digest(record)
 
 
 def _without_tables(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -148,10 +165,13 @@ def _validate(summary: dict[str, Any], tables: set[str], where: str) -> None:
     if not manifest_schema.is_int(version) or version not in manifest_format.READABLE_FORMAT_VERSIONS:
         manifest_format.parse(json.dumps(summary).encode(), where)  # raises, naming the version problem
     stand_ins = {"files": [], "tensors": [], "objects": []}
-    missing = [name for name in manifest_format.REQUIRED_FIELDS if name not in summary and name not in tables]
+    missing = [name for name in manifest_format.required_fields(version) if name not in summary and name not in tables]
     if missing:
         raise CorruptCheckpoint(f"{where}: manifest lacks required fields {missing}; the checkpoint is damaged")
-    problems = manifest_schema.manifest_problems({**summary, **stand_ins}, parse_dirname(where))
+    if version >= PARTS_FORMAT_VERSION:  # the tables are vouched for by the checksum; the rest is checked here
+        problems = manifest_schema.common_problems(summary, parse_dirname(where))
+    else:
+        problems = manifest_schema.manifest_problems({**summary, **stand_ins}, parse_dirname(where))
     if problems:
         shown = "; ".join(problems[: manifest_schema.MAX_PROBLEMS]) + (
             " …" if len(problems) > manifest_schema.MAX_PROBLEMS else ""

@@ -190,7 +190,7 @@ def read_manifest_summary(
         format_version=manifest["format_version"],
         writer=dict(manifest.get("writer") or {}),
         topology=manifest["topology"],
-        file_count=len(manifest["files"]),
+        file_count=len(manifest_format.files_of(manifest)),
         bytes=manifest_format.total_bytes(manifest),
         referenced_file_count=len(manifest.get(REFERENCES_FIELD) or []),
         bytes_referenced=manifest_format.referenced_bytes(manifest),

@@ -20,6 +20,7 @@ from typing import Any
 from ..engine import catalog
 from ..engine.format import drill_records
 from ..engine.format.layout import join, parse_dirname
+from ..engine.format.manifest import IDENTITY_BLOCKS, canonical_digest
 from ..engine.format.outcomes import decode_metrics
 from ..engine.metrics import COMMITTED, FAILED, SKIPPED, read_events
 from ..engine.storage.fsio import Location
@@ -31,6 +32,7 @@ IN_FLIGHT_GRACE_S = 600.0  # an uncommitted directory last written within this i
 IN_FLIGHT = "in-flight"
 RESUMED = "resumed"  # a timeline row for a run that resumed from a checkpoint (ROOT/events/resume-*)
 RESUME_EVENT = "resume"  # the `event` of what ShardedCheckpoint writes when a run resumes
+IDENTITY_DIGESTS = "identity_digests"  # a v4 commit record's summary: each identity block as a digest
 
 
 def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
     rows: list[dict[str, Any]] = []
     resume_rows: list[tuple[dict[str, Any], dict[str, Any]]] = []
     world_sizes: dict[str, Any] = {}  # checkpoint name -> its world size: what a resume row shows as before
-    previous: tuple[dict[str, Any], str] | None = None
+    previous: tuple[dict[str, Any], str, catalog.CheckpointEntry | None] | None = None
     for _, _, _, source in pending:
         if isinstance(source, catalog.CheckpointEntry):
             _, row, summary = _entry_item(source, location, by_id.get(source.checkpoint_id), grace_s)
@@ -90,9 +92,18 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
         if summary is not None:
             world_sizes[row["name"]] = (summary.get("topology") or {}).get("world_size")
             if previous is not None:
-                row["identity_changed"], row["identity_changes"] = changed_blocks(previous[0], summary)
+                before, after = previous[0], summary
+                if _identity_digests(before) != _identity_digests(after):  # the lines need the blocks themselves
+                    before, after = (
+                        _with_identity(location, before, previous[2]),
+                        _with_identity(location, after, source),
+                    )
+                else:  # the same identity: only the topology can differ (a v4 record's summary has no blocks)
+                    before, after = _without_identity(before), _without_identity(after)
+                row["identity_changed"], row["identity_changes"] = changed_blocks(before, after)
                 row["compared_with"] = previous[1]
-            previous = (summary, row["name"])  # the one before is dropped here: two summaries at most
+            # the one before is dropped here: two summaries at most
+            previous = (summary, row["name"], source if isinstance(source, catalog.CheckpointEntry) else None)
         rows.append(row)
     for row, event in resume_rows:
         changes = {key: row[key] for key in ("identity_changed", "identity_changes", "compared_with")}
@@ -114,6 +125,33 @@ def timeline(location: Location, grace_s: float = IN_FLIGHT_GRACE_S) -> dict[str
         "last_good": good[-1].name if good else None,
         "checkpoints": rows,
     }
+
+
+def _identity_digests(summary: dict[str, Any]) -> dict[str, str | None]:
+    """Each compared identity block's digest: recorded by a v4 commit record, else computed from the block."""
+    recorded = summary.get(IDENTITY_DIGESTS)
+    if isinstance(recorded, dict):
+        return {block: recorded.get(block) for block in IDENTITY_BLOCKS}
+    identity = summary.get("identity") or {}
+    return {
+        block: None if identity.get(block) is None else canonical_digest(identity[block]) for block in IDENTITY_BLOCKS
+    }
+
+
+def _without_identity(summary: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in summary.items() if key != "identity"}
+
+
+def _with_identity(
+    location: Location, summary: dict[str, Any], entry: catalog.CheckpointEntry | None
+) -> dict[str, Any]:
+    """The summary with its identity blocks: a v4 record's summary holds digests only, so its manifest is read."""
+    if "identity" in summary or entry is None:
+        return summary
+    try:
+        return read_summary(location.fs, entry, from_record=False)
+    except ShardCkptError:
+        return summary  # unreadable now: compared by digests alone (no lines)
 
 
 def _record_time(entry: catalog.CheckpointEntry) -> float | None:

@@ -16,10 +16,12 @@ from typing import Any
 
 from ..engine import catalog
 from ..engine.catalog import CheckpointEntry
+from ..engine.format import chunk_layout, parts_manifest, safe_pickle
 from ..engine.format import manifest as manifest_format
-from ..engine.format import safe_pickle
+from ..engine.format import parts as part_format
 from ..engine.format.checksum import checksum, checksum_of_checksums
-from ..engine.format.layout import DCP_METADATA, join
+from ..engine.format.chunk_index import read_parts
+from ..engine.format.layout import DCP_METADATA, join, shard_filename
 from ..engine.format.references import REFERENCES_FIELD
 from ..engine.format.safe_pickle import DCP_METADATA_FIELD
 from ..engine.storage import fsio
@@ -37,6 +39,8 @@ CHUNK_CHECKSUM = "chunk_checksum"  # a chunk differs from its checksum (checksum
 FILE_CHECKSUM = "file_checksum"  # digest of the file's chunk digests differs (checksums)
 OUTSIDE = "outside"  # a listed file's name or symlink leads out of the checkpoint directory (never read)
 DCP_METADATA_PROBLEM = "dcp_metadata"  # `.metadata` missing, unreadable or disagreeing with the manifest
+PART_PROBLEM = "part"  # v4: a part missing, altered since commit, invalid, or disagreeing with the manifest
+LAYOUT_PROBLEM = "layout"  # v4: a chunk the manifest's layout names is in no part, or a part holds one it does not
 
 
 @dataclass
@@ -79,9 +83,12 @@ def verify_checkpoint(
     started = time.perf_counter()
     report = VerifyReport(join(location.url, entry.name), entry.checkpoint_id, entry.step)
     chunks_by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    for fqn, chunk in manifest_format.iter_chunks(entry.manifest):
-        chunks_by_file.setdefault(chunk["file"], []).append((fqn, chunk))
-    listed = {item["path"]: item for item in entry.manifest["files"]}
+    if manifest_format.is_parts_format(entry.manifest):  # v4: the chunks are in the parts, each checked first
+        listed = _chunks_from_parts(location.fs, entry.path, entry.manifest, chunks_by_file, report)
+    else:
+        for fqn, chunk in manifest_format.iter_chunks(entry.manifest):
+            chunks_by_file.setdefault(chunk["file"], []).append((fqn, chunk))
+        listed = {item["path"]: item for item in entry.manifest["files"]}
     referenced = {item["path"] for item in entry.manifest.get(REFERENCES_FIELD) or []}
     for relative in sorted(referenced & set(chunks_by_file)):
         # incremental: bytes held by a sibling checkpoint, checked against this manifest's checksums
@@ -97,7 +104,9 @@ def verify_checkpoint(
             report.chunks += len(chunks)
             _verify_file(location.fs, entry.path, item, chunks, report)
             bar.update(item["bytes"])
-    _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report, entry.manifest.get(DCP_METADATA_FIELD))
+    recorded = entry.manifest.get(DCP_METADATA_FIELD)
+    if recorded is not None or not manifest_format.is_parts_format(entry.manifest):  # v4 writes it when small
+        _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report, recorded)
     report.seconds = time.perf_counter() - started
     if report.ok:
         log.info(
@@ -112,6 +121,75 @@ def verify_checkpoint(
         # reported, not raised: the caller decides (the CLI prints every problem, a drill records them)
         log.info("verify %s: %d problem(s), first: %s", report.path, len(report.problems), report.problems[0])
     return report
+
+
+def _chunks_from_parts(
+    fs: Any,
+    directory: str,
+    manifest: dict[str, Any],
+    chunks_by_file: dict[str, list[tuple[str, dict[str, Any]]]],
+    report: VerifyReport,
+) -> dict[str, dict[str, Any]]:
+    """Format v4: read every part (checked against the manifest), fill `chunks_by_file` from them, and check that
+    the parts hold exactly the chunks the layouts name; returns the shard files to verify, as `files` entries."""
+    listed: dict[str, dict[str, Any]] = {}
+    table = manifest[parts_manifest.PARTS_FIELD]
+    found: set[tuple[Any, ...]] = set()
+    readable: set[int] = set()
+    for rank in parts_manifest.writing_ranks(manifest):
+        name, size, digest = parts_manifest.part_of(manifest, rank)
+        report.files += 1
+        try:
+            part = read_parts(fs, directory, manifest, [rank])[rank]
+        except CorruptCheckpoint as err:
+            report.problems.append(_problem(PART_PROBLEM, name, None, f"{size} bytes, checksum {digest}", str(err)))
+            continue
+        readable.add(rank)
+        shard = shard_filename(rank)
+        listed[shard] = {
+            "path": shard,
+            "bytes": table[parts_manifest.FILE_BYTES][rank],
+            "checksum": parts_manifest.digest_at(table, parts_manifest.FILE_CHECKSUMS, rank),
+        }
+        if (part["file"], part["file_bytes"], part["file_checksum"]) != (
+            shard,
+            listed[shard]["bytes"],
+            listed[shard]["checksum"],
+        ):
+            report.problems.append(
+                _problem(
+                    PART_PROBLEM,
+                    name,
+                    None,
+                    f"{shard}, {listed[shard]['bytes']} bytes, checksum {listed[shard]['checksum']}",
+                    f"{part['file']}, {part['file_bytes']} bytes, checksum {part['file_checksum']}",
+                )
+            )
+        records = chunks_by_file.setdefault(shard, [])
+        for chunk in part[part_format.TENSOR_CHUNKS]:
+            records.append((chunk["fqn"], {**chunk, "file": shard}))
+            found.add((chunk["fqn"], tuple(chunk["offsets"]), tuple(chunk["sizes"]), rank))
+        for chunk in part[part_format.OBJECTS]:
+            records.append((chunk["fqn"], {**chunk, "file": shard}))
+            found.add((chunk["fqn"], rank))
+    expected: set[tuple[Any, ...]] = {(item["fqn"], item["rank"]) for item in manifest["objects"]}
+    for tensor in manifest["tensors"]:
+        layout = chunk_layout.from_json(tensor[parts_manifest.LAYOUT_FIELD])
+        expected.update(
+            (tensor["fqn"], c.offsets, c.sizes, c.rank) for c in chunk_layout.cells(layout, tensor["shape"])
+        )
+    for key in sorted(expected - found, key=repr):
+        if key[-1] in readable:  # an unreadable part is reported once, above
+            report.problems.append(
+                _problem(LAYOUT_PROBLEM, part_format.part_filename(key[-1]), key[0], f"a chunk at {key[1:-1]}", "none")
+            )
+    for key in sorted(found - expected, key=repr):
+        report.problems.append(
+            _problem(
+                LAYOUT_PROBLEM, part_format.part_filename(key[-1]), key[0], "no such chunk", f"a chunk at {key[1:-1]}"
+            )
+        )
+    return listed
 
 
 def _open(where: Any, which: Any, storage_options: dict[str, Any] | None) -> tuple[Location, CheckpointEntry]:

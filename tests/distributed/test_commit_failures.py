@@ -44,6 +44,7 @@ import torch.distributed as dist
 from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, VerifyConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, shard_filename
+from lightning_shardckpt.engine.format.parts import part_filename
 from lightning_shardckpt.engine.storage import retry
 from tests.helpers import training_state as ts
 from tests.helpers.backends import (
@@ -365,7 +366,7 @@ def test_no_failure_point_of_a_raising_rank_exposes_a_partial_checkpoint_or_move
     # the interrupted manifest create: no manifest object, only the pending upload; nothing else pending, ever
     assert files["coordinator_fails_during_manifest_write"] == [
         ".metadata",
-        *(shard_filename(r) for r in range(WORLD)),
+        *(name for r in range(WORLD) for name in (shard_filename(r), part_filename(r))),
         COMMIT_RECORD,
     ]
     left_from = [case.name for case in cases].index("coordinator_fails_during_manifest_write")
@@ -487,7 +488,7 @@ def test_rank_dying_with_os_exit_fails_the_save_on_survivors_without_waiting_for
             assert not fs.exists(join(root, attempt, MANIFEST))
             assert names(location, join(root, attempt)) == [
                 ".metadata",
-                *(shard_filename(r) for r in range(WORLD)),
+                *(name for r in range(WORLD) for name in (shard_filename(r), part_filename(r))),
                 COMMIT_RECORD,
             ]
         else:

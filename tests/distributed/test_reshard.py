@@ -13,7 +13,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, VerifyConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer
+from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
 from lightning_shardckpt.engine.format.layout import shard_filename
+from lightning_shardckpt.engine.format.manifest import files_of
+from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.backends import LOCAL, S3
 from tests.helpers.spawn import run_ranks
@@ -86,7 +89,7 @@ def test_checkpoint_saved_on_n_ranks_loads_bit_exact_on_m_ranks(backend, paralle
     location = backend.location()
     [entry] = list_checkpoints(location)
     assert entry.committed and read_latest_pointer(location) == entry.name
-    assert {f["path"] for f in entry.manifest["files"]} >= {shard_filename(rank) for rank in range(saved_on)}
+    assert {f["path"] for f in files_of(entry.manifest)} >= {shard_filename(rank) for rank in range(saved_on)}
 
     loaded = run_ranks(load_worker, loaded_on, backend, parallelism)
     ts.assert_bit_exact(reference, loaded[0].value["full"])
@@ -124,9 +127,10 @@ def save_row_sharded(rank, world_size, root):
     result = saver.save(_row_sharded(rank, world_size, zeros=False), step=1).result(timeout=60)
     saver.close()
     assert result.committed, result.error
-    return (
-        [chunk["length"] for tensor in result.manifest["tensors"] for chunk in tensor["chunks"]] if rank == 0 else None
-    )
+    if rank != 0:
+        return None
+    chunks = ChunkIndex(fsio.resolve(root).fs, result.path, result.manifest).tensor_chunks("w")
+    return [chunk["length"] for chunk in chunks]
 
 
 def load_row_sharded(rank, world_size, root):

@@ -22,6 +22,7 @@ from lightning_shardckpt.engine.format.manifest import to_bytes
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
 from tests.helpers import drill_probes
+from tests.helpers.forgery import forge_manifest, forge_part
 from tests.helpers.spawn import run_ranks
 
 PROBE = "tests.helpers.drill_probes:weighted_sum"
@@ -49,9 +50,12 @@ def _save(root: Path, *, step: int = 10, with_probe: bool = True) -> str:
 
 
 def _rewrite_tensor(checkpoint: str, fqn: str, replace) -> None:
-    """Change one tensor's stored bytes in place and make the manifest's checksums agree (a lying manifest)."""
+    """Change one tensor's stored bytes in place and make the checksums agree (a lying manifest, or part)."""
     path = Path(checkpoint)
     manifest = json.loads((path / MANIFEST).read_text())
+    if manifest["format_version"] >= 4:
+        _rewrite_tensor_of_part(path, fqn, replace)
+        return
     entry = next(t for t in manifest["tensors"] if t["fqn"] == fqn)
     chunk = entry["chunks"][0]
     shard = path / chunk["file"]
@@ -75,6 +79,28 @@ def _rewrite_tensor(checkpoint: str, fqn: str, replace) -> None:
     record = json.loads((path / COMMIT_RECORD).read_text())  # the commit record vouches for the manifest: lie there too
     record["manifest_checksum"] = checksum(manifest_bytes)
     (path / COMMIT_RECORD).write_bytes(to_bytes(record))
+
+
+def _rewrite_tensor_of_part(path: Path, fqn: str, replace) -> None:
+    """Format v4: the chunk's record is in rank 0's part; the part, and the manifest's record of it, lie."""
+    shard = path / "__0_0.distcp"
+
+    def lie(part: dict) -> None:
+        chunk = next(c for c in part["chunks"] if c["fqn"] == fqn)
+        blob = bytearray(shard.read_bytes())
+        record = bytes(blob[chunk["offset"] : chunk["offset"] + chunk["length"]])
+        old = _model_state()[fqn.removeprefix("model.")]
+        at = record.index(_raw_bytes(old))
+        new_bytes = _raw_bytes(replace(old.clone()))
+        record = record[:at] + new_bytes + record[at + len(new_bytes) :]
+        blob[chunk["offset"] : chunk["offset"] + chunk["length"]] = record
+        shard.write_bytes(bytes(blob))
+        chunk["checksum"] = checksum(record)
+        in_order = sorted(part["chunks"] + part["objects"], key=lambda c: c["offset"])
+        part["file_checksum"] = checksum_of_checksums([c["checksum"] for c in in_order])
+
+    part = forge_part(str(path), 0, lie)
+    forge_manifest(str(path), lambda m: m["parts"].update(file_checksums=part["file_checksum"]))  # one rank
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format.manifest import files_of
 from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.tiers.replicate import REPLICATED_FROM
@@ -32,7 +33,12 @@ def test_replication_commits_every_checkpoint_on_s3_with_same_id_and_step(tmp_pa
     manifest = newest.manifest
     assert manifest[REPLICATED_FROM]["tier"] == "fast"
     # both ranks wrote (and so uploaded) a shard file of their own: no funnel through rank 0
-    assert sorted(f["path"] for f in manifest["files"]) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(f["path"] for f in files_of(manifest)) == [  # each with its part (format v4)
+        "__0_0.distcp",
+        "__0_0.part.json",
+        "__1_0.distcp",
+        "__1_0.part.json",
+    ]
     for outcome in outcomes:
         counters = outcome.value["counters"]
         assert outcome.value["flushed"] and counters["replicated"] == len(durable)

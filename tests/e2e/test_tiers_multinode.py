@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.spawn import free_port
 
@@ -104,8 +105,11 @@ def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_fr
     # every node wrote only its own ranks' shards into its own fast directory; node 0 holds the manifest
     node0, node1 = local / "node0" / newest.name, local / "node1" / newest.name
     assert (node0 / "manifest.json").exists() and not (node1 / "manifest.json").exists()
-    written = {p.name: p for d in (node0, node1) for p in d.glob("__*_0.distcp")}
-    assert sorted(written) == sorted(f["path"] for f in manifest["files"])
+    # format v4: each rank's shard file and its part (the manifest lists no files, its parts table names them)
+    written = {
+        p.name: p for d in (node0, node1) for pattern in ("__*_0.distcp", "__*_0.part.json") for p in d.glob(pattern)
+    }
+    assert sorted(written) == sorted(f["path"] for f in manifest_format.files_of(manifest))
     assert {p.name for p in node1.glob("__*_0.distcp")} <= {"__2_0.distcp", "__3_0.distcp"}
     for name, path in written.items():  # the durable copy is bit-exact, file by file
         assert (

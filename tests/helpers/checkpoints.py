@@ -9,9 +9,12 @@ from typing import NamedTuple
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname, parse_dirname
+from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname, join, parse_dirname
+from lightning_shardckpt.engine.storage import fsio
 
 SHARD = "__0_0.distcp"  # the only shard file a single-process save writes
+PART = "__0_0.part.json"  # its part (format v4): the record of its chunks
 RUN_ID = "unit-test-run"  # every helper save is one run: a root saved into twice is not refused as shared
 
 
@@ -21,15 +24,19 @@ def fresh_state(seed: int = 0) -> dict:
     return {"model": model.state_dict(), "progress": {"global_step": 3}}
 
 
-def save_checkpoint(root: str, step: int = 3, state: dict | None = None) -> dict:
-    """Commit one checkpoint of `state` (default: a fresh small model) under `root`; return its manifest."""
-    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, run_id=RUN_ID))
+def save_checkpoint(root: str, step: int = 3, state: dict | None = None, format_version: int = 4) -> dict:
+    """Commit one checkpoint of `state` (default: a fresh small model) under `root` in `format_version` (4: the
+    writer's default; 2: every chunk in the manifest, as before format v4); return its manifest in the v2 shape
+    (a v4 manifest with each tensor's chunks and the files read from its parts: tests find bytes by it)."""
+    config = SaveConfig(async_save=False, write_events=False, run_id=RUN_ID, format_version=format_version)
+    saver = CheckpointSaver(root, config)
     try:
         result = saver.save(fresh_state(seed=step) if state is None else state, step=step).result(timeout=60)
     finally:
         saver.close()
     assert result.committed, result.error
-    return result.manifest
+    location = fsio.resolve(root)
+    return ChunkIndex(location.fs, join(location.path, dirname_of(result.manifest)), result.manifest).expanded()
 
 
 class Committed(NamedTuple):
@@ -41,9 +48,9 @@ class Committed(NamedTuple):
     manifest: dict
 
 
-def commit_checkpoint(root: str, step: int = 3, state: dict | None = None) -> Committed:
+def commit_checkpoint(root: str, step: int = 3, state: dict | None = None, format_version: int = 4) -> Committed:
     """Commit one checkpoint of `state` (default: a fresh small model) under the local `root`."""
-    manifest = save_checkpoint(root, step=step, state=state)
+    manifest = save_checkpoint(root, step=step, state=state, format_version=format_version)
     return Committed(root, os.path.join(root, dirname_of(manifest)), manifest)
 
 
@@ -65,6 +72,11 @@ def dirname_regex(step: int) -> str:
     return re.escape(checkpoint_dirname(step, ANY_ID)).replace(ANY_ID, "[0-9a-f]+")
 
 
-def chunk_of(manifest: dict, fqn: str) -> dict:
-    """The (first) chunk of tensor `fqn` as the manifest lists it: file, offset, length, checksum."""
-    return next(t for t in manifest["tensors"] if t["fqn"] == fqn)["chunks"][0]
+def chunk_of(manifest: dict, fqn: str, directory: str | None = None) -> dict:
+    """The (first) chunk of tensor `fqn`: file, offset, length, checksum. A format-v4 manifest as committed lists
+    no chunk: give the checkpoint's `directory`, whose parts do (a manifest in the v2 shape needs none)."""
+    tensor = next(t for t in manifest["tensors"] if t["fqn"] == fqn)
+    if "chunks" in tensor:
+        return tensor["chunks"][0]
+    location = fsio.resolve(directory)
+    return ChunkIndex(location.fs, location.path, manifest).tensor_chunks(fqn)[0]

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from lightning_shardckpt.engine.format.layout import checkpoint_dirname
-from tests.helpers.checkpoints import SHARD, chunk_of, dirnames_at_step, save_checkpoint
+from lightning_shardckpt.engine.format.manifest import files_of
+from tests.helpers.checkpoints import PART, SHARD, chunk_of, dirnames_at_step, save_checkpoint
 
 UNCOMMITTED = checkpoint_dirname(9, "deadbeefcafe")
 
@@ -44,7 +45,8 @@ def test_ls_json_lists_committed_and_uncommitted_and_marks_latest(root, run_cli)
     assert listing["latest"] == os.path.basename(latest_dir(root))
     assert rows[9]["id"] == "deadbeefcafe" and rows[9]["bytes"] == len(b"half a shard")
     assert all(row["age_s"] is not None and row["age_s"] >= 0 for row in rows.values())
-    assert rows[5]["bytes"] == os.path.getsize(os.path.join(latest_dir(root), SHARD))
+    # its own files: the shard and (format v4) the part that records its chunks
+    assert rows[5]["bytes"] == sum(os.path.getsize(os.path.join(latest_dir(root), name)) for name in (SHARD, PART))
 
 
 def test_ls_prints_a_table_with_state_and_latest_marker(root, run_cli):
@@ -65,7 +67,7 @@ def test_inspect_json_summarises_the_latest_manifest(root, run_cli):
     manifest = json.load(open(os.path.join(latest_dir(root), "manifest.json")))
     assert (summary["id"], summary["step"], summary["parent"]) == (manifest["id"], 5, manifest["parent"])
     assert summary["parent"] is not None  # step 3's id
-    assert summary["files"] == {"count": 1, "bytes": manifest["files"][0]["bytes"]}
+    assert summary["files"] == {"count": 2, "bytes": sum(f["bytes"] for f in files_of(manifest))}  # shard, part
     assert (summary["tensors"], summary["objects"]) == (len(manifest["tensors"]), len(manifest["objects"]))
     assert summary["topology"]["world_size"] == 1
     assert summary["verification"] == manifest["verification"]
@@ -84,7 +86,7 @@ def test_verify_exits_0_on_a_sound_checkpoint(root, run_cli):
 def test_verify_exits_1_and_names_the_bad_tensor_and_file(root, run_cli):
     directory = latest_dir(root)
     manifest = json.load(open(os.path.join(directory, "manifest.json")))
-    chunk = chunk_of(manifest, "model.2.bias")
+    chunk = chunk_of(manifest, "model.2.bias", directory)
     with open(os.path.join(directory, SHARD), "r+b") as handle:
         handle.seek(chunk["offset"] + chunk["length"] - 3)
         byte = handle.read(1)
@@ -132,7 +134,7 @@ def test_installed_shardckpt_script_verifies_and_prints_json(root):
     done = subprocess.run([script, "verify", f"{root}/latest", "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["ok"] is True and report["step"] == 5 and report["files"] == 1
+    assert report["ok"] is True and report["step"] == 5 and report["files"] == 2  # the shard and its part
 
 
 def test_ls_timeline_and_last_good_show_trust_from_drill_records(root, run_cli):

@@ -10,6 +10,7 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.format.manifest import total_bytes
 from lightning_shardckpt.identity.blocks import (
     code_identity,
     config_identity,
@@ -178,7 +179,7 @@ def test_timeline_json_parses_back_with_states_causes_and_identity_changed(root,
     assert rows[3]["compared_with"] == os.path.basename(directory(root, 3))
     assert rows[2]["parent"] == rows[1]["id"]
     manifest = json.load(open(os.path.join(directory(root, 2), "manifest.json")))
-    assert rows[1]["verification"] == manifest["verification"] and rows[1]["bytes"] == manifest["files"][0]["bytes"]
+    assert rows[1]["verification"] == manifest["verification"] and rows[1]["bytes"] == total_bytes(manifest)
     assert result["events"] == 5 and result["events_problem"] is None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_shardckpt import load_checkpoint
-from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine import catalog, commit_index
 from lightning_shardckpt.engine.format.layout import parse_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.engine.storage.writer import ShardReader
@@ -68,17 +68,22 @@ def test_latest_deleted_between_listing_and_opening_re_resolves(tmp_path, monkey
     root = str(tmp_path / "run")
     for step in (1, 2, 3):
         save(root, step)
-    real = catalog.list_checkpoints
+    real_listing, real_index = catalog.list_checkpoints, commit_index.newest_of_run_by_index
     calls: list[int] = []
 
-    def list_then_race(location):
-        entries = real(location)
-        calls.append(len(entries))
-        if len(calls) == 1:
-            other_job_commits_and_retains(root, 4)
-        return entries
+    def race_after(resolve):
+        # the other job commits and retains right after `latest` was first resolved, by the commit index or a listing
+        def resolved_then_race(*args):
+            found = resolve(*args)
+            calls.append(1)
+            if len(calls) == 1:
+                other_job_commits_and_retains(root, 4)
+            return found
 
-    monkeypatch.setattr(catalog, "list_checkpoints", list_then_race)
+        return resolved_then_race
+
+    monkeypatch.setattr(catalog, "list_checkpoints", race_after(real_listing))
+    monkeypatch.setattr(commit_index, "newest_of_run_by_index", race_after(real_index))
     target = state(0)
     assert load_checkpoint(target, root, "latest").step == 4
     assert int(target["weights"][0]) == 4

@@ -60,31 +60,74 @@ def test_a_checkpoint_copied_under_a_larger_step_is_corrupt_and_never_latest(tmp
     assert_no_tool_crashes(run_cli, root, copied)
 
 
-MUTATIONS = {
-    "created_at without timezone": (lambda m: m.update(created_at="2026-12-02T14:42:26.274"), "created_at"),
-    "created_at not a time": (lambda m: m.update(created_at="yesterday"), "created_at"),
-    "step a string": (lambda m: m.update(step=str(m["step"])), "step"),
-    "id of another checkpoint": (lambda m: m.update(id="0123456789ab"), "id"),
-    "files not a list": (lambda m: m.update(files={"path": "__0_0.distcp"}), "files is not a list"),
-    "file path escapes": (lambda m: m["files"][0].update(path="../../etc/passwd"), "relative path"),
-    "file path absolute": (lambda m: m["files"][0].update(path="/etc/passwd"), "relative path"),
-    "negative size": (lambda m: m["files"][0].update(bytes=-1), "bytes"),
-    "bad checksum": (lambda m: m["files"][0].update(checksum="XYZ"), "checksum"),
+V2, V4 = 2, 4
+MUTATIONS = {  # name: (edit, what the refusal names, the format whose rule it is)
+    "created_at without timezone": (lambda m: m.update(created_at="2026-12-02T14:42:26.274"), "created_at", V4),
+    "created_at not a time": (lambda m: m.update(created_at="yesterday"), "created_at", V4),
+    "step a string": (lambda m: m.update(step=str(m["step"])), "step", V4),
+    "id of another checkpoint": (lambda m: m.update(id="0123456789ab"), "id", V4),
+    "identity a list": (lambda m: m.update(identity=[]), "identity", V4),
+    "seq zero": (lambda m: m.update(seq=0), "seq", V4),
+    "an unknown checksum algorithm": (
+        lambda m: m.update(checksum_algorithm="sha256"),
+        "checksum_algorithm 'sha256' is not one this reader checks",
+        V4,
+    ),
+    # format v2: the manifest lists every file and chunk
+    "files not a list": (lambda m: m.update(files={"path": "__0_0.distcp"}), "files is not a list", V2),
+    "file path escapes": (lambda m: m["files"][0].update(path="../../etc/passwd"), "relative path", V2),
+    "file path absolute": (lambda m: m["files"][0].update(path="/etc/passwd"), "relative path", V2),
+    "negative size": (lambda m: m["files"][0].update(bytes=-1), "bytes", V2),
+    "bad checksum": (lambda m: m["files"][0].update(checksum="XYZ"), "checksum", V2),
     "chunk in an unlisted file": (
         lambda m: m["tensors"][0]["chunks"][0].update(file="__9_0.distcp"),
         "not listed in files",
+        V2,
     ),
-    "chunk length negative": (lambda m: m["tensors"][0]["chunks"][0].update(length=-5), "length"),
-    "object checksum not hex": (lambda m: m["objects"][0].update(checksum=17), "checksum"),
-    "identity a list": (lambda m: m.update(identity=[]), "identity"),
-    "seq zero": (lambda m: m.update(seq=0), "seq"),
+    "chunk length negative": (lambda m: m["tensors"][0]["chunks"][0].update(length=-5), "length", V2),
+    "object checksum not hex": (lambda m: m["objects"][0].update(checksum=17), "checksum", V2),
     "block checksums that do not tile the chunk": (
         lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 1024, "checksums": ["0123456789abcdef"]}),
         "blocks has 1 checksum",
+        V2,
     ),
     "block size zero": (
         lambda m: m["tensors"][0]["chunks"][0].update(blocks={"size": 0, "checksums": []}),
         "blocks is",
+        V2,
+    ),
+    # format v4: the parts table and each tensor's layout
+    "parts table of another world size": (lambda m: m["parts"].update(count=2), "not a list of 2 entries", V4),
+    "part size negative": (lambda m: m["parts"]["part_bytes"].__setitem__(0, -1), "is not two sizes", V4),
+    "shard checksum not hex": (
+        lambda m: m["parts"].update(file_checksums="XYZ" + m["parts"]["file_checksums"][3:]),
+        "16-hex",
+        V4,
+    ),
+    "checksums of another world size": (
+        lambda m: m["parts"].update(part_checksums=m["parts"]["part_checksums"] * 2),
+        "not a string of 1 x 16 characters",
+        V4,
+    ),
+    "parts table not an object": (lambda m: m.update(parts=[]), "parts is not an object", V4),
+    "a chunk on a rank of another save": (
+        lambda m: m["tensors"][0]["layout"].update(rank=1),
+        "layout.rank is 1, but 1 ranks wrote the checkpoint",
+        V4,
+    ),
+    "a split of a dimension the tensor lacks": (
+        lambda m: m["tensors"][0]["layout"].update(split=[[5, 2, 0]]),
+        "cuts dimension 5",
+        V4,
+    ),
+    "a split into no pieces": (lambda m: m["tensors"][0]["layout"].update(split=[[0, 0, 0]]), "pieces >= 1", V4),
+    "an object of no part": (lambda m: m["objects"][0].update(rank=3), "rank is 3, not a rank of the save", V4),
+    "a tensor listed twice": (lambda m: m["tensors"].append(copy.deepcopy(m["tensors"][0])), "listed twice", V4),
+    "references in a v4 manifest": (lambda m: m.update(references=[]), "references is present in a format v4", V4),
+    "listed chunks that overlap": (
+        lambda m: m["tensors"][0].update(layout={"chunks": [[[0], [7], 0], [[0], [7], 0]]}),  # model.0.bias, [7]
+        "overlap",
+        V4,
     ),
 }
 
@@ -92,11 +135,13 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_manifest_values_are_validated_and_name_the_field(tmp_path, name):
     root = str(tmp_path / "run")
-    manifest = save_checkpoint(root, step=3)
-    mutate, expected = MUTATIONS[name]
+    mutate, expected, version = MUTATIONS[name]
+    saved = save_checkpoint(root, step=3, format_version=version)
+    where = os.path.join(root, dirname_of(saved))
+    with open(os.path.join(where, MANIFEST), "rb") as handle:
+        manifest = json.load(handle)  # as committed (save_checkpoint returns the v2 shape of a v4 one)
     bad = copy.deepcopy(manifest)
     mutate(bad)
-    where = os.path.join(root, dirname_of(manifest))
     manifest_format.parse(manifest_format.to_bytes(manifest), where)  # the original is sound
     with pytest.raises(CorruptCheckpoint, match=expected) as err:
         manifest_format.parse(manifest_format.to_bytes(bad), where)
@@ -184,7 +229,9 @@ def test_chunks_that_do_not_tile_a_tensor_make_verify_export_and_compare_refuse_
     from tests.helpers.forgery import forge_manifest
 
     edit, expected = UNTILED[name]
-    root, directory, _ = committed_checkpoint(state={"model": {"w": torch.zeros(64, 64)}, "progress": {"n": 1}})
+    state = {"model": {"w": torch.zeros(64, 64)}, "progress": {"n": 1}}
+    # format v2, whose manifest lists the chunks (v4's parts: test_a_part_missing_a_chunk_its_layout_names_...)
+    root, directory, _ = committed_checkpoint(state=state, format_version=2)
 
     def untile(manifest: dict) -> None:
         edit(next(t for t in manifest["tensors"] if t["fqn"] == "model.w"))
@@ -228,7 +275,7 @@ def _tamper_newest_manifest(directory: str, how: str) -> None:
     else:  # "bad-schema": forged with a record that vouches for it, but a table entry breaks the schema
         from tests.helpers.forgery import forge_manifest
 
-        forge_manifest(directory, lambda manifest: manifest["files"][0].update(checksum="XYZ"))
+        forge_manifest(directory, lambda manifest: manifest["tensors"][0].update(fqn=7))
 
 
 @pytest.mark.parametrize("how", ["edited-after-commit", "bad-schema"])
@@ -298,3 +345,45 @@ def test_a_commit_record_that_disagrees_with_its_manifest_makes_every_reader_cal
     assert rows[2]["state"] == ("corrupt" if field in manifest_format.RECORD_FIELDS else "committed")
     code, _, err = run_cli("inspect", os.path.join(root, dirname_of(edited)))
     assert code == 2 and field in err
+
+
+def test_a_part_missing_a_chunk_its_layout_names_makes_verify_export_and_load_refuse_it_naming_the_tensor(
+    tmp_path, run_cli, committed_checkpoint
+):
+    # format v4: the layout says rank 0 wrote model.w; a part that lacks it, rewritten with every checksum that
+    # vouches for it (part, manifest, commit record), is refused by every reader, naming the tensor
+    import torch
+
+    from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
+    from tests.helpers.forgery import forge_part
+
+    state = {"model": {"w": torch.zeros(64, 64)}, "progress": {"n": 1}}
+    root, directory, _ = committed_checkpoint(state=state)
+    forge_part(directory, 0, lambda part: part["chunks"].__setitem__(0, {**part["chunks"][0], "fqn": "model.v"}))
+    code, out, err = run_cli("verify", directory)
+    assert code == 1 and "model.w" in out and "layout" in out, (code, out, err)
+    out_file = tmp_path / "export.pt"
+    with pytest.raises(CorruptCheckpoint, match=r"no chunk of 'model\.w'"):
+        export_checkpoint(directory, str(out_file), ExportOptions(format="torch"))
+    assert not out_file.exists()
+    with pytest.raises(CorruptCheckpoint, match=r"no chunk of 'model\.w'"):
+        load_checkpoint({"model": {"w": torch.ones(64, 64)}, "progress": {"n": 0}}, directory)
+
+
+def test_a_part_that_names_another_file_than_its_ranks_shard_is_refused_by_load_and_verify(
+    tmp_path, run_cli, committed_checkpoint
+):
+    # format v4: rank 0's part sends readers to a copy of its shard under another name (same bytes, every
+    # checksum that vouches for the part rewritten): the part must name __0_0.distcp, as the manifest's table does
+    import torch
+
+    from tests.helpers.forgery import forge_part
+
+    state = {"model": {"w": torch.zeros(64, 64)}, "progress": {"n": 1}}
+    root, directory, _ = committed_checkpoint(state=state)
+    shutil.copy(os.path.join(directory, "__0_0.distcp"), os.path.join(directory, "elsewhere.distcp"))
+    forge_part(directory, 0, lambda part: part.update(file="elsewhere.distcp"))
+    with pytest.raises(CorruptCheckpoint, match=r"file is 'elsewhere\.distcp', the manifest says '__0_0\.distcp'"):
+        load_checkpoint({"model": {"w": torch.ones(64, 64)}, "progress": {"n": 0}}, directory)
+    code, out, err = run_cli("verify", directory)
+    assert code == 1 and "elsewhere.distcp" in out, (code, out, err)

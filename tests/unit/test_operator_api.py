@@ -25,6 +25,7 @@ from lightning_shardckpt import (
     resolve_checkpoint,
 )
 from lightning_shardckpt.engine.format import drill_records
+from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname, join
 from tests.helpers import counting_fs
 from tests.helpers.backends import LOCAL, Backend
@@ -88,7 +89,7 @@ def test_list_checkpoints_shows_every_state_its_trust_and_the_two_checkpoints_a_
     three = by_step[3]
     assert three.path == f"{backend.url}/{names[3]}" and three.root == backend.url
     assert three.checkpoint_id == manifests[3]["id"] and three.parent == manifests[2]["id"] and three.seq == 3
-    assert three.bytes == sum(item["bytes"] for item in manifests[3]["files"]) and three.bytes_referenced == 0
+    assert three.bytes == sum(item["bytes"] for item in manifest_format.files_of(manifests[3])) and three.bytes_referenced == 0
     assert isinstance(three.committed_at, datetime) and three.committed_at.tzinfo is not None
     assert three.run_id == RUN_ID and three.age_s is not None and three.age_s >= 0 and three.problem is None
     assert "commit record" in by_step[8].problem and by_step[8].committed_at is None
@@ -162,8 +163,8 @@ def test_read_manifest_summary_gives_position_topology_counts_and_identity(backe
     assert (summary.step, summary.checkpoint_id, summary.parent) == (2, second["id"], first["id"])
     assert summary.path == f"{backend.url}/{dirname_of(second)}" and summary.run_id == RUN_ID
     assert summary.tensor_count == len(second["tensors"]) and summary.object_count == len(second["objects"])
-    assert summary.file_count == len(second["files"]) == 1
-    assert summary.bytes == second["files"][0]["bytes"] and summary.bytes_referenced == 0
+    assert summary.file_count == len(manifest_format.files_of(second)) == 2  # the shard and its part (format v4)
+    assert summary.bytes == manifest_format.total_bytes(second) and summary.bytes_referenced == 0
     assert summary.topology["world_size"] == 1 and summary.verification == second["verification"]
     assert summary.identity == second["identity"] and set(summary.identity) == {
         "config",

@@ -12,6 +12,7 @@ import torch
 
 from lightning_shardckpt import CorruptCheckpoint, LoadConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import find
+from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
 from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.checkpoints import SHARD, chunk_of, fresh_state, save_checkpoint
 
@@ -67,8 +68,8 @@ def test_views_and_transposed_tensors_round_trip_exactly(tmp_path):
     load_checkpoint(target, str(tmp_path))
     for name, value in state.items():
         assert torch.equal(target[name], value), name
-    manifest = find(resolve(str(tmp_path)), "latest").manifest
-    row = next(t for t in manifest["tensors"] if t["fqn"] == "row_view")["chunks"][0]
+    entry = find(resolve(str(tmp_path)), "latest")
+    row = ChunkIndex(resolve(str(tmp_path)).fs, entry.path, entry.manifest).tensor_chunks("row_view")[0]
     compact = io.BytesIO()
     torch.save(base[1].clone(), compact)  # a record of the row's 6 elements alone, not the 24 of its base
     assert row["length"] == len(compact.getvalue()), "a view's record must hold only its own elements"

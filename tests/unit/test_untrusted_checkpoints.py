@@ -72,8 +72,9 @@ def replace_metadata(directory: str, data: bytes) -> None:
 
 @pytest.fixture
 def crafted(tmp_path, committed_checkpoint):
-    """A committed checkpoint whose `.metadata` was replaced by a pickle that creates `marker`."""
-    root, directory, _ = committed_checkpoint()
+    """A committed format-v2 checkpoint (whose readers unpickle `.metadata`) whose `.metadata` was replaced by a
+    pickle that creates `marker`."""
+    root, directory, _ = committed_checkpoint(format_version=2)
     marker = tmp_path / "pwned"
     replace_metadata(directory, pickle.dumps(RunsCommand(f"touch {marker}")))
     return root, directory, marker
@@ -116,6 +117,22 @@ def test_verify_refuses_a_metadata_pickle_that_would_run_a_command_and_the_marke
     assert not marker.exists()
 
 
+def test_a_v4_load_never_reads_metadata_so_a_crafted_one_runs_nothing_and_verify_names_it(
+    tmp_path, committed_checkpoint
+):
+    # format v4 plans each rank's load from the manifest and the parts: `.metadata` is there for plain DCP only
+    root, directory, manifest = committed_checkpoint()
+    marker = tmp_path / "pwned"
+    replace_metadata(directory, pickle.dumps(RunsCommand(f"touch {marker}")))
+    target = fresh_state(seed=99)
+    load_checkpoint(target, root)
+    assert torch.equal(target["model"]["0.weight"], fresh_state(seed=manifest["step"])["model"]["0.weight"])
+    report = verify_checkpoint(root)
+    assert [p["kind"] for p in report.problems] == [DCP_METADATA_PROBLEM] * 2
+    assert report.problems[1]["actual"] in ("posix.system", "os.system", "nt.system")
+    assert not marker.exists()
+
+
 def test_ls_inspect_diff_and_timeline_never_unpickle_a_crafted_metadata(crafted, run_cli):
     root, directory, marker = crafted
     make_v1(directory)
@@ -135,7 +152,7 @@ def test_load_refuses_a_crafted_metadata_by_checksum_v2_and_by_class_v1_and_runs
 
 
 def test_v1_checkpoint_without_a_metadata_checksum_still_loads(committed_checkpoint):
-    root, directory, manifest = committed_checkpoint()
+    root, directory, manifest = committed_checkpoint(format_version=2)
     make_v1(directory)
     target = fresh_state(seed=99)
     load_checkpoint(target, root)
@@ -143,7 +160,7 @@ def test_v1_checkpoint_without_a_metadata_checksum_still_loads(committed_checkpo
 
 
 def test_metadata_pointing_outside_the_checkpoint_directory_is_corrupt_not_a_read(committed_checkpoint):
-    root, directory, manifest = committed_checkpoint()
+    root, directory, manifest = committed_checkpoint(format_version=2)
     make_v1(directory)
     metadata = safe_pickle.load_dcp_metadata(Path(directory, DCP_METADATA).read_bytes(), directory)
     index = next(iter(metadata.storage_data))
@@ -260,7 +277,7 @@ def test_lightning_blob_with_hydra_containers_in_hparams_loads_with_trust_off():
 
 
 def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_a_read(committed_checkpoint, run_cli):
-    root, directory, manifest = committed_checkpoint()
+    root, directory, manifest = committed_checkpoint(format_version=2)
     make_v1(directory)
     path = os.path.join(directory, MANIFEST)
     edited = json.loads(Path(path).read_text())
@@ -275,6 +292,19 @@ def test_manifest_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_
         load_checkpoint(fresh_state(), directory)
     code, _, err = run_cli("verify", directory)
     assert code == 2 and "etc/passwd" in err
+
+
+def test_a_part_naming_a_file_outside_the_checkpoint_directory_is_corrupt_not_a_read(committed_checkpoint, run_cli):
+    # format v4: a part names its shard file; one naming a path out of the directory, with every checksum that
+    # vouches for it rewritten, is refused before anything is opened
+    from tests.helpers.forgery import forge_part
+
+    root, directory, _ = committed_checkpoint()
+    forge_part(directory, 0, lambda part: part.update(file="../../../../../../etc/passwd"))
+    with pytest.raises(ShardCkptError, match=r"etc/passwd.*not a relative path inside"):
+        load_checkpoint(fresh_state(), directory)
+    code, out, _ = run_cli("verify", directory)
+    assert code == 1 and "etc/passwd" in out
 
 
 # A 12-byte pickle: GLOBAL builtins.bytearray, BININT 1 GiB, TUPLE1, REDUCE, STOP. Unpickled freely it
@@ -332,7 +362,7 @@ def run_rss_probe(root: str) -> tuple[float, int, str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["v1-no-checksum", "v2-checksums-rewritten"])
 def test_a_metadata_pickle_asking_for_a_gigabyte_is_refused_without_allocating_it(committed_checkpoint, version):
-    root, directory, _ = committed_checkpoint()
+    root, directory, _ = committed_checkpoint(format_version=2)
     if version == "v1-no-checksum":
         make_v1(directory)
         replace_metadata(directory, BYTEARRAY_OF_A_GIGABYTE)

@@ -13,6 +13,7 @@ import torch
 
 from lightning_shardckpt import CorruptCheckpoint, load_checkpoint
 from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.checksum import checksum
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, DCP_METADATA
 from lightning_shardckpt.ops.verify import (
     CHUNK_CHECKSUM,
@@ -20,10 +21,11 @@ from lightning_shardckpt.ops.verify import (
     FILE_CHECKSUM,
     FILE_SIZE,
     MISSING_FILE,
+    PART_PROBLEM,
     TILING,
     verify_checkpoint,
 )
-from tests.helpers.checkpoints import SHARD, chunk_of, dirname_of, fresh_state, save_checkpoint
+from tests.helpers.checkpoints import PART, SHARD, chunk_of, dirname_of, fresh_state, save_checkpoint
 
 
 @pytest.fixture
@@ -40,7 +42,7 @@ def test_sound_checkpoint_verifies_ok_reading_every_byte(committed):
     report = verify_checkpoint(root)
     assert report.ok, report.problems
     assert report.checkpoint_id == manifest["id"]
-    assert report.files == 1
+    assert report.files == len(manifest["files"]) == 2  # the shard file and its part (format v4)
     assert report.chunks == len(manifest["tensors"]) + len(manifest["objects"])
     assert report.bytes_read == os.path.getsize(os.path.join(directory, SHARD))
     assert verify_checkpoint(directory).ok  # a checkpoint directory works as well as its root
@@ -132,9 +134,10 @@ def test_dcp_metadata_from_another_checkpoint_is_reported(tmp_path, committed_ch
     assert "extra" in {p["tensor"] for p in report.problems}
 
 
-def test_manifest_whose_chunks_leave_a_gap_is_reported(committed):
-    # the manifest is write-once, but a hand-edited or mis-written one must not pass for sound
-    root, directory, manifest = committed
+def test_manifest_whose_chunks_leave_a_gap_is_reported(committed_checkpoint):
+    # the manifest is write-once, but a hand-edited or mis-written one must not pass for sound (format v2: the
+    # manifest lists the chunks; v4's parts: test_a_part_whose_chunks_leave_a_gap_is_reported)
+    root, directory, manifest = committed_checkpoint(format_version=2)
     path = os.path.join(directory, "manifest.json")
     edited = json.load(open(path))
     edited["objects"] = []  # the object at offset 0 is no longer listed: bytes 0..n are nobody's
@@ -153,6 +156,32 @@ def test_manifest_whose_chunks_leave_a_gap_is_reported(committed):
         (SHARD, f"the next at byte {manifest['objects'][0]['length']}")
     ]
     assert problems_of(report, FILE_CHECKSUM)  # made over every chunk written, not only the listed ones
+
+
+def test_a_part_whose_chunks_leave_a_gap_is_reported(committed):
+    # format v4: the part lists the chunks. One that leaves bytes unlisted, even with checksums rewritten to match
+    # (as a writer that built it wrong would have), is reported, naming the part, and a load refuses it
+    root, directory, manifest = committed
+    part_path = os.path.join(directory, PART)
+    part = json.load(open(part_path))
+    part["objects"] = []  # the object at offset 0 is no longer listed: bytes 0..n are nobody's
+    data = (json.dumps(part) + "\n").encode()
+    os.chmod(part_path, 0o644)
+    open(part_path, "wb").write(data)
+    path = os.path.join(directory, "manifest.json")
+    edited = json.load(open(path))
+    edited["parts"]["part_bytes"][0], edited["parts"]["part_checksums"] = len(data), checksum(data)  # one rank
+    os.chmod(path, 0o644)
+    manifest_bytes = manifest_format.to_bytes(edited)
+    open(path, "wb").write(manifest_bytes)
+    record = os.path.join(directory, COMMIT_RECORD)
+    os.chmod(record, 0o644)
+    open(record, "wb").write(manifest_format.to_bytes(manifest_format.build_commit_record(edited, manifest_bytes)))
+
+    report = verify_checkpoint(root)
+    assert [(p["file"], "are in no chunk" in p["actual"]) for p in problems_of(report, PART_PROBLEM)] == [(PART, True)]
+    with pytest.raises(CorruptCheckpoint, match="are in no chunk"):
+        load_checkpoint(fresh_state(seed=99), root)
 
 
 def test_memory_filesystem_checkpoint_verifies_and_flip_is_found():

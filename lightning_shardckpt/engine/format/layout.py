@@ -12,14 +12,18 @@ MANIFEST = "manifest.json"
 COMMIT_RECORD = "commit.json"
 DCP_METADATA = ".metadata"  # DCP's own file name: plain `dcp.load` looks for exactly this
 LATEST = "latest"
+DCP_METADATA_FIELD = "dcp_metadata"  # manifest v2+: {"checksum", "bytes"} of `.metadata` as committed
 OWNER = ".owner.json"  # ROOT/.owner.json: which run writes into this root (see ownership.py)
 SHARD_SUFFIX = ".distcp"
-FORMAT_VERSION = 2  # what this writer emits (docs/FORMAT.md)
-READABLE_FORMAT_VERSIONS = (1, 2, 3)  # v1: no commit record, no `seq`; listing parses the manifest itself
+FORMAT_VERSION = 2  # what the collective save path emits (docs/FORMAT.md)
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)  # v1: no commit record, no `seq`; listing parses the manifest itself
 INCREMENTAL_FORMAT_VERSION = 3  # what an incremental checkpoint (one with references) emits; full ones stay v2
+# a full save whose ranks agree on the layout: per-rank parts beside the shards, a small manifest (FORMAT.md §10)
+PARTS_FORMAT_VERSION = 4
+NEWEST_FORMAT_VERSION = max(READABLE_FORMAT_VERSIONS)
 CHECKSUM_ALGORITHM = "xxh3_64"
 
-_SHARD_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
+_SHARD_RE = re.compile(r"^__(?P<rank>\d+)_\d+(?:\.distcp|\.part\.json)$")  # a shard file or its part (v4)
 _DIR_RE = re.compile(r"^step-(?P<step>\d{9,})-(?P<id>[0-9a-f]{8,32})$")
 
 
@@ -39,8 +43,9 @@ def shard_filename(rank: int, index: int = 0) -> str:
 
 
 def shard_rank(relative_path: str) -> int | None:
-    """The rank that wrote a shard file named by shard_filename, for reports only (readers find bytes
-    through the manifest, never by parsing names); None for any other name."""
+    """The rank that wrote a shard file named by shard_filename (or its part, parts.part_filename): for reports
+    and for picking the files a rank copies (readers find bytes through the manifest, never by parsing names);
+    None for any other name."""
     match = _SHARD_RE.match(relative_path.rsplit("/", 1)[-1])
     return int(match["rank"]) if match else None
 

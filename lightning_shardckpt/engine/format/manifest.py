@@ -1,7 +1,9 @@
-"""Manifest format v2 (reads v1): build, serialize, parse and validate; and the small commit record.
+"""The manifest: build (v2/v3 from DCP's global metadata, v4 from the ranks' parts), serialize, parse and
+validate (v1-v4); and the small commit record.
 
 The spec is docs/FORMAT.md. The commit record (`commit.json`) carries what a listing needs (id, step,
-run, lineage, time, size) so listing a root never parses a tensor table.
+run, lineage, time, size) so listing a root never parses a tensor table; from v4 it also carries what a
+timeline shows (`summary`), so a timeline never reads a manifest either.
 """
 
 from __future__ import annotations
@@ -12,21 +14,32 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CorruptCheckpoint, IncompatibleCheckpoint
-from . import bounded_json, manifest_schema
+from ..gc_pause import gc_paused
+from . import bounded_json, manifest_schema, parts_manifest
 from .checksum import checksum, checksum_of_checksums
 from .layout import (
     CHECKSUM_ALGORITHM,
+    DCP_METADATA,
+    DCP_METADATA_FIELD,
     FORMAT_VERSION,
     INCREMENTAL_FORMAT_VERSION,
+    NEWEST_FORMAT_VERSION,
+    PARTS_FORMAT_VERSION,
     READABLE_FORMAT_VERSIONS,
+    DirName,
     parse_dirname,
 )
 from .manifest_schema import BLOCKS_FIELD, REFERENCES_FIELD
+from .parts import PART_SUFFIX
+from .parts_manifest import PARTS_FIELD
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
+# v4: the parts table takes the place of `files` (parts_manifest.py)
+REQUIRED_FIELDS_V4 = ("format_version", "id", "step", "created_at", PARTS_FIELD, "tensors", "objects", "topology")
+SUMMARY_FIELD = "summary"  # v4 commit record: the manifest's small fields a timeline shows (build_commit_record)
 # copied from the manifest into the commit record: what listing, `latest` and retention decide by
 RECORD_FIELDS = ("format_version", "id", "step", "run_id", "parent", "seq", "created_at")
 IDENTITY_BLOCKS = ("config", "data", "model", "code", "run")
@@ -120,8 +133,61 @@ def build_manifest(
     return manifest
 
 
+def build_parts_manifest(
+    *,
+    checkpoint_id: str,
+    parent: str | None,
+    step: int,
+    tensors: list[dict[str, Any]],
+    objects: list[dict[str, Any]],
+    parts: dict[str, Any],
+    topology: dict[str, Any],
+    verification: dict[str, Any],
+    epoch: int | None = None,
+    samples_consumed: int | None = None,
+    identity: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    seq: int = 1,
+) -> dict[str, Any]:
+    """A format-v4 manifest: per checkpoint, not per chunk. `tensors` are {fqn, shape, dtype, layout[, finite]},
+    `objects` {fqn, rank}, `parts` the table of parts_manifest.parts_table; the chunks are in the parts."""
+    identity_block = empty_identity()
+    identity_block.update(identity or {})
+    return {
+        "format_version": PARTS_FORMAT_VERSION,
+        "id": checkpoint_id,
+        "parent": parent,
+        "seq": seq,
+        "step": step,
+        "epoch": epoch,
+        "samples_consumed": samples_consumed,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        "writer": writer_versions(),
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "topology": topology,
+        PARTS_FIELD: parts,
+        "tensors": sorted(tensors, key=lambda t: t["fqn"]),
+        "objects": sorted(objects, key=lambda o: o["fqn"]),
+        "identity": identity_block,
+        "verification": verification,
+        "extra": extra or {},
+        "run_id": run_id,
+    }
+
+
 def to_bytes(manifest: dict[str, Any]) -> bytes:
-    return (json.dumps(manifest, indent=1, sort_keys=True, default=str) + "\n").encode()
+    """The manifest's bytes: sorted keys, every top-level key on its own line (ops/manifest_summary.py finds
+    them without parsing the tables). v1-v3 indent every level; v4 writes each value compactly, since its
+    tables are long lists of numbers that an indent would put one per line (and json's C encoder refuses
+    indents: 5x slower)."""
+    if (manifest.get("format_version") or 0) < PARTS_FORMAT_VERSION:
+        return (json.dumps(manifest, indent=1, sort_keys=True, default=str) + "\n").encode()
+    fields = (
+        f" {json.dumps(key)}: {json.dumps(manifest[key], sort_keys=True, separators=(',', ':'), default=str)}"
+        for key in sorted(manifest)
+    )
+    return ("{\n" + ",\n".join(fields) + "\n}\n").encode()
 
 
 def parse(data: bytes, where: str) -> dict[str, Any]:
@@ -131,23 +197,70 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
     """
     manifest = _json_object(data, where, "manifest", bounded_json.MANIFEST_MAX_BYTES)
     version = _version(manifest, where, "manifest")
-    missing = [name for name in REQUIRED_FIELDS if name not in manifest]
+    missing = [name for name in required_fields(version) if name not in manifest]
     if missing:
         raise CorruptCheckpoint(f"{where}: manifest lacks required fields {missing}; the checkpoint is damaged")
-    problems = manifest_schema.manifest_problems(manifest, parse_dirname(where))
+    problems = manifest_problems(manifest, parse_dirname(where))
     if problems:
         raise CorruptCheckpoint(_invalid(where, "manifest", version, problems))
     return manifest
 
 
+def required_fields(version: int) -> tuple[str, ...]:
+    return REQUIRED_FIELDS_V4 if version >= PARTS_FORMAT_VERSION else REQUIRED_FIELDS
+
+
+def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[str]:
+    """Every value rule of the manifest's version (FORMAT.md §5, §10.1); empty when it is sound."""
+    if manifest["format_version"] >= PARTS_FORMAT_VERSION:
+        return manifest_schema.common_problems(manifest, dirname) + parts_manifest.table_problems(manifest)
+    return manifest_schema.manifest_problems(manifest, dirname)
+
+
 def build_commit_record(manifest: dict[str, Any], manifest_bytes: bytes) -> dict[str, Any]:
-    """The commit record of `manifest`: its listing fields, its size, and a checksum of its exact bytes."""
+    """The commit record of `manifest`: its listing fields, its size, and a checksum of its exact bytes; from
+    v4 also its `summary` (summary_of)."""
     record = {name: manifest.get(name) for name in RECORD_FIELDS}
     record["bytes_total"] = total_bytes(manifest)
     if manifest.get(REFERENCES_FIELD):
         record["bytes_referenced"] = referenced_bytes(manifest)
+    if (manifest.get("format_version") or 0) >= PARTS_FORMAT_VERSION:
+        record[SUMMARY_FIELD] = summary_of(manifest)
     record["manifest_checksum"] = checksum(manifest_bytes)
     return record
+
+
+# what a timeline row shows of a checkpoint besides the listing fields (ops/investigate.py)
+SUMMARY_KEYS = ("epoch", "samples_consumed", "topology", "verification")
+
+
+def summary_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's small fields a timeline shows, with each identity block as a digest: a timeline compares
+    digests, and reads the two manifests only where a block changed. Bounded: no table, no identity block."""
+    summary: dict[str, Any] = {key: manifest.get(key) for key in SUMMARY_KEYS}
+    metrics = (manifest.get("extra") or {}).get("metrics")
+    summary["extra"] = {"metrics": metrics} if metrics is not None else {}
+    identity = manifest.get("identity") or {}
+    summary["identity_digests"] = {
+        block: None if identity.get(block) is None else canonical_digest(identity[block]) for block in IDENTITY_BLOCKS
+    }
+    summary[RECORD_DIGEST_FIELD] = record_fields_digest(manifest)
+    return summary
+
+
+RECORD_DIGEST_FIELD = "record_digest"
+
+
+def record_fields_digest(document: dict[str, Any]) -> str:
+    """A digest of the listing fields (RECORD_FIELDS) as `document` states them. A v4 summary carries the
+    manifest's: a reader that trusts the summary alone (a timeline) still notices a record whose fields were
+    edited after commit, without reading the manifest."""
+    return canonical_digest({name: document.get(name) for name in RECORD_FIELDS})
+
+
+def canonical_digest(value: Any) -> str:
+    """xxh3_64 of the value's canonical JSON (sorted keys, `,` and `:`): FORMAT.md §5's identity digest."""
+    return checksum(json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode())
 
 
 def parse_commit_record(data: bytes, where: str) -> dict[str, Any]:
@@ -170,7 +283,7 @@ def check_record_agrees(record: dict[str, Any], manifest: dict[str, Any], where:
         for name in RECORD_FIELDS
         if record.get(name) != manifest.get(name)
     ]
-    if "files" in manifest:
+    if "files" in manifest or PARTS_FIELD in manifest:  # the tables are there (v1-v3: files; v4: parts)
         for name, actual in (("bytes_total", total_bytes(manifest)), ("bytes_referenced", referenced_bytes(manifest))):
             expected = record.get(name, 0 if name == "bytes_referenced" else None)
             if expected != actual:
@@ -201,12 +314,13 @@ def check_matches_record(manifest_bytes: bytes, record: dict[str, Any], where: s
 
 
 # the manifest's tables: checked entry by entry by manifest_schema, so the depth walk skips them
-SCHEMA_CHECKED_TABLES = ("tensors", "objects", "files")
+SCHEMA_CHECKED_TABLES = ("tensors", "objects", "files", PARTS_FIELD)
 
 
 def _json_object(data: bytes, where: str, what: str, max_bytes: int) -> dict[str, Any]:
     try:
-        document = bounded_json.loads(data, max_bytes, schema_checked=SCHEMA_CHECKED_TABLES)
+        with gc_paused():  # a large manifest is many small objects (engine/gc_pause.py)
+            document = bounded_json.loads(data, max_bytes, schema_checked=SCHEMA_CHECKED_TABLES)
     except bounded_json.UnreadableJson as err:
         raise CorruptCheckpoint(f"{where}: {what} is {err}; the checkpoint is damaged, load an older one") from err
     if not isinstance(document, dict):
@@ -222,7 +336,7 @@ def _version(document: dict[str, Any], where: str, what: str) -> int:
         )
     if version not in READABLE_FORMAT_VERSIONS:
         raise IncompatibleCheckpoint(
-            f"{where}: manifest format v{version} is newer than this lightning_shardckpt reads (v{FORMAT_VERSION}); "
+            f"{where}: manifest format v{version} is newer than this lightning_shardckpt reads (v{NEWEST_FORMAT_VERSION}); "
             "upgrade: pip install -U lightning_shardckpt"
         )
     return version
@@ -253,7 +367,8 @@ def expected_blocks(manifest: dict[str, Any]) -> dict[tuple[str, int], tuple[int
 
 
 def iter_chunks(manifest: dict[str, Any]):
-    """Yield (fqn, chunk) for every tensor chunk and object, each with file, offset, length, checksum."""
+    """Yield (fqn, chunk) for every tensor chunk and object, each with file, offset, length, checksum.
+    Format v1-v3 only: a v4 manifest lists no chunk (its parts do: engine/format/chunk_index.py)."""
     for tensor in manifest["tensors"]:
         for chunk in tensor["chunks"]:
             yield tensor["fqn"], chunk
@@ -262,8 +377,24 @@ def iter_chunks(manifest: dict[str, Any]):
 
 
 def total_bytes(manifest: dict[str, Any]) -> int:
-    """The bytes this checkpoint's own files hold (an incremental one's references are not counted)."""
-    return sum(entry["bytes"] for entry in manifest["files"])
+    """The bytes this checkpoint's own files hold (an incremental one's references are not counted; a v4
+    one's parts are: they are files of the checkpoint)."""
+    if is_parts_format(manifest):
+        return parts_manifest.bytes_total(manifest)
+    return sum(entry["bytes"] for entry in files_of(manifest))
+
+
+def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every file of the checkpoint: `{path, bytes, checksum}` (v4 adds `kind`: shard or part), sorted by path.
+    v1-v3: the manifest's `files`; v4: built from its parts table."""
+    if (manifest.get("format_version") or 0) >= PARTS_FORMAT_VERSION:
+        return parts_manifest.files_of(manifest)
+    return manifest["files"]
+
+
+def is_parts_format(manifest: dict[str, Any]) -> bool:
+    """Format v4: the chunks are in per-rank parts, not in the manifest."""
+    return (manifest.get("format_version") or 0) >= PARTS_FORMAT_VERSION
 
 
 def referenced_bytes(manifest: dict[str, Any]) -> int:
@@ -299,3 +430,16 @@ def _files(receipts: Any) -> list[dict[str, Any]]:
             }
         )
     return files
+
+
+def files_with_metadata(manifest: dict[str, Any]) -> dict[str, int]:
+    """Every file of the checkpoint and its committed size, `.metadata` included when the checkpoint has one."""
+    sizes = {entry["path"]: entry["bytes"] for entry in files_of(manifest)}
+    if manifest.get(DCP_METADATA_FIELD) is not None:  # v4 writes it for small checkpoints only; v1 recorded none
+        sizes[DCP_METADATA] = manifest[DCP_METADATA_FIELD]["bytes"]
+    return sizes
+
+
+def transfer_order(relative: str) -> tuple[int, str]:
+    """Parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the part lands first."""
+    return (0 if relative.endswith(PART_SUFFIX) else 1, relative)

@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from .layout import DirName, parse_dirname
+from .layout import CHECKSUM_ALGORITHM, DirName, parse_dirname
 from .outcomes import metrics_problems
 
 HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)
@@ -62,13 +62,16 @@ def identity_problems(document: dict[str, Any], dirname: DirName | None) -> list
     return problems
 
 
-def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[str]:
-    """Every rule of FORMAT.md §5 a reader relies on; empty when the manifest is sound."""
+def common_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[str]:
+    """The rules every format version shares: the fields a listing orders by, and the small typed blocks."""
     problems = identity_problems(manifest, dirname)
     if manifest["format_version"] >= 2 and manifest.get("seq") is None:
         problems.append("seq is missing (required from format v2)")
     if not isinstance(manifest.get("topology"), dict):
         problems.append("topology is not an object")
+    algorithm = manifest.get("checksum_algorithm", CHECKSUM_ALGORITHM)
+    if algorithm != CHECKSUM_ALGORITHM:  # its digests cannot be checked as xxh3: nothing read could be vouched for
+        problems.append(f"checksum_algorithm {algorithm!r} is not one this reader checks ({CHECKSUM_ALGORITHM})")
     for name in ("identity", "verification", "writer", "extra"):
         if manifest.get(name) is not None and not isinstance(manifest[name], dict):
             problems.append(f"{name} is not an object")
@@ -81,6 +84,13 @@ def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list
             for block, value in identity.items()
             if value is not None and not isinstance(value, dict)
         )
+    return problems
+
+
+def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[str]:
+    """Every rule of FORMAT.md §5 a reader relies on (v1-v3); empty when the manifest is sound. Format v4's
+    tables are checked by parts_manifest.table_problems, after these common rules (manifest.problems)."""
+    problems = common_problems(manifest, dirname)
     files = manifest.get("files")
     names: set[str] = set()
     if not isinstance(files, list):
@@ -181,7 +191,7 @@ def _references_problems(manifest: dict[str, Any], names: set[str]) -> list[str]
 
 
 def record_problems(record: dict[str, Any], dirname: DirName | None) -> list[str]:
-    """The commit record (FORMAT.md §6): what a listing needs, typed and matching the directory name."""
+    """The commit record (FORMAT.md §5.1): what a listing needs, typed and matching the directory name."""
     problems = identity_problems(record, dirname)
     if not is_int(record.get("seq")):
         problems.append("seq is missing")
@@ -189,6 +199,28 @@ def record_problems(record: dict[str, Any], dirname: DirName | None) -> list[str
         problems.append(f"bytes_total is {record.get('bytes_total')!r}, not an integer >= 0")
     if not isinstance(record.get("manifest_checksum"), str) or not HEX_DIGEST.match(record["manifest_checksum"]):
         problems.append(f"manifest_checksum is {record.get('manifest_checksum')!r}, not 16 lowercase hex characters")
+    if "summary" in record:  # v4: what a timeline shows, so that it reads no manifest
+        problems.extend(_summary_problems(record["summary"]))
+    return problems
+
+
+def _summary_problems(summary: Any) -> list[str]:
+    if not isinstance(summary, dict):
+        return [f"summary is {summary!r}, not an object"]
+    problems = [
+        f"summary.{name} is not an object"
+        for name in ("topology", "verification", "extra", "identity_digests")
+        if summary.get(name) is not None and not isinstance(summary[name], dict)
+    ]
+    digests = summary.get("identity_digests")
+    if isinstance(digests, dict):
+        problems.extend(
+            f"summary.identity_digests.{block} is {value!r}, not a digest or null"
+            for block, value in digests.items()
+            if value is not None and not _is_digest(value)
+        )
+    if isinstance(summary.get("extra"), dict):
+        problems.extend(f"summary.{problem}" for problem in metrics_problems(summary["extra"]))
     return problems
 
 
@@ -355,11 +387,11 @@ def _chunk_problems(chunk: Any, files: set[str], *, tensor_chunk: bool) -> list[
     if tensor_chunk and not (_int_list(chunk.get("offsets")) and _int_list(chunk.get("sizes"))):
         problems.append("offsets and sizes must be lists of integers >= 0")
     if BLOCKS_FIELD in chunk:
-        problems.extend(_blocks_problems(chunk[BLOCKS_FIELD], chunk.get("length")))
+        problems.extend(blocks_problems(chunk[BLOCKS_FIELD], chunk.get("length")))
     return problems
 
 
-def _blocks_problems(blocks: Any, length: Any) -> list[str]:
+def blocks_problems(blocks: Any, length: Any) -> list[str]:
     """Block checksums must tile the chunk exactly: a reader trusts them to cover every byte it reads."""
     if not isinstance(blocks, dict) or not is_int(blocks.get("size")) or blocks["size"] < 1:
         return [f"{BLOCKS_FIELD} is {blocks!r}, not {{'size': integer >= 1, 'checksums': [...]}}"]

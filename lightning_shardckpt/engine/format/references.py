@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .chunk_index import ChunkIndex
 from .entry import load_manifest, read_manifest
-from .layout import join
+from .layout import INCREMENTAL_FORMAT_VERSION, join
 
 # The schema rules of a reference (its field, its form, why a path is not one) live with the rest of the
 # manifest's schema, which validates them; these names stay here for the code that makes and follows them.
@@ -58,8 +59,8 @@ def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None
     for entry in entries:
         if not entry.committed or (keep is not None and entry.name not in keep):
             continue
-        if (entry.record or {}).get("format_version", 0) < 3:
-            continue
+        if (entry.record or {}).get("format_version") != INCREMENTAL_FORMAT_VERSION:
+            continue  # only v3 checkpoints reference anything (v4 ones are full saves)
         try:
             manifest = read_manifest(location.fs, entry)
         except Exception:  # a damaged manifest: be conservative, its references cannot be known
@@ -98,5 +99,8 @@ def chunk_map(
 
 
 def read_base(root: Any, dirname: str) -> dict[str, Any]:
-    """The committed manifest of the incremental base `dirname` (validated)."""
-    return load_manifest(root.fs, join(root.path, dirname))
+    """The committed manifest of the incremental base `dirname` (validated), with its chunks: a format-v4 base
+    lists them in its parts, which are read (and checked) here, so chunk_map sees every chunk either way."""
+    directory = join(root.path, dirname)
+    manifest = load_manifest(root.fs, directory)
+    return ChunkIndex(root.fs, directory, manifest).expanded()

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...errors import CorruptCheckpoint, UntrustedCheckpoint
 from ..storage.backends import backend_for
 from .checksum import checksum
+from .layout import DCP_METADATA_FIELD as DCP_METADATA_FIELD
 from .manifest_schema import is_reference, reference_problem
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ DCP_METADATA_GLOBALS = frozenset(
     }
 )
 
-DCP_METADATA_FIELD = "dcp_metadata"  # manifest v2: {"checksum", "bytes"} of `.metadata` as committed
 
 # Plain `pickle.dumps` of a tensor stores its storage through `torch.storage._load_from_bytes`, which
 # calls `torch.load(weights_only=False)`; this stand-in loads the same bytes with weights_only=True.

@@ -1,9 +1,10 @@
 """Read one global tensor of a committed checkpoint at a time, assembled from its chunks, every byte checked.
 
-What bisect, compare and export share. A global tensor is rebuilt from the manifest alone: each chunk
-names its file, byte range, checksum and place (`offsets`, `sizes`) in the global tensor, so the
-checkpoint's world size does not matter and `.metadata` is never unpickled. Each chunk's bytes are
-checked against the manifest (chunk_reads.check_chunk, the check every reader makes) before they are decoded.
+What bisect, compare and export share. A global tensor is rebuilt from the manifest (format v4: and the
+parts of the ranks that wrote it, read when first needed): each chunk names its file, byte range, checksum
+and place (`offsets`, `sizes`) in the global tensor, so the checkpoint's world size does not matter and
+`.metadata` is never unpickled. Each chunk's bytes are checked against the recorded checksum
+(chunk_reads.check_chunk, the check every reader makes) before they are decoded.
 
 Memory: the returned tensor plus one reused read buffer the size of the largest chunk read so far.
 Callers that walk a checkpoint drop each tensor before reading the next.
@@ -21,8 +22,10 @@ import torch
 
 from ...errors import CorruptCheckpoint
 from ..catalog import CheckpointEntry
-from ..format import safe_pickle
-from ..format.layout import join
+from ..format import chunk_layout, safe_pickle
+from ..format.chunk_index import ChunkIndex
+from ..format.layout import join, shard_filename
+from ..format.parts_manifest import LAYOUT_FIELD
 from ..storage.chunk_reads import check_chunk, decode_tensor_record, read_at
 from ..storage.fsio import Location
 
@@ -38,8 +41,9 @@ class TensorSpec:
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    chunks: tuple[dict[str, Any], ...]
+    chunks: tuple[dict[str, Any], ...]  # format v1-v3; v4 lists them in its parts (GlobalTensorReader reads them)
     finite: bool | None = None  # the writer's flag (format v2): no chunk held NaN/Inf when written
+    layout: chunk_layout.Layout | None = None  # format v4
 
     @property
     def numel(self) -> int:
@@ -50,7 +54,13 @@ class TensorSpec:
         return self.numel * self.dtype.itemsize
 
     @property
+    def chunk_count(self) -> int:
+        return len(self.chunks) if self.layout is None else chunk_layout.chunk_count(self.layout)
+
+    @property
     def files(self) -> list[str]:
+        if self.layout is not None:  # v4: the shard files of the ranks its layout names, no part read
+            return sorted({shard_filename(rank) for rank in chunk_layout.ranks_of(self.layout)})
         return sorted({chunk["file"] for chunk in self.chunks})
 
 
@@ -68,7 +78,12 @@ def tensor_specs(manifest: dict[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor of a manifest by fqn, in the manifest's (sorted) order."""
     return {
         item["fqn"]: TensorSpec(
-            item["fqn"], tuple(item["shape"]), dtype_of(item["dtype"]), tuple(item["chunks"]), item.get("finite")
+            item["fqn"],
+            tuple(item["shape"]),
+            dtype_of(item["dtype"]),
+            tuple(item.get("chunks") or ()),
+            item.get("finite"),
+            chunk_layout.from_json(item[LAYOUT_FIELD]) if LAYOUT_FIELD in item else None,
         )
         for item in manifest["tensors"]
     }
@@ -89,6 +104,7 @@ class GlobalTensorReader:
         self.entry = entry
         self.manifest = entry.manifest
         self.specs = tensor_specs(self.manifest)
+        self._chunks = ChunkIndex(location.fs, entry.path, self.manifest)
         self.bytes_read = 0
         self._handles: dict[str, Any] = {}
         self._buffer = bytearray()  # reused for every chunk: reads land in memory that was used before
@@ -120,7 +136,8 @@ class GlobalTensorReader:
                 f"{fqn}: out is {tuple(out.shape)} {out.dtype}, the checkpoint holds {spec.shape} {spec.dtype}"
             )
         # in file and byte order: a sequential read of each file
-        for chunk in sorted(spec.chunks, key=lambda c: (c["file"], c["offset"])):
+        chunks = spec.chunks if spec.layout is None else self._chunks.tensor_chunks(fqn)
+        for chunk in sorted(chunks, key=lambda c: (c["file"], c["offset"])):
             data = self._read_chunk(chunk, fqn)
             piece = decode_tensor_record(data, tuple(chunk["sizes"]), spec.dtype)
             target = out

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ...errors import CheckpointDeleted, CorruptCheckpoint, IncompatibleCheckpoint, ShardCkptError
 from .. import catalog
-from ..collectives import broadcast_from_coordinator, rank_and_world
+from ..collectives import broadcast_from_coordinator, gather_to_coordinator, rank_and_world
 from ..config import LoadConfig
 from ..format import manifest as manifest_format
 from ..format.layout import MANIFEST, join, parse_dirname
@@ -29,6 +31,7 @@ from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.reader import ShardReader
+from .resume_plan import plan_resume
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class LoadResult:
     place_s: float = 0.0  # this rank: the loading thread copying chunks into the state (mostly inside read_s)
     chunks_read: int = 0  # this rank: stored chunks read, each once however many read items it feeds
     source: str | None = None  # which copy was read, in a resume line's words ("fast tier"); set by the resume
+    parts_read: int = 0  # this rank, format v4: the parts it read to plan its share (metadata_s includes them)
 
 
 def load_checkpoint(
@@ -98,6 +102,8 @@ def _load_once(
     if callable(state_dict):  # every rank alike: the manifest is rank 0's, broadcast
         state_dict = state_dict(entry.manifest)
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
+    if manifest_format.is_parts_format(entry.manifest):
+        return _load_from_parts(state_dict, root, entry, config, strict, process_group)
     expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
     reader = ShardReader(
         root.fs,
@@ -140,6 +146,91 @@ def _load_once(
         place_s=reader.place_s,
         chunks_read=reader.chunks_read,
     )
+
+
+def _load_from_parts(
+    state_dict: dict[str, Any],
+    root: Location,
+    entry: catalog.CheckpointEntry,
+    config: LoadConfig,
+    strict: bool,
+    process_group: Any,
+) -> LoadResult:
+    """Format v4: each rank plans from the parts it needs and loads its share on its own (DCP without its
+    collectives: no rank sends its plan anywhere); one verdict collective makes every rank fail alike."""
+    plan = reader = None
+    failure: BaseException | None = None
+    try:
+        plan = plan_resume(root.fs, entry.path, entry.manifest, state_dict)
+        reader = ShardReader(
+            root.fs,
+            entry.path,
+            expected_checksums=plan.expected_checksums if config.verify_checksums else None,
+            expected_blocks=plan.expected_blocks if config.verify_checksums else None,
+            trust=config.trust_checkpoint,
+            read_threads=config.read_threads,
+            read_ahead_bytes=config.read_ahead_bytes,
+            metadata=plan.metadata,
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                no_dist=True,  # this rank's share only: its plan is complete without the others'
+            )
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        failure = _unwrap(err, entry.path) if isinstance(err, CheckpointException) else err
+    verdict = _agree_on_failure(failure, root, entry, process_group)
+    if verdict is not None:
+        raise verdict from failure
+    assert plan is not None and reader is not None
+    return LoadResult(
+        join(root.url, entry.name),
+        entry.checkpoint_id,
+        entry.step,
+        entry.manifest,
+        0.0,
+        reader.bytes_read,
+        metadata_s=plan.seconds,
+        read_s=reader.read_s,
+        place_s=reader.place_s,
+        chunks_read=reader.chunks_read,
+        parts_read=plan.parts_read,
+    )
+
+
+def _agree_on_failure(
+    failure: BaseException | None, root: Location, entry: catalog.CheckpointEntry, group: Any
+) -> BaseException | None:
+    """Every rank's outcome to rank 0, which decides: the first failing rank's error, or CheckpointDeleted when
+    the checkpoint went meanwhile (its manifest is gone: another job's retention); None when all loaded."""
+    # collective "load-failures": rank 0 gets each rank's error (None for a rank that loaded)
+    failures = gather_to_coordinator(
+        "load-failures", None if failure is None else _portable(failure, entry.path), group
+    )
+    verdict = None
+    if failures is not None:
+        first = next((failed for failed in failures if failed is not None), None)
+        if first is not None:
+            verdict = first
+            if _gone(root, entry):
+                verdict = CheckpointDeleted(
+                    f"{entry.path} was deleted while it was being loaded (retention of another job writing into "
+                    f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
+                )
+    # collective "load-verdict": every rank raises the same error, or none
+    return broadcast_from_coordinator("load-verdict", verdict, group)
+
+
+def _portable(err: BaseException, path: str) -> BaseException:
+    """`err` as it can travel to rank 0 (pickled); an error that cannot, as a CorruptCheckpoint naming it."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return CorruptCheckpoint(f"loading {path} failed: {type(err).__name__}: {err}")
 
 
 def _in_own_view(

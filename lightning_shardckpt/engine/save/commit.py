@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...errors import CommitFailed
-from .. import catalog
+from .. import catalog, commit_index
 from ..format import manifest as manifest_format
 from ..format.checksum import checksum
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
@@ -252,6 +252,8 @@ def publish(
         join(directory, COMMIT_RECORD),
         manifest_format.to_bytes(manifest_format.build_commit_record(manifest, manifest_bytes)),
     )
+    # the run's commit index names this directory before its manifest exists: `latest` finds it without a listing
+    commit_index.write_marker(fs, root_path, manifest, dirname)
     if before_manifest is not None:
         before_manifest()
     fsio.create_if_absent(fs, manifest_path, manifest_bytes)  # a writer racing past the check above still loses here
@@ -268,11 +270,14 @@ def publish(
 def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:
     """(parent, seq) of the next commit of `run_id`: its newest committed checkpoint and that one's seq + 1.
 
-    From a listing of commit records, never the `latest` pointer: a crash between a manifest and the
-    pointer update leaves the pointer one behind. Runs on the coordinator's background thread.
+    From the run's commit index (commit_index.py: the pointer, checked against the markers, never the pointer
+    alone, which a crash between a manifest and its update leaves one behind), else from a listing of commit
+    records. Runs on the coordinator's background thread.
     """
-    entries = catalog.list_checkpoints(root)
-    previous = catalog.newest_of_run(entries, run_id) if run_id is not None else catalog.newest_committed(entries)
+    previous = commit_index.newest_of_run_by_index(root, run_id) if run_id is not None else None
+    if previous is None:  # no index to follow (a first save, a shared root, an older writer's root): list it
+        entries = catalog.list_checkpoints(root)
+        previous = catalog.newest_of_run(entries, run_id) if run_id is not None else catalog.newest_committed(entries)
     if previous is None:
         return None, 1
     return previous.checkpoint_id, (previous.seq or 0) + 1

@@ -20,14 +20,17 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ...errors import CommitFailed, ShardCkptError
-from ..collectives import broadcast_from_coordinator, is_distributed, rank_and_world
+from ..collectives import agree, is_distributed, rank_and_world
 from ..config import SaveConfig
 from ..format import topology
-from ..format.layout import MANIFEST, checkpoint_dirname, join, new_checkpoint_id
+from ..format.layout import MANIFEST, PARTS_FORMAT_VERSION, checkpoint_dirname, join, new_checkpoint_id
 from ..storage import retry
 from ..storage.fsio import Location
 from ..storage.writer import FaultHook, ShardWriter
+from . import save_layout
 from .commit import CheckpointTarget, Committer
+from .parts_commit import PartsCommitter
+from .parts_save import SaveRefused, save_parts
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +79,21 @@ def persist_checkpoint(
     meta: SaveMeta,
     fault_hook: FaultHook | None = None,
 ) -> SaveResult:
-    """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit."""
+    """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit.
+
+    A full save whose ranks agree on the layout is written in format v4 (parts_save.py: no global plan, rank
+    0's commit is O(ranks)); the saves of an incremental run, `format_version=2`, or ranks holding different keys
+    or layouts go through DCP's collective planning and commit format v2/v3 (as every save did before v4).
+    """
     started = time.perf_counter()
     retries_before = _retries()
-    # collective "checkpoint-id": all ranks must write into the same fresh directory
-    checkpoint_id = broadcast_from_coordinator("checkpoint-id", new_checkpoint_id(), group)
+    # an incremental run stays on DCP's collective path (v2 full, v3 incremental): references are per chunk
+    flat = not config.incremental and meta.references is None and config.format_version >= PARTS_FORMAT_VERSION
+    layout = save_layout.describe(state_dict, group, meta.identical) if flat else None
+    # collective "checkpoint-id": all ranks must write into the same fresh directory, and learn whether every
+    # rank derived the same layout (then none needs DCP's global plan)
+    number, agreed = agree("checkpoint-id", int(new_checkpoint_id(), 16), _digest_of(layout), group)
+    checkpoint_id = f"{number:012x}"
     target = CheckpointTarget(
         root=root,
         dirname=checkpoint_dirname(step, checkpoint_id),
@@ -97,23 +110,15 @@ def persist_checkpoint(
             "run_id": config.run_id,
         },
     )
-    committer = Committer(target, fault_hook)
-    writer = ShardWriter(
-        root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook, references=meta.references
-    )
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
-    try:
-        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))
-        result.committed = True
-        result.manifest = committer.manifest
-        result.ranks = committer.ranks
-    except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
-        result.error = CommitFailed(f"step {step} did not commit ({target.dirname}): {_root_cause(err)}")
-        result.error.__cause__ = err
-        log.error("rank %d: %s", rank_and_world(group)[0], result.error)
-        if not config.keep_failed_attempts and committer.manifest is None:
-            result.cleanup = remove_failed_attempt(root, target.path, group, err)
-    stats = writer.last_write_stats
+    if layout is not None and agreed:
+        committer: Any = PartsCommitter(target, layout, config.dcp_metadata_max_chunks, fault_hook)
+        stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result)
+    else:
+        committer = Committer(target, fault_hook)
+        stats = _persist_collectively(root, group, config, state_dict, target, meta, committer, fault_hook, result)
+    if result.error is not None and not config.keep_failed_attempts and committer.manifest is None:
+        result.cleanup = remove_failed_attempt(root, target.path, group, result.error.__cause__ or result.error)
     result.bytes_rank = stats.get("bytes", 0)
     result.timings = {
         "write_s": stats.get("write_s", 0.0),
@@ -123,6 +128,78 @@ def persist_checkpoint(
     }
     result.storage_retries = _retries() - retries_before
     return result
+
+
+def _persist_parts(
+    root: Location,
+    group: Any,
+    config: SaveConfig,
+    state_dict: dict[str, Any],
+    target: CheckpointTarget,
+    layout: save_layout.SaveLayout,
+    committer: PartsCommitter,
+    fault_hook: FaultHook | None,
+    result: SaveResult,
+) -> dict[str, Any]:
+    """Format v4: every rank writes its shard and part; rank 0 commits from the ranks' summaries."""
+    try:
+        outcome = save_parts(
+            state_dict,
+            layout,
+            fs=root.fs,
+            directory=target.path,
+            checkpoint_id=target.checkpoint_id,
+            group=group,
+            config=config,
+            commit=committer,
+            fault_hook=fault_hook,
+        )
+    except (ShardCkptError, OSError, RuntimeError) as err:
+        _failed(result, target, err, group)
+        return {}
+    result.committed = True
+    result.manifest = committer.manifest
+    result.ranks = committer.ranks
+    # what this rank put on storage: its shard file and its part (the checkpoint's bytes_total counts both)
+    return {**outcome.stats, "bytes": outcome.stats.get("bytes", 0) + (outcome.summary.part_bytes or 0)}
+
+
+def _persist_collectively(
+    root: Location,
+    group: Any,
+    config: SaveConfig,
+    state_dict: dict[str, Any],
+    target: CheckpointTarget,
+    meta: SaveMeta,
+    committer: Committer,
+    fault_hook: FaultHook | None,
+    result: SaveResult,
+) -> dict[str, Any]:
+    """Formats v2/v3: DCP's collective planning, per-chunk receipts, the commit in the writer's `finish`."""
+    writer = ShardWriter(
+        root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook, references=meta.references
+    )
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))
+        result.committed = True
+        result.manifest = committer.manifest
+        result.ranks = committer.ranks
+    except (CheckpointException, ShardCkptError, OSError, RuntimeError) as err:
+        _failed(result, target, err, group)
+    return writer.last_write_stats
+
+
+def _failed(result: SaveResult, target: CheckpointTarget, err: BaseException, group: Any) -> None:
+    result.error = CommitFailed(f"step {target.step} did not commit ({target.dirname}): {_root_cause(err)}")
+    result.error.__cause__ = err
+    log.error("rank %d: %s", rank_and_world(group)[0], result.error)
+
+
+NO_LAYOUT = "f" * 16  # the digest of a rank that cannot describe its layout: equal on all ranks only if none can
+
+
+def _digest_of(layout: save_layout.SaveLayout | None) -> str:
+    return NO_LAYOUT if layout is None else layout.digest
 
 
 class RankZeroSavePlanner(DefaultSavePlanner):
@@ -165,8 +242,8 @@ def remove_failed_attempt(root: Location, directory: str, group: Any, err: BaseE
 
     Left behind, a failed attempt holds its partial shards until `shardckpt gc`: on a disk with room
     for keep_last + 1 checkpoints, one transient disk-full then made every later save fail too.
-    Only DCP's collective verdict (a CheckpointException) proves every rank's write step is over: each
-    rank's result or error was gathered before the coordinator decided. Any other error (a peer that
+    Only a collective verdict proves every rank's write step is over: DCP's (a CheckpointException) or the
+    parts save's (SaveRefused); each rank's result or error was gathered before the coordinator decided. Any other error (a peer that
     died, a collective timeout) proves nothing, so a rank may still be writing: the directory stays
     for `shardckpt gc`. A directory whose manifest exists is committed, whatever the save reported,
     and is never touched. Best effort: a failure to remove is logged and returned as LEFT.
@@ -174,7 +251,7 @@ def remove_failed_attempt(root: Location, directory: str, group: Any, err: BaseE
     rank, _ = rank_and_world(group)
     if rank != 0:
         return None
-    if is_distributed() and not isinstance(err, CheckpointException):
+    if is_distributed() and not isinstance(err, (CheckpointException, SaveRefused)):
         log.warning(
             "rank 0: %s stays for `shardckpt gc`: the ranks did not reach a common verdict (%s)",
             directory,

@@ -80,8 +80,12 @@ class ShardReader(StorageReader):
         trust: bool = False,
         read_threads: int = DEFAULT_READ_THREADS,
         read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+        metadata: Metadata | None = None,
     ) -> None:
         """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off.
+
+        `metadata`: the metadata to plan with, already built (format v4: the rank's own share, from the parts it
+        needs, engine/load/resume_plan.py); None reads and checks `.metadata` (format v1-v3).
 
         `expected_metadata` is the manifest's `dcp_metadata` record (v2; None for v1): `.metadata`'s bytes
         are checked against it before they are unpickled. `expected_blocks` maps (file, offset) to (block
@@ -112,6 +116,7 @@ class ShardReader(StorageReader):
         self.read_s = 0.0
         self.place_s = 0.0
         self._chunk_layout: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._metadata = metadata
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -121,10 +126,15 @@ class ShardReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         started = time.perf_counter()
-        with self.fs.open(join(self.path, DCP_METADATA), "rb") as handle:
-            data = handle.read()
-        # checked, then unpickled through an allow-list: a crafted .metadata must not run code here
-        metadata = safe_pickle.load_dcp_metadata(data, self.path, expected=self._expected_metadata, trust=self._trust)
+        if self._metadata is not None:
+            metadata = self._metadata
+        else:
+            with self.fs.open(join(self.path, DCP_METADATA), "rb") as handle:
+                data = handle.read()
+            # checked, then unpickled through an allow-list: a crafted .metadata must not run code here
+            metadata = safe_pickle.load_dcp_metadata(
+                data, self.path, expected=self._expected_metadata, trust=self._trust
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

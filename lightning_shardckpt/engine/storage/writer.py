@@ -231,15 +231,16 @@ def verify_chunks(fs: Any, path: str, chunks: list[tuple[int, int, str]], indice
     verify_reads(fs, path, [VerifyRead(i, *chunks[i]) for i in indices], names)
 
 
-def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) -> None:
+def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) -> int | None:
     """Read `reads` back from storage; raise CorruptCheckpoint naming each mismatch (tensor, and block if one).
+    Returns the file's size on storage as the reads saw it (None: nothing was read).
 
     Each range streams through one reused piece buffer and is hashed piece by piece: reading a chunk
     whole into fresh memory cost 3-4x as much CPU (a new allocation the chunk's size, faulted in page by
     page, on every save).
     """
     if not reads:
-        return
+        return None
     problems = []
     shard = ShardFile(fs, path)
     try:
@@ -259,6 +260,7 @@ def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) 
             "the storage returned other bytes than were written, so this checkpoint will not commit",
             problems=problems,
         )
+    return shard.size  # the file's size on storage, as the reads found it (the writer checks it: no extra request)
 
 
 def _read_back_checksum(shard: ShardFile, offset: int, length: int, piece: memoryview) -> str:
@@ -273,6 +275,109 @@ def _read_back_checksum(shard: ShardFile, offset: int, length: int, piece: memor
         if count < len(view):
             return SHORT_READ.format(filled=filled, length=length)
     return hasher.hexdigest()
+
+
+@dataclass
+class RankWrite:
+    """What one rank wrote: a receipt per chunk, in the order its items were written, and its counters."""
+
+    receipts: list[tuple[Any, ChunkReceipt]]
+    stats: dict[str, Any]
+    relative: str | None = None  # its file (None: it wrote none)
+    file_bytes: int = 0
+    stored_bytes: int | None = None  # the file's size on storage, when the read-back saw it
+
+
+def write_rank_file(
+    fs: Any,
+    directory: str,
+    rank: int,
+    plan_items: list[Any],
+    resolve: Callable[[Any], Any],
+    verify: VerifyConfig,
+    rng: random.Random,
+    fault: FaultHook,
+    reference_of: Callable[[Any], dict[str, Any] | None] = lambda item: None,
+) -> RankWrite:
+    """Write `plan_items` (DCP write items) as this rank's shard file, checksumming every chunk as it streams,
+    then read back what `verify` asks for. Unchanged chunks an incremental save references are not written.
+    Raises on the first failure (the file's upload is abandoned, never committed)."""
+    fault("before_write")
+    stats: dict[str, Any] = {
+        "bytes": 0,
+        "chunks": 0,
+        "verified_chunks": 0,
+        "verified_bytes": 0,
+        "write_s": 0.0,
+        "verify_s": 0.0,
+    }
+    if not plan_items:
+        return RankWrite([], stats)
+    started = time.perf_counter()
+    relative = shard_filename(rank)
+    full_path = join(directory, relative)
+    # Byte items first, then tensors, as DCP orders them. Unchanged chunks (incremental) are referenced.
+    referenced = [(item, reference_of(item)) for item in plan_items]
+    items = sorted(
+        [item for item, ref in referenced if ref is None], key=lambda item: item.type != WriteItemType.BYTE_IO
+    )
+    reference_receipts = [(item, _reference_receipt(ref)) for item, ref in referenced if ref is not None]
+    if not items:
+        stats["chunks"] = len(reference_receipts)
+        return RankWrite(reference_receipts, stats)
+    writer = ChunkFileWriter(fs, full_path)
+    finite: list[bool | None] = []
+    try:
+        for position, item in enumerate(items):
+            if position == len(items) // 2 and position > 0:
+                fault("mid_shard")
+            data = resolve(item)
+            if item.type == WriteItemType.BYTE_IO:
+                writer.add_bytes(data.getbuffer())
+                finite.append(None)
+            else:
+                tensor = _plain_cpu_tensor(data)
+                finite.append(is_finite(tensor))
+                writer.add_tensor(tensor)
+        file_bytes = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    fault("after_write")
+    written = time.perf_counter()
+
+    names = [item.index.fqn for item in items]
+    reads = choose_reads_to_verify(writer.chunks, writer.blocks, verify, rng)
+    stored_bytes = verify_reads(fs, full_path, reads, names)
+    read_back = [0] * len(items)  # bytes of each chunk read back
+    for read in reads:
+        read_back[read.chunk] += read.length
+
+    receipts = []
+    for position, (item, (offset, length, digest)) in enumerate(zip(items, writer.chunks)):
+        receipt = ChunkReceipt(
+            relative,
+            offset,
+            length,
+            digest,
+            file_bytes,
+            read_back[position] > 0,
+            finite[position],
+            written - started,
+            writer.blocks[position],
+            verified_bytes=read_back[position],
+        )
+        receipts.append((item, receipt))
+    stats.update(
+        bytes=file_bytes,
+        chunks=len(items),
+        verified_chunks=sum(1 for count in read_back if count),
+        verified_bytes=sum(read_back),
+        write_s=written - started,
+        verify_s=time.perf_counter() - written,
+        referenced_chunks=len(reference_receipts),
+    )
+    return RankWrite(receipts + reference_receipts, stats, relative, file_bytes, stored_bytes)
 
 
 class ShardWriter(StorageWriter):
@@ -344,83 +449,25 @@ class ShardWriter(StorageWriter):
 
     # --- our part ---
     def _write_rank_file(self, rank: int, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        self._fault("before_write")
-        self.last_write_stats = {
-            "bytes": 0,
-            "chunks": 0,
-            "verified_chunks": 0,
-            "verified_bytes": 0,
-            "write_s": 0.0,
-            "verify_s": 0.0,
-        }
-        if not plan.items:
-            return []
-        started = time.perf_counter()
-        relative = shard_filename(rank)
-        full_path = join(self.path, relative)
-        # Byte items first, then tensors, as DCP orders them. Unchanged chunks (incremental) are referenced.
-        referenced = [(item, self._reference_of(item)) for item in plan.items]
-        items = sorted(
-            [item for item, ref in referenced if ref is None], key=lambda item: item.type != WriteItemType.BYTE_IO
+        self.last_write_stats = {}
+        written = write_rank_file(
+            self.fs,
+            self.path,
+            rank,
+            plan.items,
+            planner.resolve_data,
+            self.verify,
+            self._rng,
+            self._fault,
+            self._reference_of,
         )
-        reference_results = [_reference_result(item, ref) for item, ref in referenced if ref is not None]
-        if not items:
-            self.last_write_stats["chunks"] = len(reference_results)
-            return reference_results
-        writer = ChunkFileWriter(self.fs, full_path)
-        finite: list[bool | None] = []
-        try:
-            for position, item in enumerate(items):
-                if position == len(items) // 2 and position > 0:
-                    self._fault("mid_shard")
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    writer.add_bytes(data.getbuffer())
-                    finite.append(None)
-                else:
-                    tensor = _plain_cpu_tensor(data)
-                    finite.append(is_finite(tensor))
-                    writer.add_tensor(tensor)
-            file_bytes = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        self._fault("after_write")
-        written = time.perf_counter()
-
-        names = [item.index.fqn for item in items]
-        reads = choose_reads_to_verify(writer.chunks, writer.blocks, self.verify, self._rng)
-        verify_reads(self.fs, full_path, reads, names)
-        read_back = [0] * len(items)  # bytes of each chunk read back
-        for read in reads:
-            read_back[read.chunk] += read.length
-        self._fault("before_receipt")
-
-        results = []
-        for position, (item, (offset, length, digest)) in enumerate(zip(items, writer.chunks)):
-            receipt = ChunkReceipt(
-                relative,
-                offset,
-                length,
-                digest,
-                file_bytes,
-                read_back[position] > 0,
-                finite[position],
-                written - started,
-                writer.blocks[position],
-                verified_bytes=read_back[position],
-            )
-            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=receipt))
-        self.last_write_stats = {
-            "bytes": file_bytes,
-            "chunks": len(items),
-            "verified_chunks": sum(1 for count in read_back if count),
-            "verified_bytes": sum(read_back),
-            "write_s": written - started,
-            "verify_s": time.perf_counter() - written,
-            "referenced_chunks": len(reference_results),
-        }
-        return results + reference_results
+        self.last_write_stats = written.stats
+        if written.relative is not None:
+            self._fault("before_receipt")
+        return [
+            WriteResult(index=item.index, size_in_bytes=receipt.length, storage_data=receipt)
+            for item, receipt in written.receipts
+        ]
 
     def _reference_of(self, item: Any) -> dict[str, Any] | None:
         if item.type == WriteItemType.BYTE_IO or not self.references or item.tensor_data is None:
@@ -431,10 +478,10 @@ class ShardWriter(StorageWriter):
         return entry
 
 
-def _reference_result(item: Any, entry: dict[str, Any]) -> WriteResult:
+def _reference_receipt(entry: dict[str, Any]) -> ChunkReceipt:
     """The receipt of an unchanged chunk: the earlier checkpoint's record of it, byte for byte."""
     blocks = entry.get("blocks")
-    receipt = ChunkReceipt(
+    return ChunkReceipt(
         entry["file"],
         entry["offset"],
         entry["length"],
@@ -446,7 +493,6 @@ def _reference_result(item: Any, entry: dict[str, Any]) -> WriteResult:
         (blocks["size"], tuple(blocks["checksums"])) if blocks else None,
         reference=True,
     )
-    return WriteResult(index=item.index, size_in_bytes=entry["length"], storage_data=receipt)
 
 
 def is_finite(tensor: torch.Tensor) -> bool | None:

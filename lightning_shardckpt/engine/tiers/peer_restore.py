@@ -29,6 +29,7 @@ from ...errors import CorruptCheckpoint
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from ..format.manifest import transfer_order
 from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
@@ -121,7 +122,11 @@ def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, in
 
 
 def _intact(root: Location, path: str, manifest: dict[str, Any], relative: str) -> bool:
-    ranges = expected_ranges(manifest, relative)
+    directory = path[: -len(relative) - 1]
+    try:  # format v4: a shard's ranges are in its rank's part, read here (and checked against the manifest)
+        ranges = expected_ranges(manifest, relative, [(root.fs, directory)])
+    except (CorruptCheckpoint, OSError):
+        return False
     if not ranges:
         return relative not in all_files(manifest)  # a stray file is harmless; a listed one must be checkable
     check = RangeCheck(path, ranges, all_files(manifest)[relative])
@@ -192,7 +197,9 @@ def restore_from_peers(
                 result = exchange([Outgoing(src.fs, join(src.path, name, relative), size)], writer, [], None, group)
                 problems.extend(result.problems)
             else:
-                incoming = Incoming(own.fs, join(own_dir, relative), size, expected_ranges(manifest, relative))
+                incoming = Incoming(
+                    own.fs, join(own_dir, relative), size, _incoming_ranges(manifest, relative, own, roots, name)
+                )
                 result = exchange([], None, [incoming], source, group)
                 fetched += result.bytes
                 problems.extend(result.problems)
@@ -216,6 +223,17 @@ def restore_from_peers(
         f"{fetched_total} bytes fetched from other ranks"
     )
     return PeerRestore(name, step, local_total, fetched_total, reason)
+
+
+def _incoming_ranges(
+    manifest: dict[str, Any], relative: str, own: Location, roots: dict[str, Location], name: str
+) -> Any:
+    """What a fetched file is checked against; a v4 shard's ranges come from its part, looked up when the shard
+    starts arriving: in this node's root (the part was fetched first) or any root this rank sees."""
+    if not manifest_format.is_parts_format(manifest):
+        return expected_ranges(manifest, relative)
+    places = [(own.fs, join(own.path, name))] + [(root.fs, join(root.path, name)) for root in roots.values()]
+    return lambda: expected_ranges(manifest, relative, places)
 
 
 def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple[str, int, int, str]]] | str:
@@ -248,7 +266,7 @@ def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple
         transfers = []
         for own_url, writer in sorted(writers.items(), key=lambda item: item[1]):
             present = reports[writer]["roots"].get(own_url, {}).get(name, {})
-            for rel in sorted(expected):
+            for rel in sorted(expected, key=transfer_order):  # a v4 part lands before the shard it describes
                 if present.get(rel) == expected[rel]:
                     continue
                 mine = [url for rank, url in holders[rel] if rank == writer and url != own_url]

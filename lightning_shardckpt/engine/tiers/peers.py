@@ -31,7 +31,9 @@ from typing import Any
 
 from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..format.manifest import files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
@@ -53,16 +55,24 @@ _STOP = object()
 
 
 def files_of_rank(manifest: dict[str, Any], rank: int) -> list[str]:
-    """The files `rank` wrote for the checkpoint (the coordinator also wrote `.metadata`)."""
-    mine = [entry["path"] for entry in manifest["files"] if shard_rank(entry["path"]) == rank]
-    return mine + ([DCP_METADATA] if rank == 0 else [])
+    """The files `rank` wrote for the checkpoint (the coordinator also wrote `.metadata`, when there is one),
+    a part before its shard file (transfer_order)."""
+    mine = [path for path in files_with_metadata(manifest) if shard_rank(path) == rank]
+    if rank == 0 and DCP_METADATA in files_with_metadata(manifest):
+        mine.append(DCP_METADATA)
+    return sorted(mine, key=transfer_order)
 
 
 def all_files(manifest: dict[str, Any]) -> dict[str, int]:
-    """Every data file of the checkpoint and its committed size (`.metadata` included)."""
-    sizes = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
-    sizes[DCP_METADATA] = file_size(manifest, DCP_METADATA)
-    return sizes
+    """Every data file of the checkpoint and its committed size (`.metadata` included when written)."""
+    return files_with_metadata(manifest)
+
+
+def _ranges(manifest: dict[str, Any], relative: str, root: Location, directory: str) -> Any:
+    """What an incoming file is checked against; for a v4 shard, looked up once its part (sent first) landed here."""
+    if manifest_format.is_parts_format(manifest):
+        return lambda: expected_ranges(manifest, relative, [(root.fs, directory)])
+    return expected_ranges(manifest, relative)
 
 
 def record_path(root: Location, name: str, from_rank: int) -> str:
@@ -202,7 +212,12 @@ class PeerReplicator:
                 for rel in (files_of_rank(manifest, self.rank) if send else [])
             ]
             incoming = [
-                Incoming(self.fast.fs, join(directory, rel), file_size(manifest, rel), expected_ranges(manifest, rel))
+                Incoming(
+                    self.fast.fs,
+                    join(directory, rel),
+                    file_size(manifest, rel),
+                    _ranges(manifest, rel, self.fast, directory),
+                )
                 for rel in (files_of_rank(manifest, src) if receive else [])
             ]
             if not outgoing and not incoming:

@@ -35,6 +35,7 @@ from ...errors import CorruptCheckpoint
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..format.manifest import files_of, files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..save.commit import publish
 from ..storage.fsio import Location
@@ -340,8 +341,9 @@ class Replicator:
 
     def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
         src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)
-        mine = [entry["path"] for entry in manifest["files"] if shard_rank(entry["path"]) == self.rank]
-        if self.rank == 0:
+        files = files_with_metadata(manifest)
+        mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
+        if self.rank == 0 and DCP_METADATA in files:
             mine.append(DCP_METADATA)
         problem = None
         try:
@@ -369,7 +371,7 @@ class Replicator:
         """Coordinator: check the uploaded sizes, then commit the durable copy (manifest last)."""
         fs, directory = self.durable.fs, join(self.durable.path, name)
         try:
-            expected = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
+            expected = {entry["path"]: entry["bytes"] for entry in files_of(manifest)}
             for relative, size in sorted(expected.items()):
                 actual = fs.size(join(directory, relative))
                 if actual != size:

@@ -14,7 +14,8 @@ from typing import Any
 
 from .. import catalog
 from ..collectives import all_gather_objects
-from ..format.layout import DCP_METADATA, MANIFEST, join
+from ..format.layout import MANIFEST, join
+from ..format.manifest import files_with_metadata
 from ..storage.fsio import Location
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,9 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
             str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: info.get("size")
             for info in location.fs.ls(entry.path, detail=True)
         }
-        if MANIFEST not in listing or DCP_METADATA not in listing:
+        if MANIFEST not in listing:
             return False
-        manifest = entry.manifest
-        return all(listing.get(file["path"]) == file["bytes"] for file in manifest["files"])
+        return all(listing.get(path) == size for path, size in files_with_metadata(entry.manifest).items())
     except Exception:  # noqa: BLE001 - unreadable is the answer, whatever the reason
         log.debug("%s is not readable here", entry.path, exc_info=True)
         return False

@@ -12,19 +12,36 @@ from typing import Any
 
 from ...errors import CorruptCheckpoint
 from ..format import manifest as manifest_format
+from ..format import parts as part_format
+from ..format import parts_manifest
 from ..format.checksum import streaming_checksum
-from ..format.layout import DCP_METADATA, join
+from ..format.chunk_index import read_parts
+from ..format.layout import DCP_METADATA, join, shard_rank
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio
 
 PIECE_BYTES = 8 * 2**20  # memory bound per upload: one piece in flight
 
 
-def expected_ranges(manifest: dict[str, Any], relative: str) -> list[tuple[int, int, str]]:
-    """(offset, length, checksum) of every checksummed range of `relative`, in offset order."""
+def expected_ranges(
+    manifest: dict[str, Any], relative: str, parts_at: list[tuple[Any, str]] | tuple = ()
+) -> list[tuple[int, int, str]]:
+    """(offset, length, checksum) of every checksummed range of `relative`, in offset order.
+
+    Format v4 lists a shard's chunks in its rank's part, not in the manifest: the part is read from the first of
+    `parts_at` ((fs, checkpoint directory) pairs) that holds it, checked against the manifest first. A part itself
+    is one range: its whole bytes, whose checksum the manifest holds."""
     if relative == DCP_METADATA:
         meta = manifest.get(DCP_METADATA_FIELD) or {}
         return [(0, meta["bytes"], meta["checksum"])] if meta else []
+    if manifest_format.is_parts_format(manifest):
+        listed = {item["path"]: item for item in manifest_format.files_of(manifest)}
+        item = listed.get(relative)
+        if item is None:
+            return []
+        if item["kind"] == parts_manifest.PART:
+            return [(0, item["bytes"], item["checksum"])]
+        return _shard_ranges(manifest, relative, parts_at)
     return sorted(
         (chunk["offset"], chunk["length"], chunk["checksum"])
         for _, chunk in manifest_format.iter_chunks(manifest)
@@ -32,10 +49,27 @@ def expected_ranges(manifest: dict[str, Any], relative: str) -> list[tuple[int, 
     )
 
 
+def _shard_ranges(manifest: dict[str, Any], relative: str, parts_at: Any) -> list[tuple[int, int, str]]:
+    rank = shard_rank(relative)
+    problems = []
+    for fs, directory in parts_at:
+        try:
+            part = read_parts(fs, directory, manifest, [rank])[rank]
+        except CorruptCheckpoint as err:  # not there (yet), or damaged there: the next place may hold it
+            problems.append(str(err))
+            continue
+        chunks = part[part_format.TENSOR_CHUNKS] + part[part_format.OBJECTS]
+        return sorted((chunk["offset"], chunk["length"], chunk["checksum"]) for chunk in chunks)
+    raise CorruptCheckpoint(
+        f"{relative}: its part is not readable where it was looked for ({'; '.join(problems) or 'nowhere'}); "
+        "refusing to copy an unverifiable file"
+    )
+
+
 def file_size(manifest: dict[str, Any], relative: str) -> int | None:
     if relative == DCP_METADATA:
         return (manifest.get(DCP_METADATA_FIELD) or {}).get("bytes")
-    return next((entry["bytes"] for entry in manifest["files"] if entry["path"] == relative), None)
+    return next((entry["bytes"] for entry in manifest_format.files_of(manifest) if entry["path"] == relative), None)
 
 
 def copy_verified(
@@ -53,7 +87,7 @@ def copy_verified(
     Raises CorruptCheckpoint naming the range when the source's bytes do not match the manifest (the
     upload is aborted, nothing is left under the name), OSError when either side fails.
     """
-    ranges = expected_ranges(manifest, relative)
+    ranges = expected_ranges(manifest, relative, [(src_fs, src_dir)])
     size = file_size(manifest, relative)
     if size is None or not ranges:
         raise CorruptCheckpoint(

@@ -1,0 +1,550 @@
+"""Metadata at scale (issue 35): commit, manifest, listing, `latest` and resume planning, 8 ... 16,384 ranks.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py                       the full table (a few minutes)
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 8 64 --tensors 300 --layouts fsdp
+
+Simulated: no tensor bytes move and no process but this one runs. What runs is the real code of each step,
+fed with synthetic plans and write results:
+- rank 0's commit: the ranks' PartSummary objects, pickled (what the gather carries) and unpickled, then
+  `PartsCommitter` (the summaries' checks, DCP's `.metadata` when the checkpoint is small enough, the manifest,
+  lineage through the commit index, the commit record, the manifest's create-if-absent, `latest`);
+- one rank's part: `parts.build_part` + `to_bytes` for its share of the chunks (what every rank does once);
+- a resume: one rank of the new world size (half the old, or the same 2-D mesh) reads the manifest and plans
+  its share with `resume_plan.plan_boxes` (the parts it needs, read and checked, and its partial `Metadata`);
+- `latest` and `ls` / `timeline` over 2,000 checkpoints of that size (`--listing`; the manifests of all but the
+  newest are 1-byte stand-ins, which ls and timeline never read: the request counts show it).
+Layouts: `fsdp` (every tensor row-sharded over all ranks, FSDP2's Shard(0)), `ddp` (replicated, each tensor
+written once by the rank a balance picks), `2d` (dp x tp mesh, tp = 8: matrices Shard(0) over dp and Shard(1)
+over tp). Storage is an in-memory filesystem that counts what each call would be on S3 (GET, PUT, LIST, HEAD).
+
+Prints one JSON line per configuration and a table; `--out FILE` also writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import tempfile
+import time
+import tracemalloc
+import uuid
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import fsspec
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from torch.distributed.checkpoint.metadata import TensorProperties
+
+from lightning_shardckpt.engine import catalog, commit_index
+from lightning_shardckpt.engine.format import chunk_layout
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format import parts as part_format
+from lightning_shardckpt.engine.format.checksum import checksum
+from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname, join
+from lightning_shardckpt.engine.load.resume_plan import plan_boxes
+from lightning_shardckpt.engine.save.commit import CheckpointTarget
+from lightning_shardckpt.engine.save.parts_commit import PartsCommitter
+from lightning_shardckpt.engine.save.parts_save import PartSummary
+from lightning_shardckpt.engine.save.save_layout import OBJECT, TENSOR, ItemLayout, SaveLayout
+from lightning_shardckpt.engine.storage import fsio
+
+TP = 8  # the 2-D mesh's tensor-parallel size
+# a decoder layer's shapes, 70B-class: q/o [8192, 8192], k/v [1024, 8192], up/gate [28672, 8192], down [8192, 28672],
+# norms [8192]; optimizer moments repeat them
+SHAPES = ([8192, 8192], [1024, 8192], [1024, 8192], [8192, 8192], [28672, 8192], [28672, 8192], [8192, 28672], [8192])
+DEFAULT_THRESHOLD = 50_000  # SaveConfig.dcp_metadata_max_chunks
+
+
+class CountingS3(MemoryFileSystem):
+    """An in-memory filesystem that counts its calls as the S3 requests they would be."""
+
+    protocol = ("s3sim",)
+    root_marker = "/"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: Counter = Counter()
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        self.requests["GET"] += 1
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        self.requests["GET"] += len(paths)
+        return [self._one(p, s, e) for p, s, e in zip(paths, starts, ends)]
+
+    def _one(self, path, start, end):
+        try:
+            return MemoryFileSystem.cat_file(self, path, start=start, end=end)
+        except Exception as err:  # noqa: BLE001 - per range, as cat_ranges(on_error="return") does
+            return err
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode or "x" in mode:
+            self.requests["PUT"] += 1
+        return super()._open(path, mode=mode, **kwargs)
+
+    def ls(self, path, detail=True, **kwargs):
+        self.requests["LIST"] += 1
+        return super().ls(path, detail=detail, **kwargs)
+
+    def info(self, path, **kwargs):  # exists() and size() come here too: one HEAD each
+        self.requests["HEAD"] += 1
+        return super().info(path, **kwargs)
+
+    def makedirs(self, path, exist_ok=False):  # S3 has no directories: free
+        return super().makedirs(path, exist_ok=True)
+
+
+fsspec.register_implementation("s3sim", CountingS3, clobber=True)
+
+
+# --- the synthetic checkpoint ---
+
+
+def tensor_shapes(tensors: int) -> list[list[int]]:
+    return [list(SHAPES[i % len(SHAPES)]) for i in range(tensors)]
+
+
+def layout_of(kind: str, index: int, shape: list[int], world: int) -> chunk_layout.Layout:
+    if kind == "fsdp":
+        return chunk_layout.Layout(rank=0, split=((0, world, 1),))
+    if kind == "ddp":
+        return chunk_layout.replicated(index % world)
+    dp = max(1, world // TP)
+    if len(shape) == 1:
+        return chunk_layout.Layout(rank=0, split=((0, dp, TP),))  # written by tp coordinate 0
+    return chunk_layout.Layout(rank=0, split=((0, dp, TP), (1, TP, 1)))
+
+
+def save_layout(kind: str, world: int, tensors: int) -> SaveLayout:
+    items: dict[str, ItemLayout] = {}
+    for index, shape in enumerate(tensor_shapes(tensors)):
+        fqn = f"model.layers.{index // len(SHAPES)}.t{index % len(SHAPES)}.weight"
+        items[fqn] = ItemLayout(
+            fqn,
+            TENSOR,
+            False,
+            tuple(shape),
+            torch.bfloat16,
+            layout_of(kind, index, shape, world),
+            properties=TensorProperties(dtype=torch.bfloat16),
+        )
+    items["lightning"] = ItemLayout("lightning", OBJECT, False, rank=0)
+    return SaveLayout(items, world, f"{uuid.uuid4().int % 2**64:016x}", {fqn: (fqn,) for fqn in items})
+
+
+def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str) -> dict[str, Any]:
+    """Rank `rank`'s part as the writer builds it: one record per chunk the layout gives it."""
+    chunks, objects, offset = [], [], 0
+    for item in layout.items.values():
+        if item.kind == OBJECT:
+            if item.rank == rank:
+                objects.append({"fqn": item.fqn, "offset": offset, "length": 4096, "checksum": _digest(offset)})
+                offset += 4096
+            continue
+        for cell in _cells_of_rank(item, rank):
+            length = 1600 + 2 * _prod(cell.sizes)
+            record = {
+                "fqn": item.fqn,
+                "offsets": list(cell.offsets),
+                "sizes": list(cell.sizes),
+                "offset": offset,
+                "length": length,
+                "checksum": _digest(offset),
+                "finite": True,
+            }
+            chunks.append(record)
+            offset += length
+    verification = {"mode": "sample", "chunks_total": len(chunks) + len(objects), "bytes_total": offset}
+    verification.update(chunks_verified=1, bytes_verified=min(offset, 1600))
+    return part_format.build_part(
+        checkpoint_id=checkpoint_id,
+        rank=rank,
+        file=f"__{rank}_0.distcp",
+        file_bytes=offset,
+        tensor_chunks=chunks,
+        objects=objects,
+        verification=verification,
+        write_s=1.0,
+    )
+
+
+def _cells_of_rank(item: ItemLayout, rank: int) -> list[chunk_layout.Cell]:
+    """The cells of `item` that `rank` wrote, without visiting the others (rules: invert the rank map)."""
+    layout = item.layout
+    if not layout.split:
+        return [chunk_layout.Cell((0,) * len(item.shape), item.shape, layout.rank)] if layout.rank == rank else []
+    grid, rest = [], rank - layout.rank
+    for _, pieces, stride in sorted(layout.split, key=lambda entry: -entry[2]):
+        index = rest // stride if stride else 0
+        if not 0 <= index < pieces:
+            return []
+        grid.append(index)
+        rest -= index * stride
+    if rest:
+        return []
+    order = sorted(range(len(layout.split)), key=lambda i: -layout.split[i][2])
+    by_entry = [0] * len(layout.split)
+    for position, entry in enumerate(order):
+        by_entry[entry] = grid[position]
+    return [chunk_layout.cell_at(layout, item.shape, by_entry)]
+
+
+def summaries(layout: SaveLayout, checkpoint_id: str, real: set[int], with_parts: bool) -> list[PartSummary]:
+    """Every rank's summary; the ranks in `real` (and all, `with_parts`) carry their actual part's size and digest."""
+    counts = layout.chunks_per_rank()
+    out = []
+    for rank in range(layout.world_size):
+        summary = PartSummary(rank, layout.digest, chunks=counts[rank], write_s=1.0)
+        if counts[rank]:
+            if rank in real or with_parts:
+                part = part_of_rank(layout, rank, checkpoint_id)
+                data = part_format.to_bytes(part)
+                summary.part_bytes, summary.part_checksum = len(data), checksum(data)
+                summary.file_bytes, summary.file_checksum = part["file_bytes"], part["file_checksum"]
+                summary.part = part if with_parts else None
+            else:
+                summary.part_bytes, summary.part_checksum = 150 * counts[rank], _digest(rank)
+                summary.file_bytes, summary.file_checksum = 2**20 * counts[rank], _digest(rank + 1)
+            summary.bytes_total = summary.file_bytes
+            summary.verified_chunks, summary.verified_bytes = 1, 1600
+        out.append(summary)
+    return out
+
+
+def _digest(value: int) -> str:
+    return f"{(value * 0x9E3779B97F4A7C15) % 2**64:016x}"
+
+
+def _prod(values: Any) -> int:
+    out = 1
+    for value in values:
+        out *= value
+    return out
+
+
+# --- one configuration ---
+
+
+def resume_targets(kind: str, layout: SaveLayout) -> tuple[int, int, dict[str, Any]]:
+    """(new world size, the rank measured, its boxes): half the world (rows resharded), or the same 2-D mesh."""
+    world = layout.world_size
+    if kind == "2d" or world == 1:
+        new_world, rank = world, world // 2
+    else:
+        new_world, rank = max(1, world // 2), max(1, world // 2) // 2
+    boxes: dict[str, Any] = {}
+    for item in layout.items.values():
+        if item.kind == OBJECT:
+            boxes[item.fqn] = None
+            continue
+        shape = item.shape
+        if kind == "ddp":
+            boxes[item.fqn] = ((0,) * len(shape), shape)
+        elif kind == "fsdp":
+            rows = -(-shape[0] // new_world)
+            start = min(rank * rows, shape[0])
+            boxes[item.fqn] = ((start, *([0] * (len(shape) - 1))), (min(rows, shape[0] - start), *shape[1:]))
+        else:
+            cells = _cells_of_rank(item, rank)
+            boxes[item.fqn] = (cells[0].offsets, cells[0].sizes) if cells else None
+    return new_world, rank, boxes
+
+
+def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
+    location = fsio.resolve(f"s3sim:///scale-{uuid.uuid4().hex[:8]}")
+    fs, root = location.fs, location.path
+    layout = save_layout(kind, world, tensors)
+    chunks = layout.chunk_count()
+    checkpoint_id = uuid.uuid4().hex[:12]
+    _, rank, boxes = resume_targets(kind, layout)
+    needed = {
+        cell.rank
+        for item in layout.tensors()
+        if boxes[item.fqn] is not None
+        for cell in chunk_layout.cells_within(item.layout, item.shape, boxes[item.fqn])
+    } | {0}
+    small = chunks <= threshold
+    sums = summaries(layout, checkpoint_id, needed, with_parts=small)
+    # each rank's own work: its part (the busiest rank: the one with the most chunks)
+    busiest = max(range(world), key=lambda r: sums[r].chunks)
+    started = time.perf_counter()
+    part_bytes = len(part_format.to_bytes(part_of_rank(layout, busiest, checkpoint_id)))
+    rank_part_s = time.perf_counter() - started
+    for r in needed:  # the parts a resume reads, on storage
+        path = join(root, checkpoint_dirname(7, checkpoint_id), part_format.part_filename(r))
+        fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id)))
+    gathered = [pickle.dumps(s) for s in sums]
+
+    def commit(checkpoint: str) -> tuple[PartsCommitter, float, dict[str, int]]:
+        target = CheckpointTarget(
+            root=location,
+            dirname=checkpoint_dirname(7, checkpoint),
+            checkpoint_id=checkpoint,
+            step=7,
+            verify_mode="sample",
+            manifest_fields={
+                "topology": {"world_size": world, "device_type": "cuda", "parallelism": kind, "mesh_shape": None},
+                "run_id": "scale-bench",
+            },
+        )
+        fs.requests.clear()
+        started = time.perf_counter()
+        received = [pickle.loads(data) for data in gathered]  # the gather's unpickling, on rank 0
+        committer = PartsCommitter(target, layout, threshold, None)
+        committer(received)
+        return committer, time.perf_counter() - started, dict(fs.requests)
+
+    # timed alone (tracemalloc slows allocation-heavy code several times), then once more for its peak memory;
+    # the second commit follows the first one's `latest` and index, as every commit after a run's first does
+    first, _, _ = commit(checkpoint_id)
+    tracemalloc.start()
+    commit(uuid.uuid4().hex[:12])
+    commit_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    newest, commit_s, commit_requests = commit(uuid.uuid4().hex[:12])
+    target = first.target
+    directory = join(root, target.dirname)
+    manifest_bytes = len(fs.cat_file(join(directory, MANIFEST)))
+    record_bytes = len(fs.cat_file(join(directory, "commit.json")))
+    metadata_bytes = len(fs.cat_file(join(directory, ".metadata"))) if fs.exists(join(directory, ".metadata")) else 0
+
+    fs.requests.clear()
+    started = time.perf_counter()
+    entry = catalog.find(location, "latest")
+    latest_s = time.perf_counter() - started
+    latest_requests = dict(fs.requests)
+    assert entry.name == newest.target.dirname, (entry.name, newest.target.dirname)  # the newest of 3 commits
+
+    def plan_share() -> tuple[Any, float]:
+        started = time.perf_counter()
+        # the picked checkpoint's manifest, read and validated as rank 0 reads it once `latest` named it (one GET;
+        # the other ranks get it in the pick's broadcast, loader.py): an upper bound for any rank
+        manifest = manifest_format.parse(fs.cat_file(join(directory, MANIFEST)), directory)
+        return plan_boxes(location.fs, directory, manifest, boxes, {}), time.perf_counter() - started
+
+    fs.requests.clear()
+    plan, plan_s = plan_share()
+    plan_requests = dict(fs.requests)
+    tracemalloc.start()
+    plan_share()
+    plan_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    plan_read = manifest_bytes + sum(
+        len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id))) for r in plan.part_ranks
+    )
+    return {
+        "layout": kind,
+        "ranks": world,
+        "tensors": tensors,
+        "chunks": chunks,
+        "manifest_bytes": manifest_bytes,
+        "commit_record_bytes": record_bytes,
+        "dcp_metadata_bytes": metadata_bytes,
+        "gather_bytes": sum(len(d) for d in gathered),
+        "rank0_commit_s": round(commit_s, 4),
+        "rank0_commit_peak_mb": round(commit_peak / 1e6, 1),
+        "rank_part_s": round(rank_part_s, 4),
+        "rank_part_bytes": part_bytes,
+        "resume_rank": rank,
+        "resume_plan_s": round(plan_s, 4),
+        "resume_plan_peak_mb": round(plan_peak / 1e6, 1),
+        "resume_read_bytes": plan_read,
+        "resume_parts": plan.parts_read,
+        "latest_s": round(latest_s, 4),
+        "requests": {"commit_rank0": commit_requests, "latest": latest_requests, "resume_rank": plan_requests},
+    }
+
+
+def rank_save_requests(tensors: int) -> dict[str, int]:
+    """The storage requests of one rank's share of a save, through the real write path (`save_parts` with the
+    commit left out): its shard file, the read-back sample, the stored-size check and its part."""
+    from lightning_shardckpt.engine.config import SaveConfig
+    from lightning_shardckpt.engine.save import save_layout as layouts
+    from lightning_shardckpt.engine.save.parts_save import save_parts
+
+    location = fsio.resolve(f"s3sim:///rank-{uuid.uuid4().hex[:8]}")
+    state = {f"model.t{i}": torch.full((4, 4), float(i)) for i in range(tensors)}
+    state["lightning"] = {"global_step": 7}
+    layout = layouts.describe(state, None, None)
+    location.fs.requests.clear()
+    save_parts(
+        state,
+        layout,
+        fs=location.fs,
+        directory=join(location.path, checkpoint_dirname(7, "0123456789ab")),
+        checkpoint_id="0123456789ab",
+        group=None,
+        config=SaveConfig(),
+        commit=lambda summaries: None,
+    )
+    return dict(location.fs.requests)
+
+
+# --- ls / timeline over 2,000 checkpoints ---
+
+
+def listing(kind: str, world: int, tensors: int, count: int) -> dict[str, Any]:
+    """ls, timeline and `latest` over `count` committed checkpoints of this size, on local disk, 3 runs."""
+    from lightning_shardckpt.ops.investigate import timeline
+
+    one = run(kind, world, tensors, 0)  # the manifest size of one such checkpoint
+    with tempfile.TemporaryDirectory() as tmp:
+        location = fsio.resolve(tmp)
+        saved = _commit_many(location, kind, world, tensors, count)
+        times: dict[str, list[float]] = {"ls": [], "timeline": [], "latest": []}
+        for _ in range(3):
+            started = time.perf_counter()
+            entries = catalog.list_checkpoints(location)
+            times["ls"].append(time.perf_counter() - started)
+            assert sum(e.committed for e in entries) == count, [e.problem for e in entries if not e.committed][:1]
+            started = time.perf_counter()
+            rows = timeline(location)["checkpoints"]
+            times["timeline"].append(time.perf_counter() - started)
+            assert len(rows) == count
+            started = time.perf_counter()
+            assert catalog.find(location, "latest").name == saved
+            times["latest"].append(time.perf_counter() - started)
+    return {
+        "layout": kind,
+        "ranks": world,
+        "tensors": tensors,
+        "checkpoints": count,
+        "manifest_bytes": one["manifest_bytes"],
+        **{f"{name}_s": [round(x, 3) for x in sorted(values)] for name, values in times.items()},
+    }
+
+
+def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int) -> str:
+    """`count` committed checkpoints of one run; the newest through the real commit code (its lineage through the
+    commit index), the older ones as their commit record, index marker and a 1-byte manifest stand-in (ls and
+    timeline read commit records only; `latest` reads the newest's manifest): writing 2,000 real 1 MB manifests
+    would measure the disk, not the code."""
+    layout = save_layout(kind, world, tensors)
+    fs, root = location.fs, location.path
+    created = datetime.now(timezone.utc) - timedelta(hours=count)
+    parent = None
+    for step in range(count - 1):
+        checkpoint_id = uuid.uuid4().hex[:12]
+        name = checkpoint_dirname(step, checkpoint_id)
+        directory = join(root, name)
+        fs.makedirs(directory, exist_ok=True)
+        stand_in = b"{"
+        manifest = {
+            "format_version": 4,
+            "id": checkpoint_id,
+            "step": step,
+            "run_id": "scale-bench",
+            "parent": parent,
+            "seq": step + 1,
+            "created_at": (created + timedelta(minutes=step)).isoformat(timespec="milliseconds"),
+            "epoch": 0,
+            "samples_consumed": None,
+            "topology": {"world_size": world, "device_type": "cuda", "parallelism": kind, "mesh_shape": None},
+            "verification": {"mode": "sample", "chunks_total": layout.chunk_count()},
+            "extra": {"metrics": {"loss": 2.0 / (step + 1)}},
+            "identity": {},
+            "parts": {"count": 0, "file_bytes": [], "part_bytes": []},
+        }
+        record = manifest_format.build_commit_record(manifest, stand_in)
+        fs.pipe_file(join(directory, "commit.json"), manifest_format.to_bytes(record))
+        fs.pipe_file(join(directory, MANIFEST), stand_in)
+        commit_index.write_marker(fs, root, manifest, name)
+        fsio.replace_small_file(fs, join(root, "latest"), (name + "\n").encode())
+        parent = checkpoint_id
+    checkpoint_id = uuid.uuid4().hex[:12]
+    target = CheckpointTarget(
+        root=location,
+        dirname=checkpoint_dirname(count - 1, checkpoint_id),
+        checkpoint_id=checkpoint_id,
+        step=count - 1,
+        verify_mode="sample",
+        manifest_fields={
+            "topology": {"world_size": world, "device_type": "cuda", "parallelism": kind, "mesh_shape": None},
+            "run_id": "scale-bench",
+        },
+    )
+    fs.makedirs(target.path, exist_ok=True)  # the ranks' writes create it
+    PartsCommitter(target, layout, 0, None)(summaries(layout, checkpoint_id, set(), with_parts=False))
+    return target.dirname
+
+
+# --- report ---
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| layout | ranks | tensors | chunks | manifest | .metadata | gather | rank 0 commit s | rank 0 MB "
+        "| part (busiest rank) | resume plan s | resume MB | resume reads | parts read | requests: commit (rank 0) "
+        "| `latest` | resume (one rank) |"
+    )
+    lines = [head, "|" + "---|" * 17]
+    for r in rows:
+        req = r["requests"]
+        lines.append(
+            f"| {r['layout']} | {r['ranks']:,} | {r['tensors']:,} | {r['chunks']:,} | {_size(r['manifest_bytes'])} "
+            f"| {_size(r['dcp_metadata_bytes']) if r['dcp_metadata_bytes'] else '-'} | {_size(r['gather_bytes'])} "
+            f"| {r['rank0_commit_s']:.3f} | {r['rank0_commit_peak_mb']} | {_size(r['rank_part_bytes'])} "
+            f"| {r['resume_plan_s']:.3f} | {r['resume_plan_peak_mb']} | {_size(r['resume_read_bytes'])} "
+            f"| {r['resume_parts']} | {_req(req['commit_rank0'])} | {_req(req['latest'])} | {_req(req['resume_rank'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _req(counts: dict[str, int]) -> str:
+    return " ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 2048, 16384])
+    parser.add_argument("--tensors", type=int, nargs="+", default=[300, 1000])
+    parser.add_argument("--layouts", nargs="+", default=["fsdp", "ddp", "2d"], choices=["fsdp", "ddp", "2d"])
+    parser.add_argument("--dcp-metadata-max-chunks", type=int, default=DEFAULT_THRESHOLD)
+    parser.add_argument("--listing", type=int, default=2000, help="checkpoints for ls/timeline (0: skip)")
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = []
+    for kind in args.layouts:
+        for tensors in args.tensors:
+            for world in args.ranks:
+                row = run(kind, world, tensors, args.dcp_metadata_max_chunks)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print()
+    print(table(rows))
+    result: dict[str, Any] = {"rows": rows}
+    saving = rank_save_requests(max(args.tensors))
+    print(
+        f"\nrequests of one rank's share of a save ({max(args.tensors):,} tensors, default verify.mode=sample): {_req(saving)}"
+    )
+    result["rank_save_requests"] = saving
+    if args.listing:
+        lst = listing("fsdp", max(args.ranks), max(args.tensors), args.listing)
+        print(json.dumps(lst), flush=True)
+        print(
+            f"\nls / timeline / latest over {lst['checkpoints']:,} checkpoints of {lst['ranks']:,} ranks x "
+            f"{lst['tensors']:,} tensors (manifest {_size(lst['manifest_bytes'])}), 3 runs (min, median, max): "
+            f"ls {lst['ls_s']} s, timeline {lst['timeline_s']} s, latest {lst['latest_s']} s"
+        )
+        result["listing"] = lst
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The commit of a format-v4 checkpoint, on the coordinator: O(ranks) checks, a small manifest, the commit.
+
+The ranks checked their own chunks (each is the cell its layout gives it, the file tiles, the stored size is
+what was written, a sample was read back) and wrote their parts. Here rank 0 checks that the summaries add
+up: every rank answered without error and with the layout every other rank used, each wrote exactly the
+chunks the layout assigns it, each verified something (unless verification is off). Then it writes DCP's
+`.metadata` when the checkpoint is small enough for a plain `dcp.load` (dcp_metadata_max_chunks), builds the
+manifest from the layout and the parts' sizes and checksums, and publishes it (commit.publish: commit record,
+manifest by create-if-absent, `latest`). No per-chunk work, no per-file storage request on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from ...errors import CommitFailed
+from ..format import chunk_layout, parts_manifest
+from ..format import manifest as manifest_format
+from ..format import parts as part_format
+from ..format.checksum import checksum
+from ..format.layout import DCP_METADATA, join
+from ..format.safe_pickle import DCP_METADATA_FIELD
+from ..gc_pause import gc_paused
+from ..storage import fsio
+from ..storage.writer import FaultHook
+from .commit import CheckpointTarget, lineage, publish
+from .parts_save import PartSummary
+from .save_layout import TENSOR, SaveLayout
+
+log = logging.getLogger(__name__)
+
+MAX_NAMED = 5  # problems named in a refusal; the rest are counted
+
+
+class PartsCommitter:
+    """Called on the coordinator with every rank's PartSummary: commits the checkpoint or raises CommitFailed."""
+
+    def __init__(
+        self, target: CheckpointTarget, layout: SaveLayout, dcp_metadata_max_chunks: int, fault_hook: FaultHook | None
+    ) -> None:
+        self.target = target
+        self.layout = layout
+        self.dcp_metadata_max_chunks = dcp_metadata_max_chunks
+        self._fault = fault_hook or (lambda point: None)
+        self.manifest: dict[str, Any] | None = None
+        self.seconds = 0.0
+        self.ranks: list[dict[str, Any]] = []  # per rank that wrote: bytes, write_s, write_gbps
+
+    def __call__(self, summaries: list[PartSummary | None]) -> None:
+        started = time.perf_counter()
+        try:
+            with gc_paused():  # O(ranks) small objects: the summaries, the tables (engine/gc_pause.py)
+                self._commit(summaries)
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def _commit(self, summaries: list[PartSummary | None]) -> None:
+        target = self.target
+        problems = summary_problems(summaries, self.layout, target.verify_mode)
+        if problems:
+            shown = "; ".join(problems[:MAX_NAMED]) + (
+                f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
+            )
+            raise CommitFailed(f"step {target.step} ({target.dirname}) did not commit: {shown}")
+        written = {s.rank: s for s in summaries if s is not None and s.file_bytes is not None}
+        self.ranks = [
+            {"rank": s.rank, "bytes": s.file_bytes, "write_s": s.write_s, "write_gbps": _gbps(s)}
+            for s in written.values()
+            if s.write_s is not None
+        ]
+        self._fault("before_metadata")
+        fields = dict(target.manifest_fields)
+        metadata_record = None
+        if self.layout.chunk_count() <= self.dcp_metadata_max_chunks:
+            metadata_bytes = pickle.dumps(dcp_metadata(self.layout, written, target.path))
+            fsio.write_new_file(target.root.fs, join(target.path, DCP_METADATA), metadata_bytes)
+            metadata_record = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
+        parent, seq = lineage(target.root, fields.get("run_id"))
+        nonfinite = {fqn for s in written.values() for fqn in s.nonfinite}
+        tensors = []
+        for item in self.layout.tensors():
+            entry = item.describe()
+            if item.dtype is not None and (item.dtype.is_floating_point or item.dtype.is_complex):
+                entry["finite"] = item.fqn not in nonfinite  # for drills: NaN/Inf at save time?
+            tensors.append(entry)
+        manifest = manifest_format.build_parts_manifest(
+            checkpoint_id=target.checkpoint_id,
+            parent=parent,
+            seq=seq,
+            step=target.step,
+            tensors=tensors,
+            objects=[item.describe() for item in self.layout.objects()],
+            parts=parts_manifest.parts_table(
+                self.layout.world_size,
+                {
+                    rank: {
+                        "file_bytes": s.file_bytes,
+                        "file_checksum": s.file_checksum,
+                        "part_bytes": s.part_bytes,
+                        "part_checksum": s.part_checksum,
+                    }
+                    for rank, s in written.items()
+                },
+            ),
+            verification=_verification(target.verify_mode, written.values()),
+            **fields,
+        )
+        if metadata_record is not None:
+            manifest[DCP_METADATA_FIELD] = metadata_record  # readers check .metadata's bytes before unpickling
+
+        def committed() -> None:
+            self.manifest = manifest
+            self._fault("after_manifest")
+
+        try:
+            publish(
+                target.root.fs,
+                target.root.path,
+                target.dirname,
+                manifest,
+                before_manifest=lambda: self._fault("before_manifest"),
+                after_manifest=committed,
+            )
+        except FileExistsError as err:
+            raise CommitFailed(
+                f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
+                "directory. Two runs may share this root: give each run its own dirpath"
+            ) from err
+        log.info("committed %s (%d parts, %d bytes)", target.path, len(written), manifest_format.total_bytes(manifest))
+
+
+def summary_problems(summaries: list[PartSummary | None], layout: SaveLayout, verify_mode: str) -> list[str]:
+    """Why the ranks' summaries do not make a checkpoint: O(ranks) checks, never a chunk."""
+    problems = []
+    if len(summaries) != layout.world_size:
+        problems.append(f"{len(summaries)} ranks reported, {layout.world_size} write the checkpoint")
+    expected = layout.chunks_per_rank()
+    for rank, summary in enumerate(summaries):
+        if not isinstance(summary, PartSummary):
+            problems.append(f"rank {rank} sent no summary")
+            continue
+        if summary.error is not None:
+            problems.append(summary.error)
+            continue
+        if summary.rank != rank:
+            problems.append(f"rank {rank} sent rank {summary.rank}'s summary")
+        if summary.layout_digest != layout.digest:
+            problems.append(f"rank {rank} planned another layout ({summary.layout_digest}, rank 0: {layout.digest})")
+        if rank < len(expected) and summary.chunks != expected[rank]:
+            problems.append(f"rank {rank} wrote {summary.chunks} chunk(s), its layout gives it {expected[rank]}")
+        if summary.chunks and (summary.file_bytes is None or summary.part_checksum is None):
+            problems.append(f"rank {rank} wrote chunks but reported no file or part")
+        if verify_mode != "off" and summary.chunks and not summary.verified_chunks:
+            problems.append(f"rank {rank}: no chunk was read back although verify.mode={verify_mode!r}")
+    return problems
+
+
+def dcp_metadata(layout: SaveLayout, written: dict[int, PartSummary], checkpoint_path: str) -> Metadata:
+    """DCP's global metadata, as DCP's own save would have written it: what a plain `dcp.load` reads. Built
+    from the layout's cells and the parts' byte ranges: O(chunks), so only for small checkpoints."""
+    located: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {}
+    for summary in written.values():
+        part = summary.part
+        if part is None:
+            raise CommitFailed(f"rank {summary.rank} did not send its part, which DCP's .metadata needs")
+        for chunk in part[part_format.TENSOR_CHUNKS]:
+            located[(chunk["fqn"], tuple(chunk["offsets"]))] = _StorageInfo(
+                part["file"], chunk["offset"], chunk["length"]
+            )
+        for chunk in part[part_format.OBJECTS]:
+            located[(chunk["fqn"], ())] = _StorageInfo(part["file"], chunk["offset"], chunk["length"])
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+
+    def where(fqn: str, offsets: tuple[int, ...]) -> _StorageInfo:
+        try:
+            return located[(fqn, offsets)]
+        except KeyError:
+            raise CommitFailed(f"no part lists the chunk of {fqn} at {list(offsets)} its layout names") from None
+
+    for item in layout.items.values():
+        if item.kind != TENSOR:
+            state[item.fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(item.fqn)] = where(item.fqn, ())
+            continue
+        chunks = []
+        for cell in chunk_layout.cells(item.layout, item.shape):
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(cell.offsets), sizes=torch.Size(cell.sizes)))
+            storage[MetadataIndex(item.fqn, torch.Size(cell.offsets), len(chunks) - 1)] = where(item.fqn, cell.offsets)
+        state[item.fqn] = TensorStorageMetadata(properties=item.properties, size=torch.Size(item.shape), chunks=chunks)
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=layout.mappings,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_path),
+    )
+
+
+def _verification(mode: str, written: Any) -> dict[str, Any]:
+    summaries = list(written)
+    return {
+        "mode": mode,
+        "chunks_total": sum(s.chunks for s in summaries),
+        "bytes_total": sum(s.bytes_total for s in summaries),
+        "chunks_verified": sum(s.verified_chunks for s in summaries),
+        "bytes_verified": sum(s.verified_bytes for s in summaries),
+    }
+
+
+def _gbps(summary: PartSummary) -> float:
+    return summary.file_bytes / summary.write_s / 1e9 if summary.write_s else 0.0

@@ -1,0 +1,229 @@
+"""A full save in format v4: each rank plans, writes, checks and records its own part; rank 0 commits.
+
+No global plan: every rank knows the layout (save_layout.py), so it writes what it owns without sending its
+plan anywhere. After writing, reading back and checking its file's stored size, each rank writes its part
+(engine/format/parts.py) and sends rank 0 a summary of a few hundred bytes: sizes, checksums, counts, and
+errors. Rank 0 checks that the summaries add up and commits (parts_commit.py); its verdict is broadcast,
+so every rank returns the same outcome. Two collectives after the write, each O(ranks) on rank 0 and O(1)
+elsewhere; nothing per chunk crosses the network unless the checkpoint is small enough for DCP's
+`.metadata` (then rank 0 gets the parts themselves, to write it).
+
+Every rank reaches both collectives whatever fails on it (its error travels in its summary): a rank that
+raised would otherwise leave the others waiting until the collective timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from ...errors import CommitFailed, CorruptCheckpoint
+from ..collectives import broadcast_from_coordinator, gather_to_coordinator, rank_and_world
+from ..config import SaveConfig
+from ..format import parts as part_format
+from ..format.checksum import checksum
+from ..format.layout import join
+from ..storage import fsio, retry
+from ..storage.writer import FaultHook, RankWrite, write_rank_file
+from .save_layout import TENSOR, SaveLayout
+
+log = logging.getLogger(__name__)
+
+
+class SaveRefused(CommitFailed):
+    """The coordinator refused the commit and every rank was told: every rank's write step is over."""
+
+
+@dataclass
+class PartSummary:
+    """What a rank tells the coordinator about its part of one save (and all the coordinator hears of it)."""
+
+    rank: int
+    layout_digest: str
+    error: str | None = None
+    chunks: int = 0
+    file_bytes: int | None = None
+    file_checksum: str | None = None
+    part_bytes: int | None = None
+    part_checksum: str | None = None
+    verified_chunks: int = 0
+    verified_bytes: int = 0
+    bytes_total: int = 0
+    write_s: float | None = None
+    nonfinite: list[str] = field(default_factory=list)  # floating tensors with NaN/Inf in this rank's chunks
+    part: dict[str, Any] | None = None  # the part itself, only when rank 0 writes DCP's .metadata
+
+    # pickled as a tuple of values, not a dict of names to values: rank 0 unpickles one per rank
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__dataclass_fields__, state):
+            setattr(self, name, value)
+
+
+@dataclass
+class RankOutcome:
+    """This rank's view of one save after the verdict."""
+
+    stats: dict[str, Any]
+    summary: PartSummary
+
+
+def save_parts(
+    state_dict: dict[str, Any],
+    layout: SaveLayout,
+    *,
+    fs: Any,
+    directory: str,
+    checkpoint_id: str,
+    group: Any,
+    config: SaveConfig,
+    commit: Any,  # parts_commit.PartsCommitter, called on rank 0 with every summary
+    fault_hook: FaultHook | None = None,
+) -> RankOutcome:
+    """Write this rank's shard and part, then commit on rank 0; raises SaveRefused (every rank alike) when the
+    checkpoint did not commit, or the collective's error when a peer died."""
+    rank, _ = rank_and_world(group)
+    fault = fault_hook or (lambda point: None)
+    stats: dict[str, Any] = {}
+    try:
+        written = _write(state_dict, layout, fs, directory, rank, config, fault)
+        stats = written.stats
+        summary = _summarize(written, layout, fs, directory, checkpoint_id, rank, config)
+        fault("before_receipt")
+    except Exception as err:  # reported to the coordinator, which refuses the commit, naming it
+        log.error("rank %d: writing its part of %s failed: %s", rank, directory, err)
+        summary = PartSummary(rank, layout.digest, error=f"rank {rank}: {type(err).__name__}: {err}")
+        summary_error = err
+    else:
+        summary_error = None
+    # collective "part-summaries": rank 0 gets every rank's summary (O(ranks) bytes there, O(1) elsewhere)
+    summaries = gather_to_coordinator("part-summaries", summary, group)
+    verdict: str | None = None
+    if summaries is not None:
+        try:
+            commit(summaries)
+        except Exception as err:
+            verdict = f"{type(err).__name__}: {err}" if not isinstance(err, CommitFailed) else str(err)
+            if not isinstance(err, CommitFailed):
+                log.error("rank 0: committing %s failed:\n%s", directory, traceback.format_exc())
+    # collective "commit-verdict": every rank learns whether the checkpoint committed
+    verdict = broadcast_from_coordinator("commit-verdict", verdict, group)
+    if verdict is not None:
+        raise SaveRefused(verdict) from summary_error
+    return RankOutcome(stats, summary)
+
+
+def _write(
+    state_dict: dict[str, Any],
+    layout: SaveLayout,
+    fs: Any,
+    directory: str,
+    rank: int,
+    config: SaveConfig,
+    fault: FaultHook,
+) -> RankWrite:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, StorageMeta(checkpoint_id=directory), rank == 0)
+    plan = planner.create_local_plan()  # DCP's write items for everything this rank holds; ours is a subset
+    items = [item for item in plan.items if layout.items[item.index.fqn].writes_here]
+    _check_own_chunks(items, layout, rank)
+    fsio.makedirs(fs, directory)
+    rng = random.Random(config.verify.seed)
+    return write_rank_file(fs, directory, rank, items, planner.resolve_data, config.verify, rng, fault)
+
+
+def _check_own_chunks(items: list[Any], layout: SaveLayout, rank: int) -> None:
+    """Each chunk this rank writes is the cell the layout gives it (save_layout checked the rule against
+    DTensor's placement of this rank's chunk): the per-rank half of the check that the chunks tile every
+    tensor. The coordinator counts each rank's chunks against the layout: the other half."""
+    for item in items:
+        entry = layout.items[item.index.fqn]
+        if entry.kind != TENSOR or item.tensor_data is None:
+            continue
+        chunk = item.tensor_data.chunk
+        if entry.own != (tuple(chunk.offsets), tuple(chunk.sizes)):
+            raise CorruptCheckpoint(
+                f"rank {rank}: its chunk of {item.index.fqn} at {list(chunk.offsets)} ({list(chunk.sizes)}) is not "
+                f"the one its layout gives it ({entry.own}); the ranks disagree on how this tensor is sharded"
+            )
+
+
+def _summarize(
+    written: RankWrite,
+    layout: SaveLayout,
+    fs: Any,
+    directory: str,
+    checkpoint_id: str,
+    rank: int,
+    config: SaveConfig,
+) -> PartSummary:
+    summary = PartSummary(rank, layout.digest, chunks=len(written.receipts), write_s=written.stats.get("write_s"))
+    if written.relative is None:
+        return summary  # nothing to write: no file, no part
+    path = join(directory, written.relative)
+    # the stored size, checked by the rank that wrote it (all ranks in parallel, not N requests on rank 0): as the
+    # read-back found it, else one HEAD
+    stored = written.stored_bytes
+    if stored is None:
+        stored = retry.call("size", lambda: fs.size(path), target=path)
+    if stored != written.file_bytes:
+        raise CorruptCheckpoint(f"{path}: {stored} bytes on storage, {written.file_bytes} written (truncated upload?)")
+    tensor_chunks, objects = [], []
+    for item, receipt in written.receipts:
+        record: dict[str, Any] = {
+            "fqn": item.index.fqn,
+            "offset": receipt.offset,
+            "length": receipt.length,
+            "checksum": receipt.checksum,
+        }
+        if item.tensor_data is None:
+            objects.append(record)
+            continue
+        record["offsets"] = list(item.tensor_data.chunk.offsets)
+        record["sizes"] = list(item.tensor_data.chunk.sizes)
+        if receipt.blocks is not None:
+            record["blocks"] = {"size": receipt.blocks[0], "checksums": list(receipt.blocks[1])}
+        if receipt.finite is not None:
+            record[part_format.FINITE_FIELD] = receipt.finite
+            if not receipt.finite:
+                summary.nonfinite.append(item.index.fqn)
+        tensor_chunks.append(record)
+    receipts = [receipt for _, receipt in written.receipts]
+    verified = [r for r in receipts if r.verified]
+    verification = {
+        "mode": config.verify.mode,
+        "chunks_total": len(receipts),
+        "bytes_total": sum(r.length for r in receipts),
+        "chunks_verified": len(verified),
+        "bytes_verified": sum(r.length if r.verified_bytes is None else r.verified_bytes for r in verified),
+    }
+    part = part_format.build_part(
+        checkpoint_id=checkpoint_id,
+        rank=rank,
+        file=written.relative,
+        file_bytes=written.file_bytes,
+        tensor_chunks=tensor_chunks,
+        objects=objects,
+        verification=verification,
+        write_s=written.stats.get("write_s"),
+    )
+    data = part_format.to_bytes(part)
+    fsio.write_new_file(fs, join(directory, part_format.part_filename(rank)), data)
+    summary.file_bytes = written.file_bytes
+    summary.file_checksum = part["file_checksum"]
+    summary.part_bytes = len(data)
+    summary.part_checksum = checksum(data)
+    summary.verified_chunks = verification["chunks_verified"]
+    summary.verified_bytes = verification["bytes_verified"]
+    summary.bytes_total = verification["bytes_total"]
+    if layout.chunk_count() <= config.dcp_metadata_max_chunks:
+        summary.part = part
+    return summary

@@ -1,0 +1,161 @@
+"""As many gloo ranks as this machine holds: a format-v4 checkpoint saved on 32 ranks resumes on 7, bit-exact.
+
+The protocol end to end at a world size where a per-chunk coordinator would already show (issue 35): 32 ranks
+each write a shard and a part; rank 0 commits from 32 summaries; the manifest lists tensors by rule (row-sharded
+over 32) and no chunk; each of 7 new ranks plans its share from the parts it needs (those of the old ranks
+whose rows overlap its own, not all 32) and reads exactly its rows, every byte checked. Tiny tensors: what is measured is the metadata path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
+from lightning_shardckpt.engine.catalog import list_checkpoints
+from lightning_shardckpt.engine.format import chunk_layout, parts_manifest
+from lightning_shardckpt.engine.storage.fsio import resolve
+from tests.helpers.spawn import run_ranks
+
+SAVED_ON, LOADED_ON = 32, 7
+ROWS = [96, 70, 33, 5]  # rows of each [rows, 8] tensor: even and uneven splits, and fewer rows than ranks
+COLUMNS = 8
+
+
+def _global(index: int) -> torch.Tensor:
+    rows = ROWS[index % len(ROWS)]
+    return torch.arange(rows * COLUMNS, dtype=torch.float32).reshape(rows, COLUMNS) * (index + 1) + 0.5
+
+
+def _state(rank: int, world_size: int, *, zeros: bool) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {"model": {}, "progress": {"global_step": 0 if zeros else 7, "note": "" if zeros else "saved-on-32"}}
+    for index in range(12):
+        sharded = _shard(_global(index), mesh, world_size, rank)
+        state["model"][f"layer{index:02d}.weight"] = torch.zeros_like(sharded) if zeros else sharded
+    state["model"]["step"] = torch.tensor(0 if zeros else 7)  # replicated, written once by rank 0
+    return state
+
+
+def _shard(full: torch.Tensor, mesh, world_size: int, rank: int) -> DTensor:
+    """Rank `rank`'s Shard(0) piece of `full` (torch.chunk's split, as FSDP2 shards: the last ranks may get none)."""
+    pieces = list(torch.chunk(full, world_size, dim=0))
+    local = pieces[rank] if rank < len(pieces) else full[:0]
+    return DTensor.from_local(local.clone(), mesh, [Shard(0)], shape=full.shape, stride=full.stride())
+
+
+def save_on_32(rank, world_size, root):
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, collective_timeout_s=120))
+    result = saver.save(_state(rank, world_size, zeros=False), step=7).result(timeout=120)
+    saver.close()
+    assert result.committed, result.error
+    return result.manifest if rank == 0 else None
+
+
+def load_on_7(rank, world_size, root):
+    state = _state(rank, world_size, zeros=True)
+    result = load_checkpoint(state, root)
+    # full_tensor() is a collective: every rank gathers every tensor, in the same order (no short cut)
+    matches = [
+        torch.equal(value.full_tensor(), _global(int(name[5:7])))
+        for name, value in state["model"].items()
+        if isinstance(value, DTensor)
+    ]
+    exact = all(matches)
+    return {
+        "step": result.step,
+        "exact": exact,
+        "scalar": int(state["model"]["step"]),
+        "progress": state["progress"],
+        "parts_read": result.parts_read,
+    }
+
+
+def test_a_checkpoint_saved_on_32_ranks_resumes_on_7_bit_exact_reading_only_the_parts_each_needs(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_on_32, SAVED_ON, root, timeout_s=240, pg_timeout_s=120)[0].value
+
+    assert manifest["format_version"] == 4 and manifest["parts"]["count"] == SAVED_ON
+    assert all("chunks" not in tensor for tensor in manifest["tensors"])  # per checkpoint, not per chunk
+    weight = next(t for t in manifest["tensors"] if t["fqn"] == "model.layer00.weight")
+    assert weight["layout"] == {"rank": 0, "split": [[0, SAVED_ON, 1]]}  # one rule, not 32 entries
+    writers = parts_manifest.writing_ranks(manifest)
+    assert writers == list(range(SAVED_ON))  # 96 rows: every rank holds 3 and wrote a part
+    five_rows = chunk_layout.from_json(
+        next(t for t in manifest["tensors"] if t["fqn"] == "model.layer03.weight")["layout"]
+    )
+    assert len(list(chunk_layout.cells(five_rows, [5, COLUMNS]))) == SAVED_ON  # 27 empty chunks, written as DCP does
+    [entry] = list_checkpoints(resolve(root))
+    assert entry.committed
+
+    loaded = [o.value for o in run_ranks(load_on_7, LOADED_ON, root, timeout_s=240, pg_timeout_s=120)]
+    assert all(r["step"] == 7 and r["exact"] and r["scalar"] == 7 for r in loaded), loaded
+    assert all(r["progress"] == {"global_step": 7, "note": "saved-on-32"} for r in loaded)
+    # each new rank reads the parts of exactly the old ranks whose rows overlap its own (and rank 0's, which holds
+    # the objects and the replicated scalar): never all 32
+    expected = [len(_old_ranks_overlapping(manifest, rank)) for rank in range(LOADED_ON)]
+    assert [r["parts_read"] for r in loaded] == expected and max(expected) < SAVED_ON, expected
+
+
+def _old_ranks_overlapping(manifest: dict, rank: int) -> set[int]:
+    ranks = {0}
+    for tensor in manifest["tensors"]:
+        if tensor["shape"] == []:
+            continue
+        rows = tensor["shape"][0]
+        piece = -(-rows // LOADED_ON)
+        start = min(rank * piece, rows)
+        box = ((start, 0), (min(piece, rows - start), COLUMNS))
+        layout = chunk_layout.from_json(tensor["layout"])
+        ranks |= {cell.rank for cell in chunk_layout.cells_within(layout, tensor["shape"], box)}
+    return ranks
+
+
+# --- a 2-D mesh, and ranks that disagree on their keys ---
+
+
+def save_on_a_2d_mesh(rank, world_size, root):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = _global(0)[:, :8]  # [96, 8]: rows over dp, columns over tp
+    local = full.chunk(2, dim=0)[mesh.get_coordinate()[0]].chunk(2, dim=1)[mesh.get_coordinate()[1]]
+    tensor = DTensor.from_local(local.clone(), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
+    result = saver.save({"w": tensor}, step=1).result(timeout=60)
+    saver.close()
+    assert result.committed, result.error
+    return result.manifest if rank == 0 else None
+
+
+def load_1d(rank, world_size, root):
+    state = {"w": _shard(torch.zeros(96, 8), init_device_mesh("cpu", (world_size,)), world_size, rank)}
+    load_checkpoint(state, root)
+    return torch.equal(state["w"].full_tensor(), _global(0)[:, :8])
+
+
+def test_a_2d_mesh_is_one_rule_of_two_cuts_and_resumes_on_a_1d_mesh_bit_exact(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_on_a_2d_mesh, 4, root)[0].value
+    (tensor,) = manifest["tensors"]
+    assert tensor["layout"] == {"rank": 0, "split": [[0, 2, 2], [1, 2, 1]]}
+    assert all(outcome.value for outcome in run_ranks(load_1d, 3, root))
+
+
+def save_with_a_key_only_rank_1_holds(rank, world_size, root):
+    state = {"model": {"w": torch.full((4,), 7.0)}}
+    if rank == 1:
+        state["rank1_only"] = {"note": "only here"}  # DCP's dedup still writes it (its lowest holder)
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
+    result = saver.save(state, step=1).result(timeout=60)
+    saver.close()
+    assert result.committed, result.error
+    return result.manifest if rank == 0 else None
+
+
+def test_ranks_holding_different_keys_fall_back_to_dcps_collective_planning_and_lose_nothing(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_with_a_key_only_rank_1_holds, 2, root)[0].value
+    assert manifest["format_version"] == 2  # the layouts' digests differed: DCP planned it (format v2)
+    state = {"model": {"w": torch.zeros(4)}, "rank1_only": {"note": ""}}
+    load_checkpoint(state, root)
+    assert torch.equal(state["model"]["w"], torch.full((4,), 7.0)) and state["rank1_only"] == {"note": "only here"}

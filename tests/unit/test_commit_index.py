@@ -1,0 +1,107 @@
+"""`latest` from the pointer and the run's commit index, without listing the root (FORMAT.md §4.1), and never a
+different answer than the listing would give."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lightning_shardckpt.engine import catalog, commit_index
+from lightning_shardckpt.engine.format.layout import LATEST, MANIFEST
+from lightning_shardckpt.engine.storage.fsio import resolve
+from tests.helpers.checkpoints import RUN_ID, dirname_of, save_checkpoint
+
+
+@pytest.fixture
+def root(tmp_path):
+    """Three commits of one run (steps 1, 2, 3); `latest` names step 3."""
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in (1, 2, 3)]
+    return path, names
+
+
+def _no_listing(monkeypatch) -> list[int]:
+    listed: list[int] = []
+
+    def refuse(location):
+        listed.append(1)
+        raise AssertionError("the root was listed")
+
+    monkeypatch.setattr(catalog, "list_checkpoints", refuse)
+    return listed
+
+
+def _counting_listing(monkeypatch) -> list[int]:
+    listed: list[int] = []
+    real = catalog.list_checkpoints
+
+    def count(location):
+        listed.append(1)
+        return real(location)
+
+    monkeypatch.setattr(catalog, "list_checkpoints", count)
+    return listed
+
+
+def _point_latest_at(path: str, name: str) -> None:
+    with open(os.path.join(path, LATEST), "w") as handle:
+        handle.write(name + "\n")
+
+
+def test_each_commit_writes_its_runs_marker(root):
+    path, names = root
+    for seq, name in enumerate(names, start=1):
+        with open(commit_index.marker_path(path, RUN_ID, seq)) as handle:
+            assert handle.read() == name + "\n"
+
+
+def test_latest_is_found_without_listing_the_root_and_walks_past_a_stale_pointer(root, monkeypatch):
+    path, names = root
+    _no_listing(monkeypatch)
+    location = resolve(path)
+    assert catalog.find(location, "latest").name == names[2]
+    _point_latest_at(path, names[0])  # a crash between manifest and pointer, twice
+    assert catalog.find(location, "latest").name == names[2]
+
+
+def test_an_attempt_that_never_committed_ends_the_walk(root, monkeypatch):
+    path, names = root
+    failed = names[2].replace("step-000000003", "step-000000004")
+    os.makedirs(os.path.join(path, failed))  # an attempt that wrote its marker, then died before its manifest
+    with open(commit_index.marker_path(path, RUN_ID, 4), "w") as handle:
+        handle.write(failed + "\n")
+    _no_listing(monkeypatch)
+    assert catalog.find(resolve(path), "latest").name == names[2]
+
+
+def test_the_next_save_of_the_run_takes_parent_and_seq_from_the_index_without_listing(root, monkeypatch):
+    path, names = root
+    listed = _counting_listing(monkeypatch)
+    manifest = save_checkpoint(path, step=4)
+    assert (manifest["seq"], manifest["parent"]) == (4, json.load(open(os.path.join(path, names[2], MANIFEST)))["id"])
+    assert listed == []
+
+
+@pytest.mark.parametrize("damage", ["marker_missing", "another_run_in_the_root", "pointer_gone"])
+def test_where_the_index_cannot_answer_the_root_is_listed_and_the_answer_is_the_same(root, monkeypatch, damage):
+    path, names = root
+    if damage == "marker_missing":  # a writer that kept no index (older versions) committed step 3
+        os.remove(commit_index.marker_path(path, RUN_ID, 3))
+    elif damage == "another_run_in_the_root":  # a shared root: which run committed last takes a listing
+        os.makedirs(os.path.join(path, commit_index.INDEX_DIR, "another-run"))
+    else:
+        os.remove(os.path.join(path, LATEST))
+    listed = _counting_listing(monkeypatch)
+    assert catalog.find(resolve(path), "latest").name == names[2]
+    assert listed, "the root should have been listed"
+
+
+def test_a_marker_naming_another_runs_checkpoint_sends_the_reader_to_the_listing(root, monkeypatch):
+    path, names = root
+    with open(commit_index.marker_path(path, RUN_ID, 4), "w") as handle:
+        handle.write(names[0] + "\n")  # names a committed checkpoint of seq 1: the index is inconsistent
+    listed = _counting_listing(monkeypatch)
+    assert catalog.find(resolve(path), "latest").name == names[2]
+    assert listed

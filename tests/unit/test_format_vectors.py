@@ -1,0 +1,168 @@
+"""docs/FORMAT.md's test vectors (§11) are what the code writes and reads: each record kind, checked both ways."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import struct
+import zipfile
+from pathlib import Path
+
+import torch
+
+from lightning_shardckpt.engine.format import chunk_layout, parts, parts_manifest
+from lightning_shardckpt.engine.format import manifest as manifest_format
+from lightning_shardckpt.engine.format.checksum import checksum
+from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.storage.chunk_reads import decode_tensor_record
+
+FORMAT = Path(__file__).parents[2] / "docs" / "FORMAT.md"
+VECTOR = re.compile(r"<!-- vector: (?P<name>[^>]+?) -->\n```\w*\n(?P<body>.*?)\n```", re.S)
+
+
+def vectors() -> dict[str, str]:
+    return {match["name"]: match["body"] for match in VECTOR.finditer(FORMAT.read_text())}
+
+
+def test_every_record_kind_has_a_vector():
+    assert set(vectors()) == {
+        "manifest",
+        "commit record",
+        "part 0",
+        "part 1",
+        "layout cells",
+        "index marker",
+        "tensor record",
+        "object record",
+    }
+
+
+def test_the_manifest_vector_parses_and_the_writer_writes_exactly_its_bytes():
+    data = (vectors()["manifest"] + "\n").encode()
+    where = f"/root/{checkpoint_dirname(7, '0123456789ab')}"
+    manifest = manifest_format.parse(data, where)
+    assert manifest_format.to_bytes(manifest) == data  # the writer's own layout, byte for byte
+    assert [f["path"] for f in manifest_format.files_of(manifest)] == [
+        "__0_0.distcp",
+        "__0_0.part.json",
+        "__1_0.distcp",
+        "__1_0.part.json",
+    ]
+
+
+def test_the_commit_record_vector_is_the_record_of_the_manifest_vector():
+    manifest_bytes = (vectors()["manifest"] + "\n").encode()
+    record_bytes = (vectors()["commit record"] + "\n").encode()
+    where = f"/root/{checkpoint_dirname(7, '0123456789ab')}"
+    record = manifest_format.parse_commit_record(record_bytes, where)
+    manifest = json.loads(manifest_bytes)
+    assert record["manifest_checksum"] == checksum(manifest_bytes)
+    assert manifest_format.to_bytes(manifest_format.build_commit_record(manifest, manifest_bytes)) == record_bytes
+    assert record["bytes_total"] == sum(f["bytes"] for f in manifest_format.files_of(manifest))
+
+
+def test_the_part_vectors_parse_and_match_the_manifests_sizes_checksums_and_layouts():
+    manifest = json.loads(vectors()["manifest"])
+    table = manifest["parts"]
+    for rank in (0, 1):
+        data = (vectors()[f"part {rank}"] + "\n").encode()
+        part = parts.parse(data, parts.part_filename(rank), checkpoint_id=manifest["id"], rank=rank)
+        assert parts.to_bytes(part) == data
+        digests = {
+            column: table[column][16 * rank : 16 * (rank + 1)] for column in ("part_checksums", "file_checksums")
+        }
+        assert (len(data), checksum(data)) == (table["part_bytes"][rank], digests["part_checksums"])
+        assert (part["file_bytes"], part["file_checksum"]) == (table["file_bytes"][rank], digests["file_checksums"])
+        cells = {
+            (t["fqn"], c.offsets, c.sizes)
+            for t in manifest["tensors"]
+            for c in chunk_layout.cells(chunk_layout.from_json(t["layout"]), t["shape"])
+            if c.rank == rank
+        }
+        assert {(c["fqn"], tuple(c["offsets"]), tuple(c["sizes"])) for c in part["chunks"]} == cells
+        assert {o["fqn"] for o in part["objects"]} == {o["fqn"] for o in manifest["objects"] if o["rank"] == rank}
+    assert parts_manifest.writing_ranks(manifest) == [0, 1]
+
+
+def test_the_layout_vectors_are_the_cells_the_code_computes():
+    for line in vectors()["layout cells"].splitlines():
+        case = json.loads(line)
+        layout = chunk_layout.from_json(case["layout"])
+        got = [[list(c.offsets), list(c.sizes), c.rank] for c in chunk_layout.cells(layout, case["shape"])]
+        assert got == case["cells"]
+
+
+def test_the_index_marker_vector_names_the_manifest_vectors_directory():
+    manifest = json.loads(vectors()["manifest"])
+    assert vectors()["index marker"] == checkpoint_dirname(manifest["step"], manifest["id"])
+
+
+def test_the_tensor_record_vector_decodes_without_torch_and_with_it():
+    text = FORMAT.read_text()
+    data = bytes.fromhex("".join(vectors()["tensor record"].split()))
+    expected_sum = re.search(r"its\s+xxh3_64 is `([0-9a-f]{16})`", text)[1]
+    assert checksum(data) == expected_sum
+    # as §3.1 tells a reader without torch: stored zip members, found by their local headers
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    names = [info.filename for info in archive.infolist()]
+    assert names[:6] == [
+        "archive/data.pkl",
+        "archive/.format_version",
+        "archive/.storage_alignment",
+        "archive/byteorder",
+        "archive/data/0",
+        "archive/version",
+    ]
+    info = archive.getinfo("archive/data/0")
+    assert info.compress_type == zipfile.ZIP_STORED and info.CRC == 0
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    assert start % 64 == 0
+    element_bytes = data[start : start + info.file_size]
+    assert element_bytes.hex(" ") == "80 3f 00 40 40 40 00 bf 80 3e 00 41"
+    # bfloat16 without torch: the upper 16 bits of a float32
+    values = [struct.unpack("<f", b"\x00\x00" + element_bytes[i : i + 2])[0] for i in range(0, 12, 2)]
+    assert values == [1.0, 2.0, 3.0, -0.5, 0.25, 8.0]
+    tensor = decode_tensor_record(memoryview(bytearray(data)), (2, 3), torch.bfloat16)
+    assert torch.equal(tensor, torch.tensor([[1.0, 2.0, 3.0], [-0.5, 0.25, 8.0]], dtype=torch.bfloat16))
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+
+
+class _NoGlobals(pickle.Unpickler):
+    """What FORMAT.md §3.1 lets a reader without torch use on a plain object's data.pkl: no global at all."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
+
+def test_the_object_record_vector_is_what_a_save_writes_and_reads_without_torch(tmp_path):
+    from lightning_shardckpt import CheckpointSaver, SaveConfig
+
+    text = FORMAT.read_text()
+    data = bytes.fromhex("".join(vectors()["object record"].split()))
+    assert checksum(data) == re.search(r"An object record.*?xxh3_64 is\s+`([0-9a-f]{16})`", text, re.S)[1]
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    assert [info.filename for info in archive.infolist()] == [
+        "archive/data.pkl",
+        "archive/.format_version",
+        "archive/.storage_alignment",
+        "archive/byteorder",
+        "archive/version",
+        "archive/.data/serialization_id",
+    ]
+    pickled = archive.read("archive/data.pkl")  # zipfile checks the computed CRC-32s as it reads
+    assert pickled.hex(" ") == "80 02 4b 07 2e"
+    assert _NoGlobals(io.BytesIO(pickled)).load() == 7
+    assert torch.load(io.BytesIO(data), weights_only=True) == 7
+    # a save writes exactly these bytes for the object
+    saver = CheckpointSaver(str(tmp_path), SaveConfig(async_save=False, write_events=False))
+    result = saver.save({"model": {"w": torch.zeros(2)}, "progress": {"global_step": 7}}, step=7).result(timeout=60)
+    saver.close()
+    part = json.loads((Path(result.path) / parts.part_filename(0)).read_bytes())
+    [record] = part["objects"]
+    with open(os.path.join(result.path, part["file"]), "rb") as shard:
+        shard.seek(record["offset"])
+        assert shard.read(record["length"]) == data and record["checksum"] == checksum(data)
