@@ -89,7 +89,10 @@ def test_list_checkpoints_shows_every_state_its_trust_and_the_two_checkpoints_a_
     three = by_step[3]
     assert three.path == f"{backend.url}/{names[3]}" and three.root == backend.url
     assert three.checkpoint_id == manifests[3]["id"] and three.parent == manifests[2]["id"] and three.seq == 3
-    assert three.bytes == sum(item["bytes"] for item in manifest_format.files_of(manifests[3])) and three.bytes_referenced == 0
+    assert (
+        three.bytes == sum(item["bytes"] for item in manifest_format.files_of(manifests[3]))
+        and three.bytes_referenced == 0
+    )
     assert isinstance(three.committed_at, datetime) and three.committed_at.tzinfo is not None
     assert three.run_id == RUN_ID and three.age_s is not None and three.age_s >= 0 and three.problem is None
     assert "commit record" in by_step[8].problem and by_step[8].committed_at is None
