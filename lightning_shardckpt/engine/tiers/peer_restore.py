@@ -20,12 +20,12 @@ every rank and DCP reshards it onto the new world as usual. Nothing is read from
 from __future__ import annotations
 
 import glob
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
+from ..format import bounded_json
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..storage import fsio
 from ..storage.fsio import Location
@@ -80,7 +80,9 @@ def _holdings(root: Location) -> tuple[dict[str, dict[str, int]], dict[str, dict
             }
             held[name] = listing
             if MANIFEST in listing and COMMIT_RECORD in listing:
-                manifest = json.loads(root.fs.cat_file(join(directory, MANIFEST)))
+                manifest = bounded_json.loads(
+                    root.fs.cat_file(join(directory, MANIFEST)), bounded_json.MANIFEST_MAX_BYTES
+                )
                 manifests[name] = {
                     "files": all_files(manifest),
                     "seq": manifest.get("seq") or 0,
@@ -115,7 +117,7 @@ def restore_from_peers(own: Location, template: str, config: PeersConfig, group:
         fs = roots[holder_root].fs
         documents = (fs.cat_file(join(directory, MANIFEST)), fs.cat_file(join(directory, COMMIT_RECORD)))
     manifest_bytes, record_bytes = broadcast_from("peer-manifest", documents, holder_rank, group)
-    manifest = json.loads(manifest_bytes)
+    manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
     problems: list[str] = []
     local = fetched = 0
     own_dir = join(own.path, name)

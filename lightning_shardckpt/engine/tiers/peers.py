@@ -31,6 +31,7 @@ from typing import Any
 
 from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from ..format import bounded_json
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
 from ..metrics import RunCounters
 from ..storage import fsio
@@ -182,7 +183,8 @@ class PeerReplicator:
         except Exception as err:  # noqa: BLE001 - retention deleted it meanwhile: nothing to copy
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
-        return name, json.loads(manifest_bytes), manifest_bytes, record_bytes, kept
+        manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
+        return name, manifest, manifest_bytes, record_bytes, kept
 
     def _copy(
         self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes, kept: list[str]
