@@ -32,11 +32,13 @@ from torch.optim import Optimizer
 
 from ..engine.collectives import new_checkpoint_group, rank_and_world
 from ..engine.config import LoadConfig, SaveConfig, save_config_from
+from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.storage import fsio
 from ..errors import ConfigError
 from ..training.data import ResumableDistributedSampler, gather_rng_states, restore_rng_state, rng_state_for_rank
+from ..training.loadable import SaveChecks
 from . import fabric_sources, fabric_state
 from .fabric_sampler import use_fabric_sampler
 from .lightning_state import MODEL_KEY, OPTIMIZERS_KEY
@@ -93,6 +95,10 @@ class ShardedFabricStrategy:
         self._run_id_given = self.save_config.run_id is not None
         self._resumed_run: tuple[str | None, str | None] = (None, None)  # (root path, run id) of the last load
         self._last_step = -1  # saved or loaded: a state without a step is saved as the next one
+        self._save_checks = SaveChecks(
+            trust_option="ShardedFabricStrategy(load={'trust_checkpoint': True})",
+            pickled_sections={fabric_state.FABRIC_KEY: safe_pickle.LIGHTNING_STATE_GLOBALS},
+        )
         reference = weakref.ref(self)
         atexit.register(lambda: (strategy := reference()) is not None and strategy.close())
 
@@ -122,6 +128,7 @@ class ShardedFabricStrategy:
         saver = self._saver_for(path)
         rng = gather_rng_states() if self.restore_rng else None  # every rank's: a collective on the training group
         dcp_state = fabric_state.to_dcp_state(parts, rng)
+        self._save_checks(dcp_state, trust=self.load_config.trust_checkpoint, rank=self.global_rank)
         if saver.config.overlap_staging:
             self._guard(parts.optimizers.values())
         updated_in_step = self._parameters_or_optimizer_state(parts)

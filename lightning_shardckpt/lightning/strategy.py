@@ -37,12 +37,14 @@ from torch.optim import Optimizer
 from ..engine import catalog
 from ..engine.collectives import new_checkpoint_group
 from ..engine.config import LoadConfig, SaveConfig, save_config_from
+from ..engine.format import safe_pickle
 from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from ..policies import retention
+from ..training.loadable import SaveChecks
 from ..training.plan import CheckpointPlan
 from ..training.staging_fence import StagingFence
 from . import ckpt_paths, lightning_state
@@ -117,6 +119,10 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         self._staging_prepared: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
         self._init_staging_fence()
         self._fault_hook = fault_hook
+        self._save_checks = SaveChecks(
+            trust_option="ShardedCheckpoint(..., trust_checkpoint=True)",
+            pickled_sections={lightning_state.LIGHTNING_KEY: safe_pickle.LIGHTNING_STATE_GLOBALS},
+        )
 
     @staticmethod
     def of(trainer: Any) -> ShardedStrategy:
@@ -339,6 +345,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any
     ) -> PendingSave:
         state = lightning_state.to_dcp_state(checkpoint)
+        self._save_checks(state, trust=self.load_config.trust_checkpoint, rank=self.global_rank)
         if saver.config.overlap_staging:
             self._guard_optimizers()
         parameters_or_optimizer_state = self._parameters_or_optimizer_state()

@@ -45,6 +45,7 @@ from .data import (
     samples_consumed,
 )
 from .finished_saves import CallableReporter, drain_finished, record_logger
+from .loadable import SaveChecks
 from .preemption import DEFAULT_GRACE_S, PreemptionRequests
 from .preflight import preflight_on_every_rank
 from .resume import resume
@@ -119,6 +120,9 @@ class Checkpointer:
         self._started = False
         self._closed = False
         self._guarded: set[tuple[int, int]] = set()  # (saver, optimizer) pairs with a fence before the step
+        self._save_checks = SaveChecks(
+            trust_option="Checkpointer(..., trust_checkpoint=True)", pickled_sections={user_state.RESERVED_KEY: ()}
+        )
         preflight_on_every_rank(self.plan.location)
         self.plugins.setup(self._context(stage="fit"))
         self._signal = PreemptionRequests(self.options.preemption_grace_s)
@@ -276,6 +280,8 @@ class Checkpointer:
             "plugins": self.plugins.state_dict(),  # health: rule counters and mitigations
         }
         dcp_state = {**user_state.to_dcp(state), user_state.RESERVED_KEY: pickle.dumps(own)}
+        # keys that would collide (refused), values a load would refuse (a warning): before anything is written
+        self._save_checks(dcp_state, trust=self.plan.load.trust_checkpoint, rank=self.rank)
         if saver.config.overlap_staging:
             self._guard(saver, state)
         models = [value for value in state.values() if user_state.is_module(value)]
