@@ -191,3 +191,28 @@ def test_a_peer_copy_onto_a_full_node_root_fails_cleanly_and_training_saves_on(t
     assert all("No space left" in (e["cause"] or "") for e in owner["events"]), owner["events"]
     assert owner["counters"]["peer_replication_failed"] == 2
     assert leftovers == []  # neither rank 0's shard nor its .part on the full node
+
+
+def test_a_node_root_that_is_a_symlink_to_another_is_warned_at_setup_and_never_counted_as_a_copy(tmp_path):
+    """Node 1's root is node 0's under another name: peer copies "to node 1" would land where the files already are,
+    and peer records would claim a second copy that does not exist."""
+    from tests.helpers.peer_ranks import save_onto_an_aliased_node_root
+
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "durable").mkdir()
+    (tmp_path / "node1").symlink_to(tmp_path / "node0")
+    outcomes = [
+        o.value for o in run_ranks(save_onto_an_aliased_node_root, 4, str(tmp_path), str(tmp_path / "durable"), {}, 2)
+    ]
+    warned = outcomes[0]["warned"]
+    assert any(f"{tmp_path}/node1 is the same storage as {tmp_path}/node0" in message for message in warned), warned
+    assert all(not o["warned"] for o in outcomes[1:])  # said once, by the coordinator
+    assert list(tmp_path.glob("node*/peers/*/*.json")) == []  # no record claims a copy
+    assert list(tmp_path.glob("node0/peers/.root-probe-*")) == []  # the setup's markers are gone
+    events = outcomes[0]["events"]
+    assert events and all(event["complete_on"] == [f"{tmp_path}/node0"] for event in events), events
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        assert main(["ls", str(tmp_path / "node{node_rank}"), "--json"]) == 0
+    rows = json.loads(listing.getvalue())["checkpoints"]
+    assert {row["step"]: row["complete_on"] for row in rows} == {1: [0], 2: [0], 3: [0]}  # not on node 1 too

@@ -176,3 +176,28 @@ def peer_copies_onto_a_full_node_root(rank: int, world_size: int, base: str) -> 
     tiers.close(60.0)
     saver.close()
     return {"committed": committed, "events": events, "counters": counters, "broken": peers.broken is not None}
+
+
+def save_onto_an_aliased_node_root(
+    rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int
+) -> dict:
+    """Steps 1-3 with peer copies where node 1's root is a symlink to node 0's: what the replicator warned and
+    reported (rank 0: each copy's event), and the load of the last step from node 1's root."""
+    from tests.helpers.log_capture import warnings_of
+
+    tiers = CheckpointTiers(config(base, durable, options, per_node), rank // per_node, rank % per_node)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
+    )
+    events: list[dict] = []
+    with warnings_of("lightning_shardckpt.engine.tiers") as warned:
+        tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+        tiers.peer_replicator.listeners.append(events.append)
+        for step in (1, 2, 3):
+            saver.save(state(step), step=step, identical=lambda key: True)
+            saver.wait()
+        flushed = tiers.peer_replicator.flush(60.0)
+    counters = tiers.peer_replicator.snapshot()
+    tiers.close(60.0)
+    saver.close()
+    return {"flushed": flushed, "counters": counters, "warned": warned, "events": events}

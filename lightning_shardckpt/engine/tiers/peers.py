@@ -36,6 +36,7 @@ from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_d
 from ..metrics import RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
+from . import root_identity
 from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
@@ -85,7 +86,17 @@ class PeerReplicator:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._backlog = Backlog()
         self._roots: list[str] = all_gather_objects("peer-roots", fast.url, group)  # each rank's node root
-        same = [r for r in range(self.world_size) if any(self._roots[p] == self._roots[r] for p in self._peers(r))]
+        # each rank's storage: the lowest rank whose root is the same directory, whatever its name (a symlink)
+        self._storage = root_identity.storage_of(fast, self._roots, self.rank, group, PEERS_DIR)
+        for alias, owner in root_identity.aliases(self._roots, self._storage) if self.rank == 0 else []:
+            log.warning(
+                "node root %s is the same storage as %s (a file written under one appears under the other: a "
+                "symlink, a bind mount or one shared disk); peer copies between them are skipped, as they would be "
+                "no second copy. Give each node a root on its own disk",
+                alias,
+                owner,
+            )
+        same = [r for r in range(self.world_size) if any(self._storage[p] == self._storage[r] for p in self._peers(r))]
         if same and self.rank == 0:
             log.warning(
                 "peer copies of rank(s) %s land on their own node (jump=%d); set tiers.fast.peers.jump to the ranks "
@@ -196,9 +207,10 @@ class PeerReplicator:
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
-            # a peer on this node's own root adds no failure domain (a world shrunk to one node): nothing to send
-            send = self._roots[dst] != self.fast.url
-            receive = self._roots[src] != self.fast.url
+            # a peer on this node's own root adds no failure domain (a world shrunk to one node, or the same
+            # directory under another name): nothing to send
+            send = self._storage[dst] != self._storage[self.rank]
+            receive = self._storage[src] != self._storage[self.rank]
             outgoing = [
                 Outgoing(self.fast.fs, join(directory, rel), file_size(manifest, rel))
                 for rel in (files_of_rank(manifest, self.rank) if send else [])
@@ -247,7 +259,7 @@ class PeerReplicator:
             log.warning("could not record the peer copy of %s from rank %d", name, src, exc_info=True)
 
     def _first_of_root(self) -> bool:
-        return self._roots.index(self.fast.url) == self.rank
+        return self._storage.index(self._storage[self.rank]) == self.rank
 
     def _commit_node_copy(self, name: str, manifest: dict, manifest_bytes: bytes, record_bytes: bytes) -> str | None:
         """The node root's first rank: when this root now holds every file of `name`, commit it here too.
@@ -270,7 +282,7 @@ class PeerReplicator:
     def _follow_owner_retention(self, kept: list[str], step: int) -> None:
         """The first rank of every other node root deletes the checkpoints older than the one just copied that the
         coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
-        if not self._first_of_root() or self.fast.url == self._roots[0]:
+        if not self._first_of_root() or self._storage[self.rank] == self._storage[0]:
             return
         keep = set(kept)
         try:
