@@ -61,11 +61,12 @@ class KeepLastOne:
 
 def _drilled_while_deleted(drill) -> dict:
     """Run `drill()` until a drill of a checkpoint that retention deleted meanwhile came back (a drill that ran
-    before its checkpoint went is not what is tested: try the next one)."""
+    before its checkpoint went, or one asked for a checkpoint already gone, is not what is tested: try again)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         record = drill()
-        if record is not None and record.get("verdict") != "passed":
+        gone_before = record is not None and str(record.get("cause", "")).startswith("CheckpointNotFound")
+        if record is not None and record.get("verdict") != "passed" and not gone_before:
             return record
     raise AssertionError("no drill overlapped a deletion in 240 s")
 
@@ -87,7 +88,7 @@ def test_a_checkpoint_deleted_under_a_drill_is_not_drilled_in_the_follower_and_i
                     return None
 
             def training_drill() -> dict:
-                newest = sorted(root.glob("step-*"))[-1]
+                newest = sorted(path.parent for path in root.glob("step-*/manifest.json"))[-1]
                 results.clear()
                 runner.request(str(newest))
                 while not results:
@@ -102,7 +103,7 @@ def test_a_checkpoint_deleted_under_a_drill_is_not_drilled_in_the_follower_and_i
     for record in (from_follower, in_training):
         assert record["verdict"] == "not-drilled", record
         assert "was deleted" in record["cause"] and "not a failed restore" in record["cause"], record
-        assert not (root / record["checkpoint"]).exists()
+        assert not (root / record["checkpoint"] / "manifest.json").exists()  # uncommitted; its files may go later
     assert [path.name for path in (root / DRILLS_DIR).glob("*failed*")] == []
 
 
