@@ -4,8 +4,9 @@ Memory bombs in checkpoints that are otherwise safe to open, each on real files:
 reduces to `bytearray(384 MiB)`; a `.metadata` that asks for `bytearray(49 KB)` thousands of times (each call
 below a per-call bound, the total quadratic), encodes one memo'd string thousands of times, or BUILDs thousands
 of objects from one memo'd state dict; a torch.save record whose deflated zip entry unpacks to far more than the
-record; a manifest padded with `[{}, {}, ...]`. Every reader (load, drill, verify, inspect, timeline) refuses them
-by name; the peak memory of a fresh process doing so is measured (ru_maxrss), never mocked.
+record; a manifest padded with `[{}, {}, ...]`; a manifest and `.metadata` that agree on a 1 GiB chunk in an 8 KB
+file. Every reader (load, drill, verify, inspect, timeline, export) refuses them by name; the peak memory of a
+fresh process doing so is measured (ru_maxrss), never mocked.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from lightning_shardckpt import CorruptCheckpoint, UntrustedCheckpoint, load_che
 from lightning_shardckpt.engine.format import bounded_json, safe_pickle
 from lightning_shardckpt.engine.format.pickle_allowance import FACTOR
 from tests.helpers.checkpoints import fresh_state
-from tests.helpers.forgery import forge_manifest, forge_metadata
+from tests.helpers.forgery import forge_chunk_length, forge_manifest, forge_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
+LIE = 1 << 30  # the chunk length a lying manifest claims
 
 
 class Bomb:
@@ -88,7 +90,8 @@ def load(root, user=False):
     load_checkpoint(target, root)
 
 actions = {"verify": lambda root: main(["verify", root]), "inspect": lambda root: main(["inspect", root]),
-           "timeline": lambda root: main(["timeline", root]), "load": load, "load-object": lambda root: load(root, True)}
+           "timeline": lambda root: main(["timeline", root]), "load": load, "load-object": lambda root: load(root, True),
+           "export": lambda root: main(["export", root, root + "-export.pt", "--replace"])}
 main(["verify", sys.argv[1]])  # warm: imports and caches are not what is measured
 out = []
 for action, root in json.loads(sys.argv[2]):
@@ -130,6 +133,10 @@ def bombs(tmp_path, committed_checkpoint):
     padded = committed_checkpoint(tmp_path / "manifest")
     forge_manifest(padded.directory, lambda manifest: manifest.update({"padding": [{}] * (5 * MIB)}))
     roots["manifest"] = padded.root
+    for kind, fqn in (("object", "progress.global_step"), ("tensor", "model.0.bias")):  # read buffered / direct
+        lying = committed_checkpoint(tmp_path / f"lying-{kind}")
+        forge_chunk_length(lying.directory, fqn, LIE)
+        roots[f"lying-{kind}"] = lying.root
     return roots
 
 
@@ -138,6 +145,9 @@ def test_no_reader_allocates_more_than_a_small_multiple_of_the_file_it_opens(bom
     actions = [("load-object", bombs["object"])]
     actions += [(action, bombs[f"metadata-{name}"]) for name in METADATA_BOMBS for action in ("verify", "load")]
     actions += [(action, bombs["manifest"]) for action in ("verify", "inspect", "timeline")]
+    actions += [
+        (action, bombs[f"lying-{kind}"]) for kind in ("object", "tensor") for action in ("verify", "load", "export")
+    ]
     rows = peak_growth(bombs["good"], actions)
     for action, root, growth, outcome in rows:
         assert growth < 64, f"{action} {root}: peak RSS grew by {growth} MiB ({outcome})"
@@ -150,6 +160,13 @@ def test_no_reader_allocates_more_than_a_small_multiple_of_the_file_it_opens(bom
     for action in ("verify", "inspect"):
         assert outcomes[(action, "manifest")] == "exit 2"  # the one checkpoint there is corrupt: nothing to read
     assert outcomes[("timeline", "manifest")] == "exit 0"  # its row says corrupt, with the reason
+    for kind in ("object", "tensor"):  # the shard file holds 8 KB whatever the manifest says: a short read
+        assert outcomes[("verify", f"lying-{kind}")] == "exit 1"
+        assert (
+            outcomes[("load", f"lying-{kind}")].startswith("CorruptCheckpoint")
+            and f"of {LIE} bytes" in outcomes[("load", f"lying-{kind}")]
+        )
+    assert outcomes[("export", "lying-tensor")] == "exit 2"
 
 
 @pytest.mark.parametrize("name", sorted(METADATA_BOMBS))
@@ -183,6 +200,8 @@ def test_real_checkpoints_still_open_in_every_reader(bombs, run_cli):
     for command in ("verify", "inspect", "timeline"):
         code, _, err = run_cli(command, bombs["good"])
         assert code == 0, err
+    code, _, err = run_cli("export", bombs["good"], bombs["good"] + "-export.pt")
+    assert code == 0, err
     load_checkpoint(fresh_state(), bombs["good"])
 
 

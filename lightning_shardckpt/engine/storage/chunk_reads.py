@@ -112,12 +112,14 @@ def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
 
 
 def fetch_buffered(shard: ShardFile, offset: int, length: int, buffer: bytearray, hashing: bool) -> Fetched:
-    """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands."""
-    view = memoryview(buffer)[:length]
+    """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands. `buffer` needs only
+    `available_bytes(...)`: what the file holds of the chunk (a `length` past the file's end is short, not read)."""
+    wanted = available_bytes(shard, offset, length)
+    view = memoryview(buffer)[:wanted]
     hasher = streaming_checksum() if hashing else None
     filled = 0
-    while filled < length:
-        piece = view[filled : min(length, filled + PIECE_BYTES)]
+    while filled < wanted:
+        piece = view[filled : min(wanted, filled + PIECE_BYTES)]
         count = shard.read_into(offset + filled, piece)
         if hasher is not None:
             hasher.update(piece[:count])
