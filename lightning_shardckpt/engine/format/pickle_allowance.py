@@ -21,7 +21,6 @@ the charge is spent.
 from __future__ import annotations
 
 import pickle
-import sys
 from typing import Any
 
 import torch
@@ -63,7 +62,7 @@ class Allowance:
         self.size = size
         self.budget = None if size is None else FACTOR * size + FLOOR
         self.spent = 0
-        self.rebuilt: list[tuple[Any, type]] = []  # instances made as a guarded stand-in class, and their real class
+        self.rebuilt: list[tuple[list[Any], type]] = []  # per guarded class: the instances made as its stand-in
 
     def charge(self, name: str, nbytes: int, requested: int | None = None) -> None:
         if self.budget is None or nbytes <= 0:
@@ -77,15 +76,35 @@ class Allowance:
 
     def restore_classes(self) -> None:
         """Every instance made through a guarded class gets its real class back (BUILD did that for most)."""
-        for instance, real in self.rebuilt:
-            if type(instance) is not real:
-                object.__setattr__(instance, "__class__", real)
+        for made, real in self.rebuilt:
+            for instance in made:
+                if type(instance) is not real:
+                    object.__setattr__(instance, "__class__", real)
         self.rebuilt.clear()
 
 
+# bytes per item a copy of each kind costs (a pointer, a hash-table entry; a byte or an ASCII character)
+_PER_ITEM = {bytes: 1, bytearray: 1, str: 1, list: 8, tuple: 8, dict: 48, set: 32, frozenset: 32}
+_WIDE_CHARACTER = 4  # a str with any non-ASCII character: up to 4 bytes a character, in memory or encoded
+
+
 def copy_cost(values: Any) -> int:
-    """Bytes a copy of these arguments costs: the shallow size of each container, string or bytes."""
-    return sum(sys.getsizeof(value) for value in values if isinstance(value, _COPIED))
+    """Bytes a copy of these arguments costs, about: their items (or characters) times what each takes. Called once
+    per allowed call of a pickle (600,000 times for a large .metadata), so kept to a dict lookup and a len() per
+    argument (`str.isascii` reads a flag: O(1)). With `sys.getsizeof` here and a tuple per built object, a bounded
+    .metadata load took ~2.5x the allow-list alone; now ~1.35x (benchmarks/open_bounds.py)."""
+    cost = 0
+    for value in values:
+        kind = type(value)
+        per = _PER_ITEM.get(kind)
+        if per is None:
+            if not isinstance(value, _COPIED):
+                continue
+            per = 48  # a subclass (OrderedDict, defaultdict, ...): charged as a dict's entries
+        elif kind is str and not value.isascii():
+            per = _WIDE_CHARACTER
+        cost += per * len(value)
+    return cost
 
 
 def is_sized_constructor(key: str) -> bool:
@@ -131,12 +150,18 @@ def guard_call(key: str, found: Any, allowance: Allowance, *, copies: bool) -> A
     if allowance.budget is None or not (sized or key == QTENSOR or copies):
         return found
     element = _element_size(found) if sized else 1
+    if not (sized or key == QTENSOR):  # the common case (torch.Size, _codecs.encode): one charge per call
+
+        def copying(*args: Any, **kwargs: Any) -> Any:
+            allowance.charge(key, copy_cost(args) + (copy_cost(kwargs.values()) if kwargs else 0))
+            return found(*args, **kwargs)
+
+        return copying
 
     def call(*args: Any, **kwargs: Any) -> Any:
         values = (*args, *kwargs.values())
-        if sized or key == QTENSOR:
-            requested = requested_elements(values if sized else args[2:3])
-            allowance.charge(key, requested * element, requested)
+        requested = requested_elements(values if sized else args[2:3])
+        allowance.charge(key, requested * element, requested)
         if copies:
             allowance.charge(key, copy_cost(values))
         return found(*args, **kwargs)
@@ -174,18 +199,22 @@ def guard_class(key: str, cls: type, allowance: Allowance) -> type:
     ):
         return cls
     real_setstate = getattr(cls, "__setstate__", None)
+    plain_new = cls.__new__ is object.__new__
+    made: list[Any] = []  # every instance of the stand-in; BUILD gives most of them `cls` back, the load's end the rest
+    allowance.rebuilt.append((made, cls))
 
+    # both run once per object of the pickle (600,000 for a large .metadata): kept to the fewest calls
     def __new__(stand_in: type, *args: Any, **kwargs: Any) -> Any:
-        allowance.charge(key, copy_cost((*args, *kwargs.values())))
-        if cls.__new__ is object.__new__:
-            instance = object.__new__(stand_in)
-        else:
-            instance = cls.__new__(stand_in, *args, **kwargs)
-        allowance.rebuilt.append((instance, cls))
+        if args or kwargs:  # NEWOBJ of a dataclass passes none
+            allowance.charge(key, copy_cost((*args, *kwargs.values())))
+        instance = object.__new__(stand_in) if plain_new else cls.__new__(stand_in, *args, **kwargs)
+        made.append(instance)
         return instance
 
     def __setstate__(self: Any, state: Any) -> None:
-        allowance.charge(key, copy_cost(state if isinstance(state, tuple) else (state,)))
+        allowance.charge(
+            key, 48 * len(state) if type(state) is dict else copy_cost(state if type(state) is tuple else (state,))
+        )
         object.__setattr__(self, "__class__", cls)
         if real_setstate is not None:
             real_setstate(self, state)
