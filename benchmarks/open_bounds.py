@@ -9,7 +9,8 @@ Each row times one reader with its bound and the same reader without it, on the 
   (`RestrictedUnpickler(size=None)`), and / plain `pickle.loads`, a synthetic DCP Metadata of 64 chunks per tensor;
 - object record: `safe_pickle.load_torch_record` (our unpickler, bounded) / `torch.load(weights_only=True)`;
 - save checks: on a Trainer-shaped DCP state of 1,000 tensors, in ms per save: `check_keys` (every rank, every save)
-  and `SaveChecks` whole (rank 0 with trust off: key collisions + what a load would refuse).
+  and `SaveChecks` whole (rank 0 with trust off: key collisions + what a load would refuse); and `SaveChecks` on a
+  plain loop's state holding a list of a million ints, next to `torch.save` of that list (what DCP pays for it).
 Ratios above 1 are what the bound costs. Nothing here is asserted: the numbers go to the report.
 """
 
@@ -96,12 +97,18 @@ def trainer_state(tensors: int) -> dict:
     return {"model": model, "optimizers": {"0": {"state": {}, "param_groups": []}}, "lightning": blob}
 
 
+def plain_loop_state() -> dict:
+    return {"model": {"w": torch.zeros(10)}, "order": list(range(1_000_000)), "checkpointer": pickle.dumps({"a": 1})}
+
+
 def one_run(chunks: int) -> dict[str, float]:
     data = manifest_bytes(chunks)
     meta = metadata_bytes(chunks)
     record = object_record()
     state = trainer_state(1_000)
     checks = SaveChecks(trust_option="x", pickled_sections={"lightning": safe_pickle.LIGHTNING_STATE_GLOBALS})
+    plain = plain_loop_state()
+    plain_checks = SaveChecks(trust_option="x", pickled_sections={"checkpointer": ()})
     allow_list_only = lambda: safe_pickle.RestrictedUnpickler(  # noqa: E731
         io.BytesIO(meta), safe_pickle.DCP_METADATA_GLOBALS, size=None
     ).load()
@@ -118,6 +125,8 @@ def one_run(chunks: int) -> dict[str, float]:
         / best_of(lambda: torch.load(io.BytesIO(record), weights_only=True), 20),
         "check_keys_ms": best_of(lambda: check_keys(state), 10) * 1e3,
         "save_checks_ms": best_of(lambda: checks(state, trust=False, rank=0), 10) * 1e3,
+        "plain_save_checks_ms": best_of(lambda: plain_checks(plain, trust=False, rank=0)) * 1e3,
+        "plain_torch_save_ms": best_of(lambda: torch.save(plain["order"], io.BytesIO())) * 1e3,
     }
 
 

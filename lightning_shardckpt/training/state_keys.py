@@ -27,11 +27,16 @@ from ..errors import ConfigError
 Path = tuple[Any, ...]
 
 
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def _is_value(value: Any) -> bool:
     """Whether DCP saves `value` whole (a leaf), as its traversal decides."""
     if isinstance(value, Mapping):
         return False
     if not isinstance(value, list):
+        return True
+    if set(map(type, value)) <= _SCALARS:  # the usual list (a million ints: ~20 ms at C speed, ~0.3 s item by item)
         return True
     return not any(
         isinstance(entry, torch.Tensor) or (isinstance(entry, (Mapping, list)) and not _is_value(entry))

@@ -3,6 +3,7 @@ retention, resume of every piece of state, run ids in either order, close, metri
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import pickle
@@ -24,6 +25,7 @@ from lightning_shardckpt import (
     LoadConfig,
     ResumableDistributedSampler,
     SaveConfig,
+    UntrustedCheckpoint,
 )
 from lightning_shardckpt.engine.catalog import find, list_checkpoints
 from lightning_shardckpt.engine.storage.fsio import resolve
@@ -426,3 +428,29 @@ def test_a_value_a_load_would_refuse_is_named_at_the_first_save_that_holds_it_wi
     finally:
         torch.serialization.clear_safe_globals()
     assert [r for r in caplog.records if r.name == "lightning_shardckpt.training.loadable"] == []
+
+
+class Phase(enum.IntEnum):
+    """An int a load refuses: its class is the user's."""
+
+    WARMUP = 1
+
+
+def test_a_subclass_of_a_builtin_is_named_at_save_and_plain_values_are_not(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_shardckpt.training.loadable")
+    state = {
+        "model": torch.nn.Linear(2, 2),
+        "phase": Phase.WARMUP,  # an int to isinstance, a class of the user's to a load
+        "plain": {"perm": list(range(1000)), "seen": {1, 2}, "pairs": [(1, "a"), {"x": [1.5, None, b"z"]}]},
+        "frozen": frozenset({1}),  # a builtin torch's weights_only loader does not allow
+    }
+    with Checkpointer(str(tmp_path / "run")) as ckpt:
+        ckpt.save(1, state, blocking=True)
+    warned = [r.getMessage() for r in caplog.records if r.name == "lightning_shardckpt.training.loadable"]
+    assert len(warned) == 2, warned
+    assert "state['phase']" in warned[0] and f"{__name__}.Phase" in warned[0]
+    assert "state['frozen']" in warned[1] and "builtins.frozenset" in warned[1]
+    with pytest.raises(UntrustedCheckpoint) as refused:  # as it said
+        with Checkpointer(str(tmp_path / "run")) as ckpt:
+            ckpt.load({"model": torch.nn.Linear(2, 2), "phase": 0, "plain": {}, "frozen": None})
+    assert refused.value.blocked in (f"{__name__}.Phase", "builtins.frozenset")
