@@ -312,10 +312,8 @@ class TrainingDrills(Plugin):
                 "drill/step": float(record.get("step") or 0),
                 **{f"drill/{name}": float(value) for name, value in counters.items()},
             }
-            if record.get("verdict") in (
-                PASSED,
-                FAILED,
-            ):  # not-drilled (never ran, or its checkpoint went) proves nothing
+            # not-drilled (never ran, or its checkpoint went) proves nothing either way
+            if record.get("verdict") in (PASSED, FAILED):
                 values["drill/ok"] = 1.0 if record.get("verdict") == PASSED else 0.0
             for key in ("time_to_resume_s", "read_gbps"):
                 if record.get(key) is not None:

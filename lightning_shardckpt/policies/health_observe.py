@@ -83,10 +83,7 @@ def observe(event: dict[str, Any]) -> list[Observation]:
         if ranks:
             each_scope("write_gbps", min(float(r["write_gbps"]) for r in ranks))  # the slowest rank paces the save
     elif kind == DRILL_EVENT:
-        if event.get("verdict") in (
-            PASSED,
-            DRILL_FAILED,
-        ):  # a drill that never ran (not-drilled) proved nothing either way
+        if event.get("verdict") in (PASSED, DRILL_FAILED):  # a drill that never ran (not-drilled) proved nothing
             each_scope("drill_ok", 1.0 if event.get("verdict") == PASSED else 0.0)
         if event.get("time_to_resume_s") is not None:
             each_scope("time_to_resume_s", float(event["time_to_resume_s"]))
