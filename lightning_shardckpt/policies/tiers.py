@@ -258,6 +258,8 @@ class CheckpointTiers:
             self._committed_here.append(record.path.rstrip("/").rsplit("/", 1)[-1])
         if not self.config.fast.keep_last:
             return []
+        if self.peer_replicator is not None and self.peer_replicator.on_coordinators_storage:
+            return []  # node 0's root under another name (a symlink): node 0's retention keeps what it spares there
         keep = self.config.fast.keep_last + self.config.fast.max_unreplicated + 1
         order = {name: index for index, name in enumerate(self._committed_here)}
         deleted = []

@@ -216,3 +216,15 @@ def test_a_node_root_that_is_a_symlink_to_another_is_warned_at_setup_and_never_c
         assert main(["ls", str(tmp_path / "node{node_rank}"), "--json"]) == 0
     rows = json.loads(listing.getvalue())["checkpoints"]
     assert {row["step"]: row["complete_on"] for row in rows} == {1: [0], 2: [0], 3: [0]}  # not on node 1 too
+
+
+def test_a_node_root_that_is_node_0s_under_another_name_never_prunes_what_node_0_keeps(tmp_path):
+    """Nodes other than 0 prune their node-local roots to their newest few; node 1's root being node 0's under a
+    symlink, that pruning deleted node 0's milestones (keep_every_n_steps) that node 0's retention keeps."""
+    from tests.helpers.peer_ranks import milestones_on_an_aliased_node_root
+
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "durable").mkdir()
+    (tmp_path / "node1").symlink_to(tmp_path / "node0")
+    outcomes = run_ranks(milestones_on_an_aliased_node_root, 4, str(tmp_path), str(tmp_path / "durable"), {}, 2)
+    assert outcomes[0].value == [2, 4, 5]  # every 2nd step and the newest, as node 0's retention keeps them

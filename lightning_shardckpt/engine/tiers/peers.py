@@ -136,6 +136,11 @@ class PeerReplicator:
     def stopped(self) -> bool:
         return not self._thread.is_alive()
 
+    @property
+    def on_coordinators_storage(self) -> bool:
+        """Whether this rank's node root is the coordinator's (node 0's) storage, under its name or another."""
+        return self._storage[self.rank] == self._storage[0]
+
     def snapshot(self) -> dict[str, int]:
         return {**self.counters.notes(), PEER_REPLICATION_LAG: self.lag, PEER_BYTES_SENT: self.bytes_sent}
 
@@ -282,7 +287,7 @@ class PeerReplicator:
     def _follow_owner_retention(self, kept: list[str], step: int) -> None:
         """The first rank of every other node root deletes the checkpoints older than the one just copied that the
         coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
-        if not self._first_of_root() or self._storage[self.rank] == self._storage[0]:
+        if not self._first_of_root() or self.on_coordinators_storage:
             return
         keep = set(kept)
         try:
