@@ -391,7 +391,7 @@ def rank_save_requests(tensors: int) -> dict[str, int]:
 
 def listing(kind: str, world: int, tensors: int, count: int) -> dict[str, Any]:
     """ls, timeline and `latest` over `count` committed checkpoints of this size, on local disk, 3 runs."""
-    from lightning_shardckpt.ops.investigate import timeline
+    from lightning_shardckpt.ops.timeline import timeline
 
     one = run(kind, world, tensors, 0)  # the manifest size of one such checkpoint
     with tempfile.TemporaryDirectory() as tmp:

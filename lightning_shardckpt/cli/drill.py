@@ -170,6 +170,8 @@ def _follow(args: argparse.Namespace, options: Any) -> int:
         follower.run(once=args.once, exit_when_idle_s=args.exit_when_idle)
     except KeyboardInterrupt:
         pass  # the lease is released and the warm workers stopped on the way out
+    if follower.malformed_leases:
+        print(f"ignored {follower.malformed_leases} malformed drill lease file(s), named above", file=sys.stderr)
     return exit_codes.OK
 
 

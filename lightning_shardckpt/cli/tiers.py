@@ -34,8 +34,9 @@ def add_arguments(ls: argparse.ArgumentParser) -> None:
 def cmd_ls_nodes(args: argparse.Namespace) -> int:
     """`shardckpt ls '/nvme/ckpt/node{node_rank}'`: per checkpoint, on which nodes' fast roots it is complete."""
     from ..engine.tiers.peers import complete_on, node_roots  # here: torch, which --help must not wait for
+    from ..engine.tiers.root_identity import distinct
 
-    roots = node_roots(args.root, args.storage_options)
+    roots = distinct(node_roots(args.root, args.storage_options))  # a symlinked root is no second copy
     if not roots:
         print(f"no node roots match {args.root}; give the fast tier's dirpath with {{node_rank}} in it")
         return exit_codes.CANNOT_RUN

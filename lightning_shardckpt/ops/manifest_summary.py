@@ -65,6 +65,7 @@ def read_summary(fs: Any, entry: catalog.CheckpointEntry, *, from_record: bool =
         ) from err
     try:
         manifest_format.check_matches_record(data, record, entry.path)
+        manifest_format.check_parse_cost(data, entry.path)  # what opening it would refuse, refused here too
         split = _split_top_level(data)
         if split is None:  # not the writer's layout: parse it all, once, as opening it would
             manifest = manifest_format.parse(data, entry.path)

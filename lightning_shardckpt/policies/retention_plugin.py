@@ -34,6 +34,7 @@ class RetentionPlugin(Plugin):
         self._attached: weakref.WeakSet = weakref.WeakSet()  # savers whose commits run retention: once each
         self._lock = threading.Lock()
         self._deleted: list[dict[str, Any]] = []  # deleted on the saver thread, not yet reported (drain)
+        self._last_pass: tuple[Any, Any, str | None, Callable] | None = None  # rank 0: what fit end's pass needs
 
     def start(self, context: PluginContext) -> None:
         saver = context.saver
@@ -42,6 +43,16 @@ class RetentionPlugin(Plugin):
         self._attached.add(saver)
         location, run_id, spare = context.location, context.run_id, context.spare
         saver.add_listener(lambda record: self.after_commit(saver, record, location, run_id, spare))
+        self._last_pass = (saver, location, run_id, spare)
+
+    def flush(self) -> None:
+        """Fit end, after the plug-ins before it finished (tiers: the last copies reached the durable tier): one
+        more pass, since what a commit's pass spared because it was still in flight (a copy, a drill) may be
+        free to go now, and no later commit would let it go."""
+        if self._last_pass is None:
+            return
+        saver, location, run_id, spare = self._last_pass
+        self._apply(saver, location, run_id, spare, just_committed=None, step=None)
 
     def after_commit(
         self, saver: Any, record: CheckpointRecord, location: Any, run_id: str | None, spare: Callable
@@ -50,6 +61,11 @@ class RetentionPlugin(Plugin):
         if record.outcome != metrics.COMMITTED:
             return
         just_committed = record.path.rstrip("/").rsplit("/", 1)[-1] if record.path else None
+        self._apply(saver, location, run_id, spare, just_committed=just_committed, step=record.step)
+
+    def _apply(
+        self, saver: Any, location: Any, run_id: str | None, spare: Callable, *, just_committed: str | None, step
+    ) -> None:
         try:
             deleted = retention.apply(
                 location,
@@ -63,8 +79,8 @@ class RetentionPlugin(Plugin):
         except Exception:  # the next commit's pass deletes what this one could not
             saver.counters.note(metrics.RETENTION_ERRORS)
             log.warning(
-                "retention after the checkpoint of step %d failed; the next commit retries it",
-                record.step,
+                "retention %s failed; the next commit retries it",
+                "at fit end" if step is None else f"after the checkpoint of step {step}",
                 exc_info=True,
             )
             return

@@ -41,6 +41,7 @@ from .data import (
 )
 from .finished_saves import CallableReporter
 from .layouts import Layout, warn_not_restored
+from .loadable import SaveChecks
 from .preemption import DEFAULT_GRACE_S, PreemptionRequests
 from .resume import resume, resume_event, resume_line, write_resume_event
 from .save_loop import SaveLoop
@@ -120,6 +121,9 @@ class Checkpointer:
         self._resume_event: dict[str, Any] | None = None  # rank 0, after a load: handed to the plug-ins at start
         self.should_stop = False  # a preemption save or a health rule's stop: leave the loop
         self._closed = False
+        self._save_checks = SaveChecks(
+            trust_option="Checkpointer(..., trust_checkpoint=True)", pickled_sections={user_state.RESERVED_KEY: ()}
+        )
         self.loop.setup("fit")
         self._signal = PreemptionRequests(self.options.preemption_grace_s)
         if save_on_preemption:
@@ -240,6 +244,8 @@ class Checkpointer:
                 "plugins": self.plugins.state_dict(),  # health: rule counters and mitigations
             }
             dcp_state = {**user_state.to_dcp(state), user_state.RESERVED_KEY: pickle.dumps(own)}
+            # keys that would collide (refused), values a load would refuse (a warning): before anything is written
+            self._save_checks(dcp_state, trust=self.plan.load.trust_checkpoint, rank=self.rank)
             if saver.config.overlap_staging:
                 self.host.guard(user_state.optimizers_of(state))
             models = [value for value in state.values() if user_state.is_module(value)]

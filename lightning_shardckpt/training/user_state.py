@@ -11,7 +11,8 @@ The loop hands the Checkpointer the objects it trains, by name: `{"model": model
 
 A load fills the same structure in place (DCP reshards onto the current world size), then applies it: the
 module and optimizer through `set_*_state_dict`, the others through `load_state_dict`, plain values back
-into the user's dict.
+into the user's dict. Dicts with keys other than strings (`{0: 11}`) travel under their `str()` and come back
+under their own keys (training/state_keys.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
 from .layouts import DoorTarget
+from .state_keys import restore_keys, str_keyed
 
 RESERVED_KEY = "checkpointer"  # the Checkpointer's own section (data position, RNG, plug-ins)
 
@@ -95,9 +97,9 @@ def to_dcp(state: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, torch.optim.Optimizer):
             dcp_state[key] = get_optimizer_state_dict(_module_of(state, key), value)
         elif is_stateful(value):
-            dcp_state[key] = value.state_dict()
+            dcp_state[key] = str_keyed(value.state_dict(), (key,))
         else:
-            dcp_state[key] = value
+            dcp_state[key] = str_keyed(value, (key,))
     return dcp_state
 
 
@@ -112,9 +114,15 @@ def apply_loaded(state: dict[str, Any], loaded: dict[str, Any]) -> None:
         elif isinstance(value, torch.optim.Optimizer):
             set_optimizer_state_dict(_module_of(state, key), value, loaded[key])
         elif is_stateful(value):
-            value.load_state_dict(loaded[key])
+            value.load_state_dict(_own_keys(value, loaded[key]))
         else:
-            state[key] = loaded[key]  # a dict was filled in place; a number or tensor replaced
+            state[key] = restore_keys(value, loaded[key])  # a dict refilled in place; a number or tensor replaced
+
+
+def _own_keys(stateful: Any, loaded: Any) -> Any:
+    """What a load filled for `stateful`, under the keys of its own state dict where those are not strings."""
+    template = stateful.state_dict()
+    return restore_keys(template, loaded) if str_keyed(template) is not template else loaded
 
 
 def deferrable(state: dict[str, Any]) -> Callable[[str], bool]:

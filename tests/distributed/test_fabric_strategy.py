@@ -53,10 +53,15 @@ def test_fabric_round_trip_restores_every_kind_of_state(ranks):
         assert out["remainder"] == {}
 
 
-def test_what_cannot_be_saved_or_loaded_fails_naming_it(ranks):
+def test_what_cannot_be_loaded_is_named_when_saved_and_fails_naming_it_when_loaded(ranks):
     for rank in ranks:
         out = rank["fabric"]
-        assert "NotAllowed" in out["unsafe_error"] and "add_safe_globals" in out["unsafe_error"]
+        if rank is ranks[0]:  # rank 0 writes the pickled section: it says so, once, at the first save holding it
+            assert len(out["unsafe_warnings"]) == 1, out["unsafe_warnings"]
+            warning = out["unsafe_warnings"][0]
+            assert "fabric_ranks.NotAllowed" in warning and "trust_checkpoint': True" in warning
+            assert "add_safe_globals([NotAllowed])" in warning
+        assert "NotAllowed" in out["unsafe_error"] and "add_safe_globals" in out["unsafe_error"]  # as it said
         assert "'missing'" in out["missing_error"] and "strict=False" in out["missing_error"]
         # strict=False: what the state did not ask for comes back (plain values, and state dicts of stateful objects)
         assert set(out["partial"]) == {"step", "notes", "scheduler", "loader"}

@@ -205,3 +205,40 @@ def test_peer_copies_follow_commit_order_repair_a_damaged_file_and_skip_a_corrup
         # a damaged fast file is replaced from an intact peer copy and the fast copy loads; a corrupt
         # directory (seq "x") is skipped, not fatal (item 2)
         assert rank["after_damage"] == {**rank["after_damage"], "step": 6, "exact": True, "source": "fast tier"}
+
+
+def test_a_node_root_that_is_a_symlink_to_another_is_warned_at_setup_and_never_counted_as_a_copy(tmp_path):
+    """Node 1's root is node 0's under another name: peer copies "to node 1" would land where the files already are,
+    and peer records would claim a second copy that does not exist."""
+    from tests.helpers.peer_ranks import save_onto_an_aliased_node_root
+
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "durable").mkdir()
+    (tmp_path / "node1").symlink_to(tmp_path / "node0")
+    outcomes = [
+        o.value for o in run_ranks(save_onto_an_aliased_node_root, 4, str(tmp_path), str(tmp_path / "durable"), {}, 2)
+    ]
+    warned = outcomes[0]["warned"]
+    assert any(f"{tmp_path}/node1 is the same storage as {tmp_path}/node0" in message for message in warned), warned
+    assert all(not o["warned"] for o in outcomes[1:])  # said once, by the coordinator
+    assert list(tmp_path.glob("node*/peers/*/*.json")) == []  # no record claims a copy
+    assert list(tmp_path.glob("node0/peers/.root-probe-*")) == []  # the setup's markers are gone
+    events = outcomes[0]["events"]
+    assert events and all(event["complete_on"] == [f"{tmp_path}/node0"] for event in events), events
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        assert main(["ls", str(tmp_path / "node{node_rank}"), "--json"]) == 0
+    rows = json.loads(listing.getvalue())["checkpoints"]
+    assert {row["step"]: row["complete_on"] for row in rows} == {1: [0], 2: [0], 3: [0]}  # not on node 1 too
+
+
+def test_a_node_root_that_is_node_0s_under_another_name_never_prunes_what_node_0_keeps(tmp_path):
+    """Nodes other than 0 prune their node-local roots to their newest few; node 1's root being node 0's under a
+    symlink, that pruning deleted node 0's milestones (keep_every_n_steps) that node 0's retention keeps."""
+    from tests.helpers.peer_ranks import milestones_on_an_aliased_node_root
+
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "durable").mkdir()
+    (tmp_path / "node1").symlink_to(tmp_path / "node0")
+    outcomes = run_ranks(milestones_on_an_aliased_node_root, 4, str(tmp_path), str(tmp_path / "durable"), {}, 2)
+    assert outcomes[0].value == [2, 4, 5]  # every 2nd step and the newest, as node 0's retention keeps them

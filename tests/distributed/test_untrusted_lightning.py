@@ -1,6 +1,6 @@
 """Through Lightning on 2 gloo ranks: a checkpoint whose Lightning state holds a class outside the
-allow-list is refused on resume with trust off, naming the class, the checkpoint and the fix, and
-resumes with `trust_checkpoint=True`. The normal state (hparams, loops, schedulers, callbacks, RNG,
+allow-list is named with both fixes when it is saved, refused on resume with trust off, naming the class,
+the checkpoint and the fix, and resumes with `trust_checkpoint=True`. The normal state (hparams, loops, schedulers, callbacks, RNG,
 sampler) of DDP and FSDP2 checkpoints resumes with trust off in the other Lightning tests."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from lightning_shardckpt.engine.format import safe_pickle
 from lightning_shardckpt.engine.format.layout import DCP_METADATA
 from lightning_shardckpt.errors import UntrustedCheckpoint
 from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.log_capture import warnings_of
 from tests.helpers.spawn import run_ranks, values
 
 
@@ -51,15 +52,23 @@ def _fit(root: str, world_size: int, max_steps: int, ckpt_path: Any, trust: bool
 
 def untrusted_on_rank(rank: int, world_size: int, root: str) -> dict:
     lightning_env(rank, world_size)
-    _fit(root, world_size, 2, None, trust=False)
+    with warnings_of("lightning_shardckpt.training.loadable") as warned:
+        _fit(root, world_size, 2, None, trust=False)
     refused: dict[str, Any] = {}
     try:
         _fit(root, world_size, 4, "latest", trust=False)
     except UntrustedCheckpoint as err:
         refused = {"message": str(err), "blocked": err.blocked}
-    resumed = _fit(root, world_size, 4, "latest", trust=True)
+    with warnings_of("lightning_shardckpt.training.loadable") as warned_trusted:
+        resumed = _fit(root, world_size, 4, "latest", trust=True)
     extra = resumed.extra_loaded
-    return {"refused": refused, "extra_class": type(extra).__name__, "extra_step": getattr(extra, "step", None)}
+    return {
+        "refused": refused,
+        "extra_class": type(extra).__name__,
+        "extra_step": getattr(extra, "step", None),
+        "warned": warned,
+        "warned_trusted": warned_trusted,
+    }
 
 
 def test_lightning_state_with_a_blocked_class_is_refused_with_trust_off_and_resumes_with_trust_on(tmp_path):
@@ -72,6 +81,13 @@ def test_lightning_state_with_a_blocked_class_is_refused_with_trust_off_and_resu
         assert "step-000000002-" in refused["message"] and root in refused["message"]
         assert "trust_checkpoint=True" in refused["message"] and "add_safe_globals" in refused["message"]
         assert (result["extra_class"], result["extra_step"]) == ("Opaque", 2)
+        # the save that wrote it said so, once, on rank 0 (which writes the Lightning state), naming both fixes
+        assert len(result["warned"]) == (1 if rank == 0 else 0), result["warned"]
+        if rank == 0:
+            assert f"{__name__}.Opaque" in result["warned"][0] and "'lightning'" in result["warned"][0]
+            assert "ShardedCheckpoint(..., trust_checkpoint=True)" in result["warned"][0]
+            assert "add_safe_globals([Opaque])" in result["warned"][0]
+        assert result["warned_trusted"] == []  # a run that trusts its checkpoints loads it: nothing to say
     # what DCP wrote for a Lightning run reads through the .metadata allow-list
     for name in sorted(os.listdir(root)):
         if name.startswith("step-"):

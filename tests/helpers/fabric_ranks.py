@@ -19,10 +19,11 @@ from lightning.fabric import Fabric
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shardckpt import ConfigError, ShardedFabricStrategy
+from lightning_shardckpt import ShardedFabricStrategy, UntrustedCheckpoint
 from tests.helpers import training_state as ts
 from tests.helpers.faults import Stall
 from tests.helpers.lightning_run import TinyData, fit_on_rank, lightning_env
+from tests.helpers.log_capture import warnings_of
 
 
 class TrainerShaped(torch.nn.Module):
@@ -144,9 +145,14 @@ def _fabric_round_trip(workdir: str) -> dict[str, Any]:
     strategy.wait()
     out["committed"] = strategy.last_save.result().committed
 
+    with warnings_of("lightning_shardckpt.training.loadable") as warned:  # saved, with a warning naming the fixes
+        for _ in range(2):  # told once, not at every save
+            fabric.save(f"{workdir}/unsafe", {**state, "bad": NotAllowed()})
+            strategy.wait()
+    out["unsafe_warnings"] = warned
     try:
-        fabric.save(root, {**state, "bad": NotAllowed()})
-    except ConfigError as err:
+        fabric.load(f"{workdir}/unsafe", {"model": model}, strict=False)
+    except UntrustedCheckpoint as err:
         out["unsafe_error"] = str(err)
 
     with torch.no_grad():  # scramble everything the load must restore

@@ -255,3 +255,65 @@ def rollback_and_damage_on_two_nodes(rank: int, world_size: int, base: str) -> d
     dist.barrier()
     out["after_damage"] = resume()
     return out
+
+
+def save_onto_an_aliased_node_root(
+    rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int
+) -> dict:
+    """Steps 1-3 with peer copies where node 1's root is a symlink to node 0's: what the replicator warned and
+    reported (rank 0: each copy's event), and the load of the last step from node 1's root."""
+    from tests.helpers.log_capture import warnings_of
+
+    tiers = CheckpointTiers(config(base, durable, options, per_node), rank // per_node, rank % per_node)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
+    )
+    events: list[dict] = []
+    with warnings_of("lightning_shardckpt.engine.tiers") as warned:
+        tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+        tiers.peer_replicator.listeners.append(events.append)
+        for step in (1, 2, 3):
+            saver.save(state(step), step=step, identical=lambda key: True)
+            saver.wait()
+        flushed = tiers.peer_replicator.flush(60.0)
+    counters = tiers.peer_replicator.snapshot()
+    tiers.close(60.0)
+    saver.close()
+    return {"flushed": flushed, "counters": counters, "warned": warned, "events": events}
+
+
+def milestones_on_an_aliased_node_root(
+    rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int
+) -> list[int] | None:
+    """Steps 1-5 on a node-local fast tier (keep_last 1, no unreplicated spares) whose node 1 root is node 0's under
+    another name; node 0's retention keeps the newest and every 2nd step (milestones). Rank 0: the steps node 0's
+    root holds at the end."""
+    import torch.distributed as dist
+
+    from lightning_shardckpt.engine import catalog
+
+    tiers_config = config(base, durable, options, per_node)
+    fast = dataclasses.replace(tiers_config.fast, keep_last=1, max_unreplicated=0)
+    tiers = CheckpointTiers(dataclasses.replace(tiers_config, fast=fast), rank // per_node, rank % per_node)
+    saver = CheckpointSaver(
+        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
+    )
+    if rank == 0:
+        saver.add_listener(
+            lambda record: (
+                retention.apply(tiers.fast, 1, 2, run_id=saver.run_id, just_committed=record.path.rsplit("/", 1)[-1])
+                if record.outcome == "committed"
+                else None
+            )
+        )
+    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+    for step in range(1, 6):
+        saver.save(state(step), step=step, identical=lambda key: True)
+        saver.wait()
+    tiers.peer_replicator.flush(60.0)
+    tiers.close(60.0)
+    saver.close()
+    dist.barrier()  # every node's pruning after the last commit is done
+    if rank != 0:
+        return None
+    return [entry.step for entry in catalog.list_checkpoints(tiers.fast) if entry.committed]

@@ -3,6 +3,7 @@ retention, resume of every piece of state, run ids in either order, close, metri
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import pickle
@@ -24,6 +25,7 @@ from lightning_shardckpt import (
     LoadConfig,
     ResumableDistributedSampler,
     SaveConfig,
+    UntrustedCheckpoint,
 )
 from lightning_shardckpt.engine.catalog import find, list_checkpoints
 from lightning_shardckpt.engine.storage.fsio import resolve
@@ -345,3 +347,115 @@ def test_an_optimizer_is_not_guessed_among_several_saved_ones(tmp_path):
         with pytest.raises(IncompatibleCheckpoint, match=r"(?s)not in the checkpoint.*optim\.param_groups"):
             ckpt.load({"model": other.model, "optim": other.optimizer}, which=root)
         assert ckpt.load({"model": run.model}, which=root) == 1  # the model alone maps
+
+
+class IntKeyed:
+    """A stateful object of the user's whose state dict is keyed by layer number."""
+
+    def __init__(self, scale: float) -> None:
+        self.per_layer = {0: torch.full((2,), scale), 1: torch.full((3,), 2 * scale)}
+        self.counts = {0: int(scale), 7: -int(scale)}
+
+    def state_dict(self) -> dict:
+        return {"per_layer": self.per_layer, "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert set(state["per_layer"]) == {0, 1} and set(state["counts"]) == {0, 7}, state
+        self.per_layer, self.counts = state["per_layer"], dict(state["counts"])
+
+
+def test_plain_values_and_state_dicts_with_non_string_keys_round_trip_exactly(tmp_path):
+    root = str(tmp_path / "run")
+    saved = {
+        "model": torch.nn.Linear(2, 2),
+        "counts": {0: 11, 1: 22},
+        "nested": {"by_layer": {0: {"tokens": 5}, (1, 2): torch.arange(3.0)}, "flags": {True: "yes"}},
+        "user": IntKeyed(3.0),
+    }
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, saved, blocking=True)
+    counts, by_layer = {0: -1, 1: -1}, {0: {"tokens": -1}, (1, 2): torch.zeros(3)}
+    target = {
+        "model": torch.nn.Linear(2, 2),
+        "counts": counts,
+        "nested": {"by_layer": by_layer, "flags": {True: "no"}},
+        "user": IntKeyed(0.0),
+    }
+    with Checkpointer(root) as ckpt:
+        assert ckpt.load(target, strict=True) == 1
+    assert target["counts"] == {0: 11, 1: 22} and target["counts"] is counts  # refilled in place, own keys only
+    assert target["nested"]["by_layer"] is by_layer and by_layer[0] == {"tokens": 5}
+    assert list(by_layer) == [0, (1, 2)] and torch.equal(by_layer[(1, 2)], torch.arange(3.0))
+    assert target["nested"]["flags"] == {True: "yes"}
+    assert target["user"].counts == {0: 3, 7: -3} and torch.equal(target["user"].per_layer[1], torch.full((3,), 6.0))
+
+
+@pytest.mark.parametrize(
+    "values, first, second",
+    [
+        ({"cfg": {"lr.decay": 0.1, "lr": {"decay": 0.2}}}, "state['cfg']['lr.decay']", "state['cfg']['lr']['decay']"),
+        ({"counts": {0: 1, "0": 2}}, "state['counts'][0]", "state['counts']['0']"),
+        ({"a.b": 1, "a": {"b": 2}}, "state['a.b']", "state['a']['b']"),
+    ],
+)
+def test_a_state_with_two_values_under_one_name_is_refused_at_the_first_save_naming_both(
+    tmp_path, values, first, second
+):
+    root = tmp_path / "run"
+    with Checkpointer(str(root)) as ckpt:
+        with pytest.raises(ConfigError) as refused:
+            ckpt.save(1, {"model": torch.nn.Linear(2, 2), **values}, blocking=True)
+    message = str(refused.value)
+    assert "\n" not in message and first in message and second in message and "rename" in message
+    assert committed(str(root)) == [] and not list(root.glob("step-*"))  # nothing written, nothing to fail later
+
+
+def test_a_value_a_load_would_refuse_is_named_at_the_first_save_that_holds_it_with_the_options(tmp_path, caplog):
+    from tests.unit.test_untrusted_checkpoints import Opaque
+
+    root = str(tmp_path / "run")
+    state = {"model": torch.nn.Linear(2, 2), "user": Opaque(7), "notes": {"n": 1}}
+    caplog.set_level(logging.WARNING, logger="lightning_shardckpt.training.loadable")
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, state, blocking=True)
+        ckpt.save(2, state, blocking=True)
+    warned = [r.getMessage() for r in caplog.records if r.name == "lightning_shardckpt.training.loadable"]
+    assert len(warned) == 1, warned  # the first save holding it, not every save
+    assert "state['user']" in warned[0] and "test_untrusted_checkpoints.Opaque" in warned[0]
+    assert "Checkpointer(..., trust_checkpoint=True)" in warned[0] and "add_safe_globals([Opaque])" in warned[0]
+    caplog.clear()
+    with Checkpointer(str(tmp_path / "trusted"), trust_checkpoint=True) as ckpt:  # its loads will load it
+        ckpt.save(1, state, blocking=True)
+    torch.serialization.add_safe_globals([Opaque])
+    try:
+        with Checkpointer(str(tmp_path / "allowed")) as ckpt:
+            ckpt.save(1, state, blocking=True)
+    finally:
+        torch.serialization.clear_safe_globals()
+    assert [r for r in caplog.records if r.name == "lightning_shardckpt.training.loadable"] == []
+
+
+class Phase(enum.IntEnum):
+    """An int a load refuses: its class is the user's."""
+
+    WARMUP = 1
+
+
+def test_a_subclass_of_a_builtin_is_named_at_save_and_plain_values_are_not(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_shardckpt.training.loadable")
+    state = {
+        "model": torch.nn.Linear(2, 2),
+        "phase": Phase.WARMUP,  # an int to isinstance, a class of the user's to a load
+        "plain": {"perm": list(range(1000)), "seen": {1, 2}, "pairs": [(1, "a"), {"x": [1.5, None, b"z"]}]},
+        "frozen": frozenset({1}),  # a builtin torch's weights_only loader does not allow
+    }
+    with Checkpointer(str(tmp_path / "run")) as ckpt:
+        ckpt.save(1, state, blocking=True)
+    warned = [r.getMessage() for r in caplog.records if r.name == "lightning_shardckpt.training.loadable"]
+    assert len(warned) == 2, warned
+    assert "state['phase']" in warned[0] and f"{__name__}.Phase" in warned[0]
+    assert "state['frozen']" in warned[1] and "builtins.frozenset" in warned[1]
+    with pytest.raises(UntrustedCheckpoint) as refused:  # as it said
+        with Checkpointer(str(tmp_path / "run")) as ckpt:
+            ckpt.load({"model": torch.nn.Linear(2, 2), "phase": 0, "plain": {}, "frozen": None})
+    assert refused.value.blocked in (f"{__name__}.Phase", "builtins.frozenset")

@@ -1,11 +1,14 @@
 """Drill leases: of two followers claiming one checkpoint exactly one holds it; a dead holder's lease is
-taken over once, by one claimant; leases never count as drill records."""
+taken over once, by one claimant; leases never count as drill records; a lease file no follower wrote is
+logged once, counted and taken over as stale, never an error."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage.fsio import resolve
@@ -46,3 +49,34 @@ def test_leases_are_not_drill_records(tmp_path):
     DrillLeases(location).claim(CHECKPOINT)
     listing = drill_records.list_records(location)
     assert listing.records == {} and listing.malformed == []
+
+
+MALFORMED = {  # what someone with write access to the root could leave (body bytes), and what the log says of it
+    "expires-soon": (b'{"checkpoint": "%s", "expires_at": "soon", "host": "h", "pid": 1}', "expires_at='soon'"),
+    "pid-abc": (b'{"checkpoint": "%s", "expires_at": 1e12, "host": "h", "pid": "abc"}', "pid='abc'"),
+    "expires-list": (b'{"checkpoint": "%s", "expires_at": [1], "host": "h", "pid": 1}', "expires_at=[1]"),
+    "nested": (b"[" * 200_000 + b"]" * 200_000, "nested deeper than"),
+    "other-checkpoint": (b'{"checkpoint": "step-9", "expires_at": 1e12, "host": "h", "pid": 1}', "another checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_lease_is_logged_counted_and_taken_over_as_stale(tmp_path, caplog, case):
+    location = resolve(str(tmp_path))
+    body, said = MALFORMED[case]
+    drills = tmp_path / "drills"
+    drills.mkdir()
+    planted = drills / f".lease--{CHECKPOINT}--000000.json"
+    planted.write_bytes(body.replace(b"%s", CHECKPOINT.encode()) if b"%s" in body else body)
+    leases = DrillLeases(location)
+    generations = leases.held()[CHECKPOINT]
+    for _ in range(2):  # a follower looks again and again: logged once
+        assert not leases.is_live(CHECKPOINT, generations)
+    assert leases.malformed == {planted.name}
+    assert [r for r in caplog.records if planted.name in r.getMessage() and said in r.getMessage()]
+    assert len([r for r in caplog.records if planted.name in r.getMessage()]) == 1
+    lease = leases.claim(CHECKPOINT, generations)
+    assert lease is not None  # taken over, like an expired lease
+    leases.release(lease)
+    leases.remove_stale({CHECKPOINT})  # once the checkpoint is drilled (or gone): no lease of it is left
+    assert list(drills.glob(".lease--*")) == []

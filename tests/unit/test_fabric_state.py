@@ -49,9 +49,14 @@ def test_a_state_that_cannot_be_saved_is_refused_naming_the_entry(state, named):
         fabric_state.split(state)
 
 
-def test_a_plain_value_a_resume_could_not_unpickle_is_refused_at_save():
-    with pytest.raises(ConfigError, match=r"Opaque.*add_safe_globals"):
-        fabric_state.to_dcp_state(fabric_state.split({"step": 1, "thing": Opaque()}), rng=None)
+def test_a_plain_value_a_resume_could_not_unpickle_is_named_at_save():
+    from lightning_shardckpt.engine.format import safe_pickle
+    from lightning_shardckpt.training.loadable import unloadable
+
+    state = fabric_state.to_dcp_state(fabric_state.split({"step": 1, "thing": Opaque()}), rng=None)
+    found = unloadable(state, {fabric_state.FABRIC_KEY: safe_pickle.LIGHTNING_STATE_GLOBALS})
+    assert [blocked for _, blocked in found] == [f"{Opaque.__module__}.{Opaque.__qualname__}"]
+    assert unloadable(fabric_state.to_dcp_state(fabric_state.split({"step": 1}), rng=None), {"fabric": ()}) == []
 
 
 def test_the_step_comes_from_step_key_or_the_first_known_name():

@@ -203,7 +203,7 @@ def trust_report(location: Location, entries: list[CheckpointEntry]) -> TrustRep
 def _body_problem(location: Location, name: RecordName) -> str | None:
     path = join(location.path, DRILLS_DIR, name.filename)
     try:
-        body = json.loads(location.fs.cat_file(path))
+        body = bounded_json.loads(location.fs.cat_file(path), bounded_json.SMALL_MAX_BYTES)
     except (OSError, ValueError) as err:
         return f"its body is not readable JSON ({type(err).__name__})"
     return record_problem(body, name)

@@ -313,6 +313,15 @@ def check_matches_record(manifest_bytes: bytes, record: dict[str, Any], where: s
         )
 
 
+def check_parse_cost(data: bytes, where: str) -> None:
+    """CorruptCheckpoint when parsing the manifest `data` could cost more than a small multiple of its size
+    (bounded_json.check_parse_cost): for readers that parse only part of it."""
+    try:
+        bounded_json.check_parse_cost(data)
+    except bounded_json.UnreadableJson as err:
+        raise CorruptCheckpoint(f"{where}: manifest is {err}; the checkpoint is damaged, load an older one") from err
+
+
 # the manifest's tables: checked entry by entry by manifest_schema, so the depth walk skips them
 SCHEMA_CHECKED_TABLES = ("tensors", "objects", "files", PARTS_FIELD)
 

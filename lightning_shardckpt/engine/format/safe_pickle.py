@@ -10,9 +10,11 @@ others can write to, so every pickle we read goes through an allow-list here:
 - the objects a checkpoint stores (and the Lightning blob): what torch's `weights_only` loader allows
   (tensors, containers, dtypes, plus `torch.serialization.add_safe_globals`), plus `extra_allowed`.
 
-An allowed constructor that allocates by a size (bytes(n), bytearray(n), torch storages and legacy tensor
-types, quantized tensors) may ask for no more elements than the pickle has bytes: a real pickle carries
-its data, so a larger size is a crafted one (`OversizedAllocation`), refused before allocating.
+What the allowed calls of one pickle allocate or copy, together (a constructor asked for a size, a string
+encoded, an object built from a state), is bounded by a small multiple of the pickle's size
+(pickle_allowance.py): a real pickle carries its data, so more is a crafted one (`OversizedAllocation`),
+refused before allocating. A `torch.save` record (an object, a tensor chunk) is read the same way, bounded by
+the record's size, after a check that none of its zip entries unpacks to more than the record holds.
 
 A blocked name raises `BlockedGlobal` naming `module.qualname`; callers turn it into an error that
 names the checkpoint and the fix. `trust=True` (the user's explicit opt-in) unpickles without limits.
@@ -20,6 +22,7 @@ names the checkpoint and the fix. `trust=True` (the user's explicit opt-in) unpi
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import logging
 import os
@@ -35,6 +38,18 @@ from ..storage.backends import backend_for
 from .checksum import checksum
 from .layout import DCP_METADATA_FIELD as DCP_METADATA_FIELD
 from .manifest_schema import is_reference, reference_problem
+from .pickle_allowance import (
+    QTENSOR,
+    Allowance,
+    BlockedGlobal,
+    OversizedAllocation,
+    charge_storages,
+    guard_call,
+    guard_class,
+    is_sized_constructor,
+)
+
+__all__ = ["BlockedGlobal", "OversizedAllocation"]  # raised from here; defined beside the allowance
 
 log = logging.getLogger(__name__)
 
@@ -73,109 +88,81 @@ _STORAGE_FROM_BYTES = "torch.storage._load_from_bytes"
 
 
 def _storage_from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
+    return load_torch_record(data)
 
 
-class BlockedGlobal(pickle.UnpicklingError):
-    """A pickle names a global outside the allow-list; `name` is its `module.qualname`."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"{name} is not allowed")
-        self.name = name
+_OWN_SIZE = -1  # RestrictedUnpickler's default size: the length of the BytesIO it reads
 
 
-_OWN_SIZE = -1  # RestrictedUnpickler's default budget: the length of the BytesIO it reads
+def _guarded(key: str, found: Any, allowance: Allowance, *, values_possible: bool) -> Any:
+    """What `find_class` hands the unpickler for `key`: its calls and BUILDs charged to the pickle's allowance.
 
-
-class OversizedAllocation(BlockedGlobal):
-    """An allowed callable asked to allocate more elements than the whole pickle has bytes."""
-
-    def __init__(self, name: str, requested: int, budget: int) -> None:
-        super().__init__(f"{name}({requested})")
-        self.args = (f"{name} asks for {requested} elements from a {budget}-byte pickle",)
-        self.requested, self.budget = requested, budget
-
-
-def _size_arguments(args: tuple[Any, ...]) -> int:
-    """Elements a constructor called with `args` allocates: an int, or the product of a shape's ints."""
-    sizes = [arg for arg in args if isinstance(arg, int) and not isinstance(arg, bool)]
-    shapes = [arg for arg in args if isinstance(arg, (tuple, list)) and arg and all(isinstance(a, int) for a in arg)]
-    requested = 1 if sizes else 0
-    for size in sizes:  # torch.FloatTensor(2, 3): every int is a dimension
-        requested *= max(size, 0)
-    for shape in shapes:
-        count = 1
-        for size in shape:
-            count *= max(size, 0)
-        requested = max(requested, count)
-    return requested
-
-
-def _is_sized_constructor(key: str) -> bool:
-    """bytes(n), bytearray(n), torch.FloatStorage(n), torch.LongTensor(n, m), UntypedStorage(n): callables on
-    an allow-list that allocate by a size argument. A pickle of real data never calls them with a size: it
-    passes the bytes themselves (or, for tensors, a storage loaded from bytes it holds)."""
-    if key in ("builtins.bytes", "builtins.bytearray", "torch.Tensor"):
-        return True
-    module, _, name = key.rpartition(".")
-    return module in ("torch", "torch.cuda", "torch.sparse", "torch.storage") and name.endswith(("Storage", "Tensor"))
-
-
-_QTENSOR = "torch._utils._rebuild_qtensor"  # (storage, offset, size, stride, ...): allocates `size` before the set_
-
-
-def _bounded(key: str, function: Any, budget: int, shape_of: Any) -> Any:
-    """`function`, refusing a call whose size arguments ask for more elements than the pickle's `budget` bytes."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        requested = _size_arguments(shape_of(args, kwargs))
-        if requested > budget:
-            raise OversizedAllocation(key, requested, budget)
-        return function(*args, **kwargs)
-
-    return call
-
-
-def _guarded(key: str, found: Any, budget: int | None) -> Any:
-    """What `find_class` hands the unpickler for `key`: size-taking constructors bounded by `budget`."""
-    if budget is None:
+    `values_possible`: the pickle may hold an allowed builtin type as a value (a `defaultdict(set)` of the user's),
+    so those types are handed out as themselves (a stand-in would be saved in their place next time); DCP's
+    `.metadata` never does, so there every allowed call is charged."""
+    if is_sized_constructor(key) or key == QTENSOR:
+        return guard_call(key, found, allowance, copies=True)
+    if isinstance(found, type):
+        guarded = guard_class(key, found, allowance)
+        if guarded is not found:
+            return guarded
+        if values_possible and key != "torch.Size":
+            return found
+    if not callable(found):
         return found
-    if _is_sized_constructor(key):
-        return _bounded(key, found, budget, lambda args, kwargs: (*args, *kwargs.values()))
-    if key == _QTENSOR:
-        return _bounded(key, found, budget, lambda args, kwargs: args[2:3])
-    return found
+    return guard_call(key, found, allowance, copies=True)
 
 
 class RestrictedUnpickler(pickle.Unpickler):
     """`pickle.Unpickler` whose `find_class` resolves only allowed `module.qualname` names.
 
-    `budget` (bytes; by default the pickle's own length when the file is a BytesIO): no allowed callable may
-    allocate more elements than that by a size argument, so a 30-byte pickle cannot zero-fill gigabytes
+    `size` (bytes; by default the pickle's own length when the file is a BytesIO): what every allowed call of the
+    pickle may allocate or copy, together, is bounded by a multiple of it (engine/format/pickle_allowance.py), so
+    a 30-byte pickle cannot zero-fill gigabytes, nor a 49 KB one call `bytearray(49 KB)` thousands of times,
     before it is refused (`OversizedAllocation`). None lifts the bound.
     """
 
     def __init__(
-        self, file: Any, allowed: frozenset[str] | set[str], *, torch_safe: bool = False, budget: int | None = _OWN_SIZE
+        self,
+        file: Any,
+        allowed: frozenset[str] | set[str],
+        *,
+        torch_safe: bool = False,
+        size: int | None = _OWN_SIZE,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(file)
+        super().__init__(file, **kwargs)
         self._allowed = allowed
         self._torch_safe = torch_safe
-        self._budget = len(file.getbuffer()) if budget == _OWN_SIZE and isinstance(file, io.BytesIO) else budget
-        if self._budget == _OWN_SIZE:
-            raise ValueError("budget: pass the pickle's size in bytes (or None) when the file is not a BytesIO")
+        if size == _OWN_SIZE:
+            if not isinstance(file, io.BytesIO):
+                raise ValueError("size: pass the pickle's size in bytes (or None) when the file is not a BytesIO")
+            size = len(file.getbuffer())
+        self._allowance = Allowance(size)
+
+    def load(self) -> Any:
+        found = getattr(self, "persistent_load", None)  # torch.load sets it between construction and load
+        if found is not None:
+            self.persistent_load = charge_storages(found, self._allowance)
+        try:
+            return super().load()
+        finally:
+            self._allowance.restore_classes()
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocol 2 (torch.save's) names builtins as Python 2 did: `__builtin__.bytearray` is builtins.bytearray
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         key = f"{module}.{name}"
         if self._torch_safe and key == _STORAGE_FROM_BYTES:
-            return _storage_from_bytes
+            return guard_call(key, _storage_from_bytes, self._allowance, copies=True)
         if key in self._allowed or _is_torch_constant(module, name):
-            return _guarded(key, super().find_class(module, name), self._budget)
-        if self._torch_safe:
-            found = torch_safe_globals().get(key)
-            if found is not None:
-                return _guarded(key, found, self._budget)
-        raise BlockedGlobal(key)
+            found = super().find_class(module, name)
+        elif self._torch_safe and (found := torch_safe_globals().get(key)) is not None:
+            pass
+        else:
+            raise BlockedGlobal(key)
+        return _guarded(key, found, self._allowance, values_possible=self._torch_safe)
 
 
 # Classes the rest of a Lightning checkpoint (lightning/lightning_state.py) holds in normal use, named as
@@ -251,18 +238,61 @@ def loads(data: bytes, allowed: Iterable[str] = (), *, trust: bool = False) -> A
     return RestrictedUnpickler(io.BytesIO(data), frozenset(allowed), torch_safe=True).load()
 
 
-def load_object_record(data: bytes | memoryview, fqn: str, where: str, *, trust: bool = False) -> None:
-    """Check that an object record (`torch.save(obj)`, as DCP writes objects) names only safe globals.
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format (FORMAT.md §3)
 
-    DCP's planner then loads the same bytes with `weights_only=False`; after this check that runs
-    nothing torch's weights_only loader would not. Raises UntrustedCheckpoint naming the class.
+
+def load_torch_record(data: bytes | memoryview, allowed: Iterable[str] = ()) -> Any:
+    """What a `torch.save` record holds, unpickled through torch's weights_only globals plus `allowed`, with every
+    allocation bounded by the record's size: no zip entry may unpack to more than the record holds (a deflated
+    bomb), and the pickle's calls share one allowance of a multiple of the record's size. Raises BlockedGlobal
+    (OversizedAllocation for a crafted size) or the reader's error for a record that is not one."""
+    data = bytes(data)
+    if data[:4] == ZIP_MAGIC:  # else torch's legacy format: pickles and raw storages, charged as they load
+        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+        unpacked = sum(reader.get_record_size(name) for name in reader.get_all_records())
+        if unpacked > len(data):
+            raise OversizedAllocation("a torch.save record's zip entries", unpacked, len(data), 0, len(data))
+    names = frozenset(allowed)
+    size = len(data)
+
+    class RecordUnpickler(RestrictedUnpickler):
+        def __init__(self, file: Any, **kwargs: Any) -> None:
+            super().__init__(file, names, torch_safe=True, size=size, **kwargs)
+
+    # weights_only=False hands the unpickling to RecordUnpickler, which allows what weights_only would (and
+    # `allowed`), and bounds it; torch's own weights_only unpickler bounds nothing
+    module = type(pickle)("lightning_shardckpt_bounded_pickle")
+    module.Unpickler = RecordUnpickler  # type: ignore[attr-defined]
+    module.load = lambda file, **kwargs: RecordUnpickler(file, **kwargs).load()  # type: ignore[attr-defined]
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False, pickle_module=module)
+
+
+def load_object_record(data: bytes | memoryview, fqn: str, where: str, *, trust: bool = False) -> None:
+    """Check that an object record (`torch.save(obj)`, as DCP writes objects) names only safe globals and
+    allocates within its size.
+
+    DCP's planner then loads the same bytes with `weights_only=False`; after this check that runs nothing
+    torch's weights_only loader would not, and allocates what this check allowed. Raises UntrustedCheckpoint
+    naming the class (or the oversized call).
     """
     if trust:
         return
     try:
-        torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+        load_torch_record(data)
+    except OversizedAllocation as err:
+        raise UntrustedCheckpoint(
+            f"{where}: object {fqn!r}: {err.args[0]}. A real object's record carries its data, so this one is "
+            "damaged or crafted; it was refused before allocating. Load an older checkpoint, or (only if you trust "
+            "where it came from) load it with trust_checkpoint=True",
+            blocked=err.name,
+        ) from err
     except pickle.UnpicklingError as err:
         raise untrusted(where, f"object {fqn!r}", _blocked_name(err)) from err
+    except (RuntimeError, ValueError, EOFError) as err:  # its checksum matched, yet it is not a torch.save record
+        raise CorruptCheckpoint(
+            f"{where}: object {fqn!r} is not a torch.save record ({type(err).__name__}: {str(err)[:200]}); the "
+            "checkpoint was written by something else or crafted. Load an older checkpoint"
+        ) from err
 
 
 def untrusted(where: str, what: str, blocked: str) -> UntrustedCheckpoint:
@@ -304,9 +334,9 @@ def load_dcp_metadata(
             metadata = RestrictedUnpickler(io.BytesIO(data), DCP_METADATA_GLOBALS).load()
     except OversizedAllocation as err:
         raise CorruptCheckpoint(
-            f"{where}: .metadata calls {err.args[0]}; DCP metadata never allocates by a size, so the file is "
-            "damaged or was crafted and was refused before allocating. Do not load it: load an older checkpoint or "
-            "restore this one from a replica",
+            f"{where}: .metadata calls {err.args[0]}; DCP metadata never allocates by a size nor copies much, so the "
+            "file is damaged or was crafted and was refused before allocating. Do not load it: load an older "
+            "checkpoint or restore this one from a replica",
             problems=[{"file": ".metadata", "tensor": None, "expected": "DCP metadata classes", "actual": err.name}],
         ) from err
     except BlockedGlobal as err:

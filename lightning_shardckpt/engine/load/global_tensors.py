@@ -107,6 +107,7 @@ class GlobalTensorReader:
         self._chunks = ChunkIndex(location.fs, entry.path, self.manifest)
         self.bytes_read = 0
         self._handles: dict[str, Any] = {}
+        self._sizes: dict[str, int] = {}  # each open file's size in storage
         self._buffer = bytearray()  # reused for every chunk: reads land in memory that was used before
 
     def __enter__(self) -> GlobalTensorReader:
@@ -158,9 +159,13 @@ class GlobalTensorReader:
 
     def _read_chunk(self, chunk: dict[str, Any], fqn: str) -> memoryview:
         length = chunk["length"]
-        if len(self._buffer) < length:
-            self._buffer = bytearray(length)
-        data = read_at(self._handle(chunk["file"], fqn), chunk["offset"], memoryview(self._buffer)[:length])
+        handle = self._handle(chunk["file"], fqn)
+        # no more than the file holds past the offset: a manifest may claim a 3 GiB chunk of an 8 KB file, and
+        # the buffer would be zero-filled before the short read is found (check_chunk names it)
+        wanted = max(0, min(length, self._sizes[chunk["file"]] - chunk["offset"]))
+        if len(self._buffer) < wanted:
+            self._buffer = bytearray(wanted)
+        data = read_at(handle, chunk["offset"], memoryview(self._buffer)[:wanted])
         self.bytes_read += len(data)
         check_chunk(self.entry.path, chunk["file"], length, data, chunk["checksum"], fqn)
         return data
@@ -179,4 +184,6 @@ class GlobalTensorReader:
                     problems=[{"file": relative, "tensor": fqn, "expected": "present", "actual": "missing"}],
                 ) from err
             self._handles[relative] = handle
+            size = getattr(handle, "size", None)  # fsspec's files know it from opening; else one stat
+            self._sizes[relative] = int(size if isinstance(size, int) else self.location.fs.size(path))
         return handle

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import CorruptCheckpoint
+from ..format import safe_pickle
 from ..format.checksum import checksum, streaming_checksum
 from ..format.layout import join
 from . import fsio
@@ -110,12 +112,14 @@ def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
 
 
 def fetch_buffered(shard: ShardFile, offset: int, length: int, buffer: bytearray, hashing: bool) -> Fetched:
-    """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands."""
-    view = memoryview(buffer)[:length]
+    """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands. `buffer` needs only
+    `available_bytes(...)`: what the file holds of the chunk (a `length` past the file's end is short, not read)."""
+    wanted = available_bytes(shard, offset, length)
+    view = memoryview(buffer)[:wanted]
     hasher = streaming_checksum() if hashing else None
     filled = 0
-    while filled < length:
-        piece = view[filled : min(length, filled + PIECE_BYTES)]
+    while filled < wanted:
+        piece = view[filled : min(wanted, filled + PIECE_BYTES)]
         count = shard.read_into(offset + filled, piece)
         if hasher is not None:
             hasher.update(piece[:count])
@@ -417,4 +421,12 @@ def decode_tensor_record(data: memoryview, sizes: tuple[int, ...] | None, dtype:
                 return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)
         except (AttributeError, RuntimeError, TypeError, ValueError, OSError):
             pass  # another record layout or torch version: the general path below
-    return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+    try:  # the allow-list and an allocation bound of the record's size: a crafted record is refused, not run
+        tensor = safe_pickle.load_torch_record(data)
+    except pickle.UnpicklingError as err:
+        raise CorruptCheckpoint(
+            f"a tensor chunk's record does not unpickle as a plain tensor ({err}); it is damaged or crafted"
+        ) from err
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpoint(f"a tensor chunk's record holds a {type(tensor).__name__}, not a tensor")
+    return tensor

@@ -42,6 +42,7 @@ from .chunk_reads import (
     DirectReader,
     Fetched,
     ShardFile,
+    available_bytes,
     byte_view,
     chunk_mismatch,
     decode_tensor_record,
@@ -191,7 +192,9 @@ class ShardReader(StorageReader):
                         blocks[0] if blocks else None,
                     )
                 else:
-                    chunk.buffer = pool.take(chunk.length)
+                    # what the file holds of it, not what the metadata claims: a forged length of 3 GiB in an 8 KB
+                    # file would be zero-filled here before the short read is found
+                    chunk.buffer = pool.take(available_bytes(shard, chunk.offset, chunk.length))
                     future = executor.submit(
                         fetch_buffered, shard, chunk.offset, chunk.length, chunk.buffer, self._expected is not None
                     )
@@ -290,8 +293,8 @@ class ShardReader(StorageReader):
         was_buffered = chunk.buffer is not None
         if not fetched.placed:  # not our record layout after all: read it again, whole, here
             self.chunks_reread += 1
-            chunk.targets, chunk.buffer = None, pool.take(chunk.length)
             file = ShardFile(self.fs, join(self.path, chunk.relative_path))
+            chunk.targets, chunk.buffer = None, pool.take(available_bytes(file, chunk.offset, chunk.length))
             try:
                 fetched = fetch_buffered(file, chunk.offset, chunk.length, chunk.buffer, self._expected is not None)
             finally:

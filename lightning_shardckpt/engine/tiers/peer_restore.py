@@ -20,13 +20,13 @@ every rank and DCP reshards it onto the new world as usual. Nothing is read from
 from __future__ import annotations
 
 import glob
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CorruptCheckpoint
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
+from ..format import bounded_json
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..format.manifest import transfer_order
@@ -179,7 +179,7 @@ def restore_from_peers(
         fs = roots[holder_root].fs
         documents = (fs.cat_file(join(directory, MANIFEST)), fs.cat_file(join(directory, COMMIT_RECORD)))
     manifest_bytes, record_bytes = broadcast_from("peer-manifest", documents, holder_rank, group)
-    manifest = json.loads(manifest_bytes)
+    manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
     problems: list[str] = []
     local = fetched = 0
     own_dir = join(own.path, name)

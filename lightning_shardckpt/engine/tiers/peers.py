@@ -31,12 +31,14 @@ from typing import Any
 
 from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from ..format import bounded_json
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
 from ..format.manifest import files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
+from . import root_identity
 from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
@@ -94,7 +96,17 @@ class PeerReplicator:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._backlog = Backlog()
         self._roots: list[str] = all_gather_objects("peer-roots", fast.url, group)  # each rank's node root
-        same = [r for r in range(self.world_size) if any(self._roots[p] == self._roots[r] for p in self._peers(r))]
+        # each rank's storage: the lowest rank whose root is the same directory, whatever its name (a symlink)
+        self._storage = root_identity.storage_of(fast, self._roots, self.rank, group, PEERS_DIR)
+        for alias, owner in root_identity.aliases(self._roots, self._storage) if self.rank == 0 else []:
+            log.warning(
+                "node root %s is the same storage as %s (a file written under one appears under the other: a "
+                "symlink, a bind mount or one shared disk); peer copies between them are skipped, as they would be "
+                "no second copy. Give each node a root on its own disk",
+                alias,
+                owner,
+            )
+        same = [r for r in range(self.world_size) if any(self._storage[p] == self._storage[r] for p in self._peers(r))]
         if same and self.rank == 0:
             log.warning(
                 "peer copies of rank(s) %s land on their own node (jump=%d); set tiers.fast.peers.jump to the ranks "
@@ -133,6 +145,11 @@ class PeerReplicator:
     @property
     def stopped(self) -> bool:
         return not self._thread.is_alive()
+
+    @property
+    def on_coordinators_storage(self) -> bool:
+        """Whether this rank's node root is the coordinator's (node 0's) storage, under its name or another."""
+        return self._storage[self.rank] == self._storage[0]
 
     def snapshot(self) -> dict[str, int]:
         return {**self.counters.notes(), PEER_REPLICATION_LAG: self.lag, PEER_BYTES_SENT: self.bytes_sent}
@@ -192,7 +209,8 @@ class PeerReplicator:
         except Exception as err:  # noqa: BLE001 - retention deleted it meanwhile: nothing to copy
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
-        return name, json.loads(manifest_bytes), manifest_bytes, record_bytes, kept
+        manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
+        return name, manifest, manifest_bytes, record_bytes, kept
 
     def _copy(
         self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes, kept: list[str]
@@ -204,9 +222,10 @@ class PeerReplicator:
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
-            # a peer on this node's own root adds no failure domain (a world shrunk to one node): nothing to send
-            send = self._roots[dst] != self.fast.url
-            receive = self._roots[src] != self.fast.url
+            # a peer on this node's own root adds no failure domain (a world shrunk to one node, or the same
+            # directory under another name): nothing to send
+            send = self._storage[dst] != self._storage[self.rank]
+            receive = self._storage[src] != self._storage[self.rank]
             outgoing = [
                 Outgoing(self.fast.fs, join(directory, rel), file_size(manifest, rel))
                 for rel in (files_of_rank(manifest, self.rank) if send else [])
@@ -260,7 +279,7 @@ class PeerReplicator:
             log.warning("could not record the peer copy of %s from rank %d", name, src, exc_info=True)
 
     def _first_of_root(self) -> bool:
-        return self._roots.index(self.fast.url) == self.rank
+        return self._storage.index(self._storage[self.rank]) == self.rank
 
     def _commit_node_copy(self, name: str, manifest: dict, manifest_bytes: bytes, record_bytes: bytes) -> str | None:
         """The node root's first rank: when this root now holds every file of `name`, commit it here too.
@@ -283,7 +302,7 @@ class PeerReplicator:
     def _follow_owner_retention(self, kept: list[str], step: int) -> None:
         """The first rank of every other node root deletes the checkpoints older than the one just copied that the
         coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
-        if not self._first_of_root() or self.fast.url == self._roots[0]:
+        if not self._first_of_root() or self.on_coordinators_storage:
             return
         keep = set(kept)
         try:

@@ -137,21 +137,9 @@ def to_dcp_state(parts: FabricParts, rng: list[dict[str, Any]] | None) -> dict[s
         "stateful": {key: value.state_dict() for key, value in parts.stateful.items()},
         "rng": rng,
     }
+    # whether a load will unpickle it is checked as it is saved (training/loadable.py: the strategy's SaveChecks)
     state[FABRIC_KEY] = pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL)
-    check_loadable(state[FABRIC_KEY])
     return state
-
-
-def check_loadable(data: bytes) -> None:
-    """At save, not at the resume weeks later: the blob must load through the allow-list it will be read with."""
-    try:
-        safe_pickle.loads(data, safe_pickle.LIGHTNING_STATE_GLOBALS)
-    except safe_pickle.BlockedGlobal as err:
-        raise ConfigError(
-            f"the state's plain values hold a {err.name}, which a resume would refuse to unpickle (it is not on the "
-            f"allow-list of what a checkpoint may hold); save its state_dict() or plain values instead, or allow it "
-            f"everywhere the checkpoint is loaded: torch.serialization.add_safe_globals([{err.name}])"
-        ) from err
 
 
 def door_target(parts: FabricParts, *, strict: bool) -> DoorTarget:

@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from ...engine.collectives import rank_and_world
 from ...engine.config import FABRIC, LoadConfig, SaveConfig, save_config_from
+from ...engine.format import safe_pickle
 from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
@@ -50,6 +51,7 @@ from ...training.checkpoint_setup import checkpoint_plan, door_plugins
 from ...training.data import ResumableDistributedSampler, gather_rng_states, restore_rng_state, rng_state_for_rank
 from ...training.finished_saves import CallableReporter
 from ...training.layouts import warn_not_restored
+from ...training.loadable import SaveChecks
 from ...training.resume import resume, resume_event, resume_line, write_resume_event
 from ...training.save_loop import SaveLoop
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
@@ -105,6 +107,10 @@ class ShardedFabricStrategy:
         self.plugins, tiers_config = door_plugins(self.options, tiers, drill, health, plugins)
         self._save_options = save_config_from(save or {}, parallelism=self.parallelism, front_door=FABRIC)
         self._load_options = load if isinstance(load, LoadConfig) else LoadConfig(**(load or {}))
+        self._save_checks = SaveChecks(
+            trust_option="ShardedFabricStrategy(load={'trust_checkpoint': True})",
+            pickled_sections={fabric_state.FABRIC_KEY: safe_pickle.LIGHTNING_STATE_GLOBALS},
+        )
         self.root = tiered_dirpath(root, tiers_config, self._save_options) if root or tiers_config else None
         self.step_key = step_key
         self.restore_rng = restore_rng
@@ -309,6 +315,7 @@ class ShardedFabricStrategy:
         def request(saver: CheckpointSaver, never_skip: bool) -> PendingSave:
             rng = gather_rng_states() if self.restore_rng else None  # every rank's: a collective on the training group
             dcp_state = fabric_state.to_dcp_state(parts, rng)
+            self._save_checks(dcp_state, trust=self._load_options.trust_checkpoint, rank=self.global_rank)
             if saver.config.overlap_staging:
                 self.host.guard(parts.optimizers.values())
             updated_in_step = self._parameters_or_optimizer_state(parts)

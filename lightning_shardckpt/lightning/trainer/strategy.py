@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from ...engine import catalog
 from ...engine.config import LIGHTNING, LoadConfig, SaveConfig
+from ...engine.format import safe_pickle
 from ...engine.format.layout import parse_dirname
 from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
@@ -44,6 +45,7 @@ from ...errors import ConfigError, IncompatibleCheckpoint
 from ...policies import retention
 from ...policies.plan import CheckpointPlan
 from ...training.layouts import DoorTarget, warn_not_restored
+from ...training.loadable import SaveChecks
 from ...training.resume import resume
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ...training.staging_fence import StagingFence
@@ -112,6 +114,10 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         self._resumed_sampler_state: dict[str, Any] | None = None  # applied in process_dataloader
         self._staging_prepared: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
         self._init_staging_fence()
+        self._save_checks = SaveChecks(
+            trust_option="ShardedCheckpoint(..., trust_checkpoint=True)",
+            pickled_sections={lightning_state.LIGHTNING_KEY: safe_pickle.LIGHTNING_STATE_GLOBALS},
+        )
 
     @staticmethod
     def of(trainer: Any) -> ShardedStrategy:
@@ -306,6 +312,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any
     ) -> PendingSave:
         state = lightning_state.to_dcp_state(checkpoint)
+        self._save_checks(state, trust=self.load_config.trust_checkpoint, rank=self.global_rank)
         if saver.config.overlap_staging:
             self._guard_optimizers()
         parameters_or_optimizer_state = self._parameters_or_optimizer_state()

@@ -58,6 +58,11 @@ class DrillFollower:
         self.drills = 0
         self.newest: str | None = None  # the newest committed checkpoint the last look saw
 
+    @property
+    def malformed_leases(self) -> int:
+        """Lease files seen that no follower wrote (each logged once): ignored, taken over as stale."""
+        return len(self.leases.malformed)
+
     def warm_up(self) -> float:
         """Start the warm workers now (imports torch and the engine once); the seconds that took."""
         return self._pool.ensure_started()

@@ -10,12 +10,18 @@ over by claiming the next generation, again create-if-absent, so only one follow
 
 Leases are dot-files, which drill_records.list_records skips: they never count as records, and
 `shardckpt ls` does not show them. A holder removes its lease after the drill filed its record.
+
+Anyone who can write the root can write a lease file too. One that is not what `claim` writes (not a JSON object
+within the size and depth bounds, `expires_at` not a finite number, `pid` not an integer, `host` not a string)
+shows no live holder: it is logged once, counted in `malformed`, and treated as stale, so it is taken over like
+an expired one and removed with the others once its checkpoint is settled. Nothing in a lease stops a follower.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -24,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ...engine.format import bounded_json
 from ...engine.format.layout import DRILLS_DIR, join
 from ...engine.storage.fsio import Location
 
@@ -52,6 +59,7 @@ class DrillLeases:
         self.owner = owner or f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         self.ttl_s = ttl_s
         self._directory = join(location.path, DRILLS_DIR)
+        self.malformed: set[str] = set()  # lease files seen that claim did not write (each logged once)
 
     def held(self) -> dict[str, list[int]]:
         """Checkpoint directory name -> the generations of its lease files, oldest first (one listing)."""
@@ -72,10 +80,10 @@ class DrillLeases:
             return False
         body = self._read(checkpoint, generations[-1])
         if body is None:
-            return False  # unreadable or gone: nobody can be shown to hold it
-        if float(body.get("expires_at") or 0) <= time.time():
+            return False  # unreadable, malformed or gone: nobody can be shown to hold it
+        if body["expires_at"] <= time.time():
             return False
-        return not (body.get("host") == self.host and not _process_alive(int(body.get("pid") or 0)))
+        return not (body["host"] == self.host and not _process_alive(body["pid"]))
 
     def claim(self, checkpoint: str, generations: list[int] | None = None) -> Lease | None:
         """This owner's lease on `checkpoint`, or None when another holds it or won the race for it."""
@@ -113,11 +121,32 @@ class DrillLeases:
                     self._remove(join(self._directory, lease_name(checkpoint, generation)))
 
     def _read(self, checkpoint: str, generation: int) -> dict[str, Any] | None:
+        """The lease's body with `expires_at`, `pid` and `host` checked; None when it is gone or malformed."""
+        name = lease_name(checkpoint, generation)
         try:
-            body = json.loads(self.location.fs.cat_file(join(self._directory, lease_name(checkpoint, generation))))
-        except (OSError, ValueError):
-            return None
-        return body if isinstance(body, dict) else None
+            data = self.location.fs.cat_file(join(self._directory, name))
+        except OSError:
+            return None  # released or removed meanwhile
+        try:
+            body = bounded_json.loads(data, bounded_json.SMALL_MAX_BYTES)
+        except bounded_json.UnreadableJson as err:
+            return self._malformed(name, str(err))
+        problem = lease_problem(body, checkpoint)
+        if problem:
+            return self._malformed(name, problem)
+        return {**body, "pid": body.get("pid") or 0, "host": body.get("host")}
+
+    def _malformed(self, name: str, problem: str) -> None:
+        if name not in self.malformed:
+            self.malformed.add(name)
+            log.warning(
+                "drill lease %s in %s is %s; not one a follower wrote: ignored (taken over as stale, removed once its "
+                "checkpoint is drilled or gone)",
+                name,
+                self._directory,
+                problem,
+            )
+        return None
 
     def _remove(self, path: str) -> None:
         try:
@@ -126,6 +155,23 @@ class DrillLeases:
             pass
         except OSError as err:
             log.warning("could not remove drill lease %s (%s); it expires by itself", path, err)
+
+
+def lease_problem(body: Any, checkpoint: str) -> str | None:
+    """None for a lease body of `checkpoint` as `claim` writes it (what is_live reads of it); else what is wrong."""
+    if not isinstance(body, dict):
+        return f"a JSON {type(body).__name__}, not an object"
+    if body.get("checkpoint") != checkpoint:
+        return f"a lease of {body.get('checkpoint')!r} under the name of another checkpoint"
+    expires_at = body.get("expires_at")
+    if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or not math.isfinite(expires_at):
+        return f"expires_at={expires_at!r}, not a time in seconds"
+    pid = body.get("pid")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 31):
+        return f"pid={pid!r}, not a process id"
+    if not isinstance(body.get("host"), (str, type(None))):
+        return f"host={body.get('host')!r}, not a host name"
+    return None
 
 
 def _process_alive(pid: int) -> bool:

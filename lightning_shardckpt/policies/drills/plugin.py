@@ -310,11 +310,13 @@ class TrainingDrills(Plugin):
             lag = self.tally.committed_since_drilled
         for record in results:
             values = {
-                "drill/ok": 1.0 if record.get("verdict") == PASSED else 0.0,
                 "drill/lag_checkpoints": float(lag),
                 "drill/step": float(record.get("step") or 0),
                 **{f"drill/{name}": float(value) for name, value in counters.items()},
             }
+            # not-drilled (never ran, or its checkpoint went) proves nothing either way
+            if record.get("verdict") in (PASSED, FAILED):
+                values["drill/ok"] = 1.0 if record.get("verdict") == PASSED else 0.0
             for key in ("time_to_resume_s", "read_gbps"):
                 if record.get(key) is not None:
                     values[f"drill/{key}"] = float(record[key])

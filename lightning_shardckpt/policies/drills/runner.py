@@ -32,7 +32,7 @@ from typing import Any
 from ...engine import catalog
 from ...engine.format import drill_records
 from ...engine.format.drill_records import FAILED, NOT_DRILLED, PASSED, outcome_details
-from ...engine.format.layout import join
+from ...engine.format.layout import MANIFEST, join
 from ...engine.validate import require_number
 from ...errors import ConfigError, StorageUnavailable
 from . import trust as drill_trust
@@ -138,6 +138,15 @@ def run_drill(
     outcome = _run_ranks(path, world_size, options, record, pool, destination_bytes(entry.manifest, world_size))
     if outcome.get("verdict") == PASSED:
         record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
+    elif _deleted(location, entry.name):
+        # retention (of a run that does not know this drill), gc or a person removed it meanwhile: the drill proves
+        # nothing either way, as when it is gone before the drill starts; no record is filed for a checkpoint gone
+        record.update(
+            verdict=NOT_DRILLED,
+            cause=f"{entry.name} was deleted while it was drilled (retention, gc or a person); not a failed restore",
+            deleted=True,
+            finished_at=_now(),
+        )
     else:
         record.update(outcome)
         record["finished_at"] = _now()
@@ -152,6 +161,15 @@ def run_drill(
         f" ({record['cause']})" if record.get("cause") else "",
     )
     return record
+
+
+def _deleted(location: Any, name: str) -> bool:
+    """Whether checkpoint `name` is uncommitted now: deletion removes the manifest first (FORMAT.md §2)."""
+    try:
+        location.fs.invalidate_cache()  # an object store's listing cache still holds what was there
+        return not location.fs.exists(join(location.path, name, MANIFEST))
+    except OSError:  # cannot tell: the drill's own verdict stands
+        return False
 
 
 def _check_records_writable(location: Any) -> None:

@@ -19,7 +19,7 @@ DRILL_LAG_EVENT = "drill_lag"  # policies/drills/plugin.py, drills external: com
 REPLICATION_EVENT = "replication"  # engine/tiers/replicate.py: one copy attempt to the durable tier
 PEER_REPLICATION_EVENT = "peer_replication"  # engine/tiers/peers.py: one checkpoint copied to peer nodes
 ALL_SERIES = None  # an observation's slice key that applies to every series of the rule (a commit clears every cause)
-PASSED = "passed"  # a drill's verdict (engine/format/drill_records.py)
+PASSED, DRILL_FAILED = "passed", "failed"  # a drill's verdicts (engine/format/drill_records.py)
 
 # failure causes, most specific first: a rule sliced by cause tells a full disk from a dead rank
 _CAUSES = (
@@ -83,7 +83,8 @@ def observe(event: dict[str, Any]) -> list[Observation]:
         if ranks:
             each_scope("write_gbps", min(float(r["write_gbps"]) for r in ranks))  # the slowest rank paces the save
     elif kind == DRILL_EVENT:
-        each_scope("drill_ok", 1.0 if event.get("verdict") == PASSED else 0.0)
+        if event.get("verdict") in (PASSED, DRILL_FAILED):  # a drill that never ran (not-drilled) proved nothing
+            each_scope("drill_ok", 1.0 if event.get("verdict") == PASSED else 0.0)
         if event.get("time_to_resume_s") is not None:
             each_scope("time_to_resume_s", float(event["time_to_resume_s"]))
         if event.get("lag_checkpoints") is not None:

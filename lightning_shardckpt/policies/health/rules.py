@@ -44,7 +44,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "1 when a failed attempt's directory was left for `shardckpt gc`, else 0",
     ),
     "storage_retries": (COMMIT_COMPLETENESS, (RUN, ROOT), "transient storage errors retried during one save"),
-    "drill_ok": (RESTORE, (RUN, ROOT), "1 for a restore drill that passed, 0 for one that failed or could not run"),
+    "drill_ok": (RESTORE, (RUN, ROOT), "1 for a drill that passed, 0 for one that failed (none if it never ran)"),
     "time_to_resume_s": (RESTORE, (RUN, ROOT), "seconds a restore drill took from process start to restored state"),
     "drill_lag_checkpoints": (
         RESTORE,

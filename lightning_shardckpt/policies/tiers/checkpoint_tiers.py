@@ -43,6 +43,7 @@ class CheckpointTiers:
     def __init__(self, config: TiersConfig, node_rank: int, local_rank: int) -> None:
         self.config = config
         self.node_rank, self.local_rank = node_rank, local_rank
+        self._newest_durable_at_close: str | None = None  # the closed replicator's, for fit end's retention pass
         self.fast_dirpath = config.fast.dirpath_for(node_rank)
         self.fast = fsio.resolve(self.fast_dirpath, config.fast.storage_options)
         self.durable = fsio.resolve(config.durable.dirpath, config.durable.storage_options) if config.durable else None
@@ -156,6 +157,7 @@ class CheckpointTiers:
         if replicator is None:
             return
         replicator.close(self.config.flush_timeout_s if timeout is None else timeout)
+        self._newest_durable_at_close = replicator.newest_durable  # fit end's retention pass still asks (fast_spare)
         if replicator.stopped and self._group is not None and replicator.broken is None:
             import torch.distributed as dist
 
@@ -216,7 +218,10 @@ class CheckpointTiers:
         if self.durable is None:
             return set()
         entries = catalog.committed_of_run(catalog.list_checkpoints(self.fast), run_id)
-        newest_durable = self.replicator.newest_durable if self.replicator is not None else None
+        if self.replicator is not None:
+            newest_durable = self.replicator.newest_durable
+        else:
+            newest_durable = self._newest_durable_at_close
         names = [entry.name for entry in entries]
         start = names.index(newest_durable) + 1 if newest_durable in names else 0
         unreplicated = names[start:]
@@ -258,6 +263,8 @@ class CheckpointTiers:
             self._committed_here.append(record.path.rstrip("/").rsplit("/", 1)[-1])
         if not self.config.fast.keep_last:
             return []
+        if self.peer_replicator is not None and self.peer_replicator.on_coordinators_storage:
+            return []  # node 0's root under another name (a symlink): node 0's retention keeps what it spares there
         keep = self.config.fast.keep_last + self.config.fast.max_unreplicated + 1
         order = {name: index for index, name in enumerate(self._committed_here)}
         deleted = []
