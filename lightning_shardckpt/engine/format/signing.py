@@ -117,8 +117,12 @@ def load_signer(key_path: str | None, key_env: str | None, signer: Any) -> Signe
             with open(os.path.expanduser(key_path), "rb") as handle:
                 pem = handle.read()
         except OSError as err:
-            raise ConfigError(f"save.sign.key_path={key_path!r} cannot be read ({err}); give the PEM key's path") from None
-        return signer_from_private_key(load_private_key(pem, f"save.sign.key_path={key_path!r}"), f"key_path {key_path}")
+            raise ConfigError(
+                f"save.sign.key_path={key_path!r} cannot be read ({err}); give the PEM key's path"
+            ) from None
+        return signer_from_private_key(
+            load_private_key(pem, f"save.sign.key_path={key_path!r}"), f"key_path {key_path}"
+        )
     if key_env is not None:
         text = os.environ.get(key_env)
         if not text:
@@ -126,7 +130,9 @@ def load_signer(key_path: str | None, key_env: str | None, signer: Any) -> Signe
                 f"save.sign.key_env={key_env!r}: the environment variable is not set on this process; export the PEM "
                 "private key's text in it (only the coordinator, rank 0, signs)"
             )
-        return signer_from_private_key(load_private_key(text.encode(), f"environment variable {key_env}"), f"env {key_env}")
+        return signer_from_private_key(
+            load_private_key(text.encode(), f"environment variable {key_env}"), f"env {key_env}"
+        )
     raise ConfigError("signing is on but no key source is set; give save.sign.key_path, key_env or signer")
 
 
@@ -216,7 +222,9 @@ class SignaturePolicy:
         kid = record["key_id"]
         key = self.keys.get(kid)
         if key is None:
-            raise SignatureRefused(f"{sig_path}: signed by key {kid[:16]}, which is not accepted (accepted: {accepted})")
+            raise SignatureRefused(
+                f"{sig_path}: signed by key {kid[:16]}, which is not accepted (accepted: {accepted})"
+            )
         data = retry.call("read", lambda: fs.cat_file(manifest_path), target=manifest_path)
         try:
             key.verify(base64.b64decode(record["signature"], validate=True), data)
@@ -234,8 +242,8 @@ class SignaturePolicy:
 
     def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
         """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
-        from .parts import part_filename
         from .layout import shard_filename
+        from .parts import part_filename
 
         table = manifest["parts"]
         hashed = 0

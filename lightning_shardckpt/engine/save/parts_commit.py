@@ -28,10 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CommitFailed
-from ..format import chunk_layout, parts_manifest
+from ..format import chunk_layout, parts_manifest, signing
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
-from ..format import signing
 from ..format.checksum import checksum
 from ..format.layout import DCP_METADATA, join
 from ..format.safe_pickle import DCP_METADATA_FIELD

@@ -32,8 +32,8 @@ from torch.futures import Future
 
 from ...errors import CorruptCheckpoint
 from ..config import VerifyConfig
-from ..format.checksum import HashingWriter, block_size_for, streaming_checksum
 from ..format import signing
+from ..format.checksum import HashingWriter, block_size_for, streaming_checksum
 from ..format.layout import join, shard_filename
 from . import fsio
 from .chunk_reads import PIECE_BYTES, SHORT_READ, ShardFile
