@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError, CorruptCheckpoint
+from ...errors import ConfigError, SignatureRefused
 from ..storage import retry
 from .layout import MANIFEST, join
 
@@ -36,11 +36,6 @@ DIGEST_CHARS = 64
 NO_DIGEST = "-" * DIGEST_CHARS
 SIGNATURE_MAX_BYTES = 4096
 INSTALL_HINT = "install the optional extra: pip install 'lightning_shardckpt[sign]' (cryptography>=42)"
-
-
-class SignatureRefused(CorruptCheckpoint):
-    """A checkpoint a signature policy refuses: unsigned, signed by no accepted key, or a file whose digest
-    differs from the signed record. A CorruptCheckpoint, so `latest` and `last-good` skip it like a corrupt one."""
 
 
 def new_digest() -> Any:
