@@ -69,7 +69,7 @@ def forge_part(directory: str, rank: int, edit: Callable[[dict[str, Any]], None]
 def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -> dict[str, Any]:
     """The issue-39 attack, on any storage (fsspec): replace the first stored chunk of `fqn` (format v4) with a record
     of the same shape holding `value`, then recompute everything FORMAT.md says vouches for it: the chunk's xxh3
-    checksum (and block checksums), the part's file checksum, the SHA-256 digests when the checkpoint records them,
+    checksum (and block checksums), the part's file checksum, the cryptographic digests when it records them,
     the manifest's parts table and the commit record. Only a signature, which needs the private key, is left as
     it was. Returns the forged chunk's part record."""
     import io
@@ -109,8 +109,9 @@ def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -
         chunk["blocks"] = {"size": stream.chunk_blocks[0], "checksums": list(stream.chunk_blocks[1])}
     in_order = sorted(part["chunks"] + part["objects"], key=lambda c: c["offset"])
     part["file_checksum"] = checksum_of_checksums([c["checksum"] for c in in_order])
+    algorithm = manifest.get(signing.DIGEST_FIELD)
     if signing.FILE_DIGEST in part:
-        part[signing.FILE_DIGEST] = signing.digest_of(bytes(shard))
+        part[signing.FILE_DIGEST] = signing.digest_of(bytes(shard), algorithm)
     part_data = part_to_bytes(part)
     _replace(fs, shard_path, bytes(shard))
     _replace(fs, part_path, part_data)
@@ -119,7 +120,9 @@ def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -
     table["file_checksums"] = _put(table["file_checksums"], rank, part["file_checksum"], 16)
     table["part_checksums"] = _put(table["part_checksums"], rank, checksum(part_data), 16)
     if signing.PART_DIGESTS in table:
-        table[signing.PART_DIGESTS] = _put(table[signing.PART_DIGESTS], rank, signing.digest_of(part_data), 64)
+        table[signing.PART_DIGESTS] = _put(
+            table[signing.PART_DIGESTS], rank, signing.digest_of(part_data, algorithm), 64
+        )
     data = manifest_format.to_bytes(manifest)
     _replace(fs, join(directory, MANIFEST), data)
     commit_record = manifest_format.build_commit_record(manifest, data)

@@ -5,6 +5,7 @@ skipping a tampered newest checkpoint, and the key staying out of everything wri
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import re
@@ -69,16 +70,23 @@ def policy(*public: str) -> dict:
     return {"require_signature": True, "public_keys": list(public)}
 
 
-def test_signed_save_records_sha256_of_every_file_and_signs_the_exact_manifest_bytes(tmp_path, keys):
+@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+def test_signed_save_records_a_digest_of_every_file_and_signs_the_exact_manifest_bytes(tmp_path, keys, digest):
     (private, public, key), _ = keys
-    directory = save(str(tmp_path / "root"), 1, SignConfig(key_path=private))
+    directory = save(str(tmp_path / "root"), 1, SignConfig(key_path=private, digest=digest))
     record = signing._parse_signature(Path(directory, signing.SIGNATURE).read_bytes(), "sig")
     manifest_bytes = Path(directory, "manifest.json").read_bytes()
     key.public_key().verify(base64.b64decode(record["signature"]), manifest_bytes)  # raises if not
     raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     assert record["key_id"] == signing.key_id(raw)
-    part = __import__("json").loads(Path(directory, "__0_0.part.json").read_bytes())
-    assert part[signing.FILE_DIGEST] == signing.file_digest(fsio.resolve(directory).fs, f"{directory}/__0_0.distcp")[0]
+    part = json.loads(Path(directory, "__0_0.part.json").read_bytes())
+    manifest = json.loads(manifest_bytes)
+    assert manifest[signing.DIGEST_FIELD] == digest
+    shard = f"{directory}/__0_0.distcp"
+    assert part[signing.FILE_DIGEST] == signing.file_digest(fsio.resolve(directory).fs, shard, digest)[0]
+    part_digest = signing.digest_of(Path(directory, "__0_0.part.json").read_bytes(), digest)
+    assert manifest["parts"][signing.PART_DIGESTS] == part_digest
+    assert load(str(tmp_path / "root"), 1, **policy(public))[0].step == 1
 
 
 def test_signing_off_writes_no_digest_and_no_signature(tmp_path):
@@ -109,9 +117,9 @@ def test_edited_shard_with_every_checksum_recomputed_is_refused_by_load_and_veri
     assert "does not verify" in report.problems[0]["actual"]
 
 
-def test_shard_bytes_changed_under_a_signed_manifest_are_refused_by_their_sha256(tmp_path, keys):
+def test_shard_bytes_changed_under_a_signed_manifest_are_refused_by_their_digest(tmp_path, keys):
     # the manifest and parts stay as signed; only the shard changes (as an xxh3 collision would leave it): with
-    # checksums off, only the signed SHA-256 stands between the load and the attacker's bytes
+    # checksums off, only the signed digest stands between the load and the attacker's bytes
     (private, public, _), _ = keys
     root = str(tmp_path / "root")
     directory = save(root, 1, SignConfig(key_path=private))
@@ -119,7 +127,7 @@ def test_shard_bytes_changed_under_a_signed_manifest_are_refused_by_their_sha256
     data = bytearray(Path(shard).read_bytes())
     data[-100] ^= 0xFF
     _replace(fsio.resolve(root).fs, shard, bytes(data))
-    with pytest.raises(signing.SignatureRefused, match=r"__0_0.distcp: its sha256 differs .* key [0-9a-f]{16}"):
+    with pytest.raises(signing.SignatureRefused, match=r"__0_0.distcp: its blake3 digest differs .* key [0-9a-f]{16}"):
         load(root, 1, verify_checksums=False, **policy(public))
     report = verify_checkpoint(root, public_keys=[public])
     assert any(p["kind"] == SIGNATURE_PROBLEM and p["file"] == "__0_0.distcp" for p in report.problems)

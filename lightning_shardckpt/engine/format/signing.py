@@ -1,10 +1,11 @@
 """Signed checkpoints: who wrote a checkpoint, not only whether its bytes rotted (FORMAT.md §12).
 
 xxh3 checksums catch rot and truncation, but anyone who can write the storage can change a shard and recompute
-every checksum. With signing on, each shard file's SHA-256 is computed in the same streaming pass as its xxh3
-chunk checksums and recorded in its part (`file_sha256`), each part's SHA-256 in the manifest's parts table
-(`part_sha256s`), and the coordinator signs the manifest's exact bytes with Ed25519 into `manifest.sig`, written
-before the commit record: one signature over the small manifest covers every byte transitively.
+every checksum. With signing on, each shard file's cryptographic digest (BLAKE3, or SHA-256) is computed in the
+same streaming pass as its xxh3 chunk checksums and recorded in its part (`file_digest`), each part's digest in the
+manifest's parts table (`part_digests`), the algorithm in the manifest (`digest_algorithm`), and the coordinator
+signs the manifest's exact bytes with Ed25519 into `manifest.sig`, written before the commit record: one signature
+over the small manifest covers every byte transitively.
 
 Readers with a signature policy (LoadConfig.require_signature) refuse an unsigned, mis-signed or
 digest-mismatched checkpoint with one line naming the file and the key id; `latest` and `last-good` skip it.
@@ -28,23 +29,36 @@ from .layout import MANIFEST, join
 
 SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
 ALGORITHM = "ed25519"
-DIGEST_ALGORITHM = "sha256"  # hashlib releases the GIL on large buffers; measured against BLAKE3 (FORMAT.md §12)
+# BLAKE3 by default: 0.31 CPU-s per GiB here against SHA-256's 0.68 (docs/BENCHMARKS.md, "Signing"); SHA-256 for a
+# writer without the `blake3` package or a policy that names it. Both release the GIL on large buffers
+BLAKE3, SHA256 = "blake3", "sha256"
+DIGEST_ALGORITHMS = (BLAKE3, SHA256)
 DIGEST_FIELD = "digest_algorithm"  # manifest: present exactly when files carry digests
-FILE_DIGEST = "file_sha256"  # part: its shard file's SHA-256
-PART_DIGESTS = "part_sha256s"  # manifest parts table: one string, 64 hex characters per rank
+FILE_DIGEST = "file_digest"  # part: its shard file's digest
+PART_DIGESTS = "part_digests"  # manifest parts table: one string, 64 hex characters per rank
 DIGEST_CHARS = 64
 NO_DIGEST = "-" * DIGEST_CHARS
 SIGNATURE_MAX_BYTES = 4096
-INSTALL_HINT = "install the optional extra: pip install 'lightning_shardckpt[sign]' (cryptography>=42)"
+INSTALL_HINT = "install the optional extra: pip install 'lightning_shardckpt[sign]' (cryptography, blake3)"
 
 
-def new_digest() -> Any:
-    """A streaming file digest (update, hexdigest)."""
-    return hashlib.sha256()
+def new_digest(algorithm: str) -> Any:
+    """A streaming file digest (update, hexdigest) of `algorithm` (32 bytes, 64 hex characters, either way)."""
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    if algorithm == BLAKE3:
+        try:
+            import blake3
+        except ImportError as err:
+            raise ConfigError(f"digest {BLAKE3!r} needs the `blake3` package; {INSTALL_HINT}, or use sha256") from err
+        return blake3.blake3()
+    raise ConfigError(f"digest algorithm {algorithm!r} is unknown; use one of {DIGEST_ALGORITHMS}")
 
 
-def digest_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def digest_of(data: bytes, algorithm: str) -> str:
+    hasher = new_digest(algorithm)
+    hasher.update(data)
+    return hasher.hexdigest()
 
 
 def key_id(public_raw: bytes) -> str:
@@ -228,10 +242,10 @@ class SignaturePolicy:
                 f"{manifest_path}: its signature by key {kid[:16]} does not verify; the manifest was changed after "
                 "it was signed"
             ) from None
-        if DIGEST_FIELD not in manifest:
+        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS:
             raise SignatureRefused(
-                f"{manifest_path}: signed by key {kid[:16]} but records no file digests (a format v2/v3 save); this "
-                "reader requires digests"
+                f"{manifest_path}: signed by key {kid[:16]} but records no file digests this reader knows "
+                f"({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a format v2/v3 save records none)"
             )
         return kid
 
@@ -241,24 +255,26 @@ class SignaturePolicy:
         from .parts import part_filename
 
         table = manifest["parts"]
+        algorithm = manifest[DIGEST_FIELD]
         hashed = 0
         for rank in ranks:
             expected = table[PART_DIGESTS][rank * DIGEST_CHARS : (rank + 1) * DIGEST_CHARS]
             part_path = join(directory, part_filename(rank))
             data = retry.call("read", lambda p=part_path: fs.cat_file(p), target=part_path)
             hashed += len(data)
-            if digest_of(data) != expected:
+            if digest_of(data, algorithm) != expected:
                 raise SignatureRefused(
-                    f"{part_path}: its sha256 differs from the manifest signed by key {kid[:16]}; the file was changed"
+                    f"{part_path}: its {algorithm} digest differs from the manifest signed by key {kid[:16]}; the file "
+                    "was changed"
                 )
             part = json.loads(data)
             shard_path = join(directory, shard_filename(rank))
-            actual, nbytes = file_digest(fs, shard_path)
+            actual, nbytes = file_digest(fs, shard_path, algorithm)
             hashed += nbytes
             if actual != part.get(FILE_DIGEST):
                 raise SignatureRefused(
-                    f"{shard_path}: its sha256 differs from the part signed (through the manifest) by key {kid[:16]}; "
-                    "the file was changed"
+                    f"{shard_path}: its {algorithm} digest differs from the part signed (through the manifest) by key "
+                    f"{kid[:16]}; the file was changed"
                 )
         return hashed
 
@@ -280,9 +296,9 @@ def _parse_signature(raw: bytes, where: str) -> dict[str, Any]:
 FILE_READ_BYTES = 8 * 2**20
 
 
-def file_digest(fs: Any, path: str) -> tuple[str, int]:
-    """SHA-256 of a file's bytes as storage returns them, streamed in pieces; and its size."""
-    hasher = new_digest()
+def file_digest(fs: Any, path: str, algorithm: str) -> tuple[str, int]:
+    """The digest of a file's bytes as storage returns them, streamed in pieces; and its size."""
+    hasher = new_digest(algorithm)
     total = 0
     with fs.open(path, "rb") as handle:
         while True:

@@ -120,10 +120,10 @@ class PartsCommitter:
             **fields,
         )
         if target.sign is not None and target.sign.enabled:
-            # each part's SHA-256 (each part holds its shard's): the signature over this manifest covers every byte
-            manifest[signing.DIGEST_FIELD] = signing.DIGEST_ALGORITHM
+            # each part's digest (each part holds its shard's): the signature over this manifest covers every byte
+            manifest[signing.DIGEST_FIELD] = target.sign.digest
             manifest[parts_manifest.PARTS_FIELD][signing.PART_DIGESTS] = "".join(
-                written[rank].part_sha256 or signing.NO_DIGEST if rank in written else signing.NO_DIGEST
+                written[rank].part_digest or signing.NO_DIGEST if rank in written else signing.NO_DIGEST
                 for rank in range(self.layout.world_size)
             )
         if metadata_record is not None:

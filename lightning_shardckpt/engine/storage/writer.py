@@ -291,7 +291,7 @@ class RankWrite:
     relative: str | None = None  # its file (None: it wrote none)
     file_bytes: int = 0
     stored_bytes: int | None = None  # the file's size on storage, when the read-back saw it
-    file_sha256: str | None = None  # signing on: the SHA-256 of the file's bytes, from the write pass
+    file_digest: str | None = None  # signing on: the cryptographic digest of the file's bytes, from the write pass
 
 
 def write_rank_file(
@@ -304,11 +304,11 @@ def write_rank_file(
     rng: random.Random,
     fault: FaultHook,
     reference_of: Callable[[Any], dict[str, Any] | None] = lambda item: None,
-    digest: bool = False,
+    digest: str | None = None,
 ) -> RankWrite:
     """Write `plan_items` (DCP write items) as this rank's shard file, checksumming every chunk as it streams,
     then read back what `verify` asks for. Unchanged chunks an incremental save references are not written.
-    `digest` (signing on): also the file's SHA-256, in the same streaming pass.
+    `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass.
     Raises on the first failure (the file's upload is abandoned, never committed)."""
     fault("before_write")
     stats: dict[str, Any] = {
@@ -333,7 +333,7 @@ def write_rank_file(
     if not items:
         stats["chunks"] = len(reference_receipts)
         return RankWrite(reference_receipts, stats)
-    writer = ChunkFileWriter(fs, full_path, signing.new_digest() if digest else None)
+    writer = ChunkFileWriter(fs, full_path, signing.new_digest(digest) if digest else None)
     finite: list[bool | None] = []
     try:
         for position, item in enumerate(items):
