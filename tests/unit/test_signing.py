@@ -236,3 +236,22 @@ def test_format_md_signature_vector_verifies_and_is_what_this_code_signs():
     assert signing.signature_bytes(manifest_bytes, signer) == expected  # Ed25519 is deterministic
     record = signing._parse_signature(expected, "vector")
     key.public_key().verify(base64.b64decode(record["signature"]), manifest_bytes)
+
+
+def test_a_durable_tier_copy_of_a_signed_checkpoint_is_signed_and_accepted(tmp_path, keys):
+    from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig
+    from lightning_shardckpt.engine.tiers.replicate import Replicator
+
+    (private, public, _), _ = keys
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    sign = SignConfig(key_path=private)
+    name = os.path.basename(save(fast, 1, sign))
+    config = TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable))
+    replicator = Replicator(config, fsio.resolve(fast), fsio.resolve(durable), group=None, sign=sign)
+    replicator.submit(name)
+    assert replicator.close(30)
+    copy = json.loads(Path(durable, name, "manifest.json").read_bytes())
+    assert "replicated_from" in copy  # its manifest differs from the original's: signed again, not copied
+    result, _ = load(durable, 1, **policy(public))
+    assert result.step == 1
+    assert verify_checkpoint(durable, 1, public_keys=[public]).ok
