@@ -255,3 +255,23 @@ def test_a_durable_tier_copy_of_a_signed_checkpoint_is_signed_and_accepted(tmp_p
     result, _ = load(durable, 1, **policy(public))
     assert result.step == 1
     assert verify_checkpoint(durable, 1, public_keys=[public]).ok
+
+
+def test_export_compare_and_drill_with_a_public_key_refuse_a_forged_checkpoint_in_one_line(tmp_path, keys, run_cli):
+    (private, public, _), _ = keys
+    root = str(tmp_path / "root")
+    good = save(root, 1, SignConfig(key_path=private))
+    forged = save(root, 2, SignConfig(key_path=private))
+    forge_tensor_values(fsio.resolve(root), forged, FQN, FORGED)
+    refusals = {
+        "export": run_cli("export", forged, str(tmp_path / "out.safetensors"), "--public-key", public),
+        "compare": run_cli("compare", good, forged, "--public-key", public),
+        "drill": run_cli("drill", forged, "--public-key", public),
+    }
+    for command, (code, out, err) in refusals.items():
+        assert code == 2, (command, out, err)
+        lines = [line for line in err.splitlines() if "manifest.json: its signature by key" in line]
+        assert len(lines) == 1, (command, err)
+        assert not os.path.exists(tmp_path / "out.safetensors")
+    code, _, err = run_cli("export", good, str(tmp_path / "good.safetensors"), "--public-key", public)
+    assert code == 0, err

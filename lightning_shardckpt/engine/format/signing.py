@@ -279,6 +279,20 @@ class SignaturePolicy:
         return hashed
 
 
+def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_keys: Any) -> str:
+    """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
+    the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.
+    For tools that read everything (export, compare, drill) before they start."""
+    policy = SignaturePolicy(load_public_keys(list(public_keys)))
+    kid = policy.check_manifest(fs, directory, manifest)
+    policy.check_files(fs, directory, manifest, _writing_ranks(manifest), kid)
+    return kid
+
+
+def _writing_ranks(manifest: dict[str, Any]) -> list[int]:
+    return [rank for rank, size in enumerate(manifest["parts"]["file_bytes"]) if size is not None]
+
+
 def _parse_signature(raw: bytes, where: str) -> dict[str, Any]:
     try:
         if len(raw) > SIGNATURE_MAX_BYTES:
