@@ -6,6 +6,7 @@ Run from the repository root:
     .venv/bin/python benchmarks/save_cpu.py --busy 1             # the same with one core kept busy by another process
     .venv/bin/python benchmarks/save_cpu.py --profile            # + where our CPU goes, by function (1 rank)
     .venv/bin/python benchmarks/save_cpu.py --report a.json b.json c.json   # min / median / max of three runs
+    .venv/bin/python benchmarks/save_cpu.py --sign blake3 --ranks 1          # + ours with signing on (issue 39)
 
 Training loses what a background save spends whenever the cores are not idle, so wall time is the wrong
 measure: a save that takes longer but burns less CPU hurts training less. Each rank holds one float32
@@ -26,6 +27,10 @@ commit, events), not wall time.
 
 --busy N starts N processes that spin for the whole run: the contended case, where every CPU-second a
 save spends is one training does not get. The target of issue 30: cpu_s per GiB of ours <= 1.2x DCP's.
+
+--sign DIGEST adds a third method, ours with signing on (`SaveConfig(sign=SignConfig(key_path=..., digest=DIGEST))`:
+each file's BLAKE3 or SHA-256 in the write pass, an Ed25519 signature at the commit), in the same rounds; the
+target of issue 39: its CPU per GiB <= 1.3x ours unsigned.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import busy_cores, checkpoint_workdir, environment, parse_rank_counts, run_world
 
-from lightning_shardckpt import CheckpointSaver, SaveConfig
+from lightning_shardckpt import CheckpointSaver, SaveConfig, SignConfig
 
 METHODS = ("dcp", "ours")
-LABELS = {"dcp": "plain dcp.save (sync)", "ours": "ours (default SaveConfig, async)"}
+SIGNED = "signed"
+LABELS = {"dcp": "plain dcp.save (sync)", "ours": "ours (default SaveConfig, async)", SIGNED: "ours, signed"}
 CPU_VS_DCP_TARGET = 1.2
+SIGNED_VS_OURS_TARGET = 1.3
 RANK_TIMEOUT_S = 1800
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # CPU seconds of a phase of our save: ("own", builtin) sums that builtin's own time (the C work: a syscall,
@@ -80,6 +87,12 @@ class CpuConfig:
     threads: int
     profile: bool
     workdir: str
+    sign: str | None = None  # the digest of the signed method; None: no signed method
+    key_path: str | None = None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return METHODS + ((SIGNED,) if self.sign else ())
 
 
 def process_cpu() -> float:
@@ -126,10 +139,16 @@ def rank_main(rank: int, world_size: int, config: CpuConfig) -> dict[str, Any]:
     state = make_state(rank, config.size_mib)
     saver = CheckpointSaver(os.path.join(config.workdir, f"ours-{world_size}"), SaveConfig())
     group = saver.group  # DCP saves on the same dedicated gloo group
+    signed = None
+    if config.sign:
+        sign = SignConfig(key_path=config.key_path, digest=config.sign)
+        signed = CheckpointSaver(
+            os.path.join(config.workdir, f"signed-{world_size}"), SaveConfig(sign=sign), group=group
+        )
     rounds = []
     step = 0
     for round_index in range(config.warmup + config.repeats):
-        order = METHODS if round_index % 2 == 0 else METHODS[::-1]
+        order = config.methods if round_index % 2 == 0 else config.methods[::-1]
         measured = {}
         for method in order:
             step += 1
@@ -143,7 +162,7 @@ def rank_main(rank: int, world_size: int, config: CpuConfig) -> dict[str, Any]:
                 dcp.save(state, checkpoint_id=directory, process_group=group)
                 path = directory
             else:
-                result = saver.save(state, step=step).result()
+                result = (signed if method == SIGNED else saver).save(state, step=step).result()
                 if not result.committed:
                     raise RuntimeError(f"our save of step {step} did not commit: {result.error}")
                 path = result.path
@@ -158,6 +177,8 @@ def rank_main(rank: int, world_size: int, config: CpuConfig) -> dict[str, Any]:
     if config.profile and world_size == 1:
         result["profile"] = profile_ours(state, config, group)
     saver.close()
+    if signed is not None:
+        signed.close()
     return result
 
 
@@ -225,7 +246,7 @@ def summarize(world_size: int, per_rank: list[dict[str, Any]] | str) -> dict[str
         return {"ranks": world_size, "error": per_rank}
     gib = per_rank[0]["bytes"] / 2**30
     methods: dict[str, Any] = {}
-    for method in METHODS:
+    for method in per_rank[0]["rounds"][0]["methods"]:
         cpu, wall, threads = [], [], []
         for rounds in zip(*(r["rounds"] for r in per_rank)):
             if rounds[0]["warmup"]:
@@ -243,6 +264,10 @@ def summarize(world_size: int, per_rank: list[dict[str, Any]] | str) -> dict[str
         }
     ratio = methods["ours"]["median_cpu_s_per_gib"] / methods["dcp"]["median_cpu_s_per_gib"]
     summary = {"ranks": world_size, "gib_per_rank": gib, "methods": methods, "cpu_ratio_vs_dcp": ratio}
+    if SIGNED in methods:
+        summary["cpu_ratio_signed_vs_ours"] = (
+            methods[SIGNED]["median_cpu_s_per_gib"] / methods["ours"]["median_cpu_s_per_gib"]
+        )
     if "profile" in per_rank[0]:
         summary["profile"] = per_rank[0]["profile"]
     return summary
@@ -256,7 +281,7 @@ def format_table(summaries: list[dict[str, Any]], busy: int) -> str:
         if "error" in summary:
             lines.append(f"{summary['ranks']:>5}  failed: {summary['error']}")
             continue
-        for method in METHODS:
+        for method in summary["methods"]:
             entry = summary["methods"][method]
             threads = ", ".join(f"{name} {seconds:.2f}" for name, seconds in entry["threads_of_median_save"].items())
             lines.append(
@@ -266,6 +291,12 @@ def format_table(summaries: list[dict[str, Any]], busy: int) -> str:
         ratio = summary["cpu_ratio_vs_dcp"]
         verdict = "met" if ratio <= CPU_VS_DCP_TARGET else "MISSED"
         lines.append(f"       target: ours CPU per GiB <= {CPU_VS_DCP_TARGET}x DCP's: {verdict} ({ratio:.2f}x)")
+        if "cpu_ratio_signed_vs_ours" in summary:
+            signed = summary["cpu_ratio_signed_vs_ours"]
+            verdict = "met" if signed <= SIGNED_VS_OURS_TARGET else "MISSED"
+            lines.append(
+                f"       target: signed CPU per GiB <= {SIGNED_VS_OURS_TARGET}x ours unsigned: {verdict} ({signed:.2f}x)"
+            )
         if "profile" in summary:
             lines.append(
                 "       ours, CPU s by phase (one save, median of 3; read-back and commit include their reads, hashes, fsyncs):"
@@ -281,8 +312,8 @@ def rereport(paths: list[str]) -> str:
         with open(path) as handle:
             runs.append(json.load(handle))
     lines = [
-        "| busy | ranks | method | CPU s per GiB | wall s | ours / DCP CPU |",
-        "|---|---|---|---|---|---|",
+        "| busy | ranks | method | CPU s per GiB | wall s | ours / DCP CPU | signed / ours CPU |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def cell(values: list[float], digits: int) -> str:
@@ -293,14 +324,29 @@ def rereport(paths: list[str]) -> str:
     for busy, ranks in keys:
         summaries = [s for run in runs if run["busy"] == busy for s in run["results"] if s["ranks"] == ranks]
         summaries = [s for s in summaries if "error" not in s]
-        for method in METHODS:
+        for method in [m for m in LABELS if all(m in s["methods"] for s in summaries)]:
             ratio = cell([s["cpu_ratio_vs_dcp"] for s in summaries], 2) + "x" if method == "ours" else ""
+            signed = cell([s["cpu_ratio_signed_vs_ours"] for s in summaries], 2) + "x" if method == SIGNED else ""
             lines.append(
                 f"| {busy} | {ranks} | {LABELS[method]} | "
                 f"{cell([s['methods'][method]['median_cpu_s_per_gib'] for s in summaries], 3)} | "
-                f"{cell([s['methods'][method]['median_wall_s'] for s in summaries], 2)} | {ratio} |"
+                f"{cell([s['methods'][method]['median_wall_s'] for s in summaries], 2)} | {ratio} | {signed} |"
             )
     return "\n".join(lines)
+
+
+def write_signing_key(workdir: str) -> str:
+    """A fresh Ed25519 key for the signed method (its PEM file, which rank 0 reads at each commit)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    path = os.path.join(workdir, "signing.pem")
+    pem = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+        handle.write(pem)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,12 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--busy", type=int, default=0, help="processes spinning on a core for the whole run")
     parser.add_argument("--profile", action="store_true", help="CPU by phase of ours (with 1 rank)")
+    parser.add_argument(
+        "--sign", choices=("blake3", "sha256"), default=None, help="also time ours with signing on, this file digest"
+    )
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temp dir)")
     parser.add_argument("--out", default="benchmarks/results/save_cpu.json", help="the JSON report")
     args = parser.parse_args(argv)
     report: dict[str, Any] = {"environment": environment(), "busy": args.busy, "results": []}
     with busy_cores(args.busy), checkpoint_workdir(args.workdir, prefix="shardckpt-savecpu-") as workdir:
-        config = CpuConfig(args.size_mib, args.repeats, args.warmup, args.threads, args.profile, workdir)
+        key_path = write_signing_key(workdir) if args.sign else None
+        config = CpuConfig(
+            args.size_mib, args.repeats, args.warmup, args.threads, args.profile, workdir, args.sign, key_path
+        )
         report["config"] = asdict(config)
         for world_size in parse_rank_counts(args.ranks):
             print(f"running {world_size} rank(s), {args.size_mib:.0f} MiB each ...", flush=True)

@@ -22,6 +22,7 @@ from .errors import (
     CorruptCheckpoint,
     IncompatibleCheckpoint,
     ShardCkptError,
+    SignatureRefused,
     StorageUnavailable,
     UntrustedCheckpoint,
 )
@@ -30,6 +31,7 @@ from .errors import (
 ENGINE_NAMES = {
     "LoadConfig": ".engine.config",
     "SaveConfig": ".engine.config",
+    "SignConfig": ".engine.config",
     "VerifyConfig": ".engine.config",
     "LoadResult": ".engine.load.loader",
     "load_checkpoint": ".engine.load.loader",
@@ -101,7 +103,7 @@ if sys.modules.get("lightning") is not None:  # Lightning is loaded already: reg
     importlib.import_module(".lightning", __name__)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from .engine.config import LoadConfig, SaveConfig, VerifyConfig
+    from .engine.config import LoadConfig, SaveConfig, SignConfig, VerifyConfig
     from .engine.load.loader import LoadResult, load_checkpoint
     from .engine.metrics import CheckpointRecord, read_events
     from .engine.save.persist import SaveResult
@@ -168,6 +170,8 @@ __all__ = [
     "ShardedFabricFSDPStrategy",
     "ShardedFabricStrategy",
     "ShardedStrategy",
+    "SignConfig",
+    "SignatureRefused",
     "StorageUnavailable",
     "TierConfig",
     "TiersConfig",

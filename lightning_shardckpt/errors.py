@@ -32,6 +32,12 @@ class CorruptCheckpoint(ShardCkptError):
         self.problems = problems or []
 
 
+class SignatureRefused(CorruptCheckpoint):
+    """A reader requiring signatures refuses this checkpoint: unsigned, signed by no accepted key, or a file whose
+    SHA-256 differs from the signed record. The message names the file and the key id. A CorruptCheckpoint, so
+    `latest` and `last-good` pass over it to the newest validly signed checkpoint."""
+
+
 class IncompatibleCheckpoint(ShardCkptError):
     """The checkpoint cannot be applied here: newer format, or keys/shapes that do not match."""
 

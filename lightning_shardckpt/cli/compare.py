@@ -28,6 +28,7 @@ def add_commands(commands: Any) -> None:
         metavar="N",
         help="tensors listed (default: %(default)s; 0: all)",
     )
+    options.add_public_key(compare, "comparing")
     compare.set_defaults(run=cmd_compare)
 
 
@@ -36,6 +37,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..ops.compare import compare_readers, summary
 
     a, b = references.resolve_pair(args.a, args.b, args.root, args.storage_options)
+    for side in (a, b):
+        options.require_signed(side.root, side.entry, args.public_key)
     with GlobalTensorReader(a.root, a.entry) as reader_a, GlobalTensorReader(b.root, b.entry) as reader_b:
         changes = compare_readers(reader_a, reader_b)
     counts = summary(changes)

@@ -13,6 +13,7 @@ from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError
 from ..ops.roots import list_checkpoints
 from . import exit_codes, options
+from .options import add_public_key, require_signed
 from .output import print_table
 
 # the drill phases, in the order they run (policies/drills/worker.py times them), as the table shows them
@@ -113,6 +114,7 @@ def add_commands(commands: Any) -> None:
         metavar="SECONDS",
         help="with --follow: exit once nothing was committed or drilled for this long",
     )
+    add_public_key(drill, "drilling")
     drill.set_defaults(run=cmd_drill)
     last_good = commands.add_parser(
         "last-good", parents=[options.common()], help="print the newest drilled (known-good) checkpoint of a root"
@@ -126,6 +128,12 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
     if not args.follow and (args.once or args.exit_when_idle is not None):
         raise ConfigError("--once and --exit-when-idle stop a follower; add --follow, or drop them")
+    if args.follow and args.public_key:
+        raise ConfigError("--public-key checks one checkpoint before its drill; a follower does not take it yet")
+    if args.public_key:  # a drill that passes makes a checkpoint known-good: only one an accepted key signed
+        from ..ops.references import open_path
+
+        require_signed(*open_path(args.path, args.storage_options), args.public_key)
     options = DrillOptions(
         world_size=args.world_size,
         timeout_s=args.timeout,

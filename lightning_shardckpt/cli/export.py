@@ -8,6 +8,7 @@ from typing import Any
 
 from ..ops.choices import EXPORT_DTYPES, EXPORT_FORMATS, SAFETENSORS
 from . import exit_codes, options
+from .options import add_public_key, require_signed
 from .output import human_bytes, print_json
 
 _SIZE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)$", re.IGNORECASE)
@@ -67,11 +68,16 @@ def add_commands(commands: Any) -> None:
         action="store_true",
         help="replace an existing OUT (shards as a whole: the old ones go once the new index is in place)",
     )
+    add_public_key(export, "exporting")
     export.set_defaults(run=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..ops.export import ExportOptions, export_checkpoint  # here: torch, which --help must not wait for
+    from ..ops.references import open_path
+
+    if args.public_key:  # every byte exported comes from a checkpoint an accepted key signed
+        require_signed(*open_path(args.checkpoint, args.storage_options), args.public_key)
 
     options = ExportOptions(
         format=args.format,

@@ -56,3 +56,24 @@ def number(flag: str, **rules: Any) -> Callable[[str], Any]:
 
     parse.__name__ = "integer" if rules.get("integer") else "number"  # argparse names it in "invalid ... value"
     return parse
+
+
+def add_public_key(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--public-key PEM` (repeatable): require the checkpoint(s) to be signed by one of these keys before `what`."""
+    parser.add_argument(
+        "--public-key",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help=f"before {what}, require a signature by this Ed25519 public key and every file to match the signed "
+        "digests (refused: one line naming the file and key, exit 2); repeat for several accepted keys (rotation)",
+    )
+
+
+def require_signed(location: Any, entry: Any, public_keys: list[str]) -> None:
+    """Raise SignatureRefused (one line, naming the file and key) unless `entry` is signed by one of `public_keys`."""
+    if not public_keys:
+        return
+    from ..engine.format.signing import require_signed as check
+
+    check(location.fs, entry.path, entry.manifest, public_keys)

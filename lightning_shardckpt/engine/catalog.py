@@ -34,11 +34,13 @@ from .format import manifest as manifest_format
 from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
 from .format.entry import read_manifest as read_manifest
 from .format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from .format.signing import SignaturePolicy, SignatureRefused
 from .storage import fsio
 from .storage.fsio import Location
 
 log = logging.getLogger(__name__)
 
+SIGNED_BY = "signed_by"  # CheckpointEntry.extra: the accepting key's id, once a signature policy checked it
 V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while listing
 
 
@@ -235,7 +237,9 @@ def last_good(
     return drill_records.newest_drilled(sorted((e for e in entries if e.committed), key=time_order), states, keep)
 
 
-def find(location: Location, which: str | int = "latest", run_id: str | None = None) -> CheckpointEntry:
+def find(
+    location: Location, which: str | int = "latest", run_id: str | None = None, policy: SignaturePolicy | None = None
+) -> CheckpointEntry:
     """Pick a committed checkpoint by `latest`, `last-good`, a step number, an id or a directory name.
 
     `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
@@ -246,13 +250,13 @@ def find(location: Location, which: str | int = "latest", run_id: str | None = N
         indexed = commit_index.newest_of_run_by_index(location, run_id)
         if indexed is not None:
             try:
-                return _with_manifest_read(indexed)
+                return _with_manifest_read(indexed, location, policy)
             except (CorruptCheckpoint, CheckpointDeleted) as err:  # the listing skips it, or lists what is left
                 log.warning("%s: %s; listing the root for `latest`", location.url, err)
     for attempt in (1, 2):
         entries = list_checkpoints(location)
         try:
-            return pick(location, entries, which, run_id)
+            return pick(location, entries, which, run_id, policy=policy)
         except CheckpointDeleted as err:
             if which not in ("latest", LAST_GOOD) or attempt == 2:
                 raise
@@ -272,6 +276,7 @@ def pick(
     which: str | int,
     run_id: str | None = None,
     states: dict[str, str] | None = None,
+    policy: SignaturePolicy | None = None,
 ) -> CheckpointEntry:
     """The committed checkpoint `which` names among `entries`, its manifest read and validated: the one pick
     behind a resume, `verify ROOT`, the star of `shardckpt ls` and the public API (ops/roots.py).
@@ -279,7 +284,8 @@ def pick(
     `latest` and `last-good` skip a checkpoint whose manifest does not validate (marking its entry corrupt,
     so a listing shows why); a step, an id or a name that is not sound raises, naming it. Raises
     CheckpointNotFound when nothing committed matches, CheckpointDeleted when the pick went meanwhile (`find`
-    lists again). `states`: trust states the caller already read, for `last-good`.
+    lists again). `states`: trust states the caller already read, for `last-good`. `policy`: a checkpoint whose
+    signature it refuses is skipped by `latest` and `last-good` (logged), and raises when named.
     """
     if which == "latest":
         while True:
@@ -287,13 +293,13 @@ def pick(
             if chosen is None:
                 break
             try:
-                return _with_manifest_read(chosen)  # validated now: a corrupt one is never handed out
+                return _with_manifest_read(chosen, location, policy)  # validated now: a corrupt one is never handed out
             except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
                 log.warning("%s: skipping %s for `latest`: %s", location.url, chosen.name, err)
     elif which == LAST_GOOD:
         for chosen in reversed(last_good(location, entries, run_id, keep=len(entries), states=states)):
             try:
-                return _with_manifest_read(chosen)
+                return _with_manifest_read(chosen, location, policy)
             except CorruptCheckpoint as err:
                 log.warning("%s: skipping %s for `last-good`: %s", location.url, chosen.name, err)
         raise CheckpointNotFound(
@@ -313,7 +319,7 @@ def pick(
                 + location.url
             )
         if matches:
-            return _with_manifest_read(matches[-1])  # a corrupt or vanished one raises, naming itself
+            return _with_manifest_read(matches[-1], location, policy)  # a corrupt or vanished one raises, naming itself
     committed = [e.name for e in entries if e.committed]
     hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
     corrupt = [e for e in entries if e.state == CORRUPT]
@@ -324,14 +330,26 @@ def pick(
     raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
 
 
-def _with_manifest_read(entry: CheckpointEntry) -> CheckpointEntry:
+def _with_manifest_read(
+    entry: CheckpointEntry, location: Location | None = None, policy: SignaturePolicy | None = None
+) -> CheckpointEntry:
     if entry.manifest is None:  # not reachable for a committed entry listed here; kept as a guard
         raise CheckpointNotFound(f"{entry.path} has no manifest to open")
+    if policy is not None and location is not None:
+        try:
+            entry.extra[SIGNED_BY] = policy.check_manifest(location.fs, entry.path, entry.manifest)
+        except SignatureRefused as err:  # marked, so `latest` passes over it and a listing shows why
+            entry.state, entry.problem = CORRUPT, str(err)
+            raise
     return entry
 
 
 def open_checkpoint(
-    url: str, which: str | int = "latest", storage_options: dict | None = None, run_id: str | None = None
+    url: str,
+    which: str | int = "latest",
+    storage_options: dict | None = None,
+    run_id: str | None = None,
+    policy: SignaturePolicy | None = None,
 ) -> tuple[Location, CheckpointEntry]:
     """Accept a root (with `which`) or a checkpoint directory itself; return its root and entry."""
     location = fsio.resolve(url, storage_options)
@@ -339,10 +357,10 @@ def open_checkpoint(
         root, name = location.path.rstrip("/").rsplit("/", 1)
         # the URL keeps its protocol: callers compare it with their own root (a resume adopting its run id)
         root_location = Location(fs=location.fs, path=root, url=location.url.rstrip("/").rsplit("/", 1)[0])
-        return root_location, find(root_location, name)
+        return root_location, find(root_location, name, policy=policy)
     if not location.fs.exists(location.path):
         raise CheckpointNotFound(f"{url} does not exist; check the path (and storage_options for remote storage)")
-    return location, find(location, which, run_id)
+    return location, find(location, which, run_id, policy)
 
 
 def age_seconds(entry: CheckpointEntry, location: Location) -> float | None:

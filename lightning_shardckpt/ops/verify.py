@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine import catalog
 from ..engine.catalog import CheckpointEntry
-from ..engine.format import chunk_layout, parts_manifest, safe_pickle
+from ..engine.format import chunk_layout, parts_manifest, safe_pickle, signing
 from ..engine.format import manifest as manifest_format
 from ..engine.format import parts as part_format
 from ..engine.format.checksum import checksum, checksum_of_checksums
@@ -41,6 +41,7 @@ OUTSIDE = "outside"  # a listed file's name or symlink leads out of the checkpoi
 DCP_METADATA_PROBLEM = "dcp_metadata"  # `.metadata` missing, unreadable or disagreeing with the manifest
 PART_PROBLEM = "part"  # v4: a part missing, altered since commit, invalid, or disagreeing with the manifest
 LAYOUT_PROBLEM = "layout"  # v4: a chunk the manifest's layout names is in no part, or a part holds one it does not
+SIGNATURE_PROBLEM = "signature"  # with public keys: unsigned, signed by no accepted key, or a file unlike its digest
 
 
 @dataclass
@@ -71,17 +72,22 @@ def verify_checkpoint(
     storage_options: dict[str, Any] | None = None,
     *,
     progress_bar: bool | None = None,
+    public_keys: list[str] | tuple[str, ...] = (),
 ) -> VerifyReport:
     """Read and checksum every chunk of a committed checkpoint.
 
     `where` is a root URL (with `which`: `latest`, a step, an id or a directory name), a checkpoint
     directory URL, or a root Location; `which` may also be a CheckpointEntry already found under it.
     Raises CheckpointNotFound when nothing committed matches; corruption is reported, not raised.
-    `progress_bar`: bytes read so far on stderr (None: when stderr is a terminal).
+    `progress_bar`: bytes read so far on stderr (None: when stderr is a terminal). `public_keys` (PEM files): also
+    require a signature by one of them and every file's SHA-256 to match the signed digests (one more read).
     """
+    policy = signing.policy_of(bool(public_keys), public_keys)
     location, entry = _open(where, which, storage_options)
     started = time.perf_counter()
     report = VerifyReport(join(location.url, entry.name), entry.checkpoint_id, entry.step)
+    if policy is not None:
+        _verify_signature(location, entry, policy, report)
     chunks_by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     if manifest_format.is_parts_format(entry.manifest):  # v4: the chunks are in the parts, each checked first
         listed = _chunks_from_parts(location.fs, entry.path, entry.manifest, chunks_by_file, report)
@@ -190,6 +196,21 @@ def _chunks_from_parts(
             )
         )
     return listed
+
+
+def _verify_signature(
+    location: Location, entry: CheckpointEntry, policy: signing.SignaturePolicy, report: VerifyReport
+) -> None:
+    """The manifest's signature, then every part and shard file against the signed digests: one problem, the
+    first refusal, naming the file and the key."""
+    try:
+        kid = policy.check_manifest(location.fs, entry.path, entry.manifest)
+        ranks = parts_manifest.writing_ranks(entry.manifest)
+        report.bytes_read += policy.check_files(location.fs, entry.path, entry.manifest, ranks, kid)
+    except signing.SignatureRefused as err:
+        where = str(err).split(": ", 1)[0].rsplit("/", 1)[-1]
+        accepted = ", ".join(kid[:16] for kid in sorted(policy.keys))
+        report.problems.append(_problem(SIGNATURE_PROBLEM, where, None, f"signed by key {accepted}", str(err)))
 
 
 def _open(where: Any, which: Any, storage_options: dict[str, Any] | None) -> tuple[Location, CheckpointEntry]:

@@ -117,3 +117,77 @@ def _forge_chunk_length_in_part(directory: str, fqn: str, length: int, grown: in
         manifest["parts"]["file_bytes"][0] += grown
 
     forge_part(directory, 0, lie, grow)
+
+
+def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -> dict[str, Any]:
+    """The issue-39 attack, on any storage (fsspec): replace the first stored chunk of `fqn` (format v4) with a record
+    of the same shape holding `value`, then recompute everything FORMAT.md says vouches for it: the chunk's xxh3
+    checksum (and block checksums), the part's file checksum, the cryptographic digests when it records them,
+    the manifest's parts table and the commit record. Only a signature, which needs the private key, is left as
+    it was. Returns the forged chunk's part record."""
+    import io
+
+    import torch
+
+    from lightning_shardckpt.engine.format import parts_manifest, signing
+    from lightning_shardckpt.engine.format.checksum import HashingWriter, block_size_for, checksum_of_checksums
+    from lightning_shardckpt.engine.format.layout import join, shard_filename
+    from lightning_shardckpt.engine.storage.writer import save_record
+
+    fs = location.fs
+    manifest = json.loads(fs.cat_file(join(directory, MANIFEST)))
+    dtypes = {tensor["fqn"]: tensor["dtype"] for tensor in manifest["tensors"]}
+    for rank in parts_manifest.writing_ranks(manifest):
+        part_path = join(directory, part_filename(rank))
+        part = json.loads(fs.cat_file(part_path))
+        chunk = next((c for c in part["chunks"] if c["fqn"] == fqn), None)
+        if chunk is not None:
+            break
+    else:
+        raise AssertionError(f"no part holds a chunk of {fqn}")
+    dtype = getattr(torch, dtypes[fqn].removeprefix("torch."))
+    forged = torch.full(chunk["sizes"], value, dtype=dtype)
+    buffer = io.BytesIO()
+    stream = HashingWriter(buffer)
+    stream.begin_chunk(block_size_for(forged.numel() * forged.element_size()))  # as the writer does
+    save_record(forged, stream)
+    _, length, digest = stream.end_chunk()
+    record = buffer.getvalue()
+    assert length == chunk["length"], f"a record of the same shape has {length} bytes, not {chunk['length']}"
+    shard_path = join(directory, shard_filename(rank))
+    shard = bytearray(fs.cat_file(shard_path))
+    shard[chunk["offset"] : chunk["offset"] + length] = record
+    chunk["checksum"] = digest
+    if stream.chunk_blocks is not None and "blocks" in chunk:
+        chunk["blocks"] = {"size": stream.chunk_blocks[0], "checksums": list(stream.chunk_blocks[1])}
+    in_order = sorted(part["chunks"] + part["objects"], key=lambda c: c["offset"])
+    part["file_checksum"] = checksum_of_checksums([c["checksum"] for c in in_order])
+    algorithm = manifest.get(signing.DIGEST_FIELD)
+    if signing.FILE_DIGEST in part:
+        part[signing.FILE_DIGEST] = signing.digest_of(bytes(shard), algorithm)
+    part_data = part_to_bytes(part)
+    _replace(fs, shard_path, bytes(shard))
+    _replace(fs, part_path, part_data)
+    table = manifest["parts"]
+    table["part_bytes"][rank] = len(part_data)
+    table["file_checksums"] = _put(table["file_checksums"], rank, part["file_checksum"], 16)
+    table["part_checksums"] = _put(table["part_checksums"], rank, checksum(part_data), 16)
+    if signing.PART_DIGESTS in table:
+        table[signing.PART_DIGESTS] = _put(
+            table[signing.PART_DIGESTS], rank, signing.digest_of(part_data, algorithm), 64
+        )
+    data = manifest_format.to_bytes(manifest)
+    _replace(fs, join(directory, MANIFEST), data)
+    commit_record = manifest_format.build_commit_record(manifest, data)
+    _replace(fs, join(directory, COMMIT_RECORD), manifest_format.to_bytes(commit_record))
+    return chunk
+
+
+def _put(column: str, rank: int, digest: str, width: int) -> str:
+    return column[: width * rank] + digest + column[width * (rank + 1) :]
+
+
+def _replace(fs: Any, path: str, data: bytes) -> None:
+    if fs.exists(path):
+        fs.rm(path)  # committed files are read-only on a local disk: replaced, as someone with write access would
+    fs.pipe_file(path, data)

@@ -37,6 +37,9 @@ def test_every_record_kind_has_a_vector():
         "index marker",
         "tensor record",
         "object record",
+        "signature key seed",  # §12, checked by tests/unit/test_signing.py
+        "signature manifest",
+        "signature record",
     }
 
 

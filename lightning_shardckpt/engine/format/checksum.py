@@ -50,8 +50,10 @@ class HashingWriter:
     read from memory once, and the checksum describes exactly what was handed to storage.
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, file_digest: Any = None) -> None:
+        """`file_digest` (signing on): a hashlib-style hasher fed every byte of the file in the same pass."""
         self._raw = raw
+        self._file_digest = file_digest
         self._position = 0
         self._hasher = xxhash.xxh3_64()
         self._chunk_start = 0
@@ -102,6 +104,8 @@ class HashingWriter:
             self._hasher.update(piece)
             if self._block_size is not None:
                 self._hash_blocks(piece)
+            if self._file_digest is not None:
+                self._file_digest.update(piece)  # hashlib drops the GIL on a 1 MiB piece
             written = self._raw.write(piece)
             if written is not None and written != piece.nbytes:
                 raise OSError(f"short write: {written} of {piece.nbytes} bytes")
@@ -110,6 +114,11 @@ class HashingWriter:
 
     def tell(self) -> int:
         return self._position
+
+    @property
+    def file_digest(self) -> str | None:
+        """The hex digest of every byte written so far, when a file digest was asked for."""
+        return None if self._file_digest is None else self._file_digest.hexdigest()
 
     def flush(self) -> None:
         self._raw.flush()

@@ -26,6 +26,7 @@ from .. import catalog
 from ..collectives import broadcast_from_coordinator, gather_to_coordinator, rank_and_world
 from ..config import LoadConfig
 from ..format import manifest as manifest_format
+from ..format import signing
 from ..format.layout import MANIFEST, join, parse_dirname
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio
@@ -162,6 +163,8 @@ def _load_from_parts(
     failure: BaseException | None = None
     try:
         plan = plan_resume(root.fs, entry.path, entry.manifest, state_dict)
+        if config.require_signature:
+            _check_signed_files(root, entry, plan, config)
         reader = ShardReader(
             root.fs,
             entry.path,
@@ -199,6 +202,24 @@ def _load_from_parts(
         chunks_read=reader.chunks_read,
         parts_read=plan.parts_read,
     )
+
+
+def _check_signed_files(root: Location, entry: catalog.CheckpointEntry, plan: Any, config: LoadConfig) -> None:
+    """This rank's parts and shard files against the digests rank 0's pick found signed: the signature covers the
+    manifest, the manifest each part's SHA-256, each part its shard's. Read whole once more to hash them (a
+    resharded rank reads only ranges of a file, which a digest of the whole file cannot vouch for otherwise)."""
+    policy = signing.policy_of(config.require_signature, config.public_keys)
+    assert policy is not None
+    kid = entry.extra.get(catalog.SIGNED_BY) or policy.check_manifest(root.fs, entry.path, entry.manifest)
+    ranks = sorted({rank for rank in (_rank_of(info.relative_path) for info in plan.metadata.storage_data.values())})
+    policy.check_files(root.fs, entry.path, entry.manifest, [rank for rank in ranks if rank is not None], kid)
+
+
+def _rank_of(relative_path: str) -> int | None:
+    name = relative_path.rsplit("/", 1)[-1]
+    if name.startswith("__") and name.endswith("_0.distcp"):
+        return int(name[2 : -len("_0.distcp")])
+    return None
 
 
 def _agree_on_failure(
@@ -258,7 +279,8 @@ def _pick(
     dirpath: str, which: str | int, config: LoadConfig
 ) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
     try:
-        return catalog.open_checkpoint(dirpath, which, config.storage_options)
+        policy = signing.policy_of(config.require_signature, config.public_keys)
+        return catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
     except ShardCkptError as err:  # sent to every rank, raised everywhere
         return err
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...errors import CommitFailed
 from .. import catalog, commit_index
 from ..format import manifest as manifest_format
+from ..format import signing
 from ..format.checksum import checksum
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
 from ..format.safe_pickle import DCP_METADATA_FIELD
@@ -41,6 +42,12 @@ class CheckpointTarget:
     verify_mode: str
     node_local: bool = False  # other nodes' files are not visible here (SaveConfig.node_local)
     manifest_fields: dict[str, Any] = field(default_factory=dict)  # epoch, samples_consumed, topology, identity, extra
+    sign: Any = None  # SaveConfig.sign when signing is on: the coordinator loads the key at the commit, nobody else
+
+    def signer(self) -> signing.Signer | None:
+        if self.sign is None or not self.sign.enabled:
+            return None
+        return signing.load_signer(self.sign.key_path, self.sign.key_env, self.sign.signer)
 
     @property
     def path(self) -> str:
@@ -211,6 +218,7 @@ class Committer:
                 manifest,
                 before_manifest=lambda: self._fault("before_manifest"),
                 after_manifest=committed,
+                signer=target.signer(),
             )
         except FileExistsError as err:
             raise CommitFailed(
@@ -233,6 +241,7 @@ def publish(
     *,
     before_manifest: Callable[[], None] | None = None,
     after_manifest: Callable[[], None] | None = None,
+    signer: signing.Signer | None = None,
 ) -> None:
     """The commit point of `root_path/dirname`, whose data files and `.metadata` are all written.
 
@@ -247,6 +256,9 @@ def publish(
     if retry.call("exists", lambda: fs.exists(manifest_path), target=manifest_path):
         raise FileExistsError(f"{manifest_path} exists: {dirname} is already committed")
     manifest_bytes = manifest_format.to_bytes(manifest)
+    if signer is not None:
+        # before the commit record and the manifest: a committed checkpoint is never half-signed
+        fsio.write_new_file(fs, join(directory, signing.SIGNATURE), signing.signature_bytes(manifest_bytes, signer))
     fsio.write_new_file(
         fs,
         join(directory, COMMIT_RECORD),

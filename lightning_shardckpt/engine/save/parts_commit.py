@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CommitFailed
-from ..format import chunk_layout, parts_manifest
+from ..format import chunk_layout, parts_manifest, signing
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format.checksum import checksum
@@ -119,6 +119,13 @@ class PartsCommitter:
             verification=_verification(target.verify_mode, written.values()),
             **fields,
         )
+        if target.sign is not None and target.sign.enabled:
+            # each part's digest (each part holds its shard's): the signature over this manifest covers every byte
+            manifest[signing.DIGEST_FIELD] = target.sign.digest
+            manifest[parts_manifest.PARTS_FIELD][signing.PART_DIGESTS] = "".join(
+                written[rank].part_digest or signing.NO_DIGEST if rank in written else signing.NO_DIGEST
+                for rank in range(self.layout.world_size)
+            )
         if metadata_record is not None:
             manifest[DCP_METADATA_FIELD] = metadata_record  # readers check .metadata's bytes before unpickling
 
@@ -134,6 +141,7 @@ class PartsCommitter:
                 manifest,
                 before_manifest=lambda: self._fault("before_manifest"),
                 after_manifest=committed,
+                signer=target.signer(),
             )
         except FileExistsError as err:
             raise CommitFailed(

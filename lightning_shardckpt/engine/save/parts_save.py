@@ -27,6 +27,7 @@ from ...errors import CommitFailed, CorruptCheckpoint
 from ..collectives import broadcast_from_coordinator, gather_to_coordinator, rank_and_world
 from ..config import SaveConfig
 from ..format import parts as part_format
+from ..format import signing
 from ..format.checksum import checksum
 from ..format.layout import join
 from ..storage import fsio, retry
@@ -52,6 +53,7 @@ class PartSummary:
     file_checksum: str | None = None
     part_bytes: int | None = None
     part_checksum: str | None = None
+    part_digest: str | None = None  # signing on: the digest of the part's bytes, for the signed manifest
     verified_chunks: int = 0
     verified_bytes: int = 0
     bytes_total: int = 0
@@ -137,7 +139,18 @@ def _write(
     _check_own_chunks(items, layout, rank)
     fsio.makedirs(fs, directory)
     rng = random.Random(config.verify.seed)
-    return write_rank_file(fs, directory, rank, items, planner.resolve_data, config.verify, rng, fault)
+    digest = config.sign.digest if config.sign.enabled else None  # signing on: each file's digest, same pass
+    return write_rank_file(
+        fs,
+        directory,
+        rank,
+        items,
+        planner.resolve_data,
+        config.verify,
+        rng,
+        fault,
+        digest=digest,
+    )
 
 
 def _check_own_chunks(items: list[Any], layout: SaveLayout, rank: int) -> None:
@@ -215,12 +228,16 @@ def _summarize(
         verification=verification,
         write_s=written.stats.get("write_s"),
     )
+    if written.file_digest is not None:
+        part[signing.FILE_DIGEST] = written.file_digest  # vouched for by the part's own digest in the signed manifest
     data = part_format.to_bytes(part)
     fsio.write_new_file(fs, join(directory, part_format.part_filename(rank)), data)
     summary.file_bytes = written.file_bytes
     summary.file_checksum = part["file_checksum"]
     summary.part_bytes = len(data)
     summary.part_checksum = checksum(data)
+    if written.file_digest is not None:
+        summary.part_digest = signing.digest_of(data, config.sign.digest)
     summary.verified_chunks = verification["chunks_verified"]
     summary.verified_bytes = verification["bytes_verified"]
     summary.bytes_total = verification["bytes_total"]

@@ -109,6 +109,7 @@ def persist_checkpoint(
             "extra": meta.extra,
             "run_id": config.run_id,
         },
+        sign=config.sign if config.sign.enabled else None,
     )
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     if layout is not None and agreed:

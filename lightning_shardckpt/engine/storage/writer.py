@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from ...errors import CorruptCheckpoint
 from ..config import VerifyConfig
+from ..format import signing
 from ..format.checksum import HashingWriter, block_size_for, streaming_checksum
 from ..format.layout import join, shard_filename
 from . import fsio
@@ -73,9 +74,9 @@ class _RankPrefix:
 class ChunkFileWriter:
     """Writes one shard file chunk by chunk, checksumming each chunk in the same pass."""
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: Any, path: str, file_digest: Any = None) -> None:
         self._handle = fs.open(path, "wb")
-        self._stream = HashingWriter(self._handle)
+        self._stream = HashingWriter(self._handle, file_digest)
         self.chunks: list[tuple[int, int, str]] = []
         self.blocks: list[tuple[int, tuple[str, ...]] | None] = []  # per chunk, as HashingWriter.chunk_blocks
 
@@ -94,6 +95,10 @@ class ChunkFileWriter:
         fsio.sync_local_file(self._handle)
         self._handle.close()
         return self._stream.tell()
+
+    @property
+    def file_digest(self) -> str | None:
+        return self._stream.file_digest
 
     def abort(self) -> None:
         # never close() a failed upload: on S3 that would commit the partial object or leave a multipart upload
@@ -286,6 +291,7 @@ class RankWrite:
     relative: str | None = None  # its file (None: it wrote none)
     file_bytes: int = 0
     stored_bytes: int | None = None  # the file's size on storage, when the read-back saw it
+    file_digest: str | None = None  # signing on: the cryptographic digest of the file's bytes, from the write pass
 
 
 def write_rank_file(
@@ -298,9 +304,11 @@ def write_rank_file(
     rng: random.Random,
     fault: FaultHook,
     reference_of: Callable[[Any], dict[str, Any] | None] = lambda item: None,
+    digest: str | None = None,
 ) -> RankWrite:
     """Write `plan_items` (DCP write items) as this rank's shard file, checksumming every chunk as it streams,
     then read back what `verify` asks for. Unchanged chunks an incremental save references are not written.
+    `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass.
     Raises on the first failure (the file's upload is abandoned, never committed)."""
     fault("before_write")
     stats: dict[str, Any] = {
@@ -325,7 +333,7 @@ def write_rank_file(
     if not items:
         stats["chunks"] = len(reference_receipts)
         return RankWrite(reference_receipts, stats)
-    writer = ChunkFileWriter(fs, full_path)
+    writer = ChunkFileWriter(fs, full_path, signing.new_digest(digest) if digest else None)
     finite: list[bool | None] = []
     try:
         for position, item in enumerate(items):
@@ -377,7 +385,7 @@ def write_rank_file(
         verify_s=time.perf_counter() - written,
         referenced_chunks=len(reference_receipts),
     )
-    return RankWrite(receipts + reference_receipts, stats, relative, file_bytes, stored_bytes)
+    return RankWrite(receipts + reference_receipts, stats, relative, file_bytes, stored_bytes, writer.file_digest)
 
 
 class ShardWriter(StorageWriter):

@@ -26,7 +26,7 @@ from typing import Any
 
 from ...errors import CorruptCheckpoint
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
-from ..format import bounded_json
+from ..format import bounded_json, signing
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..format.manifest import transfer_order
@@ -177,8 +177,13 @@ def restore_from_peers(
     if rank == holder_rank:
         directory = join(roots[holder_root].path, name)
         fs = roots[holder_root].fs
-        documents = (fs.cat_file(join(directory, MANIFEST)), fs.cat_file(join(directory, COMMIT_RECORD)))
-    manifest_bytes, record_bytes = broadcast_from("peer-manifest", documents, holder_rank, group)
+        signature_path = join(directory, signing.SIGNATURE)
+        documents = (
+            fs.cat_file(join(directory, MANIFEST)),
+            fs.cat_file(join(directory, COMMIT_RECORD)),
+            fs.cat_file(signature_path) if fs.exists(signature_path) else None,  # a signed checkpoint stays signed
+        )
+    manifest_bytes, record_bytes, signature = broadcast_from("peer-manifest", documents, holder_rank, group)
     manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
     problems: list[str] = []
     local = fetched = 0
@@ -208,6 +213,8 @@ def restore_from_peers(
     if reports[rank]["own"] == own.url and [r["own"] for r in reports].index(own.url) == rank:
         try:
             if holds_all(own, own_dir, manifest) and not own.fs.exists(join(own_dir, MANIFEST)):
+                if signature is not None:
+                    fsio.write_new_file(own.fs, join(own_dir, signing.SIGNATURE), signature)
                 fsio.write_new_file(own.fs, join(own_dir, COMMIT_RECORD), record_bytes)
                 fsio.create_if_absent(own.fs, join(own_dir, MANIFEST), manifest_bytes)
         except Exception as err:  # noqa: BLE001

@@ -31,7 +31,7 @@ from typing import Any
 
 from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
-from ..format import bounded_json
+from ..format import bounded_json, signing
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
 from ..format.manifest import files_with_metadata, transfer_order
@@ -198,22 +198,30 @@ class PeerReplicator:
             self._queue.put(item)  # seen here before the coordinator: the next round takes it
         return names[:count]
 
-    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str]] | None:
-        """Coordinator: the checkpoint to copy, its manifest and commit record, and what its own root still holds
-        (the other roots follow its retention)."""
+    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str], bytes | None] | None:
+        """Coordinator: the checkpoint to copy, its manifest and commit record, what its own root still holds (the
+        other roots follow its retention), and its signature (signed checkpoints: the node copy stays signed)."""
         directory = join(self.fast.path, name)
         try:
             manifest_bytes = self.fast.fs.cat_file(join(directory, MANIFEST))
             record_bytes = self.fast.fs.cat_file(join(directory, COMMIT_RECORD))
             kept = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fast.fs.ls(self.fast.path, detail=False)]
+            signature_path = join(directory, signing.SIGNATURE)
+            signature = self.fast.fs.cat_file(signature_path) if self.fast.fs.exists(signature_path) else None
         except Exception as err:  # noqa: BLE001 - retention deleted it meanwhile: nothing to copy
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
         manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
-        return name, manifest, manifest_bytes, record_bytes, kept
+        return name, manifest, manifest_bytes, record_bytes, kept, signature
 
     def _copy(
-        self, name: str, manifest: dict[str, Any], manifest_bytes: bytes, record_bytes: bytes, kept: list[str]
+        self,
+        name: str,
+        manifest: dict[str, Any],
+        manifest_bytes: bytes,
+        record_bytes: bytes,
+        kept: list[str],
+        signature: bytes | None = None,
     ) -> None:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
@@ -247,7 +255,7 @@ class PeerReplicator:
             if receive and not result.problems:
                 self._record(name, manifest, src)
         receipts = all_gather_objects("peer-receipts", problems, self.group)
-        complete = self._commit_node_copy(name, manifest, manifest_bytes, record_bytes)
+        complete = self._commit_node_copy(name, manifest, manifest_bytes, record_bytes, signature)
         nodes = [n for n in all_gather_objects("peer-complete", complete, self.group) if n]
         failed = [p for rank_problems in receipts for p in rank_problems]
         self.counters.note(PEER_REPLICATION_FAILED if failed else PEER_REPLICATED)
@@ -281,7 +289,9 @@ class PeerReplicator:
     def _first_of_root(self) -> bool:
         return self._storage.index(self._storage[self.rank]) == self.rank
 
-    def _commit_node_copy(self, name: str, manifest: dict, manifest_bytes: bytes, record_bytes: bytes) -> str | None:
+    def _commit_node_copy(
+        self, name: str, manifest: dict, manifest_bytes: bytes, record_bytes: bytes, signature: bytes | None = None
+    ) -> str | None:
         """The node root's first rank: when this root now holds every file of `name`, commit it here too.
         Returns this root's URL when the checkpoint is complete in it."""
         if not self._first_of_root():
@@ -292,6 +302,8 @@ class PeerReplicator:
         fs = self.fast.fs
         try:
             if not fs.exists(join(directory, MANIFEST)):
+                if signature is not None:  # the manifest is byte-identical: the original's signature holds, as a save's
+                    fsio.write_new_file(fs, join(directory, signing.SIGNATURE), signature)
                 fsio.write_new_file(fs, join(directory, COMMIT_RECORD), record_bytes)
                 fsio.create_if_absent(fs, join(directory, MANIFEST), manifest_bytes)
         except Exception:  # noqa: BLE001 - an incomplete copy: the files stay, the resume fetches what lacks

@@ -34,6 +34,7 @@ from typing import Any
 from ...errors import CorruptCheckpoint
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
+from ..format import signing
 from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
 from ..format.manifest import files_of, files_with_metadata, transfer_order
 from ..metrics import RunCounters
@@ -70,8 +71,12 @@ class Replicator:
         on_committed: Callable[[str], None] | None = None,
         fault_hook: FaultHook | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        sign: Any = None,
     ) -> None:
+        """`sign` (SaveConfig.sign, signing on): the durable copy's manifest (the original's plus `replicated_from`)
+        is signed again with the run's key, so a reader with a signature policy accepts either tier's copy."""
         assert config.durable is not None
+        self.sign = sign if sign is not None and sign.enabled else None
         self.config = config
         self.fast, self.durable = fast, durable
         self.group = group
@@ -367,6 +372,11 @@ class Replicator:
             outcome = (False, "; ".join(problems)) if problems else self._commit(name, manifest)
         return tuple(broadcast_from_coordinator("replicate-outcome", outcome, self.group))  # type: ignore[return-value]
 
+    def _signer(self) -> signing.Signer | None:
+        if self.sign is None:
+            return None
+        return signing.load_signer(self.sign.key_path, self.sign.key_env, self.sign.signer)
+
     def _commit(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
         """Coordinator: check the uploaded sizes, then commit the durable copy (manifest last)."""
         fs, directory = self.durable.fs, join(self.durable.path, name)
@@ -395,6 +405,7 @@ class Replicator:
                     name,
                     durable_manifest,
                     before_manifest=lambda: self._fault("replicate_before_manifest"),
+                    signer=self._signer(),
                 )
             except FileExistsError:
                 return (

@@ -14,6 +14,7 @@ identity, data position, the user's metrics and logged aggregates, loggers and W
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,6 +75,8 @@ class ShardedCheckpoint(Checkpoint):
         identity_policy: IdentityPolicy = IdentityPolicy(),
         dataset_version: str | None = None,
         trust_checkpoint: bool = False,
+        require_signature: bool = False,
+        public_keys: Sequence[str] = (),
         drill: DrillConfig = DrillConfig(),
         health: HealthConfig | dict | list | str | None = HealthConfig(),
         tiers: TiersConfig | None = None,
@@ -101,7 +104,12 @@ class ShardedCheckpoint(Checkpoint):
         self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
         self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up
         self.verify_on_load, self.trust_checkpoint = verify_on_load, trust_checkpoint
-        self.load_options = LoadConfig(verify_checksums=verify_on_load, trust_checkpoint=trust_checkpoint)
+        self.load_options = LoadConfig(
+            verify_checksums=verify_on_load,
+            trust_checkpoint=trust_checkpoint,
+            require_signature=require_signature,
+            public_keys=tuple(public_keys or ()),
+        )
         self.log_metrics, self.log_artifact = log_metrics, log_artifact
         self.identity = RunIdentity(run_config, dataset_version, identity_policy)  # validated now
         # kept across fits (the loop is rebuilt at each set-up): the last saved step and the run's id

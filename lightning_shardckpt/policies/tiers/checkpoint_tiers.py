@@ -103,6 +103,7 @@ class CheckpointTiers:
             group=self._group,
             on_committed=self._durable_retention if is_global_zero else None,
             fault_hook=fault_hook,
+            sign=saver.config.sign,  # a signed run's durable copies are signed too
         )
         self.replicator.newest_durable = newest_durable
         if catch_up is not None:

@@ -1,0 +1,331 @@
+"""Signed checkpoints: who wrote a checkpoint, not only whether its bytes rotted (FORMAT.md §12).
+
+xxh3 checksums catch rot and truncation, but anyone who can write the storage can change a shard and recompute
+every checksum. With signing on, each shard file's cryptographic digest (BLAKE3, or SHA-256) is computed in the
+same streaming pass as its xxh3 chunk checksums and recorded in its part (`file_digest`), each part's digest in the
+manifest's parts table (`part_digests`), the algorithm in the manifest (`digest_algorithm`), and the coordinator
+signs the manifest's exact bytes with Ed25519 into `manifest.sig`, written before the commit record: one signature
+over the small manifest covers every byte transitively.
+
+Readers with a signature policy (LoadConfig.require_signature) refuse an unsigned, mis-signed or
+digest-mismatched checkpoint with one line naming the file and the key id; `latest` and `last-good` skip it.
+`cryptography` is imported only when a key is used (the optional extra `sign`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ConfigError, SignatureRefused
+from ..storage import retry
+from .layout import MANIFEST, join
+
+SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
+ALGORITHM = "ed25519"
+# BLAKE3 by default: 0.31 CPU-s per GiB here against SHA-256's 0.68 (docs/BENCHMARKS.md, "Signing"); SHA-256 for a
+# writer without the `blake3` package or a policy that names it. Both release the GIL on large buffers
+BLAKE3, SHA256 = "blake3", "sha256"
+DIGEST_ALGORITHMS = (BLAKE3, SHA256)
+DIGEST_FIELD = "digest_algorithm"  # manifest: present exactly when files carry digests
+FILE_DIGEST = "file_digest"  # part: its shard file's digest
+PART_DIGESTS = "part_digests"  # manifest parts table: one string, 64 hex characters per rank
+DIGEST_CHARS = 64
+NO_DIGEST = "-" * DIGEST_CHARS
+SIGNATURE_MAX_BYTES = 4096
+INSTALL_HINT = "install the optional extra: pip install 'lightning_shardckpt[sign]' (cryptography, blake3)"
+
+
+def new_digest(algorithm: str) -> Any:
+    """A streaming file digest (update, hexdigest) of `algorithm` (32 bytes, 64 hex characters, either way)."""
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    if algorithm == BLAKE3:
+        try:
+            import blake3
+        except ImportError as err:
+            raise ConfigError(f"digest {BLAKE3!r} needs the `blake3` package; {INSTALL_HINT}, or use sha256") from err
+        return blake3.blake3()
+    raise ConfigError(f"digest algorithm {algorithm!r} is unknown; use one of {DIGEST_ALGORITHMS}")
+
+
+def digest_of(data: bytes, algorithm: str) -> str:
+    hasher = new_digest(algorithm)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def key_id(public_raw: bytes) -> str:
+    """A key's id: SHA-256 of its 32 raw public bytes, in hex (never the key itself)."""
+    return hashlib.sha256(public_raw).hexdigest()
+
+
+def _crypto() -> Any:
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as err:
+        raise ConfigError(f"signing checkpoints needs `cryptography`; {INSTALL_HINT}") from err
+    return serialization, ed25519
+
+
+def _raw_public(public_key: Any) -> bytes:
+    serialization, _ = _crypto()
+    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Signs bytes: `sign(data) -> (signature, raw public key)`. Holds the private key (or a KMS call) in memory
+    only; its repr names the key id, never the key."""
+
+    sign: Callable[[bytes], tuple[bytes, bytes]]
+    source: str  # where the key came from, for messages: "key_path /x", "env SHARDCKPT_SIGNING_KEY", "signer m:f"
+
+    def __repr__(self) -> str:
+        return f"Signer({self.source})"
+
+
+def signer_from_private_key(private_key: Any, source: str) -> Signer:
+    public_raw = _raw_public(private_key.public_key())
+    return Signer(lambda data: (private_key.sign(data), public_raw), source)
+
+
+def load_private_key(pem: bytes, source: str) -> Any:
+    serialization, ed25519 = _crypto()
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(
+            f"{source} is not an unencrypted PEM private key ({err}); create one with the commands in "
+            "docs/howto/signing.md"
+        ) from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ConfigError(f"{source} holds a {type(key).__name__}; checkpoints are signed with Ed25519 keys only")
+    return key
+
+
+def load_signer(key_path: str | None, key_env: str | None, signer: Any) -> Signer:
+    """The signer of SignConfig's one key source: a PEM file, an environment variable holding PEM text, or a
+    callable (or 'module:function') `f(data) -> (signature, raw public key)` for a KMS."""
+    if signer is not None:
+        source = signer if isinstance(signer, str) else getattr(signer, "__qualname__", type(signer).__name__)
+        function = _callable(signer) if isinstance(signer, str) else signer
+        return Signer(_checked_call(function, f"signer {source}"), f"signer {source}")
+    if key_path is not None:
+        try:
+            with open(os.path.expanduser(key_path), "rb") as handle:
+                pem = handle.read()
+        except OSError as err:
+            raise ConfigError(
+                f"save.sign.key_path={key_path!r} cannot be read ({err}); give the PEM key's path"
+            ) from None
+        return signer_from_private_key(
+            load_private_key(pem, f"save.sign.key_path={key_path!r}"), f"key_path {key_path}"
+        )
+    if key_env is not None:
+        text = os.environ.get(key_env)
+        if not text:
+            raise ConfigError(
+                f"save.sign.key_env={key_env!r}: the environment variable is not set on this process; export the PEM "
+                "private key's text in it (only the coordinator, rank 0, signs)"
+            )
+        return signer_from_private_key(
+            load_private_key(text.encode(), f"environment variable {key_env}"), f"env {key_env}"
+        )
+    raise ConfigError("signing is on but no key source is set; give save.sign.key_path, key_env or signer")
+
+
+def _callable(spec: str) -> Callable[[bytes], tuple[bytes, bytes]]:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"save.sign.signer={spec!r} must be 'module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"save.sign.signer={spec!r} cannot be imported: {err}") from None
+
+
+def _checked_call(function: Callable[..., Any], source: str) -> Callable[[bytes], tuple[bytes, bytes]]:
+    def sign(data: bytes) -> tuple[bytes, bytes]:
+        answer = function(data)
+        if not (isinstance(answer, tuple) and len(answer) == 2 and all(isinstance(x, bytes) for x in answer)):
+            raise ConfigError(f"{source} must return (signature bytes, 32 raw public key bytes), not {type(answer)}")
+        return answer
+
+    return sign
+
+
+def signature_bytes(manifest_bytes: bytes, signer: Signer) -> bytes:
+    """`manifest.sig`'s bytes for `manifest_bytes`. The signature is checked against the returned public key
+    before it is written: a KMS answering with another key's signature fails the save, not a later load."""
+    _, ed25519 = _crypto()
+    signature, public_raw = signer.sign(manifest_bytes)
+    try:
+        ed25519.Ed25519PublicKey.from_public_bytes(public_raw).verify(signature, manifest_bytes)
+    except Exception as err:
+        raise ConfigError(f"{signer.source} returned a signature its public key does not verify ({err!r})") from None
+    record = {
+        "algorithm": ALGORITHM,
+        "key_id": key_id(public_raw),
+        "signature": base64.b64encode(signature).decode(),
+    }
+    return (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+# --- reading -------------------------------------------------------------------------------------------------
+
+
+def load_public_keys(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Accepted keys by key id, from PEM public key files (or PEM text). Several: key rotation."""
+    serialization, ed25519 = _crypto()
+    keys = {}
+    for spec in specs:
+        if isinstance(spec, bytes | str) and str(spec).lstrip().startswith("-----BEGIN"):
+            pem, where = (spec if isinstance(spec, bytes) else spec.encode()), "a PEM text"
+        else:
+            where = str(spec)
+            try:
+                with open(os.path.expanduser(where), "rb") as handle:
+                    pem = handle.read()
+            except OSError as err:
+                raise ConfigError(f"public key {where!r} cannot be read ({err}); give a PEM public key file") from None
+        try:
+            key = serialization.load_pem_public_key(pem)
+        except ValueError as err:
+            raise ConfigError(f"public key {where!r} is not a PEM public key ({err})") from None
+        if not isinstance(key, ed25519.Ed25519PublicKey):
+            raise ConfigError(f"public key {where!r} is a {type(key).__name__}; only Ed25519 keys verify checkpoints")
+        keys[key_id(_raw_public(key))] = key
+    return keys
+
+
+@dataclass(frozen=True)
+class SignaturePolicy:
+    """What a reader accepts: checkpoints whose manifest one of `keys` signed, and whose files match its digests."""
+
+    keys: dict[str, Any]  # key id -> Ed25519PublicKey
+
+    def check_manifest(self, fs: Any, directory: str, manifest: dict[str, Any]) -> str:
+        """The accepting key's id; SignatureRefused naming the file and key otherwise. Reads manifest.json's
+        bytes again (small): the signature covers the bytes, not their parse."""
+        sig_path, manifest_path = join(directory, SIGNATURE), join(directory, MANIFEST)
+        accepted = ", ".join(k[:16] for k in sorted(self.keys)) or "none"
+        try:
+            raw = retry.call("read", lambda: fs.cat_file(sig_path), target=sig_path)
+        except FileNotFoundError:
+            raise SignatureRefused(
+                f"{sig_path}: missing; the checkpoint is unsigned and this reader requires a signature "
+                f"(accepted key ids {accepted})"
+            ) from None
+        record = _parse_signature(raw, sig_path)
+        kid = record["key_id"]
+        key = self.keys.get(kid)
+        if key is None:
+            raise SignatureRefused(
+                f"{sig_path}: signed by key {kid[:16]}, which is not accepted (accepted: {accepted})"
+            )
+        data = retry.call("read", lambda: fs.cat_file(manifest_path), target=manifest_path)
+        try:
+            key.verify(base64.b64decode(record["signature"], validate=True), data)
+        except Exception:
+            raise SignatureRefused(
+                f"{manifest_path}: its signature by key {kid[:16]} does not verify; the manifest was changed after "
+                "it was signed"
+            ) from None
+        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS:
+            raise SignatureRefused(
+                f"{manifest_path}: signed by key {kid[:16]} but records no file digests this reader knows "
+                f"({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a format v2/v3 save records none)"
+            )
+        return kid
+
+    def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
+        """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
+        from .layout import shard_filename
+        from .parts import part_filename
+
+        table = manifest["parts"]
+        algorithm = manifest[DIGEST_FIELD]
+        hashed = 0
+        for rank in ranks:
+            expected = table[PART_DIGESTS][rank * DIGEST_CHARS : (rank + 1) * DIGEST_CHARS]
+            part_path = join(directory, part_filename(rank))
+            data = retry.call("read", lambda p=part_path: fs.cat_file(p), target=part_path)
+            hashed += len(data)
+            if digest_of(data, algorithm) != expected:
+                raise SignatureRefused(
+                    f"{part_path}: its {algorithm} digest differs from the manifest signed by key {kid[:16]}; the file "
+                    "was changed"
+                )
+            part = json.loads(data)
+            shard_path = join(directory, shard_filename(rank))
+            actual, nbytes = file_digest(fs, shard_path, algorithm)
+            hashed += nbytes
+            if actual != part.get(FILE_DIGEST):
+                raise SignatureRefused(
+                    f"{shard_path}: its {algorithm} digest differs from the part signed (through the manifest) by key "
+                    f"{kid[:16]}; the file was changed"
+                )
+        return hashed
+
+
+def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_keys: Any) -> str:
+    """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
+    the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.
+    For tools that read everything (export, compare, drill) before they start."""
+    policy = SignaturePolicy(load_public_keys(list(public_keys)))
+    kid = policy.check_manifest(fs, directory, manifest)
+    policy.check_files(fs, directory, manifest, _writing_ranks(manifest), kid)
+    return kid
+
+
+def _writing_ranks(manifest: dict[str, Any]) -> list[int]:
+    return [rank for rank, size in enumerate(manifest["parts"]["file_bytes"]) if size is not None]
+
+
+def _parse_signature(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        if len(raw) > SIGNATURE_MAX_BYTES:
+            raise ValueError(f"{len(raw)} bytes")
+        record = json.loads(raw)
+        if record.get("algorithm") != ALGORITHM or not isinstance(record.get("key_id"), str):
+            raise ValueError(f"algorithm {record.get('algorithm')!r}")
+        if not isinstance(record.get("signature"), str):
+            raise ValueError("no signature")
+    except (ValueError, AttributeError) as err:
+        raise SignatureRefused(f"{where}: not a signature record this reader knows ({err})") from None
+    return record
+
+
+FILE_READ_BYTES = 8 * 2**20
+
+
+def file_digest(fs: Any, path: str, algorithm: str) -> tuple[str, int]:
+    """The digest of a file's bytes as storage returns them, streamed in pieces; and its size."""
+    hasher = new_digest(algorithm)
+    total = 0
+    with fs.open(path, "rb") as handle:
+        while True:
+            piece = handle.read(FILE_READ_BYTES)
+            if not piece:
+                break
+            hasher.update(piece)
+            total += len(piece)
+    return hasher.hexdigest(), total
+
+
+def policy_of(require_signature: bool, public_keys: Any) -> SignaturePolicy | None:
+    """The reader's policy from LoadConfig's fields; None when it requires no signature."""
+    if not require_signature:
+        return None
+    return SignaturePolicy(load_public_keys(list(public_keys)))
