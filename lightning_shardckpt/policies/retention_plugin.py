@@ -35,6 +35,7 @@ class RetentionPlugin(Plugin):
         self._lock = threading.Lock()
         self._deleted: list[dict[str, Any]] = []  # deleted on the saver thread, not yet reported (drain)
         self._last_pass: tuple[Any, Any, str | None, Callable] | None = None  # rank 0: what fit end's pass needs
+        self._spared_in_flight = False  # the last pass kept something only because a plug-in still needed it
 
     def start(self, context: PluginContext) -> None:
         saver = context.saver
@@ -48,8 +49,9 @@ class RetentionPlugin(Plugin):
     def flush(self) -> None:
         """Fit end, after the plug-ins before it finished (tiers: the last copies reached the durable tier): one
         more pass, since what a commit's pass spared because it was still in flight (a copy, a drill) may be
-        free to go now, and no later commit would let it go."""
-        if self._last_pass is None:
+        free to go now, and no later commit would let it go. Only then: retention's storage round trips stay off
+        the training thread otherwise."""
+        if self._last_pass is None or not self._spared_in_flight:
             return
         saver, location, run_id, spare = self._last_pass
         self._apply(saver, location, run_id, spare, just_committed=None, step=None)
@@ -67,6 +69,8 @@ class RetentionPlugin(Plugin):
         self, saver: Any, location: Any, run_id: str | None, spare: Callable, *, just_committed: str | None, step
     ) -> None:
         try:
+            spared = frozenset(spare(self.keep_last))
+            self._spared_in_flight = bool(spared)
             deleted = retention.apply(
                 location,
                 self.keep_last,
@@ -74,7 +78,7 @@ class RetentionPlugin(Plugin):
                 run_id=run_id,
                 just_committed=just_committed,
                 keep_last_drilled=self.keep_last_drilled,
-                spare=frozenset(spare(self.keep_last)),
+                spare=spared,
             )
         except Exception:  # the next commit's pass deletes what this one could not
             saver.counters.note(metrics.RETENTION_ERRORS)

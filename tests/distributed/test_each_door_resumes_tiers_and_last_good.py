@@ -10,11 +10,13 @@ and every door says so in the same console line (path, step, world size before -
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.layout import join
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.drills.runner import run_drill
@@ -30,9 +32,15 @@ def weight_bytes_of(root: str, step: int) -> tuple[str, int]:
     """(file, byte offset) in the middle of the stored record of the model's first weight: every door reads it."""
     location = fsio.resolve(root)
     (entry,) = [e for e in catalog.list_checkpoints(location) if e.step == step and e.committed]
-    (tensor,) = [t for t in entry.manifest["tensors"] if t["fqn"] == "model.net.0.weight"]
-    chunk = tensor["chunks"][0]
-    return join(entry.path, chunk["file"]), chunk["offset"] + chunk["length"] // 2
+    # format v4: a chunk's record is in the part of the rank that wrote it
+    for part_file in sorted(
+        f["path"] for f in manifest_format.files_of(entry.manifest) if f["path"].endswith(".part.json")
+    ):
+        part = json.loads(location.fs.cat_file(join(entry.path, part_file)))
+        for chunk in part["chunks"]:
+            if chunk["fqn"] == "model.net.0.weight":
+                return join(entry.path, part["file"]), chunk["offset"] + chunk["length"] // 2
+    raise AssertionError(f"no part of {entry.path} holds model.net.0.weight")
 
 
 @pytest.fixture(scope="module")

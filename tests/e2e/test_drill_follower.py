@@ -167,10 +167,10 @@ def test_followers_drill_the_run_and_last_good_advances_to_its_final_checkpoint(
     drill_events = [e for e in metrics.read_events(location) if e.get("event") == "drill"]
     passed_steps = [e["step"] for e in sorted(drill_events, key=lambda e: e["created_at"]) if e["verdict"] == "passed"]
     # how many checkpoints the followers drill while the run trains depends on the machine's load (on a loaded
-    # one, only the last): each verdict the run reports is a record a follower filed, newest last, ending at the
-    # final checkpoint the run waited for
+    # one, only the last), and two followers file out of step order: each verdict the run reports is a record a
+    # follower filed, the final checkpoint the run waited for among them
     filed = {record.get("step") for record in _records(root) if record["verdict"] == "passed"}
-    assert passed_steps and passed_steps[-1] == 44 and passed_steps == sorted(passed_steps), passed_steps
+    assert passed_steps and max(passed_steps) == 44, passed_steps
     assert set(passed_steps) <= filed, (passed_steps, filed)
     assert all(record["verdict"] == "passed" for record in _records(root)), _records(root)
 
