@@ -28,6 +28,8 @@ background write), timed from a barrier to a barrier; after the timer stops the 
                 format, no checksum, no read-back, no commit, no events. The training thread waits only before
                 the next optimizer step for the copy (as ours_overlap's guard). Every method's loop delta and
                 CPU are reported as a multiple of it: what ours spends above it must buy a guarantee
+  floor_pieces  the floor, its write() calls 1 MiB each (as ours writes) instead of one per tensor: whether the
+                size of a write changes what it costs a loop that trains on the other core
   write_floor   copy, then a background thread writes the copied bytes to one file per rank with plain
                 write() calls and an fsync: no format, no checksums, no commit. The floor of the loop delta
                 for any checkpoint that persists its bytes on this machine: what the OS charges the loop for
@@ -109,6 +111,7 @@ METHODS = (
     "none",
     "copy",
     "floor",
+    "floor_pieces",
     "write_floor",
     "ours_block",
     "ours_overlap",
@@ -122,6 +125,7 @@ LABELS = {
     "none": "none (noise floor)",
     "copy": "raw copy (blocking)",
     "floor": "the floor: copy + write() on a thread",
+    "floor_pieces": "the floor, write() in 1 MiB pieces",
     "write_floor": "raw copy + bare write",
     "ours_block": "ours, blocking copy",
     "ours_overlap": "ours, overlapped copy",
@@ -166,7 +170,8 @@ class Floor:
     read-back, no commit, no events. One long-lived thread, one save in flight, and the training thread waits
     only at `fence()` (before the optimizer step, as ours' guard) for the copy to finish."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], piece_bytes: int | None = None) -> None:
+        self.piece_bytes = piece_bytes  # None: one write() per tensor
         self.buffers = [torch.zeros_like(t) for t in tensors]  # allocated and touched once, as ours' staging
         self.fence_wait_total_s = 0.0
         self.error: BaseException | None = None
@@ -210,7 +215,10 @@ class Floor:
                 self._copied.set()
                 with open(path, "wb") as handle:
                     for buffer in self.buffers:
-                        handle.write(memoryview(buffer.numpy()).cast("B"))
+                        view = memoryview(buffer.numpy()).cast("B")
+                        step = self.piece_bytes or max(1, view.nbytes)
+                        for start in range(0, view.nbytes, step):
+                            handle.write(view[start : start + step])
                     handle.flush()
                     os.fsync(handle.fileno())
             except BaseException as err:
@@ -253,6 +261,10 @@ class Loop:
         self.floor = Floor(self._tensors())
         self.optimizer.register_step_pre_hook(self._fence_floor)
         self.fenced["floor"] = self.floor
+        self.floor_pieces = Floor(self._tensors(), piece_bytes=2**20) if "floor_pieces" in config.methods else None
+        if self.floor_pieces is not None:
+            self.optimizer.register_step_pre_hook(self._fence_floor_pieces)
+            self.fenced["floor_pieces"] = self.floor_pieces
         self.torch_io = TorchCheckpointIO()
         self.lightning_async = AsyncCheckpointIO(TorchCheckpointIO())
         self.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
@@ -262,6 +274,10 @@ class Loop:
 
     def _fence_floor(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.floor.fence()  # a step pre-hook returns None
+
+    def _fence_floor_pieces(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        assert self.floor_pieces is not None
+        self.floor_pieces.fence()
 
     def step(self) -> None:
         inputs = torch.randn(self.config.batch, self.config.width, generator=self.generator)
@@ -301,8 +317,10 @@ class Loop:
                 target.copy_(source)
         elif method == "ours_block":
             self.blocking.save(self.state(), step=self.saved_step)
-        elif method == "floor":
-            self.floor.save(self._tensors(), os.path.join(directory, f"floor-{self.rank}-{self.saved_step}.bin"))
+        elif method in ("floor", "floor_pieces"):
+            self.fenced[method].save(
+                self._tensors(), os.path.join(directory, f"floor-{self.rank}-{self.saved_step}.bin")
+            )
         elif method == "write_floor":
             self._join_floor()  # one write in flight, like ours
             for source, target in zip(self._tensors(), self.floor_buffers):
@@ -359,7 +377,7 @@ class Loop:
             self.blocking.wait()
         elif method == "write_floor":
             self._join_floor()
-        elif method in ("floor", "ours_overlap"):
+        elif method in ("floor", "floor_pieces", "ours_overlap"):
             self.fenced[method].fence()
             self.fenced[method].wait()
         elif method == "pl_async" and self.rank == 0:
@@ -404,6 +422,8 @@ class Loop:
 
     def close(self) -> None:
         self.floor.close()
+        if self.floor_pieces is not None:
+            self.floor_pieces.close()
         self.blocking.close()
         self.overlapped.close()
 
