@@ -11,10 +11,12 @@ import argparse
 import multiprocessing
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 COLUMNS = 1024  # float32 elements per row: a 4 KiB row
 ERROR_CHARS = 500  # errors are cut to this length in the table and the JSON
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/<pid>/task/<tid>/stat's CPU times
 RESULT_WAIT_S = 60  # how long the parent waits for rank 0's gathered results once the ranks have exited
 
 
@@ -60,6 +63,41 @@ def make_state(rows: list[int], mesh: Any, rank: int, world_size: int, *, zeros:
             local, mesh, [Shard(0)], shape=torch.Size((global_rows, COLUMNS)), stride=(COLUMNS, 1)
         )
     return state
+
+
+# --- CPU time ---
+
+
+def process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of every live thread of this process, keyed 'name (tid)'."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                comm = handle.read().strip()
+        except OSError:  # ended while listed
+            continue
+        name = names.get(int(tid), f"native {comm}")
+        out[f"{name} ({tid})"] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return out
+
+
+def thread_deltas(before: dict[str, float], after: dict[str, float], total: float) -> dict[str, float]:
+    """Per thread name (tids merged), CPU seconds spent between the snapshots; the rest as 'ended threads'."""
+    deltas: dict[str, float] = {}
+    for key, seconds in after.items():
+        name = key.rsplit(" (", 1)[0]
+        deltas[name] = deltas.get(name, 0.0) + seconds - before.get(key, 0.0)
+    deltas["ended threads"] = max(0.0, total - sum(deltas.values()))
+    return {name: round(seconds, 3) for name, seconds in deltas.items() if seconds >= 0.005}
 
 
 # --- the ranks ---

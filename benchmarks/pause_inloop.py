@@ -6,10 +6,10 @@ Run from the repository root:
     .venv/bin/python benchmarks/pause_inloop.py --params-mib 32 --repeats 1 --ranks 1
     .venv/bin/python benchmarks/pause_inloop.py --report benchmarks/results/pause_inloop.json   # the table of a saved run
     .venv/bin/python benchmarks/pause_inloop.py --report run1.json run2.json run3.json   # min / median / max of three runs (markdown)
-    # issue 30's case, quiet and with one core kept busy by another process (--busy 1): one rank, a 170 MiB MLP
-    # (512 MiB of saved state with AdamW's moments), a checkpoint every 3 steps, ours vs Lightning's sync save
+    # issues 30 and 36: quiet and with one core kept busy by another process (--busy 1): one rank, a 170 MiB MLP
+    # (512 MiB of saved state with AdamW's moments), a checkpoint every 3 steps, ours vs the floor and Lightning's sync save
     .venv/bin/python benchmarks/pause_inloop.py --ranks 1 --params-mib 170 --batch 64 --steps 21 --every 3 \
-        --methods none,ours_overlap,pl_sync --busy 1
+        --methods none,floor,ours_overlap,pl_sync --busy 1
 
 For each rank count N, N gloo CPU ranks (spawned, --threads torch threads each) train the same MLP
 (--layers Linear layers of --width, about --params-mib MiB of float32 parameters) under DDP with AdamW,
@@ -23,6 +23,13 @@ background write), timed from a barrier to a barrier; after the timer stops the 
   none          no checkpoint: the baseline
   copy          a blocking copy of parameters and optimizer state into reused buffers (the physical floor
                 for a snapshot taken on the training thread)
+  floor         the floor (issue 36): one long-lived thread copies parameters and optimizer state into reused
+                buffers and write()s them to one file per rank (then an fsync, as ours), nothing else: no
+                format, no checksum, no read-back, no commit, no events. The training thread waits only before
+                the next optimizer step for the copy (as ours_overlap's guard). Every method's loop delta and
+                CPU are reported as a multiple of it: what ours spends above it must buy a guarantee
+  floor_pieces  the floor, its write() calls 1 MiB each (as ours writes) instead of one per tensor: whether the
+                size of a write changes what it costs a loop that trains on the other core
   write_floor   copy, then a background thread writes the copied bytes to one file per rank with plain
                 write() calls and an fsync: no format, no checksums, no commit. The floor of the loop delta
                 for any checkpoint that persists its bytes on this machine: what the OS charges the loop for
@@ -51,7 +58,9 @@ blocked = the median time the training thread spent inside the checkpoint call p
 ours_overlap, at the fence before the next optimizer step. The table shows medians over rounds;
 --out-dir/pause_inloop.json holds every step of every round. Targets: ours_overlap loop delta
 <= 0.25x the raw copy's blocked time, and >= 40x shorter than pl_sync's loop delta; and (issue 30)
-ours_overlap loop delta <= 0.05x pl_sync's on a quiet machine, <= 0.1x with --busy (a core taken).
+ours_overlap loop delta <= 0.05x pl_sync's on a quiet machine, <= 0.1x with --busy (a core taken); and
+(issue 36) ours_overlap loop delta <= 1.2x the floor's. *CPU s/ckpt*: the process's user+sys CPU seconds per
+checkpoint beyond the `none` segment of the same round (until the last save is complete), and by thread.
 
 --busy N runs N processes spinning on a core each for the whole run: the contended case. A background
 save then competes with training for CPU, and the loop loses what the save spends in CPU time, not only
@@ -66,6 +75,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -81,7 +91,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 # benchmarks/*.py: run as a script, this file's folder is sys.path[0]
-from common import busy_cores, checkpoint_workdir, environment, error_text, parse_rank_counts, ratio_or_none, run_world
+from common import (
+    busy_cores,
+    checkpoint_workdir,
+    environment,
+    error_text,
+    parse_rank_counts,
+    process_cpu,
+    ratio_or_none,
+    run_world,
+    thread_cpu,
+    thread_deltas,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
@@ -89,6 +110,8 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig
 METHODS = (
     "none",
     "copy",
+    "floor",
+    "floor_pieces",
     "write_floor",
     "ours_block",
     "ours_overlap",
@@ -101,6 +124,8 @@ METHODS = (
 LABELS = {
     "none": "none (noise floor)",
     "copy": "raw copy (blocking)",
+    "floor": "the floor: copy + write() on a thread",
+    "floor_pieces": "the floor, write() in 1 MiB pieces",
     "write_floor": "raw copy + bare write",
     "ours_block": "ours, blocking copy",
     "ours_overlap": "ours, overlapped copy",
@@ -116,6 +141,7 @@ STALL_VS_COPY_TARGET = 0.25  # overlapped loop delta at most this multiple of th
 STALL_VS_PL_TARGET = 40.0  # and at least this many times shorter than Lightning's sync save
 # issue 30: ours' loop delta as a share of Lightning sync's, on a quiet machine and with a core kept busy
 DELTA_VS_PL_QUIET, DELTA_VS_PL_BUSY = 0.05, 0.1
+DELTA_VS_FLOOR = 1.2  # issue 36: ours' loop delta at most this multiple of the floor's (copy + write() on a thread)
 RANK_TIMEOUT_S = 1800
 
 
@@ -136,6 +162,70 @@ class InLoopConfig:
 
 
 # --- one rank ---
+
+
+class Floor:
+    """The floor of any checkpoint that persists the state: a thread copies it into reused buffers and
+    `write()`s them to one file (then an fsync, which ours does too), nothing else: no format, no checksum, no
+    read-back, no commit, no events. One long-lived thread, one save in flight, and the training thread waits
+    only at `fence()` (before the optimizer step, as ours' guard) for the copy to finish."""
+
+    def __init__(self, tensors: list[torch.Tensor], piece_bytes: int | None = None) -> None:
+        self.piece_bytes = piece_bytes  # None: one write() per tensor
+        self.buffers = [torch.zeros_like(t) for t in tensors]  # allocated and touched once, as ours' staging
+        self.fence_wait_total_s = 0.0
+        self.error: BaseException | None = None
+        self._requests: queue.Queue[tuple[list[torch.Tensor], str] | None] = queue.Queue()
+        self._copied, self._written = threading.Event(), threading.Event()
+        self._copied.set()
+        self._written.set()
+        self._thread = threading.Thread(target=self._run, name="floor-writer", daemon=True)
+        self._thread.start()
+
+    def save(self, sources: list[torch.Tensor], path: str) -> None:
+        self.wait()  # one write in flight, like ours (max_in_flight=1)
+        self._copied.clear()
+        self._written.clear()
+        self._requests.put((sources, path))
+
+    def fence(self) -> float:
+        started = time.perf_counter()
+        self._copied.wait()
+        waited = time.perf_counter() - started
+        self.fence_wait_total_s += waited
+        return waited
+
+    def wait(self) -> None:
+        self._written.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"the floor's write failed: {error}") from error
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (request := self._requests.get()) is not None:
+            sources, path = request
+            try:
+                with torch.no_grad():
+                    for source, target in zip(sources, self.buffers):
+                        target.copy_(source)
+                self._copied.set()
+                with open(path, "wb") as handle:
+                    for buffer in self.buffers:
+                        view = memoryview(buffer.numpy()).cast("B")
+                        step = self.piece_bytes or max(1, view.nbytes)
+                        for start in range(0, view.nbytes, step):
+                            handle.write(view[start : start + step])
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except BaseException as err:
+                self.error = err
+            finally:
+                self._copied.set()
+                self._written.set()
 
 
 class Loop:
@@ -168,12 +258,26 @@ class Loop:
         self.fenced = {"ours_overlap": self.overlapped}
         self.floor_buffers = [torch.empty_like(t) for t in self._tensors()]
         self.floor_thread: threading.Thread | None = None
+        self.floor = Floor(self._tensors())
+        self.optimizer.register_step_pre_hook(self._fence_floor)
+        self.fenced["floor"] = self.floor
+        self.floor_pieces = Floor(self._tensors(), piece_bytes=2**20) if "floor_pieces" in config.methods else None
+        if self.floor_pieces is not None:
+            self.optimizer.register_step_pre_hook(self._fence_floor_pieces)
+            self.fenced["floor_pieces"] = self.floor_pieces
         self.torch_io = TorchCheckpointIO()
         self.lightning_async = AsyncCheckpointIO(TorchCheckpointIO())
         self.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
         self.dcp_future: Any = None
         self.saved_step = 0
         self.blocked: list[float] = []  # seconds inside checkpoint calls in the current segment
+
+    def _fence_floor(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.floor.fence()  # a step pre-hook returns None
+
+    def _fence_floor_pieces(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        assert self.floor_pieces is not None
+        self.floor_pieces.fence()
 
     def step(self) -> None:
         inputs = torch.randn(self.config.batch, self.config.width, generator=self.generator)
@@ -213,6 +317,10 @@ class Loop:
                 target.copy_(source)
         elif method == "ours_block":
             self.blocking.save(self.state(), step=self.saved_step)
+        elif method in ("floor", "floor_pieces"):
+            self.fenced[method].save(
+                self._tensors(), os.path.join(directory, f"floor-{self.rank}-{self.saved_step}.bin")
+            )
         elif method == "write_floor":
             self._join_floor()  # one write in flight, like ours
             for source, target in zip(self._tensors(), self.floor_buffers):
@@ -269,7 +377,7 @@ class Loop:
             self.blocking.wait()
         elif method == "write_floor":
             self._join_floor()
-        elif method == "ours_overlap":
+        elif method in ("floor", "floor_pieces", "ours_overlap"):
             self.fenced[method].fence()
             self.fenced[method].wait()
         elif method == "pl_async" and self.rank == 0:
@@ -283,6 +391,7 @@ class Loop:
         self.blocked = []
         steps: list[float] = []
         dist.barrier()
+        threads_before, cpu_before = thread_cpu(), process_cpu()
         started = time.perf_counter()
         for index in range(1, config.steps + config.every + 1):
             step_started = time.perf_counter()
@@ -299,15 +408,22 @@ class Loop:
         dist.barrier()
         seconds = time.perf_counter() - started
         self.finish(method)
+        # CPU until the last checkpoint is complete: every save's whole cost, and the same steps as every method
+        cpu_s = process_cpu() - cpu_before
         return {
             "method": method,
             "seconds": seconds,
             "steps": steps,
             "blocked": self.blocked,
             "checkpoints": len(self.blocked),
+            "cpu_s": cpu_s,
+            "threads_cpu_s": thread_deltas(threads_before, thread_cpu(), cpu_s),
         }
 
     def close(self) -> None:
+        self.floor.close()
+        if self.floor_pieces is not None:
+            self.floor_pieces.close()
         self.blocking.close()
         self.overlapped.close()
 
@@ -352,7 +468,9 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str,
     summary: dict[str, Any] = {
         "ranks": world_size,
         "busy": busy,
-        "methods": {m: {"delta_s": [], "blocked_s": [], "errors": []} for m in METHODS},
+        "methods": {
+            m: {"delta_s": [], "blocked_s": [], "cpu_s": [], "threads_cpu_s": {}, "errors": []} for m in METHODS
+        },
     }
     if isinstance(per_rank, str):
         for entry in summary["methods"].values():
@@ -381,10 +499,15 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str,
             blocked = [statistics.median(s[method]["blocked"]) for s in segments if s[method]["blocked"]]
             if blocked:
                 summary["methods"][method]["blocked_s"].append(max(blocked))
+            _add_cpu(summary["methods"][method], segments, method, checkpoints)
     summary["baseline_step_s"] = statistics.median(baseline_steps) if baseline_steps else None
     for entry in summary["methods"].values():
         entry["median_delta_s"] = statistics.median(entry["delta_s"]) if entry["delta_s"] else None
         entry["median_blocked_s"] = statistics.median(entry["blocked_s"]) if entry["blocked_s"] else None
+        entry["median_cpu_s"] = statistics.median(entry["cpu_s"]) if entry["cpu_s"] else None
+        entry["median_threads_cpu_s"] = {
+            name: statistics.median(values) for name, values in entry["threads_cpu_s"].items()
+        }
     methods = summary["methods"]
     copy_s = methods["copy"]["median_blocked_s"]
     overlap = methods["ours_overlap"]
@@ -396,10 +519,6 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str,
         ),
         f"ours overlapped loop delta >= {STALL_VS_PL_TARGET:.0f}x shorter than Lightning sync": ratio_or_none(
             methods["pl_sync"]["median_delta_s"], overlap["median_delta_s"]
-        ),
-        # what ours costs the loop beyond persisting the same bytes with bare writes (the OS's share on this machine)
-        f"ours overlapped loop delta beyond a bare write <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(
-            _minus(overlap["median_delta_s"], methods["write_floor"]["median_delta_s"]), copy_s
         ),
         f"ours overlapped blocked <= {STALL_VS_COPY_TARGET}x raw copy": ratio_or_none(
             overlap["median_blocked_s"], copy_s
@@ -413,41 +532,70 @@ def summarize(world_size: int, every: int, per_rank: list[dict[str, Any]] | str,
         f"ours overlapped loop delta <= {pl_share}x Lightning sync's ({_busy_words(busy)})": {
             "ratio": ratio_or_none(overlap["median_delta_s"], methods["pl_sync"]["median_delta_s"]),
             "limit": pl_share,
-        }
+        },
+        # issue 36: every CPU-second above copy + write comes out of training when no core is spare
+        f"ours overlapped loop delta <= {DELTA_VS_FLOOR}x the floor's ({_busy_words(busy)})": {
+            "ratio": ratio_or_none(overlap["median_delta_s"], methods["floor"]["median_delta_s"]),
+            "limit": DELTA_VS_FLOOR,
+        },
     }
     return summary
+
+
+def _add_cpu(entry: dict[str, Any], segments: list[dict[str, Any]], method: str, checkpoints: int) -> None:
+    """CPU seconds per checkpoint beyond the `none` segment of the same round (same steps), slowest rank: the
+    whole process, and by thread name (a thread the `none` segment did not have counts whole)."""
+    if any("cpu_s" not in s.get(method, {}) or "cpu_s" not in s.get("none", {}) for s in segments):
+        return  # a run saved before the CPU was recorded, or no `none` segment to subtract
+    extra = [(s[method]["cpu_s"] - s["none"]["cpu_s"]) / checkpoints for s in segments]
+    slowest = max(range(len(segments)), key=extra.__getitem__)
+    entry["cpu_s"].append(extra[slowest])
+    threads, baseline = segments[slowest][method]["threads_cpu_s"], segments[slowest]["none"]["threads_cpu_s"]
+    for name in sorted(set(threads) | set(baseline)):
+        seconds = (threads.get(name, 0.0) - baseline.get(name, 0.0)) / checkpoints
+        entry["threads_cpu_s"].setdefault(name, []).append(seconds)
 
 
 def _busy_words(busy: int) -> str:
     return f"{busy} core(s) kept busy" if busy else "quiet machine"
 
 
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
 def format_table(summaries: list[dict[str, Any]]) -> str:
     header = (
-        f"{'ranks':>5}  {'method':<28}  {'loop delta s':>12}  {'blocked s':>9}  {'delta/copy':>10}  {'pl_sync delta/delta':>19}"
-        f"  {'blocked/copy':>12}  {'pl_sync blocked/blocked':>23}"
+        f"{'ranks':>5}  {'method':<36}  {'loop delta s':>12}  {'delta/floor':>11}  {'delta/pl_sync':>13}"
+        f"  {'blocked s':>9}  {'blocked/copy':>12}  {'CPU s/ckpt':>10}  {'CPU/floor':>9}"
     )
     lines = [header, "-" * len(header)]
     for summary in summaries:
         methods = summary["methods"]
         copy_s = methods["copy"]["median_blocked_s"]
+        floor = methods["floor"]
         pl_delta = methods["pl_sync"]["median_delta_s"]
-        pl_blocked = methods["pl_sync"]["median_blocked_s"]
         for method in METHODS:
             entry = methods[method]
+            if not entry["delta_s"] and not entry["errors"]:
+                continue  # not run
             mark = "!" if entry["errors"] else ""
             lines.append(
-                f"{summary['ranks']:>5}  {LABELS[method] + mark:<28}  {_s(entry['median_delta_s'], 12)}  {_s(entry['median_blocked_s'], 9)}"
-                f"  {_x(ratio_or_none(entry['median_delta_s'], copy_s), 10)}"
-                f"  {_x(ratio_or_none(pl_delta, entry['median_delta_s']), 19)}"
-                f"  {_x(ratio_or_none(entry['median_blocked_s'], copy_s), 12)}"
-                f"  {_x(ratio_or_none(pl_blocked, entry['median_blocked_s']), 23)}"
+                f"{summary['ranks']:>5}  {LABELS[method] + mark:<36}  {_s(entry['median_delta_s'], 12)}"
+                f"  {_x(ratio_or_none(entry['median_delta_s'], floor['median_delta_s']), 11)}"
+                f"  {_x(ratio_or_none(entry['median_delta_s'], pl_delta), 13)}"
+                f"  {_s(entry['median_blocked_s'], 9)}  {_x(ratio_or_none(entry['median_blocked_s'], copy_s), 12)}"
+                f"  {_s(entry.get('median_cpu_s'), 10)}"
+                f"  {_x(ratio_or_none(entry.get('median_cpu_s'), floor.get('median_cpu_s')), 9)}"
             )
         lines.append("")
+    lines.append("CPU seconds per checkpoint beyond the segment without checkpoints, by thread (slowest rank, median):")
+    for summary in summaries:
+        for method in METHODS:
+            threads = summary["methods"][method].get("median_threads_cpu_s") or {}
+            shown = {name: seconds for name, seconds in threads.items() if abs(seconds) >= 0.005}
+            if method != "none" and shown:
+                parts = ", ".join(
+                    f"{name} {seconds:.3f}" for name, seconds in sorted(shown.items(), key=lambda i: -i[1])
+                )
+                lines.append(f"  {summary['ranks']} rank(s), {LABELS[method]}: {parts}")
+    lines.append("")
     for summary in summaries:
         mib = (summary.get("state_bytes_per_rank") or 0) / 2**20
         lines.append(
@@ -549,8 +697,8 @@ def rereport(paths: list[str]) -> str:
         return format_table(_load_summaries(paths[0]))
     runs = [_load_summaries(path) for path in paths]
     lines = [
-        "| busy | ranks | method | blocked s | loop delta s | loop delta beyond the bare write s | blocked / raw copy"
-        " | Lightning sync blocked / blocked | loop delta / Lightning sync's |",
+        "| busy | ranks | method | loop delta s | loop delta / the floor's | loop delta / Lightning sync's"
+        " | blocked s | CPU s per checkpoint | CPU / the floor's |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(summary["busy"], summary["ranks"]) for run in runs for summary in run})
@@ -570,15 +718,18 @@ def rereport(paths: list[str]) -> str:
                 continue  # not run
 
             def entry(summary: dict[str, Any], key: str, of: str = method) -> float | None:
-                return summary["methods"][of][key]
+                return summary["methods"][of].get(key)
+
+            def of_floor(summary: dict[str, Any], key: str) -> float | None:
+                return ratio_or_none(entry(summary, key), entry(summary, key, "floor"))
 
             lines.append(
-                f"| {busy} | {ranks} | {LABELS[method]} | {cell(lambda s: entry(s, 'median_blocked_s'), 3)}"
-                f" | {cell(lambda s: entry(s, 'median_delta_s'), 2)}"
-                f" | {cell(lambda s: _minus(entry(s, 'median_delta_s'), entry(s, 'median_delta_s', 'write_floor')), 2)}"
-                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_blocked_s'), entry(s, 'median_blocked_s', 'copy')), 2, 'x')}"
-                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_blocked_s', 'pl_sync'), entry(s, 'median_blocked_s')), 1, 'x')}"
-                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_delta_s'), entry(s, 'median_delta_s', 'pl_sync')), 3, 'x')} |"
+                f"| {busy} | {ranks} | {LABELS[method]} | {cell(lambda s: entry(s, 'median_delta_s'), 2)}"
+                f" | {cell(lambda s: of_floor(s, 'median_delta_s'), 2, 'x')}"
+                f" | {cell(lambda s: ratio_or_none(entry(s, 'median_delta_s'), entry(s, 'median_delta_s', 'pl_sync')), 3, 'x')}"
+                f" | {cell(lambda s: entry(s, 'median_blocked_s'), 3)}"
+                f" | {cell(lambda s: entry(s, 'median_cpu_s'), 3)}"
+                f" | {cell(lambda s: of_floor(s, 'median_cpu_s'), 2, 'x')} |"
             )
     return "\n".join(lines)
 

@@ -41,11 +41,9 @@ import io
 import json
 import os
 import pstats
-import resource
 import shutil
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -53,7 +51,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import busy_cores, checkpoint_workdir, environment, parse_rank_counts, run_world
+from common import (
+    busy_cores,
+    checkpoint_workdir,
+    environment,
+    parse_rank_counts,
+    process_cpu,
+    run_world,
+    thread_cpu,
+    thread_deltas,
+)
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, SignConfig
 
@@ -63,7 +70,6 @@ LABELS = {"dcp": "plain dcp.save (sync)", "ours": "ours (default SaveConfig, asy
 CPU_VS_DCP_TARGET = 1.2
 SIGNED_VS_OURS_TARGET = 1.3
 RANK_TIMEOUT_S = 1800
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # CPU seconds of a phase of our save: ("own", builtin) sums that builtin's own time (the C work: a syscall,
 # a hash, a torch op), ("cum", function) takes a Python function's cumulative time; the rest is what is left
 PROFILE_PHASES = (
@@ -93,38 +99,6 @@ class CpuConfig:
     @property
     def methods(self) -> tuple[str, ...]:
         return METHODS + ((SIGNED,) if self.sign else ())
-
-
-def process_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of every live thread of this process, keyed 'name (tid)'."""
-    names = {thread.native_id: thread.name for thread in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as handle:
-                comm = handle.read().strip()
-        except OSError:  # ended while listed
-            continue
-        name = names.get(int(tid), f"native {comm}")
-        out[f"{name} ({tid})"] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    return out
-
-
-def thread_deltas(before: dict[str, float], after: dict[str, float], total: float) -> dict[str, float]:
-    """Per thread name (tids merged), CPU seconds spent between the snapshots; the rest as 'ended threads'."""
-    deltas: dict[str, float] = {}
-    for key, seconds in after.items():
-        name = key.rsplit(" (", 1)[0]
-        deltas[name] = deltas.get(name, 0.0) + seconds - before.get(key, 0.0)
-    deltas["ended threads"] = max(0.0, total - sum(deltas.values()))
-    return {name: round(seconds, 3) for name, seconds in deltas.items() if seconds >= 0.005}
 
 
 def make_state(rank: int, size_mib: float) -> dict[str, Any]:
