@@ -196,7 +196,8 @@ def test_follow_checkpoints_yields_each_new_commit_in_commit_order_and_nothing_u
 ):
     save(backend, 1)  # committed before the follower starts: not new
     options = backend.storage_options
-    follower = follow_checkpoints(backend.url, timeout_s=1.0, poll_s=0.05, storage_options=options)
+    # 3 s without a commit ends the loop: the commits below take well under that, on S3 and a loaded machine too
+    follower = follow_checkpoints(backend.url, timeout_s=3.0, poll_s=0.05, storage_options=options)
 
     plant(backend, checkpoint_dirname(60, "0123456789ab"), {MANIFEST: b"{}", COMMIT_RECORD: b"{not json"})
     elsewhere = Backend(backend.name, f"{backend.url}-elsewhere", options)
@@ -214,7 +215,7 @@ def test_follow_checkpoints_yields_each_new_commit_in_commit_order_and_nothing_u
     thread.start()
     assert [next(follower).step for _ in range(2)] == [50, 4]
     thread.join()
-    assert list(follower) == []  # a second without a commit: the loop ends
+    assert list(follower) == []  # 3 s without a commit: the loop ends
 
 
 def test_follow_checkpoints_waits_for_a_root_that_does_not_exist_yet_and_checks_its_options_at_once(tmp_path):
