@@ -59,6 +59,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=run_order)  # stable: a module's tests stay together and in file order
 
 
+def pytest_configure(config):
+    """Refuse `--dist loadgroup` on pytest 9: pytest-xdist (3.8) groups by renaming each grouped test's `_nodeid`,
+    which pytest 9 no longer reads. The suite still passed that way, but every worker rebuilt each module fixture (a
+    trained recipe run, once per worker) and the grouped documents raced for their port."""
+    if config.getoption("dist", default="no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist --dist loadgroup groups nothing: install the pytest the "
+            "dev extra pins (`bash scripts/setup_env.sh`, or `.venv/bin/pip install 'pytest>=8,<9'`)"
+        )
+
+
 def shares_a_fixture(item) -> bool:
     """Whether the test uses a fixture that outlives it (module or class scope): built once per worker."""
     fixtureinfo = getattr(item, "_fixtureinfo", None)
