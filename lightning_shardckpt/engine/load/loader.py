@@ -288,7 +288,12 @@ def _pick(
 ) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
     try:
         policy = signing.policy_of(config.require_signature, config.public_keys)
-        return catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
+        location, entry = catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
+        if policy is not None and not manifest_format.is_parts_format(entry.manifest):
+            # v2/v3 (an incremental run's): no parts to split the check by rank, so rank 0 hashes every own and
+            # referenced file once, before any rank reads; its verdict travels with the pick (v4: each rank its own)
+            policy.check_every_file(location.fs, entry.path, entry.manifest, entry.extra[catalog.SIGNED_BY])
+        return location, entry
     except ShardCkptError as err:  # sent to every rank, raised everywhere
         return err
 
