@@ -36,6 +36,7 @@ def main(cfg: DictConfig) -> int:
         trust_checkpoint=cfg.trust_checkpoint,
         safe_globals=tuple(spec_of(name) for name in cfg.allow_globals),
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
+        public_keys=tuple(cfg.get("public_keys") or ()),
     )
     if cfg.follow:
         from lightning_shardckpt.policies.drills.follower import DrillFollower

@@ -13,7 +13,7 @@ from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError
 from ..ops.roots import list_checkpoints
 from . import exit_codes, options
-from .options import add_public_key, require_signed
+from .options import add_public_key
 from .output import print_table
 
 # the drill phases, in the order they run (policies/drills/worker.py times them), as the table shows them
@@ -128,12 +128,15 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
     if not args.follow and (args.once or args.exit_when_idle is not None):
         raise ConfigError("--once and --exit-when-idle stop a follower; add --follow, or drop them")
-    if args.follow and args.public_key:
-        raise ConfigError("--public-key checks one checkpoint before its drill; a follower does not take it yet")
-    if args.public_key:  # a drill that passes makes a checkpoint known-good: only one an accepted key signed
+    if args.public_key and not args.follow:  # the one named checkpoint: refused in one line, before any drill
+        from ..engine.format.signing import SignaturePolicy, load_public_keys
         from ..ops.references import open_path
 
-        require_signed(*open_path(args.path, args.storage_options), args.public_key)
+        location, entry = open_path(args.path, args.storage_options)
+        SignaturePolicy(load_public_keys(args.public_key)).check_manifest(location.fs, entry.path, entry.manifest)
+    # a drill that passes makes a checkpoint known-good: with keys, only one an accepted key signed. The drill checks
+    # the manifest's signature before it forks (a refused one, found by a follower, is recorded as a failed drill)
+    # and its ranks every file they read against the signed digests, as a resume with the policy does
     options = DrillOptions(
         world_size=args.world_size,
         timeout_s=args.timeout,
@@ -143,6 +146,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         trust_checkpoint=args.trust,
         safe_globals=tuple(args.safe_globals),
         storage_options=args.storage_options,
+        public_keys=tuple(args.public_key),
     )
     if args.follow:
         return _follow(args, options)

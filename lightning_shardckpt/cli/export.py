@@ -69,6 +69,13 @@ def add_commands(commands: Any) -> None:
         help="replace an existing OUT (shards as a whole: the old ones go once the new index is in place)",
     )
     add_public_key(export, "exporting")
+    export.add_argument(
+        "--sign-key-path",
+        default=None,
+        metavar="PEM",
+        help="sign OUT into OUT.sig with this ECDSA (P-256/384/521) private key, in OpenSSF model-signing's format: "
+        "check it with `model_signing verify key OUT --signature OUT.sig --public_key PUB` (offline)",
+    )
     export.set_defaults(run=cmd_export)
 
 
@@ -87,6 +94,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         storage_options=args.storage_options,
         replace=args.replace,
+        sign_key_path=args.sign_key_path,
     )
     result = export_checkpoint(args.checkpoint, args.out, options)
     if args.json:
@@ -98,6 +106,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
         for path in result.files:
             print(f"  {path}")
+        if result.signature:
+            print(f"signed: {result.signature} (OpenSSF model-signing bundle)")
     return exit_codes.OK
 
 
@@ -122,4 +132,5 @@ examples:
   shardckpt export /data/ckpt/run-7 model.safetensors --model-only --prefix model.
   shardckpt export s3://bucket/run-7/latest out/ --max-shard-size 5GB --dtype bf16 --model-only --prefix model.
   shardckpt export /data/ckpt/run-7/step-000001000-2f72c10f8c75 full.pt --format torch
+  shardckpt export /data/ckpt/run-7 model.safetensors --model-only --public-key run.pub --sign-key-path release.pem
 """

@@ -41,6 +41,9 @@ from .storage.fsio import Location
 log = logging.getLogger(__name__)
 
 SIGNED_BY = "signed_by"  # CheckpointEntry.extra: the accepting key's id, once a signature policy checked it
+# CheckpointEntry.extra of `latest`/`last-good`'s pick: the newer checkpoints passed over because the signature
+# policy refused them (names), for the resume's event and the `signature_skipped` metric and health rule
+SIGNATURE_SKIPPED = "signature_skipped"
 V1_BATCH = 32  # v1 manifests (no commit record) read and parsed per batch while listing
 
 
@@ -285,23 +288,26 @@ def pick(
     so a listing shows why); a step, an id or a name that is not sound raises, naming it. Raises
     CheckpointNotFound when nothing committed matches, CheckpointDeleted when the pick went meanwhile (`find`
     lists again). `states`: trust states the caller already read, for `last-good`. `policy`: a checkpoint whose
-    signature it refuses is skipped by `latest` and `last-good` (logged), and raises when named.
+    signature it refuses is skipped by `latest` and `last-good` (logged; the pick's
+    `extra[SIGNATURE_SKIPPED]` names what was passed over), and raises when named.
     """
+    unsigned: list[str] = []  # passed over because the signature policy refused them
     if which == "latest":
         while True:
             chosen = resolve_latest(location, entries, run_id)
             if chosen is None:
                 break
             try:
-                return _with_manifest_read(chosen, location, policy)  # validated now: a corrupt one is never handed out
+                # validated now: a corrupt one is never handed out
+                return _skipped_noted(_with_manifest_read(chosen, location, policy), unsigned)
             except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
-                log.warning("%s: skipping %s for `latest`: %s", location.url, chosen.name, err)
+                _skipping(location, chosen, "latest", err, unsigned)
     elif which == LAST_GOOD:
         for chosen in reversed(last_good(location, entries, run_id, keep=len(entries), states=states)):
             try:
-                return _with_manifest_read(chosen, location, policy)
+                return _skipped_noted(_with_manifest_read(chosen, location, policy), unsigned)
             except CorruptCheckpoint as err:
-                log.warning("%s: skipping %s for `last-good`: %s", location.url, chosen.name, err)
+                _skipping(location, chosen, LAST_GOOD, err, unsigned)
         raise CheckpointNotFound(
             f"no drilled checkpoint in {location.url}: none has passed a restore drill yet. "
             f"Drill one with `shardckpt drill {location.url}`, or resume from `latest`"
@@ -328,6 +334,19 @@ def pick(
             f" and {len(corrupt) - 1} more" if len(corrupt) > 1 else ""
         )
     raise CheckpointNotFound(f"no committed checkpoint {which!r} in {location.url}; {hint}")
+
+
+def _skipping(location: Location, chosen: CheckpointEntry, which: str, err: Exception, unsigned: list[str]) -> None:
+    log.warning("%s: skipping %s for `%s`: %s", location.url, chosen.name, which, err)
+    if isinstance(err, SignatureRefused):
+        unsigned.append(chosen.name)
+
+
+def _skipped_noted(entry: CheckpointEntry, unsigned: list[str]) -> CheckpointEntry:
+    """The pick, carrying the names the signature policy made it pass over (every pick says, none included: an
+    entry object outlives one pick)."""
+    entry.extra[SIGNATURE_SKIPPED] = list(unsigned)
+    return entry
 
 
 def _with_manifest_read(

@@ -132,17 +132,13 @@ class SaveConfig:
     # the API that creates the saver: "engine" (CheckpointSaver), "checkpointer" (Checkpointer) or "lightning"
     # (ShardedCheckpoint); front doors set it, so that an error's advice is in their words. Leave it as is
     front_door: str = ENGINE
-    # sign each commit (Ed25519 over the manifest) and record each file's SHA-256; off unless a key source is set
+    # sign each commit (Ed25519 over the manifest) and record each file's digest (every format, incremental saves
+    # included: their references carry the digests the saves they borrow from recorded); off unless a key source is set
     sign: SignConfig = field(default_factory=SignConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sign, SignConfig):
             raise ConfigError(f"sign={self.sign!r} must be a SignConfig (key_path, key_env or signer)")
-        if self.sign.enabled and (self.format_version != 4 or self.incremental):
-            raise ConfigError(
-                "save.sign needs format_version=4 and incremental=false: file digests are recorded in the v4 parts "
-                "only; turn incremental off (or signing off)"
-            )
         if self.front_door not in FRONT_DOORS:
             raise ConfigError(f"front_door={self.front_door!r} is unknown; use one of {', '.join(FRONT_DOORS)}")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):

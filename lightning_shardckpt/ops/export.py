@@ -30,7 +30,7 @@ from ..engine.format.layout import LATEST, join
 from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
 from ..engine.storage import fsio
 from ..errors import ConfigError
-from . import export_target
+from . import export_signing, export_target
 from .choices import EXPORT_DTYPES, SAFETENSORS
 from .choices import EXPORT_FORMATS as FORMATS
 from .export_formats import (
@@ -66,6 +66,9 @@ class ExportOptions:
     progress: bool | None = None  # a progress bar; None: only when stderr is a terminal
     storage_options: dict[str, Any] = field(default_factory=dict)  # for the checkpoint's storage and OUT's
     replace: bool = False  # replace an existing OUT (a sharded one as a whole); without it an existing OUT is refused
+    # an ECDSA (P-256/384/521) private key PEM: sign OUT into OUT.sig, OpenSSF model-signing's bundle
+    # (ops/export_signing.py); None: no signature, nothing more written
+    sign_key_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -88,6 +91,7 @@ class ExportResult:
     bytes_written: int
     bytes_read: int
     seconds: float
+    signature: str | None = None  # with sign_key_path: OUT.sig, the model-signing bundle over `files`
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +111,10 @@ def export_checkpoint(
     sharded = options.format == SAFETENSORS and options.max_shard_size is not None
     export_target.check_outside_checkpoint_roots(target, target.path if sharded else _parent(target.path))
     export_target.refuse_existing(target, sharded=sharded, replace=options.replace)
+    if options.sign_key_path is not None:  # a key that cannot sign is refused before anything is written
+        export_signing.check_export_key(options.sign_key_path)
+        export_signing.refuse_remote(target, out)
+        export_signing.refuse_existing_signature(target.path, options.replace)
     with GlobalTensorReader(location, entry) as reader:
         plan, sources = export_plan(reader.specs, options)
         if not plan:
@@ -132,6 +140,9 @@ def export_checkpoint(
             reader.bytes_read,
             time.perf_counter() - started,
         )
+    if options.sign_key_path is not None:  # after the rename into place: the bundle lists the files as they lie
+        result.signature = export_signing.sign_export(target.path, options.sign_key_path)
+        result.seconds = time.perf_counter() - started
     log.info(
         "exported %s to %s: %d tensors, %d bytes in %.2fs",
         result.checkpoint,

@@ -205,8 +205,7 @@ def _verify_signature(
     first refusal, naming the file and the key."""
     try:
         kid = policy.check_manifest(location.fs, entry.path, entry.manifest)
-        ranks = parts_manifest.writing_ranks(entry.manifest)
-        report.bytes_read += policy.check_files(location.fs, entry.path, entry.manifest, ranks, kid)
+        report.bytes_read += policy.check_every_file(location.fs, entry.path, entry.manifest, kid)
     except signing.SignatureRefused as err:
         where = str(err).split(": ", 1)[0].rsplit("/", 1)[-1]
         accepted = ", ".join(kid[:16] for kid in sorted(policy.keys))

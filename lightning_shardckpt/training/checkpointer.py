@@ -43,7 +43,7 @@ from .finished_saves import CallableReporter
 from .layouts import Layout, warn_not_restored
 from .loadable import SaveChecks
 from .preemption import DEFAULT_GRACE_S, PreemptionRequests
-from .resume import resume, resume_event, resume_line, write_resume_event
+from .resume import resume, resume_event, resume_line, signature_metrics, write_resume_event
 from .save_loop import SaveLoop
 from .savers import ControlGroup, SaverHost
 
@@ -185,6 +185,8 @@ class Checkpointer:
             if self.plan.save.write_events:
                 write_resume_event(self.plan.location, self._resume_event)
             console.say(resume_line(loaded, self.world_size))
+            if loaded.signature_skipped is not None:  # a signature policy: what `latest` passed over, counted
+                self.loop.reporter.log_metrics(signature_metrics(loaded))
         return loaded.step
 
     # --- saving ---

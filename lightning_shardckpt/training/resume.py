@@ -134,6 +134,41 @@ def resume_event(loaded: LoadResult, world_size: int, **identity: Any) -> dict[s
         **identity,
         "run_id": loaded.manifest.get("run_id"),
         "created_at": time.time(),
+        **_signature_fields(loaded),
+    }
+
+
+SIGNATURE_SKIPPED_METRIC = "checkpoint/signature_skipped"
+
+
+def resume_metrics(loaded: LoadResult) -> dict[str, float]:
+    """What a resume tells the run's loggers (rank 0, once): its time, the step, and with a signature policy how
+    many newer checkpoints `latest`/`last-good` passed over because the policy refused them (the health metric
+    `signature_skipped`: a forged or unsigned checkpoint in the root is somebody's doing, not rot)."""
+    return {
+        "checkpoint/resume_s": loaded.seconds,
+        "checkpoint/resumed_step": float(loaded.step),
+        **signature_metrics(loaded),
+    }
+
+
+def signature_metrics(loaded: LoadResult) -> dict[str, float]:
+    """`checkpoint/signature_skipped` under a signature policy (0 included: a dashboard tells "none skipped" from
+    "not watched"); nothing without one. The doors whose loggers get no other resume metric (Fabric, the plain
+    loop) log just this."""
+    if loaded.signature_skipped is None:
+        return {}
+    return {SIGNATURE_SKIPPED_METRIC: float(len(loaded.signature_skipped))}
+
+
+def _signature_fields(loaded: LoadResult) -> dict[str, Any]:
+    """The event's `signature_skipped` (count) and their names, only under a signature policy: without one the
+    event is what it always was."""
+    if loaded.signature_skipped is None:
+        return {}
+    return {
+        "signature_skipped": len(loaded.signature_skipped),
+        "signature_skipped_names": list(loaded.signature_skipped),
     }
 
 

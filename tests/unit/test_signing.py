@@ -208,8 +208,6 @@ def test_a_callable_signer_signs_like_a_kms(tmp_path, keys):
 def test_sign_options_are_checked_before_any_save(tmp_path):
     with pytest.raises(ConfigError, match="one key source"):
         SignConfig(key_path="a.pem", key_env="KEY")
-    with pytest.raises(ConfigError, match="format_version=4 and incremental=false"):
-        SaveConfig(incremental=True, sign=SignConfig(key_path="a.pem"))
     with pytest.raises(ConfigError, match="unknown save.sign option"):
         save_config_from({"sign": {"key_file": "a.pem"}})
     with pytest.raises(ConfigError, match="without public_keys"):

@@ -278,6 +278,15 @@ class SignaturePolicy:
                 )
         return hashed
 
+    def check_every_file(self, fs: Any, directory: str, manifest: dict[str, Any], kid: str) -> int:
+        """Every file of the checkpoint against the signed digests, read whole; bytes hashed. v4: each writing
+        rank's part and shard; v2/v3: every listed and every referenced file (listed_digests.py)."""
+        if "parts" in manifest:
+            return self.check_files(fs, directory, manifest, _writing_ranks(manifest), kid)
+        from .listed_digests import check_listed_files  # that module builds on this one's names
+
+        return check_listed_files(fs, directory, manifest, kid)
+
 
 def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_keys: Any) -> str:
     """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
@@ -285,7 +294,7 @@ def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_key
     For tools that read everything (export, compare, drill) before they start."""
     policy = SignaturePolicy(load_public_keys(list(public_keys)))
     kid = policy.check_manifest(fs, directory, manifest)
-    policy.check_files(fs, directory, manifest, _writing_ranks(manifest), kid)
+    policy.check_every_file(fs, directory, manifest, kid)
     return kid
 
 

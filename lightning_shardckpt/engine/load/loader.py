@@ -51,6 +51,9 @@ class LoadResult:
     chunks_read: int = 0  # this rank: stored chunks read, each once however many read items it feeds
     source: str | None = None  # which copy was read, in a resume line's words ("fast tier"); set by the resume
     parts_read: int = 0  # this rank, format v4: the parts it read to plan its share (metadata_s includes them)
+    # with a signature policy, `latest`/`last-good`: the newer checkpoints passed over because the policy refused
+    # them (names; empty when none was); None without a policy (nothing is counted then)
+    signature_skipped: tuple[str, ...] | None = None
 
 
 def load_checkpoint(
@@ -103,8 +106,12 @@ def _load_once(
     if callable(state_dict):  # every rank alike: the manifest is rank 0's, broadcast
         state_dict = state_dict(entry.manifest)
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
+    # rank 0's pick, broadcast: every rank knows what it passed over
+    skipped = tuple(entry.extra.get(catalog.SIGNATURE_SKIPPED) or ()) if config.require_signature else None
     if manifest_format.is_parts_format(entry.manifest):
-        return _load_from_parts(state_dict, root, entry, config, strict, process_group)
+        result = _load_from_parts(state_dict, root, entry, config, strict, process_group)
+        result.signature_skipped = skipped
+        return result
     expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
     reader = ShardReader(
         root.fs,
@@ -146,6 +153,7 @@ def _load_once(
         read_s=reader.read_s,
         place_s=reader.place_s,
         chunks_read=reader.chunks_read,
+        signature_skipped=skipped,
     )
 
 
@@ -280,7 +288,12 @@ def _pick(
 ) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
     try:
         policy = signing.policy_of(config.require_signature, config.public_keys)
-        return catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
+        location, entry = catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
+        if policy is not None and not manifest_format.is_parts_format(entry.manifest):
+            # v2/v3 (an incremental run's): no parts to split the check by rank, so rank 0 hashes every own and
+            # referenced file once, before any rank reads; its verdict travels with the pick (v4: each rank its own)
+            policy.check_every_file(location.fs, entry.path, entry.manifest, entry.extra[catalog.SIGNED_BY])
+        return location, entry
     except ShardCkptError as err:  # sent to every rank, raised everywhere
         return err
 

@@ -23,6 +23,7 @@ from ..format import manifest as manifest_format
 from ..format import signing
 from ..format.checksum import checksum
 from ..format.layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
+from ..format.listed_digests import add_listed_digests
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio, retry
 from ..storage.fsio import Location
@@ -160,8 +161,14 @@ def check_stored_sizes(
 class Committer:
     """Callable handed to ShardWriter: commits one checkpoint or raises CommitFailed."""
 
-    def __init__(self, target: CheckpointTarget, fault_hook: FaultHook | None = None) -> None:
+    def __init__(
+        self,
+        target: CheckpointTarget,
+        fault_hook: FaultHook | None = None,
+        reference_digests: dict[str, str] | None = None,
+    ) -> None:
         self.target = target
+        self.reference_digests = reference_digests or {}  # signed incremental saves (SaveMeta.reference_digests)
         self._fault = fault_hook or (lambda point: None)
         self.manifest: dict[str, Any] | None = None
         self.seconds = 0.0
@@ -205,6 +212,8 @@ class Committer:
         )
         # v2: readers check .metadata's bytes against this before they unpickle it (safe_pickle.py)
         manifest[DCP_METADATA_FIELD] = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
+        if target.sign is not None:
+            add_listed_digests(manifest, receipts.values(), self.reference_digests, target.sign.digest)
 
         def committed() -> None:
             self.manifest = manifest

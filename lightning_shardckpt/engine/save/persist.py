@@ -68,6 +68,10 @@ class SaveMeta:
     identical: Callable[[str], bool] | None = None
     # incremental: (fqn, chunk offsets) -> chunk record of an unchanged chunk to reference (references.chunk_map)
     references: dict[Any, dict[str, Any]] | None = None
+    # incremental and signed, the coordinator: referenced path ('../<dir>/<file>') -> that file's digest, from the
+    # manifest the coordinator committed (and signed) before, held in memory: never re-read from storage, where
+    # someone may have changed it since
+    reference_digests: dict[str, str] | None = None
 
 
 def persist_checkpoint(
@@ -116,7 +120,7 @@ def persist_checkpoint(
         committer: Any = PartsCommitter(target, layout, config.dcp_metadata_max_chunks, fault_hook)
         stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result)
     else:
-        committer = Committer(target, fault_hook)
+        committer = Committer(target, fault_hook, meta.reference_digests)
         stats = _persist_collectively(root, group, config, state_dict, target, meta, committer, fault_hook, result)
     if result.error is not None and not config.keep_failed_attempts and committer.manifest is None:
         result.cleanup = remove_failed_attempt(root, target.path, group, result.error.__cause__ or result.error)
@@ -178,7 +182,13 @@ def _persist_collectively(
 ) -> dict[str, Any]:
     """Formats v2/v3: DCP's collective planning, per-chunk receipts, the commit in the writer's `finish`."""
     writer = ShardWriter(
-        root.fs, target.path, verify=config.verify, commit=committer, fault_hook=fault_hook, references=meta.references
+        root.fs,
+        target.path,
+        verify=config.verify,
+        commit=committer,
+        fault_hook=fault_hook,
+        references=meta.references,
+        digest=config.sign.digest if config.sign.enabled else None,  # signing on: each file's digest, same pass
     )
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))

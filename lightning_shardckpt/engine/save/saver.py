@@ -30,6 +30,7 @@ from ..config import SaveConfig
 from ..format import manifest as manifest_format
 from ..format import references as refs
 from ..format.layout import checkpoint_dirname
+from ..format.listed_digests import reference_digests_of
 from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
 from ..storage.writer import FaultHook
@@ -125,6 +126,9 @@ class CheckpointSaver:
         self._tracker = ChangeTracker(self.config.full_every_n) if self.config.incremental else None
         self._base: str | None = None
         self._base_failed = False
+        # signed incremental saves, the coordinator: the digests the base's manifest recorded, as this process
+        # committed and signed them (listed_digests.reference_digests_of), never re-read from storage
+        self._base_digests: dict[str, str] | None = None
         self._fault_hook = fault_hook
 
     # --- the training thread's side ---
@@ -369,6 +373,7 @@ class CheckpointSaver:
                         "its unchanged tensors were not copied, so it cannot be written. The next save is full"
                     )
                 job.meta.references = refs.chunk_map(refs.read_base(self.root, self._base), self._base, job.unchanged)
+                job.meta.reference_digests = self._base_digests
             result = persist_checkpoint(
                 self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook
             )
@@ -377,9 +382,11 @@ class CheckpointSaver:
             result = SaveResult(step=job.step, checkpoint_id=None, path=None, committed=False, error=err)
         finally:
             job.state = {}
-            job.meta.references = None
+            job.meta.references = job.meta.reference_digests = None
         if self._tracker is not None:  # before the slot is free: the next request sees whether it may reference
             self._base = checkpoint_dirname(job.step, result.checkpoint_id) if result.committed else None
+            signed = self._base is not None and result.manifest is not None and self.config.sign.enabled
+            self._base_digests = reference_digests_of(result.manifest, self._base) if signed else None
             self._base_failed = self._base_failed or not result.committed
         self._free_slots.put(job.slot)
         if result.error is not None:

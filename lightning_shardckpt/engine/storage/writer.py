@@ -64,6 +64,7 @@ class ChunkReceipt:
     blocks: tuple[int, tuple[str, ...]] | None = None  # (block size, digests): a large chunk checksummed by block too
     reference: bool = False  # incremental: not written; `relative_path` is '../<sibling>/<file>' holding the bytes
     verified_bytes: int | None = None  # bytes read back (sampled blocks of a large chunk); None: `length` if verified
+    file_digest: str | None = None  # signing on: the cryptographic digest of the whole file, from the write pass
 
 
 @dataclass(frozen=True)
@@ -374,6 +375,7 @@ def write_rank_file(
             written - started,
             writer.blocks[position],
             verified_bytes=read_back[position],
+            file_digest=writer.file_digest,
         )
         receipts.append((item, receipt))
     stats.update(
@@ -405,11 +407,14 @@ class ShardWriter(StorageWriter):
         commit: Callable[[Metadata, list[list[WriteResult]], list[list[MetadataIndex]]], None],
         fault_hook: FaultHook | None = None,
         references: dict[tuple[str, tuple[int, ...]], dict[str, Any]] | None = None,
+        digest: str | None = None,
     ) -> None:
         """`references` (incremental saves): (fqn, chunk offsets) -> the chunk record, from an earlier
-        checkpoint of the same root, of a chunk that did not change; it is referenced, not written."""
+        checkpoint of the same root, of a chunk that did not change; it is referenced, not written. `digest`
+        (signing on): each rank's file digest too, in the write pass, for the signed manifest's `files`."""
         super().__init__()
         self.references = references or {}
+        self.digest = digest
         self.fs = fs
         self.path = path
         self.verify = verify
@@ -468,6 +473,7 @@ class ShardWriter(StorageWriter):
             self._rng,
             self._fault,
             self._reference_of,
+            digest=self.digest,
         )
         self.last_write_stats = written.stats
         if written.relative is not None:

@@ -52,7 +52,7 @@ from ...training.data import ResumableDistributedSampler, gather_rng_states, res
 from ...training.finished_saves import CallableReporter
 from ...training.layouts import warn_not_restored
 from ...training.loadable import SaveChecks
-from ...training.resume import resume, resume_event, resume_line, write_resume_event
+from ...training.resume import resume, resume_event, resume_line, signature_metrics, write_resume_event
 from ...training.save_loop import SaveLoop
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ..lightning_state import MODEL_KEY, OPTIMIZERS_KEY
@@ -216,6 +216,8 @@ class ShardedFabricStrategy:
             if loop is not None and plan.save.write_events:
                 write_resume_event(plan.location, self._resume_event)
             console.say(resume_line(loaded, self.world_size))
+            if loop is not None and loaded.signature_skipped is not None:  # what `latest` passed over, counted
+                loop.reporter.log_metrics(signature_metrics(loaded))
         return remainder
 
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -10,6 +10,7 @@ from ...engine.format.checksum import checksum
 from ...engine.format.manifest import to_bytes
 from ...engine.load.loader import LoadResult
 from ...engine.metrics import CheckpointRecord
+from ...training.resume import resume_metrics
 from .wandb_artifacts import log_checkpoint_artifact
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,5 @@ def log_resume_metrics(trainer: pl.Trainer, loaded: LoadResult) -> None:
     """How long the resume took and where it came from, to the Trainer's loggers (rank 0, once per fit; the console
     line is training/resume.py's `resume_line`, the same in every door)."""
     for logger in trainer.loggers:
-        logger.log_metrics(
-            {"checkpoint/resume_s": loaded.seconds, "checkpoint/resumed_step": float(loaded.step)},
-            step=trainer.global_step,
-        )
+        logger.log_metrics(resume_metrics(loaded), step=trainer.global_step)
         logger.log_hyperparams({"shardckpt/resumed_from": loaded.path})

@@ -30,11 +30,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ...engine import catalog
-from ...engine.format import drill_records
+from ...engine.format import drill_records, signing
 from ...engine.format.drill_records import FAILED, NOT_DRILLED, PASSED, outcome_details
 from ...engine.format.layout import MANIFEST, join
 from ...engine.validate import require_number
-from ...errors import ConfigError, StorageUnavailable
+from ...errors import ConfigError, SignatureRefused, StorageUnavailable
 from . import trust as drill_trust
 from .pool import PoolFailed, WarmPool, destination_bytes
 
@@ -62,8 +62,14 @@ class DrillOptions:
     # the drill processes allow them too, so a checkpoint the run resumes is one its drill restores
     safe_globals: tuple[str, ...] = ()
     storage_options: dict[str, Any] = field(default_factory=dict)
+    # PEM public key files (several: rotation). Set: only a checkpoint one of them signed is drilled; one that fails
+    # the policy gets a failed record naming the file and key (engine/format/signing.py), never a pass
+    public_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "public_keys", tuple(self.public_keys or ()))
+        if self.public_keys:  # an unreadable key is the operator's mistake: refused now, not recorded per checkpoint
+            signing.load_public_keys(list(self.public_keys))
         require_number(
             "drill.world_size",
             self.world_size,
@@ -135,6 +141,10 @@ def run_drill(
         "allowed_globals": list(options.safe_globals),
         **(record_fields or {}),
     }
+    if options.public_keys:
+        refused = _signature_refusal(location, entry, options, record)
+        if refused is not None:
+            return refused
     outcome = _run_ranks(path, world_size, options, record, pool, destination_bytes(entry.manifest, world_size))
     if outcome.get("verdict") == PASSED:
         record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
@@ -161,6 +171,23 @@ def run_drill(
         f" ({record['cause']})" if record.get("cause") else "",
     )
     return record
+
+
+def _signature_refusal(location: Any, entry: Any, options: DrillOptions, record: dict[str, Any]) -> dict | None:
+    """Before forking: the manifest's signature (a small read). A checkpoint that fails the policy is refused and
+    recorded as a failed drill naming the file and key: it is settled (a follower does not come back to it), shows
+    in `shardckpt ls`, and is never known-good. Accepted: the key id joins the record, and the drill ranks check
+    every file they read against the signed digests (the resume path's check: a pass means a resume with this
+    policy restores it, and the bytes are hashed as they are read for the drill, in parallel, not read twice)."""
+    policy = signing.SignaturePolicy(signing.load_public_keys(list(options.public_keys)))
+    try:
+        record["signed_by"] = policy.check_manifest(location.fs, entry.path, entry.manifest)
+    except SignatureRefused as err:
+        record.update(verdict=FAILED, cause=f"SignatureRefused: {err}", signature_refused=True, finished_at=_now())
+        drill_records.write_record(location, record)
+        log.warning("drill of %s refused: %s", entry.name, err)
+        return record
+    return None
 
 
 def _deleted(location: Any, name: str) -> bool:
@@ -286,6 +313,8 @@ def _rank_argv(
         argv.append("--trust")
     for spec in options.safe_globals:
         argv += ["--safe-global", spec]
+    for key in options.public_keys:
+        argv += ["--public-key", key]
     return argv
 
 

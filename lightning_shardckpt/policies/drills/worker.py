@@ -100,7 +100,14 @@ def drill(args: argparse.Namespace, timings: dict[str, float], destination: memo
         mesh = _mesh(args.world_size)
         target = build_target(manifest, mesh, destination)
     with _phase(timings, "load"):  # listing (again, on rank 0), metadata, planning, read, reshard
-        config = LoadConfig(verify_checksums=True, storage_options=storage_options, trust_checkpoint=args.trust)
+        config = LoadConfig(
+            verify_checksums=True,
+            storage_options=storage_options,
+            trust_checkpoint=args.trust,
+            # with keys: each rank hashes the files it reads against the signed digests, as a resume with the policy
+            require_signature=bool(args.public_key),
+            public_keys=tuple(args.public_key),
+        )
         result = load_checkpoint(target, args.checkpoint, config=config)
     timings["metadata_s"], timings["read_s"] = result.metadata_s, result.read_s  # rank 0's
     timings["reshard_s"] = max(0.0, timings["load_s"] - result.metadata_s - result.read_s)
@@ -415,6 +422,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="MODULE:QUALNAME",
         help="a class the run allowed with torch.serialization.add_safe_globals (repeatable)",
+    )
+    parser.add_argument(
+        "--public-key",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="load only if one of these Ed25519 keys signed it and every file read matches the signed digests",
     )
     return parser.parse_args(argv)
 

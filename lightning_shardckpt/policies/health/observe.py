@@ -100,6 +100,9 @@ def observe(event: dict[str, Any]) -> list[Observation]:
     elif kind == PEER_REPLICATION_EVENT:
         each_scope("peer_replication_ok", 1.0 if event.get("outcome") == COMMITTED else 0.0)
         each_scope("peer_replication_lag_checkpoints", float(event.get("lag_checkpoints") or 0))
-    elif kind == RESUME_EVENT and event.get("seconds") is not None:
-        each_scope("resume_s", float(event["seconds"]))
+    elif kind == RESUME_EVENT:
+        if event.get("seconds") is not None:
+            each_scope("resume_s", float(event["seconds"]))
+        if event.get("signature_skipped") is not None:  # only a resume under a signature policy counts them
+            each_scope("signature_skipped", float(event["signature_skipped"]))
     return [Observation(metric, slice_, key, value, step, when) for metric, slice_, key, value in values]

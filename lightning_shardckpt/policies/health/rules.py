@@ -57,6 +57,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "drills external: seconds the oldest checkpoint the follower has not drilled has waited (after commits)",
     ),
     "resume_s": (RESTORE, (RUN, ROOT), "seconds a real resume took to load its checkpoint"),
+    "signature_skipped": (
+        RESTORE,
+        (RUN, ROOT),
+        "checkpoints a resume's `latest`/`last-good` passed over because the signature policy refused them",
+    ),
     # tiers (engine/tiers/replicate.py): one value per copy attempt to the durable tier
     "replication_ok": (
         COMMIT_COMPLETENESS,
@@ -96,6 +101,7 @@ METRIC_UNITS: dict[str, str] = {
     "drill_lag_checkpoints": "checkpoints",
     "drill_lag_s": "seconds",
     "resume_s": "seconds",
+    "signature_skipped": "checkpoints refused",
     "replication_ok": "copy ok (1) / failed (0)",
     "replication_lag_checkpoints": "checkpoints",
     "peer_replication_ok": "peer copy ok (1) / failed (0)",
