@@ -183,3 +183,31 @@ def test_a_checkpoint_written_before_block_digests_still_loads_verifies_and_catc
     assert [p["tensor"] for p in report.problems if p["kind"] == CHUNK_CHECKSUM] == ["model.big"]
     with pytest.raises(CorruptCheckpoint, match="model.big"):
         load_checkpoint(empty_like(state), str(tmp_path))
+
+
+def test_a_new_part_whose_blocked_chunk_checksum_is_not_the_digest_of_its_blocks_is_refused(tmp_path):
+    from lightning_shardckpt.engine.format.checksum import checksum_of_checksums
+    from tests.helpers.forgery import forge_part
+
+    save_checkpoint(str(tmp_path), state=big_state())
+    [directory] = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("step-")]
+    record = big_chunk_record(str(directory))
+    with open(directory / SHARD, "rb") as shard:
+        shard.seek(record["offset"])
+        old_definition = xxhash.xxh3_64(shard.read(record["length"])).hexdigest()
+
+    def edit(part: dict) -> None:  # the checksum as xxh3_64 defined it, everything vouching for it recomputed
+        chunks = part[parts.TENSOR_CHUNKS] + part[parts.OBJECTS]
+        next(c for c in chunks if c["fqn"] == "model.big")["checksum"] = old_definition
+        part["file_checksum"] = checksum_of_checksums(
+            [c["checksum"] for c in sorted(chunks, key=lambda c: c["offset"])]
+        )
+
+    def manifest_edit(manifest: dict) -> None:
+        part = json.loads((directory / PART).read_bytes())
+        manifest["parts"]["file_checksums"] = part["file_checksum"] + manifest["parts"]["file_checksums"][16:]
+
+    forge_part(str(directory), 0, edit, manifest_edit)
+    with pytest.raises(CorruptCheckpoint, match="not the digest of its block checksums"):
+        load_checkpoint(empty_like(big_state()), str(tmp_path))
+    assert not verify_checkpoint(str(tmp_path)).ok
