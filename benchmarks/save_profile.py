@@ -61,7 +61,7 @@ def _line(module: Any, text: str) -> str:
 PHASES = (
     ("finite flags (is_finite)", ("is_finite",)),
     ("read-back verification", ("verify_reads", "_read_back_checksum")),
-    ("xxh3 checksums", ("_hash_blocks", _line(checksum_format, "self._hasher.update(piece)"))),
+    ("xxh3 checksums", ("ChunkHasher.update", _line(checksum_format, "self._hasher.update(piece)"))),
     ("fsync", ("fsync", "sync_local_file", _line(pause_inloop, "os.fsync("))),
     (
         "staging copy",

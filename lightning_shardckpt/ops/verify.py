@@ -19,7 +19,7 @@ from ..engine.catalog import CheckpointEntry
 from ..engine.format import chunk_layout, parts_manifest, safe_pickle, signing
 from ..engine.format import manifest as manifest_format
 from ..engine.format import parts as part_format
-from ..engine.format.checksum import checksum, checksum_of_checksums
+from ..engine.format.checksum import ChunkCheck, checksum_of_checksums
 from ..engine.format.chunk_index import read_parts
 from ..engine.format.layout import DCP_METADATA, join, shard_filename
 from ..engine.format.references import REFERENCES_FIELD
@@ -251,12 +251,15 @@ def _verify_file(
             handle.seek(chunk["offset"])
             data = handle.read(chunk["length"])
             report.bytes_read += len(data)
-            actual = checksum(data)
-            digests.append(actual)
+            check = ChunkCheck.of_record(chunk)  # by its block digests when it has them (both algorithms)
+            actual = check.actual(data)
+            # the file checksum is made of the recorded chunk checksums: a chunk whose bytes passed stands for its
+            # record's (an xxh3_64 checkpoint's blocked chunk is checked by blocks, its checksum is of the bytes)
+            digests.append(chunk["checksum"] if actual == check.expected else actual)
             if len(data) != chunk["length"]:
                 actual = f"<{len(data)} of {chunk['length']} bytes>"
-            if actual != chunk["checksum"]:
-                report.problems.append(_problem(CHUNK_CHECKSUM, relative, fqn, chunk["checksum"], actual))
+            if actual != check.expected:
+                report.problems.append(_problem(CHUNK_CHECKSUM, relative, fqn, check.expected, actual))
     file_digest = checksum_of_checksums(digests)
     if file_digest != item["checksum"]:
         report.problems.append(_problem(FILE_CHECKSUM, relative, None, item["checksum"], file_digest))
@@ -285,9 +288,10 @@ def _verify_referenced(
             handle.seek(chunk["offset"])
             data = handle.read(chunk["length"])
             report.bytes_read += len(data)
-            actual = checksum(data) if len(data) == chunk["length"] else f"<{len(data)} of {chunk['length']} bytes>"
-            if actual != chunk["checksum"]:
-                report.problems.append(_problem(CHUNK_CHECKSUM, relative, fqn, chunk["checksum"], actual))
+            check = ChunkCheck.of_record(chunk)
+            actual = check.actual(data) if len(data) == chunk["length"] else f"<{len(data)} of {chunk['length']} bytes>"
+            if actual != check.expected:
+                report.problems.append(_problem(CHUNK_CHECKSUM, relative, fqn, check.expected, actual))
 
 
 def _tiling_problems(relative: str, file_bytes: int, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,10 +12,11 @@ import zipfile
 from pathlib import Path
 
 import torch
+import xxhash
 
 from lightning_shardckpt.engine.format import chunk_layout, parts, parts_manifest
 from lightning_shardckpt.engine.format import manifest as manifest_format
-from lightning_shardckpt.engine.format.checksum import checksum
+from lightning_shardckpt.engine.format.checksum import ChunkCheck, HashingWriter, block_size_for, checksum
 from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.storage.chunk_reads import decode_tensor_record
 
@@ -37,6 +38,7 @@ def test_every_record_kind_has_a_vector():
         "index marker",
         "tensor record",
         "object record",
+        "blocked chunk",
         "signature key seed",  # §12, checked by tests/unit/test_signing.py
         "signature manifest",
         "signature record",
@@ -132,6 +134,29 @@ def test_the_tensor_record_vector_decodes_without_torch_and_with_it():
     tensor = decode_tensor_record(memoryview(bytearray(data)), (2, 3), torch.bfloat16)
     assert torch.equal(tensor, torch.tensor([[1.0, 2.0, 3.0], [-0.5, 0.25, 8.0]], dtype=torch.bfloat16))
     assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+
+
+def test_the_blocked_chunk_vector_is_what_the_writer_records_and_an_independent_reader_recomputes():
+    vector = json.loads(vectors()["blocked chunk"])
+    length = vector["length"]
+    data = (bytes(range(251)) * (length // 251 + 1))[:length]
+    # as §3 tells an independent reader: xxh3_64 of each block, then of their hex digests concatenated
+    size = vector["blocks"]["size"]
+    blocks = [xxhash.xxh3_64(data[start : start + size]).hexdigest() for start in range(0, length, size)]
+    assert blocks == vector["blocks"]["checksums"]
+    assert xxhash.xxh3_64("".join(blocks).encode()).hexdigest() == vector["checksum"]
+    old = re.search(r"its `checksum` was the xxh3_64 of all its bytes, `([0-9a-f]{16})`", FORMAT.read_text())[1]
+    assert xxhash.xxh3_64(data).hexdigest() == old
+    # what the writer records for such a chunk, through the same streaming pass a save makes
+    stream = HashingWriter(io.BytesIO())
+    stream.begin_chunk(block_size_for(length))
+    for start in range(0, length, 3 * 2**20 + 17):  # writes of any size: blocks do not follow write boundaries
+        stream.write(data[start : start + 3 * 2**20 + 17])
+    assert stream.end_chunk() == (0, length, vector["checksum"])
+    assert stream.chunk_blocks == (size, tuple(vector["blocks"]["checksums"]))
+    # and how every reader checks it, under both algorithms
+    assert ChunkCheck.of_record(vector).actual(data) == vector["checksum"]
+    assert ChunkCheck.of_record({**vector, "checksum": old}).actual(data) == vector["checksum"]
 
 
 class _NoGlobals(pickle.Unpickler):

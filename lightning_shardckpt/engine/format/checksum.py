@@ -1,4 +1,12 @@
-"""Chunk checksums: xxh3-64, computed while bytes stream to storage and again whenever they are read."""
+"""Chunk checksums: xxh3-64, computed while bytes stream to storage and again whenever they are read.
+
+Two algorithms name what a chunk's `checksum` is (FORMAT.md §3), recorded as the manifest's `checksum_algorithm`:
+- `xxh3_64` (written before issue 36): the xxh3 of the chunk's bytes, even for a chunk checksummed by block too;
+- `xxh3_64_blocks` (written now): the same for a chunk without blocks; for a chunk checksummed by block, the digest
+  of its block digests (`checksum_of_checksums`), so the writer hashes each byte once, not twice.
+A reader checks a chunk the same way under both (`ChunkCheck.of`): by its block digests when it has them (they mean
+the same in both), else by the xxh3 of its bytes.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +46,100 @@ def block_size_for(nbytes: int) -> int | None:
     return size
 
 
-def checksum_of_checksums(digests: list[str]) -> str:
-    """A file's checksum: the digest of its chunk digests in offset order (its chunks tile the file)."""
+def checksum_of_checksums(digests: list[str] | tuple[str, ...]) -> str:
+    """A file's checksum: the digest of its chunk digests in offset order (its chunks tile the file); under
+    `xxh3_64_blocks` also a blocked chunk's checksum: the digest of its block digests in order (blocks tile it)."""
     return xxhash.xxh3_64("".join(digests).encode()).hexdigest()
+
+
+class ChunkHasher:
+    """Fed a chunk's bytes in order, in pieces of any size: `hexdigest()` is the chunk's checksum as
+    `xxh3_64_blocks` defines it (with `block_size`: the digest of its block digests; without: the xxh3).
+
+    With `block_size`, `blocks` holds the digest of every block completed so far (the last, partial one
+    is added by `hexdigest`).
+    """
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.block_size = block_size
+        self._hasher = xxhash.xxh3_64()
+        self._filled = 0
+        self.blocks: list[str] = []
+
+    def reset(self, block_size: int | None = None) -> None:
+        self.block_size, self._filled, self.blocks = block_size, 0, []
+        self._hasher.reset()
+
+    def update(self, data: Any) -> None:
+        if self.block_size is None:
+            self._hasher.update(data)
+            return
+        view = memoryview(data).cast("B")
+        start = 0
+        while start < len(view):
+            take = min(len(view) - start, self.block_size - self._filled)
+            self._hasher.update(view[start : start + take])
+            self._filled += take
+            start += take
+            if self._filled == self.block_size:
+                self.blocks.append(self._hasher.hexdigest())
+                self._hasher.reset()
+                self._filled = 0
+
+    def finish_blocks(self) -> tuple[str, ...]:
+        """Every block digest, the last (partial) block's included; call once, after the last byte."""
+        if self._filled:
+            self.blocks.append(self._hasher.hexdigest())
+            self._hasher.reset()
+            self._filled = 0
+        return tuple(self.blocks)
+
+    def hexdigest(self) -> str:
+        if self.block_size is None:
+            return self._hasher.hexdigest()
+        return checksum_of_checksums(self.finish_blocks())
+
+
+def chunk_checksum(data: Any, block_size: int | None = None) -> str:
+    """The checksum of a chunk's bytes as ChunkHasher defines it."""
+    hasher = ChunkHasher(block_size)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+class ChunkCheck:
+    """How a reader checks one chunk's bytes, the same under both algorithms: hash them with
+    `ChunkHasher(block_size)` and compare with `expected`.
+
+    A chunk with block digests is checked by them: `expected` is the digest of the recorded block digests,
+    which every block of the bytes read must match for the digest of the read ones to equal it (a
+    `xxh3_64` checkpoint records the same block digests; its chunk `checksum`, the xxh3 of the bytes, is
+    then not needed). A chunk without them is checked by its `checksum`, the xxh3 of its bytes in both.
+    """
+
+    __slots__ = ("expected", "block_size")
+
+    def __init__(self, expected: str, block_size: int | None) -> None:
+        self.expected, self.block_size = expected, block_size
+
+    @classmethod
+    def of(cls, checksum: str, blocks: tuple[int, Any] | None) -> ChunkCheck:
+        """From a chunk record's `checksum` and its block record as (size, digests), or None."""
+        if blocks is None:
+            return cls(checksum, None)
+        return cls(checksum_of_checksums(list(blocks[1])), blocks[0])
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> ChunkCheck:
+        """From a chunk record (`checksum`, optional `blocks: {size, checksums}`, FORMAT.md §3)."""
+        blocks = record.get("blocks")
+        return cls.of(record["checksum"], (blocks["size"], blocks["checksums"]) if blocks else None)
+
+    def hasher(self) -> ChunkHasher:
+        return ChunkHasher(self.block_size)
+
+    def actual(self, data: Any) -> str:
+        return chunk_checksum(data, self.block_size)
 
 
 class HashingWriter:
@@ -55,55 +154,38 @@ class HashingWriter:
         self._raw = raw
         self._file_digest = file_digest
         self._position = 0
-        self._hasher = xxhash.xxh3_64()
         self._chunk_start = 0
-        self._block_size: int | None = None
-        self._block_hasher = xxhash.xxh3_64()
-        self._block_filled = 0
-        self._blocks: list[str] = []
+        self._hasher = ChunkHasher()
+        self._blocks: tuple[str, ...] | None = None
 
     def begin_chunk(self, block_size: int | None = None) -> None:
-        """Start a chunk; with `block_size`, also checksum each `block_size` bytes of it (block_size_for)."""
-        self._hasher.reset()
+        """Start a chunk; with `block_size`, checksum each `block_size` bytes of it (block_size_for) and make
+        the chunk's checksum the digest of those (`xxh3_64_blocks`): every byte is hashed once."""
+        self._hasher.reset(block_size)
         self._chunk_start = self._position
-        self._block_size, self._block_filled, self._blocks = block_size, 0, []
-        self._block_hasher.reset()
+        self._blocks = None
 
     def end_chunk(self) -> tuple[int, int, str]:
         """Return (offset, length, checksum) of the bytes written since `begin_chunk`."""
-        if self._block_size is not None and self._block_filled:
-            self._blocks.append(self._block_hasher.hexdigest())
+        if self._hasher.block_size is not None:
+            self._blocks = self._hasher.finish_blocks()
         return self._chunk_start, self._position - self._chunk_start, self._hasher.hexdigest()
 
     @property
     def chunk_blocks(self) -> tuple[int, tuple[str, ...]] | None:
         """(block size, digests) of the chunk just ended, or None when it was not checksummed by block."""
-        return (self._block_size, tuple(self._blocks)) if self._block_size is not None else None
-
-    def _hash_blocks(self, view: memoryview) -> None:
-        assert self._block_size is not None
-        start = 0
-        while start < len(view):
-            take = min(len(view) - start, self._block_size - self._block_filled)
-            self._block_hasher.update(view[start : start + take])
-            self._block_filled += take
-            start += take
-            if self._block_filled == self._block_size:
-                self._blocks.append(self._block_hasher.hexdigest())
-                self._block_hasher.reset()
-                self._block_filled = 0
+        block_size = self._hasher.block_size
+        return (block_size, self._blocks) if block_size is not None and self._blocks is not None else None
 
     # --- the file-like surface torch.save needs ---
     def write(self, data: Any) -> int:
-        # piece by piece: the chunk hash, the block hash and the copy to storage then read each piece while
-        # it is still in cache, instead of three passes over a tensor's bytes from memory (-25% CPU here)
+        # piece by piece: the hash (one: a blocked chunk's checksum is made of its block digests) and the
+        # copy to storage then read each piece while it is still in cache, not two passes over memory
         view = memoryview(data).cast("B")
         size = view.nbytes
         for start in range(0, size, WRITE_PIECE_BYTES):
             piece = view[start : start + WRITE_PIECE_BYTES]
             self._hasher.update(piece)
-            if self._block_size is not None:
-                self._hash_blocks(piece)
             if self._file_digest is not None:
                 self._file_digest.update(piece)  # hashlib drops the GIL on a 1 MiB piece
             written = self._raw.write(piece)

@@ -21,7 +21,12 @@ INCREMENTAL_FORMAT_VERSION = 3  # what an incremental checkpoint (one with refer
 # a full save whose ranks agree on the layout: per-rank parts beside the shards, a small manifest (FORMAT.md §10)
 PARTS_FORMAT_VERSION = 4
 NEWEST_FORMAT_VERSION = max(READABLE_FORMAT_VERSIONS)
-CHECKSUM_ALGORITHM = "xxh3_64"
+# what a chunk's `checksum` is (FORMAT.md §3, format/checksum.py): "xxh3_64" the xxh3 of its bytes (before issue
+# 36, and what an absent field means); "xxh3_64_blocks" the same except for a chunk with block digests: the digest
+# of those, so the writer hashes each byte once. Readers check both the same way (checksum.ChunkCheck).
+CHECKSUM_ALGORITHM = "xxh3_64_blocks"  # what the writer records
+LEGACY_CHECKSUM_ALGORITHM = "xxh3_64"
+READABLE_CHECKSUM_ALGORITHMS = (LEGACY_CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHM)
 
 _SHARD_RE = re.compile(r"^__(?P<rank>\d+)_\d+(?:\.distcp|\.part\.json)$")  # a shard file or its part (v4)
 _DIR_RE = re.compile(r"^step-(?P<step>\d{9,})-(?P<id>[0-9a-f]{8,32})$")

@@ -8,6 +8,7 @@ timeline shows (`summary`), so a timeline never reads a manifest either.
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 from datetime import datetime, timezone
@@ -45,6 +46,7 @@ RECORD_FIELDS = ("format_version", "id", "step", "run_id", "parent", "seq", "cre
 IDENTITY_BLOCKS = ("config", "data", "model", "code", "run")
 
 
+@functools.cache  # importlib.metadata scans every distribution on sys.path (~0.4 ms): once per process, not per save
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from .layout import CHECKSUM_ALGORITHM, DirName, parse_dirname
+from .layout import LEGACY_CHECKSUM_ALGORITHM, READABLE_CHECKSUM_ALGORITHMS, DirName, parse_dirname
 from .outcomes import metrics_problems
 
 HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)
@@ -69,9 +69,13 @@ def common_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[s
         problems.append("seq is missing (required from format v2)")
     if not isinstance(manifest.get("topology"), dict):
         problems.append("topology is not an object")
-    algorithm = manifest.get("checksum_algorithm", CHECKSUM_ALGORITHM)
-    if algorithm != CHECKSUM_ALGORITHM:  # its digests cannot be checked as xxh3: nothing read could be vouched for
-        problems.append(f"checksum_algorithm {algorithm!r} is not one this reader checks ({CHECKSUM_ALGORITHM})")
+    algorithm = manifest.get("checksum_algorithm", LEGACY_CHECKSUM_ALGORITHM)
+    if (
+        algorithm not in READABLE_CHECKSUM_ALGORITHMS
+    ):  # its digests cannot be checked: nothing read could be vouched for
+        problems.append(
+            f"checksum_algorithm {algorithm!r} is not one this reader checks ({', '.join(READABLE_CHECKSUM_ALGORITHMS)})"
+        )
     for name in ("identity", "verification", "writer", "extra"):
         if manifest.get(name) is not None and not isinstance(manifest[name], dict):
             problems.append(f"{name} is not an object")

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import chunk_layout
-from .layout import shard_filename
-from .manifest_schema import HEX_DIGEST, is_int, tiling_problems
-from .parts import part_filename
+from .checksum import checksum_of_checksums
+from .layout import CHECKSUM_ALGORITHM, shard_filename
+from .manifest_schema import BLOCKS_FIELD, HEX_DIGEST, is_int, tiling_problems
+from .parts import TENSOR_CHUNKS, part_filename
 
 PARTS_FIELD = "parts"
 LAYOUT_FIELD = "layout"
@@ -102,11 +103,21 @@ def part_entry_problems(manifest: dict[str, Any], rank: int, part: dict[str, Any
         "file_bytes": table[FILE_BYTES][rank],
         "file_checksum": digest_at(table, FILE_CHECKSUMS, rank),
     }
-    return [
+    problems = [
         f"{name} is {part.get(name)!r}, the manifest says {value!r}"
         for name, value in expected.items()
         if part.get(name) != value
     ]
+    if manifest.get("checksum_algorithm") == CHECKSUM_ALGORITHM:
+        # xxh3_64_blocks: a blocked chunk's checksum is the digest of its block digests (FORMAT.md §3); readers
+        # check its bytes by the blocks, so a checksum that disagrees would make the file checksum mean nothing
+        problems.extend(
+            f"chunk of {chunk['fqn']!r} at byte {chunk['offset']}: checksum {chunk['checksum']} is not the digest "
+            "of its block checksums, as checksum_algorithm xxh3_64_blocks requires"
+            for chunk in part[TENSOR_CHUNKS]
+            if BLOCKS_FIELD in chunk and chunk["checksum"] != checksum_of_checksums(chunk[BLOCKS_FIELD]["checksums"])
+        )
+    return problems
 
 
 def layouts(manifest: dict[str, Any]) -> dict[str, chunk_layout.Layout]:

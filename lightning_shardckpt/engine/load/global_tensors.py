@@ -23,6 +23,7 @@ import torch
 from ...errors import CorruptCheckpoint
 from ..catalog import CheckpointEntry
 from ..format import chunk_layout, safe_pickle
+from ..format.checksum import ChunkCheck
 from ..format.chunk_index import ChunkIndex
 from ..format.layout import join, shard_filename
 from ..format.parts_manifest import LAYOUT_FIELD
@@ -167,7 +168,7 @@ class GlobalTensorReader:
             self._buffer = bytearray(wanted)
         data = read_at(handle, chunk["offset"], memoryview(self._buffer)[:wanted])
         self.bytes_read += len(data)
-        check_chunk(self.entry.path, chunk["file"], length, data, chunk["checksum"], fqn)
+        check_chunk(self.entry.path, chunk["file"], length, data, ChunkCheck.of_record(chunk), fqn)
         return data
 
     def _handle(self, relative: str, fqn: str) -> Any:

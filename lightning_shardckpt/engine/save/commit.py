@@ -281,7 +281,9 @@ def publish(
     if after_manifest is not None:
         after_manifest()
     try:
-        fsio.replace_small_file(fs, join(root_path, LATEST), (dirname + "\n").encode())
+        # not fsynced: `latest` is a hint readers confirm against the manifests (a stale, empty or missing one
+        # falls back to them, FORMAT.md §4); the commit is the manifest, made durable above
+        fsio.backend_for(fs).replace_hint(join(root_path, LATEST), (dirname + "\n").encode())
     except Exception:  # committed all the same: readers go by the manifests
         log.warning(
             "committed %s but could not update %s; readers fall back to the manifests", directory, LATEST, exc_info=True

@@ -99,6 +99,15 @@ class FsspecBackend:
         """Write a file of an uncommitted directory (no one reads it before the commit)."""
         retry.call("put", lambda: self.fs.pipe_file(path, data), target=path)
 
+    # a crash may lose these two: where the backend has fsyncs (a local disk), they are skipped
+    def create_if_absent_not_durable(self, path: str, data: bytes) -> None:
+        """create_if_absent of a file nothing depends on surviving a crash (an event)."""
+        self.create_if_absent(path, data)
+
+    def replace_hint(self, path: str, data: bytes) -> None:
+        """replace_small_file of a hint readers never trust alone (`latest`): stale, empty or missing is fine."""
+        self.replace_small_file(path, data)
+
     def makedirs(self, path: str) -> None:
         try:
             self.fs.makedirs(path, exist_ok=True)
@@ -176,6 +185,22 @@ class LocalBackend(FsspecBackend):
 
     def write_new_file(self, path: str, data: bytes) -> None:
         _write_fsync(path, data)
+
+    def create_if_absent_not_durable(self, path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+        try:
+            os.link(tmp, path)  # still atomic and still refusing to replace: only the fsyncs are left out
+        finally:
+            os.unlink(tmp)
+
+    def replace_hint(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)  # readers see the old name or the new one, never a partial file
 
     def probe_files(self, paths: list[str]) -> list[Any]:
         if not self._plain:

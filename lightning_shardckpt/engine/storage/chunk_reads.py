@@ -29,7 +29,7 @@ import torch
 
 from ...errors import CorruptCheckpoint
 from ..format import safe_pickle
-from ..format.checksum import checksum, streaming_checksum
+from ..format.checksum import ChunkCheck, ChunkHasher
 from ..format.layout import join
 from . import fsio
 from .backends import backend_for
@@ -111,12 +111,15 @@ def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
     return max(0, min(length, shard.size - offset))
 
 
-def fetch_buffered(shard: ShardFile, offset: int, length: int, buffer: bytearray, hashing: bool) -> Fetched:
-    """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands. `buffer` needs only
-    `available_bytes(...)`: what the file holds of the chunk (a `length` past the file's end is short, not read)."""
+def fetch_buffered(
+    shard: ShardFile, offset: int, length: int, buffer: bytearray, hashing: bool, block_size: int | None = None
+) -> Fetched:
+    """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands (`block_size`: the chunk's
+    ChunkCheck's, so its digest is made of block digests). `buffer` needs only `available_bytes(...)`: what the
+    file holds of the chunk (a `length` past the file's end is short, not read)."""
     wanted = available_bytes(shard, offset, length)
     view = memoryview(buffer)[:wanted]
-    hasher = streaming_checksum() if hashing else None
+    hasher = ChunkHasher(block_size) if hashing else None
     filled = 0
     while filled < wanted:
         piece = view[filled : min(wanted, filled + PIECE_BYTES)]
@@ -174,7 +177,7 @@ class DirectReader:
             return Fetched(length, read_bytes, None, time.perf_counter(), placed=False)
         chunk = _ChunkBytes(shard, offset, length, head, tail, tail_start, _segments(length, data_start, destinations))
         if block_size is None or not self._hashing:
-            hasher = streaming_checksum() if self._hashing else None
+            hasher = ChunkHasher() if self._hashing else None  # no block size here: the chunk has no blocks
             read_bytes, short_at = self._copy(chunk, 0, length, hasher, read_bytes)
             if short_at is not None:
                 return Fetched(short_at, read_bytes, None, time.perf_counter())
@@ -203,7 +206,7 @@ class DirectReader:
         digests: dict[int, str] = {}
         read_bytes = 0
         for index in indices:
-            hasher = streaming_checksum()
+            hasher = ChunkHasher()  # one block: its plain xxh3
             read_bytes, short_at = self._copy(
                 chunk, index * block_size, min(chunk.length, (index + 1) * block_size), hasher, read_bytes
             )
@@ -399,11 +402,12 @@ def chunk_mismatch(directory: str, relative_path: str, fqn: str, expected: str, 
     )
 
 
-def check_chunk(directory: str, relative_path: str, length: int, data: memoryview, expected: str, fqn: str) -> None:
-    """Raise CorruptCheckpoint, naming the file and the tensor, unless `data` is the chunk the manifest recorded."""
-    actual = checksum(data) if len(data) == length else SHORT_READ.format(filled=len(data), length=length)
-    if actual != expected:
-        raise chunk_mismatch(directory, relative_path, fqn, expected, actual)
+def check_chunk(directory: str, relative_path: str, length: int, data: memoryview, check: ChunkCheck, fqn: str) -> None:
+    """Raise CorruptCheckpoint, naming the file and the tensor, unless `data` is the chunk the manifest recorded
+    (`check`: ChunkCheck.of_record of its record)."""
+    actual = check.actual(data) if len(data) == length else SHORT_READ.format(filled=len(data), length=length)
+    if actual != check.expected:
+        raise chunk_mismatch(directory, relative_path, fqn, check.expected, actual)
 
 
 def decode_tensor_record(data: memoryview, sizes: tuple[int, ...] | None, dtype: torch.dtype | None) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch.futures import Future
 from ...errors import CorruptCheckpoint
 from ..config import DEFAULT_READ_AHEAD_BYTES, DEFAULT_READ_THREADS
 from ..format import safe_pickle
+from ..format.checksum import ChunkCheck
 from ..format.layout import DCP_METADATA, join
 from .chunk_reads import (
     SHORT_READ,
@@ -196,7 +197,13 @@ class ShardReader(StorageReader):
                     # file would be zero-filled here before the short read is found
                     chunk.buffer = pool.take(available_bytes(shard, chunk.offset, chunk.length))
                     future = executor.submit(
-                        fetch_buffered, shard, chunk.offset, chunk.length, chunk.buffer, self._expected is not None
+                        fetch_buffered,
+                        shard,
+                        chunk.offset,
+                        chunk.length,
+                        chunk.buffer,
+                        self._expected is not None,
+                        self._block_size(chunk),
                     )
                 pending.append((chunk, future))
                 buffered += needs
@@ -296,7 +303,9 @@ class ShardReader(StorageReader):
             file = ShardFile(self.fs, join(self.path, chunk.relative_path))
             chunk.targets, chunk.buffer = None, pool.take(available_bytes(file, chunk.offset, chunk.length))
             try:
-                fetched = fetch_buffered(file, chunk.offset, chunk.length, chunk.buffer, self._expected is not None)
+                fetched = fetch_buffered(
+                    file, chunk.offset, chunk.length, chunk.buffer, self._expected is not None, self._block_size(chunk)
+                )
             finally:
                 file.close()
         self._check(chunk, fetched)
@@ -375,9 +384,16 @@ class ShardReader(StorageReader):
                         self.path, chunk.relative_path, chunk.fqn, f"block {index}: {expected_blocks[index]}", digest
                     )
             return
+        # read whole: by the digest of its block digests when it has blocks, as the buffered read hashed it
+        check = ChunkCheck.of(expected[0], self._expected_blocks.get((chunk.relative_path, chunk.offset)))
         actual = SHORT_READ.format(filled=fetched.filled, length=chunk.length) if short else fetched.digest
-        if actual != expected[0]:
-            raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, expected[0], actual)
+        if actual != check.expected:
+            raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, check.expected, actual)
+
+    def _block_size(self, chunk: _Chunk) -> int | None:
+        """The block size a whole read of `chunk` hashes by (ChunkCheck): its blocks', or None without blocks."""
+        blocks = self._expected_blocks.get((chunk.relative_path, chunk.offset))
+        return blocks[0] if blocks else None
 
 
 def _element_size(dtype: torch.dtype) -> int:

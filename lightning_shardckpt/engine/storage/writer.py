@@ -33,7 +33,7 @@ from torch.futures import Future
 from ...errors import CorruptCheckpoint
 from ..config import VerifyConfig
 from ..format import signing
-from ..format.checksum import HashingWriter, block_size_for, streaming_checksum
+from ..format.checksum import ChunkHasher, HashingWriter, block_size_for
 from ..format.layout import join, shard_filename
 from . import fsio
 from .chunk_reads import PIECE_BYTES, SHORT_READ, ShardFile
@@ -201,6 +201,7 @@ class VerifyRead:
     length: int
     expected: str
     block: int | None = None  # the block's index in its chunk; None: the whole chunk
+    block_size: int | None = None  # a whole chunk checksummed by block: its checksum is of its block digests
 
 
 def choose_reads_to_verify(
@@ -216,7 +217,10 @@ def choose_reads_to_verify(
     meant reading a whole 512 MiB tensor back (50x the 1% asked for, and most of a save's CPU).
     """
     if policy.mode == "full":
-        return [VerifyRead(index, offset, length, digest) for index, (offset, length, digest) in enumerate(chunks)]
+        return [
+            VerifyRead(index, offset, length, digest, block_size=chunk_blocks[0] if chunk_blocks else None)
+            for index, ((offset, length, digest), chunk_blocks) in enumerate(zip(chunks, blocks))
+        ]
     pieces: list[VerifyRead] = []
     for index, ((offset, length, digest), chunk_blocks) in enumerate(zip(chunks, blocks)):
         if chunk_blocks is None:
@@ -233,7 +237,8 @@ def choose_reads_to_verify(
 
 
 def verify_chunks(fs: Any, path: str, chunks: list[tuple[int, int, str]], indices: list[int], names: list[str]) -> None:
-    """Read chosen chunks back whole from storage; raise CorruptCheckpoint naming each mismatch."""
+    """Read chosen chunks (ones without blocks: `add_bytes`'s) back whole from storage; raise CorruptCheckpoint
+    naming each mismatch."""
     verify_reads(fs, path, [VerifyRead(i, *chunks[i]) for i in indices], names)
 
 
@@ -252,7 +257,7 @@ def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) 
     try:
         piece = memoryview(bytearray(min(PIECE_BYTES, max(read.length for read in reads))))
         for read in reads:
-            actual = _read_back_checksum(shard, read.offset, read.length, piece)
+            actual = _read_back_checksum(shard, read.offset, read.length, piece, read.block_size)
             if actual != read.expected:
                 problem = {"file": path, "tensor": names[read.chunk], "expected": read.expected, "actual": actual}
                 if read.block is not None:
@@ -269,9 +274,12 @@ def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) 
     return shard.size  # the file's size on storage, as the reads found it (the writer checks it: no extra request)
 
 
-def _read_back_checksum(shard: ShardFile, offset: int, length: int, piece: memoryview) -> str:
-    """The checksum of `length` bytes at `offset` as storage returns them, or '<n of length bytes>' if cut short."""
-    hasher = streaming_checksum()
+def _read_back_checksum(
+    shard: ShardFile, offset: int, length: int, piece: memoryview, block_size: int | None = None
+) -> str:
+    """The checksum of `length` bytes at `offset` as storage returns them, or '<n of length bytes>' if cut short.
+    `block_size`: a whole chunk checksummed by block (its checksum is the digest of its block digests)."""
+    hasher = ChunkHasher(block_size)
     filled = 0
     while filled < length:
         view = piece[: min(len(piece), length - filled)]

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .verified_copy import PIECE_BYTES, RangeCheck
+from .verified_copy import PIECE_BYTES, Range, RangeCheck
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Incoming:
     fs: Any
     path: str
     size: int
-    ranges: list[tuple[int, int, str]] | None
+    ranges: list[Range] | None
 
 
 @dataclass

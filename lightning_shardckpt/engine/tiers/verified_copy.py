@@ -14,7 +14,7 @@ from ...errors import CorruptCheckpoint
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format import parts_manifest
-from ..format.checksum import streaming_checksum
+from ..format.checksum import ChunkCheck, ChunkHasher
 from ..format.chunk_index import read_parts
 from ..format.layout import DCP_METADATA, join, shard_rank
 from ..format.safe_pickle import DCP_METADATA_FIELD
@@ -23,33 +23,42 @@ from ..storage import fsio
 PIECE_BYTES = 8 * 2**20  # memory bound per upload: one piece in flight
 
 
+# (offset, length, expected digest[, block size]): a range checked as ChunkCheck says (with a block size: by the
+# digest of its block digests, the same for both checksum algorithms)
+Range = tuple[int, int, str] | tuple[int, int, str, int | None]
+
+
+def _chunk_range(chunk: dict[str, Any]) -> Range:
+    check = ChunkCheck.of_record(chunk)
+    return (chunk["offset"], chunk["length"], check.expected, check.block_size)
+
+
 def expected_ranges(
     manifest: dict[str, Any], relative: str, parts_at: list[tuple[Any, str]] | tuple = ()
-) -> list[tuple[int, int, str]]:
-    """(offset, length, checksum) of every checksummed range of `relative`, in offset order.
+) -> list[Range]:
+    """(offset, length, checksum, block size) of every checksummed range of `relative`, in offset order.
 
     Format v4 lists a shard's chunks in its rank's part, not in the manifest: the part is read from the first of
     `parts_at` ((fs, checkpoint directory) pairs) that holds it, checked against the manifest first. A part itself
     is one range: its whole bytes, whose checksum the manifest holds."""
     if relative == DCP_METADATA:
         meta = manifest.get(DCP_METADATA_FIELD) or {}
-        return [(0, meta["bytes"], meta["checksum"])] if meta else []
+        return [(0, meta["bytes"], meta["checksum"], None)] if meta else []
     if manifest_format.is_parts_format(manifest):
         listed = {item["path"]: item for item in manifest_format.files_of(manifest)}
         item = listed.get(relative)
         if item is None:
             return []
         if item["kind"] == parts_manifest.PART:
-            return [(0, item["bytes"], item["checksum"])]
+            return [(0, item["bytes"], item["checksum"], None)]
         return _shard_ranges(manifest, relative, parts_at)
     return sorted(
-        (chunk["offset"], chunk["length"], chunk["checksum"])
-        for _, chunk in manifest_format.iter_chunks(manifest)
-        if chunk["file"] == relative
+        (_chunk_range(chunk) for _, chunk in manifest_format.iter_chunks(manifest) if chunk["file"] == relative),
+        key=lambda item: item[0],
     )
 
 
-def _shard_ranges(manifest: dict[str, Any], relative: str, parts_at: Any) -> list[tuple[int, int, str]]:
+def _shard_ranges(manifest: dict[str, Any], relative: str, parts_at: Any) -> list[Range]:
     rank = shard_rank(relative)
     problems = []
     for fs, directory in parts_at:
@@ -59,7 +68,7 @@ def _shard_ranges(manifest: dict[str, Any], relative: str, parts_at: Any) -> lis
             problems.append(str(err))
             continue
         chunks = part[part_format.TENSOR_CHUNKS] + part[part_format.OBJECTS]
-        return sorted((chunk["offset"], chunk["length"], chunk["checksum"]) for chunk in chunks)
+        return sorted((_chunk_range(chunk) for chunk in chunks), key=lambda item: item[0])
     raise CorruptCheckpoint(
         f"{relative}: its part is not readable where it was looked for ({'; '.join(problems) or 'nowhere'}); "
         "refusing to copy an unverifiable file"
@@ -118,10 +127,14 @@ def copy_verified(
 class RangeCheck:
     """The manifest's checksums of one file, checked as its bytes stream past in pieces of any size."""
 
-    def __init__(self, label: str, ranges: list[tuple[int, int, str]], size: int) -> None:
+    def __init__(self, label: str, ranges: list[Range], size: int) -> None:
         self.label, self.ranges, self.size = label, ranges, size
         self.position, self._index = 0, 0
-        self._hasher = streaming_checksum()
+        self._hasher = ChunkHasher(self._block_size(0))
+
+    def _block_size(self, index: int) -> int | None:
+        item = self.ranges[index] if index < len(self.ranges) else None
+        return item[3] if item is not None and len(item) > 3 else None
 
     def feed(self, piece: bytes | memoryview) -> None:
         """Raises CorruptCheckpoint naming the range as soon as a range's bytes do not match."""
@@ -130,7 +143,7 @@ class RangeCheck:
         while start < len(view):
             if self._index >= len(self.ranges):
                 raise CorruptCheckpoint(f"{self.label}: longer than the {self.size} bytes its manifest lists")
-            offset, length, expected = self.ranges[self._index]
+            offset, length, expected = self.ranges[self._index][:3]
             end = offset + length
             take = min(len(view) - start, end - (self.position + start))
             self._hasher.update(view[start : start + take])
@@ -143,8 +156,8 @@ class RangeCheck:
                         "the fast-tier copy is damaged and will not be replicated",
                         problems=[{"file": self.label, "offset": offset, "expected": expected, "actual": actual}],
                     )
-                self._hasher.reset()
                 self._index += 1
+                self._hasher.reset(self._block_size(self._index))
         self.position += len(view)
 
     def finish(self) -> None:
