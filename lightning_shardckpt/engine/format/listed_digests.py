@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import CommitFailed, SignatureRefused
+from .file_digests import DIGEST_FIELD, file_digest
 from .layout import join
 from .references import REFERENCES_FIELD, make
-from .signing import DIGEST_FIELD, file_digest
 
 DIGEST = "digest"  # files[] and references[] entries: the file's digest, 64 lowercase hex characters
 
