@@ -102,7 +102,7 @@ def test_a_transient_error_on_the_read_back_get_is_retried_and_counted(
     full = choose_reads_to_verify(writer.chunks, writer.blocks, VerifyConfig(mode="full"), random.Random(0))
     s3_fault_proxy.clear()
     fault = s3_fault_proxy.fail("GET", r"__0_0\.distcp$", status=503, code="ServiceUnavailable", times=1)
-    before = retry.counters.total("retried.read_back")
+    before = retry.counters.total("retried.read_range")
     assert verify_reads(location.fs, path, full, names) == sum(length for _, length, _ in writer.chunks)
     assert fault.hits == 1 and len(s3_fault_proxy.requests("GET", r"__0_0\.distcp$")) == 2  # the span, again
-    assert retry.counters.total("retried.read_back") == before + 1
+    assert retry.counters.total("retried.read_range") == before + 1

@@ -9,7 +9,8 @@ that costs is each kind of storage's business, answered by its backend's `open_s
   however long the span, where reading it in pieces cost one GET per piece plus a HEAD.
 - `PieceSpan`: any other fsspec filesystem: the size from `fs.size` (one metadata call), the bytes by one
   range read per piece, as before.
-A span past the end of the file reads short; the caller names the short read (a truncated upload).
+A span past the end of the file reads short; the caller names the short read (a truncated upload). Nothing here
+retries: the caller retries a span whole (retry.py), which also covers a body cut off midway.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import os
 import re
 from typing import Any, Protocol
-
-from . import retry
 
 SPAN_PIECE_BYTES = 8 * 2**20  # PieceSpan: one range request per this many bytes (chunk_reads.PIECE_BYTES)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -61,7 +60,7 @@ class PieceSpan:
 
     def __init__(self, fs: Any, path: str, start: int, stop: int) -> None:
         self._fs, self._path = fs, path
-        self.size = int(retry.call("size", lambda: fs.size(path), target=path))
+        self.size = int(fs.size(path))
         self._at, self._stop = start, min(stop, self.size)
 
     def readinto(self, view: memoryview) -> int:
@@ -69,9 +68,7 @@ class PieceSpan:
         if wanted == 0:
             return 0
         start = self._at
-        data = retry.call(
-            "read_range", lambda: self._fs.cat_file(self._path, start=start, end=start + wanted), target=self._path
-        )
+        data = self._fs.cat_file(self._path, start=start, end=start + wanted)
         view[: len(data)] = data
         self._at += len(data)
         return len(data)

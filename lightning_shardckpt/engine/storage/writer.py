@@ -274,7 +274,7 @@ def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) 
     stored: int | None = None
     for span in spans_of(reads):
         # a span is retried whole on a transient error (its request, or its body cut off midway)
-        size, found = retry.call("read_back", lambda span=span: _check_span(backend, path, span, piece), target=path)
+        size, found = retry.call("read_range", lambda span=span: _check_span(backend, path, span, piece), target=path)
         stored = size if stored is None else stored
         problems.extend(_named(problem, names) for problem in found)
     if problems:
