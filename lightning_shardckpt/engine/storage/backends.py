@@ -296,7 +296,14 @@ class S3Backend(ObjectStoreBackend):
 
     def open_span(self, path: str, start: int, stop: int) -> span_reads.Span:
         """One ranged GET, whatever the span's length; the object's size from its Content-Range (no HEAD)."""
-        return span_reads.S3Span(self.fs, path, start, stop)
+        try:
+            return span_reads.S3Span(self.fs, path, start, stop)
+        except OSError as err:
+            if error_code(err) not in ("InvalidRange", "416"):
+                raise
+            # the span starts at or past the object's end (416, which names no size): it reads short, and one HEAD
+            # gives the size, so the caller names the truncation
+            return span_reads.EmptySpan(int(self.fs.size(path)))
 
     def _exclusive_create(self, path: str, data: bytes) -> None:
         if "mode" not in inspect.signature(type(self.fs)._pipe_file).parameters:

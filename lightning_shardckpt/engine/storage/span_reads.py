@@ -55,6 +55,19 @@ class FileSpan:
         os.close(self._fd)
 
 
+class EmptySpan:
+    """A span that starts at or past the end of the file: nothing to read, and the file's size."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def readinto(self, view: memoryview) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 class PieceSpan:
     """A span of a file on any fsspec filesystem: one range read per piece, the size from `fs.size`."""
 
@@ -85,21 +98,11 @@ class S3Span:
         self._body: Any = None
         bucket, key, version = fs.split_path(path)
         request = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {})}
-        try:
-            response = fs.call_s3("get_object", Range=f"bytes={start}-{stop - 1}", **request)
-        except OSError as err:
-            if not _past_the_end(err):
-                raise
-            # the range starts at or past the object's end (S3 answers 416, no size): the span reads short, and
-            # the size comes from one HEAD, so the caller can name the truncation
-            self.size = int(fs.size(path))
-            return
+        response = fs.call_s3("get_object", Range=f"bytes={start}-{stop - 1}", **request)
         self._body = response["Body"]
         self.size = _object_size(response, path, start)
 
     def readinto(self, view: memoryview) -> int:
-        if self._body is None:
-            return 0
         from fsspec.asyn import sync
 
         return sync(self._fs.loop, _fill, self._body, view)  # one hop to s3fs's event loop per buffer, not per packet
@@ -137,9 +140,3 @@ def _object_size(response: dict[str, Any], path: str, start: int) -> int:
         f"{path}: a GET of the range from byte {start} answered Content-Range {response.get('ContentRange')!r}; "
         "the read-back needs an S3-compatible store that honours Range requests"
     )
-
-
-def _past_the_end(err: BaseException) -> bool:
-    from .backends import error_code
-
-    return error_code(err) in ("InvalidRange", "416")
