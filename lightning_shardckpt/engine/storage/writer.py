@@ -227,8 +227,8 @@ def choose_reads_to_verify(
     policy: VerifyConfig,
     rng: random.Random,
 ) -> list[VerifyRead]:
-    """What to read back, in file order: "full" every chunk whole; "sample" at least `min_chunks` pieces and
-    `fraction` of the bytes, one run of consecutive pieces from a random one (choose_chunks_to_verify), where a
+    """What to read back, in file order: "full" every chunk whole; "sample" every piece overlapping a window of
+    `fraction` of the bytes at a random offset, at least `min_chunks` pieces (choose_chunks_to_verify), where a
     piece is a small chunk whole or one block of a large chunk.
 
     A large chunk is sampled by block, each checked against its own block checksum: min_chunks=1 once
@@ -316,8 +316,8 @@ def _check_span(backend: Any, path: str, span: list[VerifyRead], piece: memoryvi
                 if read.block is not None:
                     problem["block"] = read.block
                 problems.append(problem)
-            if actual.startswith("<"):
-                break  # the file ends here: the reads after it are not there either
+            if actual.startswith("<"):  # SHORT_READ: the file ends here, so the reads after it are not there either
+                break
     finally:
         stream.close()
     return stream.size, problems
