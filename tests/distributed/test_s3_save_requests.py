@@ -6,7 +6,8 @@ tests share). Beyond uploading its shard, each rank may make at most three reque
 read-back, which is one ranged GET per contiguous span read (a sampled run is one span, or two where it wraps
 past the file's end; `full` is one) and whose Content-Range gives the stored size, so no HEAD. Before, the
 sampled read-back cost one GET per sampled chunk and a HEAD for the size (PUT 2, HEAD 1, GET 3 per rank here).
-With the read-back off, the size check is the one HEAD.
+With the read-back off, the size check is the one HEAD. A format-v2 save (the coordinator checks every file's
+size) takes each size from its rank's read-back too: no HEAD at all, where rank 0 sent one per rank's file.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.helpers.spawn import run_ranks
 
 WORLD = 2
 TENSORS = 300  # 1% of a rank's bytes is several of its chunks: the old read-back made one GET per chunk
-MODES = {1: "sample", 2: "full", 3: "off"}  # step -> verify.mode
+MODES = {1: ("sample", 4), 2: ("full", 4), 3: ("off", 4), 4: ("sample", 2)}  # step -> (verify.mode, format)
 
 
 def _state(rank: int, world_size: int) -> dict:
@@ -42,8 +43,9 @@ def _state(rank: int, world_size: int) -> dict:
 
 def save_each_mode(rank, world_size, url, storage_options):
     state = _state(rank, world_size)
-    for step, mode in MODES.items():
+    for step, (mode, format_version) in MODES.items():
         config = SaveConfig(
+            format_version=format_version,
             async_save=False,
             write_events=False,
             storage_options=storage_options,
@@ -73,7 +75,7 @@ def test_each_rank_of_a_save_on_s3_makes_at_most_three_requests_beyond_its_shard
     run_ranks(save_each_mode, WORLD, s3_root.url, options, timeout_s=240)
 
     for rank in range(WORLD):
-        sample, full, off = (_per_rank(s3_fault_proxy, step, rank) for step in MODES)
+        sample, full, off, v2 = (_per_rank(s3_fault_proxy, step, rank) for step in MODES)
         upload = {("PUT", "distcp"): 1}  # a shard this small is one PUT (a large one: its multipart parts)
         # sampled: the part's PUT and the read-back's one or two ranged GETs (two only when the run wraps)
         assert sample[("GET", "distcp")] in (1, 2), (rank, sample)
@@ -83,3 +85,6 @@ def test_each_rank_of_a_save_on_s3_makes_at_most_three_requests_beyond_its_shard
         assert full == {**upload, ("PUT", "part.json"): 1, ("GET", "distcp"): 1}, (rank, full)
         # off: nothing read back; the stored size is the one HEAD
         assert off == {**upload, ("PUT", "part.json"): 1, ("HEAD", "distcp"): 1}, (rank, off)
+        # format v2: no part; the coordinator's size check of this rank's file reads the rank's receipt
+        assert v2[("GET", "distcp")] in (1, 2), (rank, v2)
+        assert v2 == {**upload, ("GET", "distcp"): v2[("GET", "distcp")]}, (rank, v2)

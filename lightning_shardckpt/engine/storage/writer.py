@@ -69,6 +69,9 @@ class ChunkReceipt:
     reference: bool = False  # incremental: not written; `relative_path` is '../<sibling>/<file>' holding the bytes
     verified_bytes: int | None = None  # bytes read back (sampled blocks of a large chunk); None: `length` if verified
     file_digest: str | None = None  # signing on: the cryptographic digest of the whole file, from the write pass
+    # the file's size on storage as this rank's read-back found it (None: nothing read back): the coordinator's size
+    # check then needs no request of its own (format v2: one HEAD per rank's file on rank 0 otherwise)
+    stored_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -430,6 +433,7 @@ def write_rank_file(
             writer.blocks[position],
             verified_bytes=read_back[position],
             file_digest=writer.file_digest,
+            stored_bytes=stored_bytes,
         )
         receipts.append((item, receipt))
     stats.update(
