@@ -520,6 +520,45 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+GROWTH = (  # (column, row key): what grows with the world size, on rank 0 and on every rank
+    ("manifest", "manifest_bytes"),
+    ("gather to rank 0", "gather_bytes"),
+    ("rank 0 commit s", "rank0_commit_s"),
+    ("rank 0 MB", "rank0_commit_peak_mb"),
+    ("part (busiest rank)", "rank_part_bytes"),
+    ("resume plan s", "resume_plan_s"),
+    ("resume reads", "resume_read_bytes"),
+)
+
+
+def growth_table(rows: list[dict[str, Any]]) -> str:
+    """Per layout and tensor count: each cost at the largest world size over the smallest one without DCP's
+    `.metadata` (which rank 0 builds only below its bound, a cost of its own), and what one more rank adds: flat
+    is x1.0 and +0, linear in ranks is x(ratio of world sizes)."""
+    lines = [
+        "| layout | tensors | ranks | " + " | ".join(name for name, _ in GROWTH) + " |",
+        "|" + "---|" * (3 + len(GROWTH)),
+    ]
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        if not row["dcp_metadata_bytes"]:
+            groups.setdefault((row["layout"], row["tensors"]), []).append(row)
+    for (kind, tensors), group in groups.items():
+        if len(group) < 2:
+            continue
+        low, high = min(group, key=lambda r: r["ranks"]), max(group, key=lambda r: r["ranks"])
+        added = high["ranks"] - low["ranks"]
+        cells = []
+        for _, key in GROWTH:
+            ratio = high[key] / low[key] if low[key] else float("inf")
+            per_rank = (high[key] - low[key]) / added
+            unit = " B" if key.endswith("bytes") else (" µs" if key.endswith("_s") else " KB")
+            scale = 1e6 if key.endswith("_s") else (1e3 if key.endswith("_mb") else 1)
+            cells.append(f"x{ratio:.1f} ({per_rank * scale:+.1f}{unit}/rank)")
+        lines.append(f"| {kind} | {tensors:,} | {low['ranks']:,} → {high['ranks']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
@@ -549,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     print()
     print(table(rows))
+    print()
+    print(growth_table(rows))
     result: dict[str, Any] = {"rows": rows}
     saving = {}
     for label, mode, big in (
