@@ -53,8 +53,8 @@ def test_a_sampled_read_back_is_one_or_two_spans_and_reads_every_piece_at_least_
     assert len(seen) == pieces  # no piece is out of reach, the first and last included
     # the window starts at a uniform byte and wraps: every piece, a 19-byte chunk or a 1 MiB block, the first and
     # the last, is read with probability at least `fraction` (here ~1.0%; the bound leaves room for the draws'
-    # noise: a window drawn by piece, or a run that stops at its first large piece, reads the 9 blocks holding 94%
-    # of the bytes, or the chunks after a block, 20-50x less often than `fraction`)
+    # noise. A run of pieces started at a random piece instead of a random byte read the 9 blocks holding 94% of
+    # the bytes 20-50x less often than `fraction`; one that stopped at its first large piece, the chunks after it)
     assert min(seen.values()) / draws >= 0.5 * fraction, sorted(seen.items(), key=lambda item: item[1])[:3]
     # and reads not much more than asked: the window plus the two pieces it cuts
     assert sum(read_bytes) / draws < fraction * total + 2 * MIB
