@@ -16,6 +16,8 @@ fed with synthetic plans and write results:
 Layouts: `fsdp` (every tensor row-sharded over all ranks, FSDP2's Shard(0)), `ddp` (replicated, each tensor
 written once by the rank a balance picks), `2d` (dp x tp mesh, tp = 8: matrices Shard(0) over dp and Shard(1)
 over tp). Storage is an in-memory filesystem that counts what each call would be on S3 (GET, PUT, LIST, HEAD).
+One rank's share of a save (its shard, read-back, size check and part) is counted on the wire instead, against
+moto's S3 server on loopback (real s3fs), for verify.mode sample, full and off, and with a multipart shard.
 
 Prints one JSON line per configuration and a table; `--out FILE` also writes the rows as JSON.
 """
@@ -361,29 +363,51 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
     }
 
 
-def rank_save_requests(tensors: int) -> dict[str, int]:
-    """The storage requests of one rank's share of a save, through the real write path (`save_parts` with the
-    commit left out): its shard file, the read-back sample, the stored-size check and its part."""
-    from lightning_shardckpt.engine.config import SaveConfig
+def rank_save_requests(tensors: int, mode: str = "sample", big_tensor_mib: int = 0) -> dict[str, int]:
+    """The S3 requests of one rank's share of a save, through the real write path (`save_parts` with the commit
+    left out: its shard file, the read-back, the stored-size check and its part), against moto's S3 server on
+    loopback through tests/helpers/s3_server.py's FaultProxy, which records each request on the wire (s3fs and
+    botocore run their production code). `big_tensor_mib`: one more tensor that large, so the shard is a
+    multipart upload (s3fs's 50 MiB parts). Returns PUT / GET / HEAD / LIST / POST counts, `upload` (the shard's
+    own requests: its PUT, or its multipart create, parts and completion) and `beyond_upload` (all the others)."""
+    import re
+
+    from lightning_shardckpt.engine.config import SaveConfig, VerifyConfig
     from lightning_shardckpt.engine.save import save_layout as layouts
     from lightning_shardckpt.engine.save.parts_save import save_parts
+    from tests.helpers.s3_server import FaultProxy, S3Server
 
-    location = fsio.resolve(f"s3sim:///rank-{uuid.uuid4().hex[:8]}")
-    state = {f"model.t{i}": torch.full((4, 4), float(i)) for i in range(tensors)}
-    state["lightning"] = {"global_step": 7}
-    layout = layouts.describe(state, None, None)
-    location.fs.requests.clear()
-    save_parts(
-        state,
-        layout,
-        fs=location.fs,
-        directory=join(location.path, checkpoint_dirname(7, "0123456789ab")),
-        checkpoint_id="0123456789ab",
-        group=None,
-        config=SaveConfig(),
-        commit=lambda summaries: None,
-    )
-    return dict(location.fs.requests)
+    server = S3Server()
+    proxy = FaultProxy(server.host, server.port)
+    try:
+        server.create_bucket("scale")
+        location = fsio.resolve(f"s3://scale/rank-{uuid.uuid4().hex[:8]}", server.storage_options(proxy.endpoint))
+        state = {f"model.t{i}": torch.full((4, 4), float(i)) for i in range(tensors)}
+        if big_tensor_mib:
+            state["model.big"] = torch.ones(big_tensor_mib * 2**18)  # float32: 4 bytes each
+        state["lightning"] = {"global_step": 7}
+        layout = layouts.describe(state, None, None)
+        proxy.clear()
+        save_parts(
+            state,
+            layout,
+            fs=location.fs,
+            directory=join(location.path, checkpoint_dirname(7, "0123456789ab")),
+            checkpoint_id="0123456789ab",
+            group=None,
+            config=SaveConfig(verify=VerifyConfig(mode=mode)),
+            commit=lambda summaries: None,
+        )
+        counts: Counter = Counter()
+        for request in proxy.requests():
+            listing = request.method == "GET" and "list-type=" in request.path
+            counts["LIST" if listing else request.method] += 1
+            shard = re.search(r"/__0_0\.distcp(\?|$)", request.path) is not None
+            counts["upload" if shard and request.method in ("PUT", "POST") else "beyond_upload"] += 1
+        return dict(counts)
+    finally:
+        proxy.stop()
+        server.stop()
 
 
 # --- ls / timeline over 2,000 checkpoints ---
@@ -496,6 +520,45 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+GROWTH = (  # (column, row key): what grows with the world size, on rank 0 and on every rank
+    ("manifest", "manifest_bytes"),
+    ("gather to rank 0", "gather_bytes"),
+    ("rank 0 commit s", "rank0_commit_s"),
+    ("rank 0 MB", "rank0_commit_peak_mb"),
+    ("part (busiest rank)", "rank_part_bytes"),
+    ("resume plan s", "resume_plan_s"),
+    ("resume reads", "resume_read_bytes"),
+)
+
+
+def growth_table(rows: list[dict[str, Any]]) -> str:
+    """Per layout and tensor count: each cost at the largest world size over the smallest one without DCP's
+    `.metadata` (which rank 0 builds only below its bound, a cost of its own), and what one more rank adds: flat
+    is x1.0 and +0, linear in ranks is x(ratio of world sizes)."""
+    lines = [
+        "| layout | tensors | ranks | " + " | ".join(name for name, _ in GROWTH) + " |",
+        "|" + "---|" * (3 + len(GROWTH)),
+    ]
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        if not row["dcp_metadata_bytes"]:
+            groups.setdefault((row["layout"], row["tensors"]), []).append(row)
+    for (kind, tensors), group in groups.items():
+        if len(group) < 2:
+            continue
+        low, high = min(group, key=lambda r: r["ranks"]), max(group, key=lambda r: r["ranks"])
+        added = high["ranks"] - low["ranks"]
+        cells = []
+        for _, key in GROWTH:
+            ratio = high[key] / low[key] if low[key] else float("inf")
+            per_rank = (high[key] - low[key]) / added
+            unit = " B" if key.endswith("bytes") else (" µs" if key.endswith("_s") else " KB")
+            scale = 1e6 if key.endswith("_s") else (1e3 if key.endswith("_mb") else 1)
+            cells.append(f"x{ratio:.1f} ({per_rank * scale:+.1f}{unit}/rank)")
+        lines.append(f"| {kind} | {tensors:,} | {low['ranks']:,} → {high['ranks']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
@@ -525,11 +588,23 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     print()
     print(table(rows))
+    print()
+    print(growth_table(rows))
     result: dict[str, Any] = {"rows": rows}
-    saving = rank_save_requests(max(args.tensors))
-    print(
-        f"\nrequests of one rank's share of a save ({max(args.tensors):,} tensors, default verify.mode=sample): {_req(saving)}"
-    )
+    saving = {}
+    for label, mode, big in (
+        ("sample", "sample", 0),
+        ("full", "full", 0),
+        ("off", "off", 0),
+        ("sample-multipart", "sample", 120),
+    ):
+        saving[label] = rank_save_requests(max(args.tensors), mode, big)
+        shard = f"{max(args.tensors):,} tensors" + (f" and one of {big} MiB (a multipart upload)" if big else "")
+        print(
+            f"requests of one rank's share of a save on S3 (moto, counted on the wire; {shard}, verify.mode={mode}): "
+            f"{_req({k: v for k, v in saving[label].items() if k.isupper()})}; the shard's upload "
+            f"{saving[label].get('upload', 0)}, beyond it {saving[label].get('beyond_upload', 0)}"
+        )
     result["rank_save_requests"] = saving
     if args.listing:
         lst = listing("fsdp", max(args.ranks), max(args.tensors), args.listing)

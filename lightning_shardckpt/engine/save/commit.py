@@ -128,9 +128,16 @@ def check_stored_sizes(
 ) -> list[str]:
     """Each file on storage has exactly the size its writer reported (catches truncated uploads), and each
     file an incremental checkpoint references still holds its chunks (retention never deletes it under us).
-    `missing_ok` (node-local tier): a file this node cannot see is skipped, referenced ones too."""
+    A file whose writer's read-back saw its stored size is checked from the receipt (no request: on S3 that was
+    one HEAD per rank, one after another); the others are asked. `missing_ok` (node-local tier): a file this node
+    cannot see is skipped, referenced ones too."""
     problems = []
     sizes = {receipt.relative_path: receipt.file_bytes for receipt in receipts.values() if not receipt.reference}
+    seen = {
+        receipt.relative_path: receipt.stored_bytes
+        for receipt in receipts.values()
+        if not receipt.reference and receipt.stored_bytes is not None
+    }
     reach: dict[str, int] = {}
     for receipt in receipts.values():
         if receipt.reference:
@@ -148,7 +155,9 @@ def check_stored_sizes(
     for relative, expected in sorted(sizes.items()):
         try:
             path = join(directory, relative)
-            actual = retry.call("size", lambda path=path: root.fs.size(path), target=path)
+            actual = (
+                seen[relative] if relative in seen else retry.call("size", lambda p=path: root.fs.size(p), target=path)
+            )
         except FileNotFoundError:
             if missing_ok:
                 continue

@@ -36,7 +36,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ...errors import StorageUnavailable
 from ..format.checksum import checksum
-from . import retry
+from . import retry, span_reads
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,11 @@ class FsspecBackend:
         """Shard files are read with os.preadv on a file descriptor instead of fsspec range reads."""
         return False
 
+    def open_span(self, path: str, start: int, stop: int) -> span_reads.Span:
+        """Bytes [start, stop) of `path`, streamed, with the file's size on storage (span_reads.py):
+        here one size call and one range read per piece, what any fsspec filesystem allows."""
+        return span_reads.PieceSpan(self.fs, path, start, stop)
+
     def directory_age_s(self, path: str) -> float | None:
         """Seconds since `path` (a directory) changed, where storage keeps that for directories."""
         return None
@@ -223,6 +228,11 @@ class LocalBackend(FsspecBackend):
     def reads_with_preadv(self) -> bool:
         return self._plain and hasattr(os, "preadv")
 
+    def open_span(self, path: str, start: int, stop: int) -> span_reads.Span:
+        if not self.reads_with_preadv:
+            return super().open_span(path, start, stop)
+        return span_reads.FileSpan(path, start, stop)
+
     def directory_age_s(self, path: str) -> float | None:
         try:
             return time.time() - os.stat(path).st_mtime
@@ -308,6 +318,17 @@ class S3Backend(ObjectStoreBackend):
             client.meta.events.register("after-call.s3", retry.record_http_retries, unique_id=_HOOK_ID)
         except Exception:  # counting is a nicety; the first real request reports any connection problem
             log.debug("could not hook botocore's retry counter", exc_info=True)
+
+    def open_span(self, path: str, start: int, stop: int) -> span_reads.Span:
+        """One ranged GET, whatever the span's length; the object's size from its Content-Range (no HEAD)."""
+        try:
+            return span_reads.S3Span(self.fs, path, start, stop)
+        except OSError as err:
+            if error_code(err) not in ("InvalidRange", "416"):
+                raise
+            # the span starts at or past the object's end (416, which names no size): it reads short, and one HEAD
+            # gives the size, so the caller names the truncation
+            return span_reads.EmptySpan(int(self.fs.size(path)))
 
     def _exclusive_create(self, path: str, data: bytes) -> None:
         if "mode" not in inspect.signature(type(self.fs)._pipe_file).parameters:

@@ -1,4 +1,5 @@
-"""DCP StorageWriter over fsspec, with a checksum on every chunk (the reader is in reader.py).
+"""DCP StorageWriter over fsspec, with a checksum on every chunk (the reader is in reader.py, the read-back
+before commit in read_back.py).
 
 Each rank writes one file of its own (`__<rank>_0.distcp`); no tensor bytes travel to rank 0. Bytes are
 laid out exactly as DCP's FileSystemWriter lays them out (each item a `torch.save` record at an
@@ -30,13 +31,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ...errors import CorruptCheckpoint
 from ..config import VerifyConfig
 from ..format import signing
-from ..format.checksum import ChunkHasher, HashingWriter, block_size_for
+from ..format.checksum import HashingWriter, block_size_for
 from ..format.layout import join, shard_filename
 from . import fsio
-from .chunk_reads import PIECE_BYTES, SHORT_READ, ShardFile
+from .read_back import (  # noqa: F401  (moved to read_back.py; importing them from here keeps working)
+    VerifyRead,
+    choose_chunks_to_verify,
+    choose_reads_to_verify,
+    spans_of,
+    verify_chunks,
+    verify_reads,
+)
 from .reader import ShardReader  # noqa: F401  (moved to reader.py; `engine.storage.ShardReader` keeps working)
 
 log = logging.getLogger(__name__)
@@ -65,6 +72,9 @@ class ChunkReceipt:
     reference: bool = False  # incremental: not written; `relative_path` is '../<sibling>/<file>' holding the bytes
     verified_bytes: int | None = None  # bytes read back (sampled blocks of a large chunk); None: `length` if verified
     file_digest: str | None = None  # signing on: the cryptographic digest of the whole file, from the write pass
+    # the file's size on storage as this rank's read-back found it (None: nothing read back): the coordinator's size
+    # check then needs no request of its own (format v2: one HEAD per rank's file on rank 0 otherwise)
+    stored_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,124 +183,6 @@ def _discard(writer: Any, sink: _RecordSink) -> None:
         log.debug("finalising a failed tensor record raised", exc_info=True)
 
 
-def choose_chunks_to_verify(lengths: list[int], policy: VerifyConfig, rng: random.Random) -> list[int]:
-    """Indices of the chunks to read back: at least `min_chunks` and `fraction` of the bytes, at random."""
-    if policy.mode == "off" or not lengths:
-        return []
-    if policy.mode == "full":
-        return list(range(len(lengths)))
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    target_bytes = policy.fraction * sum(lengths)
-    chosen: list[int] = []
-    covered = 0
-    for index in order:
-        if len(chosen) >= policy.min_chunks and covered >= target_bytes:
-            break
-        chosen.append(index)
-        covered += lengths[index]
-    return chosen
-
-
-@dataclass(frozen=True)
-class VerifyRead:
-    """One range read back before commit: a whole chunk, or one block of a chunk checksummed by block."""
-
-    chunk: int  # index into the file's chunks
-    offset: int
-    length: int
-    expected: str
-    block: int | None = None  # the block's index in its chunk; None: the whole chunk
-    block_size: int | None = None  # a whole chunk checksummed by block: its checksum is of its block digests
-
-
-def choose_reads_to_verify(
-    chunks: list[tuple[int, int, str]],
-    blocks: list[tuple[int, tuple[str, ...]] | None],
-    policy: VerifyConfig,
-    rng: random.Random,
-) -> list[VerifyRead]:
-    """What to read back, in file order: "full" every chunk whole; "sample" at random at least `min_chunks`
-    pieces and `fraction` of the bytes, where a piece is a small chunk whole or one block of a large chunk.
-
-    A large chunk is sampled by block, each checked against its own block checksum: min_chunks=1 once
-    meant reading a whole 512 MiB tensor back (50x the 1% asked for, and most of a save's CPU).
-    """
-    if policy.mode == "full":
-        return [
-            VerifyRead(index, offset, length, digest, block_size=chunk_blocks[0] if chunk_blocks else None)
-            for index, ((offset, length, digest), chunk_blocks) in enumerate(zip(chunks, blocks))
-        ]
-    pieces: list[VerifyRead] = []
-    for index, ((offset, length, digest), chunk_blocks) in enumerate(zip(chunks, blocks)):
-        if chunk_blocks is None:
-            pieces.append(VerifyRead(index, offset, length, digest))
-            continue
-        size, digests = chunk_blocks
-        pieces.extend(
-            VerifyRead(index, offset + b * size, min(size, length - b * size), block_digest, b)
-            for b, block_digest in enumerate(digests)
-        )
-    lengths = [piece.length for piece in pieces]
-    chosen = choose_chunks_to_verify(lengths, policy, rng)
-    return sorted((pieces[i] for i in chosen), key=lambda piece: piece.offset)
-
-
-def verify_chunks(fs: Any, path: str, chunks: list[tuple[int, int, str]], indices: list[int], names: list[str]) -> None:
-    """Read chosen chunks (ones without blocks: `add_bytes`'s) back whole from storage; raise CorruptCheckpoint
-    naming each mismatch."""
-    verify_reads(fs, path, [VerifyRead(i, *chunks[i]) for i in indices], names)
-
-
-def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) -> int | None:
-    """Read `reads` back from storage; raise CorruptCheckpoint naming each mismatch (tensor, and block if one).
-    Returns the file's size on storage as the reads saw it (None: nothing was read).
-
-    Each range streams through one reused piece buffer and is hashed piece by piece: reading a chunk
-    whole into fresh memory cost 3-4x as much CPU (a new allocation the chunk's size, faulted in page by
-    page, on every save).
-    """
-    if not reads:
-        return None
-    problems = []
-    shard = ShardFile(fs, path)
-    try:
-        piece = memoryview(bytearray(min(PIECE_BYTES, max(read.length for read in reads))))
-        for read in reads:
-            actual = _read_back_checksum(shard, read.offset, read.length, piece, read.block_size)
-            if actual != read.expected:
-                problem = {"file": path, "tensor": names[read.chunk], "expected": read.expected, "actual": actual}
-                if read.block is not None:
-                    problem["block"] = read.block
-                problems.append(problem)
-    finally:
-        shard.close()
-    if problems:
-        raise CorruptCheckpoint(
-            f"read-back verification failed for {len(problems)} chunk(s) of {path}: {problems}; "
-            "the storage returned other bytes than were written, so this checkpoint will not commit",
-            problems=problems,
-        )
-    return shard.size  # the file's size on storage, as the reads found it (the writer checks it: no extra request)
-
-
-def _read_back_checksum(
-    shard: ShardFile, offset: int, length: int, piece: memoryview, block_size: int | None = None
-) -> str:
-    """The checksum of `length` bytes at `offset` as storage returns them, or '<n of length bytes>' if cut short.
-    `block_size`: a whole chunk checksummed by block (its checksum is the digest of its block digests)."""
-    hasher = ChunkHasher(block_size)
-    filled = 0
-    while filled < length:
-        view = piece[: min(len(piece), length - filled)]
-        count = shard.read_into(offset + filled, view)
-        hasher.update(view[:count])
-        filled += count
-        if count < len(view):
-            return SHORT_READ.format(filled=filled, length=length)
-    return hasher.hexdigest()
-
-
 @dataclass
 class RankWrite:
     """What one rank wrote: a receipt per chunk, in the order its items were written, and its counters."""
@@ -384,6 +276,7 @@ def write_rank_file(
             writer.blocks[position],
             verified_bytes=read_back[position],
             file_digest=writer.file_digest,
+            stored_bytes=stored_bytes,
         )
         receipts.append((item, receipt))
     stats.update(
