@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -63,7 +64,17 @@ def offline_run(tmp_path_factory):
     logger.experiment.summary["final_note"] = "done"
     run_id = logger.experiment.id
     logger.experiment.finish()
+    wait_for_the_exit_record(find_run_file(str(save_dir)))
     return save_dir, run_id
+
+
+def wait_for_the_exit_record(run_file: str, timeout_s: float = 120.0) -> None:
+    """finish() can return before wandb-core has written the run's last records (seen on a loaded machine: the
+    file grew from 11 to 36 records after it); the tests read the file as a finished run, which ends with `exit`."""
+    deadline = time.monotonic() + timeout_s
+    while not any(record.WhichOneof("record_type") == "exit" for record in iter_records(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record {timeout_s:g} s after finish()"
+        time.sleep(0.1)
 
 
 def test_history_rows_hold_every_logged_step(offline_run):
