@@ -116,10 +116,16 @@ def choose(fast: Location | None, durable: Location | None, which: str | int, gr
 
 
 def choose_signed(
-    fast: Location | None, durable: Location | None, which: str | int, group: Any, policy: SignaturePolicy | None
+    fast: Location | None,
+    durable: Location | None,
+    which: str | int,
+    group: Any,
+    policy: SignaturePolicy | None,
+    refused_before: dict[str, tuple[str, tuple]] | None = None,
 ) -> TierPick:
     """`choose`, honouring a signature policy: a copy the policy refuses (rank 0 checks) is no candidate on any rank.
-    Collective "tier-readable" (one all-gather, refusals included)."""
+    Collective "tier-readable" (one all-gather, refusals included). `refused_before`: fast-tier checkpoints the peer
+    restore already refused ({name: (why, commit order)}, the same on every rank), counted among those passed over."""
     tiers = {FAST: fast, DURABLE: durable}
     per_tier = CANDIDATES_PER_TIER if policy is None else SIGNED_CANDIDATES_PER_TIER
     found: dict[str, list[catalog.CheckpointEntry]] = {}
@@ -141,7 +147,8 @@ def choose_signed(
                     refused_here[f"{tier}:{entry.name}"] = (why, _order(entry))
     views = all_gather_objects("tier-readable", {"readable": sorted(mine), "refused": refused_here}, group)
     everywhere = set.intersection(*[set(map(tuple, view["readable"])) for view in views])
-    refused = {copy: verdict for view in views for copy, verdict in view["refused"].items()}
+    refused = {f"{FAST}:{name}": verdict for name, verdict in (refused_before or {}).items()}
+    refused.update({copy: verdict for view in views for copy, verdict in view["refused"].items()})
     ranked = []
     for tier, entries in found.items():
         for entry in entries:

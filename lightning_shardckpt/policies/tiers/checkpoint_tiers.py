@@ -302,11 +302,12 @@ class CheckpointTiers:
         newest validly signed commit, naming what they passed over; if the policy refused every candidate, the error
         says so.
         """
-        durable = self.durable
-        if self.config.fast.peers is not None and which == "latest":
-            durable = self._restore_from_peers(group)
+        durable, refused_by_peers = self.durable, {}
         policy = signing.policy_of(base.require_signature, base.public_keys)
-        tier_pick = choose_signed(self.fast, durable, which, group, policy)
+        if self.config.fast.peers is not None and which == "latest":
+            durable = self._restore_from_peers(group, policy)
+            refused_by_peers = self.peer_restore.refused
+        tier_pick = choose_signed(self.fast, durable, which, group, policy, refused_by_peers)
         choices, refused = tier_pick.choices, tier_pick.refused
         if refused and rank_zero():
             for copy, why in refused.items():  # the words of `latest` without tiers (engine/catalog.py)
@@ -366,10 +367,11 @@ class CheckpointTiers:
             )
         return TierPicked(first.url, self._config_for(first.tier, base), fallbacks, tier_pick.signature_skipped)
 
-    def _restore_from_peers(self, group: Any) -> Location | None:
-        """Collective: assemble from peer copies; returns the durable location to consider beside it (None: its
-        `latest` pointer names the checkpoint just assembled, so nothing newer is there)."""
-        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group)
+    def _restore_from_peers(self, group: Any, policy: signing.SignaturePolicy | None) -> Location | None:
+        """Collective: assemble from peer copies (the newest one `policy` accepts); returns the durable location to
+        consider beside it (None: its `latest` pointer names the checkpoint just assembled, so nothing newer is
+        there)."""
+        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group, policy=policy)
         self.peer_restore = restored
         if restored.name is None:
             if rank_zero():
