@@ -95,17 +95,18 @@ def _holdings(
             if MANIFEST in listing and COMMIT_RECORD in listing:
                 # validated as every reader does: a directory `ls` marks corrupt offers nothing, never stops a resume
                 manifest = manifest_format.parse(root.fs.cat_file(join(directory, MANIFEST)), directory)
-                manifests[name] = {
+                facts = {
                     "files": all_files(manifest),
                     "seq": manifest.get("seq") or 0,
                     "step": manifest.get("step"),
                     "created_at": manifest.get("created_at") or "",
                 }
-                if policy is not None:
+                if policy is not None:  # a read that fails here: this root offers no manifest of it (below)
                     try:
                         policy.check_manifest(root.fs, directory, manifest)
                     except SignatureRefused as err:
-                        manifests[name]["refused"] = str(err)
+                        facts["refused"] = str(err)
+                manifests[name] = facts
         except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
             log.debug("cannot read %s", directory, exc_info=True)
     return held, manifests

@@ -142,7 +142,15 @@ def choose_signed(
     if policy is not None and rank_and_world(group)[0] == 0:  # rank 0 judges manifests, as the loader's pick does
         for tier, entries in found.items():
             for entry in entries:
-                if (tier, entry.name) in mine and (why := _refusal(policy, tiers[tier], entry)) is not None:
+                if (tier, entry.name) not in mine:
+                    continue
+                try:
+                    why = _refusal(policy, tiers[tier], entry)
+                except Exception:  # noqa: BLE001 - not judged (a read failed): no candidate, but nothing refused
+                    log.warning("cannot check the signature of %s; not considering it", entry.path, exc_info=True)
+                    mine.discard((tier, entry.name))
+                    continue
+                if why is not None:
                     mine.discard((tier, entry.name))
                     refused_here[f"{tier}:{entry.name}"] = (why, _order(entry))
     views = all_gather_objects("tier-readable", {"readable": sorted(mine), "refused": refused_here}, group)
@@ -185,15 +193,14 @@ def _order(entry: catalog.CheckpointEntry) -> tuple:
 
 
 def _refusal(policy: SignaturePolicy, location: Location, entry: catalog.CheckpointEntry) -> str | None:
-    """Why the policy refuses this copy's manifest (None: it accepts it). The loader checks the picked one again,
-    and every rank the files it reads: a copy changed after this check is still refused."""
+    """Why the policy refuses this copy's manifest (None: it accepts it); a read that fails raises (retried first:
+    a transient error is no forgery, never counted as one). The loader checks the picked one again, and every rank
+    the files it reads: a copy changed after this check is still refused."""
     try:
         entry.extra[catalog.SIGNED_BY] = policy.check_manifest(location.fs, entry.path, entry.manifest)
         return None
     except SignatureRefused as err:
         return str(err)
-    except Exception as err:  # noqa: BLE001 - unreadable now: refused here, named with the reason
-        return f"{entry.path}: its signature could not be checked ({type(err).__name__}: {err})"
 
 
 def _passed_over(refused: dict[str, tuple[str, tuple]], ranked: list[tuple]) -> tuple[str, ...]:
