@@ -84,3 +84,9 @@ def test_ls_public_key_shows_the_signature_column_and_json_fields(tmp_path, run_
 
     code, out, _ = run_cli("ls", root)  # without keys: the table as before
     assert code == 0 and "SIGNATURE" not in out
+
+
+def test_ls_public_key_with_tiers_says_to_list_each_root_on_its_own(tmp_path, run_cli):
+    root, keys = signed_root(tmp_path)
+    code, _, err = run_cli("ls", root, "--durable", str(tmp_path / "durable"), "--public-key", keys["a"][0])
+    assert code == 2 and "list each tier's root on its own" in err
