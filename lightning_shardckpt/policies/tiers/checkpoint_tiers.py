@@ -319,7 +319,8 @@ class CheckpointTiers:
                 unreadable = [copy for copy in listed or [] if copy not in refused]
                 raise SignatureRefused(
                     f"the signature policy refused every candidate for {which!r} on the fast and durable tiers: "
-                    + "; ".join(f"{copy} ({why})" for copy, why in refused.items())
+                    + "; ".join(f"{copy} ({why})" for copy, why in list(refused.items())[:4])
+                    + (f"; and {len(refused) - 4} more (logged)" if len(refused) > 4 else "")
                     + (f"; not readable by every rank: {', '.join(unreadable)}" if unreadable else "")
                     + ". Resume one signed by an accepted key by its name or step, or add the key that signed these "
                     "to public_keys if you trust it"
