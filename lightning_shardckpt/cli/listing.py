@@ -31,8 +31,8 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    if args.public_key and (args.durable or "{node_rank}" in args.root):
-        print("shardckpt ls: --public-key lists one root; list each tier's root on its own", file=sys.stderr)
+    if args.public_key and "{node_rank}" in args.root and not args.durable:
+        print("shardckpt ls: --public-key lists one root; list a node's root on its own", file=sys.stderr)
         return exit_codes.CANNOT_RUN
     if args.durable:  # tiers: both side by side (tiers.py)
         return tiers.cmd_ls_tiers(args)

@@ -5,6 +5,8 @@ with `require_signature` and those keys loads. Real files, real Ed25519 keys, th
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 from cryptography.hazmat.primitives import serialization
 
@@ -86,7 +88,26 @@ def test_ls_public_key_shows_the_signature_column_and_json_fields(tmp_path, run_
     assert code == 0 and "SIGNATURE" not in out
 
 
-def test_ls_public_key_with_tiers_says_to_list_each_root_on_its_own(tmp_path, run_cli):
+def test_ls_tiers_public_key_shows_each_copys_signature_and_the_signed_latest(tmp_path, run_cli):
     root, keys = signed_root(tmp_path)
-    code, _, err = run_cli("ls", root, "--durable", str(tmp_path / "durable"), "--public-key", keys["a"][0])
-    assert code == 2 and "list each tier's root on its own" in err
+    a_public, a_id = keys["a"]
+    durable = tmp_path / "durable"
+    shutil.copytree(root, durable)
+    first = next(e.name for e in list_checkpoints(root).checkpoints if e.step == 1)
+    os.remove(durable / first / signing.SIGNATURE)  # the durable copy of step 1 left unsigned
+    code, out, _ = run_cli("ls", root, "--durable", str(durable), "--json", "--public-key", a_public)
+    assert code == 0
+    listing = json.loads(out)
+    rows = {row["step"]: row for row in listing["checkpoints"]}
+    assert (rows[1]["fast_signature"], rows[1]["durable_signature"]) == (f"signed:{a_id[:16]}", "unsigned")
+    assert rows[4]["fast_signature"] == rows[4]["durable_signature"] == "refused"
+    assert listing["latest"]["tier"] == "fast" and listing["latest"]["name"] == first  # the one signed copy
+
+    code, out, _ = run_cli("ls", root, "--durable", str(durable))  # without keys: the newest, no signature columns
+    assert code == 0 and "FAST-SIG" not in out and "resumes the fast copy of " + rows[4]["name"] in out
+
+
+def test_ls_public_key_on_a_node_local_template_says_to_list_a_node_root(tmp_path, run_cli):
+    root, keys = signed_root(tmp_path)
+    code, _, err = run_cli("ls", str(tmp_path / "node{node_rank}"), "--public-key", keys["a"][0])
+    assert code == 2 and "list a node's root on its own" in err
