@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ..ops.roots import CheckpointInfo, CheckpointListing, list_checkpoints, read_manifest_summary
@@ -14,6 +15,14 @@ from .output import human_age, human_bytes, print_json, print_table
 def add_commands(commands: Any) -> None:
     ls = commands.add_parser("ls", parents=[options.common()], help="list the checkpoints under a root")
     ls.add_argument("root", metavar="ROOT")
+    ls.add_argument(
+        "--public-key",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="show each committed checkpoint's signature against this Ed25519 public key (signed by its key id, "
+        "refused and why, unsigned) and star the `latest` a resume requiring it loads; repeat for several keys",
+    )
     tiers.add_arguments(ls)
     ls.set_defaults(run=cmd_ls)
     inspect = commands.add_parser("inspect", parents=[options.common()], help="summarise one checkpoint's manifest")
@@ -22,11 +31,14 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.public_key and "{node_rank}" in args.root and not args.durable:
+        print("shardckpt ls: --public-key lists one root; list a node's root on its own", file=sys.stderr)
+        return exit_codes.CANNOT_RUN
     if args.durable:  # tiers: both side by side (tiers.py)
         return tiers.cmd_ls_tiers(args)
     if "{node_rank}" in args.root:  # a node-local fast tier: on which nodes each checkpoint is complete
         return tiers.cmd_ls_nodes(args)
-    listing = list_checkpoints(args.root, storage_options=args.storage_options)
+    listing = list_checkpoints(args.root, storage_options=args.storage_options, public_keys=args.public_key)
     rows = [_ls_row(info, listing) for info in listing.checkpoints]
     if args.json:
         print_json(
@@ -43,7 +55,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints in {listing.root}")
         return exit_codes.OK
-    table = [("STEP", "ID", "STATE", "TRUST", "SIZE", "REFERENCED", "AGE", "LATEST", "NAME")]
+    signed = bool(args.public_key)
+    table = [("STEP", "ID", "STATE", "TRUST", *(("SIGNATURE",) if signed else ()), "SIZE", "REFERENCED", "AGE")]
+    table[0] += ("LATEST", "NAME")
     for row in rows:
         marks = ("*" if row["latest"] else "") + (" good" if row["last_good"] else "")
         table.append(
@@ -52,6 +66,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 row["id"],
                 row["state"],
                 row["trust"] or "-",
+                *((_signature_cell(row),) if signed else ()),
                 human_bytes(row["bytes"]),
                 human_bytes(row["bytes_referenced"]) if row["bytes_referenced"] else "-",
                 human_age(row["age_s"]),
@@ -62,7 +77,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print_table(table)
     print(
         "LATEST: * = what ckpt_path='latest' resumes; good = the last known-good (newest drilled), ckpt_path='last-good'"
+        + (" (with require_signature and these keys)" if signed else "")
     )
+    if signed:
+        print("SIGNATURE: signed:KEY-ID (an accepted key signed the manifest; verify --public-key checks the files)")
     for line in listing.malformed_drill_records:
         print(f"NOT TRUSTED: drill record {line}")
     if any(row["bytes_referenced"] for row in rows):
@@ -72,7 +90,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for row in rows:
         if row["problem"]:
             print(f"{row['name']}: {row['problem']}")
+        if row["signature"] == "refused":  # unsigned says it all; a refusal says which key, or what changed
+            print(f"{row['name']}: refused: {row['signature_problem']}")
     return exit_codes.OK
+
+
+def _signature_cell(row: dict[str, Any]) -> str:
+    if row["signature"] == "signed":
+        return f"signed:{row['signed_by'][:16]}"
+    return row["signature"] or "-"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -136,4 +162,8 @@ def _ls_row(info: CheckpointInfo, listing: CheckpointListing) -> dict[str, Any]:
         "run_id": info.run_id,
         "seq": info.seq,
         "parent": info.parent,
+        # with --public-key: signed (signed_by: the key id) | unsigned | refused (signature_problem: why); else None
+        "signature": info.signature,
+        "signed_by": info.signed_by,
+        "signature_problem": info.signature_problem,
     }

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.format import drill_records
+from ..engine.format import drill_records, signing
 from ..engine.format.layout import parse_dirname
-from ..engine.tiers.restore import choose
+from ..engine.tiers.restore import choose_signed
 from ..ops.references import open_root
-from ..ops.roots import list_checkpoints
+from ..ops.roots import CheckpointInfo, list_checkpoints
 from . import exit_codes, options
 from .output import print_table
 
@@ -58,19 +58,21 @@ def cmd_ls_nodes(args: argparse.Namespace) -> int:
 def cmd_ls_tiers(args: argparse.Namespace) -> int:
     durable_options = dict(options.storage_option(o) for o in args.durable_storage_option)
     fast, durable = open_root(args.root, args.storage_options), open_root(args.durable, durable_options)
+    keys = list(getattr(args, "public_key", None) or [])  # --public-key: each copy's signature, latest as signed
     entries = {
-        "fast": list_checkpoints(args.root, storage_options=args.storage_options).checkpoints,
-        "durable": list_checkpoints(args.durable, storage_options=durable_options).checkpoints,
+        "fast": list_checkpoints(args.root, storage_options=args.storage_options, public_keys=keys).checkpoints,
+        "durable": list_checkpoints(args.durable, storage_options=durable_options, public_keys=keys).checkpoints,
     }
+    signatures = {tier: {e.name: _signature_cell(e) for e in listing} for tier, listing in entries.items()}
     drilled = {e.name for listing in entries.values() for e in listing if e.trust == drill_records.DRILLED}
     names = sorted(
         {e.name for listing in entries.values() for e in listing},
         key=lambda n: next(e.step for listing in entries.values() for e in listing if e.name == n),
     )
     state = {tier: {e.name: e.state for e in listing} for tier, listing in entries.items()}
-    choices = choose(
-        fast, durable, "latest", None
-    )  # what this machine would resume (every rank: the same check, agreed)
+    policy = signing.SignaturePolicy(signing.load_public_keys(keys)) if keys else None
+    # what this machine would resume (every rank: the same check, agreed); with keys, as require_signature would
+    choices = choose_signed(fast, durable, "latest", None, policy).choices
     latest = (choices[0].tier, choices[0].name) if choices else None
     rows = []
     for name in names:
@@ -84,6 +86,9 @@ def cmd_ls_tiers(args: argparse.Namespace) -> int:
                 "durable": state["durable"].get(name),
                 "drilled": name in drilled,
                 "latest": latest[0] if latest and latest[1] == name else None,
+                # with --public-key: signed:KEY-ID | unsigned | refused per copy (None: no keys, or no copy there)
+                "fast_signature": signatures["fast"].get(name) if keys else None,
+                "durable_signature": signatures["durable"].get(name) if keys else None,
             }
         )
     if args.json:
@@ -100,7 +105,8 @@ def cmd_ls_tiers(args: argparse.Namespace) -> int:
             )
         )
         return exit_codes.OK
-    table = [("STEP", "ID", "FAST", "DURABLE", "DRILLED", "LATEST", "NAME")]
+    table = [("STEP", "ID", "FAST", "DURABLE", *(("FAST-SIG", "DURABLE-SIG") if keys else ()), "DRILLED")]
+    table[0] += ("LATEST", "NAME")
     for row in rows:
         table.append(
             (
@@ -108,6 +114,7 @@ def cmd_ls_tiers(args: argparse.Namespace) -> int:
                 row["id"],
                 row["fast"] or "-",
                 row["durable"] or "-",
+                *((row["fast_signature"] or "-", row["durable_signature"] or "-") if keys else ()),
                 "yes" if row["drilled"] else "-",
                 row["latest"] or "",
                 row["name"],
@@ -120,3 +127,10 @@ def cmd_ls_tiers(args: argparse.Namespace) -> int:
             f"LATEST: ckpt_path='latest' on this machine resumes the {latest[0]} copy of {latest[1]} ({choices[0].reason})"
         )
     return exit_codes.OK
+
+
+def _signature_cell(info: CheckpointInfo) -> str | None:
+    """`signed:KEY-ID` (16 hex digits), `unsigned` or `refused`; None without keys or unless committed."""
+    if info.signature == signing.SIGNED:
+        return f"signed:{(info.signed_by or '')[:16]}"
+    return info.signature

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from ..engine import catalog
-from ..engine.format import drill_records
+from ..engine.format import drill_records, signing
 from ..engine.format import manifest as manifest_format
 from ..engine.format.entry import CheckpointEntry
 from ..engine.format.layout import join
@@ -63,6 +63,11 @@ class CheckpointInfo:
     seq: int | None
     parent: str | None  # the id of the checkpoint committed before it in its run
     problem: str | None  # why it is corrupt
+    # with `public_keys` (list_checkpoints): signed (by `signed_by`, a key id) | unsigned | refused (why: in
+    # `signature_problem`), from the manifest and its signature; None without public keys or unless committed
+    signature: str | None = None
+    signed_by: str | None = None
+    signature_problem: str | None = None
 
     @property
     def committed(self) -> bool:
@@ -123,28 +128,41 @@ class ManifestSummary:
 
 
 def list_checkpoints(
-    root: PathLike, *, storage_options: dict[str, Any] | None = None, run_id: str | None = None
+    root: PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    public_keys: Sequence[str] = (),
 ) -> CheckpointListing:
     """Every checkpoint directory under `root`: committed, uncommitted and corrupt, with trust, size and times.
 
     `latest` and `last_good` are picked as a resume picks them and their manifests validated (a newest
     checkpoint whose manifest fails is listed corrupt, and `latest` is the one before it). `run_id`: the
     newest commit of that run instead of the run that committed last (what a resuming run with that id
-    gets). Raises CheckpointNotFound when `root` does not exist, ConfigError when it is a checkpoint directory.
+    gets). `public_keys` (PEM files or text, several for a rotation): each committed checkpoint's `signature` is
+    checked against them, and `latest`/`last_good` are what a resume with `require_signature` and these keys
+    loads (the newest validly signed); costs one manifest and one signature read per committed checkpoint.
+    Raises CheckpointNotFound when `root` does not exist, ConfigError when it is a checkpoint directory.
     """
     location = open_root(root, storage_options)
+    policy = signing.SignaturePolicy(signing.load_public_keys(list(public_keys))) if public_keys else None
     for attempt in (1, 2):
         entries = catalog.list_checkpoints(location)
         report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/
+        signatures = _signatures(location, entries, policy) if policy is not None else {}
         try:
-            latest = _pick_or_none(location, entries, "latest", run_id, report.states)
-            good = _pick_or_none(location, entries, catalog.LAST_GOOD, run_id, report.states)
+            latest = _pick_or_none(location, entries, "latest", run_id, report.states, policy)
+            good = _pick_or_none(location, entries, catalog.LAST_GOOD, run_id, report.states, policy)
             break
         except CheckpointDeleted as err:  # another job's retention removed the pick meanwhile: list again once
             if attempt == 2:
                 raise
             log.warning("%s; listing %s again", err, location.url)
-    infos = {entry.name: _info(location, entry, report.states) for entry in entries}
+    for entry in entries:  # the pick marks what it passed over corrupt; here a refusal is a signature state
+        state, _, why = signatures.get(entry.name, (None, None, None))
+        if state not in (None, signing.SIGNED) and entry.state == CORRUPT and entry.problem == why:
+            entry.state, entry.problem = COMMITTED, None
+    infos = {entry.name: _info(location, entry, report.states, signatures.get(entry.name)) for entry in entries}
     return CheckpointListing(
         root=location.url,
         checkpoints=tuple(infos.values()),
@@ -244,10 +262,15 @@ def _follow(location: Location, settled: set[str], timeout_s: float | None, poll
 
 
 def _pick_or_none(
-    location: Location, entries: list[CheckpointEntry], which: str, run_id: str | None, states: dict[str, str]
+    location: Location,
+    entries: list[CheckpointEntry],
+    which: str,
+    run_id: str | None,
+    states: dict[str, str],
+    policy: signing.SignaturePolicy | None = None,
 ) -> CheckpointEntry | None:
     try:
-        return catalog.pick(location, entries, which, run_id, states)
+        return catalog.pick(location, entries, which, run_id, states, policy=policy)
     except CheckpointDeleted:
         raise
     except CheckpointNotFound:
@@ -279,9 +302,31 @@ def _newly_committed(location: Location, settled: set[str]) -> list[CheckpointIn
     return [_info(location, entry, states) for entry in fresh]
 
 
-def _info(location: Location, entry: CheckpointEntry, states: dict[str, str]) -> CheckpointInfo:
+def _signatures(
+    location: Location, entries: list[CheckpointEntry], policy: signing.SignaturePolicy
+) -> dict[str, tuple[str, str | None, str | None]]:
+    """Each committed checkpoint's (signature state, key id, why not accepted); one whose manifest cannot be read
+    has none (its entry says why: corrupt, or gone)."""
+    out = {}
+    for entry in entries:
+        if not entry.committed:
+            continue
+        try:
+            out[entry.name] = signing.signature_state(policy, location.fs, entry.path, entry.manifest)
+        except ShardCkptError as err:  # corrupt (marked) or deleted meanwhile: no signature to speak of
+            log.debug("%s: no signature state: %s", entry.path, err)
+    return out
+
+
+def _info(
+    location: Location,
+    entry: CheckpointEntry,
+    states: dict[str, str],
+    signature: tuple[str, str | None, str | None] | None = None,
+) -> CheckpointInfo:
     age = catalog.age_seconds(entry, location)
     record = entry.record or {}
+    state, signed_by, why = signature or (None, None, None)
     return CheckpointInfo(
         name=entry.name,
         path=join(location.url, entry.name),
@@ -298,4 +343,7 @@ def _info(location: Location, entry: CheckpointEntry, states: dict[str, str]) ->
         seq=entry.seq,
         parent=record.get("parent"),
         problem=entry.problem,
+        signature=state,
+        signed_by=signed_by,
+        signature_problem=why,
     )

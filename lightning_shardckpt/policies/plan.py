@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..engine.config import LoadConfig, SaveConfig
 from ..engine.storage import fsio
@@ -36,13 +36,24 @@ class Fallback:
     prepare: Callable[[Any], None] | None = None  # collective over the group, before the load (a repair)
 
 
+class TierPicked(NamedTuple):
+    """What a tier restore picked: the checkpoint to load, its load config, the other copies to try, and the newer
+    checkpoints it passed over because the signature policy refused them (names, newest first)."""
+
+    path: str
+    config: LoadConfig
+    fallbacks: list[Fallback]
+    signature_skipped: tuple[str, ...] = ()
+
+
 class TierRestore(Protocol):
     """Which copy a resume reads when the run has tiers (policies/tiers/checkpoint_tiers.py `CheckpointTiers`).
     Each is collective over `group` (every rank, the same answer)."""
 
-    def pick(self, which: str | int, base: LoadConfig, group: Any) -> tuple[str, LoadConfig, list[Fallback]] | None:
-        """(checkpoint path, its load config, the other copies to try) for `latest`, `last-good`, a step, an id or
-        a directory name, on either tier; None: neither tier holds it."""
+    def pick(self, which: str | int, base: LoadConfig, group: Any) -> TierPicked | None:
+        """(checkpoint path, its load config, the other copies to try, what the signature policy made it pass over)
+        for `latest`, `last-good`, a step, an id or a directory name, on either tier; None: neither tier holds it.
+        A copy `base`'s signature policy refuses is no candidate."""
         ...
 
     def last_good(self, base: LoadConfig, group: Any) -> tuple[str, LoadConfig] | None: ...

@@ -81,6 +81,7 @@ def resume(
     ref = catalog.parse_reference(reference)
     asked = words.asked.format(ref.text)
     root, which, config, fallbacks = plan.root, ref.selector, plan.load, []
+    tier_skipped: tuple[str, ...] = ()  # what the tier choice passed over for the signature policy
     if ref.is_path:  # a path names its own root (or one checkpoint directory): it must hold a checkpoint
         root, which = ref.text, "latest"
         if not _agreed_has_committed(root, config, group):
@@ -98,7 +99,7 @@ def resume(
         if picked is None and not ref.newest:
             raise CheckpointNotFound(f"{asked}: no committed checkpoint {which!r} on the fast or the durable tier")
         if picked is not None:
-            root, config, fallbacks = picked
+            root, config, fallbacks, tier_skipped = picked
             which = "latest"  # `root` is now the picked checkpoint's own directory
     if ref.newest and not _agreed_has_committed(root, config, group):
         if plan.resume_required:
@@ -117,6 +118,10 @@ def resume(
         )
     if plan.tier_restore is not None:
         loaded.source = plan.tier_restore.tier_of(loaded.path)
+    if tier_skipped and loaded.signature_skipped is not None:
+        # the loader opened one named directory (it passed over nothing): the tier choice's skips are the resume's,
+        # counted and named as `latest` without tiers counts them
+        loaded.signature_skipped = tier_skipped + tuple(n for n in loaded.signature_skipped if n not in tier_skipped)
     return loaded
 
 

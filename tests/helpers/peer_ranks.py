@@ -69,7 +69,7 @@ def resume_with_peers(
     """A new world (`per_node` ranks per node) picks `latest` across the tiers and loads it resharded."""
     tiers = CheckpointTiers(config(base, durable, options, per_node, scan), rank // per_node, rank % per_node)
     group = new_checkpoint_group(30.0)
-    path, load_config, _ = tiers.pick("latest", LoadConfig(), group)
+    path, load_config, *_ = tiers.pick("latest", LoadConfig(), group)
     target = {key: torch.zeros(2048) for key in KEYS}
     result = load_checkpoint(target, path, config=load_config, process_group=group)
     expected = state(result.step)

@@ -273,6 +273,23 @@ class SignaturePolicy:
         return check_listed_files(fs, directory, manifest, kid)
 
 
+SIGNED, UNSIGNED, REFUSED = "signed", "unsigned", "refused"  # a checkpoint's signature state under a policy
+
+
+def signature_state(
+    policy: SignaturePolicy, fs: Any, directory: str, manifest: dict[str, Any]
+) -> tuple[str, str | None, str | None]:
+    """(state, accepting key id, why not accepted) of a checkpoint's manifest under `policy`: `signed` (by that key),
+    `unsigned` (no manifest.sig) or `refused` (signed by no accepted key, changed after signing, no digests). The
+    manifest and its signature only: `shardckpt verify --public-key` reads the files against the signed digests."""
+    try:
+        return SIGNED, policy.check_manifest(fs, directory, manifest), None
+    except SignatureRefused as err:
+        signature_path = join(directory, SIGNATURE)
+        present = retry.call("exists", lambda: fs.exists(signature_path), target=signature_path)
+        return (REFUSED if present else UNSIGNED), None, str(err)
+
+
 def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_keys: Any) -> str:
     """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
     the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.

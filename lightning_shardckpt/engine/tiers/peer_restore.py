@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import glob
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, SignatureRefused
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
 from ..format import bounded_json, signing
 from ..format import manifest as manifest_format
 from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..format.manifest import transfer_order
+from ..format.manifest_schema import parse_time
+from ..format.signing import SignaturePolicy
 from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
@@ -49,6 +51,8 @@ class PeerRestore:
     copied_locally: int  # bytes copied from another root on the same machine
     fetched: int  # bytes received from other ranks over the group
     reason: str
+    # newer checkpoints passed over because the signature policy refused them: {name: (why, order_of)}
+    refused: dict[str, tuple[str, tuple]] = field(default_factory=dict)
 
 
 def visible_roots(own: Location, template: str, scan: bool) -> dict[str, Location]:
@@ -62,9 +66,12 @@ def visible_roots(own: Location, template: str, scan: bool) -> dict[str, Locatio
     return roots
 
 
-def _holdings(root: Location, only: str | None = None) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
+def _holdings(
+    root: Location, only: str | None = None, policy: SignaturePolicy | None = None
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
     """{checkpoint: {file: size}} of the newest directories in `root`, and {checkpoint: manifest facts}. `only`: that
-    one checkpoint, every file checked against its manifest's checksums (a damaged one is not held)."""
+    one checkpoint, every file checked against its manifest's checksums (a damaged one is not held). `policy`: each
+    manifest's signature is checked too; the facts of one it refuses say why (`refused`)."""
     try:
         infos = root.fs.ls(root.path, detail=True)
     except FileNotFoundError:
@@ -88,12 +95,18 @@ def _holdings(root: Location, only: str | None = None) -> tuple[dict[str, dict[s
             if MANIFEST in listing and COMMIT_RECORD in listing:
                 # validated as every reader does: a directory `ls` marks corrupt offers nothing, never stops a resume
                 manifest = manifest_format.parse(root.fs.cat_file(join(directory, MANIFEST)), directory)
-                manifests[name] = {
+                facts = {
                     "files": all_files(manifest),
                     "seq": manifest.get("seq") or 0,
                     "step": manifest.get("step"),
                     "created_at": manifest.get("created_at") or "",
                 }
+                if policy is not None:  # a read that fails here: this root offers no manifest of it (below)
+                    try:
+                        policy.check_manifest(root.fs, directory, manifest)
+                    except SignatureRefused as err:
+                        facts["refused"] = str(err)
+                manifests[name] = facts
         except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
             log.debug("cannot read %s", directory, exc_info=True)
     return held, manifests
@@ -156,22 +169,31 @@ def _newest(infos: list[dict[str, Any]]) -> list[tuple[int, str]]:
 
 
 def restore_from_peers(
-    own: Location, template: str, config: PeersConfig, group: Any, *, repair: str | None = None
+    own: Location,
+    template: str,
+    config: PeersConfig,
+    group: Any,
+    *,
+    repair: str | None = None,
+    policy: SignaturePolicy | None = None,
 ) -> PeerRestore:
     """Collective: make the newest checkpoint any rank can still assemble whole in every node root. `repair`: make
     that checkpoint whole again after a load found a file of it damaged: every file is checked against the
-    manifest's checksums, and one that fails is replaced from an intact copy (a peer's, checked as it arrives)."""
+    manifest's checksums, and one that fails is replaced from an intact copy (a peer's, checked as it arrives).
+    `policy` (the resume's signature policy): a checkpoint whose every reported manifest it refuses is passed over
+    (never copied; named in `refused`), as `latest` passes over it; a validly signed copy is the one copied."""
     rank = rank_and_world(group)[0]
     roots = visible_roots(own, template, config.scan_local_roots)
     report: dict[str, Any] = {"own": own.url, "roots": {}, "manifests": {}}
     for url, location in roots.items():
-        report["roots"][url], manifests = _holdings(location, only=repair)
+        report["roots"][url], manifests = _holdings(location, only=repair, policy=policy)
         for name, facts in manifests.items():
-            report["manifests"].setdefault(name, {**facts, "holder": url})
+            if _preferred({**facts, "holder": url}, report["manifests"].get(name)):
+                report["manifests"][name] = {**facts, "holder": url}
     reports = all_gather_objects("peer-holdings", report, group)
-    plan = _plan(reports)
+    plan, refused = _plan(reports)
     if isinstance(plan, str):
-        return PeerRestore(None, None, 0, 0, plan)
+        return PeerRestore(None, None, 0, 0, plan, refused)
     name, step, holder_rank, holder_root, transfers = plan
     documents = None
     if rank == holder_rank:
@@ -224,12 +246,27 @@ def restore_from_peers(
     local_total = sum(o[1] for o in outcomes)
     fetched_total = sum(o[2] for o in outcomes)
     if failed:
-        return PeerRestore(None, step, local_total, fetched_total, f"assembling {name} failed: {'; '.join(failed[:3])}")
+        return PeerRestore(
+            None, step, local_total, fetched_total, f"assembling {name} failed: {'; '.join(failed[:3])}", refused
+        )
     reason = (
         f"{name} assembled from peer copies: {local_total} bytes copied on the same machine, "
         f"{fetched_total} bytes fetched from other ranks"
     )
-    return PeerRestore(name, step, local_total, fetched_total, reason)
+    if refused:
+        reason += f"; passed over (the signature policy refused them): {', '.join(refused)}"
+    return PeerRestore(name, step, local_total, fetched_total, reason, refused)
+
+
+def _preferred(facts: dict[str, Any], held: dict[str, Any] | None) -> bool:
+    """The first manifest reported for a checkpoint, unless a later one is accepted where it was refused."""
+    return held is None or ("refused" in held and "refused" not in facts)
+
+
+def order_of(facts: dict[str, Any]) -> tuple:
+    """A reported checkpoint's place in commit order: (seq, commit time, step), as restore.py ranks catalog entries."""
+    stamp = parse_time(facts.get("created_at"))
+    return (facts.get("seq") or 0, stamp.timestamp() if stamp is not None else 0.0, facts.get("step") or 0)
 
 
 def _incoming_ranges(
@@ -243,19 +280,28 @@ def _incoming_ranges(
     return lambda: expected_ranges(manifest, relative, places)
 
 
-def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple[str, int, int, str]]] | str:
-    """The same plan on every rank: (checkpoint, step, manifest holder rank, its root, transfers) or why none."""
+def _plan(
+    reports: list[dict[str, Any]],
+) -> tuple[tuple[str, int, int, str, list[tuple[str, int, int, str]]] | str, dict[str, tuple[str, tuple]]]:
+    """The same plan on every rank: (checkpoint, step, manifest holder rank, its root, transfers) or why none; and the
+    newer checkpoints passed over because the signature policy refused every manifest reported for them
+    ({name: (why, order_of)}, newest first)."""
     manifests: dict[str, dict[str, Any]] = {}
     holder: dict[str, tuple[int, str]] = {}
     for rank, report in enumerate(reports):
         for name, facts in report["manifests"].items():
-            if name not in manifests:
+            if _preferred(facts, manifests.get(name)):
                 manifests[name], holder[name] = facts, (rank, facts["holder"])
+    refused: dict[str, tuple[str, tuple]] = {}
     if not manifests:
-        return "no fast-tier checkpoint survives on any node"
+        return "no fast-tier checkpoint survives on any node", refused
     reasons = []
     # newest commit first: within a run by seq, as `latest` orders (a rollback's new branch after the old one)
     for name in sorted(manifests, key=lambda n: (manifests[n]["seq"], manifests[n]["created_at"]), reverse=True):
+        if "refused" in manifests[name]:  # every reported copy of its manifest: none is worth copying
+            refused[name] = (manifests[name]["refused"], order_of(manifests[name]))
+            reasons.append(f"{name}: refused by the signature policy ({manifests[name]['refused']})")
+            continue
         expected = manifests[name]["files"]
         holders: dict[str, list[tuple[int, str]]] = {rel: [] for rel in expected}
         for rank, report in enumerate(reports):
@@ -282,5 +328,5 @@ def _plan(reports: list[dict[str, Any]]) -> tuple[str, int, int, str, list[tuple
                 else:
                     source, url = min(holders[rel])
                     transfers.append((rel, writer, source, url))
-        return name, manifests[name]["step"], *holder[name], transfers
-    return "; ".join(reasons)
+        return (name, manifests[name]["step"], *holder[name], transfers), refused
+    return "; ".join(reasons), refused

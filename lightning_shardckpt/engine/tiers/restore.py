@@ -4,24 +4,34 @@ A node-local fast tier is readable only where it was written: on a resized or re
 ranks lack the files (or the manifest) there. So each rank checks, in its own view of each tier,
 which of the newest candidates are complete, and the ranks agree with one all-gather
 ("tier-readable") before choosing: only a checkpoint every rank can read is a candidate.
+
+With a signature policy (LoadConfig.require_signature), rank 0 checks each candidate copy it can read as the loader
+would (engine/format/signing.py: manifest.sig against the manifest's bytes) and sends its refusals in the same
+all-gather: a refused copy is no candidate on any rank, and the checkpoints passed over for it are named, as
+`latest` without tiers names them (engine/catalog.py, SIGNATURE_SKIPPED). Rank 0 alone judges the manifest, as the
+loader's pick does; every rank still checks the files it reads against the signed digests at load.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import catalog
-from ..collectives import all_gather_objects
+from ..collectives import all_gather_objects, rank_and_world
 from ..format.layout import MANIFEST, join
 from ..format.manifest import files_with_metadata
+from ..format.signing import SignaturePolicy, SignatureRefused
 from ..storage.fsio import Location
 
 log = logging.getLogger(__name__)
 
 FAST, DURABLE = "fast", "durable"
 CANDIDATES_PER_TIER = 3  # newest commits checked per tier: each check is one listing of a checkpoint directory
+# with a signature policy: a forged or unsigned newest few must not leave `latest` without a candidate while older
+# signed ones exist, and the ranks cannot know the refusals before they agree (one all-gather), so each looks deeper
+SIGNED_CANDIDATES_PER_TIER = 8
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,17 @@ class TierChoice:
     url: str  # this rank's path of it
     step: int
     reason: str
+
+
+@dataclass(frozen=True)
+class TierPick:
+    """`choose_signed`'s answer, the same on every rank."""
+
+    choices: list[TierChoice]  # preference order: the first is the one to load, the others fallbacks
+    refused: dict[str, str] = field(default_factory=dict)  # "TIER:NAME" -> why the signature policy refused that copy
+    # checkpoints (directory names, newest first) newer than the first choice passed over because the policy refused
+    # their copies: LoadResult.signature_skipped, the resume event's names and the `signature_skipped` metric
+    signature_skipped: tuple[str, ...] = ()
 
 
 def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
@@ -48,9 +69,11 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
         return False
 
 
-def _candidates(location: Location | None, which: str | int) -> tuple[list[catalog.CheckpointEntry], set[str]]:
-    """The tier's newest committed checkpoints of its latest run (newest first), and its drilled ones; for a
-    step, an id or a directory name, the committed checkpoints it names (newest commit first)."""
+def _candidates(
+    location: Location | None, which: str | int, per_tier: int = CANDIDATES_PER_TIER
+) -> tuple[list[catalog.CheckpointEntry], set[str]]:
+    """The tier's newest `per_tier` committed checkpoints of its latest run (newest first), and its drilled ones;
+    for a step, an id or a directory name, the committed checkpoints it names (newest commit first)."""
     if location is None:
         return [], set()
     try:
@@ -60,7 +83,7 @@ def _candidates(location: Location | None, which: str | int) -> tuple[list[catal
         return [], set()
     if which not in ("latest", catalog.LAST_GOOD):
         named = [entry for entry in entries if entry.committed and catalog.names(entry, which)]
-        return sorted(named, key=catalog.time_order, reverse=True)[:CANDIDATES_PER_TIER], set()
+        return sorted(named, key=catalog.time_order, reverse=True)[:per_tier], set()
     newest = catalog.newest_committed(entries)
     if newest is None:
         return [], set()
@@ -70,7 +93,7 @@ def _candidates(location: Location | None, which: str | int) -> tuple[list[catal
         if which == catalog.LAST_GOOD
         else set()
     )
-    return list(reversed(mine))[:CANDIDATES_PER_TIER] if which != catalog.LAST_GOOD else list(reversed(mine)), drilled
+    return list(reversed(mine))[:per_tier] if which != catalog.LAST_GOOD else list(reversed(mine)), drilled
 
 
 def listed_anywhere(fast: Location | None, durable: Location | None, which: str | int) -> list[str]:
@@ -87,24 +110,53 @@ def choose(fast: Location | None, durable: Location | None, which: str | int, gr
 
     `which`: "latest", "last-good" (among checkpoints drilled on either tier), or a step, an id or a directory
     name (on either tier). The first choice is the one to load; the others are fallbacks (the same checkpoint on
-    the other tier first).
+    the other tier first). Without a signature policy: `choose_signed` says more.
     """
+    return choose_signed(fast, durable, which, group, None).choices
+
+
+def choose_signed(
+    fast: Location | None,
+    durable: Location | None,
+    which: str | int,
+    group: Any,
+    policy: SignaturePolicy | None,
+    refused_before: dict[str, tuple[str, tuple]] | None = None,
+) -> TierPick:
+    """`choose`, honouring a signature policy: a copy the policy refuses (rank 0 checks) is no candidate on any rank.
+    Collective "tier-readable" (one all-gather, refusals included). `refused_before`: fast-tier checkpoints the peer
+    restore already refused ({name: (why, commit order)}, the same on every rank), counted among those passed over."""
     tiers = {FAST: fast, DURABLE: durable}
+    per_tier = CANDIDATES_PER_TIER if policy is None else SIGNED_CANDIDATES_PER_TIER
     found: dict[str, list[catalog.CheckpointEntry]] = {}
     drilled: set[str] = set()
     for tier, location in tiers.items():
-        found[tier], tier_drilled = _candidates(location, which)
+        found[tier], tier_drilled = _candidates(location, which, per_tier)
         drilled |= tier_drilled
     if which == catalog.LAST_GOOD:
-        found = {
-            tier: [e for e in entries if e.name in drilled][:CANDIDATES_PER_TIER] for tier, entries in found.items()
-        }
+        found = {tier: [e for e in entries if e.name in drilled][:per_tier] for tier, entries in found.items()}
     mine = {
         (tier, entry.name) for tier, entries in found.items() for entry in entries if readable_here(tiers[tier], entry)
     }
-    everywhere = set.intersection(
-        *[set(map(tuple, view)) for view in all_gather_objects("tier-readable", sorted(mine), group)]
-    )
+    refused_here: dict[str, tuple[str, tuple]] = {}
+    if policy is not None and rank_and_world(group)[0] == 0:  # rank 0 judges manifests, as the loader's pick does
+        for tier, entries in found.items():
+            for entry in entries:
+                if (tier, entry.name) not in mine:
+                    continue
+                try:
+                    why = _refusal(policy, tiers[tier], entry)
+                except Exception:  # noqa: BLE001 - not judged (a read failed): no candidate, but nothing refused
+                    log.warning("cannot check the signature of %s; not considering it", entry.path, exc_info=True)
+                    mine.discard((tier, entry.name))
+                    continue
+                if why is not None:
+                    mine.discard((tier, entry.name))
+                    refused_here[f"{tier}:{entry.name}"] = (why, _order(entry))
+    views = all_gather_objects("tier-readable", {"readable": sorted(mine), "refused": refused_here}, group)
+    everywhere = set.intersection(*[set(map(tuple, view["readable"])) for view in views])
+    refused = {f"{FAST}:{name}": verdict for name, verdict in (refused_before or {}).items()}
+    refused.update({copy: verdict for view in views for copy, verdict in view["refused"].items()})
     ranked = []
     for tier, entries in found.items():
         for entry in entries:
@@ -123,12 +175,41 @@ def choose(fast: Location | None, durable: Location | None, which: str | int, gr
                 else "newest commit every rank can read"
             )
         else:
-            unreadable = [e.name for e in found[FAST] if (FAST, e.name) not in everywhere]
-            reason = (
-                "newest commit every rank can read; the fast tier's newer or equal copies are not readable by every rank "
-                f"({', '.join(unreadable[:3])})"
-                if unreadable
-                else "newest commit every rank can read"
-            )
+            passed = [e.name for e in found[FAST] if (FAST, e.name) not in everywhere]
+            unreadable = [name for name in passed if f"{FAST}:{name}" not in refused]
+            unsigned = [name for name in passed if f"{FAST}:{name}" in refused]
+            reason = "newest commit every rank can read"
+            if unreadable:
+                reason += f"; the fast tier's newer or equal copies are not readable by every rank ({', '.join(unreadable[:3])})"
+            if unsigned:
+                reason += f"; the signature policy refused the fast tier's copies of {', '.join(unsigned[:3])}"
         choices.append(TierChoice(tier, entry.name, join(location.url, entry.name), entry.step, reason))
-    return choices
+    return TierPick(choices, {copy: why for copy, (why, _) in refused.items()}, _passed_over(refused, ranked))
+
+
+def _order(entry: catalog.CheckpointEntry) -> tuple:
+    """The ranking's key of a checkpoint (commit order, then step), comparable across ranks and tiers."""
+    return (*catalog.run_order(entry)[:2], entry.step)
+
+
+def _refusal(policy: SignaturePolicy, location: Location, entry: catalog.CheckpointEntry) -> str | None:
+    """Why the policy refuses this copy's manifest (None: it accepts it); a read that fails raises (retried first:
+    a transient error is no forgery, never counted as one). The loader checks the picked one again, and every rank
+    the files it reads: a copy changed after this check is still refused."""
+    try:
+        entry.extra[catalog.SIGNED_BY] = policy.check_manifest(location.fs, entry.path, entry.manifest)
+        return None
+    except SignatureRefused as err:
+        return str(err)
+
+
+def _passed_over(refused: dict[str, tuple[str, tuple]], ranked: list[tuple]) -> tuple[str, ...]:
+    """Names of the checkpoints newer than the first choice (all, without one) of which a copy was refused; newest
+    first. A refused copy of the chosen checkpoint itself (its other tier's copy is read) passes over nothing."""
+    first = ranked[0][4] if ranked else None
+    newer = {}
+    for copy, (_, order) in refused.items():
+        name = copy.split(":", 1)[1]
+        if first is None or (name != first.name and tuple(order) > _order(first)):
+            newer[name] = tuple(order)
+    return tuple(sorted(newer, key=lambda name: newer[name], reverse=True))

@@ -15,6 +15,7 @@ from typing import Any
 from ...engine import catalog, ownership
 from ...engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
 from ...engine.config import LoadConfig
+from ...engine.format import signing
 from ...engine.format.layout import join, parse_dirname
 from ...engine.storage import fsio
 from ...engine.storage.fsio import Location
@@ -28,10 +29,10 @@ from ...engine.tiers.replicate import (
     missing_on_durable,
     newest_on_both,
 )
-from ...engine.tiers.restore import DURABLE, FAST, choose, listed_anywhere
-from ...errors import CheckpointNotFound, StorageUnavailable
+from ...engine.tiers.restore import DURABLE, FAST, choose_signed, listed_anywhere
+from ...errors import CheckpointNotFound, SignatureRefused, StorageUnavailable
 from .. import retention
-from ..plan import Fallback
+from ..plan import Fallback, TierPicked
 from ..plugin import SaverHosting
 
 log = logging.getLogger(__name__)
@@ -286,9 +287,9 @@ class CheckpointTiers:
         return deleted
 
     # --- restore ---
-    def pick(self, which: str | int, base: LoadConfig, group: Any) -> tuple[str, LoadConfig, list[Fallback]] | None:
-        """(checkpoint path to load, its load config, fallbacks) for `latest`, `last-good`, a step, an id or a
-        directory name, on either tier; None when neither tier holds it. Collective on every rank.
+    def pick(self, which: str | int, base: LoadConfig, group: Any) -> TierPicked | None:
+        """(checkpoint path to load, its load config, fallbacks, signature skips) for `latest`, `last-good`, a step,
+        an id or a directory name, on either tier; None when neither tier holds it. Collective on every rank.
 
         With peer copies, `latest` first assembles the newest commit the surviving nodes hold whole in every node
         root (engine/tiers/peer_restore.py); the durable tier is considered beside it, by commit order, unless its
@@ -296,15 +297,34 @@ class CheckpointTiers:
         smaller step is never hidden, and a resume that has it locally reads no object). The durable copy of the
         picked checkpoint is always a fallback when the fast one fails its checks.
         A checkpoint some rank cannot read is no candidate; if every one listed is such, that is an error (never a
-        fresh start over checkpoints that exist).
+        fresh start over checkpoints that exist). With `base.require_signature`, a copy the signature policy refuses
+        is no candidate either (engine/tiers/restore.py `choose_signed`): `latest` and `last-good` pass over it to the
+        newest validly signed commit, naming what they passed over; if the policy refused every candidate, the error
+        says so.
         """
-        durable = self.durable
+        durable, refused_by_peers = self.durable, {}
+        policy = signing.policy_of(base.require_signature, base.public_keys)
         if self.config.fast.peers is not None and which == "latest":
-            durable = self._restore_from_peers(group)
-        choices = choose(self.fast, durable, which, group)
+            durable = self._restore_from_peers(group, policy)
+            refused_by_peers = self.peer_restore.refused
+        tier_pick = choose_signed(self.fast, durable, which, group, policy, refused_by_peers)
+        choices, refused = tier_pick.choices, tier_pick.refused
+        if refused and rank_zero():
+            for copy, why in refused.items():  # the words of `latest` without tiers (engine/catalog.py)
+                log.warning("skipping %s for `%s`: %s", copy, which, why)
         if not choices:
             listed = listed_anywhere(self.fast, durable, which) if rank_zero() else None
             listed = broadcast_from_coordinator("tier-listed", listed, group)
+            if refused:  # every rank knows them (gathered): all raise alike
+                unreadable = [copy for copy in listed or [] if copy not in refused]
+                raise SignatureRefused(
+                    f"the signature policy refused every candidate for {which!r} on the fast and durable tiers: "
+                    + "; ".join(f"{copy} ({why})" for copy, why in list(refused.items())[:4])
+                    + (f"; and {len(refused) - 4} more (logged)" if len(refused) > 4 else "")
+                    + (f"; not readable by every rank: {', '.join(unreadable)}" if unreadable else "")
+                    + ". Resume one signed by an accepted key by its name or step, or add the key that signed these "
+                    "to public_keys if you trust it"
+                )
             if listed:
                 raise CheckpointNotFound(
                     f"{', '.join(listed)} {'is' if len(listed) == 1 else 'are'} committed but not readable by every "
@@ -314,9 +334,18 @@ class CheckpointTiers:
             return None
         first = choices[0]
         if rank_zero():
-            log.info("resuming from the %s tier: %s (step %d); %s", first.tier, first.url, first.step, first.reason)
+            skipped = tier_pick.signature_skipped
+            log.info(
+                "resuming from the %s tier: %s (step %d); %s%s",
+                first.tier,
+                first.url,
+                first.step,
+                first.reason,
+                f"; passed over (the signature policy refused them): {', '.join(skipped)}" if skipped else "",
+            )
         copies = [(c.tier, c.url) for c in choices[1:] if c.name == first.name]
-        if first.tier == FAST and self.durable is not None and not copies:
+        refused_durable = f"{DURABLE}:{first.name}" in refused
+        if first.tier == FAST and self.durable is not None and not copies and not refused_durable:
             # not considered (peer copies: the durable tier was not read): its copy, if it has one, is still a copy
             copies.append((DURABLE, join(self.durable.url, first.name)))
         fallbacks = [
@@ -337,12 +366,13 @@ class CheckpointTiers:
                     prepare=lambda group: self._repair(first.name, group),
                 ),
             )
-        return first.url, self._config_for(first.tier, base), fallbacks
+        return TierPicked(first.url, self._config_for(first.tier, base), fallbacks, tier_pick.signature_skipped)
 
-    def _restore_from_peers(self, group: Any) -> Location | None:
-        """Collective: assemble from peer copies; returns the durable location to consider beside it (None: its
-        `latest` pointer names the checkpoint just assembled, so nothing newer is there)."""
-        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group)
+    def _restore_from_peers(self, group: Any, policy: signing.SignaturePolicy | None) -> Location | None:
+        """Collective: assemble from peer copies (the newest one `policy` accepts); returns the durable location to
+        consider beside it (None: its `latest` pointer names the checkpoint just assembled, so nothing newer is
+        there)."""
+        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group, policy=policy)
         self.peer_restore = restored
         if restored.name is None:
             if rank_zero():
@@ -372,7 +402,8 @@ class CheckpointTiers:
         Where a `latest` picked from the tiers falls back to: drill records live in a tier's root (the fast
         tier's: drills run there), never inside the picked checkpoint's directory.
         """
-        choices = choose(self.fast, self.durable, catalog.LAST_GOOD, group)
+        policy = signing.policy_of(base.require_signature, base.public_keys)
+        choices = choose_signed(self.fast, self.durable, catalog.LAST_GOOD, group, policy).choices
         if not choices:
             return None
         return choices[0].url, self._config_for(choices[0].tier, base)
