@@ -158,6 +158,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, options: Any) -> int:
     """Drill ROOT's new checkpoints until stopped; SIGTERM (a Kubernetes stop) ends it like Ctrl-C."""
     import signal
+    import threading
 
     from ..policies.drills.follower import DrillFollower
 
@@ -170,7 +171,10 @@ def _follow(args: argparse.Namespace, options: Any) -> int:
         interval_s=args.interval,
         on_record=lambda record: _print_record(record, args.json, compact=True),
     )
-    signal.signal(signal.SIGTERM, _stop_following)
+    # SIGTERM (a Kubernetes stop) ends the loop like Ctrl-C; the handler found is put back on the way out, so a
+    # program that calls `main(["drill", ..., "--follow"])` in its own process keeps its SIGTERM behaviour after
+    on_main_thread = threading.current_thread() is threading.main_thread()  # elsewhere Python sets no handler
+    previous_sigterm = signal.signal(signal.SIGTERM, _stop_following) if on_main_thread else None
     try:
         warm_s = follower.warm_up()
         print(
@@ -182,6 +186,9 @@ def _follow(args: argparse.Namespace, options: Any) -> int:
         follower.run(once=args.once, exit_when_idle_s=args.exit_when_idle)
     except KeyboardInterrupt:
         pass  # the lease is released and the warm workers stopped on the way out
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm if previous_sigterm is not None else signal.SIG_DFL)
     if follower.malformed_leases:
         print(f"ignored {follower.malformed_leases} malformed drill lease file(s), named above", file=sys.stderr)
     return exit_codes.OK

@@ -7,6 +7,7 @@ without keys and fails one with them."""
 from __future__ import annotations
 
 import os
+import signal
 
 from lightning_shardckpt.engine.config import SignConfig
 from lightning_shardckpt.engine.format import drill_records
@@ -34,8 +35,10 @@ def test_follower_with_a_public_key_records_forged_and_unsigned_checkpoints_and_
     forge_tensor_values(fsio.resolve(root), os.path.join(root, forged), FQN, FORGED)
 
     follow = ("drill", "--follow", "--once", "--interval", "0.1", "--public-key", public, root)
+    sigterm_before = signal.getsignal(signal.SIGTERM)
     code, out, err = run_cli(*follow)
     assert code == 0, err  # refused and recorded: the follower goes on
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before  # put back: this process's SIGTERM acts as before
     record = _records(root)[forged]
     assert record["verdict"] == drill_records.FAILED and record["signature_refused"], record
     assert "manifest.json: its signature by key" in record["cause"]
