@@ -1,8 +1,8 @@
 """A checkpoint deleted under a restore drill is not a failed restore, in the follower and in training alike
 (issue 37, item 6).
 
-A plain loop (`Checkpointer`, keep_last=1, no drills of its own) commits every 0.3 s in a thread, so each commit
-deletes the one before while a drill of it runs in real drill processes: the drill follower's (`DrillFollower`,
+A plain loop (`Checkpointer`, no drills of its own) commits a checkpoint, a drill of it starts and retention's
+deletion (`delete_checkpoint`) removes it under the drill in real drill processes: the drill follower's (`DrillFollower`,
 what `shardckpt drill --follow` runs) and the in-training runner's (`DrillRunner`, what `ShardedCheckpoint`'s
 drills run). Both report `not-drilled` with the cause, file no `failed` record, and the restore rule (drill_ok,
 critical) sees nothing; a real failed drill still fires it.
@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from lightning_shardckpt import Checkpointer
+from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.layout import DRILLS_DIR
+from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.policies import retention
 from lightning_shardckpt.policies.drills.follower import DrillFollower
 from lightning_shardckpt.policies.drills.runner import DrillOptions, DrillRunner
 from lightning_shardckpt.policies.health.evaluate import HealthEvaluator
@@ -28,47 +31,54 @@ OPTIONS = DrillOptions(world_size=1, timeout_s=120)
 
 
 class KeepLastOne:
-    """A training loop whose retention deletes each checkpoint as the next commits (every 0.3 s)."""
+    """A training loop whose retention (keep_last=1) deletes each checkpoint as the next one commits; the test says
+    when the next one commits, so a drill of the newest can be made to overlap its deletion."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.stop, self.error = root, threading.Event(), None
-        self.thread = threading.Thread(target=self._train, daemon=True)
+        self.root, self.step = root, 0
+        self.state = {"weights": torch.zeros(16 << 20)}  # 64 MiB: a drill reads it for a while
+        self.checkpointer = Checkpointer(str(root), keep_last=1, save={"async_save": False})
 
-    def _train(self) -> None:
-        try:
-            state = {"weights": torch.zeros(1 << 18)}
-            with Checkpointer(str(self.root), keep_last=1, save={"async_save": False}) as checkpointer:
-                step = 0
-                while not self.stop.is_set():
-                    step += 1
-                    state["weights"].add_(1.0)
-                    checkpointer.save(step, state, blocking=True)
-                    time.sleep(0.3)
-        except Exception as err:  # the test reports it
-            self.error = err
+    def commit_next(self) -> None:
+        self.step += 1
+        self.state["weights"].add_(1.0)
+        self.checkpointer.save(self.step, self.state, blocking=True)
 
-    def __enter__(self) -> KeepLastOne:
-        self.thread.start()
-        while not list(self.root.glob("step-*/manifest.json")):
-            time.sleep(0.05)
-        return self
+    def delete_newest(self) -> None:
+        """What retention does to it when the next one commits (a commit takes longer than most drills here)."""
+        location = fsio.resolve(str(self.root))
+        newest = [entry for entry in catalog.list_checkpoints(location) if entry.committed][-1]
+        retention.delete_checkpoint(location, newest)
 
-    def __exit__(self, *args) -> None:
-        self.stop.set()
-        self.thread.join(60)
-        assert self.error is None, self.error
+    def close(self) -> None:
+        self.checkpointer.close()
 
 
-def _drilled_while_deleted(drill) -> dict:
-    """Run `drill()` until a drill of a checkpoint that retention deleted meanwhile came back (a drill that ran
-    before its checkpoint went, or one asked for a checkpoint already gone, is not what is tested: try again)."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        record = drill()
-        gone_before = record is not None and str(record.get("cause", "")).startswith("CheckpointNotFound")
-        if record is not None and record.get("verdict") != "passed" and not gone_before:
+def _drilled_while_deleted(run: KeepLastOne, drill) -> dict:
+    """Commit a checkpoint, start `drill()` of it and delete it as retention does `delay` s later until a drill
+    overlapped the deletion. A drill that passed (it finished first) shortens the delay, one
+    that found its checkpoint already gone (CheckpointNotFound, or None: gone between the look and the open)
+    lengthens it: the delay settles inside the drill on a fast machine and on a loaded one alike."""
+    delay, seen = 0.5, []
+    for _ in range(40):
+        run.commit_next()
+        outcome: list[dict | None] = []
+        drilling = threading.Thread(target=lambda into=outcome: into.append(drill()), daemon=True)
+        drilling.start()
+        time.sleep(delay)
+        run.delete_newest()
+        drilling.join(180)
+        assert outcome, "a drill did not return in 180 s"
+        record = outcome[0]
+        seen.append(None if record is None else (record.get("verdict"), str(record.get("cause", ""))[:60]))
+        gone_before = record is None or str(record.get("cause", "")).startswith("CheckpointNotFound")
+        if gone_before:
+            delay = delay * 2 + 0.1
+        elif record.get("verdict") == "passed":
+            delay /= 2
+        else:
             return record
-    raise AssertionError("no drill overlapped a deletion in 240 s")
+    raise AssertionError(f"no drill overlapped a deletion in 40 tries: {seen}")
 
 
 @pytest.mark.slow
@@ -78,26 +88,27 @@ def test_a_checkpoint_deleted_under_a_drill_is_not_drilled_in_the_follower_and_i
     results: list[dict] = []
     runner = DrillRunner(OPTIONS, results.append)
     follower.warm_up()  # forks before the training thread runs
+    run = KeepLastOne(root)
     try:
-        with KeepLastOne(root):
 
-            def follower_drill() -> dict | None:
-                try:
-                    return follower.step()
-                except Exception:  # deleted between the look and the open: nothing was drilled
-                    return None
+        def follower_drill() -> dict | None:
+            try:
+                return follower.step()
+            except Exception:  # deleted between the look and the open: nothing was drilled
+                return None
 
-            def training_drill() -> dict:
-                newest = sorted(path.parent for path in root.glob("step-*/manifest.json"))[-1]
-                results.clear()
-                runner.request(str(newest))
-                while not results:
-                    time.sleep(0.05)
-                return results[0]
+        def training_drill() -> dict:
+            newest = sorted(path.parent for path in root.glob("step-*/manifest.json"))[-1]
+            results.clear()
+            runner.request(str(newest))
+            while not results:
+                time.sleep(0.05)
+            return results[0]
 
-            from_follower = _drilled_while_deleted(follower_drill)
-            in_training = _drilled_while_deleted(training_drill)
+        from_follower = _drilled_while_deleted(run, follower_drill)
+        in_training = _drilled_while_deleted(run, training_drill)
     finally:
+        run.close()
         runner.close(60)
         follower._pool.close()
     for record in (from_follower, in_training):
