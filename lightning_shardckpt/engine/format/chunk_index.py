@@ -13,12 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CorruptCheckpoint
-from ..storage import retry
 from . import chunk_layout, parts_manifest
 from . import manifest as manifest_format
 from . import parts as part_format
-from .checksum import checksum
 from .layout import join
+from .listed_read import read_listed
 
 PART_READ_THREADS = 8  # parts read at once: small objects, so what matters on an object store is the round trips
 
@@ -49,20 +48,7 @@ def read_parts(
     def read(rank: int) -> tuple[int, dict[str, Any]]:
         name, size, digest = expected[rank]
         path = join(directory, name)
-        try:
-            data = retry.call("read", lambda: fs.cat_file(path, start=0, end=size + 1), target=path)
-        except FileNotFoundError as err:
-            raise CorruptCheckpoint(
-                f"{path} is missing: the manifest lists it. Restore it from a replica or load an older checkpoint",
-                problems=[{"file": name, "tensor": None, "expected": "present", "actual": "missing"}],
-            ) from err
-        actual = checksum(data)
-        if len(data) != size or actual != digest:
-            raise CorruptCheckpoint(
-                f"{path}: {len(data)} bytes with checksum {actual}, the manifest says {size} bytes, {digest}; the part "
-                "was altered after commit. Restore it from a replica or load an older checkpoint",
-                problems=[{"file": name, "tensor": None, "expected": digest, "actual": actual}],
-            )
+        data = read_listed(fs, directory, name, size, digest, "part")
         try:
             part = part_format.parse(data, path, checkpoint_id=manifest["id"], rank=rank)
         except ValueError as err:
