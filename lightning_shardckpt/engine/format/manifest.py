@@ -470,5 +470,6 @@ def files_with_metadata(manifest: dict[str, Any]) -> dict[str, int]:
 
 
 def transfer_order(relative: str) -> tuple[int, str]:
-    """Parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the part lands first."""
-    return (0 if relative.endswith(PART_SUFFIX) else 1, relative)
+    """Group tables and parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the
+    part lands first (and v5's group tables, which list the parts, before them)."""
+    return (0 if relative.endswith(groups.GROUP_SUFFIX) else 1 if relative.endswith(PART_SUFFIX) else 2, relative)

@@ -34,8 +34,8 @@ from typing import Any
 from ...errors import CorruptCheckpoint
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
-from ..format import signing
-from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..format import groups, signing
+from ..format.layout import MANIFEST, join, parse_dirname, shard_rank
 from ..format.manifest import files_of, files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..save.commit import publish
@@ -346,12 +346,13 @@ class Replicator:
 
     def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
         src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)
-        files = files_with_metadata(manifest)
-        mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
-        if self.rank == 0 and DCP_METADATA in files:
-            mine.append(DCP_METADATA)
         problem = None
         try:
+            manifest = groups.expanded(self.fast.fs, src_dir, manifest)  # v5: its files are in its group tables
+            files = files_with_metadata(manifest)
+            mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
+            if self.rank == 0:  # the files no rank owns: .metadata, v5's group tables
+                mine.extend(sorted((p for p in files if shard_rank(p) is None), key=transfer_order))
             self.durable.backend.makedirs(dst_dir)
             for relative in mine:
                 self._fault("replicate_before_file")
@@ -369,7 +370,11 @@ class Replicator:
         problems = [p for p in all_gather_objects("replicate-receipts", problem, self.group) if p]
         outcome: tuple[bool, str] | None = None
         if self.rank == 0:
-            outcome = (False, "; ".join(problems)) if problems else self._commit(name, manifest)
+            outcome = (
+                (False, "; ".join(problems))
+                if problems
+                else self._commit(name, groups.expanded(self.fast.fs, src_dir, manifest))
+            )
         return tuple(broadcast_from_coordinator("replicate-outcome", outcome, self.group))  # type: ignore[return-value]
 
     def _signer(self) -> signing.Signer | None:
