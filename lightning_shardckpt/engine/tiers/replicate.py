@@ -348,8 +348,8 @@ class Replicator:
         src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)
         problem = None
         try:
-            manifest = groups.expanded(self.fast.fs, src_dir, manifest)  # v5: its files are in its group tables
-            files = files_with_metadata(manifest)
+            expanded = groups.expanded(self.fast.fs, src_dir, manifest)  # v5: its files are in its group tables
+            files = files_with_metadata(expanded)
             mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
             if self.rank == 0:  # the files no rank owns: .metadata, v5's group tables
                 mine.extend(sorted((p for p in files if shard_rank(p) is None), key=transfer_order))
@@ -362,7 +362,7 @@ class Replicator:
                     self.durable.fs,
                     dst_dir,
                     relative,
-                    manifest,
+                    expanded,
                     on_piece=lambda: self._fault("replicate_mid_upload"),
                 )
         except Exception as err:  # noqa: BLE001 - reported to the coordinator, which decides for all
@@ -370,11 +370,7 @@ class Replicator:
         problems = [p for p in all_gather_objects("replicate-receipts", problem, self.group) if p]
         outcome: tuple[bool, str] | None = None
         if self.rank == 0:
-            outcome = (
-                (False, "; ".join(problems))
-                if problems
-                else self._commit(name, groups.expanded(self.fast.fs, src_dir, manifest))
-            )
+            outcome = (False, "; ".join(problems)) if problems else self._commit(name, manifest)
         return tuple(broadcast_from_coordinator("replicate-outcome", outcome, self.group))  # type: ignore[return-value]
 
     def _signer(self) -> signing.Signer | None:
@@ -386,7 +382,8 @@ class Replicator:
         """Coordinator: check the uploaded sizes, then commit the durable copy (manifest last)."""
         fs, directory = self.durable.fs, join(self.durable.path, name)
         try:
-            expected = {entry["path"]: entry["bytes"] for entry in files_of(manifest)}
+            # v5: the sizes are in its group tables, read from the durable copy (checked against the manifest)
+            expected = {entry["path"]: entry["bytes"] for entry in files_of(groups.expanded(fs, directory, manifest))}
             for relative, size in sorted(expected.items()):
                 actual = fs.size(join(directory, relative))
                 if actual != size:
