@@ -142,3 +142,26 @@ def test_ls_verify_and_a_restore_drill_read_a_v5_checkpoint(saved_v5, run_cli):
     assert code == 0 and out.startswith("OK "), out
     record = run_drill(str(root / name), DrillOptions(timeout_s=120))
     assert record["verdict"] == "passed", record
+
+
+def failing_member_worker(rank, world_size, root):
+    os.environ[groups.GROUP_SIZE_ENV] = GROUP_SIZE
+
+    def hook(point):
+        if point == "before_receipt" and rank == 3:  # a member of group 1 (leader: rank 2), not of rank 0's group
+            raise OSError("injected: rank 3 lost its disk")
+
+    model, optimizer = ts.build("fsdp", seed=1, world_size=world_size)
+    config = SaveConfig(async_save=False, write_events=False, format_version=5, collective_timeout_s=30)
+    saver = CheckpointSaver(root, config, fault_hook=hook)
+    result = saver.save(ts.sharded_state(model, optimizer), step=1).result(timeout=60)
+    saver.close()
+    return {"committed": result.committed, "error": str(result.error)}
+
+
+def test_a_members_failure_reaches_rank_0_through_its_leader_and_no_rank_commits(tmp_path):
+    root = str(tmp_path / "ckpt")
+    outcomes = [o.value for o in run_ranks(failing_member_worker, 4, root)]
+    assert not any(o["committed"] for o in outcomes)
+    assert all("rank 3: OSError: injected: rank 3 lost its disk" in o["error"] for o in outcomes), outcomes
+    assert not [e for e in list_checkpoints(resolve(root)) if e.committed]

@@ -125,7 +125,11 @@ def persist_checkpoint(
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     if layout is not None and agreed:
         committer: Any = PartsCommitter(
-            target, layout, config.dcp_metadata_max_chunks, fault_hook, group_size=_group_size(config)
+            target,
+            layout,
+            config.dcp_metadata_max_chunks,
+            fault_hook,
+            group_size=_group_size(config, layout.world_size),
         )
         stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result)
     else:
@@ -144,12 +148,16 @@ def persist_checkpoint(
     return result
 
 
-def _group_size(config: SaveConfig) -> int | None:
-    """Format v5's ranks per group, or None for v4: what format_version asks, except that signed and node-local
-    saves stay v4 (a group table carries no digests yet, and a leader's table would land on its own node only)."""
-    if config.format_version < GROUPS_FORMAT_VERSION or config.sign.enabled or config.node_local:
+def _group_size(config: SaveConfig, world: int) -> int | None:
+    """Format v5's ranks per group, or None for v4: what format_version asks, except that
+    - a world of one group stays v4: its parts table is O(group size) already, and v5 would add a file to write
+      and one to read at every resume for nothing;
+    - signed and node-local saves stay v4: a group table carries no digests yet, and a leader's table would land
+      on its own node's storage only."""
+    size = groups.writer_group_size()
+    if config.format_version < GROUPS_FORMAT_VERSION or config.sign.enabled or config.node_local or world <= size:
         return None
-    return groups.writer_group_size()
+    return size
 
 
 def _persist_parts(
