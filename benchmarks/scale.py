@@ -591,11 +591,11 @@ def growth_table(rows: list[dict[str, Any]]) -> str:
         added = high["ranks"] - low["ranks"]
         cells = []
         for _, key in GROWTH:
-            ratio = high[key] / low[key] if low[key] else float("inf")
+            ratio = f"x{high[key] / low[key]:.1f}" if low[key] else "from 0"  # v5's leaders: none at one group
             per_rank = (high[key] - low[key]) / added
             unit = " B" if key.endswith("bytes") else (" µs" if key.endswith("_s") else " KB")
             scale = 1e6 if key.endswith("_s") else (1e3 if key.endswith("_mb") else 1)
-            cells.append(f"x{ratio:.1f} ({per_rank * scale:+.1f}{unit}/rank)")
+            cells.append(f"{ratio} ({per_rank * scale:+.1f}{unit}/rank)")
         lines.append(f"| {kind} | {tensors:,} | {low['ranks']:,} → {high['ranks']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
