@@ -450,14 +450,14 @@ def rank_save_requests(tensors: int, mode: str = "sample", big_tensor_mib: int =
 # --- ls / timeline over 2,000 checkpoints ---
 
 
-def listing(kind: str, world: int, tensors: int, count: int) -> dict[str, Any]:
+def listing(kind: str, world: int, tensors: int, count: int, group_size: int | None = None) -> dict[str, Any]:
     """ls, timeline and `latest` over `count` committed checkpoints of this size, on local disk, 3 runs."""
     from lightning_shardckpt.ops.timeline import timeline
 
-    one = run(kind, world, tensors, 0)  # the manifest size of one such checkpoint
+    one = run(kind, world, tensors, 0, group_size)  # the manifest size of one such checkpoint
     with tempfile.TemporaryDirectory() as tmp:
         location = fsio.resolve(tmp)
-        saved = _commit_many(location, kind, world, tensors, count)
+        saved = _commit_many(location, kind, world, tensors, count, group_size)
         times: dict[str, list[float]] = {"ls": [], "timeline": [], "latest": []}
         for _ in range(3):
             started = time.perf_counter()
@@ -481,7 +481,7 @@ def listing(kind: str, world: int, tensors: int, count: int) -> dict[str, Any]:
     }
 
 
-def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int) -> str:
+def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int, group_size: int | None) -> str:
     """`count` committed checkpoints of one run; the newest through the real commit code (its lineage through the
     commit index), the older ones as their commit record, index marker and a 1-byte manifest stand-in (ls and
     timeline read commit records only; `latest` reads the newest's manifest): writing 2,000 real 1 MB manifests
@@ -531,7 +531,25 @@ def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int)
         },
     )
     fs.makedirs(target.path, exist_ok=True)  # the ranks' writes create it
-    PartsCommitter(target, layout, 0, None)(summaries(layout, checkpoint_id, set(), with_parts=False))
+    ranks = summaries(layout, checkpoint_id, set(), with_parts=False)
+    if group_size is None or world <= group_size:
+        PartsCommitter(target, layout, 0, None)(ranks)
+    else:  # format v5: every leader's table and summary, then rank 0's commit from them
+        leaders = [
+            lead_group(
+                [ranks[r] for r in groups.group_ranks(g, group_size, world)],
+                layout,
+                g,
+                group_size,
+                world,
+                fs,
+                target.path,
+                checkpoint_id,
+                "sample",
+            )
+            for g in range(groups.group_count(world, group_size))
+        ]
+        PartsCommitter(target, layout, 0, None, group_size=group_size)(leaders)
     return target.dirname
 
 
@@ -651,7 +669,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     result["rank_save_requests"] = saving
     if args.listing:
-        lst = listing("fsdp", max(args.ranks), max(args.tensors), args.listing)
+        lst = listing(
+            "fsdp",
+            max(args.ranks),
+            max(args.tensors),
+            args.listing,
+            args.group_size if args.format_version == 5 else None,
+        )
         print(json.dumps(lst), flush=True)
         print(
             f"\nls / timeline / latest over {lst['checkpoints']:,} checkpoints of {lst['ranks']:,} ranks x "
