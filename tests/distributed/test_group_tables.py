@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_shardckpt import (
@@ -32,7 +33,7 @@ GROUP_SIZE = "2"  # 3 or 4 ranks make two groups: rank 2 leads the second
 
 
 def save_worker(rank, world_size, root):
-    os.environ[groups.GROUP_SIZE_ENV] = GROUP_SIZE  # this rank process only (tests only: FORMAT.md §10.5)
+    os.environ[groups.GROUP_SIZE_ENV] = GROUP_SIZE  # this rank process only (a tests-only variable)
     model, optimizer = ts.build("fsdp", seed=1, world_size=world_size)
     ts.train_steps(model, optimizer, steps=2, seed=2)
     state = ts.sharded_state(model, optimizer)
@@ -83,11 +84,15 @@ def test_a_v5_save_in_groups_of_2_commits_group_tables_and_resumes_bit_exact_on_
 
     # DCP's own reader, without this package's: .metadata is as in v4
     assert (directory / DCP_METADATA).exists()
-    target = {"progress": {"global_step": 0, "note": ""}}
+    model = {
+        t["fqn"][len("model.") :]: torch.zeros(t["shape"]) for t in manifest["tensors"] if t["fqn"].startswith("model.")
+    }
+    target = {"model": model, "progress": {"global_step": 0, "note": ""}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, checkpoint_id=str(directory), no_dist=True)
     assert target["progress"] == {"global_step": 2, "note": f"saved-on-{saved_on}"}
+    assert model and all(torch.equal(value, saved["full"][f"model.{name}"]) for name, value in model.items())
     report = verify_checkpoint(root)
     assert report.ok and report.files == 2 * saved_on, report.problems
 

@@ -48,7 +48,7 @@ def _shard(full: torch.Tensor, mesh, world_size: int, rank: int) -> DTensor:
 
 
 def save_on_32(rank, world_size, root, group_size=None):
-    if group_size is not None:  # format v5 in groups of `group_size` (tests only: FORMAT.md §10.5)
+    if group_size is not None:  # format v5 in groups of `group_size` (a tests-only variable)
         os.environ[groups.GROUP_SIZE_ENV] = str(group_size)
     saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, collective_timeout_s=120))
     result = saver.save(_state(rank, world_size, zeros=False), step=7).result(timeout=120)
