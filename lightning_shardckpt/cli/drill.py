@@ -70,6 +70,14 @@ def add_commands(commands: Any) -> None:
         help="torch threads per drill rank (default: %(default)s)",
     )
     drill.add_argument(
+        "--keep-memory-gib",
+        type=options.number("--keep-memory-gib", at_least=0),
+        default=2.0,
+        help="GiB of destination memory the drill ranks keep between drills, all ranks together (--follow: the "
+        "next drill that fits reuses the last one's processes and tensors); 0: fork fresh ranks for every drill "
+        "(default: %(default)s)",
+    )
+    drill.add_argument(
         "--trust",
         action="store_true",
         help="unpickle any class the checkpoint names, as a run with trust_checkpoint=True resumes it (trusted "
@@ -141,6 +149,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         timeout_s=args.timeout,
         threads=args.threads,
+        keep_memory_gib=args.keep_memory_gib,
         probe=args.probe,
         tolerance=args.tolerance,
         trust_checkpoint=args.trust,
