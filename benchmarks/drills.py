@@ -14,9 +14,10 @@ this same node: the case with no spare node) drills at that cadence, rotating th
 Loop time is measured on rank 0 from on_train_start to on_train_end (the final save's wait is not in it).
 Slowdown = with / without - 1, within each run; min/median/max over runs.
 
-Part `resume`: a state of --size-gib GiB per rank is written on 2 ranks. First the reference, the warm
+Part `resume`: a state of --size-gib GiB per rank is written on 2 ranks. The reference is the warm
 same-size resume of `resume.py` (same 2 -> 2): 2 gloo ranks load it with `load_checkpoint` into tensors
-they already touched, a warm-up round then --runs timed rounds, barrier to barrier. Then it is drilled
+they already touched, a warm-up round then --runs timed rounds, barrier to barrier; once before the
+2-rank drills and once after them (2 x --runs samples: the load of a shared machine drifts). It is drilled
 --runs times on 2 ranks (= the writer), then --runs times on 1 rank (resharded), all through ONE warm pool
 kept for the part (as a training run's drill runner or a follower keeps one), with --keep-memory-gib
 (default: drill.keep_memory_gib's 2 GiB; 0: ranks forked per drill): a warm-up drill first on each world
@@ -154,17 +155,15 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(outcome)
         path = outcome[0]
         config = {"path": path, "rows": rows, "rounds": args.runs, "settle_s": args.settle_s}
-        warm = run_world(2, _warm_resume, config, 600)
-        if isinstance(warm, str):
-            raise RuntimeError(warm)
-        warm_s = [max(per_rank[round_index] for per_rank in warm) for round_index in range(args.runs)]  # slowest rank
-        print("  warm same-size resume 2 -> 2: " + ", ".join(f"{seconds:.3f}s" for seconds in warm_s), flush=True)
+        warm_s: list[float] = []
         samples: dict[int, list[dict[str, Any]]] = {2: [], 1: []}
         first: dict[int, dict[str, Any]] = {}
         options = DrillOptions(timeout_s=1200, nice=0, keep_memory_gib=args.keep_memory_gib)
         pool = warm_pool(options)
         try:
             for world_size in (2, 1):
+                # the reference before the 2-rank drills and again after them: a shared machine's load drifts
+                warm_s += _warm_rounds(run_world, config)
                 sized = DrillOptions(**{**options.__dict__, "world_size": world_size})
                 first[world_size] = _drill(run_drill, path, sized, pool, args.settle_s)
                 print(f"  warm-up drill on {world_size} rank(s): {_line(first[world_size])}", flush=True)
@@ -181,6 +180,16 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
             "first_drill": first,
             "by_world_size": {ws: _stats(records) for ws, records in samples.items()},
         }
+
+
+def _warm_rounds(run_world: Any, config: dict[str, Any]) -> list[float]:
+    """One world of 2 ranks doing resume.py's warm same-size rounds; each round's slowest rank."""
+    warm = run_world(2, _warm_resume, config, 600)
+    if isinstance(warm, str):
+        raise RuntimeError(warm)
+    rounds = [max(per_rank[index] for per_rank in warm) for index in range(config["rounds"])]
+    print("  warm same-size resume 2 -> 2: " + ", ".join(f"{seconds:.3f}s" for seconds in rounds), flush=True)
+    return rounds
 
 
 def _warm_resume(rank: int, world_size: int, config: dict[str, Any]) -> list[float]:
