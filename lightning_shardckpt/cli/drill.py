@@ -18,10 +18,10 @@ from .output import print_table
 
 # the drill phases, in the order they run (policies/drills/worker.py times them), as the table shows them
 PHASES = (
-    ("process_start_s", "start ranks (fork from the warm pool)"),
+    ("process_start_s", "start ranks (fork, or hand to the kept ones)"),
     ("init_s", "process group"),
     ("listing_s", "list the root"),
-    ("target_s", "device mesh and empty tensors"),
+    ("target_s", "destination tensors (NaN-filled)"),
     ("metadata_s", "read the metadata"),
     ("read_s", "read and check the bytes"),
     ("reshard_s", "reshard onto the drill ranks"),

@@ -181,7 +181,8 @@ class WarmPool:
 
 def destination_bytes(manifest: dict[str, Any], world_size: int) -> int:
     """Bytes of one drill rank's share of every tensor (dim 0 split as DTensor splits it, rounded up; each
-    tensor aligned); 0 when a dtype is unknown (the rank then allocates its tensors itself)."""
+    tensor aligned): what the keep bound is checked against. 0 when a dtype is unknown: the memory a drill would
+    keep cannot be bounded, so its ranks are forked and exit after it."""
     total = 0
     for tensor in manifest["tensors"]:
         itemsize = _ITEMSIZE.get(str(tensor["dtype"]).removeprefix("torch."))
