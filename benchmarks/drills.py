@@ -14,13 +14,22 @@ this same node: the case with no spare node) drills at that cadence, rotating th
 Loop time is measured on rank 0 from on_train_start to on_train_end (the final save's wait is not in it).
 Slowdown = with / without - 1, within each run; min/median/max over runs.
 
-Part `resume`: a state of --size-gib GiB per rank is written on 2 ranks, then drilled --runs times on
-2 ranks (= the writer) and on 1 rank (resharded), alternating, all forked from ONE warm pool kept for the
-part (as a training run's drill runner or a follower keeps one): a warm-up drill first (it faults in the
-pool's destination memory, as a run's first drill does; printed, not in the statistics). Time-to-resume
-is wall time from the drill's process start to the restored state; the drill record splits it (process
-start, process group, listing, target = device mesh + destination tensors, load: metadata + read +
-reshard with checksums; each phase also as process CPU seconds, `*_cpu_s`).
+Part `resume`: a state of --size-gib GiB per rank is written on 2 ranks. The reference is the warm
+same-size resume of `resume.py` (same 2 -> 2): 2 gloo ranks load it with `load_checkpoint` into tensors
+they already touched, a warm-up round then --runs timed rounds, barrier to barrier; once before the
+2-rank drills and once after them (2 x --runs samples: the load of a shared machine drifts). It is drilled
+--runs times on 2 ranks (= the writer), then --runs times on 1 rank (resharded), all through ONE warm pool
+kept for the part (as a training run's drill runner or a follower keeps one), with --keep-memory-gib
+(default: drill.keep_memory_gib's 2 GiB; 0: ranks forked per drill): a warm-up drill first on each world
+size (it starts the kept ranks and builds their destination, as a run's first drill does; printed, not in
+the statistics). Grouped by world size, since a world-size change replaces the kept ranks. Before each
+timed load and each drill: `sync` and --settle-s of pause, as `resume.py` does (and drills come checkpoints
+apart: a kept rank refills its tensors with NaN after each drill, ~0.1-0.2 s per 0.5 GiB here, which a drill
+handed over back to back would wait for in its process start). Time-to-resume
+is wall time from the starter handing out the drill to the restored state; the drill record splits it
+(process start = fork or hand-over to the kept ranks, process group, listing, target = the destination
+tensors, load: metadata + read + reshard with checksums; each phase also as process CPU seconds,
+`*_cpu_s`). Printed: drill on 2 ranks / warm same-size resume, medians (target <= 1.3x, issue 36).
 
 Writes --out-dir/drills.json.
 """
@@ -136,8 +145,7 @@ def _train(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 def resume(args: argparse.Namespace) -> dict[str, Any]:
     from common import run_world, tensor_rows
 
-    from lightning_shardckpt.policies.drills.pool import WarmPool
-    from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
+    from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill, warm_pool
 
     with tempfile.TemporaryDirectory(prefix="shardckpt-drillbench-") as workdir:
         root = os.path.join(workdir, "ckpt")
@@ -146,14 +154,21 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(outcome, str):
             raise RuntimeError(outcome)
         path = outcome[0]
+        config = {"path": path, "rows": rows, "rounds": args.runs, "settle_s": args.settle_s}
+        warm_s: list[float] = []
         samples: dict[int, list[dict[str, Any]]] = {2: [], 1: []}
-        pool = WarmPool()
+        first: dict[int, dict[str, Any]] = {}
+        options = DrillOptions(timeout_s=1200, nice=0, keep_memory_gib=args.keep_memory_gib)
+        pool = warm_pool(options)
         try:
-            first = _drill(run_drill, path, DrillOptions(world_size=2, timeout_s=1200, nice=0), pool)
-            print(f"  warm-up drill on 2 ranks (faults in the pool's memory): {_line(first)}", flush=True)
-            for run in range(args.runs):
-                for world_size in (2, 1) if run % 2 == 0 else (1, 2):
-                    record = _drill(run_drill, path, DrillOptions(world_size=world_size, timeout_s=1200, nice=0), pool)
+            for world_size in (2, 1):
+                # the reference before the 2-rank drills and again after them: a shared machine's load drifts
+                warm_s += _warm_rounds(run_world, config)
+                sized = DrillOptions(**{**options.__dict__, "world_size": world_size})
+                first[world_size] = _drill(run_drill, path, sized, pool, args.settle_s)
+                print(f"  warm-up drill on {world_size} rank(s): {_line(first[world_size])}", flush=True)
+                for run in range(args.runs):
+                    record = _drill(run_drill, path, sized, pool, args.settle_s)
                     samples[world_size].append(record)
                     print(f"  run {run + 1}: drill on {world_size} rank(s): {_line(record)}", flush=True)
         finally:
@@ -161,12 +176,46 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         bytes_total = samples[2][0]["bytes_read"]
         return {
             "bytes": bytes_total,
+            "warm_resume_s": {"samples": warm_s, **_spread(warm_s)},
             "first_drill": first,
             "by_world_size": {ws: _stats(records) for ws, records in samples.items()},
         }
 
 
-def _drill(run_drill: Any, path: str, options: Any, pool: Any) -> dict[str, Any]:
+def _warm_rounds(run_world: Any, config: dict[str, Any]) -> list[float]:
+    """One world of 2 ranks doing resume.py's warm same-size rounds; each round's slowest rank."""
+    warm = run_world(2, _warm_resume, config, 600)
+    if isinstance(warm, str):
+        raise RuntimeError(warm)
+    rounds = [max(per_rank[index] for per_rank in warm) for index in range(config["rounds"])]
+    print("  warm same-size resume 2 -> 2: " + ", ".join(f"{seconds:.3f}s" for seconds in rounds), flush=True)
+    return rounds
+
+
+def _warm_resume(rank: int, world_size: int, config: dict[str, Any]) -> list[float]:
+    """resume.py's same N -> N, warm: load_checkpoint into tensors this rank touched, a warm-up round first;
+    the seconds of each timed round, barrier to barrier."""
+    from common import make_state
+    from save_load import timed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_shardckpt import LoadConfig, load_checkpoint
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    target = {"model": make_state(config["rows"], mesh, rank, world_size, zeros=True)}
+    seconds, load_config = [], LoadConfig()
+    for round_index in range(1 + config["rounds"]):
+        spent, _, error = timed(config["settle_s"], lambda: load_checkpoint(target, config["path"], config=load_config))
+        if error:
+            raise RuntimeError(error)
+        if round_index:
+            seconds.append(spent)
+    return seconds
+
+
+def _drill(run_drill: Any, path: str, options: Any, pool: Any, settle_s: float) -> dict[str, Any]:
+    os.sync()  # as resume.py's timed rounds: earlier writes drain, then a pause (drills come checkpoints apart)
+    time.sleep(settle_s)
     record = run_drill(path, options, pool=pool)
     if record["verdict"] != "passed":
         raise RuntimeError(f"drill failed: {record.get('cause')}")
@@ -199,15 +248,17 @@ def _write_state(rank: int, world_size: int, config: dict[str, Any]) -> str:
     return result.path
 
 
-def _stats(records: list[dict[str, Any]]) -> dict[str, Any]:
-    def spread(values: list[float]) -> dict[str, float]:
-        return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
-    split = {key: spread([r["timings"][key] for r in records]) for key in records[0]["timings"]}
+
+def _stats(records: list[dict[str, Any]]) -> dict[str, Any]:
+    split = {key: _spread([r["timings"][key] for r in records]) for key in records[0]["timings"]}
     return {
-        "time_to_resume_s": spread([r["time_to_resume_s"] for r in records]),
-        "minus_process_start_s": spread([r["time_to_resume_s"] - r["timings"]["process_start_s"] for r in records]),
-        "read_gbps": spread([r["read_gbps"] for r in records]),
+        "rank_process": sorted({r["rank_process"] for r in records}),
+        "time_to_resume_s": _spread([r["time_to_resume_s"] for r in records]),
+        "minus_process_start_s": _spread([r["time_to_resume_s"] - r["timings"]["process_start_s"] for r in records]),
+        "read_gbps": _spread([r["read_gbps"] for r in records]),
         "split_s": split,
     }
 
@@ -221,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-n-checkpoints", type=int, default=None, help="drill cadence (default: the recipe's)")
     parser.add_argument("--d-model", type=int, default=192, help="model width: sets the step time")
     parser.add_argument("--size-gib", type=float, default=0.5, help="state per rank for the resume part")
+    parser.add_argument(
+        "--settle-s", type=float, default=1.0, help="resume part: sync and pause before each timed load or drill"
+    )
+    parser.add_argument(
+        "--keep-memory-gib", type=float, default=2.0, help="drill.keep_memory_gib for the resume part (0: fork)"
+    )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.every_n_checkpoints is None:
@@ -256,12 +313,20 @@ def main(argv: list[str] | None = None) -> int:
         for world_size, stats in result["by_world_size"].items():
             ttr, split, net = stats["time_to_resume_s"], stats["split_s"], stats["minus_process_start_s"]
             print(
-                f"  drill on {world_size} rank(s){' (= writer)' if world_size == 2 else ' (resharded)'}: time to resume "
-                f"min {ttr['min']:.2f} / median {ttr['median']:.2f} / max {ttr['max']:.2f} s; minus process start "
+                f"  drill on {world_size} rank(s){' (= writer)' if world_size == 2 else ' (resharded)'}, "
+                f"{'/'.join(stats['rank_process'])} ranks: time to resume "
+                f"min {ttr['min']:.3f} / median {ttr['median']:.3f} / max {ttr['max']:.3f} s; minus process start "
                 f"{net['min']:.3f} / {net['median']:.3f} / {net['max']:.3f} s; median split: "
-                + ", ".join(f"{k} {v['median']:.2f}" for k, v in split.items() if k != "time_to_resume_s")
+                + ", ".join(f"{k} {v['median']:.3f}" for k, v in split.items() if k != "time_to_resume_s")
                 + f"; read {stats['read_gbps']['median']:.2f} GB/s"
             )
+        warm = result["warm_resume_s"]
+        drill = result["by_world_size"][2]["time_to_resume_s"]
+        print(
+            f"  warm same-size resume 2 -> 2: min {warm['min']:.3f} / median {warm['median']:.3f} / max "
+            f"{warm['max']:.3f} s; drill on 2 ranks / warm resume, medians: {drill['median'] / warm['median']:.2f}x "
+            "(target <= 1.3x)"
+        )
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "drills.json")
     Path(path).write_text(json.dumps(report, indent=1, default=str))

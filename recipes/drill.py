@@ -31,6 +31,7 @@ def main(cfg: DictConfig) -> int:
         world_size=cfg.world_size,
         timeout_s=cfg.timeout_s,
         threads=cfg.threads,
+        keep_memory_gib=cfg.keep_memory_gib,
         probe=cfg.probe,
         tolerance=cfg.tolerance,
         trust_checkpoint=cfg.trust_checkpoint,

@@ -23,6 +23,7 @@ S3 server), `run_cli` (the `shardckpt` command in-process: exit code, stdout, st
 """
 
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,12 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Bytecode caches on, for this process and every one it starts: with PYTHONDONTWRITEBYTECODE set (this machine's
+# shell sets it) each of the suite's hundreds of Python processes (ranks, recipes, CLI calls, drills) compiled the
+# package, the recipes and tests/helpers from source again, ~0.3 CPU-s each. The caches land in __pycache__/
+# (git-ignored), and in each documented-commands test's throwaway copy of the repository.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # Every process of the suite at the lowest priority, so the drills it starts (at +19 over their starter, the
 # product's default) compete with the tests' own ranks as equals. At nice 0 beside 4 busy xdist workers on 2
 # cores a drill got ~1.5 % of a core: a follower's pool took 169 s to import torch (5 CPU-s), and tests that need

@@ -18,10 +18,10 @@ from .output import print_table
 
 # the drill phases, in the order they run (policies/drills/worker.py times them), as the table shows them
 PHASES = (
-    ("process_start_s", "start ranks (fork from the warm pool)"),
+    ("process_start_s", "start ranks (fork, or hand to the kept ones)"),
     ("init_s", "process group"),
     ("listing_s", "list the root"),
-    ("target_s", "device mesh and empty tensors"),
+    ("target_s", "destination tensors (NaN-filled)"),
     ("metadata_s", "read the metadata"),
     ("read_s", "read and check the bytes"),
     ("reshard_s", "reshard onto the drill ranks"),
@@ -68,6 +68,14 @@ def add_commands(commands: Any) -> None:
         type=options.number("--threads", integer=True, at_least=1),
         default=1,
         help="torch threads per drill rank (default: %(default)s)",
+    )
+    drill.add_argument(
+        "--keep-memory-gib",
+        type=options.number("--keep-memory-gib", at_least=0),
+        default=2.0,
+        help="GiB of destination memory the drill ranks keep between drills, all ranks together (--follow: the "
+        "next drill that fits reuses the last one's processes and tensors); 0: fork fresh ranks for every drill "
+        "(default: %(default)s)",
     )
     drill.add_argument(
         "--trust",
@@ -141,6 +149,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         timeout_s=args.timeout,
         threads=args.threads,
+        keep_memory_gib=args.keep_memory_gib,
         probe=args.probe,
         tolerance=args.tolerance,
         trust_checkpoint=args.trust,

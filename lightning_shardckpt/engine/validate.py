@@ -61,6 +61,20 @@ def require_number(
     return value
 
 
+def require_keep_last(value: Any) -> Any:
+    """`keep_last`, the callback's or a tier's: one rule for a count of committed checkpoints to keep, since
+    both feed the same retention pass (0 would delete the checkpoint that was just written)."""
+    return require_number(
+        "keep_last",
+        value,
+        integer=True,
+        at_least=1,
+        allow_none=True,
+        none_means="keep all",
+        too_small="would delete the checkpoint being written",
+    )
+
+
 def _problem(
     value: Any, integer: bool, at_least: float | None, above: float | None, at_most: float | None, too_small: str | None
 ) -> str | None:

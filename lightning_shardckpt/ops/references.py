@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine import catalog
 from ..engine.format.layout import LATEST, join, parse_dirname
+from ..engine.format.signing import SignaturePolicy
 from ..engine.storage import fsio
 from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound, ConfigError
@@ -28,7 +29,10 @@ class Resolved:
 
 
 def open_path(
-    path: str | os.PathLike, storage_options: dict[str, Any] | None, run_id: str | None = None
+    path: str | os.PathLike,
+    storage_options: dict[str, Any] | None,
+    run_id: str | None = None,
+    policy: SignaturePolicy | None = None,
 ) -> tuple[Location, catalog.CheckpointEntry]:
     """A checkpoint directory, a root (then its latest), or `ROOT/latest`."""
     path = os.fspath(path)
@@ -37,22 +41,28 @@ def open_path(
         location = fsio.resolve(path, storage_options)
         # `ROOT/latest` names the pointer file; it means the root's latest, checked against the manifests
         if not location.fs.isdir(location.path):
-            return catalog.open_checkpoint(head, LATEST, storage_options, run_id)
-    return catalog.open_checkpoint(path, LATEST, storage_options, run_id)
+            return catalog.open_checkpoint(head, LATEST, storage_options, run_id, policy)
+    return catalog.open_checkpoint(path, LATEST, storage_options, run_id, policy)
 
 
 def open_reference(
-    where: str | os.PathLike, which: str | int, storage_options: dict[str, Any] | None, run_id: str | None = None
+    where: str | os.PathLike,
+    which: str | int,
+    storage_options: dict[str, Any] | None,
+    run_id: str | None = None,
+    policy: SignaturePolicy | None = None,
 ) -> tuple[Location, catalog.CheckpointEntry]:
     """The root and the picked, validated entry that `where` (a root, a checkpoint directory or `ROOT/latest`)
-    and `which` (any spelling of catalog.parse_reference) name; a path in `which` names its own root."""
+    and `which` (any spelling of catalog.parse_reference) name; a path in `which` names its own root. `policy`:
+    the pick a resume with `require_signature` makes (catalog.pick: `latest`/`last-good` pass over what it
+    refuses, a named checkpoint it refuses raises SignatureRefused)."""
     reference = catalog.parse_reference(which)
     if reference.is_path:  # as ckpt_path does
-        return open_path(reference.text, storage_options, run_id)
+        return open_path(reference.text, storage_options, run_id, policy)
     if reference.newest:
-        return open_path(where, storage_options, run_id)
+        return open_path(where, storage_options, run_id, policy)
     root_location(where, storage_options)  # a selector picks within a root, never within a checkpoint
-    return catalog.open_checkpoint(os.fspath(where), reference.selector, storage_options, run_id)
+    return catalog.open_checkpoint(os.fspath(where), reference.selector, storage_options, run_id, policy)
 
 
 def is_selector(ref: str) -> bool:

@@ -15,6 +15,7 @@ per committed checkpoint and lists ROOT/drills/ once; it reads the manifests of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -68,6 +69,9 @@ class CheckpointInfo:
     signature: str | None = None
     signed_by: str | None = None
     signature_problem: str | None = None
+    # with `public_keys` (resolve_checkpoint), `latest`/`last-good`: the newer checkpoints passed over because
+    # their signature was refused, by name (empty when none was), as a signed resume counts them; else None
+    signature_skipped: tuple[str, ...] | None = None
 
     @property
     def committed(self) -> bool:
@@ -145,7 +149,7 @@ def list_checkpoints(
     Raises CheckpointNotFound when `root` does not exist, ConfigError when it is a checkpoint directory.
     """
     location = open_root(root, storage_options)
-    policy = signing.SignaturePolicy(signing.load_public_keys(list(public_keys))) if public_keys else None
+    policy = signing.policy_of(bool(public_keys), public_keys)
     for attempt in (1, 2):
         entries = catalog.list_checkpoints(location)
         report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/
@@ -179,15 +183,27 @@ def resolve_checkpoint(
     *,
     storage_options: dict[str, Any] | None = None,
     run_id: str | None = None,
+    public_keys: Sequence[str] = (),
 ) -> CheckpointInfo:
     """The committed checkpoint a reference names, its manifest validated: what a resume would open.
 
     `where` is a root, a checkpoint directory, or `ROOT/latest`. `which`, within a root: `latest`,
     `last-good`, a step (`500` or `step-500`), a checkpoint id or a directory name; or a path, which names
     its own root as `ckpt_path` does. Raises CheckpointNotFound naming the root and what it holds instead.
+    `public_keys` (PEM files or text, several for a rotation): the pick of a resume with `require_signature`
+    and these keys: `latest`/`last-good` pass over a checkpoint whose signature they refuse (unsigned, another
+    key's, changed after signing) and name what they passed over in `signature_skipped`; a refused checkpoint
+    named by step, id or path raises SignatureRefused naming the file and key. The manifest and its signature
+    are judged, as the pick does; the resume then checks the files against the signed digests.
     """
-    location, entry = open_reference(where, which, storage_options, run_id)
-    return _info(location, entry, drill_records.trust_states(location, [entry]))
+    policy = signing.policy_of(bool(public_keys), public_keys)
+    location, entry = open_reference(where, which, storage_options, run_id, policy)
+    states = drill_records.trust_states(location, [entry])
+    if policy is None:
+        return _info(location, entry, states)
+    signed = (signing.SIGNED, entry.extra[catalog.SIGNED_BY], None)  # the pick checked it: it was accepted
+    skipped = tuple(entry.extra.get(catalog.SIGNATURE_SKIPPED) or ())  # a named pick passes over nothing
+    return dataclasses.replace(_info(location, entry, states, signed), signature_skipped=skipped)
 
 
 def read_manifest_summary(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.validate import require_number
+from ..engine.validate import require_keep_last, require_number
 from .preemption import DEFAULT_GRACE_S
 
 
@@ -66,15 +66,7 @@ class CallbackConfig:
             none_means="none",
             hint="keep_every_n_steps=1000 keeps every 1000th step",
         )
-        require_number(
-            "keep_last",
-            self.keep_last,
-            integer=True,
-            at_least=1,
-            allow_none=True,
-            none_means="keep all",
-            too_small="would delete the checkpoint being written",
-        )
+        require_keep_last(self.keep_last)
         require_number(
             "preemption_grace_s",
             self.preemption_grace_s,

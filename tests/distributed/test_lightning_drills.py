@@ -10,12 +10,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
-from tests.helpers.lightning_run import CaptureAtStart, TinyData, TinyModule, _full, lightning_env
+from tests.helpers.lightning_run import CaptureAtStart, TinyData, TinyModule, _full, ddp_trainer, lightning_env
 from tests.helpers.spawn import DistributedFailure, run_ranks
 
 PROBE = "tests.helpers.drill_probes:weighted_sum"
@@ -36,16 +36,7 @@ def drill_fit(rank: int, world_size: int, root: str, max_steps: int, ckpt_path: 
     lightning_env(rank, world_size)
     capture, at_six = CaptureAtStart(), CaptureAtStep(6)
     checkpoint = ShardedCheckpoint(root, every_n_train_steps=3, keep_last=None, log_artifact=False, drill=drill)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[checkpoint, capture, at_six],
-    )
+    trainer = ddp_trainer(world_size, max_steps, [checkpoint, capture, at_six])
     module = TinyModule(parallelism="ddp")
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
     return {

@@ -22,24 +22,25 @@ from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.health.plugin import HealthWatch
 from tests.helpers.faults import DiskFullOnOccurrences
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.health_rules import static_rule
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.scripted_fs import scripted_url
 from tests.helpers.spawn import run_ranks
 from tests.helpers.wandb_reader import find_run_file, read_run
 
 OWNER = "storage-oncall@example"
-THROUGHPUT_RULE = {
-    "name": "write_throughput",
-    "metric": "write_gbps",
-    "slice": "rank",
-    "owner": OWNER,
-    "severity": "warning",
-    # a ~60 KB shard file written in under 0.3 s is above this; a write held up 0.8 s is below
-    "range": {"kind": "static", "min": 2e-4},
-    "persistence": {"fire_after": 2, "resolve_after": 2},
-    "mitigation": "lower_frequency",
-    "mitigation_options": {"factor": 2},
-}
+THROUGHPUT_RULE = static_rule(
+    "write_throughput",
+    "write_gbps",
+    low=2e-4,  # a ~60 KB shard file written in under 0.3 s is above this; a write held up 0.8 s is below
+    fire_after=2,
+    resolve_after=2,
+    slice="rank",
+    owner=OWNER,
+    severity="warning",
+    mitigation="lower_frequency",
+    mitigation_options={"factor": 2},
+)
 SLOW_STEPS = [6, 8, 10, 12, 14]  # the saves whose shard writes are throttled
 
 
@@ -94,16 +95,7 @@ def health_fit(
     probe = ScheduleProbe(checkpoint, step_sleep_s)
     logger = WandbLogger(project="health", save_dir=workdir, offline=True)
     strategy = ShardedStrategy(parallelism="ddp", fault_hook=fault_hook)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[checkpoint, probe],
-    )
+    trainer = ddp_trainer(world_size, max_steps, [checkpoint, probe], logger=logger, strategy=strategy)
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData(), ckpt_path=ckpt_path)
     health_watch = checkpoint.plugins.get(HealthWatch)
     if trainer.is_global_zero:
@@ -197,25 +189,27 @@ def test_slow_storage_fires_throughput_rule_after_its_persistence_doubles_interv
 
 
 COMMIT_RULES = [
-    {
-        "name": "commit_failures",
-        "metric": "committed",
-        "owner": "infra",
-        "range": {"kind": "static", "min": 1},
-        "persistence": {"fire_after": 2, "resolve_after": 1},
-        "mitigation": "drill_now",
-        "severity": "error",
-    },
-    {
-        "name": "failures_by_cause",
-        "metric": "failed",
-        "slice": "cause",
-        "owner": "storage",
-        "range": {"kind": "static", "max": 0},
-        "persistence": {"fire_after": 1, "resolve_after": 3},
-        "mitigation": "alert",
-        "severity": "error",
-    },
+    static_rule(
+        "commit_failures",
+        "committed",
+        low=1,
+        fire_after=2,
+        resolve_after=1,
+        owner="infra",
+        mitigation="drill_now",
+        severity="error",
+    ),
+    static_rule(
+        "failures_by_cause",
+        "failed",
+        high=0,
+        fire_after=1,
+        resolve_after=3,
+        slice="cause",
+        owner="storage",
+        mitigation="alert",
+        severity="error",
+    ),
 ]
 
 
@@ -249,15 +243,16 @@ def test_failed_commits_fire_commit_completeness_and_drill_the_newest_committed_
     assert _committed_steps(root) == [2, 4, 10, 12]
 
 
-STOP_RULE = {
-    "name": "restore_drills",
-    "metric": "drill_ok",
-    "owner": "infra",
-    "severity": "critical",
-    "range": {"kind": "static", "min": 1},
-    "persistence": {"fire_after": 1, "resolve_after": 1},
-    "mitigation": "stop_training",
-}
+STOP_RULE = static_rule(
+    "restore_drills",
+    "drill_ok",
+    low=1,
+    fire_after=1,
+    resolve_after=1,
+    owner="infra",
+    severity="critical",
+    mitigation="stop_training",
+)
 
 
 def test_failing_drill_fires_restore_rule_and_stop_training_saves_then_stops(tmp_path):
@@ -290,15 +285,16 @@ def test_default_rules_stay_quiet_over_a_clean_run_of_100_checkpoints(tmp_path, 
     assert {key for rule, key in rows if rule == "write_throughput"} == {"rank0", "rank1"}
 
 
-PAUSE_RULE = {
-    "name": "checkpoint_pause",
-    "metric": "pause_s",
-    "owner": "training-infra",
-    "severity": "warning",
-    "range": {"kind": "static", "max": 0.4},
-    "persistence": {"fire_after": 2, "resolve_after": 2},
-    "mitigation": "skip_when_busy",
-}
+PAUSE_RULE = static_rule(
+    "checkpoint_pause",
+    "pause_s",
+    high=0.4,
+    fire_after=2,
+    resolve_after=2,
+    owner="training-infra",
+    severity="warning",
+    mitigation="skip_when_busy",
+)
 
 
 def test_saves_queueing_behind_slow_storage_fire_the_pause_rule_and_skip_when_busy_until_it_resolves(tmp_path):
@@ -330,14 +326,15 @@ def test_saves_queueing_behind_slow_storage_fire_the_pause_rule_and_skip_when_bu
 
 
 PAGE_S = 4.0  # a mitigation that pages someone and waits for the pager's answer
-PAGE_RULE = {
-    "name": "every_commit",
-    "metric": "committed",
-    "owner": "oncall",
-    "range": {"kind": "static", "max": 0},  # the first committed save is outside: the rule fires once
-    "persistence": {"fire_after": 1, "resolve_after": 1},
-    "mitigation": "page_slowly",
-}
+PAGE_RULE = static_rule(
+    "every_commit",
+    "committed",
+    high=0,  # the first committed save is outside: the rule fires once
+    fire_after=1,
+    resolve_after=1,
+    owner="oncall",
+    mitigation="page_slowly",
+)
 
 
 class BatchGaps(pl.Callback):
@@ -367,16 +364,7 @@ def slow_mitigation_fit(rank: int, world_size: int, root: str, marker: str) -> d
         root, every_n_train_steps=2, keep_last=None, log_artifact=False, health={"rules": [PAGE_RULE]}
     )
     gaps = BatchGaps(step_sleep_s=0.1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=80,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[gaps, checkpoint],
-    )
+    trainer = ddp_trainer(world_size, 80, [gaps, checkpoint])
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData())
     return {"longest_s": gaps.longest_s, "marker_at_fit_end": Path(marker).exists()}
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine.format.outcomes import decode_metrics
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops.bisect import bisect, lineage_of
 from lightning_shardckpt.ops.checks import parse_check
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.spawn import run_ranks
 
 LOSS = "train/loss"
@@ -35,17 +34,7 @@ class ScaledLoss(TinyModule):
 
 def fit(rank: int, world_size: int, root: str, loss_scale: float, max_steps: int, ckpt_path: Any) -> int:
     lightning_env(rank, world_size)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        num_nodes=1,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)],
-    )
+    trainer = ddp_trainer(world_size, max_steps, [ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)])
     trainer.fit(ScaledLoss(loss_scale=loss_scale), datamodule=TinyData(), ckpt_path=ckpt_path)
     return trainer.global_step
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 
-import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.lightning.trainer.wandb_artifacts import SUMMARY_DELETED, SUMMARY_DELETED_STEPS
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.spawn import run_ranks
 from tests.helpers.wandb_reader import find_run_file, read_run
 
@@ -19,16 +18,7 @@ def fit_with_retention(rank: int, world_size: int, root: str, workdir: str) -> d
     lightning_env(rank, world_size)
     checkpoint = ShardedCheckpoint(root, every_n_train_steps=2, keep_last=2)  # saves 2, 4, 6, 8: 2 and 4 go
     logger = WandbLogger(project="retention", save_dir=workdir, offline=True)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=8,
-        logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[checkpoint],
-    )
+    trainer = ddp_trainer(world_size, 8, [checkpoint], logger=logger)
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData())
     run_id = logger.experiment.id
     logger.experiment.finish()  # flush the offline run file: a spawned rank exits without W&B's atexit hook

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.fabric import Fabric
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedFabricStrategy, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint, ShardedFabricStrategy
 from tests.helpers.fabric_ranks import TrainerShaped
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.spawn import run_ranks, values
 
 EXTRAS = {
@@ -34,16 +33,7 @@ class ModuleWithExtras(TinyModule):
 
 
 def _fit(root: str, world_size: int, max_steps: int, ckpt_path: Any) -> ModuleWithExtras:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)],
-    )
+    trainer = ddp_trainer(world_size, max_steps, [ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False)])
     module = ModuleWithExtras()
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
     return module

@@ -8,31 +8,32 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.cli import main as cli
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.health.plugin import HealthWatch
 from tests.helpers.forgery import forge_tensor_values
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.health_rules import static_rule
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.spawn import run_ranks
 from tests.helpers.wandb_reader import find_run_file, read_run
 from tests.unit.test_signing import make_key
 
 OWNER = "security-oncall@example"
-SIGNATURE_RULE = {
-    "name": "signature_refused",
-    "metric": "signature_skipped",
-    "slice": "root",
-    "owner": OWNER,
-    "severity": "critical",
-    "range": {"kind": "static", "max": 0},
-    "persistence": {"fire_after": 1, "resolve_after": 1},
-    "mitigation": "alert",
-}
+SIGNATURE_RULE = static_rule(
+    "signature_refused",
+    "signature_skipped",
+    high=0,
+    fire_after=1,
+    resolve_after=1,
+    slice="root",
+    owner=OWNER,
+    severity="critical",
+    mitigation="alert",
+)
 
 
 def signed_fit(
@@ -57,16 +58,7 @@ def signed_fit(
         public_keys=public_keys,
     )
     logger = WandbLogger(project="signed", save_dir=workdir, offline=True)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps,
-        logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[checkpoint],
-    )
+    trainer = ddp_trainer(world_size, max_steps, [checkpoint], logger=logger)
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData(), ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         logger.experiment.finish()  # flush the offline run file: a spawned rank exits without W&B's atexit hook

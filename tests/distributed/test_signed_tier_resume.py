@@ -113,18 +113,24 @@ def resumed(tmp_path_factory):
     return values(run_ranks(resume_each, 2, workdirs, keys, timeout_s=360)), workdirs, names
 
 
-def test_a_forged_fast_copy_and_an_unsigned_durable_copy_are_passed_over_and_counted(resumed):
+def resumed_alike(resumed, scenario: str) -> tuple[dict[str, Any], str, str]:
+    """Rank 0's resume of `scenario` once every rank resumed without error and alike (step, copy, passed over);
+    with the scenario's newest checkpoint name and workdir."""
     ranks, workdirs, names = resumed
-    scenario = "forged fast, unsigned durable"
-    newest, workdir = names[scenario], workdirs[scenario]
     for rank in ranks:
-        result = rank[scenario]
-        assert "error" not in result, result
-        assert result["step"] == 2 and result["path"].startswith(f"{workdir}/fast/"), result
-        assert result["skipped"] == [newest]
-    assert ranks[0][scenario]["metrics"] == [{"checkpoint/signature_skipped": 1.0}]
+        assert "error" not in rank[scenario], rank[scenario]
+    alike = {(r[scenario]["step"], r[scenario]["path"], tuple(r[scenario]["skipped"])) for r in ranks}
+    assert len(alike) == 1, alike
+    return ranks[0][scenario], names[scenario], workdirs[scenario]
+
+
+def test_a_forged_fast_copy_and_an_unsigned_durable_copy_are_passed_over_and_counted(resumed):
+    result, newest, workdir = resumed_alike(resumed, "forged fast, unsigned durable")
+    assert result["step"] == 2 and result["path"].startswith(f"{workdir}/fast/"), result
+    assert result["skipped"] == [newest]
+    assert result["metrics"] == [{"checkpoint/signature_skipped": 1.0}]
     # the log names both refused copies, and the resume line what it passed over
-    lines = ranks[0][scenario]["lines"]
+    lines = result["lines"]
     assert any(f"skipping fast:{newest} for `latest`" in line for line in lines), lines
     assert any(f"skipping durable:{newest} for `latest`" in line and "unsigned" in line for line in lines), lines
     assert any("resuming from the fast tier" in line and f"refused them): {newest}" in line for line in lines), lines
@@ -134,16 +140,11 @@ def test_a_forged_fast_copy_and_an_unsigned_durable_copy_are_passed_over_and_cou
 
 
 def test_a_forged_fast_copy_resumes_the_validly_signed_durable_copy_of_the_same_checkpoint(resumed):
-    ranks, workdirs, names = resumed
-    scenario = "forged fast only"
-    newest, workdir = names[scenario], workdirs[scenario]
-    for rank in ranks:
-        result = rank[scenario]
-        assert "error" not in result, result
-        assert result["step"] == 3 and result["path"] == f"{workdir}/durable/{newest}", result
-        assert result["skipped"] == []  # the checkpoint was resumed: only one copy of it was refused
-    assert ranks[0][scenario]["metrics"] == [{"checkpoint/signature_skipped": 0.0}]
-    lines = ranks[0][scenario]["lines"]
+    result, newest, workdir = resumed_alike(resumed, "forged fast only")
+    assert result["step"] == 3 and result["path"] == f"{workdir}/durable/{newest}", result
+    assert result["skipped"] == []  # the checkpoint was resumed: only one copy of it was refused
+    assert result["metrics"] == [{"checkpoint/signature_skipped": 0.0}]
+    lines = result["lines"]
     assert any(f"skipping fast:{newest} for `latest`" in line for line in lines), lines
     assert not any("did not load; falling back" in line for line in lines), (
         lines

@@ -9,13 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine.format import safe_pickle
 from lightning_shardckpt.engine.format.layout import DCP_METADATA
 from lightning_shardckpt.errors import UntrustedCheckpoint
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.log_capture import warnings_of
 from tests.helpers.spawn import run_ranks, values
 
@@ -34,17 +32,7 @@ class ModuleWithOpaqueExtra(TinyModule):
 
 def _fit(root: str, world_size: int, max_steps: int, ckpt_path: Any, trust: bool) -> ModuleWithOpaqueExtra:
     callback = ShardedCheckpoint(root, every_n_train_steps=2, log_artifact=False, trust_checkpoint=trust)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        num_nodes=1,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    trainer = ddp_trainer(world_size, max_steps, [callback])
     module = ModuleWithOpaqueExtra()
     trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
     return module

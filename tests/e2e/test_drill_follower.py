@@ -21,22 +21,18 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.format.layout import DRILLS_DIR
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from tests.helpers.health_rules import static_rule
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = "tests.helpers.drill_probes:slow_weighted_sum"  # sleeps in the followers only: a drill lasts ~1 s
-FOLLOWER_RULE = {  # tighter than conf/health/default.yaml's drill_follower, so a test run sees it fire
-    "name": "follower_lag",
-    "metric": "drill_lag_s",
-    "owner": "tests",
-    "range": {"kind": "static", "max": 2.0},
-    "persistence": {"fire_after": 1, "resolve_after": 1},
-}
+# tighter than conf/health/default.yaml's drill_follower, so a test run sees it fire
+FOLLOWER_RULE = static_rule("follower_lag", "drill_lag_s", high=2.0, fire_after=1, resolve_after=1, owner="tests")
 
 
 class Pace(pl.Callback):
@@ -68,16 +64,7 @@ def external_fit(rank: int, world_size: int, root: str) -> int:
         drill={"mode": "external", "poll_s": 0.3, "probe": PROBE},
         health={"rules": [FOLLOWER_RULE], "alert_every_s": 0},
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=44,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[checkpoint, Pace(root)],
-    )
+    trainer = ddp_trainer(world_size, 44, [checkpoint, Pace(root)])
     trainer.fit(TinyModule(parallelism="ddp"), datamodule=TinyData())
     return trainer.global_step
 

@@ -32,30 +32,12 @@ from pathlib import Path
 import pytest
 
 from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.recipe_nodes import TRAIN, node_command, tiers_env
 from tests.helpers.spawn import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "recipes" / "train.py"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 DATA_READ = r"/step-\d+-[0-9a-f]+/(__\d+_\d+\.distcp|\.metadata)"  # a checkpoint's bytes (not a listing's records)
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _env(tmp_path: Path, s3_root, endpoint: str) -> dict[str, str]:
-    options = s3_root.storage_options
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        WANDB_MODE="disabled",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        SHARDCKPT_LOCAL_ROOT=str(tmp_path / "local"),
-        SHARDCKPT_S3_BUCKET=s3_root.bucket,
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID=options["key"],
-        AWS_SECRET_ACCESS_KEY=options["secret"],
-    )
 
 
 def _overrides(tmp_path: Path, phase: str, run_name: str, peers: str = "{factor:2,jump:2}") -> list[str]:
@@ -74,18 +56,7 @@ def _overrides(tmp_path: Path, phase: str, run_name: str, peers: str = "{factor:
 
 
 def _torchrun(node: int, port: int, recipe_args: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:
-    command = [
-        str(TORCHRUN),
-        "--nnodes=2",
-        "--nproc-per-node=2",
-        f"--node-rank={node}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        str(TRAIN),
-        "trainer.num_nodes=2",
-        "trainer.devices=2",
-        *recipe_args,
-    ]
+    command = node_command(node, port, *recipe_args)
     with open(log, "w") as out:  # the child holds its own copy of the descriptor
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -132,7 +103,7 @@ class LostNode:
 
     def __init__(self, tmp_path: Path, s3_root, proxy) -> None:
         self.tmp_path, self.s3_root, self.proxy = tmp_path, s3_root, proxy
-        self.env = _env(tmp_path, s3_root, proxy.endpoint)
+        self.env = tiers_env(tmp_path, s3_root, proxy.endpoint)
         self.run_name = s3_root.prefix
         self.local = tmp_path / "local" / self.run_name
         self.saved = tmp_path / "node1-after-the-kill"

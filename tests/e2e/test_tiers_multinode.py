@@ -10,7 +10,6 @@ durable copy, load it (every byte checked against the manifest's checksums) and 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,29 +19,10 @@ import pytest
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.recipe_nodes import TRAIN, node_command, tiers_env
 from tests.helpers.spawn import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "recipes" / "train.py"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-
 pytestmark = pytest.mark.timeout(600)
-
-
-def _env(tmp_path: Path, s3_root) -> dict[str, str]:
-    options = s3_root.storage_options
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        WANDB_MODE="disabled",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        SHARDCKPT_LOCAL_ROOT=str(tmp_path / "local"),
-        SHARDCKPT_S3_BUCKET=s3_root.bucket,
-        AWS_ENDPOINT_URL=options["endpoint_url"],
-        AWS_ACCESS_KEY_ID=options["key"],
-        AWS_SECRET_ACCESS_KEY=options["secret"],
-    )
 
 
 def _overrides(tmp_path: Path, phase: str, run_name: str) -> list[str]:
@@ -65,24 +45,12 @@ def _check(proc: subprocess.CompletedProcess | subprocess.Popen, out: str, what:
 
 
 def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_from_s3(tmp_path, s3_root):
-    env = _env(tmp_path, s3_root)
+    env = tiers_env(tmp_path, s3_root)
     run_name = s3_root.prefix  # a fresh prefix on the shared bucket
     port = free_port()
     nodes = []
     for node in (0, 1):
-        command = [
-            str(TORCHRUN),
-            "--nnodes=2",
-            "--nproc-per-node=2",
-            f"--node-rank={node}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            str(TRAIN),
-            "trainer.num_nodes=2",
-            "trainer.devices=2",
-            "trainer.max_steps=8",
-            *_overrides(tmp_path, f"node{node}", run_name),
-        ]
+        command = node_command(node, port, "trainer.max_steps=8", *_overrides(tmp_path, f"node{node}", run_name))
         nodes.append(
             subprocess.Popen(
                 command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

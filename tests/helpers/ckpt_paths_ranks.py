@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
-from tests.helpers.lightning_run import TinyData, TinyModule, lightning_env
+from lightning_shardckpt import ShardedCheckpoint
+from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 
 
 class PerRankLoss(TinyModule):
@@ -47,17 +47,7 @@ def _fit(workdir: str, root: str, max_steps: int, ckpt_path: Any, model_checkpoi
             save_last=True,
         )
         callbacks.append(lightning_ckpt)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        num_nodes=1,
-        strategy=ShardedStrategy(parallelism="ddp"),
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = ddp_trainer(2, max_steps, callbacks)
     started: dict[str, Any] = {}
 
     class AtStart(pl.Callback):

@@ -138,6 +138,23 @@ def lightning_env(rank: int, world_size: int) -> None:
     )
 
 
+def ddp_trainer(world_size: int, max_steps: int, callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
+    """The Trainer of a test's spawned rank: CPU, `world_size` gloo ranks under ShardedStrategy's DDP, no logger,
+    no progress bar or model summary (a rank's output is the test's log); `options` replace or add Trainer
+    arguments (`logger=`, ...)."""
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardedStrategy(parallelism="ddp"),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    return pl.Trainer(**{**settings, **options})
+
+
 def fit_on_rank(
     rank: int, world_size: int, root: str, parallelism: str, max_steps: int, ckpt_path: Any, extra: dict
 ) -> dict:

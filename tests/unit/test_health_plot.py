@@ -16,25 +16,15 @@ from lightning_shardckpt.policies.health.plugin import HealthWatch
 from lightning_shardckpt.policies.health.rules import METRIC_UNITS, METRICS, health_config_from
 from tests.helpers.checkpoints import fresh_state
 from tests.helpers.faults import DiskFullOnOccurrences
+from tests.helpers.health_rules import static_rule
 
 STEPS = [10, 20, 30, 40, 50, 60, 70, 80]  # saves 3 and 4 (steps 30, 40) fail: the commit rule fires at 40
 RULES = [
-    {
-        "name": "commit_failures",
-        "metric": "committed",
-        "owner": "infra-oncall",
-        "range": {"kind": "static", "min": 1},
-        "persistence": {"fire_after": 2, "resolve_after": 1},
-    },
-    {
-        "name": "checkpoint_pause",
-        "metric": "pause_s",
-        "owner": "training-infra",
-        "range": {"kind": "static", "max": 30.0},  # far above any pause here: its edge must still be on the axis
-        "mitigation": "alert",
-    },
-    {"name": "skipped_saves", "metric": "skipped", "owner": "training-infra", "range": {"kind": "static", "max": 0}},
-    {"name": "resume_time", "metric": "resume_s", "owner": "training-infra", "range": {"kind": "static", "max": 600}},
+    static_rule("commit_failures", "committed", low=1, fire_after=2, resolve_after=1, owner="infra-oncall"),
+    # far above any pause here: its edge must still be on the axis
+    static_rule("checkpoint_pause", "pause_s", high=30.0, owner="training-infra", mitigation="alert"),
+    static_rule("skipped_saves", "skipped", high=0, owner="training-infra"),
+    static_rule("resume_time", "resume_s", high=600, owner="training-infra"),
 ]
 
 

@@ -15,18 +15,13 @@ from lightning_shardckpt.policies.health.evaluate import FIRED, RESOLVED, Health
 from lightning_shardckpt.policies.health.observe import failure_cause
 from lightning_shardckpt.policies.health.plugin import HealthWatch
 from lightning_shardckpt.policies.health.rules import health_config_from, load_rules_file, rule_from
+from tests.helpers.health_rules import static_rule
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "health"
 
 
 def _rule(**overrides):
-    rule = {
-        "name": "pause",
-        "metric": "pause_s",
-        "owner": "infra",
-        "range": {"kind": "static", "max": 1.0},
-        "persistence": {"fire_after": 3, "resolve_after": 2},
-    }
+    rule = static_rule("pause", "pause_s", high=1.0, fire_after=3, resolve_after=2, owner="infra")
     rule.update(overrides)
     return rule
 
@@ -111,14 +106,7 @@ def test_relative_floor_keeps_a_steady_run_quiet_and_a_halving_fires():
 
 
 def test_a_commit_clears_every_failure_cause_series():
-    rule = {
-        "name": "causes",
-        "metric": "failed",
-        "slice": "cause",
-        "owner": "storage",
-        "range": {"kind": "static", "max": 0},
-        "persistence": {"fire_after": 1, "resolve_after": 1},
-    }
+    rule = static_rule("causes", "failed", high=0, fire_after=1, resolve_after=1, slice="cause", owner="storage")
     evaluator = HealthEvaluator(health_config_from([rule]))
     full = evaluator.observe_event(_attempt(1, "failed", cause="rank 0: OSError: [Errno 28] No space left on device"))
     late = evaluator.observe_event(_attempt(2, "failed", cause="collective 'checkpoint-id' timed out after 600s"))
@@ -152,27 +140,9 @@ def test_state_is_json_and_a_restored_evaluator_continues_the_counters():
 
 def test_drill_and_resume_events_feed_the_restore_rules():
     rules = [
-        {
-            "name": "drills",
-            "metric": "drill_ok",
-            "owner": "infra",
-            "range": {"kind": "static", "min": 1},
-            "persistence": {"fire_after": 1, "resolve_after": 1},
-        },
-        {
-            "name": "lag",
-            "metric": "drill_lag_checkpoints",
-            "owner": "infra",
-            "range": {"kind": "static", "max": 2},
-            "persistence": {"fire_after": 1, "resolve_after": 1},
-        },
-        {
-            "name": "resume",
-            "metric": "resume_s",
-            "owner": "infra",
-            "range": {"kind": "static", "max": 60},
-            "persistence": {"fire_after": 1, "resolve_after": 1},
-        },
+        static_rule("drills", "drill_ok", low=1, fire_after=1, resolve_after=1, owner="infra"),
+        static_rule("lag", "drill_lag_checkpoints", high=2, fire_after=1, resolve_after=1, owner="infra"),
+        static_rule("resume", "resume_s", high=60, fire_after=1, resolve_after=1, owner="infra"),
     ]
     evaluator = HealthEvaluator(health_config_from(rules))
     failed = evaluator.observe_event(
@@ -249,16 +219,17 @@ def test_an_unknown_mitigation_fails_before_training(tmp_path):
 
 
 def test_lower_frequency_holds_while_any_rank_fires_and_lifts_when_the_last_resolves(tmp_path):
-    rule = {
-        "name": "tput",
-        "metric": "write_gbps",
-        "slice": "rank",
-        "owner": "storage",
-        "range": {"kind": "static", "min": 1.0},
-        "persistence": {"fire_after": 1, "resolve_after": 1},
-        "mitigation": "lower_frequency",
-        "mitigation_options": {"factor": 3},
-    }
+    rule = static_rule(
+        "tput",
+        "write_gbps",
+        low=1.0,
+        fire_after=1,
+        resolve_after=1,
+        slice="rank",
+        owner="storage",
+        mitigation="lower_frequency",
+        mitigation_options={"factor": 3},
+    )
     watch = HealthWatch(health_config_from([rule]), fsio.resolve(str(tmp_path)))
     both_slow = [{"rank": 0, "write_gbps": 0.1}, {"rank": 1, "write_gbps": 0.1}]
     watch.on_event(_attempt(1, ranks=both_slow))

@@ -74,6 +74,8 @@ CASES = [
     ("drill.every_n_checkpoints", [*NOT_A_COUNT, 0], lambda v, t: _callback(t, drill={"every_n_checkpoints": v})),
     ("drill.keep_last_drilled", [*NOT_A_COUNT, -1], lambda v, t: _callback(t, drill={"keep_last_drilled": v})),
     ("drill.nice", [*NOT_A_COUNT, -1, 20], lambda v, t: DrillOptions(nice=v)),
+    # memory kept between drills: never negative, never more than this host has (the message names it)
+    ("drill.keep_memory_gib", [*NOT_A_NUMBER, -1, 2**20], lambda v, t: _callback(t, drill={"keep_memory_gib": v})),
     # health rules (policies/health/rules.py): range, persistence, the mitigation's factor
     ("range.max", NOT_A_NUMBER, lambda v, t: _callback(t, health=[_rule(range={"kind": "static", "max": v})])),
     ("range.min", NOT_A_NUMBER, lambda v, t: _callback(t, health=[_rule(range={"kind": "static", "min": v})])),
@@ -204,6 +206,7 @@ def test_the_default_hydra_config_still_builds_the_callback(compose_checkpoint):
         (["drill", "{root}", "--timeout", "inf"], "--timeout"),
         (["drill", "{root}", "--threads", "1.5"], "--threads"),
         (["drill", "{root}", "--world-size", "0"], "--world-size"),
+        (["drill", "{root}", "--keep-memory-gib", "-1"], "--keep-memory-gib"),
         (["gc", "{root}", "--grace-minutes", "nan"], "--grace-minutes"),
         (["timeline", "{root}", "--grace", "nan"], "--grace"),
         (["compare", "a", "b", "--top", "abc"], "--top"),

@@ -8,12 +8,14 @@ import json
 import os
 import shutil
 
+import pytest
 from cryptography.hazmat.primitives import serialization
 
-from lightning_shardckpt import list_checkpoints
+from lightning_shardckpt import LoadConfig, SignatureRefused, list_checkpoints, load_checkpoint, resolve_checkpoint
 from lightning_shardckpt.engine.config import SignConfig
 from lightning_shardckpt.engine.format import signing
 from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.checkpoints import fresh_state
 from tests.helpers.forgery import forge_tensor_values
 from tests.unit.test_signing import FQN, make_key, save
 
@@ -59,6 +61,32 @@ def test_listing_with_public_keys_marks_each_signature_and_picks_the_newest_vali
 
     plain = list_checkpoints(root)  # no keys: nothing checked, the forgery's checksums are consistent
     assert {info.signature for info in plain.checkpoints} == {None} and plain.latest.step == 4
+
+
+def test_resolve_checkpoint_with_public_keys_picks_what_a_signed_resume_loads_and_names_what_it_passed_over(tmp_path):
+    root, keys = signed_root(tmp_path)
+    a_public, a_id = keys["a"]
+    names = {info.step: info.name for info in list_checkpoints(root).checkpoints}
+    picked = resolve_checkpoint(root, "latest", public_keys=[a_public])
+    assert (picked.step, picked.signature, picked.signed_by) == (1, "signed", a_id)
+    # newest first: the forged step 4, the unsigned step 3, step 2 signed by b (not accepted)
+    assert picked.signature_skipped == (names[4], names[3], names[2])
+
+    resumed = load_checkpoint(
+        fresh_state(seed=99), root, "latest", config=LoadConfig(require_signature=True, public_keys=[a_public])
+    )
+    assert (resumed.path, resumed.signature_skipped) == (picked.path, picked.signature_skipped)
+    assert resolve_checkpoint(f"{root}/latest", public_keys=[a_public]).step == 1  # every spelling of `latest`
+
+    rotated = resolve_checkpoint(root, "latest", public_keys=[a_public, keys["b"][0]])
+    assert (rotated.step, rotated.signed_by, rotated.signature_skipped) == (2, keys["b"][1], (names[4], names[3]))
+    assert resolve_checkpoint(root, 1, public_keys=[a_public]).signature_skipped == ()  # named: nothing passed over
+
+    with pytest.raises(SignatureRefused, match=rf"{names[4]}/manifest.json: its signature by key {a_id[:16]}"):
+        resolve_checkpoint(root, 4, public_keys=[a_public])  # named, refused: raises as a resume of step 4 does
+
+    plain = resolve_checkpoint(root, "latest")  # no keys: nothing checked, the forged newest as before
+    assert (plain.step, plain.signature, plain.signature_skipped) == (4, None, None)
 
 
 def test_ls_public_key_shows_the_signature_column_and_json_fields(tmp_path, run_cli):

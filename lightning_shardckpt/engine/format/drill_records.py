@@ -71,8 +71,11 @@ def parse_record_name(filename: str) -> RecordName | None:
 
 
 def outcome_details(outcome: dict[str, Any]) -> dict[str, Any]:
-    """What a drill record keeps of rank 0's outcome: checks, timings, bytes, read GB/s, time to resume."""
-    details = {key: outcome[key] for key in ("checks", "timings", "bytes_read", "traceback") if key in outcome}
+    """What a drill record keeps of rank 0's outcome: checks, timings, bytes, read GB/s, time to resume, and the
+    rank processes (kept from an earlier drill or forked for this one, their pids, whether the destination
+    tensors were the last drill's)."""
+    kept = ("checks", "timings", "bytes_read", "traceback", "rank_process", "rank_pids", "destination_reused")
+    details = {key: outcome[key] for key in kept if key in outcome}
     timings = details.get("timings", {})
     if outcome.get("bytes_read") and timings.get("load_s"):
         details["read_gbps"] = outcome["bytes_read"] / timings["load_s"] / 1e9

@@ -70,23 +70,9 @@ def empty_identity() -> dict[str, Any]:
     return {block: None for block in IDENTITY_BLOCKS}
 
 
-def build_manifest(
-    *,
-    checkpoint_id: str,
-    parent: str | None,
-    step: int,
-    metadata: Metadata,
-    receipts: dict[MetadataIndex, Any],
-    topology: dict[str, Any],
-    verification: dict[str, Any],
-    epoch: int | None = None,
-    samples_consumed: int | None = None,
-    identity: dict[str, Any] | None = None,
-    extra: dict[str, Any] | None = None,
-    run_id: str | None = None,
-    seq: int = 1,
-) -> dict[str, Any]:
-    """Describe a fully written checkpoint: every file, tensor chunk and object with its checksum."""
+def build_manifest(*, metadata: Metadata, receipts: dict[MetadataIndex, Any], **header_fields: Any) -> dict[str, Any]:
+    """Describe a fully written checkpoint: every file, tensor chunk and object with its checksum.
+    `header_fields` are `header`'s keyword arguments but the format version."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     tensors, objects = [], []
@@ -103,30 +89,10 @@ def build_manifest(
             tensors.append(entry)
         elif isinstance(item, BytesStorageMetadata):
             objects.append({"fqn": fqn, **_where(receipts[MetadataIndex(fqn)])})
-    identity_block = empty_identity()
-    identity_block.update(identity or {})
     own = [receipt for receipt in receipts.values() if not getattr(receipt, "reference", False)]
     referenced = [receipt for receipt in receipts.values() if getattr(receipt, "reference", False)]
-    manifest = {
-        "format_version": INCREMENTAL_FORMAT_VERSION if referenced else FORMAT_VERSION,
-        "id": checkpoint_id,
-        "parent": parent,
-        "seq": seq,
-        "step": step,
-        "epoch": epoch,
-        "samples_consumed": samples_consumed,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-        "writer": writer_versions(),
-        "checksum_algorithm": CHECKSUM_ALGORITHM,
-        "topology": topology,
-        "files": _files(own),
-        "tensors": tensors,
-        "objects": objects,
-        "identity": identity_block,
-        "verification": verification,
-        "extra": extra or {},
-        "run_id": run_id,
-    }
+    manifest = header(format_version=INCREMENTAL_FORMAT_VERSION if referenced else FORMAT_VERSION, **header_fields)
+    manifest.update({"files": _files(own), "tensors": tensors, "objects": objects})
     if referenced:  # v3 (FORMAT.md §9): chunks held by sibling checkpoints of the same root
         by_path: dict[str, list[Any]] = {}
         for receipt in referenced:
@@ -140,13 +106,36 @@ def build_manifest(
 
 def build_parts_manifest(
     *,
-    checkpoint_id: str,
-    parent: str | None,
-    step: int,
     tensors: list[dict[str, Any]],
     objects: list[dict[str, Any]],
     parts: dict[str, Any] | None = None,
     group_table: dict[str, Any] | None = None,
+    **header_fields: Any,
+) -> dict[str, Any]:
+    """A format-v4 manifest: per checkpoint, not per chunk. `tensors` are {fqn, shape, dtype, layout[, finite]},
+    `objects` {fqn, rank}, `parts` the table of parts_manifest.parts_table; the chunks are in the parts. With
+    `group_table` (groups.groups_table) instead of `parts`: format v5.
+    `header_fields` are `header`'s keyword arguments but the format version."""
+    if (parts is None) == (group_table is None):
+        raise ValueError("a parts-format manifest has a parts table (v4) or a groups table (v5), one of them")
+    version = PARTS_FORMAT_VERSION if group_table is None else GROUPS_FORMAT_VERSION
+    manifest = header(format_version=version, **header_fields)
+    manifest.update(
+        {
+            **({PARTS_FIELD: parts} if group_table is None else {groups.GROUPS_FIELD: group_table}),
+            "tensors": sorted(tensors, key=lambda t: t["fqn"]),
+            "objects": sorted(objects, key=lambda o: o["fqn"]),
+        }
+    )
+    return manifest
+
+
+def header(
+    *,
+    format_version: int,
+    checkpoint_id: str,
+    parent: str | None,
+    step: int,
     topology: dict[str, Any],
     verification: dict[str, Any],
     epoch: int | None = None,
@@ -156,15 +145,12 @@ def build_parts_manifest(
     run_id: str | None = None,
     seq: int = 1,
 ) -> dict[str, Any]:
-    """A format-v4 manifest: per checkpoint, not per chunk. `tensors` are {fqn, shape, dtype, layout[, finite]},
-    `objects` {fqn, rank}, `parts` the table of parts_manifest.parts_table; the chunks are in the parts. With
-    `group_table` (groups.groups_table) instead of `parts`: format v5."""
-    if (parts is None) == (group_table is None):
-        raise ValueError("a parts-format manifest has a parts table (v4) or a groups table (v5), one of them")
+    """Every manifest field but the tables (files or parts, tensors, objects), which each format version
+    builds its own way: one builder, so v2/v3 and v4 manifests cannot drift apart on what a header holds."""
     identity_block = empty_identity()
     identity_block.update(identity or {})
     return {
-        "format_version": PARTS_FORMAT_VERSION if group_table is None else GROUPS_FORMAT_VERSION,
+        "format_version": format_version,
         "id": checkpoint_id,
         "parent": parent,
         "seq": seq,
@@ -175,9 +161,6 @@ def build_parts_manifest(
         "writer": writer_versions(),
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "topology": topology,
-        **({PARTS_FIELD: parts} if group_table is None else {groups.GROUPS_FIELD: group_table}),
-        "tensors": sorted(tensors, key=lambda t: t["fqn"]),
-        "objects": sorted(objects, key=lambda o: o["fqn"]),
         "identity": identity_block,
         "verification": verification,
         "extra": extra or {},

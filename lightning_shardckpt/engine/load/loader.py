@@ -142,19 +142,7 @@ def _load_once(
                 f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
             ) from err
         raise _unwrap(err, entry.path) from err
-    return LoadResult(
-        join(root.url, entry.name),
-        entry.checkpoint_id,
-        entry.step,
-        entry.manifest,
-        0.0,
-        reader.bytes_read,
-        metadata_s=reader.metadata_s,
-        read_s=reader.read_s,
-        place_s=reader.place_s,
-        chunks_read=reader.chunks_read,
-        signature_skipped=skipped,
-    )
+    return _result(root, entry, reader, metadata_s=reader.metadata_s, signature_skipped=skipped)
 
 
 def _load_from_parts(
@@ -197,6 +185,20 @@ def _load_from_parts(
     if verdict is not None:
         raise verdict from failure
     assert plan is not None and reader is not None
+    return _result(root, entry, reader, metadata_s=plan.seconds, parts_read=plan.parts_read)
+
+
+def _result(
+    root: Location,
+    entry: catalog.CheckpointEntry,
+    reader: ShardReader,
+    *,
+    metadata_s: float,
+    parts_read: int = 0,
+    signature_skipped: tuple[str, ...] | None = None,
+) -> LoadResult:
+    """What this rank loaded, from the reader's counters; both formats alike but for how the metadata was read
+    (`.metadata` by the reader, v4 parts by the plan) and what only one of them counts."""
     return LoadResult(
         join(root.url, entry.name),
         entry.checkpoint_id,
@@ -204,11 +206,12 @@ def _load_from_parts(
         entry.manifest,
         0.0,
         reader.bytes_read,
-        metadata_s=plan.seconds,
+        metadata_s=metadata_s,
         read_s=reader.read_s,
         place_s=reader.place_s,
         chunks_read=reader.chunks_read,
-        parts_read=plan.parts_read,
+        parts_read=parts_read,
+        signature_skipped=signature_skipped,
     )
 
 

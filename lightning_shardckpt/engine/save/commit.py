@@ -226,29 +226,43 @@ class Committer:
 
         def committed() -> None:
             self.manifest = manifest
-            self._fault("after_manifest")
 
-        try:
-            publish(
-                fs,
-                target.root.path,
-                target.dirname,
-                manifest,
-                before_manifest=lambda: self._fault("before_manifest"),
-                after_manifest=committed,
-                signer=target.signer(),
-            )
-        except FileExistsError as err:
-            raise CommitFailed(
-                f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
-                "directory. Two runs may share this root: give each run its own dirpath"
-            ) from err
+        publish_target(target, manifest, self._fault, committed)
         log.info(
             "committed %s (%d files, %d bytes)",
             target.path,
             len(manifest["files"]),
             manifest_format.total_bytes(manifest),
         )
+
+
+def publish_target(
+    target: CheckpointTarget, manifest: dict[str, Any], fault: FaultHook, committed: Callable[[], None]
+) -> None:
+    """`publish` as both committers (this one and parts_commit's) run it: their fault points around the
+    manifest, `committed` called the moment the manifest exists (before the after_manifest fault, so a
+    committer that crashes there still knows it committed), and a directory another writer committed
+    first refused as CommitFailed."""
+
+    def after_manifest() -> None:
+        committed()
+        fault("after_manifest")
+
+    try:
+        publish(
+            target.root.fs,
+            target.root.path,
+            target.dirname,
+            manifest,
+            before_manifest=lambda: fault("before_manifest"),
+            after_manifest=after_manifest,
+            signer=target.signer(),
+        )
+    except FileExistsError as err:
+        raise CommitFailed(
+            f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
+            "directory. Two runs may share this root: give each run its own dirpath"
+        ) from err
 
 
 def publish(

@@ -42,7 +42,7 @@ from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..gc_pause import gc_paused
 from ..storage import fsio
 from ..storage.writer import FaultHook
-from .commit import CheckpointTarget, lineage, publish
+from .commit import CheckpointTarget, lineage, publish_target
 from .group_summaries import GroupSummary
 from .parts_save import PartSummary, summary_problems
 from .save_layout import TENSOR, SaveLayout
@@ -133,23 +133,8 @@ class PartsCommitter:
 
         def committed() -> None:
             self.manifest = manifest
-            self._fault("after_manifest")
 
-        try:
-            publish(
-                target.root.fs,
-                target.root.path,
-                target.dirname,
-                manifest,
-                before_manifest=lambda: self._fault("before_manifest"),
-                after_manifest=committed,
-                signer=target.signer(),
-            )
-        except FileExistsError as err:
-            raise CommitFailed(
-                f"step {target.step}: {target.dirname} already has a manifest; another writer committed this "
-                "directory. Two runs may share this root: give each run its own dirpath"
-            ) from err
+        publish_target(target, manifest, self._fault, committed)
         log.info("committed %s (%d bytes)", target.path, manifest_format.total_bytes(manifest))
 
 

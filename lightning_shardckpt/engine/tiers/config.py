@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import ConfigError
-from ..validate import did_you_mean, require_number
+from ..validate import did_you_mean, require_keep_last, require_number
 
 NODE_RANK = "{node_rank}"
 
@@ -94,15 +94,7 @@ class TierConfig:
         )
         if self.every_n_checkpoints is not None and self.every_minutes is not None:
             raise ConfigError("set every_n_checkpoints or every_minutes on a tier, not both")
-        require_number(
-            "keep_last",
-            self.keep_last,
-            integer=True,
-            at_least=1,
-            allow_none=True,
-            none_means="keep all",
-            too_small="would delete the checkpoint being written",
-        )
+        require_keep_last(self.keep_last)
         require_number("max_unreplicated", self.max_unreplicated, integer=True, at_least=0, hint="checkpoints")
 
     @property

@@ -27,8 +27,8 @@ from ...engine.storage import fsio
 from ...engine.validate import require_number
 from ...errors import ShardCkptError
 from .leases import DrillLeases
-from .pool import REPLY_GRACE_S, STOP_GRACE_S, WarmPool
-from .runner import DrillOptions, run_drill
+from .pool import REPLY_GRACE_S, STOP_GRACE_S
+from .runner import DrillOptions, run_drill, warm_pool
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DrillFollower:
         ttl_s = self.options.timeout_s + 2 * STOP_GRACE_S + REPLY_GRACE_S + 60.0
         self.leases = DrillLeases(self.location, ttl_s=ttl_s)
         self._on_record = on_record or (lambda record: None)
-        self._pool = WarmPool(threads=self.options.threads, nice=self.options.nice)
+        self._pool = warm_pool(self.options)
         self.drills = 0
         self.newest: str | None = None  # the newest committed checkpoint the last look saw
 

@@ -57,6 +57,9 @@ class DrillConfig:
     tolerance: float = 1e-4  # relative tolerance of the probe comparison
     timeout_s: float = 600.0  # a drill still running then is killed and recorded as failed
     threads: int = 1  # torch threads per drill rank: bounds the CPU a drill takes from training
+    # GiB of destination memory the drill ranks keep between drills (all ranks together): a drill that fits
+    # reuses the last drill's rank processes, their process group and tensors; 0: fork fresh ranks per drill
+    keep_memory_gib: float = 2.0
     keep_last_drilled: int = (
         1  # retention keeps the newest K drilled checkpoints (the last known-good) on top of keep_last
     )
@@ -79,7 +82,7 @@ class DrillConfig:
             at_least=0,
             hint="0 lets retention delete the last known-good",
         )
-        self.options()  # validates world_size, timeout_s, threads, tolerance, probe
+        self.options()  # validates world_size, timeout_s, threads, tolerance, probe, keep_memory_gib
 
     @property
     def enabled(self) -> bool:
@@ -105,6 +108,7 @@ class DrillConfig:
             world_size=self.world_size,
             timeout_s=self.timeout_s,
             threads=self.threads,
+            keep_memory_gib=self.keep_memory_gib,
             probe=self.probe,
             tolerance=self.tolerance,
             trust_checkpoint=trust_checkpoint,

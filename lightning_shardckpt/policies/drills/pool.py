@@ -1,21 +1,27 @@
-"""Warm drill workers: one process that has already imported torch and the engine forks each drill's ranks.
+"""Warm drill workers: one process that has already imported torch and the engine forks each drill's ranks,
+and keeps the last drill's ranks alive for the next one.
 
 A fresh interpreter importing torch costs ~2 s of CPU, more than restoring a small checkpoint; a drill
 that paid it every time measured the interpreter, not the restore, and took that CPU from training.
 `WarmPool` starts one pool process (at the drill's low priority, in its own process group, like the drill
-ranks were) that imports policies/drills/worker.py once and then, per drill, forks `world_size` ranks.
-Each rank forks before any process group exists in the pool (the pool never calls torch.distributed) and
-forms a fresh gloo group of its own, so a drill never shares collective state with the previous one.
+ranks were) that imports policies/drills/worker.py once and then forks `world_size` ranks. The pool never
+calls torch.distributed: each rank forms its gloo group of its own.
+
+Kept ranks (`_KeptRanks`): a forked process starts with no page of its destination tensors mapped (0.5 GiB:
+~0.2 s of page faults, more than reading and checksumming the same bytes from the page cache) and with no
+process group; a real resume pays both once, when its job starts, not at every restore. So the ranks of a
+drill stay alive after it (`worker.DrillRank`): their gloo group and their destination tensors
+(`worker.Destination`, reused while the next checkpoint's tensors have the same shapes and dtypes) serve
+the next drill, which the pool hands them over a pipe per rank. They are stopped and forked anew when a
+drill fails, dies or times out (nothing of a broken group or a half-done load survives), when the world
+size or the options that change a rank process (threads, safe globals) differ, and when the destination
+no longer fits `keep_bytes` (`drill.keep_memory_gib` for all ranks together; 0: no rank outlives its
+drill). A drill over the bound forks ranks that allocate and exit, as before kept ranks.
 
 The pool side (`serve`) speaks one JSON line each way over stdin/stdout: a request names every rank's
-argv and log file and the timeout; the reply gives each rank's exit code (None: killed at the deadline).
-Destination memory: restoring into freshly allocated tensors costs the kernel a page fault per 4 KiB (0.5 GiB:
-~0.2 s here, more than reading and checksumming the same bytes from the page cache), and a real resume pays
-it once, when its model is built, not at every restore. The pool keeps one shared, already faulted mapping
-(up to `keep_bytes`) and hands each rank its own region of it; a drill that needs more grows it (and pays the
-faults, inside its time to resume); one over `keep_bytes` gets none and its ranks allocate as before. Each
-rank fills its region with NaN bytes before restoring into it, so no byte of an earlier drill survives into
-the checks: a tensor the load did not write is caught by the non-finite check.
+argv and log file, the timeout and whether its ranks may be kept; the reply gives each rank's exit code
+(0 for a kept rank that finished; None: killed at the deadline), `rank_process` ("kept" | "forked") and
+the ranks' pids.
 
 The pool waits for its ranks itself (only a parent can reap them), stops the others when one dies, and
 dies with its starter (Linux PR_SET_PDEATHSIG), as the ranks die with the pool: a drill is never left
@@ -25,7 +31,6 @@ running by a starter that was killed, so a restarted follower cannot race an orp
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import select
 import signal
@@ -39,9 +44,9 @@ from typing import Any
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
 REPLY_GRACE_S = 30.0  # beyond the drill's own timeout, how long the starter waits for the pool's reply
 POOL_START_TIMEOUT_S = 300.0  # importing torch on a loaded node at nice +19 can take a while
-KEEP_BYTES = 2 * 2**30  # destination memory the pool keeps faulted between drills (all ranks together)
-ALIGN = 64  # each tensor's bytes in a region start on this boundary (torch's CPU allocator aligns to 64 too)
-# bytes per element by the manifest's dtype name; a dtype not listed: the drill allocates as before
+KEEP_BYTES = 2 * 2**30  # drill.keep_memory_gib's default: destination memory kept ranks hold (all ranks together)
+ALIGN = 64  # what one tensor of the destination is counted as, rounded up to (torch's CPU allocator aligns to 64)
+# bytes per element by the manifest's dtype name; a dtype not listed: the size is unknown, the ranks are not kept
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8}
 _ITEMSIZE |= {"int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
@@ -117,15 +122,23 @@ class WarmPool:
         return self.start_s
 
     def run(
-        self, ranks: list[tuple[list[str], str]], timeout_s: float, *, destination_bytes: int = 0
-    ) -> list[int | None]:
-        """Fork one rank per (argv, log path); their exit codes, None for a rank killed at the deadline.
-        `destination_bytes`: what one rank restores into (`destination_bytes()`), 0: unknown (it allocates)."""
+        self,
+        ranks: list[tuple[list[str], str]],
+        timeout_s: float,
+        *,
+        destination_bytes: int = 0,
+        kept_key: str = "",
+    ) -> dict[str, Any]:
+        """Run one drill on one rank per (argv, log path): kept ranks when the destination fits `keep_bytes`,
+        else forked ones. `destination_bytes`: what one rank restores into (`destination_bytes()`; 0: unknown,
+        never kept); `kept_key`: the options that shape a rank process (kept ranks started with another are
+        replaced). Returns {"codes": one per rank (None: killed at the deadline), "rank_process", "pids"}."""
         self.ensure_started()
         request = {
             "ranks": [{"argv": argv, "log": log} for argv, log in ranks],
             "timeout_s": timeout_s,
-            "destination_bytes": destination_bytes if destination_bytes * len(ranks) <= self.keep_bytes else 0,
+            "keep": 0 < destination_bytes * len(ranks) <= self.keep_bytes,
+            "kept_key": kept_key,
         }
         try:
             self._process.stdin.write(json.dumps(request) + "\n")
@@ -137,7 +150,7 @@ class WarmPool:
         if reply is None:  # dead or hung: its ranks die with it (PR_SET_PDEATHSIG)
             self.close()
             raise PoolFailed("the drill worker pool died or stopped answering during the drill")
-        return reply["codes"]
+        return reply
 
     def close(self) -> None:
         process, self._process = self._process, None
@@ -168,7 +181,8 @@ class WarmPool:
 
 def destination_bytes(manifest: dict[str, Any], world_size: int) -> int:
     """Bytes of one drill rank's share of every tensor (dim 0 split as DTensor splits it, rounded up; each
-    tensor aligned); 0 when a dtype is unknown (the rank then allocates its tensors itself)."""
+    tensor aligned): what the keep bound is checked against. 0 when a dtype is unknown: the memory a drill would
+    keep cannot be bounded, so its ranks are forked and exit after it."""
     total = 0
     for tensor in manifest["tensors"]:
         itemsize = _ITEMSIZE.get(str(tensor["dtype"]).removeprefix("torch."))
@@ -188,7 +202,8 @@ def destination_bytes(manifest: dict[str, Any], world_size: int) -> int:
 
 
 def serve() -> int:
-    """The pool's main: import the drill worker once, then fork each request's ranks and report their codes."""
+    """The pool's main: import the drill worker once, then run each request's ranks (kept or forked) and
+    report their codes."""
     _die_with_parent()
     parent = os.getppid()
     from . import worker as drill_worker  # torch, DCP and the engine: paid once here, never by a drill
@@ -198,46 +213,127 @@ def serve() -> int:
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies goes down the starter's pipe
     _write(reply, {"ready": True, "pid": os.getpid()})
-    memory = _Destinations()
-    for line in sys.stdin:
-        request = json.loads(line)
-        each = int(request.get("destination_bytes") or 0)
-        regions = memory.regions(each, len(request["ranks"]))
-        pids = [
-            _fork_rank(drill_worker.main, rank["argv"], rank["log"], region)
-            for rank, region in zip(request["ranks"], regions)
-        ]
-        del regions  # the pool's views: the mapping stays for the next drill, the ranks hold their own
-        _write(reply, {"codes": _wait_all(pids, time.time() + float(request["timeout_s"]), parent)})
+    kept = _KeptRanks(parent)
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request.get("keep"):
+                _write(reply, kept.run(request))
+                continue
+            kept.stop()  # keeping is off, or the destination no longer fits: their memory goes back now
+            pids = [_fork_rank(drill_worker.main, rank["argv"], rank["log"]) for rank in request["ranks"]]
+            codes = _wait_all(pids, time.time() + float(request["timeout_s"]), parent)
+            _write(reply, {"codes": codes, "rank_process": "forked", "pids": pids})
+    finally:
+        kept.stop()
     return 0
 
 
-class _Destinations:
-    """The pool's destination memory: one shared anonymous mapping, faulted in once, a region per rank.
-    Shared, not private: a forked rank writing into a private mapping would copy every page (a fault each)."""
+class _KeptRanks:
+    """The last drill's ranks, alive between drills (worker.DrillRank): a request pipe and a reply pipe each.
+    Started by the first drill that may keep its ranks, handed every next one whose world size and
+    `kept_key` match; stopped after any drill that did not finish cleanly on every rank."""
 
-    def __init__(self) -> None:
-        self._mapping: mmap.mmap | None = None
+    def __init__(self, parent: int) -> None:
+        self._parent = parent
+        self._key: list[Any] | None = None
+        self._pids: list[int] = []
+        self._requests: list[int] = []  # the pool's write end of each rank's request pipe
+        self._replies: list[int] = []  # the pool's read end of each rank's reply pipe
 
-    def regions(self, each: int, ranks: int) -> list[memoryview | None]:
-        if each <= 0:
-            return [None] * ranks
-        needed = each * ranks
-        if self._mapping is None or len(self._mapping) < needed:
-            if self._mapping is not None:
-                self._mapping.close()
-            self._mapping = mmap.mmap(-1, needed, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-            _touch(self._mapping)
-        view = memoryview(self._mapping)
-        return [view[rank * each : (rank + 1) * each] for rank in range(ranks)]
+    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        key = [len(request["ranks"]), request.get("kept_key", "")]
+        if key != self._key or not self._all_alive():
+            self.stop()
+            self._start(request["ranks"], key)
+        try:
+            for fd, rank in zip(self._requests, request["ranks"]):
+                _write_fd(fd, rank)
+        except OSError:  # a rank died since the check above: the drill gets fresh ranks, not a failure
+            self.stop()
+            self._start(request["ranks"], key)
+            for fd, rank in zip(self._requests, request["ranks"]):
+                _write_fd(fd, rank)
+        pids = list(self._pids)
+        codes, all_passed = self._wait(time.time() + float(request["timeout_s"]))
+        if not all_passed:
+            self.stop()  # a failed, dead or stuck drill: nothing of it is kept
+        return {"codes": codes, "rank_process": "kept", "pids": pids}
+
+    def stop(self) -> None:
+        """End the kept ranks (their memory and process group go with them); a no-op when there are none."""
+        for fd in self._requests:  # end of input: an idle rank leaves its loop by itself
+            _close(fd)
+        _stop_all(self._pids)
+        for fd in self._replies:
+            _close(fd)
+        self._key, self._pids, self._requests, self._replies = None, [], [], []
+
+    def _start(self, ranks: list[dict[str, Any]], key: list[Any]) -> None:
+        from .worker import DrillRank
+
+        pipes = [(os.pipe(), os.pipe()) for _ in ranks]  # (request r, w), (reply r, w) per rank
+        every = [fd for pair in pipes for ends in pair for fd in ends]
+        for index, rank in enumerate(ranks):
+            (request_read, _), (_, reply_write) = pipes[index]
+            own = (request_read, reply_write)
+
+            def main(argv: list[str], own: tuple[int, int] = own) -> int:
+                for fd in every:  # the pool's ends and the other ranks' pipes: EOF must mean what it says
+                    if fd not in own:
+                        _close(fd)
+                return DrillRank(*own).serve()
+
+            self._pids.append(_fork_rank(main, [], rank["log"]))
+        for (request_read, request_write), (reply_read, reply_write) in pipes:
+            _close(request_read)
+            _close(reply_write)
+            self._requests.append(request_write)
+            self._replies.append(reply_read)
+        self._key = key
+
+    def _all_alive(self) -> bool:
+        return bool(self._pids) and all(os.waitpid(pid, os.WNOHANG)[0] == 0 for pid in self._pids)
+
+    def _wait(self, deadline: float) -> tuple[list[int | None], bool]:
+        """Each rank's code, as a forked rank's exit code reads: 0 when it reported its drill finished (passed or
+        not: rank 0's outcome says which), its exit status when it died without a report, None when the deadline
+        passed first; and whether every rank reported a pass. A rank that failed exits after its report, so its
+        peers' collectives end as they do when a forked rank exits, and rank 0 still reports."""
+        codes: list[int | None] = [None] * len(self._pids)
+        passed = [False] * len(self._pids)
+        pending = {fd: index for index, fd in enumerate(self._replies)}
+        buffers = dict.fromkeys(pending, b"")
+        while pending and time.time() < deadline and os.getppid() == self._parent:
+            readable, _, _ = select.select(list(pending), [], [], min(0.5, max(0.0, deadline - time.time())))
+            for fd in readable:
+                chunk = os.read(fd, 4096)
+                buffers[fd] += chunk
+                if chunk and b"\n" not in buffers[fd]:
+                    continue
+                index = pending.pop(fd)
+                if chunk:
+                    codes[index], passed[index] = 0, bool(json.loads(buffers[fd])["ok"])
+                else:  # the pipe closed without a report: the rank is gone
+                    _, status = os.waitpid(self._pids[index], 0)
+                    self._pids[index] = -1  # reaped: never signalled again (its pid may be reused)
+                    codes[index] = os.waitstatus_to_exitcode(status)
+            if any(code not in (None, 0) for code in codes):
+                break  # one dead rank: the others would wait for it until their collective timeout
+        return codes, all(passed)
 
 
-def _touch(mapping: mmap.mmap) -> None:
-    """Fault every page in now, one write per page (a drill rank then writes into resident memory)."""
-    import torch
+def _write_fd(fd: int, message: dict[str, Any]) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
 
-    pages = torch.frombuffer(mapping, dtype=torch.uint8)
-    pages[:: mmap.PAGESIZE] = 0
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _write(stream: Any, message: dict[str, Any]) -> None:
@@ -245,7 +341,9 @@ def _write(stream: Any, message: dict[str, Any]) -> None:
     stream.flush()
 
 
-def _fork_rank(main: Any, argv: list[str], log_path: str, destination: memoryview | None = None) -> int:
+def _fork_rank(main: Any, argv: list[str], log_path: str) -> int:
+    from .worker import log_to
+
     sys.stderr.flush()
     pid = os.fork()
     if pid:
@@ -254,13 +352,11 @@ def _fork_rank(main: Any, argv: list[str], log_path: str, destination: memoryvie
     try:  # the rank: never returns into the pool's loop
         os.setpgid(0, 0)  # its own group: the pool stops a rank and whatever it started with one killpg
         _die_with_parent()
-        output = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(output, 1)
-        os.dup2(output, 2)
+        log_to(log_path)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the pool's requests are not the rank's input
         sys.stdout = sys.stderr
-        code = main(argv, destination=destination)
+        code = main(argv)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -283,17 +379,31 @@ def _wait_all(pids: list[int], deadline: float, parent: int) -> list[int | None]
         if any(code not in (None, 0) for code in codes) or os.getppid() != parent:
             break
         time.sleep(0.02)
-    running = [pid for pid, code in zip(pids, codes) if code is None]
+    _stop_all([pid for pid, code in zip(pids, codes) if code is None])
+    return codes
+
+
+def _stop_all(pids: list[int]) -> None:
+    """SIGTERM each rank's process group, SIGKILL what is left after STOP_GRACE_S, reap them all. A pid below 0
+    was reaped already."""
+    running = [pid for pid in pids if pid > 0]
     for pid in running:
         _signal_group(pid, signal.SIGTERM)
     grace_ends = time.time() + STOP_GRACE_S
     while running and time.time() < grace_ends:
-        running = [pid for pid in running if os.waitpid(pid, os.WNOHANG)[0] == 0]
-        time.sleep(0.02)
+        running = [pid for pid in running if _not_exited(pid)]
+        if running:
+            time.sleep(0.02)
     for pid in running:
         _signal_group(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    return codes
+
+
+def _not_exited(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == 0
+    except ChildProcessError:
+        return False
 
 
 def _signal_group(pid: int, signum: int) -> None:

@@ -9,7 +9,8 @@ a drill that cannot start is `not-drilled`. The process that wrote a checkpoint 
 passed: it only starts the drill and files what the drill processes report.
 
 `DrillRunner` runs drills one at a time on a background thread for the training callback, so a drill
-never holds up a save or the training thread; it keeps one warm pool for the run.
+never holds up a save or the training thread; it keeps one warm pool for the run, and with it the last
+drill's ranks (up to `keep_memory_gib` of destination memory), so the next drill restores at resume speed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ...engine.format.layout import MANIFEST, join
 from ...engine.validate import require_number
 from ...errors import ConfigError, SignatureRefused, StorageUnavailable
 from . import trust as drill_trust
-from .pool import PoolFailed, WarmPool, destination_bytes
+from .pool import KEEP_BYTES, PoolFailed, WarmPool, destination_bytes
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class DrillOptions:
     # PEM public key files (several: rotation). Set: only a checkpoint one of them signed is drilled; one that fails
     # the policy gets a failed record naming the file and key (engine/format/signing.py), never a pass
     public_keys: tuple[str, ...] = ()
+    # destination memory the drill ranks keep between drills, all ranks together (policies/drills/pool.py): the
+    # ranks of a drill that fits stay alive for the next; 0: every drill forks its ranks and frees it all
+    keep_memory_gib: float = KEEP_BYTES / 2**30
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "public_keys", tuple(self.public_keys or ()))
@@ -83,12 +87,33 @@ class DrillOptions:
         # NaN would compare False with every difference: a probe that changed would pass
         require_number("drill.tolerance", self.tolerance, at_least=0, hint="relative, e.g. 1e-4")
         require_number("drill.nice", self.nice, integer=True, at_least=0, at_most=19, hint="0: training's priority")
+        host_gib = host_memory_gib()
+        require_number(
+            "drill.keep_memory_gib",
+            self.keep_memory_gib,
+            at_least=0,
+            at_most=host_gib,
+            hint=f"GiB the drill ranks keep between drills, at most this host's {host_gib:.1f} GiB; 0: keep none",
+        )
         if any(not isinstance(spec, str) or ":" not in spec for spec in self.safe_globals):
             raise ConfigError(
                 f"drill safe_globals={self.safe_globals!r} must be 'module:qualname' names, e.g. mypkg.state:MyState"
             )
         if self.probe is not None and ":" not in self.probe:
             raise ConfigError(f"drill probe={self.probe!r} must be 'module:function', e.g. recipes.lm:probe")
+
+
+def host_memory_gib() -> float:
+    """This host's physical memory in GiB (the bound of drill.keep_memory_gib)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):  # a platform without these: no bound but the option's own
+        return float("inf")
+
+
+def warm_pool(options: DrillOptions) -> WarmPool:
+    """The warm workers for drills with these options (a run's runner, a follower, one-off drills)."""
+    return WarmPool(threads=options.threads, nice=options.nice, keep_bytes=int(options.keep_memory_gib * 2**30))
 
 
 def default_world_size(writer_world_size: int) -> int:
@@ -113,7 +138,7 @@ def run_drill(
     """
     options = options or DrillOptions()
     if pool is None:
-        pool = WarmPool(threads=options.threads, nice=options.nice)
+        pool = warm_pool(options)
         try:
             return run_drill(checkpoint, options, root=root, pool=pool, record_fields=record_fields)
         finally:
@@ -251,34 +276,40 @@ def _run_ranks(
                 (_rank_argv(path, rank, world_size, port, out, spawned_at, options), logs[rank])
                 for rank in range(world_size)
             ]
-            codes = pool.run(ranks, options.timeout_s, destination_bytes=rank_bytes)
+            reply = pool.run(ranks, options.timeout_s, destination_bytes=rank_bytes, kept_key=_kept_key(options))
         except PoolFailed as err:
             return {"verdict": FAILED, "cause": str(err), "logs": [_tail(log) for log in logs]}
         except OSError as err:  # no port
             return {"verdict": NOT_DRILLED, "cause": f"the drill could not start: {err}"}
-        tails = [_tail(log) for log in logs]
+        codes, tails = reply["codes"], [_tail(log) for log in logs]
+        processes = {"rank_process": reply["rank_process"], "rank_pids": reply["pids"]}
         if any(code not in (None, 0) for code in codes):
             rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0))
             how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
-            return {"verdict": FAILED, "cause": f"drill rank {rank} {how} before it finished", "logs": tails}
+            cause = f"drill rank {rank} {how} before it finished"
+            return {"verdict": FAILED, "cause": cause, "logs": tails, **processes}
         if any(code is None for code in codes):
-            return {
-                "verdict": FAILED,
-                "cause": f"the drill did not finish within timeout_s={options.timeout_s:g}; killed",
-                "logs": tails,
-            }
+            cause = f"the drill did not finish within timeout_s={options.timeout_s:g}; killed"
+            return {"verdict": FAILED, "cause": cause, "logs": tails, **processes}
         try:
             with open(out) as handle:
                 outcome = json.load(handle)
         except (OSError, ValueError) as err:
-            return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": tails}
+            return {"verdict": FAILED, "cause": f"drill rank 0 left no outcome ({err})", "logs": tails, **processes}
     if outcome.get("ok") and outcome.get("record"):
         return {"verdict": PASSED, "record": outcome["record"]}
     return {
         "verdict": FAILED,
         "cause": outcome.get("cause", "drill rank 0 reported success but filed no record"),
+        **processes,
         **outcome_details(outcome),
     }
+
+
+def _kept_key(options: DrillOptions) -> str:
+    """What a kept drill rank carries from one drill to the next besides its group and memory: its torch threads
+    and the safe globals it allowed (process-wide). Kept ranks started with another key are replaced."""
+    return json.dumps({"threads": options.threads, "safe_globals": sorted(options.safe_globals)})
 
 
 def _rank_argv(
@@ -351,7 +382,7 @@ class DrillRunner:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._max_queued = max_queued
         # created on the drill thread, which it dies with (drill_pool: PR_SET_PDEATHSIG); warm for the run
-        self._pool = WarmPool(threads=options.threads, nice=options.nice)
+        self._pool = warm_pool(options)
         self._thread = threading.Thread(target=self._run, name="shardckpt-drill", daemon=True)
         self._pending: list[str] = []  # checkpoint paths queued or being drilled
         self._pending_lock = threading.Lock()

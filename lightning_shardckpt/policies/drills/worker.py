@@ -13,6 +13,12 @@ the writer's layout), loads through `load_checkpoint` (the resume path: checksum
   value the callback recorded at save time (manifest `extra.probe`), within a tolerance.
 
 Rank 0 writes the outcome as JSON to `--out` for the parent; the parent writes the drill record.
+
+A rank either runs one drill and exits (`main`: forked for it) or is kept for the drills after it (`DrillRank`:
+the pool's kept ranks), keeping its gloo group and its `Destination`: the tensors it restores into, reused
+while the checkpoints' tensors keep their shapes and dtypes. Those tensors hold NaN bytes before every load
+(refilled after each drill, while the rank waits for the next), so no value of an earlier checkpoint can pass
+for a restored one: a tensor or part of one that the load did not write fails the NaN check.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ import importlib
 import io
 import json
 import math
-import mmap
 import os
 import sys
 import time
@@ -52,16 +57,66 @@ class DrillFailed(Exception):
     """A check failed; the message is the drill's recorded cause."""
 
 
-def main(argv: list[str] | None = None, *, destination: memoryview | None = None) -> int:
-    """`destination`: memory the warm pool keeps faulted in for this rank's tensors (drill_pool.py); None: allocate."""
+def main(argv: list[str] | None = None) -> int:
+    """One drill in this process (forked by the pool for it, or run as a module), then exit."""
     entered = time.time()  # forked from the warm pool: the fork; run cold: interpreter start and imports too
     args = _parse(argv)
     torch.set_num_threads(args.threads)
+    try:
+        run_rank(args, entered, Destination(), "forked")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+class DrillRank:
+    """A kept drill rank (policies/drills/pool.py `_KeptRanks`): one drill per request line on `requests`
+    ({"argv", "log"}), one reply line on `replies` after each ({"ok"}). Its gloo group (formed at the first
+    drill, on that drill's port) and its destination serve every drill after; the pool replaces the rank when
+    the world size or its options change. After a failed drill it exits: its peers' collectives end as a
+    forked rank's exit ends them, and nothing of a broken group or a half-done load serves another drill."""
+
+    def __init__(self, requests: int, replies: int) -> None:
+        self._requests, self._replies = requests, replies
+        self._destination = Destination()
+
+    def serve(self) -> int:
+        with os.fdopen(self._requests, "r") as requests:
+            for line in requests:  # until the pool closes its end
+                entered = time.time()
+                request = json.loads(line)
+                log_to(request["log"])
+                args = _parse(request["argv"])
+                torch.set_num_threads(args.threads)
+                outcome = run_rank(args, entered, self._destination, "kept")
+                sys.stderr.flush()
+                reply = (json.dumps({"ok": bool(outcome.get("ok"))}) + "\n").encode()
+                os.write(self._replies, reply)  # under PIPE_BUF: one write
+                if not outcome.get("ok"):
+                    return 0
+                self._destination.scrub()  # NaN again now, off the next drill's clock
+        return 0
+
+
+def log_to(path: str) -> None:
+    """This process's stdout and stderr go to the drill's log file (the starter keeps its tail for the record)."""
+    sys.stderr.flush()
+    output = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+
+
+def run_rank(args: argparse.Namespace, entered: float, destination: Destination, rank_process: str) -> dict[str, Any]:
+    """One drill on this rank: join (or reuse) the drill's gloo group, restore, check; rank 0 files a pass and
+    writes the outcome for the starter. Returns this rank's outcome."""
     timings: dict[str, float] = {"process_start_s": entered - args.spawned_at}
-    outcome: dict[str, Any] = {"rank": args.rank, "world_size": args.world_size}
+    outcome: dict[str, Any] = {"rank": args.rank, "world_size": args.world_size, "rank_process": rank_process}
+    destination.reused = False  # until this drill's target() says otherwise
     try:
         started, cpu = time.time(), time.process_time()
-        if args.world_size > 1:
+        if args.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
                 "gloo",
                 init_method=f"tcp://127.0.0.1:{args.port}",
@@ -79,26 +134,23 @@ def main(argv: list[str] | None = None, *, destination: memoryview | None = None
         outcome.update(ok=False, cause=f"{type(err).__name__}: {err}")
     except Exception as err:  # anything else is a failed drill too, with its traceback for the record
         outcome.update(ok=False, cause=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=8))
-    outcome["timings"] = timings
+    outcome["timings"], outcome["destination_reused"] = timings, destination.reused
     if args.rank == 0:
         if outcome["ok"]:
             outcome["record"] = file_passed_record(args, outcome)
         with open(args.out, "w") as handle:
             json.dump(outcome, handle, default=str)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return outcome
 
 
-def drill(args: argparse.Namespace, timings: dict[str, float], destination: memoryview | None = None) -> dict[str, Any]:
+def drill(args: argparse.Namespace, timings: dict[str, float], destination: Destination) -> dict[str, Any]:
     with _phase(timings, "listing"):
         drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
         storage_options = json.loads(args.storage_options) if args.storage_options else {}
         _, entry = catalog.open_checkpoint(args.checkpoint, storage_options=storage_options)
         manifest = entry.manifest
-    with _phase(timings, "target"):  # the device mesh and the empty tensors to restore into
-        mesh = _mesh(args.world_size)
-        target = build_target(manifest, mesh, destination)
+    with _phase(timings, "target"):  # the device mesh and the NaN-filled tensors to restore into
+        target = destination.target(manifest, args.world_size)
     with _phase(timings, "load"):  # listing (again, on rank 0), metadata, planning, read, reshard
         config = LoadConfig(
             verify_checksums=True,
@@ -124,6 +176,7 @@ def drill(args: argparse.Namespace, timings: dict[str, float], destination: memo
         "checkpoint": entry.name,
         "step": entry.step,
         "bytes_read": _sum_across_ranks(result.bytes_read),
+        "rank_pids": _gather_pids(),
         "checks": checks,
     }
 
@@ -174,73 +227,57 @@ def file_passed_record(args: argparse.Namespace, outcome: dict[str, Any]) -> dic
     return record
 
 
-def build_target(manifest: dict[str, Any], mesh: Any, destination: memoryview | None = None) -> dict[str, Any]:
-    """Empty tensors of the manifest's global shapes and dtypes, this rank's dim-0 share of each: views into
-    `destination` (filled with NaN bytes first: nothing an earlier drill restored survives) when it is given
-    and large enough, else newly allocated."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor import empty as dtensor_empty
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+class Destination:
+    """The tensors one drill rank restores into. Rebuilt when a checkpoint's tensors (name, global shape, dtype,
+    in manifest order) differ from the last one's; otherwise the same tensors again, already in memory: no page
+    faults, no allocation. Every byte is NaN (0xFF; -1 in an integer tensor) before each load: filled when built
+    and by `scrub()` after each drill, so a load that leaves any element unwritten fails the NaN check instead of
+    showing the last checkpoint's value."""
 
-    memory = _Carver(destination) if destination is not None else None
+    def __init__(self) -> None:
+        self._layout: list[tuple[str, list[int], str]] | None = None
+        self._tensors: dict[str, Any] = {}
+        self._mesh: Any = None
+        self._scrubbed = False
+        self.reused = False  # whether the last target() handed out the tensors of the drill before
+
+    def target(self, manifest: dict[str, Any], world_size: int) -> dict[str, Any]:
+        """The state dict the load fills: every tensor the manifest lists, this rank's dim-0 share of it (NaN
+        bytes), and None for each object (replaced by the loaded object)."""
+        if world_size > 1 and self._mesh is None:
+            self._mesh = _mesh(world_size)  # once per process: the group and its mesh serve every drill
+        layout = [(t["fqn"], list(t["shape"]), str(t["dtype"])) for t in manifest["tensors"]]
+        self.reused = layout == self._layout
+        if not self.reused:
+            self._tensors, self._layout = {}, None  # the old tensors go before the new ones are allocated
+            self._tensors, self._layout, self._scrubbed = build_target(manifest, self._mesh), layout, False
+        if not self._scrubbed:
+            self.scrub()
+        self._scrubbed = False  # the load writes into them now
+        return {**self._tensors, **{obj["fqn"]: None for obj in manifest["objects"]}}
+
+    def scrub(self) -> None:
+        """Every byte of every tensor to 0xFF (NaN in every float dtype)."""
+        for value in self._tensors.values():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            local.reshape(-1).view(torch.uint8).fill_(0xFF)
+        self._scrubbed = True
+
+
+def build_target(manifest: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """New empty tensors of the manifest's global shapes and dtypes, this rank's dim-0 share of each."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
     target: dict[str, Any] = {}
     for tensor in manifest["tensors"]:
         shape, dtype = tensor["shape"], _dtype(tensor["dtype"])
-        placements = [Shard(0) if shape and shape[0] > 0 else Replicate()]
-        local_shape = shape if mesh is None else compute_local_shape_and_global_offset(shape, mesh, placements)[0]
-        local = memory.take(local_shape, dtype) if memory is not None else None
-        if local is None and mesh is None:
-            local = torch.empty(shape, dtype=dtype)
-        if local is None:
-            target[tensor["fqn"]] = dtensor_empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
-        elif mesh is None:
-            target[tensor["fqn"]] = local
+        if mesh is None:
+            target[tensor["fqn"]] = torch.empty(shape, dtype=dtype)
         else:
-            stride = torch.empty(shape, dtype=dtype, device="meta").stride()
-            target[tensor["fqn"]] = DTensor.from_local(local, mesh, placements, shape=torch.Size(shape), stride=stride)
-    for obj in manifest["objects"]:
-        target[obj["fqn"]] = None  # replaced by the loaded object
+            placements = [Shard(0) if shape and shape[0] > 0 else Replicate()]
+            target[tensor["fqn"]] = dtensor_empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
     return target
-
-
-class _Carver:
-    """Consecutive 64-byte-aligned tensors out of one region of memory, which is filled with 0xFF first
-    (NaN in every float dtype)."""
-
-    def __init__(self, region: memoryview) -> None:
-        self._bytes = torch.frombuffer(region, dtype=torch.uint8) if len(region) else torch.empty(0, dtype=torch.uint8)
-        _map_in(self._bytes)
-        self._bytes.fill_(0xFF)
-        self._used = 0
-
-    def take(self, shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A tensor of `shape` in the region; None when the region is full (the caller allocates)."""
-        count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if self._used + count > self._bytes.numel():
-            return None
-        piece = self._bytes[self._used : self._used + count]
-        self._used += -(-count // 64) * 64
-        return piece.view(dtype).view(tuple(shape))
-
-
-def _map_in(memory: torch.Tensor) -> None:
-    """Map the region's pages into this forked rank in one call (Linux MADV_POPULATE_WRITE): fork copies no
-    page table entries of a shared mapping, and a fault per 4 KiB costs ~2x what this does. Best effort."""
-    if not sys.platform.startswith("linux") or memory.numel() < mmap.PAGESIZE:
-        return
-    import ctypes
-
-    start = -(-memory.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-    length = (memory.data_ptr() + memory.numel() - start) // mmap.PAGESIZE * mmap.PAGESIZE
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise(start, length, _MADV_POPULATE_WRITE)  # an older kernel says EINVAL: the fill faults them in
-    except (OSError, AttributeError):
-        pass
-
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
 def check_shapes(manifest: dict[str, Any], target: dict[str, Any]) -> None:
@@ -378,6 +415,15 @@ def _sum_across_ranks(value: int) -> int:
     total = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(total)
     return int(total.item())
+
+
+def _gather_pids() -> list[int]:
+    """Every drill rank's pid, in rank order (the record shows whether two drills ran in the same processes)."""
+    if not dist.is_initialized():
+        return [os.getpid()]
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64))
+    return [int(pid.item()) for pid in pids]
 
 
 def _mesh(world_size: int) -> Any:
