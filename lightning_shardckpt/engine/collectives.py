@@ -122,7 +122,7 @@ def gather_to_coordinator(name: str, value: Any, group: Any) -> list[Any] | None
 def gather_to(name: str, value: Any, dst: int, sources: range, group: Any) -> list[Any] | None:
     """Point-to-point collective `name` among `sources` (ranks of `group`, `dst` among them): rank `dst` gets
     each source's `value` in rank order, the other sources send theirs and get None; ranks outside `sources`
-    take no part. Unlike gather_to_coordinator, no rank outside `sources` sends anything (DCP's gather_object
+    take no part. Unlike gather_to_coordinator, no rank outside `sources` sends anything (torch's gather_object
     pads every rank's object to the largest one): a group leader hears only its group, and rank 0 only the
     leaders."""
     if not is_distributed():

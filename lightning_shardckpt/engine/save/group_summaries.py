@@ -8,7 +8,8 @@ sums a manifest records, and problems. Rank 0 hears from ranks / size leaders an
 
 Point-to-point messages over the dedicated checkpoint group, not sub-groups: torch's new_group is collective
 over every rank and would have to be made once per saver; and gather_object over the whole group would make
-every rank send (padded to the largest object). A world of one group gathers as v4 does: no extra collective.
+every rank send (torch 2.13's gather_object all-gathers the sizes and pads each rank's bytes to the largest).
+A world of one group gathers as v4 does: no extra collective (the writer writes v4 there: persist._group_size).
 Every rank reaches every step whatever failed on it: errors travel in the summaries.
 """
 
