@@ -42,13 +42,14 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from lightning_shardckpt.engine import catalog, commit_index
-from lightning_shardckpt.engine.format import chunk_layout
+from lightning_shardckpt.engine.format import chunk_layout, groups
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.format.checksum import checksum
 from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname, join
 from lightning_shardckpt.engine.load.resume_plan import plan_boxes
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
+from lightning_shardckpt.engine.save.group_summaries import lead_group
 from lightning_shardckpt.engine.save.parts_commit import PartsCommitter
 from lightning_shardckpt.engine.save.parts_save import PartSummary
 from lightning_shardckpt.engine.save.save_layout import OBJECT, TENSOR, ItemLayout, SaveLayout
@@ -258,7 +259,12 @@ def resume_targets(kind: str, layout: SaveLayout) -> tuple[int, int, dict[str, A
     return new_world, rank, boxes
 
 
-def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
+def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | None = None) -> dict[str, Any]:
+    """One configuration; `group_size`: format v5 (every group's leader simulated, each timed on its own),
+    None: format v4 (rank 0 hears from every rank). As the writer does (persist._group_size), a world of one
+    group is written as v4."""
+    if group_size is not None and world <= group_size:
+        group_size = None
     location = fsio.resolve(f"s3sim:///scale-{uuid.uuid4().hex[:8]}")
     fs, root = location.fs, location.path
     layout = save_layout(kind, world, tensors)
@@ -282,6 +288,22 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
         path = join(root, checkpoint_dirname(7, checkpoint_id), part_format.part_filename(r))
         fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id)))
     gathered = [pickle.dumps(s) for s in sums]
+    leader_max_s, received, leaders, leader0_s = 0.0, gathered, [], []
+    if group_size is not None:
+        # every other leader's work, each timed alone: unpickle its members' summaries, check them, write its
+        # table (into the first checkpoint's directory: the one a resume plans from); rank 0 leads group 0 in commit
+        first_directory = join(root, checkpoint_dirname(7, checkpoint_id))
+        times = []
+        for group in range(1, groups.group_count(world, group_size)):
+            ranks = groups.group_ranks(group, group_size, world)
+            started = time.perf_counter()
+            members = [pickle.loads(gathered[r]) for r in ranks]
+            leaders.append(
+                lead_group(members, layout, group, group_size, world, fs, first_directory, checkpoint_id, "sample")
+            )
+            times.append(time.perf_counter() - started)
+        leader_max_s = max(times, default=0.0)
+        received = [pickle.dumps(leader) for leader in leaders]  # what rank 0 hears from the other leaders
 
     def commit(checkpoint: str) -> tuple[PartsCommitter, float, dict[str, int]]:
         target = CheckpointTarget(
@@ -297,9 +319,16 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
         )
         fs.requests.clear()
         started = time.perf_counter()
-        received = [pickle.loads(data) for data in gathered]  # the gather's unpickling, on rank 0
-        committer = PartsCommitter(target, layout, threshold, None)
-        committer(received)
+        if group_size is None:
+            heard = [pickle.loads(data) for data in gathered]  # the gather's unpickling, on rank 0
+        else:  # rank 0 leads group 0 (its members' summaries, its table), then hears one summary per other leader
+            leading = time.perf_counter()
+            members = [pickle.loads(gathered[r]) for r in groups.group_ranks(0, group_size, world)]
+            own = lead_group(members, layout, 0, group_size, world, fs, target.path, checkpoint, "sample")
+            leader0_s.append(time.perf_counter() - leading)
+            heard = [own] + [pickle.loads(data) for data in received]
+        committer = PartsCommitter(target, layout, threshold, None, group_size=group_size)
+        committer(heard)
         return committer, time.perf_counter() - started, dict(fs.requests)
 
     # timed alone (tracemalloc slows allocation-heavy code several times), then once more for its peak memory;
@@ -340,6 +369,9 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
     plan_read = manifest_bytes + sum(
         len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id))) for r in plan.part_ranks
     )
+    if group_size is not None:  # and the group tables of those parts' ranks
+        table_bytes = json.loads(fs.cat_file(join(directory, MANIFEST)))["groups"]["table_bytes"]
+        plan_read += sum(table_bytes[g] for g in {r // group_size for r in plan.part_ranks})
     return {
         "layout": kind,
         "ranks": world,
@@ -348,8 +380,12 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
         "manifest_bytes": manifest_bytes,
         "commit_record_bytes": record_bytes,
         "dcp_metadata_bytes": metadata_bytes,
-        "gather_bytes": sum(len(d) for d in gathered),
+        "format_version": 4 if group_size is None else 5,
+        "group_size": group_size,
+        "gather_bytes": sum(map(len, gathered if group_size is None else gathered[1:group_size] + received)),
         "rank0_commit_s": round(commit_s, 4),
+        # v5: the slowest leader's work (rank 0's own group's, from the timed commit, included)
+        "leader_s": round(max([leader_max_s, *leader0_s[-1:]]), 4),
         "rank0_commit_peak_mb": round(commit_peak / 1e6, 1),
         "rank_part_s": round(rank_part_s, 4),
         "rank_part_bytes": part_bytes,
@@ -358,6 +394,7 @@ def run(kind: str, world: int, tensors: int, threshold: int) -> dict[str, Any]:
         "resume_plan_peak_mb": round(plan_peak / 1e6, 1),
         "resume_read_bytes": plan_read,
         "resume_parts": plan.parts_read,
+        "resume_group_tables": plan.group_tables_read,
         "latest_s": round(latest_s, 4),
         "requests": {"commit_rank0": commit_requests, "latest": latest_requests, "resume_rank": plan_requests},
     }
@@ -413,14 +450,14 @@ def rank_save_requests(tensors: int, mode: str = "sample", big_tensor_mib: int =
 # --- ls / timeline over 2,000 checkpoints ---
 
 
-def listing(kind: str, world: int, tensors: int, count: int) -> dict[str, Any]:
+def listing(kind: str, world: int, tensors: int, count: int, group_size: int | None = None) -> dict[str, Any]:
     """ls, timeline and `latest` over `count` committed checkpoints of this size, on local disk, 3 runs."""
     from lightning_shardckpt.ops.timeline import timeline
 
-    one = run(kind, world, tensors, 0)  # the manifest size of one such checkpoint
+    one = run(kind, world, tensors, 0, group_size)  # the manifest size of one such checkpoint
     with tempfile.TemporaryDirectory() as tmp:
         location = fsio.resolve(tmp)
-        saved = _commit_many(location, kind, world, tensors, count)
+        saved = _commit_many(location, kind, world, tensors, count, group_size)
         times: dict[str, list[float]] = {"ls": [], "timeline": [], "latest": []}
         for _ in range(3):
             started = time.perf_counter()
@@ -444,7 +481,7 @@ def listing(kind: str, world: int, tensors: int, count: int) -> dict[str, Any]:
     }
 
 
-def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int) -> str:
+def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int, group_size: int | None) -> str:
     """`count` committed checkpoints of one run; the newest through the real commit code (its lineage through the
     commit index), the older ones as their commit record, index marker and a 1-byte manifest stand-in (ls and
     timeline read commit records only; `latest` reads the newest's manifest): writing 2,000 real 1 MB manifests
@@ -494,7 +531,25 @@ def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int)
         },
     )
     fs.makedirs(target.path, exist_ok=True)  # the ranks' writes create it
-    PartsCommitter(target, layout, 0, None)(summaries(layout, checkpoint_id, set(), with_parts=False))
+    ranks = summaries(layout, checkpoint_id, set(), with_parts=False)
+    if group_size is None or world <= group_size:
+        PartsCommitter(target, layout, 0, None)(ranks)
+    else:  # format v5: every leader's table and summary, then rank 0's commit from them
+        leaders = [
+            lead_group(
+                [ranks[r] for r in groups.group_ranks(g, group_size, world)],
+                layout,
+                g,
+                group_size,
+                world,
+                fs,
+                target.path,
+                checkpoint_id,
+                "sample",
+            )
+            for g in range(groups.group_count(world, group_size))
+        ]
+        PartsCommitter(target, layout, 0, None, group_size=group_size)(leaders)
     return target.dirname
 
 
@@ -503,17 +558,20 @@ def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int)
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| layout | ranks | tensors | chunks | manifest | .metadata | gather | rank 0 commit s | rank 0 MB "
+        "| layout | format | ranks | tensors | chunks | manifest | .metadata | gather | rank 0 commit s | rank 0 MB "
+        "| leader s "
         "| part (busiest rank) | resume plan s | resume MB | resume reads | parts read | requests: commit (rank 0) "
         "| `latest` | resume (one rank) |"
     )
-    lines = [head, "|" + "---|" * 17]
+    lines = [head, "|" + "---|" * 19]
     for r in rows:
         req = r["requests"]
         lines.append(
-            f"| {r['layout']} | {r['ranks']:,} | {r['tensors']:,} | {r['chunks']:,} | {_size(r['manifest_bytes'])} "
+            f"| {r['layout']} | v{r['format_version']} | {r['ranks']:,} | {r['tensors']:,} | {r['chunks']:,} "
+            f"| {_size(r['manifest_bytes'])} "
             f"| {_size(r['dcp_metadata_bytes']) if r['dcp_metadata_bytes'] else '-'} | {_size(r['gather_bytes'])} "
-            f"| {r['rank0_commit_s']:.3f} | {r['rank0_commit_peak_mb']} | {_size(r['rank_part_bytes'])} "
+            f"| {r['rank0_commit_s']:.3f} | {r['rank0_commit_peak_mb']} | {r['leader_s']:.3f} "
+            f"| {_size(r['rank_part_bytes'])} "
             f"| {r['resume_plan_s']:.3f} | {r['resume_plan_peak_mb']} | {_size(r['resume_read_bytes'])} "
             f"| {r['resume_parts']} | {_req(req['commit_rank0'])} | {_req(req['latest'])} | {_req(req['resume_rank'])} |"
         )
@@ -525,6 +583,7 @@ GROWTH = (  # (column, row key): what grows with the world size, on rank 0 and o
     ("gather to rank 0", "gather_bytes"),
     ("rank 0 commit s", "rank0_commit_s"),
     ("rank 0 MB", "rank0_commit_peak_mb"),
+    ("slowest leader s", "leader_s"),
     ("part (busiest rank)", "rank_part_bytes"),
     ("resume plan s", "resume_plan_s"),
     ("resume reads", "resume_read_bytes"),
@@ -539,22 +598,22 @@ def growth_table(rows: list[dict[str, Any]]) -> str:
         "| layout | tensors | ranks | " + " | ".join(name for name, _ in GROWTH) + " |",
         "|" + "---|" * (3 + len(GROWTH)),
     ]
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    by_config: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         if not row["dcp_metadata_bytes"]:
-            groups.setdefault((row["layout"], row["tensors"]), []).append(row)
-    for (kind, tensors), group in groups.items():
+            by_config.setdefault((row["layout"], row["tensors"]), []).append(row)
+    for (kind, tensors), group in by_config.items():
         if len(group) < 2:
             continue
         low, high = min(group, key=lambda r: r["ranks"]), max(group, key=lambda r: r["ranks"])
         added = high["ranks"] - low["ranks"]
         cells = []
         for _, key in GROWTH:
-            ratio = high[key] / low[key] if low[key] else float("inf")
+            ratio = f"x{high[key] / low[key]:.1f}" if low[key] else "from 0"  # v5's leaders: none at one group
             per_rank = (high[key] - low[key]) / added
             unit = " B" if key.endswith("bytes") else (" µs" if key.endswith("_s") else " KB")
             scale = 1e6 if key.endswith("_s") else (1e3 if key.endswith("_mb") else 1)
-            cells.append(f"x{ratio:.1f} ({per_rank * scale:+.1f}{unit}/rank)")
+            cells.append(f"{ratio} ({per_rank * scale:+.1f}{unit}/rank)")
         lines.append(f"| {kind} | {tensors:,} | {low['ranks']:,} → {high['ranks']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -576,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, nargs="+", default=[300, 1000])
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "ddp", "2d"], choices=["fsdp", "ddp", "2d"])
     parser.add_argument("--dcp-metadata-max-chunks", type=int, default=DEFAULT_THRESHOLD)
+    parser.add_argument("--format-version", type=int, choices=[4, 5], default=5, help="5: group tables (§10.5)")
+    parser.add_argument("--group-size", type=int, default=groups.DEFAULT_GROUP_SIZE, help="format 5's ranks per group")
     parser.add_argument("--listing", type=int, default=2000, help="checkpoints for ls/timeline (0: skip)")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -583,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.layouts:
         for tensors in args.tensors:
             for world in args.ranks:
-                row = run(kind, world, tensors, args.dcp_metadata_max_chunks)
+                group_size = args.group_size if args.format_version == 5 else None
+                row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print()
@@ -607,7 +669,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     result["rank_save_requests"] = saving
     if args.listing:
-        lst = listing("fsdp", max(args.ranks), max(args.tensors), args.listing)
+        lst = listing(
+            "fsdp",
+            max(args.ranks),
+            max(args.tensors),
+            args.listing,
+            args.group_size if args.format_version == 5 else None,
+        )
         print(json.dumps(lst), flush=True)
         print(
             f"\nls / timeline / latest over {lst['checkpoints']:,} checkpoints of {lst['ranks']:,} ranks x "

@@ -117,3 +117,30 @@ def gather_to_coordinator(name: str, value: Any, group: Any) -> list[Any] | None
     dst = dist.get_global_rank(group, 0) if group is not None else 0
     dist.gather_object(value, out, dst=dst, group=group)
     return out
+
+
+def gather_to(name: str, value: Any, dst: int, sources: range, group: Any) -> list[Any] | None:
+    """Point-to-point collective `name` among `sources` (ranks of `group`, `dst` among them): rank `dst` gets
+    each source's `value` in rank order, the other sources send theirs and get None; ranks outside `sources`
+    take no part. Unlike gather_to_coordinator, no rank outside `sources` sends anything (torch's gather_object
+    pads every rank's object to the largest one): a group leader hears only its group, and rank 0 only the
+    leaders."""
+    if not is_distributed():
+        return [value]
+    dist = _dist()
+    rank = dist.get_rank(group)
+    if rank not in sources:
+        return None
+    log.debug("collective %s: point-to-point gather to %d from %d ranks", name, dst, len(sources))
+    if rank != dst:
+        dist.send_object_list([value], group_dst=dst, group=group)
+        return None
+    out = []
+    for src in sources:
+        if src == dst:
+            out.append(value)
+            continue
+        payload: list[Any] = [None]
+        dist.recv_object_list(payload, group_src=src, group=group)
+        out.append(payload[0])
+    return out

@@ -123,8 +123,11 @@ class SaveConfig:
     keep_failed_attempts: bool = False
     # 4: per-rank parts beside the shards and a small manifest; each rank plans its own writes, the coordinator's
     # commit is O(ranks) (docs/FORMAT.md §10). 2: every chunk in the manifest, planned by DCP's collectives, which
-    # readers of lightning_shardckpt before format v4 read; O(chunks) on the coordinator. Incremental saves write 3
-    format_version: int = 4
+    # readers of lightning_shardckpt before format v4 read; O(chunks) on the coordinator. Incremental saves write 3.
+    # 5: as 4, the per-rank sizes and checksums in group tables of 128 ranks, each written by its group's lowest
+    # rank: the manifest and rank 0's commit are O(ranks / 128 + 128) (FORMAT.md §10.5). Worlds of at most 128
+    # ranks, signed and node-local saves write 4 (v5 gains nothing there, or cannot be written yet)
+    format_version: int = 5
     # DCP's `.metadata` (what a plain `torch.distributed.checkpoint.load` reads) is written only for checkpoints of
     # at most this many chunks: building it is O(chunks) on the coordinator and every plain-DCP reader unpickles
     # it whole, the cost format v4 removes. 0: never; our own readers never need it (docs/FORMAT.md §10)
@@ -172,10 +175,11 @@ class SaveConfig:
                 "resolved per node); use one or the other"
             )
         require_number("full_every_n", self.full_every_n, integer=True, at_least=1, hint="1: every save is full")
-        if self.format_version not in (2, 4):
+        if self.format_version not in (2, 4, 5):
             raise ConfigError(
-                f"format_version={self.format_version!r} is not one this writer writes; use 4 (per-rank parts, flat at "
-                "scale) or 2 (every chunk in the manifest, for readers older than format v4)"
+                f"format_version={self.format_version!r} is not one this writer writes; use 5 (per-rank parts listed "
+                "in group tables: a manifest and commit flat in ranks), 4 (per-rank parts, for readers older than "
+                "format v5) or 2 (every chunk in the manifest, for readers older than format v4)"
             )
         require_number(
             "dcp_metadata_max_chunks",

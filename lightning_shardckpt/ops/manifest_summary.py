@@ -22,13 +22,14 @@ from ..engine import catalog
 from ..engine.format import manifest as manifest_format
 from ..engine.format import manifest_schema
 from ..engine.format.entry import read_manifest
+from ..engine.format.groups import GROUPS_FIELD
 from ..engine.format.layout import MANIFEST, PARTS_FORMAT_VERSION, join, parse_dirname
 from ..engine.format.parts_manifest import PARTS_FIELD
 from ..engine.storage import retry
 from ..errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
 
-# skipped: the bulk of a manifest (v4: its parts table)
-TABLES = ("tensors", "objects", "files", manifest_schema.REFERENCES_FIELD, PARTS_FIELD)
+# skipped: the bulk of a manifest (v4: its parts table; v5: its groups table, small, vouched for by the checksum)
+TABLES = ("tensors", "objects", "files", manifest_schema.REFERENCES_FIELD, PARTS_FIELD, GROUPS_FIELD)
 _TOP_LEVEL_KEY = re.compile(rb'\n "((?:[^"\\\n]|\\.)*)": ')  # indent=1: one space before a top-level key
 _KEY_START = b'\n "'
 _BRACKETS = {ord("["): ord("]"), ord("{"): ord("}")}

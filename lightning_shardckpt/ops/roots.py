@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from ..engine import catalog
-from ..engine.format import drill_records, signing
+from ..engine.format import drill_records, groups, signing
 from ..engine.format import manifest as manifest_format
 from ..engine.format.entry import CheckpointEntry
 from ..engine.format.layout import join
@@ -224,7 +224,9 @@ def read_manifest_summary(
         format_version=manifest["format_version"],
         writer=dict(manifest.get("writer") or {}),
         topology=manifest["topology"],
-        file_count=len(manifest_format.files_of(manifest)),
+        file_count=groups.file_count(manifest)
+        if groups.is_grouped(manifest)
+        else len(manifest_format.files_of(manifest)),
         bytes=manifest_format.total_bytes(manifest),
         referenced_file_count=len(manifest.get(REFERENCES_FIELD) or []),
         bytes_referenced=manifest_format.referenced_bytes(manifest),

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine import catalog
 from ..engine.catalog import CheckpointEntry
-from ..engine.format import chunk_layout, parts_manifest, safe_pickle, signing
+from ..engine.format import chunk_layout, groups, parts_manifest, safe_pickle, signing
 from ..engine.format import manifest as manifest_format
 from ..engine.format import parts as part_format
 from ..engine.format.checksum import ChunkCheck, checksum_of_checksums
@@ -88,14 +88,23 @@ def verify_checkpoint(
     report = VerifyReport(join(location.url, entry.name), entry.checkpoint_id, entry.step)
     if policy is not None:
         _verify_signature(location, entry, policy, report)
+    manifest = entry.manifest
+    if groups.is_grouped(manifest):  # v5: the parts' sizes and checksums are in the group tables, read first
+        try:
+            manifest = groups.expanded(location.fs, entry.path, manifest)
+        except CorruptCheckpoint as err:
+            table = (err.problems or [{}])[0].get("file") or groups.GROUPS_FIELD
+            report.problems.append(_problem(PART_PROBLEM, table, None, "the group table the manifest lists", str(err)))
+            report.seconds = time.perf_counter() - started
+            return report
     chunks_by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    if manifest_format.is_parts_format(entry.manifest):  # v4: the chunks are in the parts, each checked first
-        listed = _chunks_from_parts(location.fs, entry.path, entry.manifest, chunks_by_file, report)
+    if manifest_format.is_parts_format(manifest):  # v4: the chunks are in the parts, each checked first
+        listed = _chunks_from_parts(location.fs, entry.path, manifest, chunks_by_file, report)
     else:
-        for fqn, chunk in manifest_format.iter_chunks(entry.manifest):
+        for fqn, chunk in manifest_format.iter_chunks(manifest):
             chunks_by_file.setdefault(chunk["file"], []).append((fqn, chunk))
-        listed = {item["path"]: item for item in entry.manifest["files"]}
-    referenced = {item["path"] for item in entry.manifest.get(REFERENCES_FIELD) or []}
+        listed = {item["path"]: item for item in manifest["files"]}
+    referenced = {item["path"] for item in manifest.get(REFERENCES_FIELD) or []}
     for relative in sorted(referenced & set(chunks_by_file)):
         # incremental: bytes held by a sibling checkpoint, checked against this manifest's checksums
         chunks = sorted(chunks_by_file[relative], key=lambda pair: pair[1]["offset"])
@@ -110,8 +119,8 @@ def verify_checkpoint(
             report.chunks += len(chunks)
             _verify_file(location.fs, entry.path, item, chunks, report)
             bar.update(item["bytes"])
-    recorded = entry.manifest.get(DCP_METADATA_FIELD)
-    if recorded is not None or not manifest_format.is_parts_format(entry.manifest):  # v4 writes it when small
+    recorded = manifest.get(DCP_METADATA_FIELD)
+    if recorded is not None or not manifest_format.is_parts_format(manifest):  # v4 writes it when small
         _verify_dcp_metadata(location.fs, entry.path, chunks_by_file, report, recorded)
     report.seconds = time.perf_counter() - started
     if report.ok:

@@ -8,13 +8,15 @@ whose rows overlap its own, not all 32) and reads exactly its rows, every byte c
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.format import chunk_layout, parts_manifest
+from lightning_shardckpt.engine.format import chunk_layout, groups, parts_manifest
 from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.spawn import run_ranks
 
@@ -45,7 +47,9 @@ def _shard(full: torch.Tensor, mesh, world_size: int, rank: int) -> DTensor:
     return DTensor.from_local(local.clone(), mesh, [Shard(0)], shape=full.shape, stride=full.stride())
 
 
-def save_on_32(rank, world_size, root):
+def save_on_32(rank, world_size, root, group_size=None):
+    if group_size is not None:  # format v5 in groups of `group_size` (a tests-only variable)
+        os.environ[groups.GROUP_SIZE_ENV] = str(group_size)
     saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, collective_timeout_s=120))
     result = saver.save(_state(rank, world_size, zeros=False), step=7).result(timeout=120)
     saver.close()
@@ -96,6 +100,24 @@ def test_a_checkpoint_saved_on_32_ranks_resumes_on_7_bit_exact_reading_only_the_
     # the objects and the replicated scalar): never all 32
     expected = [len(_old_ranks_overlapping(manifest, rank)) for rank in range(LOADED_ON)]
     assert [r["parts_read"] for r in loaded] == expected and max(expected) < SAVED_ON, expected
+
+
+def test_a_v5_checkpoint_saved_on_32_ranks_in_4_groups_resumes_on_7_bit_exact(tmp_path):
+    """The two-step gather at the largest world here: 4 leaders each hear 7 members, rank 0 hears 3 leaders."""
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_on_32, SAVED_ON, root, 8, timeout_s=240, pg_timeout_s=120)[0].value
+
+    assert manifest["format_version"] == 5 and "parts" not in manifest
+    assert manifest["groups"]["writers"] == [8, 8, 8, 8]  # 96 rows: every rank wrote, per group of 8
+    [entry] = list_checkpoints(resolve(root))
+    expanded = groups.expanded(resolve(root).fs, entry.path, entry.manifest)
+    assert parts_manifest.writing_ranks(expanded) == list(range(SAVED_ON))
+
+    loaded = [o.value for o in run_ranks(load_on_7, LOADED_ON, root, timeout_s=240, pg_timeout_s=120)]
+    assert all(r["step"] == 7 and r["exact"] and r["scalar"] == 7 for r in loaded), loaded
+    assert all(r["progress"] == {"global_step": 7, "note": "saved-on-32"} for r in loaded)
+    expected = [len(_old_ranks_overlapping(manifest, rank)) for rank in range(LOADED_ON)]
+    assert [r["parts_read"] for r in loaded] == expected
 
 
 def _old_ranks_overlapping(manifest: dict, rank: int) -> set[int]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_shardckpt.engine import catalog
+from lightning_shardckpt.engine.format import groups
 from lightning_shardckpt.engine.format.manifest import files_of
 from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.storage import fsio
@@ -46,6 +47,25 @@ def test_replication_commits_every_checkpoint_on_s3_with_same_id_and_step(tmp_pa
     target = {key: torch.zeros(4096) for key in KEYS}
     load_checkpoint(target, s3_root.url, "latest", config=_load_config(s3_root.storage_options))
     assert all(torch.equal(target[k], state(3)[k]) for k in KEYS)
+
+
+def test_a_format_v5_checkpoint_replicates_with_its_group_tables_and_loads_from_s3(tmp_path, s3_root):
+    run_ranks(replicate_on_rank, 2, str(tmp_path / "fast"), s3_root.url, s3_root.storage_options, "v5")
+    newest = committed(s3_root.url, s3_root.storage_options)[-1]
+    assert newest.step == 2 and newest.manifest["format_version"] == 5
+    location = fsio.resolve(s3_root.url, s3_root.storage_options)
+    copied = files_of(groups.expanded(location.fs, newest.path, newest.manifest))
+    assert sorted(f["path"] for f in copied) == [  # rank 0 copied the group tables, each rank its files
+        "__0_0.distcp",
+        "__0_0.part.json",
+        "__1_0.distcp",
+        "__1_0.part.json",
+        "__g0.parts.json",
+        "__g1.parts.json",
+    ]
+    target = {key: torch.zeros(4096) for key in KEYS}
+    load_checkpoint(target, s3_root.url, "latest", config=_load_config(s3_root.storage_options))
+    assert all(torch.equal(target[k], state(2)[k]) for k in KEYS)
 
 
 def test_durable_outage_fast_saves_go_on_and_replication_catches_up(tmp_path, s3_server, s3_fault_proxy, s3_root):

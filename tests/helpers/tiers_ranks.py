@@ -11,6 +11,7 @@ import torch
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine import catalog, ownership
 from lightning_shardckpt.engine.collectives import new_checkpoint_group
+from lightning_shardckpt.engine.format import groups
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig
 from lightning_shardckpt.engine.tiers.replicate import Replicator, missing_on_durable
@@ -38,8 +39,16 @@ def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, optio
     config = tiers(fast, durable, options, timeout_s=6.0 if scenario == "kill" else 30.0)
     fast_loc, durable_loc = fsio.resolve(fast), fsio.resolve(durable, options)
     owner = ownership.read_owner(fast_loc)  # a later run of the same job continues its run id
+    if scenario == "v5":  # format v5 in groups of one rank: two leaders, two group tables to replicate
+        os.environ[groups.GROUP_SIZE_ENV] = "1"
     saver = CheckpointSaver(
-        fast, SaveConfig(write_events=False, collective_timeout_s=30.0, run_id=owner["run_id"] if owner else None)
+        fast,
+        SaveConfig(
+            write_events=False,
+            collective_timeout_s=30.0,
+            run_id=owner["run_id"] if owner else None,
+            format_version=5 if scenario == "v5" else 4,
+        ),
     )
     group = new_checkpoint_group(config.collective_timeout_s)
     catch_up = missing_on_durable(fast_loc, durable_loc, saver.run_id) if scenario == "catch_up" else None
@@ -52,7 +61,7 @@ def replicate_on_rank(rank: int, world_size: int, fast: str, durable: str, optio
     if catch_up is not None:
         replicator.submit(catch_up)
     saver.add_listener(lambda r: replicator.submit(r.path.rsplit("/", 1)[-1]) if r.outcome == "committed" else None)
-    steps = {"ok": (1, 2, 3), "outage": (1, 2, 3, 4), "kill": (1,), "catch_up": ()}[scenario]
+    steps = {"ok": (1, 2, 3), "outage": (1, 2, 3, 4), "kill": (1,), "catch_up": (), "v5": (1, 2)}[scenario]
     pauses = []
     for step in steps:
         started = time.perf_counter()

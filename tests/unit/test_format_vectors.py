@@ -11,10 +11,12 @@ import struct
 import zipfile
 from pathlib import Path
 
+import fsspec
+import pytest
 import torch
 import xxhash
 
-from lightning_shardckpt.engine.format import chunk_layout, parts, parts_manifest
+from lightning_shardckpt.engine.format import chunk_layout, groups, parts, parts_manifest
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.checksum import ChunkCheck, HashingWriter, block_size_for, checksum
 from lightning_shardckpt.engine.format.layout import checkpoint_dirname
@@ -39,6 +41,9 @@ def test_every_record_kind_has_a_vector():
         "tensor record",
         "object record",
         "blocked chunk",
+        "v5 manifest",
+        "group table 0",
+        "group table 1",
         "signature key seed",  # §12, checked by tests/unit/test_signing.py
         "signature manifest",
         "signature record",
@@ -90,6 +95,92 @@ def test_the_part_vectors_parse_and_match_the_manifests_sizes_checksums_and_layo
         assert {(c["fqn"], tuple(c["offsets"]), tuple(c["sizes"])) for c in part["chunks"]} == cells
         assert {o["fqn"] for o in part["objects"]} == {o["fqn"] for o in manifest["objects"] if o["rank"] == rank}
     assert parts_manifest.writing_ranks(manifest) == [0, 1]
+
+
+def _v5_directory(tmp_path: Path) -> Path:
+    directory = tmp_path / checkpoint_dirname(7, "0123456789ab")
+    directory.mkdir()
+    for group in (0, 1):
+        (directory / groups.group_filename(group)).write_bytes((vectors()[f"group table {group}"] + "\n").encode())
+    return directory
+
+
+def test_the_v5_vectors_parse_and_their_group_tables_give_the_v4_parts_table_and_files(tmp_path):
+    data = (vectors()["v5 manifest"] + "\n").encode()
+    directory = _v5_directory(tmp_path)
+    manifest = manifest_format.parse(data, str(directory))
+    assert manifest_format.to_bytes(manifest) == data
+    assert (
+        manifest_format.total_bytes(manifest)
+        == 6905
+        == manifest_format.build_commit_record(manifest, data)["bytes_total"]
+    )
+    assert groups.file_count(manifest) == 6
+    # each group table as the writer builds it from its ranks' entries, and as the manifest lists it
+    v4 = json.loads(vectors()["manifest"])["parts"]
+    entries = {
+        rank: {
+            "file_bytes": v4["file_bytes"][rank],
+            "part_bytes": v4["part_bytes"][rank],
+            "file_checksum": v4["file_checksums"][16 * rank : 16 * (rank + 1)],
+            "part_checksum": v4["part_checksums"][16 * rank : 16 * (rank + 1)],
+        }
+        for rank in (0, 1)
+    }
+    tables = [
+        groups.build_group_table(manifest["id"], 0, 2, 3, entries),
+        groups.build_group_table(manifest["id"], 1, 2, 3, {}),
+    ]
+    listed = [groups.group_entry(table, groups.to_bytes(table)) for table in tables]
+    assert groups.groups_table(3, 2, listed) == manifest["groups"]
+    for group, table in enumerate(tables):
+        assert groups.to_bytes(table) == (vectors()[f"group table {group}"] + "\n").encode()
+    # a reader of the tables: rank 2 wrote nothing; ranks 0 and 1 are the v4 vector's parts
+    expanded = groups.expanded(fsspec.filesystem("file"), str(directory), manifest)
+    assert parts_manifest.writing_ranks(expanded) == [0, 1]
+    for rank in (0, 1):
+        part_bytes = (vectors()[f"part {rank}"] + "\n").encode()
+        assert parts_manifest.part_of(expanded, rank) == (
+            parts.part_filename(rank),
+            len(part_bytes),
+            checksum(part_bytes),
+        )
+    with pytest.raises(KeyError):
+        parts_manifest.part_of(expanded, 2)
+    assert [f["path"] for f in manifest_format.files_of(expanded)] == [
+        "__0_0.distcp",
+        "__0_0.part.json",
+        "__1_0.distcp",
+        "__1_0.part.json",
+        "__g0.parts.json",
+        "__g1.parts.json",
+    ]
+
+
+def test_a_v5_reader_reads_only_the_group_table_of_the_ranks_it_needs(tmp_path):
+    manifest = json.loads(vectors()["v5 manifest"])
+    directory = _v5_directory(tmp_path)
+    (directory / groups.group_filename(1)).unlink()  # group 1 (rank 2) is not needed to find rank 1's part
+    tables = groups.GroupTables(fsspec.filesystem("file"), str(directory), manifest)
+    table = tables.parts_table([1])
+    assert tables.tables_read == 1 and table["part_bytes"][1] == 400
+
+
+@pytest.mark.parametrize("damage", ["missing", "altered", "torn"])
+def test_a_damaged_v5_group_table_makes_the_checkpoint_corrupt_naming_it(tmp_path, damage):
+    from lightning_shardckpt.errors import CorruptCheckpoint
+
+    manifest = json.loads(vectors()["v5 manifest"])
+    directory = _v5_directory(tmp_path)
+    path = directory / groups.group_filename(0)
+    if damage == "missing":
+        path.unlink()
+    elif damage == "altered":
+        path.write_bytes(path.read_bytes().replace(b"4000", b"4001"))
+    else:
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpoint, match=r"__g0\.parts\.json"):
+        groups.expanded(fsspec.filesystem("file"), str(directory), manifest)
 
 
 def test_the_layout_vectors_are_the_cells_the_code_computes():

@@ -13,12 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CorruptCheckpoint
-from ..storage import retry
-from . import chunk_layout, parts_manifest
+from . import chunk_layout, groups, parts_manifest
 from . import manifest as manifest_format
 from . import parts as part_format
-from .checksum import checksum
 from .layout import join
+from .listed_read import read_listed
 
 PART_READ_THREADS = 8  # parts read at once: small objects, so what matters on an object store is the round trips
 
@@ -49,20 +48,7 @@ def read_parts(
     def read(rank: int) -> tuple[int, dict[str, Any]]:
         name, size, digest = expected[rank]
         path = join(directory, name)
-        try:
-            data = retry.call("read", lambda: fs.cat_file(path, start=0, end=size + 1), target=path)
-        except FileNotFoundError as err:
-            raise CorruptCheckpoint(
-                f"{path} is missing: the manifest lists it. Restore it from a replica or load an older checkpoint",
-                problems=[{"file": name, "tensor": None, "expected": "present", "actual": "missing"}],
-            ) from err
-        actual = checksum(data)
-        if len(data) != size or actual != digest:
-            raise CorruptCheckpoint(
-                f"{path}: {len(data)} bytes with checksum {actual}, the manifest says {size} bytes, {digest}; the part "
-                "was altered after commit. Restore it from a replica or load an older checkpoint",
-                problems=[{"file": name, "tensor": None, "expected": digest, "actual": actual}],
-            )
+        data = read_listed(fs, directory, name, size, digest, "part")
         try:
             part = part_format.parse(data, path, checkpoint_id=manifest["id"], rank=rank)
         except ValueError as err:
@@ -90,6 +76,12 @@ class ChunkIndex:
     def __init__(self, fs: Any, directory: str, manifest: dict[str, Any]) -> None:
         self.fs, self.directory, self.manifest = fs, directory, manifest
         self.parts_format = manifest_format.is_parts_format(manifest)
+        # v5 not yet expanded (groups.expanded): the group tables of the ranks asked about, read when asked
+        self._groups = (
+            groups.GroupTables(fs, directory, manifest)
+            if groups.is_grouped(manifest) and parts_manifest.PARTS_FIELD not in manifest
+            else None
+        )
         self._parts: dict[int, dict[str, Any]] = {}
         self._tensor_index: dict[int, dict[tuple[str, tuple[int, ...]], dict[str, Any]]] = {}
         self._layouts: dict[str, chunk_layout.Layout] | None = None
@@ -105,9 +97,20 @@ class ChunkIndex:
         """The parts of `ranks` (read once each, then kept)."""
         missing = [rank for rank in set(ranks) if rank not in self._parts]
         if missing:
-            self._parts.update(read_parts(self.fs, self.directory, self.manifest, missing))
+            self._parts.update(read_parts(self.fs, self.directory, self._with_parts(missing), missing))
             self.parts_read += len(missing)
         return {rank: self._parts[rank] for rank in ranks}
+
+    @property
+    def tables_read(self) -> int:
+        """v5: the group tables read so far."""
+        return 0 if self._groups is None else self._groups.tables_read
+
+    def _with_parts(self, ranks: Iterable[int] | None) -> dict[str, Any]:
+        """The manifest with a `parts` table holding at least `ranks` (None: every rank): itself, unless v5."""
+        if self._groups is None:
+            return self.manifest
+        return {**self.manifest, parts_manifest.PARTS_FIELD: self._groups.parts_table(ranks)}
 
     def tensor_chunks(self, fqn: str) -> list[dict[str, Any]]:
         """Every chunk of tensor `fqn`, each with its file; KeyError when the checkpoint has no such tensor."""
@@ -160,7 +163,7 @@ class ChunkIndex:
         if not self.parts_format:
             yield from manifest_format.iter_chunks(self.manifest)
             return
-        for _, part in sorted(self.parts(parts_manifest.writing_ranks(self.manifest)).items()):
+        for _, part in sorted(self.parts(parts_manifest.writing_ranks(self._with_parts(None))).items()):
             for chunk in part[part_format.TENSOR_CHUNKS]:
                 yield chunk["fqn"], {**chunk, "file": part["file"]}
             for chunk in part[part_format.OBJECTS]:
@@ -184,5 +187,5 @@ class ChunkIndex:
             **self.manifest,
             "tensors": tensors,
             "objects": objects,
-            "files": manifest_format.files_of(self.manifest),
+            "files": manifest_format.files_of(self._with_parts(None)),
         }

@@ -81,7 +81,8 @@ class CheckpointEntry:
 
 def load_manifest(fs: Any, directory: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of checkpoint `directory`: read (retried), validated, and matched against its commit
-    record when given (its checksum, then every field the record copies). FileNotFoundError when it has none;
+    record when given (its checksum, then every field the record copies). A v5 one is not expanded: its group
+    tables are read by whoever needs them (groups.expanded, chunk_index). FileNotFoundError when it has none;
     CorruptCheckpoint when it does not validate or does not match."""
     path = join(directory, MANIFEST)
     data = retry.call("read", lambda: fs.cat_file(path), target=path)

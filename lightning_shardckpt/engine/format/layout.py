@@ -16,10 +16,12 @@ DCP_METADATA_FIELD = "dcp_metadata"  # manifest v2+: {"checksum", "bytes"} of `.
 OWNER = ".owner.json"  # ROOT/.owner.json: which run writes into this root (see ownership.py)
 SHARD_SUFFIX = ".distcp"
 FORMAT_VERSION = 2  # what the collective save path emits (docs/FORMAT.md)
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)  # v1: no commit record, no `seq`; listing parses the manifest itself
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)  # v1: no commit record, no `seq`; listing parses the manifest itself
 INCREMENTAL_FORMAT_VERSION = 3  # what an incremental checkpoint (one with references) emits; full ones stay v2
 # a full save whose ranks agree on the layout: per-rank parts beside the shards, a small manifest (FORMAT.md §10)
 PARTS_FORMAT_VERSION = 4
+# v4 with the parts table's per-rank columns in group tables beside the parts (FORMAT.md §10.5, format/groups.py)
+GROUPS_FORMAT_VERSION = 5
 NEWEST_FORMAT_VERSION = max(READABLE_FORMAT_VERSIONS)
 # what a chunk's `checksum` is (FORMAT.md §3, format/checksum.py): "xxh3_64" the xxh3 of its bytes (before issue
 # 36, and what an absent field means); "xxh3_64_blocks" the same except for a chunk with block digests: the digest

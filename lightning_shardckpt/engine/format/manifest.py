@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import CorruptCheckpoint, IncompatibleCheckpoint
 from ..gc_pause import gc_paused
-from . import bounded_json, manifest_schema, parts_manifest
+from . import bounded_json, groups, manifest_schema, parts_manifest
 from .checksum import checksum, checksum_of_checksums
 from .layout import (
     CHECKSUM_ALGORITHM,
     DCP_METADATA,
     DCP_METADATA_FIELD,
     FORMAT_VERSION,
+    GROUPS_FORMAT_VERSION,
     INCREMENTAL_FORMAT_VERSION,
     NEWEST_FORMAT_VERSION,
     PARTS_FORMAT_VERSION,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 REQUIRED_FIELDS = ("format_version", "id", "step", "created_at", "files", "tensors", "objects", "topology")
 # v4: the parts table takes the place of `files` (parts_manifest.py)
 REQUIRED_FIELDS_V4 = ("format_version", "id", "step", "created_at", PARTS_FIELD, "tensors", "objects", "topology")
+# v5: the groups table takes the place of the parts table (groups.py)
+REQUIRED_FIELDS_V5 = tuple(groups.GROUPS_FIELD if name == PARTS_FIELD else name for name in REQUIRED_FIELDS_V4)
 SUMMARY_FIELD = "summary"  # v4 commit record: the manifest's small fields a timeline shows (build_commit_record)
 # copied from the manifest into the commit record: what listing, `latest` and retention decide by
 RECORD_FIELDS = ("format_version", "id", "step", "run_id", "parent", "seq", "created_at")
@@ -102,15 +105,24 @@ def build_manifest(*, metadata: Metadata, receipts: dict[MetadataIndex, Any], **
 
 
 def build_parts_manifest(
-    *, tensors: list[dict[str, Any]], objects: list[dict[str, Any]], parts: dict[str, Any], **header_fields: Any
+    *,
+    tensors: list[dict[str, Any]],
+    objects: list[dict[str, Any]],
+    parts: dict[str, Any] | None = None,
+    group_table: dict[str, Any] | None = None,
+    **header_fields: Any,
 ) -> dict[str, Any]:
     """A format-v4 manifest: per checkpoint, not per chunk. `tensors` are {fqn, shape, dtype, layout[, finite]},
-    `objects` {fqn, rank}, `parts` the table of parts_manifest.parts_table; the chunks are in the parts.
+    `objects` {fqn, rank}, `parts` the table of parts_manifest.parts_table; the chunks are in the parts. With
+    `group_table` (groups.groups_table) instead of `parts`: format v5.
     `header_fields` are `header`'s keyword arguments but the format version."""
-    manifest = header(format_version=PARTS_FORMAT_VERSION, **header_fields)
+    if (parts is None) == (group_table is None):
+        raise ValueError("a parts-format manifest has a parts table (v4) or a groups table (v5), one of them")
+    version = PARTS_FORMAT_VERSION if group_table is None else GROUPS_FORMAT_VERSION
+    manifest = header(format_version=version, **header_fields)
     manifest.update(
         {
-            PARTS_FIELD: parts,
+            **({PARTS_FIELD: parts} if group_table is None else {groups.GROUPS_FIELD: group_table}),
             "tensors": sorted(tensors, key=lambda t: t["fqn"]),
             "objects": sorted(objects, key=lambda o: o["fqn"]),
         }
@@ -187,11 +199,15 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
 
 
 def required_fields(version: int) -> tuple[str, ...]:
+    if version >= GROUPS_FORMAT_VERSION:
+        return REQUIRED_FIELDS_V5
     return REQUIRED_FIELDS_V4 if version >= PARTS_FORMAT_VERSION else REQUIRED_FIELDS
 
 
 def manifest_problems(manifest: dict[str, Any], dirname: DirName | None) -> list[str]:
     """Every value rule of the manifest's version (FORMAT.md §5, §10.1); empty when it is sound."""
+    if manifest["format_version"] >= GROUPS_FORMAT_VERSION:
+        return manifest_schema.common_problems(manifest, dirname) + groups.manifest_problems(manifest)
     if manifest["format_version"] >= PARTS_FORMAT_VERSION:
         return manifest_schema.common_problems(manifest, dirname) + parts_manifest.table_problems(manifest)
     return manifest_schema.manifest_problems(manifest, dirname)
@@ -263,7 +279,7 @@ def check_record_agrees(record: dict[str, Any], manifest: dict[str, Any], where:
         for name in RECORD_FIELDS
         if record.get(name) != manifest.get(name)
     ]
-    if "files" in manifest or PARTS_FIELD in manifest:  # the tables are there (v1-v3: files; v4: parts)
+    if "files" in manifest or PARTS_FIELD in manifest or groups.GROUPS_FIELD in manifest:  # the tables are there
         for name, actual in (("bytes_total", total_bytes(manifest)), ("bytes_referenced", referenced_bytes(manifest))):
             expected = record.get(name, 0 if name == "bytes_referenced" else None)
             if expected != actual:
@@ -303,7 +319,7 @@ def check_parse_cost(data: bytes, where: str) -> None:
 
 
 # the manifest's tables: checked entry by entry by manifest_schema, so the depth walk skips them
-SCHEMA_CHECKED_TABLES = ("tensors", "objects", "files", PARTS_FIELD)
+SCHEMA_CHECKED_TABLES = ("tensors", "objects", "files", PARTS_FIELD, groups.GROUPS_FIELD)
 
 
 def _json_object(data: bytes, where: str, what: str, max_bytes: int) -> dict[str, Any]:
@@ -368,6 +384,8 @@ def iter_chunks(manifest: dict[str, Any]):
 def total_bytes(manifest: dict[str, Any]) -> int:
     """The bytes this checkpoint's own files hold (an incremental one's references are not counted; a v4
     one's parts are: they are files of the checkpoint)."""
+    if groups.is_grouped(manifest):
+        return groups.bytes_total(manifest)
     if is_parts_format(manifest):
         return parts_manifest.bytes_total(manifest)
     return sum(entry["bytes"] for entry in files_of(manifest))
@@ -375,7 +393,12 @@ def total_bytes(manifest: dict[str, Any]) -> int:
 
 def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """Every file of the checkpoint: `{path, bytes, checksum}` (v4 adds `kind`: shard or part), sorted by path.
-    v1-v3: the manifest's `files`; v4: built from its parts table."""
+    v1-v3: the manifest's `files`; v4: built from its parts table; v5: from its groups' tables and the groups
+    table (kind `group`), once groups.expanded read them."""
+    if groups.is_grouped(manifest):
+        if PARTS_FIELD not in manifest:
+            raise ValueError("a v5 manifest lists its files in its group tables: pass it through groups.expanded")
+        return sorted(parts_manifest.files_of(manifest) + groups.table_files(manifest), key=lambda f: f["path"])
     if (manifest.get("format_version") or 0) >= PARTS_FORMAT_VERSION:
         return parts_manifest.files_of(manifest)
     return manifest["files"]
@@ -430,5 +453,6 @@ def files_with_metadata(manifest: dict[str, Any]) -> dict[str, int]:
 
 
 def transfer_order(relative: str) -> tuple[int, str]:
-    """Parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the part lands first."""
-    return (0 if relative.endswith(PART_SUFFIX) else 1, relative)
+    """Group tables and parts before shard files: a v4 shard is checked by the chunk ranges its part lists, so the
+    part lands first (and v5's group tables, which list the parts, before them)."""
+    return (0 if relative.endswith(groups.GROUP_SUFFIX) else 1 if relative.endswith(PART_SUFFIX) else 2, relative)

@@ -129,13 +129,21 @@ def table_problems(manifest: dict[str, Any]) -> list[str]:
     """The rules of FORMAT.md §10.1 for the v4 tables; empty when they are sound."""
     problems: list[str] = []
     table = manifest.get(PARTS_FIELD)
-    world = _table_problems(table, problems)
+    world = columns_problems(table, PARTS_FIELD, problems)
     if world is None:
         return problems
+    writers = {rank for rank, size in enumerate(table[FILE_BYTES]) if size is not None}
+    return layout_problems(manifest, world, writers)
+
+
+def layout_problems(manifest: dict[str, Any], world: int, writers: set[int] | None) -> list[str]:
+    """The rules of FORMAT.md §10.1 for `tensors` and `objects` of a save of `world` ranks; `writers`: the ranks
+    that wrote a part, checked against the layouts (None: not known from the manifest, as in v5, whose readers
+    find a rank without a part when they look it up: §10.5)."""
+    problems: list[str] = []
     topology_world = (manifest.get("topology") or {}).get("world_size")
     if is_int(topology_world) and topology_world != world:
         problems.append(f"topology.world_size is {topology_world}, the parts table has {world} ranks")
-    writers = {rank for rank, size in enumerate(table[FILE_BYTES]) if size is not None}
     names: set[str] = set()
     for name in ("tensors", "objects"):
         if not isinstance(manifest.get(name), list):
@@ -160,25 +168,30 @@ def table_problems(manifest: dict[str, Any]) -> list[str]:
         if len(problems) > MAX_PROBLEMS:
             return problems
     if "references" in manifest:
-        problems.append("references is present in a format v4 manifest (v4 checkpoints reference nothing)")
+        problems.append(
+            f"references is present in a format v{manifest.get('format_version')} manifest (parts-format "
+            "checkpoints reference nothing)"
+        )
     return problems
 
 
-def _table_problems(table: Any, problems: list[str]) -> int | None:
+def columns_problems(table: Any, name: str, problems: list[str]) -> int | None:
+    """Checks the v4 columns of `table` (the manifest's `parts`, or a v5 group table: §10.5), appending to
+    `problems`; its `count` when sound, else None."""
     if not isinstance(table, dict):
-        problems.append(f"{PARTS_FIELD} is not an object")
+        problems.append(f"{name} is not an object")
         return None
     world = table.get("count")
     if not is_int(world) or world < 1:
-        problems.append(f"{PARTS_FIELD}.count is {world!r}, not an integer >= 1")
+        problems.append(f"{name}.count is {world!r}, not an integer >= 1")
         return None
     for column in SIZE_COLUMNS:
         if not isinstance(table.get(column), list) or len(table[column]) != world:
-            problems.append(f"{PARTS_FIELD}.{column} is not a list of {world} entries")
+            problems.append(f"{name}.{column} is not a list of {world} entries")
     for column in DIGEST_COLUMNS:
         value = table.get(column)
         if not isinstance(value, str) or len(value) != world * DIGEST_CHARS:
-            problems.append(f"{PARTS_FIELD}.{column} is not a string of {world} x {DIGEST_CHARS} characters")
+            problems.append(f"{name}.{column} is not a string of {world} x {DIGEST_CHARS} characters")
     if problems:
         return None
     for rank, (file_bytes, part_bytes) in enumerate(zip(table[FILE_BYTES], table[PART_BYTES])):
@@ -187,7 +200,7 @@ def _table_problems(table: Any, problems: list[str]) -> int | None:
             continue  # this rank wrote nothing
         if not (_size(file_bytes) and _size(part_bytes) and _digest(file_sum) and _digest(part_sum)):
             problems.append(
-                f"{PARTS_FIELD} rank {rank}: {[file_bytes, file_sum, part_bytes, part_sum]} is not two sizes and "
+                f"{name} rank {rank}: {[file_bytes, file_sum, part_bytes, part_sum]} is not two sizes and "
                 f"two 16-hex-character checksums, nor two nulls and two {NO_DIGEST!r}"
             )
             if len(problems) > MAX_PROBLEMS:
@@ -195,7 +208,7 @@ def _table_problems(table: Any, problems: list[str]) -> int | None:
     return world if not problems else None
 
 
-def _tensor_problems(tensor: Any, world: int, writers: set[int], checked: dict[tuple, str | None]) -> list[str]:
+def _tensor_problems(tensor: Any, world: int, writers: set[int] | None, checked: dict[tuple, str | None]) -> list[str]:
     if not isinstance(tensor, dict):
         return [f"{tensor!r} is not an object"]
     problems = []
@@ -220,15 +233,15 @@ def _tensor_problems(tensor: Any, world: int, writers: set[int], checked: dict[t
         )
     # every chunk's rank wrote a part: checked once per pattern of ranks, however many tensors share it
     pattern = layout.pattern()
-    if pattern not in checked:
+    if writers is not None and pattern not in checked:
         silent = sorted({rank for rank in chunk_layout.ranks_of(layout) if rank not in writers})
         checked[pattern] = f"rank {silent[0]} holds a chunk but wrote no part" if silent else None
-    if checked[pattern]:
+    if checked.get(pattern):
         problems.append(checked[pattern])
     return problems
 
 
-def _object_problems(item: Any, world: int, writers: set[int]) -> list[str]:
+def _object_problems(item: Any, world: int, writers: set[int] | None) -> list[str]:
     if not isinstance(item, dict):
         return [f"{item!r} is not an object"]
     problems = []
@@ -237,7 +250,7 @@ def _object_problems(item: Any, world: int, writers: set[int]) -> list[str]:
     rank = item.get("rank")
     if not is_int(rank) or not 0 <= rank < world:
         problems.append(f"rank is {rank!r}, not a rank of the save (0..{world - 1})")
-    elif rank not in writers:
+    elif writers is not None and rank not in writers:
         problems.append(f"rank {rank} holds it but wrote no part")
     return problems
 

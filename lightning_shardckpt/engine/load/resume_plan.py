@@ -47,6 +47,7 @@ class ResumePlan:
     chunks: int = 0
     seconds: float = 0.0
     part_ranks: list[int] = field(default_factory=list)
+    group_tables_read: int = 0  # v5: the group tables read to find those parts (FORMAT.md §10.5)
 
 
 def plan_resume(fs: Any, directory: str, manifest: dict[str, Any], state_dict: dict[str, Any]) -> ResumePlan:
@@ -134,6 +135,7 @@ def _plan_boxes(
         chunks=len(storage),
         seconds=time.perf_counter() - started,
         part_ranks=sorted(index._parts),
+        group_tables_read=index.tables_read,
     )
 
 

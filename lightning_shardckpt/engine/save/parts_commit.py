@@ -1,4 +1,5 @@
-"""The commit of a format-v4 checkpoint, on the coordinator: O(ranks) checks, a small manifest, the commit.
+"""The commit of a format-v4 or v5 checkpoint, on the coordinator: O(ranks) (v5: O(groups)) checks, a small
+manifest, the commit.
 
 The ranks checked their own chunks (each is the cell its layout gives it, the file tiles, the stored size is
 what was written, a sample was read back) and wrote their parts. Here rank 0 checks that the summaries add
@@ -7,6 +8,9 @@ chunks the layout assigns it, each verified something (unless verification is of
 `.metadata` when the checkpoint is small enough for a plain `dcp.load` (dcp_metadata_max_chunks), builds the
 manifest from the layout and the parts' sizes and checksums, and publishes it (commit.publish: commit record,
 manifest by create-if-absent, `latest`). No per-chunk work, no per-file storage request on rank 0.
+
+In v5 each group's leader ran the per-rank checks for its group and wrote its group table
+(group_summaries.py); here rank 0 checks that the groups' summaries add up, and the manifest lists the groups.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CommitFailed
-from ..format import chunk_layout, parts_manifest, signing
+from ..format import chunk_layout, groups, parts_manifest, signing
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format.checksum import checksum
@@ -38,7 +43,8 @@ from ..gc_pause import gc_paused
 from ..storage import fsio
 from ..storage.writer import FaultHook
 from .commit import CheckpointTarget, lineage, publish_target
-from .parts_save import PartSummary
+from .group_summaries import GroupSummary
+from .parts_save import PartSummary, summary_problems
 from .save_layout import TENSOR, SaveLayout
 
 log = logging.getLogger(__name__)
@@ -47,12 +53,19 @@ MAX_NAMED = 5  # problems named in a refusal; the rest are counted
 
 
 class PartsCommitter:
-    """Called on the coordinator with every rank's PartSummary: commits the checkpoint or raises CommitFailed."""
+    """Called on the coordinator with every rank's PartSummary (v4) or every group's GroupSummary (v5,
+    group_summaries.py): commits the checkpoint or raises CommitFailed."""
 
     def __init__(
-        self, target: CheckpointTarget, layout: SaveLayout, dcp_metadata_max_chunks: int, fault_hook: FaultHook | None
+        self,
+        target: CheckpointTarget,
+        layout: SaveLayout,
+        dcp_metadata_max_chunks: int,
+        fault_hook: FaultHook | None,
+        group_size: int | None = None,
     ) -> None:
         self.target = target
+        self.group_size = group_size  # None: format v4, called with every rank's summary; else v5, every group's
         self.layout = layout
         self.dcp_metadata_max_chunks = dcp_metadata_max_chunks
         self._fault = fault_hook or (lambda point: None)
@@ -60,7 +73,7 @@ class PartsCommitter:
         self.seconds = 0.0
         self.ranks: list[dict[str, Any]] = []  # per rank that wrote: bytes, write_s, write_gbps
 
-    def __call__(self, summaries: list[PartSummary | None]) -> None:
+    def __call__(self, summaries: list[Any]) -> None:
         started = time.perf_counter()
         try:
             with gc_paused():  # O(ranks) small objects: the summaries, the tables (engine/gc_pause.py)
@@ -68,29 +81,28 @@ class PartsCommitter:
         finally:
             self.seconds = time.perf_counter() - started
 
-    def _commit(self, summaries: list[PartSummary | None]) -> None:
+    def _commit(self, summaries: list[Any]) -> None:
         target = self.target
-        problems = summary_problems(summaries, self.layout, target.verify_mode)
-        if problems:
+        if self.group_size is None:
+            facts = _rank_facts(summaries, self.layout, target.verify_mode)
+        else:
+            facts = _group_facts(summaries, self.layout, self.group_size, target.verify_mode)
+        if facts.problems:
+            problems = facts.problems
             shown = "; ".join(problems[:MAX_NAMED]) + (
                 f" (and {len(problems) - MAX_NAMED} more)" if len(problems) > MAX_NAMED else ""
             )
             raise CommitFailed(f"step {target.step} ({target.dirname}) did not commit: {shown}")
-        written = {s.rank: s for s in summaries if s is not None and s.file_bytes is not None}
-        self.ranks = [
-            {"rank": s.rank, "bytes": s.file_bytes, "write_s": s.write_s, "write_gbps": _gbps(s)}
-            for s in written.values()
-            if s.write_s is not None
-        ]
+        self.ranks = facts.ranks
         self._fault("before_metadata")
         fields = dict(target.manifest_fields)
         metadata_record = None
         if self.layout.chunk_count() <= self.dcp_metadata_max_chunks:
-            metadata_bytes = pickle.dumps(dcp_metadata(self.layout, written, target.path))
+            metadata_bytes = pickle.dumps(dcp_metadata(self.layout, facts.parts, target.path))
             fsio.write_new_file(target.root.fs, join(target.path, DCP_METADATA), metadata_bytes)
             metadata_record = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
         parent, seq = lineage(target.root, fields.get("run_id"))
-        nonfinite = {fqn for s in written.values() for fqn in s.nonfinite}
+        nonfinite = facts.nonfinite
         tensors = []
         for item in self.layout.tensors():
             entry = item.describe()
@@ -104,21 +116,11 @@ class PartsCommitter:
             step=target.step,
             tensors=tensors,
             objects=[item.describe() for item in self.layout.objects()],
-            parts=parts_manifest.parts_table(
-                self.layout.world_size,
-                {
-                    rank: {
-                        "file_bytes": s.file_bytes,
-                        "file_checksum": s.file_checksum,
-                        "part_bytes": s.part_bytes,
-                        "part_checksum": s.part_checksum,
-                    }
-                    for rank, s in written.items()
-                },
-            ),
-            verification=_verification(target.verify_mode, written.values()),
+            verification=facts.verification,
+            **facts.tables,
             **fields,
         )
+        written = facts.written
         if target.sign is not None and target.sign.enabled:
             # each part's digest (each part holds its shard's): the signature over this manifest covers every byte
             manifest[signing.DIGEST_FIELD] = target.sign.digest
@@ -133,43 +135,92 @@ class PartsCommitter:
             self.manifest = manifest
 
         publish_target(target, manifest, self._fault, committed)
-        log.info("committed %s (%d parts, %d bytes)", target.path, len(written), manifest_format.total_bytes(manifest))
+        log.info("committed %s (%d bytes)", target.path, manifest_format.total_bytes(manifest))
 
 
-def summary_problems(summaries: list[PartSummary | None], layout: SaveLayout, verify_mode: str) -> list[str]:
-    """Why the ranks' summaries do not make a checkpoint: O(ranks) checks, never a chunk."""
+@dataclass
+class CommitFacts:
+    """What the coordinator commits from, out of the ranks' (v4) or the groups' (v5) summaries."""
+
+    problems: list[str]
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank that wrote (v5: per group, its slowest)
+    parts: list[tuple[int, dict[str, Any] | None]] = field(default_factory=list)  # for DCP's .metadata
+    nonfinite: set[str] = field(default_factory=set)
+    verification: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, Any] = field(default_factory=dict)  # build_parts_manifest's parts= (v4) or group_table= (v5)
+    written: dict[int, PartSummary] = field(default_factory=dict)  # v4: per writing rank (signing)
+
+
+def _rank_facts(summaries: list[PartSummary | None], layout: SaveLayout, verify_mode: str) -> CommitFacts:
+    problems = summary_problems(summaries, layout, verify_mode)
+    if problems:
+        return CommitFacts(problems)
+    written = {s.rank: s for s in summaries if s is not None and s.file_bytes is not None}
+    return CommitFacts(
+        [],
+        ranks=[
+            {"rank": s.rank, "bytes": s.file_bytes, "write_s": s.write_s, "write_gbps": _gbps(s)}
+            for s in written.values()
+            if s.write_s is not None
+        ],
+        parts=[(rank, s.part) for rank, s in written.items()],
+        nonfinite={fqn for s in written.values() for fqn in s.nonfinite},
+        verification=_verification(verify_mode, written.values()),
+        tables={
+            "parts": parts_manifest.parts_table(
+                layout.world_size,
+                {
+                    rank: {
+                        "file_bytes": s.file_bytes,
+                        "file_checksum": s.file_checksum,
+                        "part_bytes": s.part_bytes,
+                        "part_checksum": s.part_checksum,
+                    }
+                    for rank, s in written.items()
+                },
+            )
+        },
+        written=written,
+    )
+
+
+def _group_facts(summaries: list[GroupSummary | None], layout: SaveLayout, size: int, verify_mode: str) -> CommitFacts:
+    """v5: O(groups) checks, as summary_problems is for ranks; each leader checked its group's ranks."""
     problems = []
-    if len(summaries) != layout.world_size:
-        problems.append(f"{len(summaries)} ranks reported, {layout.world_size} write the checkpoint")
-    expected = layout.chunks_per_rank()
-    for rank, summary in enumerate(summaries):
-        if not isinstance(summary, PartSummary):
-            problems.append(f"rank {rank} sent no summary")
-            continue
-        if summary.error is not None:
-            problems.append(summary.error)
-            continue
-        if summary.rank != rank:
-            problems.append(f"rank {rank} sent rank {summary.rank}'s summary")
-        if summary.layout_digest != layout.digest:
-            problems.append(f"rank {rank} planned another layout ({summary.layout_digest}, rank 0: {layout.digest})")
-        if rank < len(expected) and summary.chunks != expected[rank]:
-            problems.append(f"rank {rank} wrote {summary.chunks} chunk(s), its layout gives it {expected[rank]}")
-        if summary.chunks and (summary.file_bytes is None or summary.part_checksum is None):
-            problems.append(f"rank {rank} wrote chunks but reported no file or part")
-        if verify_mode != "off" and summary.chunks and not summary.verified_chunks:
-            problems.append(f"rank {rank}: no chunk was read back although verify.mode={verify_mode!r}")
-    return problems
+    count = groups.group_count(layout.world_size, size)
+    if len(summaries) != count:
+        problems.append(f"{len(summaries)} groups reported, {count} write the checkpoint")
+    for number, summary in enumerate(summaries):
+        if not isinstance(summary, GroupSummary):
+            problems.append(f"group {number} (leader rank {number * size}) sent no summary")
+        elif summary.problems:
+            problems.extend(summary.problems)
+        elif summary.group != number:
+            problems.append(f"group {number}'s leader sent group {summary.group}'s summary")
+        elif summary.layout_digest != layout.digest:
+            problems.append(f"group {number}'s leader planned another layout ({summary.layout_digest})")
+        elif summary.entry is None:
+            problems.append(f"group {number}'s leader wrote no group table")
+    if problems:
+        return CommitFacts(problems)
+    return CommitFacts(
+        [],
+        ranks=[s.slowest for s in summaries if s.slowest is not None],
+        parts=[item for s in summaries for item in s.parts or ()],
+        nonfinite={fqn for s in summaries for fqn in s.nonfinite},
+        verification=_verification(verify_mode, summaries),
+        tables={"group_table": groups.groups_table(layout.world_size, size, [s.entry for s in summaries])},
+    )
 
 
-def dcp_metadata(layout: SaveLayout, written: dict[int, PartSummary], checkpoint_path: str) -> Metadata:
+def dcp_metadata(layout: SaveLayout, parts: list[tuple[int, dict[str, Any] | None]], checkpoint_path: str) -> Metadata:
     """DCP's global metadata, as DCP's own save would have written it: what a plain `dcp.load` reads. Built
-    from the layout's cells and the parts' byte ranges: O(chunks), so only for small checkpoints."""
+    from the layout's cells and the (rank, part) of every writing rank: O(chunks), so only for small
+    checkpoints."""
     located: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {}
-    for summary in written.values():
-        part = summary.part
+    for rank, part in parts:
         if part is None:
-            raise CommitFailed(f"rank {summary.rank} did not send its part, which DCP's .metadata needs")
+            raise CommitFailed(f"rank {rank} did not send its part, which DCP's .metadata needs")
         for chunk in part[part_format.TENSOR_CHUNKS]:
             located[(chunk["fqn"], tuple(chunk["offsets"]))] = _StorageInfo(
                 part["file"], chunk["offset"], chunk["length"]

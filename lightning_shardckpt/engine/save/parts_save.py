@@ -87,8 +87,9 @@ def save_parts(
     checkpoint_id: str,
     group: Any,
     config: SaveConfig,
-    commit: Any,  # parts_commit.PartsCommitter, called on rank 0 with every summary
+    commit: Any,  # parts_commit.PartsCommitter, called on rank 0 with every summary (v5: every group's)
     fault_hook: FaultHook | None = None,
+    group_size: int | None = None,  # format v5's ranks per group (group_summaries.py); None: format v4
 ) -> RankOutcome:
     """Write this rank's shard and part, then commit on rank 0; raises SaveRefused (every rank alike) when the
     checkpoint did not commit, or the collective's error when a peer died."""
@@ -106,8 +107,22 @@ def save_parts(
         summary_error = err
     else:
         summary_error = None
-    # collective "part-summaries": rank 0 gets every rank's summary (O(ranks) bytes there, O(1) elsewhere)
-    summaries = gather_to_coordinator("part-summaries", summary, group)
+    if group_size is None:
+        # collective "part-summaries": rank 0 gets every rank's summary (O(ranks) bytes there, O(1) elsewhere)
+        summaries = gather_to_coordinator("part-summaries", summary, group)
+    else:
+        from .group_summaries import gather_groups  # it imports this module's PartSummary
+
+        summaries = gather_groups(
+            summary,
+            layout,
+            group_size,
+            fs=fs,
+            directory=directory,
+            checkpoint_id=checkpoint_id,
+            verify_mode=config.verify.mode,
+            pg=group,
+        )
     verdict: str | None = None
     if summaries is not None:
         try:
@@ -121,6 +136,35 @@ def save_parts(
     if verdict is not None:
         raise SaveRefused(verdict) from summary_error
     return RankOutcome(stats, summary)
+
+
+def summary_problems(
+    summaries: list[PartSummary | None], layout: SaveLayout, verify_mode: str, ranks: range | None = None
+) -> list[str]:
+    """Why the summaries of `ranks` (None: every rank) do not make a checkpoint: O(ranks) checks, never a chunk."""
+    problems = []
+    ranks = range(layout.world_size) if ranks is None else ranks
+    if len(summaries) != len(ranks):
+        problems.append(f"{len(summaries)} ranks reported, {len(ranks)} write the checkpoint")
+    expected = layout.chunks_per_rank()
+    for rank, summary in zip(ranks, summaries):
+        if not isinstance(summary, PartSummary):
+            problems.append(f"rank {rank} sent no summary")
+            continue
+        if summary.error is not None:
+            problems.append(summary.error)
+            continue
+        if summary.rank != rank:
+            problems.append(f"rank {rank} sent rank {summary.rank}'s summary")
+        if summary.layout_digest != layout.digest:
+            problems.append(f"rank {rank} planned another layout ({summary.layout_digest}, rank 0: {layout.digest})")
+        if rank < len(expected) and summary.chunks != expected[rank]:
+            problems.append(f"rank {rank} wrote {summary.chunks} chunk(s), its layout gives it {expected[rank]}")
+        if summary.chunks and (summary.file_bytes is None or summary.part_checksum is None):
+            problems.append(f"rank {rank} wrote chunks but reported no file or part")
+        if verify_mode != "off" and summary.chunks and not summary.verified_chunks:
+            problems.append(f"rank {rank}: no chunk was read back although verify.mode={verify_mode!r}")
+    return problems
 
 
 def _write(

@@ -22,8 +22,15 @@ from torch.distributed.checkpoint.planner import SavePlan
 from ...errors import CommitFailed, ShardCkptError
 from ..collectives import agree, is_distributed, rank_and_world
 from ..config import SaveConfig
-from ..format import topology
-from ..format.layout import MANIFEST, PARTS_FORMAT_VERSION, checkpoint_dirname, join, new_checkpoint_id
+from ..format import groups, topology
+from ..format.layout import (
+    GROUPS_FORMAT_VERSION,
+    MANIFEST,
+    PARTS_FORMAT_VERSION,
+    checkpoint_dirname,
+    join,
+    new_checkpoint_id,
+)
 from ..storage import retry
 from ..storage.fsio import Location
 from ..storage.writer import FaultHook, ShardWriter
@@ -117,7 +124,13 @@ def persist_checkpoint(
     )
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     if layout is not None and agreed:
-        committer: Any = PartsCommitter(target, layout, config.dcp_metadata_max_chunks, fault_hook)
+        committer: Any = PartsCommitter(
+            target,
+            layout,
+            config.dcp_metadata_max_chunks,
+            fault_hook,
+            group_size=_group_size(config, layout.world_size),
+        )
         stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result)
     else:
         committer = Committer(target, fault_hook, meta.reference_digests)
@@ -133,6 +146,18 @@ def persist_checkpoint(
     }
     result.storage_retries = _retries() - retries_before
     return result
+
+
+def _group_size(config: SaveConfig, world: int) -> int | None:
+    """Format v5's ranks per group, or None for v4: what format_version asks, except that
+    - a world of one group stays v4: its parts table is O(group size) already, and v5 would add a file to write
+      and one to read at every resume for nothing;
+    - signed and node-local saves stay v4: a group table carries no digests yet, and a leader's table would land
+      on its own node's storage only."""
+    size = groups.writer_group_size()
+    if config.format_version < GROUPS_FORMAT_VERSION or config.sign.enabled or config.node_local or world <= size:
+        return None
+    return size
 
 
 def _persist_parts(
@@ -158,6 +183,7 @@ def _persist_parts(
             config=config,
             commit=committer,
             fault_hook=fault_hook,
+            group_size=committer.group_size,
         )
     except (ShardCkptError, OSError, RuntimeError) as err:
         _failed(result, target, err, group)

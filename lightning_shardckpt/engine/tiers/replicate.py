@@ -34,8 +34,8 @@ from typing import Any
 from ...errors import CorruptCheckpoint
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
-from ..format import signing
-from ..format.layout import DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..format import groups, signing
+from ..format.layout import MANIFEST, join, parse_dirname, shard_rank
 from ..format.manifest import files_of, files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..save.commit import publish
@@ -346,12 +346,13 @@ class Replicator:
 
     def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
         src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)
-        files = files_with_metadata(manifest)
-        mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
-        if self.rank == 0 and DCP_METADATA in files:
-            mine.append(DCP_METADATA)
         problem = None
         try:
+            expanded = groups.expanded(self.fast.fs, src_dir, manifest)  # v5: its files are in its group tables
+            files = files_with_metadata(expanded)
+            mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
+            if self.rank == 0:  # the files no rank owns: .metadata, v5's group tables
+                mine.extend(sorted((p for p in files if shard_rank(p) is None), key=transfer_order))
             self.durable.backend.makedirs(dst_dir)
             for relative in mine:
                 self._fault("replicate_before_file")
@@ -361,7 +362,7 @@ class Replicator:
                     self.durable.fs,
                     dst_dir,
                     relative,
-                    manifest,
+                    expanded,
                     on_piece=lambda: self._fault("replicate_mid_upload"),
                 )
         except Exception as err:  # noqa: BLE001 - reported to the coordinator, which decides for all
@@ -381,7 +382,8 @@ class Replicator:
         """Coordinator: check the uploaded sizes, then commit the durable copy (manifest last)."""
         fs, directory = self.durable.fs, join(self.durable.path, name)
         try:
-            expected = {entry["path"]: entry["bytes"] for entry in files_of(manifest)}
+            # v5: the sizes are in its group tables, read from the durable copy (checked against the manifest)
+            expected = {entry["path"]: entry["bytes"] for entry in files_of(groups.expanded(fs, directory, manifest))}
             for relative, size in sorted(expected.items()):
                 actual = fs.size(join(directory, relative))
                 if actual != size:

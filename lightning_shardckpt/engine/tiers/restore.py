@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import catalog
 from ..collectives import all_gather_objects, rank_and_world
+from ..format import groups
 from ..format.layout import MANIFEST, join
 from ..format.manifest import files_with_metadata
 from ..format.signing import SignaturePolicy, SignatureRefused
@@ -63,7 +64,8 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
         }
         if MANIFEST not in listing:
             return False
-        return all(listing.get(path) == size for path, size in files_with_metadata(entry.manifest).items())
+        manifest = groups.expanded(location.fs, entry.path, entry.manifest)  # v5: its files are in its group tables
+        return all(listing.get(path) == size for path, size in files_with_metadata(manifest).items())
     except Exception:  # noqa: BLE001 - unreadable is the answer, whatever the reason
         log.debug("%s is not readable here", entry.path, exc_info=True)
         return False

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CorruptCheckpoint
+from ..format import groups, parts_manifest
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
-from ..format import parts_manifest
 from ..format.checksum import ChunkCheck, ChunkHasher
 from ..format.chunk_index import read_parts
 from ..format.layout import DCP_METADATA, join, shard_rank
@@ -49,7 +49,7 @@ def expected_ranges(
         item = listed.get(relative)
         if item is None:
             return []
-        if item["kind"] == parts_manifest.PART:
+        if item["kind"] in (parts_manifest.PART, groups.GROUP_TABLE):  # read whole: the manifest has its checksum
             return [(0, item["bytes"], item["checksum"], None)]
         return _shard_ranges(manifest, relative, parts_at)
     return sorted(

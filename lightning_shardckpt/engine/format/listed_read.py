@@ -1,0 +1,32 @@
+"""One small file a committed manifest lists (a part, a group table), read and checked before it is parsed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import CorruptCheckpoint
+from ..storage import retry
+from .checksum import checksum
+from .layout import join
+
+
+def read_listed(fs: Any, directory: str, name: str, size: int, digest: str | None, what: str) -> bytes:
+    """The bytes of `name` in `directory`, which the manifest lists at `size` bytes with checksum `digest`:
+    read at most one byte more than listed (so a grown file is caught without reading it all), then checked.
+    CorruptCheckpoint names the file when it is missing, of another size or checksum."""
+    path = join(directory, name)
+    try:
+        data = retry.call("read", lambda: fs.cat_file(path, start=0, end=size + 1), target=path)
+    except FileNotFoundError as err:
+        raise CorruptCheckpoint(
+            f"{path} is missing: the manifest lists it. Restore it from a replica or load an older checkpoint",
+            problems=[{"file": name, "tensor": None, "expected": "present", "actual": "missing"}],
+        ) from err
+    actual = checksum(data)
+    if len(data) != size or actual != digest:
+        raise CorruptCheckpoint(
+            f"{path}: {len(data)} bytes with checksum {actual}, the manifest says {size} bytes, {digest}; the {what} "
+            "was altered after commit. Restore it from a replica or load an older checkpoint",
+            problems=[{"file": name, "tensor": None, "expected": digest, "actual": actual}],
+        )
+    return data

@@ -1,0 +1,162 @@
+"""Format v5's two-step gather: members to their group's leader, leaders to rank 0 (FORMAT.md §10.5).
+
+In v4 rank 0 receives and unpickles every rank's PartSummary (~177 bytes a rank; half of its 0.16 s commit
+at 16,384 ranks) and writes a per-rank table into the manifest. Here each group's leader (its lowest rank)
+receives its members' summaries, checks them as rank 0 does in v4 (parts_save.summary_problems), writes the
+group table `__g<g>.parts.json`, and sends rank 0 one GroupSummary: the table's entry for the manifest, the
+sums a manifest records, and problems. Rank 0 hears from ranks / size leaders and its own size - 1 members.
+
+Point-to-point messages over the dedicated checkpoint group, not sub-groups: torch's new_group is collective
+over every rank and would have to be made once per saver; and gather_object over the whole group would make
+every rank send (torch 2.13's gather_object all-gathers the sizes and pads each rank's bytes to the largest).
+A world of one group gathers as v4 does: no extra collective (the writer writes v4 there: persist._group_size).
+Every rank reaches every step whatever failed on it: errors travel in the summaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..collectives import gather_to, gather_to_coordinator, rank_and_world
+from ..format import groups
+from ..format.layout import join
+from ..storage import fsio
+from .parts_save import PartSummary, summary_problems
+from .save_layout import SaveLayout
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP_PROBLEMS = 5  # a leader names this many of its group's problems, then counts the rest
+
+
+@dataclass
+class GroupSummary:
+    """What a leader tells rank 0 about its group of one save (all rank 0 hears of it)."""
+
+    group: int
+    layout_digest: str
+    problems: list[str] = field(default_factory=list)
+    entry: dict[str, Any] | None = None  # groups.group_entry of its written table
+    chunks: int = 0
+    bytes_total: int = 0
+    verified_chunks: int = 0
+    verified_bytes: int = 0
+    nonfinite: list[str] = field(default_factory=list)
+    slowest: dict[str, Any] | None = None  # its slowest writer's {rank, bytes, write_s, write_gbps}
+    parts: list[tuple[int, dict[str, Any] | None]] | None = None  # (rank, part): only when rank 0 writes .metadata
+
+    # pickled as a tuple of values, as PartSummary is
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__dataclass_fields__, state):
+            setattr(self, name, value)
+
+
+def gather_groups(
+    summary: PartSummary,
+    layout: SaveLayout,
+    size: int,
+    *,
+    fs: Any,
+    directory: str,
+    checkpoint_id: str,
+    verify_mode: str,
+    pg: Any,
+) -> list[GroupSummary | None] | None:
+    """Rank 0: every group's summary, in group order; other ranks: None. A leader writes its group's table."""
+    rank, world = rank_and_world(pg)
+    count = groups.group_count(world, size)
+    group = rank // size
+    ranks = groups.group_ranks(group, size, world)
+    # collective "part-summaries": one group, as v4 (a gather); several: point to point, members to their leader
+    if count == 1:
+        members = gather_to_coordinator("part-summaries", summary, pg)
+    else:
+        members = gather_to("part-summaries", summary, ranks.start, ranks, pg)
+    own = None
+    if members is not None:
+        try:
+            own = lead_group(members, layout, group, size, world, fs, directory, checkpoint_id, verify_mode)
+        except Exception as err:  # reported to rank 0, which refuses the commit, naming it
+            log.error("rank %d: leading group %d of %s failed: %s", rank, group, directory, err)
+            own = GroupSummary(
+                group, layout.digest, [f"group {group} (leader rank {rank}): {type(err).__name__}: {err}"]
+            )
+    if count == 1:
+        return [own] if own is not None else None
+    # collective "group-summaries": the leaders to rank 0, point to point
+    return gather_to("group-summaries", own, 0, range(0, world, size), pg)
+
+
+def lead_group(
+    members: list[PartSummary | None],
+    layout: SaveLayout,
+    group: int,
+    size: int,
+    world: int,
+    fs: Any,
+    directory: str,
+    checkpoint_id: str,
+    verify_mode: str,
+) -> GroupSummary:
+    """A leader's work: check its members' summaries as v4's rank 0 checks every rank's, write the group table,
+    sum up what rank 0 needs. Problems are in the summary, not raised (storage errors are)."""
+    own = GroupSummary(group, layout.digest)
+    own.problems = summary_problems(members, layout, verify_mode, groups.group_ranks(group, size, world))
+    if len(own.problems) > MAX_GROUP_PROBLEMS:
+        own.problems = own.problems[:MAX_GROUP_PROBLEMS] + [
+            f"(and {len(own.problems) - MAX_GROUP_PROBLEMS} more in group {group})"
+        ]
+    if not own.problems:
+        _write_table(own, members, size, world, fs, directory, checkpoint_id)
+    return own
+
+
+def _write_table(
+    own: GroupSummary,
+    members: list[PartSummary],
+    size: int,
+    world: int,
+    fs: Any,
+    directory: str,
+    checkpoint_id: str,
+) -> None:
+    written = [s for s in members if s.file_bytes is not None]
+    table = groups.build_group_table(
+        checkpoint_id,
+        own.group,
+        size,
+        world,
+        {
+            s.rank: {
+                "file_bytes": s.file_bytes,
+                "file_checksum": s.file_checksum,
+                "part_bytes": s.part_bytes,
+                "part_checksum": s.part_checksum,
+            }
+            for s in written
+        },
+    )
+    data = groups.to_bytes(table)
+    fsio.write_new_file(fs, join(directory, groups.group_filename(own.group)), data)
+    own.entry = groups.group_entry(table, data)
+    own.chunks = sum(s.chunks for s in members)
+    own.bytes_total = sum(s.bytes_total for s in members)
+    own.verified_chunks = sum(s.verified_chunks for s in members)
+    own.verified_bytes = sum(s.verified_bytes for s in members)
+    own.nonfinite = sorted({fqn for s in members for fqn in s.nonfinite})
+    timed = [s for s in written if s.write_s]
+    if timed:
+        slowest = min(timed, key=lambda s: s.file_bytes / s.write_s)
+        own.slowest = {
+            "rank": slowest.rank,
+            "bytes": slowest.file_bytes,
+            "write_s": slowest.write_s,
+            "write_gbps": slowest.file_bytes / slowest.write_s / 1e9,
+        }
+    if any(s.part is not None for s in written):
+        own.parts = [(s.rank, s.part) for s in written]
