@@ -50,8 +50,8 @@ from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirnam
 from lightning_shardckpt.engine.load.resume_plan import plan_boxes
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
 from lightning_shardckpt.engine.save.group_summaries import lead_group
+from lightning_shardckpt.engine.save.part_summary import PartSummary
 from lightning_shardckpt.engine.save.parts_commit import PartsCommitter
-from lightning_shardckpt.engine.save.parts_save import PartSummary
 from lightning_shardckpt.engine.save.save_layout import OBJECT, TENSOR, ItemLayout, SaveLayout
 from lightning_shardckpt.engine.storage import fsio
 

@@ -2,7 +2,7 @@
 
 In v4 rank 0 receives and unpickles every rank's PartSummary (~177 bytes a rank; half of its 0.16 s commit
 at 16,384 ranks) and writes a per-rank table into the manifest. Here each group's leader (its lowest rank)
-receives its members' summaries, checks them as rank 0 does in v4 (parts_save.summary_problems), writes the
+receives its members' summaries, checks them as rank 0 does in v4 (part_summary.summary_problems), writes the
 group table `__g<g>.parts.json`, and sends rank 0 one GroupSummary: the table's entry for the manifest, the
 sums a manifest records, and problems. Rank 0 hears from ranks / size leaders and its own size - 1 members.
 
@@ -23,7 +23,7 @@ from ..collectives import gather_to, gather_to_coordinator, rank_and_world
 from ..format import groups
 from ..format.layout import join
 from ..storage import fsio
-from .parts_save import PartSummary, summary_problems
+from .part_summary import PartSummary, summary_problems
 from .save_layout import SaveLayout
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from ..storage import fsio
 from ..storage.writer import FaultHook
 from .commit import CheckpointTarget, lineage, publish_target
 from .group_summaries import GroupSummary
-from .parts_save import PartSummary, summary_problems
+from .part_summary import PartSummary, summary_problems
 from .save_layout import TENSOR, SaveLayout
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -32,6 +32,8 @@ from ..format.checksum import checksum
 from ..format.layout import join
 from ..storage import fsio, retry
 from ..storage.writer import FaultHook, RankWrite, write_rank_file
+from .group_summaries import gather_groups
+from .part_summary import PartSummary
 from .save_layout import TENSOR, SaveLayout
 
 log = logging.getLogger(__name__)
@@ -39,35 +41,6 @@ log = logging.getLogger(__name__)
 
 class SaveRefused(CommitFailed):
     """The coordinator refused the commit and every rank was told: every rank's write step is over."""
-
-
-@dataclass
-class PartSummary:
-    """What a rank tells the coordinator about its part of one save (and all the coordinator hears of it)."""
-
-    rank: int
-    layout_digest: str
-    error: str | None = None
-    chunks: int = 0
-    file_bytes: int | None = None
-    file_checksum: str | None = None
-    part_bytes: int | None = None
-    part_checksum: str | None = None
-    part_digest: str | None = None  # signing on: the digest of the part's bytes, for the signed manifest
-    verified_chunks: int = 0
-    verified_bytes: int = 0
-    bytes_total: int = 0
-    write_s: float | None = None
-    nonfinite: list[str] = field(default_factory=list)  # floating tensors with NaN/Inf in this rank's chunks
-    part: dict[str, Any] | None = None  # the part itself, only when rank 0 writes DCP's .metadata
-
-    # pickled as a tuple of values, not a dict of names to values: rank 0 unpickles one per rank
-    def __getstate__(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        for name, value in zip(self.__dataclass_fields__, state):
-            setattr(self, name, value)
 
 
 @dataclass
@@ -111,8 +84,6 @@ def save_parts(
         # collective "part-summaries": rank 0 gets every rank's summary (O(ranks) bytes there, O(1) elsewhere)
         summaries = gather_to_coordinator("part-summaries", summary, group)
     else:
-        from .group_summaries import gather_groups  # it imports this module's PartSummary
-
         summaries = gather_groups(
             summary,
             layout,
@@ -136,35 +107,6 @@ def save_parts(
     if verdict is not None:
         raise SaveRefused(verdict) from summary_error
     return RankOutcome(stats, summary)
-
-
-def summary_problems(
-    summaries: list[PartSummary | None], layout: SaveLayout, verify_mode: str, ranks: range | None = None
-) -> list[str]:
-    """Why the summaries of `ranks` (None: every rank) do not make a checkpoint: O(ranks) checks, never a chunk."""
-    problems = []
-    ranks = range(layout.world_size) if ranks is None else ranks
-    if len(summaries) != len(ranks):
-        problems.append(f"{len(summaries)} ranks reported, {len(ranks)} write the checkpoint")
-    expected = layout.chunks_per_rank()
-    for rank, summary in zip(ranks, summaries):
-        if not isinstance(summary, PartSummary):
-            problems.append(f"rank {rank} sent no summary")
-            continue
-        if summary.error is not None:
-            problems.append(summary.error)
-            continue
-        if summary.rank != rank:
-            problems.append(f"rank {rank} sent rank {summary.rank}'s summary")
-        if summary.layout_digest != layout.digest:
-            problems.append(f"rank {rank} planned another layout ({summary.layout_digest}, rank 0: {layout.digest})")
-        if rank < len(expected) and summary.chunks != expected[rank]:
-            problems.append(f"rank {rank} wrote {summary.chunks} chunk(s), its layout gives it {expected[rank]}")
-        if summary.chunks and (summary.file_bytes is None or summary.part_checksum is None):
-            problems.append(f"rank {rank} wrote chunks but reported no file or part")
-        if verify_mode != "off" and summary.chunks and not summary.verified_chunks:
-            problems.append(f"rank {rank}: no chunk was read back although verify.mode={verify_mode!r}")
-    return problems
 
 
 def _write(
