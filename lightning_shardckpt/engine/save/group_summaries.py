@@ -23,7 +23,7 @@ from ..collectives import gather_to, gather_to_coordinator, rank_and_world
 from ..format import groups
 from ..format.layout import join
 from ..storage import fsio
-from .part_summary import PartSummary, summary_problems
+from .part_summary import PartSummary, PickledAsValues, summary_problems
 from .save_layout import SaveLayout
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ MAX_GROUP_PROBLEMS = 5  # a leader names this many of its group's problems, then
 
 
 @dataclass
-class GroupSummary:
+class GroupSummary(PickledAsValues):
     """What a leader tells rank 0 about its group of one save (all rank 0 hears of it)."""
 
     group: int
@@ -46,14 +46,6 @@ class GroupSummary:
     nonfinite: list[str] = field(default_factory=list)
     slowest: dict[str, Any] | None = None  # its slowest writer's {rank, bytes, write_s, write_gbps}
     parts: list[tuple[int, dict[str, Any] | None]] | None = None  # (rank, part): only when rank 0 writes .metadata
-
-    # pickled as a tuple of values, as PartSummary is
-    def __getstate__(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        for name, value in zip(self.__dataclass_fields__, state):
-            setattr(self, name, value)
 
 
 def gather_groups(

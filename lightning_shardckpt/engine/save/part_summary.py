@@ -10,8 +10,22 @@ from typing import Any
 from .save_layout import SaveLayout
 
 
+class PickledAsValues:
+    """A dataclass pickled as a tuple of its values, not a dict of names to values: the coordinator (or a group's
+    leader) unpickles one per rank, and names repeated per object are most of the bytes and the time."""
+
+    __dataclass_fields__: dict[str, Any]
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__dataclass_fields__, state):
+            setattr(self, name, value)
+
+
 @dataclass
-class PartSummary:
+class PartSummary(PickledAsValues):
     """What a rank tells the coordinator about its part of one save (and all the coordinator hears of it)."""
 
     rank: int
@@ -29,14 +43,6 @@ class PartSummary:
     write_s: float | None = None
     nonfinite: list[str] = field(default_factory=list)  # floating tensors with NaN/Inf in this rank's chunks
     part: dict[str, Any] | None = None  # the part itself, only when rank 0 writes DCP's .metadata
-
-    # pickled as a tuple of values, not a dict of names to values: rank 0 unpickles one per rank
-    def __getstate__(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        for name, value in zip(self.__dataclass_fields__, state):
-            setattr(self, name, value)
 
 
 def summary_problems(
