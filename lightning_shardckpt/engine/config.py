@@ -121,6 +121,10 @@ class SaveConfig:
     # True: leave a failed save's directory for inspection (`shardckpt gc` removes it later);
     # False: the coordinator removes it once every rank saw the save fail
     keep_failed_attempts: bool = False
+    # write each rank's shard file past the page cache (O_DIRECT) on local disks that take it, buffered elsewhere
+    # (tmpfs, object stores): a third of the writing thread's CPU here, and no page-cache writeback competing with
+    # training (engine/storage/direct_file.py). False: buffered writes, e.g. where O_DIRECT is slow (some NFS mounts)
+    direct_io: bool = True
     # 4: per-rank parts beside the shards and a small manifest; each rank plans its own writes, the coordinator's
     # commit is O(ranks) (docs/FORMAT.md §10). 2: every chunk in the manifest, planned by DCP's collectives, which
     # readers of lightning_shardckpt before format v4 read; O(chunks) on the coordinator. Incremental saves write 3.

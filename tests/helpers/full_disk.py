@@ -8,7 +8,8 @@ saver and its first error) until a final `gc.collect()` and a normal interpreter
 line: the outcome and cause of every save. The exit status is the verdict: 134 (SIGABRT) is the bug
 of a half-written tensor record whose C++ writer throws from its destructor.
 
-Also: `mounted_tmpfs`, a real small tmpfs for a test (root only).
+Also: `mounted_tmpfs`, a real small tmpfs for a test (root only); `mounted_ext4`, a real small ext4 disk on a loop
+device, which (unlike tmpfs) takes O_DIRECT writes (root, mkfs.ext4 and a loop device).
 """
 
 from __future__ import annotations
@@ -38,6 +39,33 @@ def mounted_tmpfs(directory: Path, size: str) -> Iterator[Path]:
         yield directory
     finally:
         subprocess.run(["umount", "-l", str(directory)], capture_output=True)
+
+
+@contextlib.contextmanager
+def mounted_ext4(directory: Path, size_mib: int) -> Iterator[Path]:
+    """Mount an ext4 filesystem of `size_mib` MiB (no journal, nothing reserved) from an image file beside
+    `directory`, on a loop device, for the duration; raises PermissionError where that is refused."""
+    directory.mkdir(parents=True, exist_ok=True)
+    image = directory.parent / f"{directory.name}.ext4"
+    with open(image, "wb") as handle:
+        handle.truncate(size_mib * 2**20)
+    try:
+        made = subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", str(image)], capture_output=True, text=True
+        )
+    except FileNotFoundError as err:
+        raise PermissionError(f"no mkfs.ext4 here: {err}") from err
+    if made.returncode != 0:
+        raise PermissionError(f"mkfs.ext4 refused ({made.returncode}): {made.stderr.strip()}")
+    proc = subprocess.run(["mount", "-o", "loop", str(image), str(directory)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PermissionError(f"mount -o loop refused ({proc.returncode}): {proc.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(
+            ["umount", "-l", str(directory)], capture_output=True
+        )  # the loop device clears itself (autoclear)
 
 
 def run_saves(

@@ -136,6 +136,7 @@ def _write(
         rng,
         fault,
         digest=digest,
+        direct_io=config.direct_io,
     )
 
 

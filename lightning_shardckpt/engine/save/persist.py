@@ -215,6 +215,7 @@ def _persist_collectively(
         fault_hook=fault_hook,
         references=meta.references,
         digest=config.sign.digest if config.sign.enabled else None,  # signing on: each file's digest, same pass
+        direct_io=config.direct_io,
     )
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=group, planner=RankZeroSavePlanner(meta.identical))

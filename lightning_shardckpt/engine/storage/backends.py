@@ -36,7 +36,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ...errors import StorageUnavailable
 from ..format.checksum import checksum
-from . import retry, span_reads
+from . import direct_file, retry, span_reads
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,10 @@ class FsspecBackend:
         except PermissionError as err:
             raise StorageUnavailable(f"cannot create {path!r}: permission denied; choose a writable dirpath") from err
 
+    def open_shard(self, path: str, direct_io: bool) -> Any:
+        """A shard file created for writing (`direct_io`: past the page cache where the storage allows it)."""
+        return self.fs.open(path, "wb")
+
     def abort_write(self, handle: Any) -> None:
         """Abandon a file being written (it belongs to an uncommitted directory either way)."""
         try:
@@ -169,6 +173,13 @@ class LocalBackend(FsspecBackend):
 
     def normalise_path(self, path: str) -> str:
         return os.path.abspath(path)
+
+    def open_shard(self, path: str, direct_io: bool) -> Any:
+        """With `direct_io`, O_DIRECT where the disk takes it (direct_file.py); buffered otherwise, and always
+        through a filesystem class that opens files its own way (a subclass overriding `_open`: it wraps them)."""
+        opens_plainly = type(self.fs)._open is LocalFileSystem._open
+        direct = direct_file.open_direct(path) if direct_io and opens_plainly else None
+        return direct if direct is not None else super().open_shard(path, direct_io)
 
     def create_if_absent(self, path: str, data: bytes) -> None:
         """Readers never see a partial file: the bytes go to a temp name first and are hard-linked into place."""

@@ -160,6 +160,11 @@ def _probe(location: Location, probe: str, payload: bytes) -> None:
             _remove_quietly(fs, probe)
 
 
+def open_shard(fs: fsspec.AbstractFileSystem, path: str, direct_io: bool = False) -> Any:
+    """A shard file created for writing; `direct_io`: past the page cache where the storage allows it."""
+    return backend_for(fs).open_shard(path, direct_io)
+
+
 def abort_write(handle: Any) -> None:
     """Abandon a file being written: on S3 abort its multipart upload instead of committing a partial object."""
     fs = getattr(handle, "fs", None)

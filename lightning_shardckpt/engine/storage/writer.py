@@ -85,8 +85,9 @@ class _RankPrefix:
 class ChunkFileWriter:
     """Writes one shard file chunk by chunk, checksumming each chunk in the same pass."""
 
-    def __init__(self, fs: Any, path: str, file_digest: Any = None) -> None:
-        self._handle = fs.open(path, "wb")
+    def __init__(self, fs: Any, path: str, file_digest: Any = None, direct_io: bool = False) -> None:
+        """`direct_io`: write past the page cache where the storage allows it (SaveConfig.direct_io)."""
+        self._handle = fsio.open_shard(fs, path, direct_io)
         self._stream = HashingWriter(self._handle, file_digest)
         self.chunks: list[tuple[int, int, str]] = []
         self.blocks: list[tuple[int, tuple[str, ...]] | None] = []  # per chunk, as HashingWriter.chunk_blocks
@@ -206,10 +207,12 @@ def write_rank_file(
     fault: FaultHook,
     reference_of: Callable[[Any], dict[str, Any] | None] = lambda item: None,
     digest: str | None = None,
+    direct_io: bool = False,
 ) -> RankWrite:
     """Write `plan_items` (DCP write items) as this rank's shard file, checksumming every chunk as it streams,
     then read back what `verify` asks for. Unchanged chunks an incremental save references are not written.
-    `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass.
+    `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass. `direct_io`:
+    the file is written past the page cache where the storage allows it (direct_file.py).
     Raises on the first failure (the file's upload is abandoned, never committed)."""
     fault("before_write")
     stats: dict[str, Any] = {
@@ -234,7 +237,7 @@ def write_rank_file(
     if not items:
         stats["chunks"] = len(reference_receipts)
         return RankWrite(reference_receipts, stats)
-    writer = ChunkFileWriter(fs, full_path, signing.new_digest(digest) if digest else None)
+    writer = ChunkFileWriter(fs, full_path, signing.new_digest(digest) if digest else None, direct_io=direct_io)
     finite: list[bool | None] = []
     try:
         for position, item in enumerate(items):
@@ -309,6 +312,7 @@ class ShardWriter(StorageWriter):
         fault_hook: FaultHook | None = None,
         references: dict[tuple[str, tuple[int, ...]], dict[str, Any]] | None = None,
         digest: str | None = None,
+        direct_io: bool = False,
     ) -> None:
         """`references` (incremental saves): (fqn, chunk offsets) -> the chunk record, from an earlier
         checkpoint of the same root, of a chunk that did not change; it is referenced, not written. `digest`
@@ -316,6 +320,7 @@ class ShardWriter(StorageWriter):
         super().__init__()
         self.references = references or {}
         self.digest = digest
+        self.direct_io = direct_io
         self.fs = fs
         self.path = path
         self.verify = verify
@@ -375,6 +380,7 @@ class ShardWriter(StorageWriter):
             self._fault,
             self._reference_of,
             digest=self.digest,
+            direct_io=self.direct_io,
         )
         self.last_write_stats = written.stats
         if written.relative is not None:
