@@ -14,7 +14,9 @@ save is complete (ours: `fence()` then `result()`, so every thread's share of on
   floor   pause_inloop.py's floor: one long-lived thread copies the state into reused buffers and `write()`s
           one file (then an fsync), nothing else
   ours    CheckpointSaver with the default SaveConfig, overlapped staging (every tensor deferred), as
-          pause_inloop.py's ours_overlap
+          pause_inloop.py's ours_overlap (shard files written with O_DIRECT where the disk takes it)
+  ours_buffered  the same with `direct_io=False`: shard files written through the page cache, as before
+          issue 36's direct writes (`--methods floor,ours,ours_buffered` compares them in one run)
 
 Printed per method: the process's CPU seconds per save (user + sys, the kernel's page-cache copy and fsync
 included) and each thread's. Under py-spy (`--threads`, without `--native`: with it, py-spy 0.4 here also
@@ -44,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.format import checksum as checksum_format
 
-METHODS = ("floor", "ours")
+METHODS = ("floor", "ours", "ours_buffered")
 
 
 def _line(module: Any, text: str) -> str:
@@ -111,7 +113,7 @@ def run(method: str, saves: int, warmup: int, params_mib: float, layers: int, wo
 
         close = floor.close
     else:
-        saver = CheckpointSaver(directory, SaveConfig(overlap_staging=True))
+        saver = CheckpointSaver(directory, SaveConfig(overlap_staging=True, direct_io=method == "ours"))
         saver.guard(optimizer)
 
         def save(index: int) -> None:
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="Linear layers of the MLP")
     parser.add_argument("--saves", type=int, default=8, help="timed saves per method")
     parser.add_argument("--warmup", type=int, default=2, help="untimed saves first (staging allocation, page cache)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default="floor,ours", help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--workdir", default=None, help="where the saves go (default: a fresh temp dir)")
     parser.add_argument("--fold", default=None, help="a py-spy raw profile of this script: print it by phase")
     parser.add_argument("--rate", type=int, default=250, help="--fold: the profile's samples per second")

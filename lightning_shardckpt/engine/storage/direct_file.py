@@ -2,7 +2,8 @@
 
 Why: a buffered `write()` makes the kernel copy every byte into the page cache, allocate and account those pages,
 and later write them back on a kernel thread — measured here 0.20 CPU-s per 512 MiB on the writing thread, where
-the same bytes written with O_DIRECT from an aligned buffer cost 0.05 (benchmarks/direct_write.py). A checkpoint is
+the same bytes written with O_DIRECT from an aligned buffer cost 0.05 (`benchmarks/save_profile.py --methods
+floor,ours,ours_buffered` shows what it does to a whole save; docs/BENCHMARKS.md). A checkpoint is
 written once and read rarely, so the page cache buys it nothing, and the writeback's CPU comes out of training's
 cores too. DeepSpeed's FastPersist writes checkpoints the same way.
 
