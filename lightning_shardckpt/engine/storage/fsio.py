@@ -178,12 +178,17 @@ def abort_write(handle: Any) -> None:
 
 
 def sync_local_file(handle: Any) -> None:
-    """fsync a file object when it is a local file; object stores are durable on close."""
+    """fsync a file object when it is a local file; object stores are durable on close.
+
+    Only "this file has no descriptor" is passed over (an object store's file: AttributeError, or
+    io.UnsupportedOperation, a ValueError). A flush or fsync that fails (EIO, or ENOSPC a filesystem with delayed
+    allocation reports only now) raises: the file is not durable and its checkpoint must not commit."""
     try:
-        handle.flush()
-        os.fsync(handle.fileno())
-    except (AttributeError, OSError, ValueError):
-        pass
+        descriptor = handle.fileno()
+    except (AttributeError, ValueError):
+        return
+    handle.flush()
+    os.fsync(descriptor)
 
 
 def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
