@@ -6,9 +6,10 @@ own SIGTERM handler broadcasts from inside the signal handler, which pairs with 
 ranks run next: the job hung with no final save (issue 25, item 12). ShardedCheckpoint's handler only sets a
 flag; the ranks agree on it at the next batch end, save once (blocking) and stop.
 
-Every rank is started by the test as torchrun or SLURM would start it (tests/helpers/preemption_rank.py), so
-each process's exit status is its own. A run trains until the test has seen a committed checkpoint, then
-gets its signals.
+Every rank is a process of its own with the environment torchrun or SLURM gives it (tests/helpers/preemption_rank.py
+run as `python -m` would run it, forked from the tests' forkserver so that it does not import torch and Lightning
+again: tests.helpers.spawn.ForkedModule), so each process's exit status is its own. A run trains until the test
+has seen a committed checkpoint, then gets its signals.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import pytest
 from lightning_shardckpt import verify_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import free_port, launched_rank_env
+from tests.helpers.spawn import ForkedModule, free_port, launched_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_BOUND_S = 60  # generous: a final save of the tiny model takes well under a second
@@ -42,13 +42,16 @@ class Run:
         self.root = str(workdir / "ckpt")
         self.logs = [workdir / f"rank{rank}.log" for rank in range(world)]
         port = free_port()
-        self.procs: list[subprocess.Popen] = []
-        for rank in range(world):
-            pythonpath = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-            env = launched_rank_env(rank, world, port, PYTHONPATH=pythonpath)
-            command = [sys.executable, "-m", "tests.helpers.preemption_rank", self.root, *options]
-            with open(self.logs[rank], "w") as log:
-                self.procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        self.procs = [
+            ForkedModule(
+                "tests.helpers.preemption_rank",
+                [self.root, *options],
+                env=launched_rank_env(rank, world, port),
+                cwd=REPO,
+                log=self.logs[rank],
+            )
+            for rank in range(world)
+        ]
 
     def output(self, rank: int) -> str:
         return self.logs[rank].read_text()

@@ -2,8 +2,9 @@
 
     RANK=0 WORLD_SIZE=2 MASTER_PORT=... python -m tests.helpers.preemption_rank ROOT [--health] [--grace S]
 
-Started once per rank by tests/distributed/test_preemption_signals.py, as torchrun or SLURM would start it
-(torchelastic-style environment variables: Lightning uses the existing ranks and launches nothing). It trains
+Started once per rank by tests/distributed/test_preemption_signals.py with the environment torchrun or SLURM
+gives a rank (torchelastic-style variables: Lightning uses the existing ranks and launches nothing), forked from
+the tests' forkserver (tests.helpers.spawn.ForkedModule) rather than as a fresh interpreter. It trains
 far more steps than the test waits for, a little slowly, saving every few steps; the test signals it. When fit
 returns, it prints one line `RESULT {json}` (its step and the callback's view) and exits 0.
 """
