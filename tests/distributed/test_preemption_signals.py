@@ -8,7 +8,7 @@ flag; the ranks agree on it at the next batch end, save once (blocking) and stop
 
 Every rank is a process of its own with the environment torchrun or SLURM gives it (tests/helpers/preemption_rank.py
 run as `python -m` would run it, forked from the tests' forkserver so that it does not import torch and Lightning
-again: tests.helpers.spawn.ForkedModule), so each process's exit status is its own. A run trains until the test
+again: tests.helpers.spawn.ForkedMain), so each process's exit status is its own. A run trains until the test
 has seen a committed checkpoint, then gets its signals.
 """
 
@@ -26,7 +26,7 @@ import pytest
 from lightning_shardckpt import verify_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import ForkedModule, free_port, launched_rank_env
+from tests.helpers.spawn import ForkedMain, free_port, launched_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_BOUND_S = 60  # generous: a final save of the tiny model takes well under a second
@@ -43,9 +43,8 @@ class Run:
         self.logs = [workdir / f"rank{rank}.log" for rank in range(world)]
         port = free_port()
         self.procs = [
-            ForkedModule(
-                "tests.helpers.preemption_rank",
-                [self.root, *options],
+            ForkedMain(
+                ["-m", "tests.helpers.preemption_rank", self.root, *options],
                 env=launched_rank_env(rank, world, port),
                 cwd=REPO,
                 log=self.logs[rank],

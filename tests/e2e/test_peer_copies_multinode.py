@@ -1,4 +1,8 @@
-"""The main recipe as 2 torchrun "nodes" × 2 ranks with peer copies, node 0 lost mid-run, resumed three ways.
+"""The main recipe as 2 "nodes" × 2 ranks with peer copies, node 0 lost mid-run, resumed three ways.
+
+Every rank gets the environment torchrun gives it and is forked from the tests' forkserver (torch and Lightning
+imported once, not per rank: tests.helpers.recipe_nodes.start_forked_node); how torchrun itself starts a node
+is tests/e2e/test_tiers_multinode.py's to show.
 
 Each node's fast tier is its own directory (`.../node{node_rank}`), `tiers.fast.peers={factor:2,jump:2}` copies
 every rank's files to a rank of the other node, and S3 (the loopback server, behind a proxy that records every
@@ -20,20 +24,17 @@ position, and read not one byte of a checkpoint from S3.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.recipe_nodes import TRAIN, node_command, tiers_env
-from tests.helpers.spawn import free_port
+from tests.helpers.recipe_nodes import start_forked_node, tiers_env
+from tests.helpers.spawn import ForkedMain, free_port
 
 DATA_READ = r"/step-\d+-[0-9a-f]+/(__\d+_\d+\.distcp|\.metadata)"  # a checkpoint's bytes (not a listing's records)
 
@@ -55,42 +56,24 @@ def _overrides(tmp_path: Path, phase: str, run_name: str, peers: str = "{factor:
     ]
 
 
-def _torchrun(node: int, port: int, recipe_args: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:
-    command = node_command(node, port, *recipe_args)
-    with open(log, "w") as out:  # the child holds its own copy of the descriptor
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def _kill(ranks: list[ForkedMain]) -> None:
+    """SIGKILL a node's ranks at once (the node is lost) and reap them."""
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+    for rank in ranks:
+        rank.wait()
 
 
-def _descendants(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+def _wait(ranks: list[ForkedMain], timeout_s: float) -> list[int | None]:
+    """Exit statuses within `timeout_s` overall; None for a rank still running then."""
+    deadline, codes = time.monotonic() + timeout_s, []
+    for rank in ranks:
         try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and every rank it started (torchrun may start its workers in sessions of their own)."""
-    victims = [pid, *_descendants(pid)]
-    for victim in victims:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{v}").exists() and "zombie" not in _state(v) for v in victims[1:]):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
-    except (OSError, IndexError):
-        return "zombie"
+            codes.append(rank.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
 
 
 def _complete_on_node1(local: Path) -> list[str]:
@@ -112,7 +95,7 @@ class LostNode:
         port = free_port()
         args = ["trainer.max_steps=100000"]
         nodes = [
-            _torchrun(
+            start_forked_node(
                 n,
                 port,
                 [*args, *_overrides(self.tmp_path, f"node{n}", self.run_name)],
@@ -125,13 +108,12 @@ class LostNode:
         deadline = time.monotonic() + 300
         try:
             while not _complete_on_node1(self.local) and time.monotonic() < deadline:
-                if any(proc.poll() is not None for proc in nodes):
+                if any(rank.poll() is not None for node in nodes for rank in node):
                     break
                 time.sleep(0.2)
         finally:
-            for proc in nodes:  # node 0 lost: its processes die at once; the job dies with it
-                _kill_tree(proc.pid)
-                proc.wait()
+            for node in nodes:  # node 0 lost: its processes die at once; the job dies with it
+                _kill(node)
         complete = _complete_on_node1(self.local)
         assert complete, (self.tmp_path / "node0.log").read_text()[-6000:]
         shutil.rmtree(self.local / "node0")  # ... and its disk, with the original manifests
@@ -155,12 +137,16 @@ class LostNode:
         self.proxy.clear()
 
     def resume_on_one_node(self, phase: str, devices: int, to_step: int) -> str:
-        """The main recipe with `resume=latest` on one node of `devices` ranks; its output (it must exit 0)."""
-        command = [sys.executable, str(TRAIN), f"trainer.devices={devices}", f"trainer.max_steps={to_step}"]
-        command += ["resume=latest", *_overrides(self.tmp_path, phase, self.run_name)]
-        proc = subprocess.run(command, cwd=self.tmp_path, env=self.env, capture_output=True, text=True, timeout=400)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"({phase}) resume on {devices} ranks exited {proc.returncode}\n{out[-8000:]}"
+        """The main recipe with `resume=latest` on one node of `devices` ranks; its output (every rank must exit 0)."""
+        args = [f"trainer.max_steps={to_step}", "resume=latest", *_overrides(self.tmp_path, phase, self.run_name)]
+        log = self.tmp_path / f"{phase}.log"
+        ranks = start_forked_node(0, free_port(), args, self.tmp_path, self.env, log, nodes=1, per_node=devices)
+        try:
+            codes = _wait(ranks, 400)
+        finally:
+            _kill(ranks)
+        out = log.read_text()
+        assert codes == [0] * devices, f"({phase}) resume on {devices} ranks exited {codes}\n{out[-8000:]}"
         return out
 
     def s3_reads(self) -> list[str]:
@@ -201,7 +187,7 @@ def test_a_lost_node_resumes_from_peer_copies_on_any_world_without_s3_and_a_lost
     port = free_port()
     no_scan = "{factor:2,jump:2,scan_local_roots:false}"  # a replacement node does not see node 1's disk
     nodes = [
-        _torchrun(
+        start_forked_node(
             n,
             port,
             [*resume, *_overrides(lost.tmp_path, f"b{n}", lost.run_name, no_scan)],
@@ -212,12 +198,12 @@ def test_a_lost_node_resumes_from_peer_copies_on_any_world_without_s3_and_a_lost
         for n in (0, 1)
     ]
     try:
-        codes = [proc.wait(timeout=400) for proc in nodes]
+        codes = _wait([rank for node in nodes for rank in node], 400)
     finally:
-        for proc in nodes:
-            _kill_tree(proc.pid)
+        for node in nodes:
+            _kill(node)
     out = (lost.tmp_path / "b0.log").read_text()
-    assert codes == [0, 0], f"(b) exited {codes}\n{out[-6000:]}\n{(lost.tmp_path / 'b1.log').read_text()[-3000:]}"
+    assert codes == [0] * 4, f"(b) exited {codes}\n{out[-6000:]}\n{(lost.tmp_path / 'b1.log').read_text()[-3000:]}"
     line = _resume_line(out)
     assert line and line.groups()[1:] == (str(lost.step), "4", "4", "fast"), out[-4000:]
     assert f"resuming epoch 0 at global sample {lost.samples} of" in out

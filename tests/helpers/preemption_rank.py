@@ -4,7 +4,7 @@
 
 Started once per rank by tests/distributed/test_preemption_signals.py with the environment torchrun or SLURM
 gives a rank (torchelastic-style variables: Lightning uses the existing ranks and launches nothing), forked from
-the tests' forkserver (tests.helpers.spawn.ForkedModule) rather than as a fresh interpreter. It trains
+the tests' forkserver (tests.helpers.spawn.ForkedMain) rather than as a fresh interpreter. It trains
 far more steps than the test waits for, a little slowly, saving every few steps; the test signals it. When fit
 returns, it prints one line `RESULT {json}` (its step and the callback's view) and exits 0.
 """

@@ -1,5 +1,6 @@
 """The main recipe (recipes/train.py) as two torchrun "nodes" × 2 ranks on loopback with `tiers=local+s3`, as a
-cluster runs one torchrun per node: the environment every node's processes get and one node's command. Each node's
+cluster runs one torchrun per node: the environment every node's processes get and one node's command (or its
+ranks forked with torchrun's environment: `start_forked_node`). Each node's
 fast tier is its own directory under tmp_path/local (`.../node{node_rank}`), the durable tier the loopback S3
 server (or a proxy in front of it)."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+from tests.helpers.spawn import ForkedMain
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
@@ -45,4 +48,36 @@ def node_command(node: int, port: int, *recipe_args: str) -> list[str]:
         "trainer.num_nodes=2",
         "trainer.devices=2",
         *recipe_args,
+    ]
+
+
+def node_rank_env(env: dict[str, str], node: int, local_rank: int, port: int, nodes: int, per_node: int) -> dict:
+    """`env` plus what torchrun gives local rank `local_rank` of node `node` (of `nodes` × `per_node` ranks)."""
+    world, rank = nodes * per_node, node * per_node + local_rank
+    return dict(
+        env,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(node),
+        NODE_RANK=str(node),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(world),
+        TORCHELASTIC_RUN_ID=f"loopback-{port}",
+    )
+
+
+def start_forked_node(
+    node: int, port: int, recipe_args: list[str], cwd: Path, env: dict, log: Path, *, nodes: int = 2, per_node: int = 2
+) -> list[ForkedMain]:
+    """Node `node`'s ranks of the recipe with torchrun's environment, forked from the tests' forkserver (torch and
+    Lightning imported once, not per rank), every rank's output appended to `log` as torchrun's is. For a test of
+    what the ranks do across nodes; how torchrun itself starts and stops a node is tests/e2e/test_tiers_multinode.py's."""
+    log.write_text("")
+    argv = [str(TRAIN), f"trainer.num_nodes={nodes}", f"trainer.devices={per_node}", *recipe_args]
+    return [
+        ForkedMain(argv, node_rank_env(env, node, local, port, nodes, per_node), cwd, log) for local in range(per_node)
     ]

@@ -172,20 +172,26 @@ def run_ranks(
     return result
 
 
-def _module_as_main(module: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
-    """In the forked child: what `python -m module args` with `env` in `cwd`, output to `log`, would run."""
+def _python_main(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """In the forked child: what `python ARGV` (`-m module args` or `script.py args`) with `env` in `cwd` runs,
+    its output appended to `log`."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # append: a node's ranks share one log
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
-    sys.argv = [module, *args]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script.py` puts it first
+            runpy.run_path(argv[0], run_name="__main__")
     finally:
         # a fresh interpreter runs its atexit handlers on the way out; the forkserver's child ends in os._exit
         atexit._run_exitfuncs()
@@ -193,16 +199,19 @@ def _module_as_main(module: str, args: list[str], env: dict[str, str], cwd: str,
         sys.stderr.flush()
 
 
-class ForkedModule:
-    """The part of `subprocess.Popen` a test of a rank process uses (pid, poll, wait, kill, returncode), for a
-    process forked from the forkserver that runs a module as `python -m` would: torch, Lightning and the package
-    are already imported (a fresh interpreter spends ~4.5 CPU-s importing them; the forked one nothing), the
-    module itself runs from the top, as `__main__`, with the environment, working directory and output given.
-    Exit statuses read as Popen's: the status of `sys.exit`, 1 for an exception, -N for death by signal N."""
+class ForkedMain:
+    """`subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=log, stderr=log)` as far as a test of
+    rank processes uses it (pid, poll, wait, kill, returncode), for a process forked from the forkserver: torch,
+    Lightning and the package are already imported (a fresh interpreter spends ~4.5 CPU-s importing them, the
+    forked one nothing); the module or script runs from the top as `__main__`, with the environment, working
+    directory and output given (appended to `log`). Exit statuses read as Popen's: the status of `sys.exit`,
+    1 for an exception, -N for death by signal N. What it does not reproduce: the interpreter's finalization
+    (the forked child ends in os._exit after the atexit handlers), so a test of how a process exits, or of what
+    happens when it starts, runs a fresh interpreter instead."""
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike, log: os.PathLike):
-        self.args = [module, *args]
-        self._process = _ctx().Process(target=_module_as_main, args=(module, list(args), dict(env), str(cwd), str(log)))
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | os.PathLike, log: str | os.PathLike):
+        self.args = [sys.executable, *argv]
+        self._process = _ctx().Process(target=_python_main, args=(list(argv), dict(env), str(cwd), str(log)))
         self._process.start()
         self.pid = self._process.pid
 
