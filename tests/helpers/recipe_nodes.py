@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.helpers.spawn import ForkedMain
+from tests.helpers.spawn import ForkedMain, launched_rank_env
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
@@ -51,25 +51,6 @@ def node_command(node: int, port: int, *recipe_args: str) -> list[str]:
     ]
 
 
-def node_rank_env(env: dict[str, str], node: int, local_rank: int, port: int, nodes: int, per_node: int) -> dict:
-    """`env` plus what torchrun gives local rank `local_rank` of node `node` (of `nodes` × `per_node` ranks)."""
-    world, rank = nodes * per_node, node * per_node + local_rank
-    return dict(
-        env,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(per_node),
-        GROUP_RANK=str(node),
-        NODE_RANK=str(node),
-        ROLE_RANK=str(rank),
-        ROLE_WORLD_SIZE=str(world),
-        TORCHELASTIC_RUN_ID=f"loopback-{port}",
-    )
-
-
 def start_forked_node(
     node: int, port: int, recipe_args: list[str], cwd: Path, env: dict, log: Path, *, nodes: int = 2, per_node: int = 2
 ) -> list[ForkedMain]:
@@ -78,6 +59,10 @@ def start_forked_node(
     what the ranks do across nodes; how torchrun itself starts and stops a node is tests/e2e/test_tiers_multinode.py's."""
     log.write_text("")
     argv = [str(TRAIN), f"trainer.num_nodes={nodes}", f"trainer.devices={per_node}", *recipe_args]
+    ranks = range(node * per_node, (node + 1) * per_node)
     return [
-        ForkedMain(argv, node_rank_env(env, node, local, port, nodes, per_node), cwd, log) for local in range(per_node)
+        ForkedMain(
+            argv, launched_rank_env(rank, nodes * per_node, port, node=node, local_world=per_node, **env), cwd, log
+        )
+        for rank in ranks
     ]

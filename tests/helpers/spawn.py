@@ -58,25 +58,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launched_rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
-    """The environment torchrun (or SLURM through Lightning) gives rank `rank` of `world` on one node: a test
-    that starts each rank process itself sees each one's exit status and output (Lightning launches nothing)."""
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        WANDB_MODE="offline",
-        WANDB_SILENT="true",
-        PYTHONUNBUFFERED="1",
+def launched_rank_env(
+    rank: int, world: int, port: int, *, node: int = 0, local_world: int | None = None, **extra: str
+) -> dict[str, str]:
+    """The environment torchrun (or SLURM through Lightning) gives global rank `rank` of `world`, on node `node` of
+    `local_world` ranks each (default: one node of all `world`): a test that starts each rank process itself sees
+    each one's exit status and output (Lightning launches nothing). `extra` is laid over the defaults (a test's
+    own W&B mode, storage variables), never over the rank's placement."""
+    local_world = world if local_world is None else local_world
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(world),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        GROUP_RANK="0",
-        **extra,
+        LOCAL_RANK=str(rank - node * local_world),
+        LOCAL_WORLD_SIZE=str(local_world),
+        NODE_RANK=str(node),
+        GROUP_RANK=str(node),
     )
+    return env
 
 
 def _rank_main(fn, rank, world_size, port, args, queue, pg_timeout_s):
