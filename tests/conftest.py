@@ -196,3 +196,17 @@ def committed_checkpoint(tmp_path):
         return commit_checkpoint(root, step=step, state=state, format_version=format_version)
 
     return commit
+
+
+@pytest.fixture(scope="module")
+def drill_pool():
+    """One warm drill pool for a module's one-off drills (`run_drill(..., pool=drill_pool)`), as a run's DrillRunner or a
+    follower keeps one, instead of a pool started and stopped per drill (an interpreter importing torch, DCP and DTensor:
+    ~2.3 CPU-s each, 12 of them in test_restore_drill alone). Its ranks are forked per drill and never kept
+    (keep_bytes=0), so no drill sees a process or tensor of an earlier test; a test of the per-drill start itself (the
+    CLI's `shardckpt drill CKPT`, a cold `worker_pool` in the record) passes no pool."""
+    from lightning_shardckpt.policies.drills.pool import WarmPool
+
+    pool = WarmPool(keep_bytes=0)
+    yield pool
+    pool.close()

@@ -151,7 +151,7 @@ def test_a_sound_checkpoint_is_drilled_on_another_world_size_with_its_probe(tmp_
         ("perturb", "probe"),
     ],
 )
-def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage, cause):
+def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage, cause, drill_pool):
     root = tmp_path / "root"
     checkpoint = _save(root)
     shard = next(Path(checkpoint).glob("*.distcp"))
@@ -165,7 +165,7 @@ def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage,
         _rewrite_tensor(checkpoint, "model.layer.bias", lambda t: t.index_fill_(0, torch.tensor([3]), float("nan")))
     else:
         _rewrite_tensor(checkpoint, "model.layer.weight", lambda t: t.mul_(1.01))
-    record = run_drill(checkpoint, DrillOptions(probe=PROBE, world_size=1, timeout_s=120))
+    record = run_drill(checkpoint, DrillOptions(probe=PROBE, world_size=1, timeout_s=120), pool=drill_pool)
     assert record["verdict"] == "failed", record
     assert cause in record["cause"], record["cause"]
     assert _trust(root, checkpoint) == "drill-failed"
@@ -174,11 +174,13 @@ def test_a_damaged_checkpoint_ends_drill_failed_with_the_cause(tmp_path, damage,
 @pytest.mark.parametrize(
     "probe,timeout_s,cause", [("dies", 120, "killed by signal 9"), ("hangs", 10, "did not finish within timeout_s")]
 )
-def test_a_drill_process_that_dies_or_hangs_is_a_failed_drill_not_a_pass(tmp_path, probe, timeout_s, cause):
+def test_a_drill_process_that_dies_or_hangs_is_a_failed_drill_not_a_pass(tmp_path, probe, timeout_s, cause, drill_pool):
     root = tmp_path / "root"
     checkpoint = _save(root)
     record = run_drill(
-        checkpoint, DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=timeout_s)
+        checkpoint,
+        DrillOptions(probe=f"tests.helpers.drill_probes:{probe}", world_size=1, timeout_s=timeout_s),
+        pool=drill_pool,
     )
     assert record["verdict"] == "failed" and cause in record["cause"], record
     assert _trust(root, checkpoint) == "drill-failed"
@@ -196,18 +198,18 @@ def _save_on_ranks(rank, world_size, root):
     return result.path
 
 
-def test_a_checkpoint_written_on_two_ranks_is_drilled_on_one_and_on_two(tmp_path):
+def test_a_checkpoint_written_on_two_ranks_is_drilled_on_one_and_on_two(tmp_path, drill_pool):
     root = str(tmp_path / "root")
     checkpoint = run_ranks(_save_on_ranks, 2, root)[0].value
-    resharded = run_drill(checkpoint, DrillOptions(timeout_s=120))
-    same_size = run_drill(checkpoint, DrillOptions(world_size=2, timeout_s=120))
+    resharded = run_drill(checkpoint, DrillOptions(timeout_s=120), pool=drill_pool)
+    same_size = run_drill(checkpoint, DrillOptions(world_size=2, timeout_s=120), pool=drill_pool)
     assert (resharded["verdict"], resharded["world_size"]) == ("passed", 1), resharded
     assert (same_size["verdict"], same_size["world_size"]) == ("passed", 2), same_size
     names = drill_records.list_record_names(resolve(root))[Path(checkpoint).name]
     assert [n.verdict for n in names] == ["passed", "passed"]
 
 
-def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_it(tmp_path):
+def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_it(tmp_path, drill_pool):
     from lightning_shardckpt.engine import catalog
     from lightning_shardckpt.policies import retention
 
@@ -215,7 +217,7 @@ def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_i
     saver = CheckpointSaver(str(root), SaveConfig(async_save=False))
     paths = [saver.save({"model": _model_state(seed=step)}, step=step).result(60).path for step in (1, 2, 3)]
     saver.close()
-    assert run_drill(paths[0], DrillOptions(world_size=1, timeout_s=120))["verdict"] == "passed"
+    assert run_drill(paths[0], DrillOptions(world_size=1, timeout_s=120), pool=drill_pool)["verdict"] == "passed"
     location = resolve(str(root))
     deleted = retention.apply(location, keep_last=1, keep_every_n_steps=None)
     assert deleted == [Path(paths[1]).name]  # step 2 goes; step 1 is the last known-good, step 3 the newest
@@ -227,7 +229,7 @@ def test_retention_keeps_the_last_drilled_checkpoint_when_keep_last_would_drop_i
     assert drill_records.list_record_names(location) == {}
 
 
-def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_a_drill(tmp_path):
+def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_a_drill(tmp_path, drill_pool):
     model = _model_state()
     model["layer.bias"][5] = float("nan")  # training really produced it: the checkpoint holds what was there
     saver = CheckpointSaver(str(tmp_path / "root"), SaveConfig(async_save=False))
@@ -241,7 +243,7 @@ def test_finite_flags_are_recorded_at_save_and_nan_that_was_saved_does_not_fail_
         "model.layer.weight": True,
         "model.steps": None,
     }
-    record = run_drill(path, DrillOptions(world_size=1, timeout_s=120))
+    record = run_drill(path, DrillOptions(world_size=1, timeout_s=120), pool=drill_pool)
     assert record["verdict"] == "passed", json.dumps(record, indent=1, default=str)  # with the ranks' log tails
     assert record["checks"]["nonfinite"] == ["model.layer.bias"]
 
