@@ -8,11 +8,13 @@ run's health rule on the follower's lag fires while no follower runs and resolve
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.format.layout import DRILLS_DIR
 from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.policies.drills import scratch
 from tests.helpers.health_rules import static_rule
 from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.spawn import run_ranks
@@ -99,6 +102,18 @@ def lease_held_by(root: Path, pid: int) -> str | None:
     return None
 
 
+def scratch_of(pid: int) -> list[str]:
+    """The drill scratch directories of the follower with this pid (policies/drills/scratch.py names them so)."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"{scratch.PREFIX}{pid}-*"))
+
+
+def day_old(directory: Path) -> None:
+    """Set back the times of the directory and its files by two days: as if the host had run on since the kill."""
+    then = time.time() - 2 * 24 * 3600
+    for entry in (*directory.iterdir(), directory):
+        os.utime(entry, (then, then))
+
+
 def following(log: Path) -> bool:
     return "drill workers warm" in log.read_text()
 
@@ -120,10 +135,16 @@ def followed_run(tmp_path_factory):
 
     training = threading.Thread(target=train)
     training.start()
-    killed_in = wait_for(lambda: lease_held_by(root, first.pid), 120, "follower A in the middle of a drill")
+    # in the middle of a drill: holding a lease, with the drill's scratch directory made
+    killed_in = wait_for(
+        lambda: scratch_of(first.pid) and lease_held_by(root, first.pid), 120, "follower A in the middle of a drill"
+    )
     first.send_signal(signal.SIGKILL)  # mid-drill: its warm pool and drill rank die with it
     second.send_signal(signal.SIGSTOP)  # and B stalls: no follower drills, the run's lag rule fires
     first.wait(10)
+    orphaned = scratch_of(first.pid)  # A could not remove it; a day later, the next drill on the host does
+    for path in orphaned:
+        day_old(Path(path))
     restarted = start_follower(str(root), workdir / "a2.log")
     # B resumes once the restarted follower holds a lease of its own, not after a fixed 4 s: on a loaded machine
     # (a parallel suite) A's restart needed longer than that to warm up, B then drilled everything and the
@@ -135,7 +156,17 @@ def followed_run(tmp_path_factory):
         follower.send_signal(signal.SIGTERM)  # how Kubernetes stops one: it ends cleanly
     stopped = [follower.wait(60) for follower in (second, restarted)]
     logs = {name: (workdir / f"{name}.log").read_text() for name in ("a", "b", "a2")}
-    return {"root": root, "killed": first, "killed_in": killed_in, "logs": logs, "trained": trained, "stopped": stopped}
+    left = [path for path in orphaned if os.path.exists(path)]
+    return {
+        "root": root,
+        "killed": first,
+        "killed_in": killed_in,
+        "logs": logs,
+        "trained": trained,
+        "stopped": stopped,
+        "orphaned": orphaned,
+        "orphans_left": left,
+    }
 
 
 def _records(root: Path) -> list[dict[str, Any]]:
@@ -171,6 +202,11 @@ def test_a_killed_followers_drill_dies_with_it_and_its_restart_picks_up_from_the
     assert not {r["checkpoint"] for r in restarted_drills} & {
         r["checkpoint"] for r in records if r["finished_at"] < restarted_drills[0]["started_at"]
     }  # nothing drilled before it started is drilled again
+
+
+def test_the_scratch_a_killed_follower_left_is_removed_by_a_later_drill_once_a_day_old(followed_run):
+    assert len(followed_run["orphaned"]) == 1, followed_run["orphaned"]  # SIGKILL: no clean-up ran
+    assert followed_run["orphans_left"] == [], followed_run["logs"]["a2"]  # the restarted follower's drills removed it
 
 
 def test_two_followers_on_one_root_never_drill_one_checkpoint_twice(followed_run):

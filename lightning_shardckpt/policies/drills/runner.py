@@ -22,7 +22,6 @@ import os
 import queue
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from ...engine.validate import require_number
 from ...errors import ConfigError, SignatureRefused, StorageUnavailable
 from . import trust as drill_trust
 from .pool import KEEP_BYTES, PoolFailed, WarmPool, destination_bytes
+from .scratch import scratch_directory
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def _run_ranks(
 ) -> dict[str, Any]:
     """Fork the drill ranks from the warm pool, wait at most timeout_s, and turn what happened into verdict +
     details."""
-    with tempfile.TemporaryDirectory(prefix="shardckpt-drill-") as scratch:
+    with scratch_directory() as scratch:
         out = os.path.join(scratch, "outcome.json")
         try:
             pool_start_s = pool.ensure_started()  # before the clock: time to resume measures the restore
