@@ -87,8 +87,14 @@ def kind(record: dict) -> str:
 
 
 def forked(record: dict) -> bool:
-    orig = " ".join(record["orig_argv"])
-    return "multiprocessing.forkserver" in orig or ("pytest" in orig and "exec(eval" not in orig)
+    """Forked from a forkserver, an xdist worker or a `python -m pytest` process: its orig_argv is its parent's."""
+    orig, argv = record["orig_argv"], record["argv"]
+    xdist_worker = "exec(eval(sys.stdin.readline()))" in " ".join(orig)
+    return (
+        "multiprocessing.forkserver" in " ".join(orig)
+        or (xdist_worker and argv != ["-c"])
+        or orig[1:3] == ["-m", "pytest"]
+    )
 
 
 def owner(record: dict) -> str:
