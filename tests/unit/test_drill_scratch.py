@@ -63,3 +63,15 @@ def test_a_log_written_within_the_day_keeps_an_old_directory(temp_dir):
     kept = left_scratch(temp_dir, killed_pid(), age_s=2 * DAY_S)
     (kept / "rank0.log").write_text("still loading\n")  # the newest file counts, not the directory's own time
     assert scratch.remove_orphans() == [] and kept.exists()
+
+
+def test_a_link_planted_under_a_scratch_name_is_never_followed_into_what_it_points_at(temp_dir, tmp_path_factory):
+    precious = tmp_path_factory.mktemp("precious")
+    (precious / "weights.bin").write_bytes(b"keep me")
+    planted = temp_dir / f"{scratch.PREFIX}{killed_pid()}-planted"
+    planted.symlink_to(precious, target_is_directory=True)
+    then = time.time() - 2 * DAY_S
+    os.utime(precious / "weights.bin", (then, then))
+    os.utime(precious, (then, then))  # through the link: the name looks like a day-old orphan of a dead starter
+    scratch.remove_orphans()
+    assert (precious / "weights.bin").read_bytes() == b"keep me"

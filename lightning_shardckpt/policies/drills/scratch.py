@@ -40,7 +40,7 @@ def remove_orphans(now: float | None = None) -> list[str]:
         pid = os.path.basename(path)[len(PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or _alive(int(pid)) or now - _last_touched(path) < ORPHAN_AGE_S:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # refuses a symlink: a link planted under our name leads nowhere
         if not os.path.exists(path):
             removed.append(path)
     return removed
