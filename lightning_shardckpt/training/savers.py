@@ -99,9 +99,11 @@ class SaverHost:
         return self._group
 
     def saver_for(self, root: str) -> CheckpointSaver:
-        """The saver of `root`, created on first use (collective: every rank at the same point)."""
+        """The saver of `root`, created on first use (collective: every rank at the same point), once the savers of
+        other roots finished what they have in flight (`_one_thread_on_the_group`)."""
         if root not in self._savers:
             self._savers[root] = self.new_saver(root)
+        self._one_thread_on_the_group(root)
         return self._savers[root]
 
     def existing_saver(self, root: str) -> CheckpointSaver | None:
@@ -122,6 +124,7 @@ class SaverHost:
     def new_saver(self, root: str, config: SaveConfig | None = None) -> CheckpointSaver:
         """A saver of `root` the host does not keep (a blocking save to an explicit path); collective. Without a
         run id yet, the first saver's generated one becomes this run's, so every later root records the same."""
+        self._one_thread_on_the_group(root)  # the constructor's "root-owner" broadcast runs on the group
         saver = CheckpointSaver(root, config or self._config, group=self.checkpoint_group(), fault_hook=self.fault_hook)
         if self._config.run_id is None:
             self._config = replace(self._config, run_id=saver.run_id)
@@ -190,6 +193,18 @@ class SaverHost:
             if not self._outlived:
                 self._group, self._group_made = None, False
         return not self._outlived
+
+    def _one_thread_on_the_group(self, root: str) -> None:
+        """Block until the savers of roots other than `root` finished their saves (fenced, then committed or
+        failed). Every saver of this host runs its collectives on the one checkpoint group, each from its own
+        thread (or, for a new saver's "root-owner" check, the training thread); two threads' collectives on one
+        group pair up in different orders on different ranks and hang (Fabric's save to `step-N/` then at once to
+        `final/`). So a save to another root, or a new saver, first lets the group fall quiet: the previous root's
+        commit comes first, as docs/howto/fabric.md promises."""
+        for other_root, saver in self._savers.items():
+            if other_root != root:
+                saver.fence()
+                saver.wait()
 
     def _close_all(self, savers: list[CheckpointSaver]) -> None:
         errors = []

@@ -12,34 +12,8 @@ from torch.distributed.tensor import DTensor
 from lightning_shardckpt import ShardedFabricStrategy
 from tests.helpers.fabric_ranks import full_state
 from tests.helpers.lightning_run import lightning_env
+from tests.helpers.litgpt_shaped import LitGPTShaped
 from tests.helpers.spawn import run_ranks, values
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn, self.mlp = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(torch.relu(self.attn(x)))
-
-
-class LitGPTShaped(torch.nn.Module):
-    """LitGPT's layout: the blocks live in a ModuleList inside a ModuleDict, neither with a forward of its own."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.lm_head = torch.nn.Linear(8, 16)
-        self.transformer = torch.nn.ModuleDict(
-            dict(wte=torch.nn.Embedding(16, 8), h=torch.nn.ModuleList([Block(), Block()]), ln_f=torch.nn.LayerNorm(8))
-        )
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.transformer.wte(idx)
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
 
 
 def train_save_load(rank: int, world_size: int, root: str) -> dict:
