@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from .collectives import may_be_coordinator
 from .validate import did_you_mean, require_number, typed_options
 
 VerifyMode = Literal["off", "sample", "full"]
@@ -49,7 +50,9 @@ class SignConfig:
     """Where the coordinator's Ed25519 signing key comes from (docs/howto/signing.md). One source, or none: off.
 
     Only a reference to the key is configured (a path, an environment variable's name, a callable): the key itself
-    never enters a manifest, a config dump or a logger. Signing also records each file's SHA-256.
+    never enters a manifest, a config dump or a logger. Signing also records each file's SHA-256. A key_path or
+    key_env is loaded once when the config is built, on the process that can be rank 0: a missing file, a public
+    key or a key that is not Ed25519 is refused before training, not at each commit in the background.
     """
 
     key_path: str | None = None  # a PEM private key file, read by rank 0 at each commit
@@ -75,6 +78,10 @@ class SignConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"save.sign.{name}={value!r} must be a non-empty string, or null")
+        if may_be_coordinator():  # only rank 0 signs, and only its node need hold the key
+            from .format import signing  # `cryptography` is imported only where signing is on
+
+            signing.check_key_source(self.key_path, self.key_env)
 
     @property
     def enabled(self) -> bool:
