@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import os
 import pkgutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from lightning_shardckpt.errors import ConfigError
 from lightning_shardckpt.lightning.fabric.strategy import ShardedFabricDDPStrategy
 from tests.helpers.checkpoints import fresh_state, save_checkpoint
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+REPO = Path(__file__).resolve().parents[2]
+CONF = REPO / "conf"
 STRINGS = ["false", "0", "1"]  # what a quoted YAML value or an environment variable holds
 
 # dataclasses that validate themselves but are not options a user writes (their values come from the code)
@@ -205,3 +207,21 @@ def test_hydra_booleans_and_numbers_unquoted_still_build_the_callback(compose_ch
         "checkpoint.trust_checkpoint=false", "checkpoint.save.async_save=false", "checkpoint.keep_last=2"
     )
     assert callback.load_options.trust_checkpoint is False and callback.save_options.async_save is False
+
+
+@pytest.mark.slow  # starts recipes/train.py
+def test_the_training_recipe_refuses_a_quoted_trust_checkpoint_before_training(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(REPO))
+    command = [
+        sys.executable,
+        str(REPO / "recipes" / "train.py"),
+        "checkpoint.trust_checkpoint='false'",  # what a quoted YAML value or an environment variable gives
+        f"storage.root={tmp_path / 'runs'}",
+        "trainer.devices=1",
+        "trainer.max_steps=2",
+        "checkpoint.every_n_train_steps=1",
+    ]
+    job = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert job.returncode == 2, (job.stdout[-2000:], job.stderr[-2000:])
+    assert "LoadConfig.trust_checkpoint='false' must be true or false" in job.stderr, job.stderr[-2000:]
+    assert not list((tmp_path / "runs").glob("*/step-*")), "a checkpoint was written: training ran"
