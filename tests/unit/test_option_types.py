@@ -225,3 +225,27 @@ def test_the_training_recipe_refuses_a_quoted_trust_checkpoint_before_training(t
     assert job.returncode == 2, (job.stdout[-2000:], job.stderr[-2000:])
     assert "LoadConfig.trust_checkpoint='false' must be true or false" in job.stderr, job.stderr[-2000:]
     assert not list((tmp_path / "runs").glob("*/step-*")), "a checkpoint was written: training ran"
+
+
+@pytest.mark.slow  # starts recipes/drill.py
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("follow='false'", "follow='false' must be true or false"),  # the recipe's own flag: it starts the service
+        ("trust_checkpoint='false'", "drill.trust_checkpoint='false' must be true or false"),
+    ],
+)
+def test_the_drill_recipe_refuses_a_quoted_boolean(tmp_path, override, named):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="1")
+    command = [
+        sys.executable,
+        str(REPO / "recipes" / "drill.py"),
+        override,
+        f"root={tmp_path / 'root'}",
+        "which=0",
+        "interval_s=0.2",
+        "exit_when_idle_s=0.5",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
+    job = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert job.returncode != 0 and named in job.stderr, (job.returncode, job.stdout[-1500:], job.stderr[-1500:])
