@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 @hydra.main(config_path="../conf", config_name="drill", version_base="1.3")
 def main(cfg: DictConfig) -> int:
+    from lightning_shardckpt.engine.validate import require_bool
     from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
     from lightning_shardckpt.policies.drills.trust import spec_of
 
@@ -39,7 +40,7 @@ def main(cfg: DictConfig) -> int:
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
         public_keys=tuple(cfg.get("public_keys") or ()),
     )
-    if cfg.follow:
+    if require_bool("follow", cfg.follow):  # a quoted "false" is truthy: it would start the service
         from lightning_shardckpt.policies.drills.follower import DrillFollower
 
         follower = DrillFollower(

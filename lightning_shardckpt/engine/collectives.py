@@ -9,6 +9,7 @@ on it: a dead rank makes the others fail after the timeout instead of hanging.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,15 @@ def rank_and_world(group: Any = None) -> tuple[int, int]:
     if not is_distributed():
         return 0, 1
     return _dist().get_rank(group), _dist().get_world_size(group)
+
+
+def may_be_coordinator() -> bool:
+    """Whether this process can be rank 0, also before the process group exists (a door is built first): torchrun
+    sets RANK, launchers set NODE_RANK / GROUP_RANK and LOCAL_RANK. A lone process is its own coordinator."""
+    if is_distributed():
+        return rank_and_world()[0] == 0
+    names = ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK")
+    return all(os.environ.get(name, "0").strip() in ("", "0") for name in names)
 
 
 def new_checkpoint_group(timeout_s: float) -> Any:

@@ -1,7 +1,8 @@
 """Typed, validated engine options shared by Python callers and Hydra (`conf/` mirrors these fields).
 
-Every dataclass is frozen and keyword-only; `__post_init__` rejects a value that cannot work with
-a message naming the option, the rule and the fix, before any training starts.
+Every dataclass is frozen and keyword-only; `@typed_options` refuses a bool/int/float field of the wrong type (a
+string `"false"` is truthy), then `__post_init__` rejects a value that cannot work with a message naming the option,
+the rule and the fix, before any training starts.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
-from .validate import did_you_mean, require_number
+from .collectives import may_be_coordinator
+from .validate import did_you_mean, require_number, typed_options
 
 VerifyMode = Literal["off", "sample", "full"]
 WhenBusy = Literal["wait", "skip"]
@@ -22,6 +24,7 @@ FRONT_DOORS = (ENGINE, CHECKPOINTER, LIGHTNING, FABRIC)
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("verify")
 class VerifyConfig:
     """What each rank reads back before its checkpoint may commit."""
 
@@ -42,11 +45,14 @@ WRITERS = ("thread",)  # SaveConfig.writer
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("save.sign")
 class SignConfig:
     """Where the coordinator's Ed25519 signing key comes from (docs/howto/signing.md). One source, or none: off.
 
     Only a reference to the key is configured (a path, an environment variable's name, a callable): the key itself
-    never enters a manifest, a config dump or a logger. Signing also records each file's SHA-256.
+    never enters a manifest, a config dump or a logger. Signing also records each file's SHA-256. A key_path or
+    key_env is loaded once when the config is built, on the process that can be rank 0: a missing file, a public
+    key or a key that is not Ed25519 is refused before training, not at each commit in the background.
     """
 
     key_path: str | None = None  # a PEM private key file, read by rank 0 at each commit
@@ -72,6 +78,10 @@ class SignConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"save.sign.{name}={value!r} must be a non-empty string, or null")
+        if may_be_coordinator():  # only rank 0 signs, and only its node need hold the key
+            from .format import signing  # `cryptography` is imported only where signing is on
+
+            signing.check_key_source(self.key_path, self.key_env)
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +93,7 @@ class SignConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class SaveConfig:
     """How the engine writes and commits one checkpoint."""
 
@@ -156,10 +167,6 @@ class SaveConfig:
             above=0,
             hint="seconds; it bounds how long ranks wait for a dead peer",
         )
-        if not isinstance(self.overlap_staging, bool):
-            raise ConfigError(
-                f"overlap_staging={self.overlap_staging!r} must be true or false; true hides the staging copy behind the next step"
-            )
         if self.writer == "process":
             raise ConfigError(
                 "writer='process' was removed: a writer process per rank measured no better loop time than the "
@@ -171,8 +178,6 @@ class SaveConfig:
             raise ConfigError(
                 f"writer={self.writer!r} is unknown; use 'thread' (write on the saver's background thread)"
             )
-        if not isinstance(self.incremental, bool):
-            raise ConfigError(f"incremental={self.incremental!r} must be true or false")
         if self.incremental and self.node_local:
             raise ConfigError(
                 "incremental=true with node_local=true is not supported yet (references would have to be "
@@ -212,6 +217,7 @@ DEFAULT_READ_AHEAD_BYTES = 256 * 2**20  # per rank, chunks read but not yet plac
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class LoadConfig:
     """How the engine reads a checkpoint back."""
 
@@ -232,8 +238,6 @@ class LoadConfig:
     public_keys: tuple[str, ...] = ()  # PEM public key files accepted (several: key rotation)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.require_signature, bool):
-            raise ConfigError(f"require_signature={self.require_signature!r} must be true or false")
         # a list from Hydra or a single path: kept as a tuple, so the frozen config stays hashable
         keys = (self.public_keys,) if isinstance(self.public_keys, str) else tuple(self.public_keys or ())
         object.__setattr__(self, "public_keys", keys)

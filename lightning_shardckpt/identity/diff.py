@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ..engine.collectives import rank_and_world
 from ..engine.format.manifest import IDENTITY_BLOCKS as BLOCKS
+from ..engine.validate import typed_options
 from ..errors import ConfigError, IncompatibleCheckpoint
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ _FIXES = {
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("identity_policy")
 class IdentityPolicy:
     """What a difference in each identity block does on load: "error" (refuse), "warn" (log) or "ignore"."""
 

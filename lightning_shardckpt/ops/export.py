@@ -29,6 +29,7 @@ from ..engine import catalog
 from ..engine.format.layout import LATEST, join
 from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
 from ..engine.storage import fsio
+from ..engine.validate import typed_options
 from ..errors import ConfigError
 from . import export_signing, export_target
 from .choices import EXPORT_DTYPES, SAFETENSORS
@@ -55,6 +56,7 @@ TEMP_SUFFIX = ".partial-{token}"  # OUT + this while being written
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class ExportOptions:
     """What to export and how. `max_shard_size` (bytes, safetensors only) turns OUT into a directory of shards."""
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.validate import require_keep_last, require_number
+from ..engine.validate import require_keep_last, require_number, typed_options
 from .preemption import DEFAULT_GRACE_S
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class CallbackConfig:
     """When ShardedCheckpoint saves and what it keeps."""
 

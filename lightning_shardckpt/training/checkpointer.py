@@ -27,6 +27,7 @@ from ..engine.config import CHECKPOINTER, LoadConfig, save_config_from
 from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
+from ..engine.validate import require_bool, require_type
 from ..errors import IncompatibleCheckpoint
 from ..policies.plugin import Plugin
 from . import console, user_state
@@ -91,7 +92,10 @@ class Checkpointer:
             keep_every_n_steps=keep_every_n_steps,
             resume_required=resume_required,
         )
-        self.max_steps, self.sampler, self.restore_rng = max_steps, sampler, restore_rng
+        # the door's own flags, outside the option dataclasses (which check theirs): a string "false" is truthy
+        require_type("Checkpointer.max_steps", max_steps, int | None)
+        self.max_steps, self.sampler = max_steps, sampler
+        self.restore_rng = require_bool("Checkpointer.restore_rng", restore_rng)
         plugins, plan = door_plan(
             root,
             self.options,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
-from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
+from lightning_shardckpt import Checkpointer, CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine.config import SignConfig, save_config_from
 from lightning_shardckpt.engine.format import signing
 from lightning_shardckpt.engine.format.layout import shard_filename
@@ -214,13 +214,55 @@ def test_sign_options_are_checked_before_any_save(tmp_path):
         LoadConfig(require_signature=True)
 
 
-def test_a_missing_key_fails_the_commit_naming_the_option(tmp_path):
-    config = SaveConfig(async_save=False, write_events=False, sign=SignConfig(key_path=str(tmp_path / "none.pem")))
+def test_a_key_removed_after_the_start_fails_the_commit_naming_the_option(tmp_path):
+    # a key missing when the options are built is refused then (the test below); one that vanishes during the
+    # run still fails its commit, named: each commit loads the key again
+    private, _, _ = make_key(tmp_path, "none")
+    config = SaveConfig(async_save=False, write_events=False, sign=SignConfig(key_path=private))
+    os.remove(private)
     saver = CheckpointSaver(str(tmp_path / "root"), config)
     result = saver.save(fresh_state(seed=1), step=1).result(timeout=60)
     saver.close()
     assert not result.committed
     assert re.search(r"save.sign.key_path=.*none.pem.* cannot be read", str(result.error))
+
+
+def _bad_keys(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """key_path -> what the refusal says, for each key a run cannot sign with."""
+    _, public, _ = make_key(tmp_path, "writer")
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    rsa_path = tmp_path / "rsa.pem"
+    rsa_path.write_bytes(
+        rsa_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return {
+        "missing": (str(tmp_path / "none.pem"), "cannot be read"),
+        "public": (public, "holds a public key"),
+        "rsa": (str(rsa_path), "holds a RSAPrivateKey; checkpoints are signed with Ed25519 keys only"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["missing", "public", "rsa"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda root, key: SignConfig(key_path=key), id="SignConfig"),
+        pytest.param(lambda root, key: save_config_from({"sign": {"key_path": key}}), id="SaveConfig"),
+        pytest.param(lambda root, key: Checkpointer(root, save={"sign": {"key_path": key}}), id="Checkpointer"),
+    ],
+)
+def test_a_signing_key_that_cannot_sign_is_refused_when_the_door_is_built(tmp_path, kind, build):
+    key_path, problem = _bad_keys(tmp_path)[kind]
+    root = tmp_path / "root"
+    with pytest.raises(ConfigError) as refused:
+        build(str(root), key_path)
+    message = str(refused.value)
+    assert f"save.sign.key_path={key_path!r} {problem}" in message, message
+    assert "openssl genpkey -algorithm ed25519" in message and "docs/howto/signing.md" in message
+    assert "PRIVATE KEY" not in message and "PUBLIC KEY" not in message  # never the key's text
+    assert not root.exists()  # refused before any save
 
 
 def test_format_md_signature_vector_verifies_and_is_what_this_code_signs():

@@ -44,6 +44,8 @@ from .layout import MANIFEST, join
 SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
 ALGORITHM = "ed25519"
 SIGNATURE_MAX_BYTES = 4096
+# how an operator makes a signing key, for every message that refuses one (docs/howto/signing.md, step 1)
+MAKE_KEY = "make one with `openssl genpkey -algorithm ed25519 -out signing.pem` (docs/howto/signing.md, step 1)"
 
 
 def key_id(public_raw: bytes) -> str:
@@ -87,16 +89,38 @@ def signer_from_private_key(private_key: Any, source: str) -> Signer:
 
 def load_private_key(pem: bytes, source: str) -> Any:
     serialization, ed25519 = _crypto()
+    # the messages name the source and the key's kind, never its bytes (a key must not reach a log)
     try:
         key = serialization.load_pem_private_key(pem, password=None)
     except (ValueError, TypeError) as err:
-        raise ConfigError(
-            f"{source} is not an unencrypted PEM private key ({err}); create one with the commands in "
-            "docs/howto/signing.md"
-        ) from None
+        if _is_public_key(pem):
+            raise ConfigError(
+                f"{source} holds a public key; signing needs the private key (the .pem beside it, its .pub goes to "
+                f"the readers' public_keys), or {MAKE_KEY}"
+            ) from None
+        raise ConfigError(f"{source} is not an unencrypted PEM private key ({err}); {MAKE_KEY}") from None
     if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise ConfigError(f"{source} holds a {type(key).__name__}; checkpoints are signed with Ed25519 keys only")
+        raise ConfigError(
+            f"{source} holds a {type(key).__name__}; checkpoints are signed with Ed25519 keys only: {MAKE_KEY}"
+        )
     return key
+
+
+def _is_public_key(pem: bytes) -> bool:
+    serialization, _ = _crypto()
+    try:
+        serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def check_key_source(key_path: str | None, key_env: str | None) -> None:
+    """Load SignConfig's private key once, when the options are built: a missing file, a public key or a key that
+    is not Ed25519 is a ConfigError before training, where at a commit it only fails that save in the background
+    (each commit loads the key again, so a rotated file is picked up). A `signer` callable is checked at its call."""
+    if key_path is not None or key_env is not None:
+        load_signer(key_path, key_env, None)
 
 
 def load_signer(key_path: str | None, key_env: str | None, signer: Any) -> Signer:
@@ -112,7 +136,8 @@ def load_signer(key_path: str | None, key_env: str | None, signer: Any) -> Signe
                 pem = handle.read()
         except OSError as err:
             raise ConfigError(
-                f"save.sign.key_path={key_path!r} cannot be read ({err}); give the PEM key's path"
+                f"save.sign.key_path={key_path!r} cannot be read ({err}); give the PEM private key's path, or "
+                f"{MAKE_KEY}"
             ) from None
         return signer_from_private_key(
             load_private_key(pem, f"save.sign.key_path={key_path!r}"), f"key_path {key_path}"

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..validate import require_number
+from ..validate import require_number, typed_options
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryE
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("retry")
 class RetryPolicy:
     """How often and how patiently a whole storage operation is retried."""
 

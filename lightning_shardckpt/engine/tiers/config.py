@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import ConfigError
-from ..validate import did_you_mean, require_keep_last, require_number
+from ..validate import did_you_mean, require_keep_last, require_number, typed_options
 
 NODE_RANK = "{node_rank}"
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class PeersConfig:
     """Fast tier only: each rank's committed files are also copied to `factor - 1` peer ranks' node-local roots.
 
@@ -49,6 +50,7 @@ class PeersConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class TierConfig:
     """One tier: where it lives, how often it receives a checkpoint, what it keeps."""
 
@@ -106,6 +108,7 @@ class TierConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options()
 class TiersConfig:
     """The fast tier, the optional durable tier, and how replication between them behaves."""
 

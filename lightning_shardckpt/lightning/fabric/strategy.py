@@ -41,6 +41,7 @@ from ...engine.format import safe_pickle
 from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
+from ...engine.validate import require_bool
 from ...errors import IncompatibleCheckpoint
 from ...policies.plan import CheckpointPlan, Placement
 from ...policies.plugin import Plugin
@@ -113,7 +114,7 @@ class ShardedFabricStrategy:
         )
         self.root = tiered_dirpath(root, tiers_config, self._save_options) if root or tiers_config else None
         self.step_key = step_key
-        self.restore_rng = restore_rng
+        self.restore_rng = require_bool("ShardedFabricStrategy.restore_rng", restore_rng)  # "false" is truthy
         self.last_save: PendingSave | None = None
         self.last_load: LoadResult | None = None
         self.not_restored: tuple[str, ...] = ()  # after a load: what the checkpoint did not give back

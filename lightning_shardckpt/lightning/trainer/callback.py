@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from ...engine.config import LoadConfig, SaveConfig, save_config_from
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.tiers.config import TiersConfig
+from ...engine.validate import require_bool
 from ...identity.diff import IdentityPolicy
 from ...policies.drills.plugin import DrillConfig, drill_config_from
 from ...policies.health.rules import HealthConfig, health_config_from
@@ -110,7 +111,9 @@ class ShardedCheckpoint(Checkpoint):
             require_signature=require_signature,
             public_keys=tuple(public_keys or ()),
         )
-        self.log_metrics, self.log_artifact = log_metrics, log_artifact
+        # the door's own flags, outside the option dataclasses (which check theirs): a string "false" is truthy
+        self.log_metrics = require_bool("ShardedCheckpoint.log_metrics", log_metrics)
+        self.log_artifact = require_bool("ShardedCheckpoint.log_artifact", log_artifact)
         self.identity = RunIdentity(run_config, dataset_version, identity_policy)  # validated now
         # kept across fits (the loop is rebuilt at each set-up): the last saved step and the run's id
         self.schedule, self.run_ids = SaveSchedule(self.options), RunIds(self.save_options.run_id)

@@ -24,7 +24,7 @@ from ...engine import metrics
 from ...engine.format.drill_records import DRILLED, FAILED, NOT_DRILLED, PASSED
 from ...engine.metrics import CheckpointRecord
 from ...engine.storage.fsio import Location
-from ...engine.validate import require_number
+from ...engine.validate import require_number, typed_options
 from ...errors import ConfigError
 from ..config_blocks import options_from
 from ..plan import CheckpointPlan, Placement
@@ -42,6 +42,7 @@ DRILL_LAG_EVENT = "drill_lag"  # policies/health/observe.py: the lag alone, afte
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("drill")
 class DrillConfig:
     """`ShardedCheckpoint(drill=...)` / `checkpoint.drill` in YAML."""
 

@@ -33,7 +33,7 @@ from ...engine import catalog
 from ...engine.format import drill_records, signing
 from ...engine.format.drill_records import FAILED, NOT_DRILLED, PASSED, outcome_details
 from ...engine.format.layout import MANIFEST, join
-from ...engine.validate import require_number
+from ...engine.validate import require_number, typed_options
 from ...errors import ConfigError, SignatureRefused, StorageUnavailable
 from . import trust as drill_trust
 from .pool import KEEP_BYTES, PoolFailed, WarmPool, destination_bytes
@@ -47,6 +47,7 @@ NICE_INCREMENT = 19
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("drill")
 class DrillOptions:
     """How a drill runs. `world_size=None` picks one that differs from the writer's (1, or 2 after 1)."""
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...engine.validate import did_you_mean, require_number
+from ...engine.validate import did_you_mean, require_number, typed_options
 from ...errors import ConfigError
 
 # --- metrics, as health rules see them (policies/health/observe.py derives them from events) ---
@@ -119,6 +119,7 @@ ABOVE, BELOW, BOTH = "above", "below", "both"
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("range")
 class NormalRange:
     """What a normal value is: fixed bounds, or learned from the run itself.
 
@@ -167,6 +168,7 @@ class NormalRange:
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("persistence")
 class Persistence:
     """How long a value stays out of range before the rule fires, and in range before it resolves."""
 
@@ -188,6 +190,7 @@ class Persistence:
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("health_rule")
 class HealthRule:
     """One watched metric with its contract: owner, slice, normal range, persistence, severity, mitigation."""
 
@@ -243,6 +246,7 @@ class HealthRule:
 
 
 @dataclass(frozen=True, kw_only=True)
+@typed_options("health")
 class HealthConfig:
     """`ShardedCheckpoint(health=...)` / the `health` Hydra group."""
 
