@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, SignatureRefused
-from ..storage import retry
+from ..storage import fsio, retry
+from ..storage.small_files import SmallFileRefused
+from . import bounded_json
 from .file_digests import (  # noqa: F401 - this module's readers and writers name the digests through it
     BLAKE3,
     DIGEST_ALGORITHMS,
@@ -206,7 +208,7 @@ class SignaturePolicy:
         sig_path, manifest_path = join(directory, SIGNATURE), join(directory, MANIFEST)
         accepted = ", ".join(k[:16] for k in sorted(self.keys)) or "none"
         try:
-            raw = retry.call("read", lambda: fs.cat_file(sig_path), target=sig_path)
+            raw = _read_small(fs, sig_path, bounded_json.SMALL_MAX_BYTES)
         except FileNotFoundError:
             raise SignatureRefused(
                 f"{sig_path}: missing; the checkpoint is unsigned and this reader requires a signature "
@@ -219,7 +221,7 @@ class SignaturePolicy:
             raise SignatureRefused(
                 f"{sig_path}: signed by key {kid[:16]}, which is not accepted (accepted: {accepted})"
             )
-        data = retry.call("read", lambda: fs.cat_file(manifest_path), target=manifest_path)
+        data = _read_small(fs, manifest_path, bounded_json.MANIFEST_MAX_BYTES)
         try:
             key.verify(base64.b64decode(record["signature"], validate=True), data)
         except Exception:
@@ -237,7 +239,7 @@ class SignaturePolicy:
     def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
         """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
         from .layout import shard_filename
-        from .parts import part_filename
+        from .parts import PART_MAX_BYTES, part_filename
 
         table = manifest["parts"]
         algorithm = manifest[DIGEST_FIELD]
@@ -245,7 +247,7 @@ class SignaturePolicy:
         for rank in ranks:
             expected = table[PART_DIGESTS][rank * DIGEST_CHARS : (rank + 1) * DIGEST_CHARS]
             part_path = join(directory, part_filename(rank))
-            data = retry.call("read", lambda p=part_path: fs.cat_file(p), target=part_path)
+            data = _read_small(fs, part_path, PART_MAX_BYTES)
             hashed += len(data)
             if digest_of(data, algorithm) != expected:
                 raise SignatureRefused(
@@ -323,3 +325,12 @@ def policy_of(require_signature: bool, public_keys: Any) -> SignaturePolicy | No
     if not require_signature:
         return None
     return SignaturePolicy(load_public_keys(list(public_keys)))
+
+
+def _read_small(fs: Any, path: str, max_bytes: int) -> bytes:
+    """A signed file's bytes, or SignatureRefused naming it when it is a FIFO, a link or over `max_bytes`: what a
+    signature covers is a regular file of the checkpoint, never something a reader could hang on."""
+    try:
+        return fsio.read_small(fs, path, max_bytes)
+    except SmallFileRefused as err:
+        raise SignatureRefused(f"{err}; a signed checkpoint's files are regular files") from None
