@@ -17,6 +17,7 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .format.bounded_json import MANIFEST_MAX_BYTES, SMALL_MAX_BYTES
 # name them too; callers keep reaching them here, where a root is listed
 from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
 from .format.entry import read_manifest as read_manifest
-from .format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
 from .format.signing import SignaturePolicy, SignatureRefused
 from .storage import fsio
 from .storage.fsio import Location
@@ -129,6 +130,21 @@ def describe_contents(location: Location) -> str:
     if corrupt:
         parts.append(f"{len(corrupt)} corrupt checkpoint(s) (first: {corrupt[0].problem})")
     return "a checkpoint root with " + " and ".join(parts)
+
+
+def refuse_file(location: Location, given: str) -> None:
+    """CheckpointNotFound naming `given` when it names a file (`ROOT/latest`, a stray file) where a checkpoint root
+    or checkpoint directory is expected: the one error every entry point gives for it, instead of the
+    NotADirectoryError of listing a file, or a follower waiting for a file to become a root."""
+    if not location.fs.isfile(location.path):
+        return
+    parent = location.url.rstrip("/").rsplit("/", 1)[0] or "/"
+    pointer = location.path.rstrip("/").rsplit("/", 1)[-1] == LATEST
+    raise CheckpointNotFound(
+        f"{given} is a file, not a checkpoint root or checkpoint directory; pass the root that holds it ({parent}"
+        + (", whose latest checkpoint is found from the root: the pointer file is only a hint" if pointer else "")
+        + f") or one of its checkpoint directories (shardckpt ls {parent})"
+    )
 
 
 def run_order(entry: CheckpointEntry) -> tuple:
@@ -388,6 +404,7 @@ def open_checkpoint(
         return root_location, find(root_location, name, policy=policy)
     if not location.fs.exists(location.path):
         raise CheckpointNotFound(f"{url} does not exist; check the path (and storage_options for remote storage)")
+    refuse_file(location, os.fspath(url))
     return location, find(location, which, run_id, policy)
 
 
