@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from .format.signing import public_key_specs
 from .validate import did_you_mean, require_number
 
 VerifyMode = Literal["off", "sample", "full"]
@@ -235,8 +236,7 @@ class LoadConfig:
         if not isinstance(self.require_signature, bool):
             raise ConfigError(f"require_signature={self.require_signature!r} must be true or false")
         # a list from Hydra or a single path: kept as a tuple, so the frozen config stays hashable
-        keys = (self.public_keys,) if isinstance(self.public_keys, str) else tuple(self.public_keys or ())
-        object.__setattr__(self, "public_keys", keys)
+        object.__setattr__(self, "public_keys", public_key_specs(self.public_keys))
         if self.require_signature and not self.public_keys:
             raise ConfigError(
                 "require_signature=true accepts no checkpoint without public_keys; give the PEM public key file(s) "

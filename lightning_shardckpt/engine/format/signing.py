@@ -172,11 +172,22 @@ def signature_bytes(manifest_bytes: bytes, signer: Signer) -> bytes:
 # --- reading -------------------------------------------------------------------------------------------------
 
 
-def load_public_keys(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Accepted keys by key id, from PEM public key files (or PEM text). Several: key rotation."""
+def public_key_specs(public_keys: Any) -> tuple[Any, ...]:
+    """`public_keys` as every reader takes it: a tuple of PEM files (or PEM texts). The one place a single key
+    (`public_keys="/keys/ckpt.pub"`, a Path, one PEM text) becomes a one-tuple: iterated as it is, a string
+    would be a key file per character. None or empty: no keys."""
+    if public_keys is None:
+        return ()
+    if isinstance(public_keys, str | bytes | os.PathLike):
+        public_keys = (public_keys,)
+    return tuple(spec if isinstance(spec, str | bytes) else os.fspath(spec) for spec in public_keys)
+
+
+def load_public_keys(specs: Any) -> dict[str, Any]:
+    """Accepted keys by key id, from PEM public key files (or PEM text): one, or several for a key rotation."""
     serialization, ed25519 = _crypto()
     keys = {}
-    for spec in specs:
+    for spec in public_key_specs(specs):
         if isinstance(spec, bytes | str) and str(spec).lstrip().startswith("-----BEGIN"):
             pem, where = (spec if isinstance(spec, bytes) else spec.encode()), "a PEM text"
         else:
@@ -296,7 +307,7 @@ def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_key
     """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
     the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.
     For tools that read everything (export, compare, drill) before they start."""
-    policy = SignaturePolicy(load_public_keys(list(public_keys)))
+    policy = SignaturePolicy(load_public_keys(public_keys))
     kid = policy.check_manifest(fs, directory, manifest)
     policy.check_every_file(fs, directory, manifest, kid)
     return kid
@@ -324,7 +335,7 @@ def policy_of(require_signature: bool, public_keys: Any) -> SignaturePolicy | No
     """The reader's policy from LoadConfig's fields; None when it requires no signature."""
     if not require_signature:
         return None
-    return SignaturePolicy(load_public_keys(list(public_keys)))
+    return SignaturePolicy(load_public_keys(public_keys))
 
 
 def _read_small(fs: Any, path: str, max_bytes: int) -> bytes:
