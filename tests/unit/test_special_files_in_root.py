@@ -18,6 +18,7 @@ import pytest
 from lightning_shardckpt import follow_checkpoints, list_checkpoints, resolve_checkpoint
 from lightning_shardckpt.engine.commit_index import INDEX_DIR
 from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, parse_dirname
+from lightning_shardckpt.engine.metrics import read_events
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.engine.storage.small_files import SmallFileRefused
@@ -139,3 +140,14 @@ def test_the_one_small_file_read_refuses_a_special_file_naming_it_and_why(tmp_pa
         fsio.read_small(resolve(str(tmp_path)).fs, path, 4096)
     why = {"fifo": "not a regular file (a FIFO)", "sparse_2gib": "larger than 4096 bytes"}.get(kind, "a symlink to")
     assert str(refused.value).startswith(f"{path} is {why}")
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", KINDS)
+def test_read_events_skips_a_special_file_among_the_events_and_returns_the_others(tmp_path, kind):
+    events = tmp_path / "ckpt" / "events"
+    events.mkdir(parents=True)
+    for name in ("a.json", "b.json"):
+        (events / name).write_text(json.dumps({"created_at": 1.0, "step": 1, "name": name}))
+    _plant(str(events / "b.json"), kind, str(tmp_path / "outside"))
+    assert [event["name"] for event in read_events(str(tmp_path / "ckpt"))] == ["a.json"]
