@@ -17,6 +17,7 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,15 +29,17 @@ from . import commit_index
 from .commit_index import read_latest_pointer as read_latest_pointer
 from .format import drill_records
 from .format import manifest as manifest_format
+from .format.bounded_json import MANIFEST_MAX_BYTES, SMALL_MAX_BYTES
 
 # the entry type and its manifest read live in format/entry.py, below drill records and references, which
 # name them too; callers keep reaching them here, where a root is listed
 from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
 from .format.entry import read_manifest as read_manifest
-from .format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
 from .format.signing import SignaturePolicy, SignatureRefused
 from .storage import fsio
 from .storage.fsio import Location
+from .storage.small_files import SmallFileRefused
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +78,14 @@ def list_checkpoints(location: Location, only: Callable[[str], bool] | None = No
         entries.append(entry)
     candidates = [entry for entry in entries if entry.state == UNCOMMITTED]
     with_manifest = _with_manifest(location, candidates)
-    records = _read_all(location, [join(entry.path, COMMIT_RECORD) for entry in with_manifest])
+    records = _read_all(location, [join(entry.path, COMMIT_RECORD) for entry in with_manifest], SMALL_MAX_BYTES)
     without_record = []
     for entry, document in zip(with_manifest, records):
         if isinstance(document, FileNotFoundError):
             without_record.append(entry)  # format v1 (or a lost record): list it from the manifest
+            continue
+        if isinstance(document, SmallFileRefused):  # a FIFO, a link, a huge file: shown, never loaded
+            entry.state, entry.problem = CORRUPT, str(document)
             continue
         try:
             entry.record = manifest_format.parse_commit_record(document, entry.path)
@@ -88,8 +94,12 @@ def list_checkpoints(location: Location, only: Callable[[str], bool] | None = No
             entry.state, entry.problem = CORRUPT, str(err)
     for start in range(0, len(without_record), V1_BATCH):  # batches: a listing never holds every manifest at once
         batch = without_record[start : start + V1_BATCH]
-        for entry, document in zip(batch, _read_all(location, [join(entry.path, MANIFEST) for entry in batch])):
+        manifests = _read_all(location, [join(entry.path, MANIFEST) for entry in batch], MANIFEST_MAX_BYTES)
+        for entry, document in zip(batch, manifests):
             if isinstance(document, FileNotFoundError):  # deleted since the existence check: uncommitted now
+                continue
+            if isinstance(document, SmallFileRefused):
+                entry.state, entry.problem = CORRUPT, str(document)
                 continue
             try:
                 # parsed to list it, then dropped: only the listing fields are kept
@@ -120,6 +130,21 @@ def describe_contents(location: Location) -> str:
     if corrupt:
         parts.append(f"{len(corrupt)} corrupt checkpoint(s) (first: {corrupt[0].problem})")
     return "a checkpoint root with " + " and ".join(parts)
+
+
+def refuse_file(location: Location, given: str) -> None:
+    """CheckpointNotFound naming `given` when it names a file (`ROOT/latest`, a stray file) where a checkpoint root
+    or checkpoint directory is expected: the one error every entry point gives for it, instead of the
+    NotADirectoryError of listing a file, or a follower waiting for a file to become a root."""
+    if not location.fs.isfile(location.path):
+        return
+    parent = location.url.rstrip("/").rsplit("/", 1)[0] or "/"
+    pointer = location.path.rstrip("/").rsplit("/", 1)[-1] == LATEST
+    raise CheckpointNotFound(
+        f"{given} is a file, not a checkpoint root or checkpoint directory; pass the root that holds it ({parent}"
+        + (", whose latest checkpoint is found from the root: the pointer file is only a hint" if pointer else "")
+        + f") or one of its checkpoint directories (shardckpt ls {parent})"
+    )
 
 
 def run_order(entry: CheckpointEntry) -> tuple:
@@ -379,6 +404,7 @@ def open_checkpoint(
         return root_location, find(root_location, name, policy=policy)
     if not location.fs.exists(location.path):
         raise CheckpointNotFound(f"{url} does not exist; check the path (and storage_options for remote storage)")
+    refuse_file(location, os.fspath(url))
     return location, find(location, which, run_id, policy)
 
 
@@ -420,7 +446,7 @@ def _with_manifest(location: Location, entries: list[CheckpointEntry]) -> list[C
     if not entries:
         return []
     paths = [join(entry.path, MANIFEST) for entry in entries]
-    results = location.backend.probe_files(paths)
+    results = location.backend.probe_files(paths, MANIFEST_MAX_BYTES)
     present = []
     for entry, result in zip(entries, results):
         if isinstance(result, FileNotFoundError):
@@ -430,6 +456,8 @@ def _with_manifest(location: Location, entries: list[CheckpointEntry]) -> list[C
                 CORRUPT,
                 f"{join(entry.path, MANIFEST)} is not a file ({type(result).__name__})",
             )
+        elif isinstance(result, SmallFileRefused):  # a FIFO or a symlink named manifest.json: never opened
+            entry.state, entry.problem = CORRUPT, str(result)
         elif isinstance(result, BaseException):
             raise result  # a transient read error must not make a committed checkpoint look uncommitted
         else:
@@ -437,17 +465,18 @@ def _with_manifest(location: Location, entries: list[CheckpointEntry]) -> list[C
     return present
 
 
-def _read_all(location: Location, paths: list[str]) -> list[Any]:
-    """Small files' bytes in `paths` order (concurrent on object stores); FileNotFoundError where absent."""
+def _read_all(location: Location, paths: list[str], max_bytes: int) -> list[Any]:
+    """Small files' bytes in `paths` order (concurrent on object stores), each at most `max_bytes`;
+    FileNotFoundError where absent, SmallFileRefused where not a regular file within the bound."""
     if not paths:
         return []
-    documents = location.backend.read_small_files(paths)
+    documents = location.backend.read_small_files(paths, max_bytes)
     out = []
     for path in paths:
         document = documents.get(path, FileNotFoundError(path))
         if isinstance(document, (IsADirectoryError, NotADirectoryError)):
             document = b"<not a file>"  # fails to parse: the entry is reported corrupt, with the reason
-        elif isinstance(document, BaseException) and not isinstance(document, FileNotFoundError):
+        elif isinstance(document, BaseException) and not isinstance(document, (FileNotFoundError, SmallFileRefused)):
             raise document  # transient: never turn a committed checkpoint into an uncommitted one
         out.append(document)
     return out

@@ -21,10 +21,12 @@ from typing import Any
 
 from ..errors import ShardCkptError
 from .format import manifest as manifest_format
+from .format.bounded_json import MANIFEST_MAX_BYTES, SMALL_MAX_BYTES
 from .format.entry import COMMITTED, CheckpointEntry
 from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
-from .storage import fsio, retry
+from .storage import fsio
 from .storage.fsio import Location
+from .storage.small_files import SmallFileRefused
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +41,13 @@ def read_latest_pointer(location: Location) -> str | None:
     """The directory name `latest` holds; None when it is absent or cannot be a name (only a hint, see above)."""
     path = join(location.path, LATEST)
     try:
-        # read within the bound: a huge file someone put there must not be read whole
-        data = retry.call("read", lambda: location.fs.cat_file(path, start=0, end=POINTER_MAX_BYTES + 1), target=path)
-        if len(data) > POINTER_MAX_BYTES:
-            log.warning("%s holds over %d bytes, not a checkpoint name; ignoring it", path, POINTER_MAX_BYTES)
-            return None
+        # a regular file within the bound: a huge file, a FIFO or a link someone put there is never read
+        data = fsio.read_small(location.fs, path, POINTER_MAX_BYTES)
         return data.decode().strip() or None
-    except (FileNotFoundError, UnicodeDecodeError):
+    except SmallFileRefused as err:
+        log.warning("%s; not a checkpoint name: ignoring it", err)
+        return None
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
         return None
 
 
@@ -110,15 +112,15 @@ def _committed(location: Location, name: str) -> CheckpointEntry | None:
     if parsed is None:
         return None
     path = join(location.path, name)
-    probed = location.backend.probe_files([join(path, MANIFEST)])[0]
+    probed = location.backend.probe_files([join(path, MANIFEST)], MANIFEST_MAX_BYTES)[0]
     if isinstance(probed, BaseException):
-        if isinstance(probed, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        if isinstance(probed, (FileNotFoundError, IsADirectoryError, NotADirectoryError, SmallFileRefused)):
             return None
         raise probed
     try:
-        data = retry.call("read", lambda: location.fs.cat_file(join(path, COMMIT_RECORD)), target=path)
-    except FileNotFoundError:
-        return None  # v1, or a lost record: the listing reads those
+        data = fsio.read_small(location.fs, join(path, COMMIT_RECORD), SMALL_MAX_BYTES)
+    except (FileNotFoundError, SmallFileRefused):
+        return None  # v1, or a lost or planted record: the listing reads those (and shows what it is)
     record = manifest_format.parse_commit_record(data, path)
     return CheckpointEntry(name, path, parsed.step, parsed.checkpoint_id, COMMITTED, record=record, _fs=location.fs)
 
@@ -126,9 +128,9 @@ def _committed(location: Location, name: str) -> CheckpointEntry | None:
 def _marker(location: Location, run_id: str, seq: int) -> str | None:
     path = marker_path(location.path, run_id, seq)
     try:
-        data = retry.call("read", lambda: location.fs.cat_file(path, start=0, end=MARKER_MAX_BYTES), target=path)
-    except FileNotFoundError:
-        return None
+        data = fsio.read_small(location.fs, path, MARKER_MAX_BYTES)
+    except (FileNotFoundError, IsADirectoryError, SmallFileRefused):
+        return None  # absent, or not a marker we wrote: the index cannot answer for it
     name = data.decode(errors="replace").strip()
     return name if parse_dirname(name) is not None else None
 

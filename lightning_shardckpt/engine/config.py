@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from .collectives import may_be_coordinator
+from .format.signing import public_key_specs
 from .validate import did_you_mean, require_number, typed_options
 
 VerifyMode = Literal["off", "sample", "full"]
@@ -239,8 +240,7 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         # a list from Hydra or a single path: kept as a tuple, so the frozen config stays hashable
-        keys = (self.public_keys,) if isinstance(self.public_keys, str) else tuple(self.public_keys or ())
-        object.__setattr__(self, "public_keys", keys)
+        object.__setattr__(self, "public_keys", public_key_specs(self.public_keys))
         if self.require_signature and not self.public_keys:
             raise ConfigError(
                 "require_signature=true accepts no checkpoint without public_keys; give the PEM public key file(s) "

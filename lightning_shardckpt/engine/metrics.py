@@ -20,6 +20,7 @@ from .format import bounded_json
 from .format.layout import EVENTS_DIR, join
 from .storage import fsio
 from .storage.fsio import Location
+from .storage.small_files import SmallFileRefused
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +160,12 @@ def read_events(root: Location | str, storage_options: dict[str, Any] | None = N
 def _read_event(root: Location, path: str) -> dict[str, Any] | None:
     """One event file; None (logged, naming it) when it is unreadable: one bad file never hides the others."""
     try:
-        event = bounded_json.loads(root.fs.cat_file(path), bounded_json.SMALL_MAX_BYTES)
+        event = bounded_json.loads(
+            fsio.read_small(root.fs, path, bounded_json.SMALL_MAX_BYTES), bounded_json.SMALL_MAX_BYTES
+        )
     except FileNotFoundError:  # removed since the glob
         return None
-    except bounded_json.UnreadableJson as err:
+    except (bounded_json.UnreadableJson, SmallFileRefused) as err:  # a FIFO, a link, a huge file: never read
         log.warning("event %s is unreadable (%s); skipping it. Delete it if nothing else reads it", path, err)
         return None
     if not isinstance(event, dict) or not isinstance(event.get("created_at"), (int, float)):

@@ -26,8 +26,9 @@ from .collectives import broadcast_from_coordinator, rank_and_world
 from .config import CHECKPOINTER, ENGINE, FABRIC, LIGHTNING
 from .format import bounded_json
 from .format.layout import OWNER, join
-from .storage import retry
+from .storage import fsio
 from .storage.fsio import Location
+from .storage.small_files import SmallFileRefused
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +41,21 @@ def new_run_id() -> str:
 def read_owner(root: Location) -> dict[str, Any] | None:
     """The root's owner record, None when the root has none; ConfigError when the marker is unreadable."""
     path = join(root.path, OWNER)
+    record, problem = None, None
     try:
-        data = retry.call("read", lambda: root.fs.cat_file(path), target=path)
+        data = fsio.read_small(root.fs, path, bounded_json.SMALL_MAX_BYTES)
     except FileNotFoundError:
         return None
-    try:
-        record = bounded_json.loads(data, bounded_json.SMALL_MAX_BYTES)
-    except bounded_json.UnreadableJson as err:
-        record, problem = None, str(err)
+    except SmallFileRefused as err:  # a FIFO, a link or a huge file: never opened or read whole
+        problem = err.why
     else:
-        problem = None if isinstance(record, dict) and isinstance(record.get("run_id"), str) else "no run_id in it"
+        try:
+            record = bounded_json.loads(data, bounded_json.SMALL_MAX_BYTES)
+        except bounded_json.UnreadableJson as err:
+            problem = str(err)
+        else:
+            has_run = isinstance(record, dict) and isinstance(record.get("run_id"), str)
+            problem = None if has_run else "no run_id in it"
     if problem:
         raise ConfigError(
             f"{join(root.url, OWNER)} is not an owner marker of lightning_shardckpt: {problem}. Delete it if no "

@@ -21,11 +21,10 @@ from typing import Any
 from ..engine import catalog
 from ..engine.format import manifest as manifest_format
 from ..engine.format import manifest_schema
-from ..engine.format.entry import read_manifest
+from ..engine.format.entry import read_manifest, read_manifest_bytes
 from ..engine.format.groups import GROUPS_FIELD
 from ..engine.format.layout import MANIFEST, PARTS_FORMAT_VERSION, join, parse_dirname
 from ..engine.format.parts_manifest import PARTS_FIELD
-from ..engine.storage import retry
 from ..errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
 
 # skipped: the bulk of a manifest (v4: its parts table; v5: its groups table, small, vouched for by the checksum)
@@ -57,7 +56,10 @@ def read_summary(fs: Any, entry: catalog.CheckpointEntry, *, from_record: bool =
         return _without_tables(read_manifest(fs, entry))
     path = join(entry.path, MANIFEST)
     try:
-        data = retry.call("read", lambda: fs.cat_file(path), target=path)
+        data = read_manifest_bytes(fs, path)
+    except CorruptCheckpoint as err:  # a FIFO, a link or a huge file named manifest.json: never read
+        entry.state, entry.problem = catalog.CORRUPT, str(err)
+        raise
     except FileNotFoundError as err:
         entry.state = catalog.UNCOMMITTED
         raise CheckpointDeleted(

@@ -71,13 +71,15 @@ def is_selector(ref: str) -> bool:
 
 
 def root_location(url: str | os.PathLike, storage_options: dict[str, Any] | None) -> Location:
-    """Where a root is (it need not exist yet); a checkpoint directory given instead is refused, naming its root."""
+    """Where a root is (it need not exist yet); a checkpoint directory given instead is refused, naming its root,
+    and a file (`ROOT/latest`, a stray file) with CheckpointNotFound naming what to pass instead."""
     location = fsio.resolve(url, storage_options)
     if parse_dirname(location.path) is not None:
         parent = location.url.rstrip("/").rsplit("/", 1)[0]
         raise ConfigError(
             f"{os.fspath(url)} is a checkpoint directory, not a root; give the root that holds it: {parent}"
         )
+    catalog.refuse_file(location, os.fspath(url))
     return location
 
 

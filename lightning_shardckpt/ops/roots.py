@@ -136,7 +136,7 @@ def list_checkpoints(
     *,
     storage_options: dict[str, Any] | None = None,
     run_id: str | None = None,
-    public_keys: Sequence[str] = (),
+    public_keys: PathLike | Sequence[PathLike] = (),
 ) -> CheckpointListing:
     """Every checkpoint directory under `root`: committed, uncommitted and corrupt, with trust, size and times.
 
@@ -183,7 +183,7 @@ def resolve_checkpoint(
     *,
     storage_options: dict[str, Any] | None = None,
     run_id: str | None = None,
-    public_keys: Sequence[str] = (),
+    public_keys: PathLike | Sequence[PathLike] = (),
 ) -> CheckpointInfo:
     """The committed checkpoint a reference names, its manifest validated: what a resume would open.
 

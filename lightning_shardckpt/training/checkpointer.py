@@ -18,6 +18,7 @@ checkpoints of the other doors: training/layouts.py. Docs: docs/howto/plain-pyto
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,7 +71,7 @@ class Checkpointer:
         verify_on_load: bool = True,
         trust_checkpoint: bool = False,
         require_signature: bool = False,
-        public_keys: Sequence[str] = (),
+        public_keys: str | os.PathLike | Sequence[str | os.PathLike] = (),
         save_on_preemption: bool = False,
         preemption_grace_s: float | None = DEFAULT_GRACE_S,
         log_metrics: Callable[[dict[str, float], int], Any] | None = None,
@@ -104,7 +105,7 @@ class Checkpointer:
                 verify_checksums=verify_on_load,
                 trust_checkpoint=trust_checkpoint,
                 require_signature=require_signature,
-                public_keys=tuple(public_keys or ()),
+                public_keys=public_keys,  # one path or several: LoadConfig makes it a tuple
             ),
             tiers=tiers,
             drill=drill,

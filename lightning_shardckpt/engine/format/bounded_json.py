@@ -7,7 +7,8 @@ makes them: `{}` is two bytes and a 64-byte dict, so a 20 MiB manifest of `[{}, 
 gigabyte to parse. Every JSON document read from storage (manifests, commit records, drill records, events,
 owner markers, lease files) goes through `loads`, which raises UnreadableJson (a ValueError) instead; each
 caller turns that into the problem of that one file (a corrupt checkpoint, an ignored record), never of the
-whole root.
+whole root. The bytes come from storage/small_files.py's bounded read (backend.read_small): a FIFO, a symlink or
+a file over its bound is refused before it is read, so the size check here never sees more than bound + 1 bytes.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from ..storage import fsio
 from ..storage.fsio import Location
 from . import bounded_json
 from .entry import CheckpointEntry
@@ -158,7 +159,7 @@ def read_record(location: Location, name: RecordName) -> dict[str, Any] | None:
     """The record's JSON body; None (logged) when it cannot be read or parsed."""
     path = join(location.path, DRILLS_DIR, name.filename)
     try:
-        body = bounded_json.loads(location.fs.cat_file(path), bounded_json.SMALL_MAX_BYTES)
+        body = bounded_json.loads(_read(location, path), bounded_json.SMALL_MAX_BYTES)
     except (OSError, ValueError) as err:
         log.warning("drill record %s is unreadable (%s); ignoring it", path, err)
         return None
@@ -206,10 +207,15 @@ def trust_report(location: Location, entries: list[CheckpointEntry]) -> TrustRep
 def _body_problem(location: Location, name: RecordName) -> str | None:
     path = join(location.path, DRILLS_DIR, name.filename)
     try:
-        body = bounded_json.loads(location.fs.cat_file(path), bounded_json.SMALL_MAX_BYTES)
-    except (OSError, ValueError) as err:
+        body = bounded_json.loads(_read(location, path), bounded_json.SMALL_MAX_BYTES)
+    except (OSError, ValueError) as err:  # a FIFO, a link or a huge file is an OSError here, never a hang
         return f"its body is not readable JSON ({type(err).__name__})"
     return record_problem(body, name)
+
+
+def _read(location: Location, path: str) -> bytes:
+    """A record's bytes: a regular file within the bound, or an OSError (never a hang on a FIFO or a link)."""
+    return fsio.read_small(location.fs, path, bounded_json.SMALL_MAX_BYTES)
 
 
 def trust_states(location: Location, entries: list[CheckpointEntry]) -> dict[str, str]:

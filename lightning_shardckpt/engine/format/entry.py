@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ...errors import CheckpointDeleted, ShardCkptError
-from ..storage import retry
+from ...errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
+from ..storage import fsio
+from ..storage.small_files import SmallFileRefused
+from . import bounded_json
 from . import manifest as manifest_format
 from .layout import MANIFEST, join
 from .manifest_schema import parse_time
@@ -85,13 +87,26 @@ def load_manifest(fs: Any, directory: str, record: dict[str, Any] | None = None)
     tables are read by whoever needs them (groups.expanded, chunk_index). FileNotFoundError when it has none;
     CorruptCheckpoint when it does not validate or does not match."""
     path = join(directory, MANIFEST)
-    data = retry.call("read", lambda: fs.cat_file(path), target=path)
+    data = read_manifest_bytes(fs, path)
     if record is not None:
         manifest_format.check_matches_record(data, record, directory)
     manifest = manifest_format.parse(data, directory)
     if record is not None:
         manifest_format.check_record_agrees(record, manifest, directory)
     return manifest
+
+
+def read_manifest_bytes(fs: Any, path: str) -> bytes:
+    """manifest.json's bytes, through the one bounded read of a root's small files (storage/small_files.py):
+    CorruptCheckpoint naming it when it is a FIFO, a symlink or over MANIFEST_MAX_BYTES, never a hang or a
+    MemoryError; FileNotFoundError when it is gone."""
+    try:
+        return fsio.read_small(fs, path, bounded_json.MANIFEST_MAX_BYTES)
+    except SmallFileRefused as err:
+        raise CorruptCheckpoint(
+            f"{err}: it is not a manifest this package wrote. Move it out of the root, or load another checkpoint",
+            problems=[{"file": MANIFEST, "tensor": None, "expected": "a regular file", "actual": err.why}],
+        ) from None
 
 
 def read_manifest(fs: Any, entry: CheckpointEntry) -> dict[str, Any]:

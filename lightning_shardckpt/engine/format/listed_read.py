@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CorruptCheckpoint
-from ..storage import retry
+from ..storage import fsio
+from ..storage.small_files import SmallFileRefused
 from .checksum import checksum
 from .layout import join
 
@@ -16,7 +17,13 @@ def read_listed(fs: Any, directory: str, name: str, size: int, digest: str | Non
     CorruptCheckpoint names the file when it is missing, of another size or checksum."""
     path = join(directory, name)
     try:
-        data = retry.call("read", lambda: fs.cat_file(path, start=0, end=size + 1), target=path)
+        data = fsio.read_small(fs, path, size)
+    except SmallFileRefused as err:  # a FIFO, a link, or grown past its listed size: never read whole
+        raise CorruptCheckpoint(
+            f"{err}: the manifest lists it at {size} bytes; the {what} was altered after commit. Restore it from a "
+            "replica or load an older checkpoint",
+            problems=[{"file": name, "tensor": None, "expected": digest, "actual": err.why}],
+        ) from None
     except FileNotFoundError as err:
         raise CorruptCheckpoint(
             f"{path} is missing: the manifest lists it. Restore it from a replica or load an older checkpoint",

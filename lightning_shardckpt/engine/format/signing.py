@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, SignatureRefused
-from ..storage import retry
+from ..storage import fsio, retry
+from ..storage.small_files import SmallFileRefused
+from . import bounded_json
 from .file_digests import (  # noqa: F401 - this module's readers and writers name the digests through it
     BLAKE3,
     DIGEST_ALGORITHMS,
@@ -195,11 +197,22 @@ def signature_bytes(manifest_bytes: bytes, signer: Signer) -> bytes:
 # --- reading -------------------------------------------------------------------------------------------------
 
 
-def load_public_keys(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Accepted keys by key id, from PEM public key files (or PEM text). Several: key rotation."""
+def public_key_specs(public_keys: Any) -> tuple[Any, ...]:
+    """`public_keys` as every reader takes it: a tuple of PEM files (or PEM texts). The one place a single key
+    (`public_keys="/keys/ckpt.pub"`, a Path, one PEM text) becomes a one-tuple: iterated as it is, a string
+    would be a key file per character. None or empty: no keys."""
+    if public_keys is None:
+        return ()
+    if isinstance(public_keys, str | bytes | os.PathLike):
+        public_keys = (public_keys,)
+    return tuple(spec if isinstance(spec, str | bytes) else os.fspath(spec) for spec in public_keys)
+
+
+def load_public_keys(specs: Any) -> dict[str, Any]:
+    """Accepted keys by key id, from PEM public key files (or PEM text): one, or several for a key rotation."""
     serialization, ed25519 = _crypto()
     keys = {}
-    for spec in specs:
+    for spec in public_key_specs(specs):
         if isinstance(spec, bytes | str) and str(spec).lstrip().startswith("-----BEGIN"):
             pem, where = (spec if isinstance(spec, bytes) else spec.encode()), "a PEM text"
         else:
@@ -231,7 +244,7 @@ class SignaturePolicy:
         sig_path, manifest_path = join(directory, SIGNATURE), join(directory, MANIFEST)
         accepted = ", ".join(k[:16] for k in sorted(self.keys)) or "none"
         try:
-            raw = retry.call("read", lambda: fs.cat_file(sig_path), target=sig_path)
+            raw = _read_small(fs, sig_path, bounded_json.SMALL_MAX_BYTES)
         except FileNotFoundError:
             raise SignatureRefused(
                 f"{sig_path}: missing; the checkpoint is unsigned and this reader requires a signature "
@@ -244,7 +257,7 @@ class SignaturePolicy:
             raise SignatureRefused(
                 f"{sig_path}: signed by key {kid[:16]}, which is not accepted (accepted: {accepted})"
             )
-        data = retry.call("read", lambda: fs.cat_file(manifest_path), target=manifest_path)
+        data = _read_small(fs, manifest_path, bounded_json.MANIFEST_MAX_BYTES)
         try:
             key.verify(base64.b64decode(record["signature"], validate=True), data)
         except Exception:
@@ -262,7 +275,7 @@ class SignaturePolicy:
     def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
         """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
         from .layout import shard_filename
-        from .parts import part_filename
+        from .parts import PART_MAX_BYTES, part_filename
 
         table = manifest["parts"]
         algorithm = manifest[DIGEST_FIELD]
@@ -270,7 +283,7 @@ class SignaturePolicy:
         for rank in ranks:
             expected = table[PART_DIGESTS][rank * DIGEST_CHARS : (rank + 1) * DIGEST_CHARS]
             part_path = join(directory, part_filename(rank))
-            data = retry.call("read", lambda p=part_path: fs.cat_file(p), target=part_path)
+            data = _read_small(fs, part_path, PART_MAX_BYTES)
             hashed += len(data)
             if digest_of(data, algorithm) != expected:
                 raise SignatureRefused(
@@ -319,7 +332,7 @@ def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_key
     """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
     the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.
     For tools that read everything (export, compare, drill) before they start."""
-    policy = SignaturePolicy(load_public_keys(list(public_keys)))
+    policy = SignaturePolicy(load_public_keys(public_keys))
     kid = policy.check_manifest(fs, directory, manifest)
     policy.check_every_file(fs, directory, manifest, kid)
     return kid
@@ -347,4 +360,13 @@ def policy_of(require_signature: bool, public_keys: Any) -> SignaturePolicy | No
     """The reader's policy from LoadConfig's fields; None when it requires no signature."""
     if not require_signature:
         return None
-    return SignaturePolicy(load_public_keys(list(public_keys)))
+    return SignaturePolicy(load_public_keys(public_keys))
+
+
+def _read_small(fs: Any, path: str, max_bytes: int) -> bytes:
+    """A signed file's bytes, or SignatureRefused naming it when it is a FIFO, a link or over `max_bytes`: what a
+    signature covers is a regular file of the checkpoint, never something a reader could hang on."""
+    try:
+        return fsio.read_small(fs, path, max_bytes)
+    except SmallFileRefused as err:
+        raise SignatureRefused(f"{err}; a signed checkpoint's files are regular files") from None

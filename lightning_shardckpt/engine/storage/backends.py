@@ -23,7 +23,6 @@ import errno
 import inspect
 import logging
 import os
-import stat
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ...errors import StorageUnavailable
 from ..format.checksum import checksum
-from . import direct_file, retry, span_reads
+from . import direct_file, retry, small_files, span_reads
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +126,24 @@ class FsspecBackend:
 
     # --- reads ---
 
-    def probe_files(self, paths: list[str]) -> list[Any]:
-        """Per path: bytes when the file exists, else the exception (FileNotFoundError, IsADirectoryError, ...)."""
+    def probe_files(self, paths: list[str], max_bytes: int | None = None) -> list[Any]:
+        """Per path: bytes when the file exists, else the exception (FileNotFoundError, IsADirectoryError, ...;
+        locally, where it costs nothing, SmallFileRefused for a file `read_small` would refuse, `max_bytes` its
+        bound)."""
         return self.fs.cat_ranges(paths, [0] * len(paths), [1] * len(paths), on_error="return")
 
-    def read_small_files(self, paths: list[str]) -> dict[str, Any]:
-        """Path -> bytes or the exception reading it raised (concurrent on object stores)."""
-        return self.fs.cat(paths, on_error="return")
+    def read_small(self, path: str, max_bytes: int) -> bytes:
+        """The bytes of a small file of a root (a record, a pointer, a manifest, a lease): at most `max_bytes + 1`
+        read, SmallFileRefused when it holds more, is not a regular file or is a symlink (small_files.py).
+        The one read every metadata reader goes through; not retried here (callers use fsio.read_small)."""
+        data = self.fs.cat_file(path, start=0, end=max_bytes + 1)
+        return small_files.bounded(path, data, max_bytes)
+
+    def read_small_files(self, paths: list[str], max_bytes: int) -> dict[str, Any]:
+        """Path -> bytes or the exception reading it raised (concurrent on object stores), each read as
+        `read_small` reads one."""
+        results = self.fs.cat_ranges(paths, [0] * len(paths), [max_bytes + 1] * len(paths), on_error="return")
+        return {path: _bounded_or_error(path, result, max_bytes) for path, result in zip(paths, results)}
 
     @property
     def reads_with_preadv(self) -> bool:
@@ -218,16 +228,25 @@ class LocalBackend(FsspecBackend):
             handle.write(data)
         os.replace(tmp, path)  # readers see the old name or the new one, never a partial file
 
-    def probe_files(self, paths: list[str]) -> list[Any]:
-        if not self._plain:
-            return super().probe_files(paths)
-        # fsspec's per-file open costs more than the read itself: stat directly
-        return [_stat_local(path) for path in paths]
+    def probe_files(self, paths: list[str], max_bytes: int | None = None) -> list[Any]:
+        # lstat first: a symlink or a FIFO is refused, never followed or opened (fsspec's open of a FIFO blocks)
+        checked = [_stat_local(path, max_bytes) for path in paths]
+        if self._plain:
+            return checked  # fsspec's per-file open costs more than the read itself: the lstat answers
+        readable = [path for path, result in zip(paths, checked) if not isinstance(result, BaseException)]
+        probed = iter(super().probe_files(readable))
+        return [result if isinstance(result, BaseException) else next(probed) for result in checked]
 
-    def read_small_files(self, paths: list[str]) -> dict[str, Any]:
+    def read_small(self, path: str, max_bytes: int) -> bytes:
         if not self._plain:
-            return super().read_small_files(paths)
-        return {path: _read_local(path) for path in paths}
+            # a FIFO or a link is refused before fsspec opens it; and fsspec's local read allocates all it is
+            # asked for up front, so it is asked for what the file holds (+1: a file grown meanwhile is refused)
+            size = small_files.check_local(path, max_bytes)
+            return super().read_small(path, min(size, max_bytes))
+        return small_files.read_local(path, max_bytes)
+
+    def read_small_files(self, paths: list[str], max_bytes: int) -> dict[str, Any]:
+        return {path: _read_local(self, path, max_bytes) for path in paths}
 
     @property
     def _plain(self) -> bool:
@@ -398,10 +417,9 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _stat_local(path: str) -> Any:
+def _stat_local(path: str, max_bytes: int | None) -> Any:
     try:
-        if stat.S_ISDIR(os.stat(path).st_mode):
-            return IsADirectoryError(path)
+        small_files.check_local(path, max_bytes)  # lstat: a symlink or a FIFO is refused, never followed or opened
         return b""
     except (FileNotFoundError, NotADirectoryError) as err:
         return FileNotFoundError(str(err)) if isinstance(err, NotADirectoryError) else err
@@ -409,11 +427,19 @@ def _stat_local(path: str) -> Any:
         return err
 
 
-def _read_local(path: str) -> Any:
+def _read_local(backend: LocalBackend, path: str, max_bytes: int) -> Any:
     try:
-        with open(path, "rb") as handle:
-            return handle.read()
+        return backend.read_small(path, max_bytes)
     except OSError as err:
+        return err
+
+
+def _bounded_or_error(path: str, result: Any, max_bytes: int) -> Any:
+    if isinstance(result, BaseException):
+        return result
+    try:
+        return small_files.bounded(path, result, max_bytes)
+    except small_files.SmallFileRefused as err:
         return err
 
 

@@ -98,6 +98,13 @@ def write_new_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> Non
     backend_for(fs).write_new_file(path, data)
 
 
+def read_small(fs: fsspec.AbstractFileSystem, path: str, max_bytes: int) -> bytes:
+    """A small file of a root (record, pointer, manifest, lease), retried: regular files only, at most `max_bytes`
+    (small_files.py; SmallFileRefused otherwise). Callers holding a Location may pass `location.fs`."""
+    backend = backend_for(fs)
+    return retry.call("read", lambda: backend.read_small(path, max_bytes), target=path)
+
+
 def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, length: int) -> bytes:
     return retry.call("read_range", lambda: fs.cat_file(path, start=start, end=start + length), target=path)
 

@@ -94,7 +94,9 @@ def _holdings(
             held[name] = listing
             if MANIFEST in listing and COMMIT_RECORD in listing:
                 # validated as every reader does: a directory `ls` marks corrupt offers nothing, never stops a resume
-                manifest = manifest_format.parse(root.fs.cat_file(join(directory, MANIFEST)), directory)
+                manifest = manifest_format.parse(
+                    fsio.read_small(root.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), directory
+                )
                 facts = {
                     "files": all_files(manifest),
                     "seq": manifest.get("seq") or 0,
@@ -117,7 +119,9 @@ def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, in
     load failed its checks, never the usual resume); a root without the manifest offers nothing."""
     directory = join(root.path, name)
     try:
-        manifest = manifest_format.parse(root.fs.cat_file(join(directory, MANIFEST)), directory)
+        manifest = manifest_format.parse(
+            fsio.read_small(root.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), directory
+        )
         listing = {_name(info): info.get("size") for info in root.fs.ls(directory, detail=True)}
     except Exception:  # noqa: BLE001 - no readable manifest here: nothing this root can vouch for
         log.debug("cannot read %s", directory, exc_info=True)
@@ -201,9 +205,11 @@ def restore_from_peers(
         fs = roots[holder_root].fs
         signature_path = join(directory, signing.SIGNATURE)
         documents = (
-            fs.cat_file(join(directory, MANIFEST)),
-            fs.cat_file(join(directory, COMMIT_RECORD)),
-            fs.cat_file(signature_path) if fs.exists(signature_path) else None,  # a signed checkpoint stays signed
+            fsio.read_small(fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES),
+            fsio.read_small(fs, join(directory, COMMIT_RECORD), bounded_json.SMALL_MAX_BYTES),
+            fsio.read_small(fs, signature_path, bounded_json.SMALL_MAX_BYTES)
+            if fs.exists(signature_path)
+            else None,  # a signed checkpoint stays signed
         )
     manifest_bytes, record_bytes, signature = broadcast_from("peer-manifest", documents, holder_rank, group)
     manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)

@@ -203,11 +203,15 @@ class PeerReplicator:
         other roots follow its retention), and its signature (signed checkpoints: the node copy stays signed)."""
         directory = join(self.fast.path, name)
         try:
-            manifest_bytes = self.fast.fs.cat_file(join(directory, MANIFEST))
-            record_bytes = self.fast.fs.cat_file(join(directory, COMMIT_RECORD))
+            manifest_bytes = fsio.read_small(self.fast.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES)
+            record_bytes = fsio.read_small(self.fast.fs, join(directory, COMMIT_RECORD), bounded_json.SMALL_MAX_BYTES)
             kept = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fast.fs.ls(self.fast.path, detail=False)]
             signature_path = join(directory, signing.SIGNATURE)
-            signature = self.fast.fs.cat_file(signature_path) if self.fast.fs.exists(signature_path) else None
+            signature = (
+                fsio.read_small(self.fast.fs, signature_path, bounded_json.SMALL_MAX_BYTES)
+                if self.fast.fs.exists(signature_path)
+                else None
+            )
         except Exception as err:  # noqa: BLE001 - retention deleted it meanwhile: nothing to copy
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None

@@ -32,7 +32,9 @@ from typing import Any
 
 from ...engine.format import bounded_json
 from ...engine.format.layout import DRILLS_DIR, join
+from ...engine.storage import fsio
 from ...engine.storage.fsio import Location
+from ...engine.storage.small_files import SmallFileRefused
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,9 @@ class DrillLeases:
         """The lease's body with `expires_at`, `pid` and `host` checked; None when it is gone or malformed."""
         name = lease_name(checkpoint, generation)
         try:
-            data = self.location.fs.cat_file(join(self._directory, name))
+            data = fsio.read_small(self.location.fs, join(self._directory, name), bounded_json.SMALL_MAX_BYTES)
+        except SmallFileRefused as err:  # a FIFO, a link or a huge file: never opened or read whole
+            return self._malformed(name, err.why)
         except OSError:
             return None  # released or removed meanwhile
         try:

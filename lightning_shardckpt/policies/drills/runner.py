@@ -72,9 +72,9 @@ class DrillOptions:
     keep_memory_gib: float = KEEP_BYTES / 2**30
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "public_keys", tuple(self.public_keys or ()))
+        object.__setattr__(self, "public_keys", signing.public_key_specs(self.public_keys))
         if self.public_keys:  # an unreadable key is the operator's mistake: refused now, not recorded per checkpoint
-            signing.load_public_keys(list(self.public_keys))
+            signing.load_public_keys(self.public_keys)
         require_number(
             "drill.world_size",
             self.world_size,
