@@ -251,8 +251,8 @@ def follow_checkpoints(
     Never yields an uncommitted or a corrupt checkpoint: its manifest is read, matched against its commit record
     and validated, as `list_checkpoints` checks the `latest` it stars (one manifest read per new commit). Looks
     every `poll_s` seconds: one listing of the root, and reads only of directories not seen yet (object stores
-    have no change notifications). Ends once `timeout_s`
-    pass without a new commit, counted from when the caller asks for the next one (None: never ends).
+    have no change notifications). Ends once `timeout_s` pass without a new commit, counted from when the caller
+    asks for the next one (None: never ends).
     `include_existing`: first yield what is committed already. A root that does not exist yet is waited for.
     """
     # checked now, not at the first next(): a generator function would defer these errors to the loop
