@@ -9,6 +9,7 @@ never holds it, `shardckpt verify --public-key` of the durable root does not pas
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.tiers.replicate import Replicator, missing_on_durable
 from lightning_shardckpt.errors import ShardCkptError
-from tests.helpers.forgery import forge_tensor_values
+from tests.helpers.forgery import forge_tensor_values, replace_file
 from tests.helpers.spawn import run_ranks, values
 from tests.helpers.tiers_ranks import KEYS, state, tiers
 from tests.unit.test_signing import make_key
@@ -37,7 +38,7 @@ def save_signed_on_the_fast_tier(rank: int, world_size: int, fast: str, key_path
         fast, SaveConfig(write_events=False, collective_timeout_s=30.0, sign=SignConfig(key_path=key_path))
     )
     for step in (1, 2):
-        assert saver.save(state(step), step=step, identical=lambda key: True).result(timeout=60).committed
+        assert saver.save(state(step), step=step).result(timeout=60).committed
     saver.close()
 
 
@@ -65,14 +66,32 @@ def catch_up_signed(rank: int, world_size: int, fast: str, durable: str, key_pat
     return {"caught_up": catch_up, "flushed": flushed, "counters": replicator.snapshot(), "lines": lines.lines}
 
 
-def test_catch_up_of_a_signed_run_never_replicates_or_re_signs_a_forged_fast_copy(tmp_path, run_cli):
+def flip_shard_byte(directory: str) -> None:
+    """A byte of a shard file changed after commit, the signed manifest untouched: only the digests condemn it."""
+    path = os.path.join(directory, "__0_0.distcp")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    replace_file(path, bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("tampering", "why"),
+    [
+        ("values forged, every checksum recomputed", "does not verify"),  # the signature condemns the manifest
+        ("a shard byte changed", "digest differs"),  # the signed digests condemn the file, before any upload
+    ],
+)
+def test_catch_up_of_a_signed_run_never_replicates_or_re_signs_a_forged_fast_copy(tmp_path, run_cli, tampering, why):
     private, public, _ = make_key(tmp_path, "writer")
     fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
     run_ranks(save_signed_on_the_fast_tier, 2, fast, private)
     fast_loc = fsio.resolve(fast)
     newest = [e for e in catalog.list_checkpoints(fast_loc) if e.committed][-1]
     assert newest.step == 2
-    forge_tensor_values(fast_loc, newest.path, KEYS[0], FORGED_VALUE)
+    if tampering.startswith("values forged"):
+        forge_tensor_values(fast_loc, newest.path, KEYS[0], FORGED_VALUE)
+    else:
+        flip_shard_byte(newest.path)
 
     ranks = values(run_ranks(catch_up_signed, 2, fast, durable, private))
     # the durable tier never holds it: nothing of it was uploaded, nothing signed there
@@ -91,6 +110,6 @@ def test_catch_up_of_a_signed_run_never_replicates_or_re_signs_a_forged_fast_cop
         assert rank["caught_up"] == newest.name
         assert rank["counters"].get("replication_refused") == 1, rank["counters"]
         assert rank["counters"].get("replicated", 0) == 0 and rank["counters"].get("replication_failed", 0) == 0
-    assert any(
-        f"not replicating {fast}/{newest.name}" in line and "does not verify" in line for line in ranks[0]["lines"]
-    ), ranks[0]["lines"]
+    assert any(f"not replicating {fast}/{newest.name}" in line and why in line for line in ranks[0]["lines"]), ranks[0][
+        "lines"
+    ]
