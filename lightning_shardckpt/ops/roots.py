@@ -33,7 +33,6 @@ from ..engine.format.manifest_schema import REFERENCES_FIELD, parse_time
 from ..engine.storage.fsio import Location
 from ..engine.validate import require_number
 from ..errors import CheckpointDeleted, CheckpointNotFound, ShardCkptError
-from .manifest_summary import read_summary
 from .references import open_reference, open_root, root_location
 
 log = logging.getLogger(__name__)
@@ -249,10 +248,11 @@ def follow_checkpoints(
     """Yield each checkpoint committed under `root` from now on, in commit order, as it lands; like Orbax's
     and TensorFlow's `checkpoints_iterator`, for an evaluation job that follows training.
 
-    Never yields an uncommitted or a corrupt checkpoint (its commit record and the top of its manifest are
-    checked, as `shardckpt timeline` checks them). Looks every `poll_s` seconds: one listing of the root, and
-    reads only of directories not seen yet (object stores have no change notifications). Ends once `timeout_s`
-    pass without a new commit, counted from when the caller asks for the next one (None: never ends).
+    Never yields an uncommitted or a corrupt checkpoint: its manifest is read, matched against its commit record
+    and validated, as `list_checkpoints` checks the `latest` it stars (one manifest read per new commit). Looks
+    every `poll_s` seconds: one listing of the root, and reads only of directories not seen yet (object stores
+    have no change notifications). Ends once `timeout_s` pass without a new commit, counted from when the caller
+    asks for the next one (None: never ends).
     `include_existing`: first yield what is committed already. A root that does not exist yet is waited for.
     """
     # checked now, not at the first next(): a generator function would defer these errors to the loop
@@ -304,7 +304,10 @@ def _newly_committed(location: Location, settled: set[str]) -> list[CheckpointIn
         settled.add(entry.name)
         if entry.committed:
             try:
-                read_summary(location.fs, entry)  # the record matches the manifest, the top of it validates
+                # the rule the listing's pick applies to what it stars (catalog.pick): the whole manifest read,
+                # matched against its commit record and validated. The record's own summary is not enough: a
+                # manifest edited after commit leaves the record as it was
+                _ = entry.manifest
             except CheckpointDeleted:
                 continue  # retention was quicker than this poll: nothing to evaluate
             except ShardCkptError as err:

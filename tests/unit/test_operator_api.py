@@ -247,3 +247,23 @@ def test_each_look_of_a_follower_reads_only_directories_it_has_not_seen(tmp_path
     new = dirname_of(save(Backend(LOCAL, root), 6))
     assert next(follower).name == new
     assert {path.rsplit("/", 2)[-2] for path, _, _ in log.reads if "/step-" in path} == {new}
+
+
+def test_follow_never_yields_a_checkpoint_whose_manifest_was_edited_after_commit_and_ends_where_ls_stars(tmp_path):
+    """Issue 47 item 9: the follower and the listing apply one validity rule (the manifest is the committed one)."""
+    from tests.helpers.forgery import replace_file
+
+    root = Backend(LOCAL, str(tmp_path / "root"))
+    older, newer = (dirname_of(save(root, step)) for step in (1, 2))
+    path = tmp_path / "root" / newer / MANIFEST
+    data = path.read_bytes()
+    at = data.index(b'"created_at": "') + len(b'"created_at": "') + 3  # the year's last digit: still valid JSON
+    edited = data[:at] + (b"8" if data[at : at + 1] != b"8" else b"7") + data[at + 1 :]
+    json.loads(edited)
+    replace_file(str(path), edited)
+
+    yielded = [info.name for info in follow_checkpoints(root.url, include_existing=True, timeout_s=0.3, poll_s=0.05)]
+    listing = list_checkpoints(root.url)
+    assert yielded == [older]
+    assert {info.name: info.state for info in listing.checkpoints}[newer] == "corrupt"
+    assert listing.latest is not None and listing.latest.name == yielded[-1]

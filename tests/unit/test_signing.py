@@ -315,3 +315,53 @@ def test_export_compare_and_drill_with_a_public_key_refuse_a_forged_checkpoint_i
         assert not os.path.exists(tmp_path / "out.safetensors")
     code, _, err = run_cli("export", good, str(tmp_path / "good.safetensors"), "--public-key", public)
     assert code == 0, err
+
+
+def test_a_copier_that_signs_again_accepts_its_own_key_and_the_runs_public_keys_and_no_other(tmp_path, keys):
+    """Issue 47 item 1: what the tier replicator accepts before it signs a copy (signing.policy_of_signer)."""
+    (old_private, old_public, _), (own_private, _, _) = keys
+    stranger_private, _, _ = make_key(tmp_path, "stranger")
+    signed = {
+        name: save(str(tmp_path / name), 1, SignConfig(key_path=key))
+        for name, key in (("old", old_private), ("own", own_private), ("stranger", stranger_private))
+    }
+    own_signer = signing.load_signer(own_private, None, None)
+
+    def accepts(policy: signing.SignaturePolicy, name: str) -> bool:
+        directory = signed[name]
+        manifest = json.loads(Path(directory, "manifest.json").read_bytes())
+        try:
+            policy.check_manifest(fsio.resolve(directory).fs, directory, manifest)
+        except signing.SignatureRefused:
+            return False
+        return True
+
+    rotated = signing.policy_of_signer(own_signer, [old_public])
+    assert [accepts(rotated, name) for name in ("old", "own", "stranger")] == [True, True, False]
+    own_only = signing.policy_of_signer(own_signer)
+    assert [accepts(own_only, name) for name in ("old", "own", "stranger")] == [False, True, False]
+
+
+@pytest.mark.parametrize("format_version", [2, 4])
+def test_each_rank_checks_only_the_files_it_wrote_against_the_signed_digests(tmp_path, keys, format_version):
+    """signing.check_rank_files, each replicating rank's check of what it uploads: rank 0 wrote everything here."""
+    (private, _, _), _ = keys
+    root = str(tmp_path / "root")
+    config = SaveConfig(async_save=False, write_events=False, format_version=format_version)
+    saver = CheckpointSaver(root, save_config_from(config, sign=SignConfig(key_path=private)))
+    try:
+        directory = saver.save(fresh_state(seed=1), step=1).result(timeout=60).path
+    finally:
+        saver.close()
+    fs = fsio.resolve(root).fs
+    manifest = json.loads(Path(directory, "manifest.json").read_bytes())
+    assert manifest["format_version"] == format_version
+    assert signing.check_rank_files(fs, directory, manifest, 0, "k" * 16) > 0
+    assert signing.check_rank_files(fs, directory, manifest, 1, "k" * 16) == 0  # rank 1 wrote nothing
+    shard = os.path.join(directory, shard_filename(0))
+    data = bytearray(Path(shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    _replace(fs, shard, bytes(data))
+    with pytest.raises(signing.SignatureRefused, match="digest differs"):
+        signing.check_rank_files(fs, directory, manifest, 0, "k" * 16)
+    assert signing.check_rank_files(fs, directory, manifest, 1, "k" * 16) == 0

@@ -11,7 +11,7 @@ the holder's own signature says.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...errors import CommitFailed, SignatureRefused
@@ -51,12 +51,17 @@ def reference_digests_of(manifest: dict[str, Any], dirname: str) -> dict[str, st
     return out
 
 
-def check_listed_files(fs: Any, directory: str, manifest: dict[str, Any], kid: str) -> int:
+def check_listed_files(
+    fs: Any, directory: str, manifest: dict[str, Any], kid: str, only: Callable[[str], bool] | None = None
+) -> int:
     """Every own and referenced file of a v2/v3 manifest against its signed digest, read whole; bytes hashed.
-    SignatureRefused names the first file that differs (or has no digest) and the key."""
+    SignatureRefused names the first file that differs (or has no digest) and the key. `only`: the files whose
+    path it accepts (a rank checking the files it wrote)."""
     algorithm = manifest[DIGEST_FIELD]
     hashed = 0
     for item, what in _listed(manifest):
+        if only is not None and not only(item["path"]):
+            continue
         path = join(directory, item["path"])  # a reference '../<dir>/<file>' resolves lexically (FORMAT.md §9)
         expected = item.get(DIGEST)
         if not isinstance(expected, str):

@@ -41,7 +41,7 @@ from .file_digests import (  # noqa: F401 - this module's readers and writers na
     file_digest,
     new_digest,
 )
-from .layout import MANIFEST, join
+from .layout import MANIFEST, join, shard_rank
 
 SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
 ALGORITHM = "ed25519"
@@ -354,6 +354,37 @@ def _parse_signature(raw: bytes, where: str) -> dict[str, Any]:
     except (ValueError, AttributeError) as err:
         raise SignatureRefused(f"{where}: not a signature record this reader knows ({err})") from None
     return record
+
+
+def policy_of_signer(signer: Signer, public_keys: Any = ()) -> SignaturePolicy:
+    """What a writer that signs what it copies (the tier replicator) accepts as the copy's source: checkpoints
+    signed by its own key, or by one of `public_keys` (PEM files or text: the run's accepted keys, a rotation).
+    A KMS signer is asked its public key by signing a fixed probe once."""
+    _, ed25519 = _crypto()
+    public_raw = signer.sign(_PUBLIC_KEY_PROBE)[1]
+    keys = load_public_keys(list(public_keys))
+    keys[key_id(public_raw)] = ed25519.Ed25519PublicKey.from_public_bytes(public_raw)
+    return SignaturePolicy(keys)
+
+
+_PUBLIC_KEY_PROBE = b"lightning_shardckpt: which public key signs here"  # never a manifest: not JSON
+
+
+def check_rank_files(fs: Any, directory: str, manifest: dict[str, Any], rank: int, kid: str) -> int:
+    """The files rank `rank` wrote, against the digests of `manifest`, whose signature by key `kid` was checked
+    already (SignaturePolicy.check_manifest, where the keys are): v4, its part and shard file; v2, its listed
+    files (rank 0 also those no rank's name marks, as it copies them). Comparing digests needs no key, so each
+    rank of a copier checks what it reads itself. Bytes hashed; SignatureRefused naming the file and key."""
+    if "parts" in manifest:
+        ranks = [rank] if rank in _writing_ranks(manifest) else []
+        return SignaturePolicy({}).check_files(fs, directory, manifest, ranks, kid)
+    from .listed_digests import check_listed_files  # that module builds on this one's names
+
+    def written_by(path: str) -> bool:
+        owner = shard_rank(path)
+        return owner == rank or (owner is None and rank == 0)
+
+    return check_listed_files(fs, directory, manifest, kid, only=written_by)
 
 
 def policy_of(require_signature: bool, public_keys: Any) -> SignaturePolicy | None:

@@ -14,6 +14,13 @@ One background thread per rank takes fast-tier commits in request order. For eac
 4. collective "replicate-outcome": every rank learns the result; a failure is retried with backoff
    (the durable tier may be unreachable for a while).
 
+A signed run signs its durable copies again (the manifest gains `replicated_from`), so the copy must never vouch
+for more than the fast copy did: before anything is uploaded, the coordinator checks the fast manifest's signature
+against the run's accepted keys (its signer's own, and LoadConfig.public_keys) in step 1, and every rank checks the
+files it is about to upload against the signed digests (collective "replicate-vouched", between steps 1 and 2).
+A checkpoint that fails either is refused: never copied, never retried, counted as `replication_refused` and
+logged with its path and why; it stays on the fast tier, where a signed resume refuses it too.
+
 The replicator has its own gloo group, created once at set-up, not the saver's checkpoint group: the
 saver's thread runs its collectives on that group at any moment, and two threads issuing collectives
 on one group interleave them (each rank could pair the saver's broadcast with the replicator's), which
@@ -31,7 +38,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, SignatureRefused
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import groups, signing
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 REPLICATED = "replicated"
 REPLICATION_FAILED = "replication_failed"
 REPLICATION_SKIPPED = "replication_skipped"
+REPLICATION_REFUSED = "replication_refused"  # a signed run's fast copy whose signature or digests do not hold
 REPLICATION_LAG = "replication_lag_checkpoints"  # a gauge: fast commits newer than the newest durable copy
 UNREPLICATED_DROPPED = "unreplicated_dropped"
 DEGRADED_SAVES = "degraded_saves"
@@ -72,11 +80,16 @@ class Replicator:
         fault_hook: FaultHook | None = None,
         sleep: Callable[[float], None] = time.sleep,
         sign: Any = None,
+        public_keys: tuple[str, ...] = (),
     ) -> None:
         """`sign` (SaveConfig.sign, signing on): the durable copy's manifest (the original's plus `replicated_from`)
-        is signed again with the run's key, so a reader with a signature policy accepts either tier's copy."""
+        is signed again with the run's key, so a reader with a signature policy accepts either tier's copy; only a
+        fast copy signed by that key or one of `public_keys` (PEM files or text), whose files match its signed
+        digests, is copied."""
         assert config.durable is not None
         self.sign = sign if sign is not None and sign.enabled else None
+        self.public_keys = tuple(public_keys)
+        self._policy: signing.SignaturePolicy | None = None  # coordinator, signing on: built at the first copy
         self.config = config
         self.fast, self.durable = fast, durable
         self.group = group
@@ -167,14 +180,20 @@ class Replicator:
                 else:
                     decision = None
                 decision = broadcast_from_coordinator("replicate-pick", decision, self.group)
-                action, name, manifest, owed = decision
-                if action == "copy" and owed:
-                    self._copy_with_retries(name, manifest, counted=False)  # passed over earlier: consumed already
+                action, name, manifest, owed, kid = decision
+                if action in ("copy", "refuse") and owed:  # passed over earlier: consumed already
+                    if action == "copy":
+                        self._copy_with_retries(name, manifest, kid, counted=False)
+                    else:
+                        self.counters.note(REPLICATION_REFUSED)
                     continue
                 if action != "stop":
                     pending = self._consume_until(pending, name)
                 if action == "copy":
-                    self._copy_with_retries(name, manifest)
+                    self._copy_with_retries(name, manifest, kid)
+                elif action == "refuse":
+                    self.counters.note(REPLICATION_REFUSED)
+                    self._backlog.done(1)
                 elif action == "skip":
                     self._backlog.done(1)
                 if action == "stop":
@@ -202,21 +221,23 @@ class Replicator:
             else:
                 pending.append(item)
 
-    def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None, bool]:
-        """Coordinator: (action, name, manifest, owed): ("copy", name, manifest, False) copies the newest pending,
-        ("copy", name, manifest, True) the one the cadence passed over (at close), ("skip", name, None, False)
-        passes `name` over, ("stop", None, None, False) ends the thread."""
+    def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None, bool, str | None]:
+        """Coordinator: (action, name, manifest, owed, key id): ("copy", name, manifest, False, kid) copies the newest
+        pending, ("copy", name, manifest, True, kid) the one the cadence passed over (at close), ("refuse", name,
+        None, owed, None) passes over one whose signature does not hold, ("skip", name, None, False, None) passes
+        `name` over, ("stop", None, None, False, None) ends the thread. `kid`: the key that signed the fast copy
+        (None: the run does not sign)."""
         flushing = stopping or self._flush_deadline is not None
         past_deadline = self._flush_deadline is not None and time.monotonic() > self._flush_deadline
         if stopping and past_deadline:
-            return ("stop", None, None, False)
+            return ("stop", None, None, False, None)
         if not pending:
             owed, self._owed = self._owed, None
             if stopping and owed is not None:  # close: the newest commit goes to the durable tier whatever the cadence
                 manifest = self._read_fast_manifest(owed)
                 if manifest is not None:
-                    return ("copy", owed, manifest, True)
-            return ("stop", None, None, False)
+                    return self._copy_if_vouched(owed, manifest, owed=True)
+            return ("stop", None, None, False, None)
         newest = pending[-1]
         self._since_copy += 1
         durable = self.config.durable
@@ -235,12 +256,40 @@ class Replicator:
             )
         if not due:
             self._owed = pending[0]
-            return ("skip", pending[0], None, False)
+            return ("skip", pending[0], None, False, None)
         manifest = self._read_fast_manifest(newest)
         if manifest is None:
-            return ("skip", newest, None, False)
-        self._owed = None
-        return ("copy", newest, manifest, False)
+            return ("skip", newest, None, False, None)
+        decision = self._copy_if_vouched(newest, manifest, owed=False)
+        if decision[0] == "copy":
+            self._owed = None
+        return decision
+
+    def _copy_if_vouched(
+        self, name: str, manifest: dict[str, Any], owed: bool
+    ) -> tuple[str, str | None, dict | None, bool, str | None]:
+        """Coordinator: copy `name`, unless the run signs and the fast manifest's signature does not hold (then
+        refused: its copy would be signed again with the run's key, vouching for what nobody signed)."""
+        if self.sign is None:
+            return ("copy", name, manifest, owed, None)
+        try:
+            if self._policy is None:
+                self._policy = signing.policy_of_signer(self._signer(), self.public_keys)
+            kid = self._policy.check_manifest(self.fast.fs, join(self.fast.path, name), manifest)
+        except Exception as err:  # noqa: BLE001 - SignatureRefused, or no key to judge by: never re-signed
+            self._refused(name, f"{type(err).__name__}: {err}")
+            return ("refuse", name, None, owed, None)
+        return ("copy", name, manifest, owed, kid)
+
+    def _refused(self, name: str, why: str) -> None:
+        log.error(
+            "rank %d: not replicating %s to %s: %s; a signed run copies only what its accepted keys signed, so it "
+            "stays on the fast tier (where a resume requiring a signature refuses it too)",
+            self.rank,
+            join(self.fast.url, name),
+            self.durable.url,
+            why,
+        )
 
     def _read_fast_manifest(self, name: str) -> dict[str, Any] | None:
         try:
@@ -272,14 +321,21 @@ class Replicator:
             self._backlog.done(index)
         return pending[index + 1 :]
 
-    def _copy_with_retries(self, name: str, manifest: dict[str, Any], counted: bool = True) -> None:
-        """Copy until committed, the coordinator gives up (closing past its deadline) or a newer one waits.
-        `counted`: `name` is a submitted checkpoint not yet marked handled."""
+    def _copy_with_retries(self, name: str, manifest: dict[str, Any], kid: str | None, counted: bool = True) -> None:
+        """Copy until committed, refused (a file does not match the signed digests), the coordinator gives up
+        (closing past its deadline) or a newer one waits. `counted`: `name` is a submitted checkpoint not yet marked
+        handled. `kid`: the key whose signature of the fast manifest was checked (None: the run does not sign)."""
         failures = 0
         while True:
             started = time.perf_counter()
-            ok, message = self._copy_once(name, manifest)
+            ok, message, refused = self._copy_once(name, manifest, kid)
             self._event(name, manifest, ok, message, time.perf_counter() - started)
+            if refused:  # the same bytes fail the same way again: never retried
+                self.counters.note(REPLICATION_REFUSED)
+                if self.rank == 0:
+                    self._refused(name, message)
+                self._backlog.done(1 if counted else 0)
+                return
             if ok:
                 self._since_copy = 0
                 self._last_copy_time = time.monotonic()
@@ -344,8 +400,21 @@ class Replicator:
             except Exception:  # noqa: BLE001 - metrics never fail a copy
                 log.warning("a replication listener failed", exc_info=True)
 
-    def _copy_once(self, name: str, manifest: dict[str, Any]) -> tuple[bool, str]:
+    def _copy_once(self, name: str, manifest: dict[str, Any], kid: str | None) -> tuple[bool, str, bool]:
+        """(committed, why not, refused): refused when a rank's files do not match the signed digests."""
         src_dir, dst_dir = join(self.fast.path, name), join(self.durable.path, name)
+        if kid is not None:
+            check: tuple[bool, str] | None = None  # (refused, why): this rank's files do not hold, or are unreadable
+            try:  # what this rank uploads, checked before any rank uploads anything
+                signing.check_rank_files(self.fast.fs, src_dir, manifest, self.rank, kid)
+            except SignatureRefused as err:
+                check = (True, f"rank {self.rank}: {err}")
+            except Exception as err:  # noqa: BLE001 - unreadable now: a failed attempt, retried like an upload
+                check = (False, f"rank {self.rank}: {type(err).__name__}: {err}")
+            checks = [c for c in all_gather_objects("replicate-vouched", check, self.group) if c]
+            if checks:
+                refused = any(refused for refused, _ in checks)
+                return False, "; ".join(why for refused_here, why in checks if refused_here or not refused), refused
         problem = None
         try:
             expanded = groups.expanded(self.fast.fs, src_dir, manifest)  # v5: its files are in its group tables
@@ -371,7 +440,8 @@ class Replicator:
         outcome: tuple[bool, str] | None = None
         if self.rank == 0:
             outcome = (False, "; ".join(problems)) if problems else self._commit(name, manifest)
-        return tuple(broadcast_from_coordinator("replicate-outcome", outcome, self.group))  # type: ignore[return-value]
+        ok, message = broadcast_from_coordinator("replicate-outcome", outcome, self.group)
+        return ok, message, False
 
     def _signer(self) -> signing.Signer | None:
         if self.sign is None:

@@ -60,6 +60,9 @@ class CheckpointTiers:
         self._last_counters: dict[str, int] = {}  # the replicator's counters when it stopped (logged after close)
         self.run_id: str | None = None
         self._committed_here: list[str] = []  # node-local fast tier, node > 0: this process's commits, in order
+        # the run's accepted public keys (LoadConfig.public_keys, from the plan): a signed run's replicator copies
+        # (and signs again) only what its own key or one of these signed
+        self.accepted_keys: tuple[str, ...] = ()
 
     # --- before training ---
     def preflight(self) -> None:
@@ -105,6 +108,7 @@ class CheckpointTiers:
             on_committed=self._durable_retention if is_global_zero else None,
             fault_hook=fault_hook,
             sign=saver.config.sign,  # a signed run's durable copies are signed too
+            public_keys=self.accepted_keys,
         )
         self.replicator.newest_durable = newest_durable
         if catch_up is not None:

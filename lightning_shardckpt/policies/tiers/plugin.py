@@ -45,6 +45,7 @@ class TiersPlugin(Plugin):
         """This node's fast root becomes the root; the strategy's resume considers both tiers."""
         if self.tiers is None:
             self.tiers = CheckpointTiers(self.config, placement.node_rank, placement.local_rank)
+        self.tiers.accepted_keys = tuple(plan.load.public_keys)  # what the replicator may copy and sign again
         fast = self.config.fast
         save = save_config_from(
             plan.save,
