@@ -266,3 +266,43 @@ def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
         "range": {"kind": "static", "max": 3},
     }
     assert health_config_from([rule]).rules[0].metric == "replication_lag_checkpoints"  # a rule may watch it
+
+
+# --- degraded mode: one lineage across the tiers ---
+def test_degraded_saves_continue_the_runs_seq_and_an_older_fast_copy_never_supersedes_them(tmp_path):
+    """The fast tier fills at step 6 while step 5 waits for its copy (every 3rd): step 7 commits on the durable
+    tier (degraded mode), then the close owes step 5. Step 7's seq continues the fast tier's (so the run's commit
+    order is one across the tiers), and step 5 is not copied over it: it would be the durable `latest`, and the
+    durable keep_last=1 would delete step 7."""
+    from lightning_shardckpt import Checkpointer, list_checkpoints, load_checkpoint
+    from tests.helpers.quota_fs import quota_options, quota_url, used_bytes
+
+    def state(step: int) -> dict:
+        return {"w": torch.full((2**14,), float(step))}
+
+    probe = tmp_path / "probe"
+    with Checkpointer(str(probe), save={"async_save": False}) as sizing:
+        sizing.save(1, state(1), blocking=True)
+    disk, durable = tmp_path / "disk", str(tmp_path / "durable")
+    disk.mkdir()
+    tiers = {  # room for five checkpoints on the fast tier, not six
+        "fast": {
+            "dirpath": quota_url(disk / "fast"),
+            "storage_options": quota_options(disk, used_bytes(probe) * 11 // 2),
+        },
+        "durable": {"dirpath": durable, "every_n_checkpoints": 3, "keep_last": 1},
+    }
+    checkpointer = Checkpointer(None, tiers=tiers, save={"async_save": False})
+    committed = [checkpointer.save(step, state(step), blocking=True).result().committed for step in range(1, 8)]
+    checkpointer.close()
+    assert committed == [True] * 5 + [False, True]  # step 6 found the fast tier full; step 7 went to the durable tier
+    fast = catalog.committed_of_run(catalog.list_checkpoints(fsio.resolve(str(disk / "fast"))), checkpointer.run_id)
+    on_durable = catalog.committed_of_run(catalog.list_checkpoints(fsio.resolve(durable)), checkpointer.run_id)
+    assert [e.step for e in fast] == [1, 2, 3, 4, 5]
+    assert on_durable[-1].step == 7 and on_durable[-1].seq > fast[-1].seq  # seq monotonic across the tiers
+    assert 5 not in [e.step for e in on_durable]  # superseded, counted
+    assert checkpointer.plugins.counters()["replication_superseded"] == 1
+    assert list_checkpoints(durable).latest.step == 7
+    restored = state(0)
+    load_checkpoint(restored, durable)
+    assert restored["w"][0].item() == 7.0

@@ -14,6 +14,12 @@ One background thread per rank takes fast-tier commits in request order. For eac
 4. collective "replicate-outcome": every rank learns the result; a failure is retried with backoff
    (the durable tier may be unreachable for a while).
 
+A checkpoint older than the durable tier's newest commit of its run (by `seq`, the run's commit order across
+tiers) is not copied: counted as `replication_superseded`. That happens after degraded mode (the fast tier
+filled; later saves committed on the durable tier directly) when the close or the next run's catch-up owes the
+last fast commit, which is older. Committed there it would move the durable `latest` back to it, and a
+retention window ordered by `seq` would spend a slot on it; the durable tier exists to hold the newest state.
+
 The replicator has its own gloo group, created once at set-up, not the saver's checkpoint group: the
 saver's thread runs its collectives on that group at any moment, and two threads issuing collectives
 on one group interleave them (each rank could pair the saver's broadcast with the replicator's), which
@@ -49,6 +55,7 @@ log = logging.getLogger(__name__)
 REPLICATED = "replicated"
 REPLICATION_FAILED = "replication_failed"
 REPLICATION_SKIPPED = "replication_skipped"
+REPLICATION_SUPERSEDED = "replication_superseded"  # not copied: the durable tier holds a newer commit of the run
 REPLICATION_LAG = "replication_lag_checkpoints"  # a gauge: fast commits newer than the newest durable copy
 UNREPLICATED_DROPPED = "unreplicated_dropped"
 DEGRADED_SAVES = "degraded_saves"
@@ -168,6 +175,12 @@ class Replicator:
                     decision = None
                 decision = broadcast_from_coordinator("replicate-pick", decision, self.group)
                 action, name, manifest, owed = decision
+                if action == "superseded":
+                    if not owed:  # a submitted one: handled now (an owed one was consumed when passed over)
+                        pending = self._consume_until(pending, name)
+                        self._backlog.done(1)
+                    self.counters.note(REPLICATION_SUPERSEDED)
+                    continue
                 if action == "copy" and owed:
                     self._copy_with_retries(name, manifest, counted=False)  # passed over earlier: consumed already
                     continue
@@ -205,7 +218,8 @@ class Replicator:
     def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None, bool]:
         """Coordinator: (action, name, manifest, owed): ("copy", name, manifest, False) copies the newest pending,
         ("copy", name, manifest, True) the one the cadence passed over (at close), ("skip", name, None, False)
-        passes `name` over, ("stop", None, None, False) ends the thread."""
+        passes `name` over, ("superseded", name, None, owed) leaves out one older than the durable tier's newest
+        commit of its run, ("stop", None, None, False) ends the thread."""
         flushing = stopping or self._flush_deadline is not None
         past_deadline = self._flush_deadline is not None and time.monotonic() > self._flush_deadline
         if stopping and past_deadline:
@@ -214,6 +228,8 @@ class Replicator:
             owed, self._owed = self._owed, None
             if stopping and owed is not None:  # close: the newest commit goes to the durable tier whatever the cadence
                 manifest = self._read_fast_manifest(owed)
+                if manifest is not None and self._superseded(owed, manifest):
+                    return ("superseded", owed, None, True)
                 if manifest is not None:
                     return ("copy", owed, manifest, True)
             return ("stop", None, None, False)
@@ -239,8 +255,34 @@ class Replicator:
         manifest = self._read_fast_manifest(newest)
         if manifest is None:
             return ("skip", newest, None, False)
-        self._owed = None
+        self._owed = None  # older than `newest`: copied or superseded with it
+        if self._superseded(newest, manifest):
+            return ("superseded", newest, None, False)
         return ("copy", newest, manifest, False)
+
+    def _superseded(self, name: str, manifest: dict[str, Any]) -> bool:
+        """Coordinator: the durable tier holds a newer commit of `name`'s run (a larger `seq`: degraded mode's)."""
+        run_id, seq = manifest.get("run_id"), manifest.get("seq")
+        if not isinstance(run_id, str) or not isinstance(seq, int):
+            return False  # no commit order to compare (a v1 manifest): copied as before
+        try:
+            newest = catalog.newest_commit_of_run(self.durable, run_id)
+        except Exception:  # noqa: BLE001 - unreachable: the copy attempt reports it and retries
+            log.debug("cannot read the durable tier's newest commit of %s", run_id, exc_info=True)
+            return False
+        if newest is None or newest.name == name or (newest.seq or 0) <= seq:
+            return False
+        log.warning(
+            "not copying %s (seq %d) to %s: it holds %s (seq %d), a newer commit of run %s (degraded mode); "
+            "a copy of the older one would become its `latest`",
+            name,
+            seq,
+            self.durable.url,
+            newest.name,
+            newest.seq,
+            run_id,
+        )
+        return True
 
     def _read_fast_manifest(self, name: str) -> dict[str, Any] | None:
         try:

@@ -202,7 +202,11 @@ class CheckpointTiers:
         if fast is not None:
             fast.wait()  # one saver thread at a time on the checkpoint group
         config = replace(host.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
-        self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=host.checkpoint_group())
+        # its commits continue the run's fast-tier commits (seq, parent): a replication of an older fast checkpoint
+        # then reads as older on the durable tier (and is skipped as superseded, engine/tiers/replicate.py)
+        self.degraded_saver = CheckpointSaver(
+            self.config.durable.dirpath, config, group=host.checkpoint_group(), lineage_from=(self.fast,)
+        )
         # the door's savers: a blocking save waits for it, closing the door closes it before the group goes
         host.replace_saver(self.config.durable.dirpath, self.degraded_saver)
         self._degraded_saves += 1
