@@ -256,7 +256,9 @@ def find(
 
     `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
     picked is deleted meanwhile (another job's retention on this root). It asks the run's commit index first
-    (commit_index.py: a few small reads, no listing of the root) and lists the root when the index cannot answer.
+    (commit_index.py: a few small reads, no reads per directory) and lists the root when the index cannot answer;
+    the index answers only what the listing's `newest_committed` would (checked against the root's directory
+    names), so every reader's `latest` is that one choice, whatever state the pointer and the markers are in.
     """
     if which == "latest":
         indexed = commit_index.newest_of_run_by_index(location, run_id)
