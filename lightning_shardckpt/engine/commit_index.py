@@ -156,6 +156,43 @@ def marker_seqs(location: Location, run_id: str) -> list[int]:
     return sorted(int(name) for name in names if name.isdigit())
 
 
+def prune_markers(location: Location, entries: list[CheckpointEntry]) -> int:
+    """Remove the markers of checkpoints that are gone (after retention or gc); returns how many went.
+
+    `entries`: a listing of the root taken before the deletions. Per run, a marker goes when its seq is below the
+    run's newest commit and no directory it names is left in the root (one LIST of names, and a small read of
+    each such marker). Kept: markers at or above the newest commit (a save in flight writes its marker before
+    its manifest), and markers of directories still there (a retired checkpoint whose files a kept incremental
+    one still references, a failed attempt gc has not removed yet), which the walk's check counts.
+    """
+    try:
+        listed = location.fs.ls(location.path, detail=False)
+    except FileNotFoundError:
+        return 0
+    present = {str(path).rstrip("/").rsplit("/", 1)[-1] for path in listed}
+    removed = 0
+    for run_id in _runs(location):
+        mine = [e for e in entries if e.committed and e.run_id == run_id and e.name in present and e.seq]
+        if not mine or not indexable(run_id, 1):
+            continue  # nothing of the run is left committed: whether a save of it is in flight is unknown
+        newest = max(entry.seq for entry in mine)
+        kept = {entry.seq for entry in mine}
+        for seq in marker_seqs(location, run_id):
+            if seq >= newest or seq in kept:
+                continue
+            name = _marker(location, run_id, seq)
+            if name is not None and name in present:
+                continue
+            try:
+                location.fs.rm_file(marker_path(location.path, run_id, seq))
+                removed += 1
+            except FileNotFoundError:  # another pruner (a gc beside retention) removed it first
+                pass
+    if removed:
+        log.info("%s: removed %d commit index marker(s) of deleted checkpoints", location.url, removed)
+    return removed
+
+
 def _committed(location: Location, name: str) -> CheckpointEntry | None:
     """The listing entry of directory `name` when it is committed (manifest present, commit record valid)."""
     parsed = parse_dirname(name)

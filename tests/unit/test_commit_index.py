@@ -183,3 +183,41 @@ def test_a_rollbacks_newer_commit_of_a_smaller_step_stays_latest_with_its_marker
     os.remove(commit_index.marker_path(path, RUN_ID, 5))
     assert catalog.find(resolve(path), "latest").name == dirname_of(branch)
     assert resolve_checkpoint(path).checkpoint_id == branch["id"]
+
+
+def _markers(root: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(root, commit_index.INDEX_DIR, RUN_ID)))
+
+
+def test_retention_prunes_the_markers_of_the_checkpoints_it_deletes_and_latest_still_comes_from_the_index(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    from lightning_shardckpt import Checkpointer
+
+    root = str(tmp_path / "run")
+    with Checkpointer(root, keep_last=2, save={"async_save": False, "run_id": RUN_ID}) as checkpointer:
+        for step in range(1, 31):
+            checkpointer.save(step, {"w": torch.full((8,), float(step))}, blocking=True)
+    committed = [e for e in catalog.list_checkpoints(resolve(root)) if e.committed]
+    assert [e.step for e in committed] == [29, 30]
+    assert _markers(root) == [f"{e.seq:09d}" for e in committed]  # 2 markers, not 30
+    _point_latest_at(root, committed[0].name)  # stale: the walk goes from seq 29 to 30 over the pruned index
+    _no_listing(monkeypatch)
+    assert catalog.find(resolve(root), "latest").name == committed[1].name
+
+
+def test_gc_prunes_the_markers_of_checkpoints_deleted_before_retention_pruned_them(tmp_path, run_cli):
+    import shutil
+
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in range(1, 11)]
+    for name in names[:8]:  # deleted by an older version's retention, or by hand: 10 markers, 2 checkpoints
+        shutil.rmtree(os.path.join(path, name))
+    assert len(_markers(path)) == 10
+    code, out, _ = run_cli("gc", path, "--yes", "--json")
+    assert code == 0
+    assert _markers(path) == ["000000009", "000000010"]
+    assert json.loads(out)["markers_removed"] == 8
+    assert catalog.find(resolve(path), "latest").name == names[9]
