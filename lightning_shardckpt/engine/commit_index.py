@@ -38,7 +38,7 @@ INDEX_DIR = "index"
 _SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MARKER_MAX_BYTES = 256  # a marker holds one directory name
 POINTER_MAX_BYTES = 4096  # `latest` holds one directory name (~30 bytes)
-MAX_WALK = 64  # markers above the pointer read before giving up on the index (that many failed attempts: list)
+MAX_WALK = 64  # markers above the pointer read, newest first, before giving up on the index (all failed attempts)
 
 
 def read_latest_pointer(location: Location) -> str | None:
@@ -99,9 +99,7 @@ def _walk(location: Location, run_id: str | None) -> CheckpointEntry | None:
         return None  # the index does not cover the pointer's checkpoint
     seqs = marker_seqs(location, entry.run_id)
     newer = sorted((seq for seq in seqs if seq > entry.seq), reverse=True)
-    if len(newer) > MAX_WALK:
-        return None
-    for seq in newer:  # newest first, never seq + 1: seqs have gaps (a durable tier holds every n-th commit)
+    for seq in newer[:MAX_WALK]:  # newest first, never seq + 1: seqs have gaps (a durable tier holds every n-th)
         following = _marker(location, entry.run_id, seq)
         candidate = _committed(location, following) if following is not None else None
         if candidate is None:
@@ -110,6 +108,9 @@ def _walk(location: Location, run_id: str | None) -> CheckpointEntry | None:
             return None  # the marker names another commit: the index is inconsistent
         entry = candidate
         break
+    else:
+        if len(newer) > MAX_WALK:
+            return None  # that many markers of attempts that never committed: the listing decides
     return entry if _nothing_newer_unindexed(location, entry, seqs) else None
 
 
