@@ -306,3 +306,6 @@ def test_degraded_saves_continue_the_runs_seq_and_an_older_fast_copy_never_super
     restored = state(0)
     load_checkpoint(restored, durable)
     assert restored["w"][0].item() == 7.0
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as restart:  # the next run resumes step 7
+        at_restart = state(0)
+        assert restart.load(at_restart) == 7 and at_restart["w"][0].item() == 7.0
