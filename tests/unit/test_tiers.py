@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -309,3 +310,26 @@ def test_degraded_saves_continue_the_runs_seq_and_an_older_fast_copy_never_super
     with Checkpointer(None, tiers=tiers, save={"async_save": False}) as restart:  # the next run resumes step 7
         at_restart = state(0)
         assert restart.load(at_restart) == 7 and at_restart["w"][0].item() == 7.0
+
+
+def test_a_run_back_on_the_fast_tier_continues_the_seq_the_durable_tier_reached(tmp_path):
+    """A run resumed from a durable commit newer than anything on the fast tier (degraded mode saved it, or the
+    fast tier was wiped) saves on the fast tier again: its commits continue the durable tier's seq, so their
+    copies are newer there (not left out as superseded) and the run has one commit order."""
+    from lightning_shardckpt import Checkpointer
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    tiers = {"fast": {"dirpath": fast}, "durable": {"dirpath": durable}}
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as first:
+        for step in (1, 2, 3):
+            first.save(step, {"w": torch.full((64,), float(step))}, blocking=True)
+    shutil.rmtree(fast)  # the fast tier is lost (a replaced node's disk): the durable tier holds seqs 1-3
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as second:
+        state = {"w": torch.zeros(64)}
+        assert second.load(state) == 3
+        second.save(4, {"w": torch.full((64,), 4.0)}, blocking=True)
+    on_fast = [e for e in catalog.list_checkpoints(fsio.resolve(fast)) if e.committed]
+    on_durable = [e for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed]
+    assert [(e.step, e.seq) for e in on_fast] == [(4, 4)]
+    assert [(e.step, e.seq) for e in on_durable] == [(1, 1), (2, 2), (3, 3), (4, 4)]  # copied, newest
+    assert second.plugins.counters().get("replication_superseded", 0) == 0

@@ -477,6 +477,15 @@ def newest_on_both(fast: Location, durable: Location, run_id: str | None) -> str
     return both[-1].name if both else None
 
 
+def durable_ahead(fast: Location, durable: Location, run_id: str) -> bool:
+    """The durable tier holds a newer commit of `run_id` than the fast tier does (degraded mode saved there, or the
+    fast tier is new or was wiped): the fast tier's commits must continue the durable tier's `seq`, else their
+    copies would read as older there (and be left out as superseded)."""
+    theirs = catalog.newest_commit_of_run(durable, run_id)
+    mine = catalog.newest_commit_of_run(fast, run_id)
+    return theirs is not None and (mine is None or (theirs.seq or 0) > (mine.seq or 0))
+
+
 def missing_on_durable(fast: Location, durable: Location, run_id: str | None) -> str | None:
     """The newest committed fast-tier checkpoint of `run_id` that the durable tier lacks (None: nothing to catch up)."""
     newest = catalog.newest_committed(catalog.list_checkpoints(fast), run_id)

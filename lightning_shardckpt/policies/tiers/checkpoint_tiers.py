@@ -26,6 +26,7 @@ from ...engine.tiers.replicate import (
     DEGRADED_SAVES,
     UNREPLICATED_DROPPED,
     Replicator,
+    durable_ahead,
     missing_on_durable,
     newest_on_both,
 )
@@ -94,6 +95,10 @@ class CheckpointTiers:
             try:
                 newest_durable = newest_on_both(self.fast, self.durable, run_id)  # for the fast tier's retention rule
                 catch_up = missing_on_durable(self.fast, self.durable, run_id)
+                if durable_ahead(self.fast, self.durable, run_id):
+                    # this run's seq goes on from the durable tier's newest commit (one order across the tiers);
+                    # the coordinator alone computes a commit's lineage, so only its saver needs to know
+                    saver.lineage_from = (*saver.lineage_from, self.durable)
             except Exception:  # noqa: BLE001 - an unreachable durable tier: the first copy retries
                 log.warning("cannot compare the fast and durable tiers; no catch-up copy", exc_info=True)
         catch_up = broadcast_from_coordinator("tiers-catch-up", catch_up, self._group)
