@@ -147,6 +147,33 @@ def _nothing_newer_unindexed(location: Location, entry: CheckpointEntry, seqs: l
     return True
 
 
+def vouches_newest(location: Location, name: str) -> bool:
+    """Whether the index and the root's directory names alone vouch that nothing newer than checkpoint `name` is
+    in the root, without one read inside a checkpoint directory (a resume that assembled `name` from peer copies
+    reads no object of the durable tier): the root's only run's highest marker names it, no other directory has
+    a step as high, and the root holds no more directories of lower steps than the index has lower markers (the
+    walk's check, above). False whenever they cannot tell: then read the root."""
+    parsed = parse_dirname(name)
+    runs = _runs(location)
+    if parsed is None or len(runs) != 1:
+        return False
+    seqs = marker_seqs(location, runs[0])
+    if not seqs or _marker(location, runs[0], seqs[-1]) != name:
+        return False  # the pointer is never asked: a lost or rewritten one would name an older checkpoint
+    try:
+        listed = location.fs.ls(location.path, detail=False)
+    except FileNotFoundError:
+        return False
+    steps = [
+        (entry.step, other)
+        for other in (str(path).rstrip("/").rsplit("/", 1)[-1] for path in listed)
+        if (entry := parse_dirname(other)) is not None
+    ]
+    if any(step >= parsed.step and other != name for step, other in steps):
+        return False
+    return sum(1 for step, _ in steps if step < parsed.step) <= len(seqs) - 1
+
+
 def marker_seqs(location: Location, run_id: str) -> list[int]:
     """The seqs the run's index holds markers of: one LIST of `ROOT/index/<run_id>/`."""
     try:
