@@ -221,3 +221,12 @@ def test_gc_prunes_the_markers_of_checkpoints_deleted_before_retention_pruned_th
     assert _markers(path) == ["000000009", "000000010"]
     assert json.loads(out)["markers_removed"] == 8
     assert catalog.find(resolve(path), "latest").name == names[9]
+
+
+def test_a_pointer_more_commits_behind_than_the_walk_reads_still_resolves_from_the_index(root, monkeypatch):
+    """The walk reads markers from the newest down, so how far behind the pointer is costs nothing."""
+    path, names = root
+    monkeypatch.setattr(commit_index, "MAX_WALK", 1)  # stands for 64 markers: two commits past the pointer
+    _point_latest_at(path, names[0])
+    _no_listing(monkeypatch)
+    assert catalog.find(resolve(path), "latest").name == names[2]
