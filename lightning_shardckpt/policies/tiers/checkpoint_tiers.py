@@ -95,7 +95,8 @@ class CheckpointTiers:
             try:
                 newest_durable = newest_on_both(self.fast, self.durable, run_id)  # for the fast tier's retention rule
                 catch_up = missing_on_durable(self.fast, self.durable, run_id)
-                if durable_ahead(self.fast, self.durable, run_id):
+                continued = {location.url for location in saver.lineage_from}
+                if self.durable.url not in continued and durable_ahead(self.fast, self.durable, run_id):
                     # this run's seq goes on from the durable tier's newest commit (one order across the tiers);
                     # the coordinator alone computes a commit's lineage, so only its saver needs to know
                     saver.lineage_from = (*saver.lineage_from, self.durable)
