@@ -167,6 +167,15 @@ def newest_of_run(entries: list[CheckpointEntry], run_id: str | None) -> Checkpo
     return mine[-1] if mine else None
 
 
+def newest_commit_of_run(location: Location, run_id: str) -> CheckpointEntry | None:
+    """The newest committed checkpoint of `run_id` under the root (None: it has none there): from the run's commit
+    index when it can answer (commit_index.py: a few small reads), else from a listing; the same answer either way."""
+    indexed = commit_index.newest_of_run_by_index(location, run_id)
+    if indexed is not None:
+        return indexed
+    return newest_of_run(list_checkpoints(location), run_id)
+
+
 def newest_committed(entries: list[CheckpointEntry], run_id: str | None = None) -> CheckpointEntry | None:
     """The latest checkpoint: the newest commit of `run_id` when that run has one, else the newest
     commit of the run that committed last. Steps do not matter: a rollback's new branch wins."""
@@ -272,7 +281,9 @@ def find(
 
     `latest` skips a checkpoint whose manifest turns out corrupt, and lists again once when the one it
     picked is deleted meanwhile (another job's retention on this root). It asks the run's commit index first
-    (commit_index.py: a few small reads, no listing of the root) and lists the root when the index cannot answer.
+    (commit_index.py: a few small reads, no reads per directory) and lists the root when the index cannot answer;
+    the index answers only what the listing's `newest_committed` would (checked against the root's directory
+    names), so every reader's `latest` is that one choice, whatever state the pointer and the markers are in.
     """
     if which == "latest":
         indexed = commit_index.newest_of_run_by_index(location, run_id)

@@ -31,7 +31,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..engine import catalog
+from ..engine import catalog, commit_index
 from ..engine.format import references as refs
 from ..engine.format.layout import MANIFEST, join
 from ..engine.storage.fsio import Location
@@ -84,6 +84,7 @@ class GcReport:
     grace_s: float
     dry_run: bool
     items: list[GcItem]
+    markers_removed: int = 0  # commit index markers of deleted checkpoints (engine/commit_index.py)
 
     @property
     def to_remove(self) -> list[GcItem]:
@@ -108,6 +109,7 @@ class GcReport:
             "removed": [item.as_dict() for item in self.to_remove],  # in a dry run: what would be removed
             "kept": [item.as_dict() for item in self.kept],
             "bytes_reclaimed": sum(item.bytes or 0 for item in self.to_remove if item.removed),
+            "markers_removed": self.markers_removed,
         }
 
 
@@ -124,11 +126,14 @@ def plan(location: Location, grace_s: float = DEFAULT_GRACE_S) -> list[GcItem]:
 def collect(location: Location, grace_s: float = DEFAULT_GRACE_S, *, dry_run: bool = True) -> GcReport:
     """Remove (unless `dry_run`) every uncommitted checkpoint directory older than `grace_s` seconds."""
     items = plan(location, grace_s)
+    markers = 0
     if not dry_run:
         for item in items:
             if item.action == "remove":
                 _remove(location, item, grace_s)
-    return GcReport(location.url, grace_s, dry_run, items)
+        # the index markers of checkpoints no longer there (deleted by retention before it pruned them, by hand)
+        markers = commit_index.prune_markers(location, catalog.list_checkpoints(location))
+    return GcReport(location.url, grace_s, dry_run, items, markers)
 
 
 # --- internals ---

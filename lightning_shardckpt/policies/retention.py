@@ -26,7 +26,7 @@ import errno
 import logging
 from typing import Any
 
-from ..engine import catalog
+from ..engine import catalog, commit_index
 from ..engine.format import drill_records
 from ..engine.format import references as refs
 from ..engine.format.layout import MANIFEST, join
@@ -205,4 +205,10 @@ def apply(
         )  # after the checkpoint: a crash leaves records, never a drilled-looking hole
         deleted.append(entry.name)
     sweep_retired(location, entries, pinned)  # earlier deletions whose files no kept checkpoint references any more
+    if deleted:
+        # the index markers of what went (else a root keeps one per save ever made); the walk tolerates the gaps
+        try:
+            commit_index.prune_markers(location, entries)
+        except OSError as err:  # markers are hints: the next pass, or `shardckpt gc`, prunes them
+            log.warning("retention: could not prune the commit index of %s: %s", location.url, err)
     return deleted

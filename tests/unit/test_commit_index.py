@@ -105,3 +105,128 @@ def test_a_marker_naming_another_runs_checkpoint_sends_the_reader_to_the_listing
     listed = _counting_listing(monkeypatch)
     assert catalog.find(resolve(path), "latest").name == names[2]
     assert listed
+
+
+# --- one truth: every reader's `latest` is the listing's, whatever state the hints are in ---
+def _every_second_commit_replicated(tmp_path) -> tuple[str, list[str]]:
+    """A durable tier holding every second commit of a run (steps and seqs 2, 4, 6: gaps, as replication leaves)."""
+    import torch
+
+    from lightning_shardckpt import CheckpointSaver, SaveConfig
+    from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig
+    from lightning_shardckpt.engine.tiers.replicate import Replicator
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    saver = CheckpointSaver(fast, SaveConfig(async_save=False, write_events=False, run_id=RUN_ID))
+    names = []
+    for step in range(1, 7):
+        result = saver.save({"w": torch.full((64,), float(step))}, step=step).result(timeout=60)
+        assert result.committed, result.error
+        names.append(result.path.rsplit("/", 1)[-1])
+    saver.close()
+    config = TiersConfig(fast=TierConfig(dirpath=fast), durable=TierConfig(dirpath=durable))
+    replicator = Replicator(config, resolve(fast), resolve(durable), group=None)
+    for name in names[1::2]:
+        replicator.submit(name)
+        assert replicator.flush(30)
+    replicator.close(5)
+    return durable, names[1::2]
+
+
+DAMAGE = ["markers_with_gaps", "latest_stale", "latest_older", "latest_deleted", "marker_deleted"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_every_reader_resumes_the_step_ls_stars_whatever_the_pointer_and_markers_say(tmp_path, run_cli, damage):
+    import torch
+
+    from lightning_shardckpt import Checkpointer, list_checkpoints, load_checkpoint, resolve_checkpoint
+
+    root, names = _every_second_commit_replicated(tmp_path)
+    assert [e.seq for e in catalog.list_checkpoints(resolve(root)) if e.committed] == [2, 4, 6]
+    if damage == "latest_stale":  # the copy of step 6 committed, its `latest` update lost
+        _point_latest_at(root, names[1])
+    elif damage == "latest_older":
+        _point_latest_at(root, names[0])
+    elif damage == "latest_deleted":
+        os.remove(os.path.join(root, LATEST))
+    elif damage == "marker_deleted":  # `latest` rewritten and the newest commit's marker gone
+        _point_latest_at(root, names[1])
+        os.remove(commit_index.marker_path(root, RUN_ID, 6))
+    code, out, _ = run_cli("ls", root)
+    assert code == 0
+    starred = [line.split()[0] for line in out.splitlines() if line[:1].isdigit() and "*" in line.split()]
+    loaded = {"w": torch.zeros(64)}
+    at_resume = {"w": torch.zeros(64)}
+    with Checkpointer(root) as checkpointer:
+        resumed = checkpointer.load(at_resume)
+    assert {
+        "listing": list_checkpoints(root).latest.step,
+        "resolve": resolve_checkpoint(root, "latest").step,
+        "load_checkpoint": load_checkpoint(loaded, root).step,
+        "Checkpointer.load": resumed,
+        "ls star": int(starred[0]),
+    } == dict.fromkeys(["listing", "resolve", "load_checkpoint", "Checkpointer.load", "ls star"], 6)
+    assert loaded["w"][0].item() == at_resume["w"][0].item() == 6.0
+
+
+def test_a_rollbacks_newer_commit_of_a_smaller_step_stays_latest_with_its_marker_gone(tmp_path):
+    """Steps 1-4, then a resume from step 2 commits step 3 again (seq 5): with `latest` naming the abandoned step 4
+    and marker 5 deleted, the index has no marker of the newest commit, and no newer step tells of it either."""
+    from lightning_shardckpt import resolve_checkpoint
+
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in (1, 2, 3, 4)]
+    branch = save_checkpoint(path, step=3)
+    assert branch["seq"] == 5
+    _point_latest_at(path, names[3])
+    os.remove(commit_index.marker_path(path, RUN_ID, 5))
+    assert catalog.find(resolve(path), "latest").name == dirname_of(branch)
+    assert resolve_checkpoint(path).checkpoint_id == branch["id"]
+
+
+def _markers(root: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(root, commit_index.INDEX_DIR, RUN_ID)))
+
+
+def test_retention_prunes_the_markers_of_the_checkpoints_it_deletes_and_latest_still_comes_from_the_index(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    from lightning_shardckpt import Checkpointer
+
+    root = str(tmp_path / "run")
+    with Checkpointer(root, keep_last=2, save={"async_save": False, "run_id": RUN_ID}) as checkpointer:
+        for step in range(1, 31):
+            checkpointer.save(step, {"w": torch.full((8,), float(step))}, blocking=True)
+    committed = [e for e in catalog.list_checkpoints(resolve(root)) if e.committed]
+    assert [e.step for e in committed] == [29, 30]
+    assert _markers(root) == [f"{e.seq:09d}" for e in committed]  # 2 markers, not 30
+    _point_latest_at(root, committed[0].name)  # stale: the walk goes from seq 29 to 30 over the pruned index
+    _no_listing(monkeypatch)
+    assert catalog.find(resolve(root), "latest").name == committed[1].name
+
+
+def test_gc_prunes_the_markers_of_checkpoints_deleted_before_retention_pruned_them(tmp_path, run_cli):
+    import shutil
+
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in range(1, 11)]
+    for name in names[:8]:  # deleted by an older version's retention, or by hand: 10 markers, 2 checkpoints
+        shutil.rmtree(os.path.join(path, name))
+    assert len(_markers(path)) == 10
+    code, out, _ = run_cli("gc", path, "--yes", "--json")
+    assert code == 0
+    assert _markers(path) == ["000000009", "000000010"]
+    assert json.loads(out)["markers_removed"] == 8
+    assert catalog.find(resolve(path), "latest").name == names[9]
+
+
+def test_a_pointer_more_commits_behind_than_the_walk_reads_still_resolves_from_the_index(root, monkeypatch):
+    """The walk reads markers from the newest down, so how far behind the pointer is costs nothing."""
+    path, names = root
+    monkeypatch.setattr(commit_index, "MAX_WALK", 1)  # stands for 64 markers: two commits past the pointer
+    _point_latest_at(path, names[0])
+    _no_listing(monkeypatch)
+    assert catalog.find(resolve(path), "latest").name == names[2]

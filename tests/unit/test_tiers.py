@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -266,3 +267,69 @@ def test_each_copy_attempt_is_an_event_health_rules_observe(tmp_path):
         "range": {"kind": "static", "max": 3},
     }
     assert health_config_from([rule]).rules[0].metric == "replication_lag_checkpoints"  # a rule may watch it
+
+
+# --- degraded mode: one lineage across the tiers ---
+def test_degraded_saves_continue_the_runs_seq_and_an_older_fast_copy_never_supersedes_them(tmp_path):
+    """The fast tier fills at step 6 while step 5 waits for its copy (every 3rd): step 7 commits on the durable
+    tier (degraded mode), then the close owes step 5. Step 7's seq continues the fast tier's (so the run's commit
+    order is one across the tiers), and step 5 is not copied over it: it would be the durable `latest`, and the
+    durable keep_last=1 would delete step 7."""
+    from lightning_shardckpt import Checkpointer, list_checkpoints, load_checkpoint
+    from tests.helpers.quota_fs import quota_options, quota_url, used_bytes
+
+    def state(step: int) -> dict:
+        return {"w": torch.full((2**14,), float(step))}
+
+    probe = tmp_path / "probe"
+    with Checkpointer(str(probe), save={"async_save": False}) as sizing:
+        sizing.save(1, state(1), blocking=True)
+    disk, durable = tmp_path / "disk", str(tmp_path / "durable")
+    disk.mkdir()
+    tiers = {  # room for five checkpoints on the fast tier, not six
+        "fast": {
+            "dirpath": quota_url(disk / "fast"),
+            "storage_options": quota_options(disk, used_bytes(probe) * 11 // 2),
+        },
+        "durable": {"dirpath": durable, "every_n_checkpoints": 3, "keep_last": 1},
+    }
+    checkpointer = Checkpointer(None, tiers=tiers, save={"async_save": False})
+    committed = [checkpointer.save(step, state(step), blocking=True).result().committed for step in range(1, 8)]
+    checkpointer.close()
+    assert committed == [True] * 5 + [False, True]  # step 6 found the fast tier full; step 7 went to the durable tier
+    fast = catalog.committed_of_run(catalog.list_checkpoints(fsio.resolve(str(disk / "fast"))), checkpointer.run_id)
+    on_durable = catalog.committed_of_run(catalog.list_checkpoints(fsio.resolve(durable)), checkpointer.run_id)
+    assert [e.step for e in fast] == [1, 2, 3, 4, 5]
+    assert on_durable[-1].step == 7 and on_durable[-1].seq > fast[-1].seq  # seq monotonic across the tiers
+    assert 5 not in [e.step for e in on_durable]  # superseded, counted
+    assert checkpointer.plugins.counters()["replication_superseded"] == 1
+    assert list_checkpoints(durable).latest.step == 7
+    restored = state(0)
+    load_checkpoint(restored, durable)
+    assert restored["w"][0].item() == 7.0
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as restart:  # the next run resumes step 7
+        at_restart = state(0)
+        assert restart.load(at_restart) == 7 and at_restart["w"][0].item() == 7.0
+
+
+def test_a_run_back_on_the_fast_tier_continues_the_seq_the_durable_tier_reached(tmp_path):
+    """A run resumed from a durable commit newer than anything on the fast tier (degraded mode saved it, or the
+    fast tier was wiped) saves on the fast tier again: its commits continue the durable tier's seq, so their
+    copies are newer there (not left out as superseded) and the run has one commit order."""
+    from lightning_shardckpt import Checkpointer
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    tiers = {"fast": {"dirpath": fast}, "durable": {"dirpath": durable}}
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as first:
+        for step in (1, 2, 3):
+            first.save(step, {"w": torch.full((64,), float(step))}, blocking=True)
+    shutil.rmtree(fast)  # the fast tier is lost (a replaced node's disk): the durable tier holds seqs 1-3
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as second:
+        state = {"w": torch.zeros(64)}
+        assert second.load(state) == 3
+        second.save(4, {"w": torch.full((64,), 4.0)}, blocking=True)
+    on_fast = [e for e in catalog.list_checkpoints(fsio.resolve(fast)) if e.committed]
+    on_durable = [e for e in catalog.list_checkpoints(fsio.resolve(durable)) if e.committed]
+    assert [(e.step, e.seq) for e in on_fast] == [(4, 4)]
+    assert [(e.step, e.seq) for e in on_durable] == [(1, 1), (2, 2), (3, 3), (4, 4)]  # copied, newest
+    assert second.plugins.counters().get("replication_superseded", 0) == 0

@@ -44,6 +44,8 @@ class CheckpointTarget:
     node_local: bool = False  # other nodes' files are not visible here (SaveConfig.node_local)
     manifest_fields: dict[str, Any] = field(default_factory=dict)  # epoch, samples_consumed, topology, identity, extra
     sign: Any = None  # SaveConfig.sign when signing is on: the coordinator loads the key at the commit, nobody else
+    # other roots of this run whose commits the new one's seq and parent continue (tiers' degraded mode: the fast tier)
+    lineage_from: tuple[Location, ...] = ()
 
     def signer(self) -> signing.Signer | None:
         if self.sign is None or not self.sign.enabled:
@@ -207,7 +209,7 @@ class Committer:
         metadata_bytes = pickle.dumps(metadata)
         fsio.write_new_file(fs, join(target.path, DCP_METADATA), metadata_bytes)
 
-        parent, seq = lineage(target.root, target.manifest_fields.get("run_id"))
+        parent, seq = lineage(target.root, target.manifest_fields.get("run_id"), target.lineage_from)
         verification = _verification_summary(target.verify_mode, receipts)
         manifest = manifest_format.build_manifest(
             checkpoint_id=target.checkpoint_id,
@@ -313,20 +315,34 @@ def publish(
         )
 
 
-def lineage(root: Location, run_id: str | None) -> tuple[str | None, int]:
+def lineage(root: Location, run_id: str | None, also: tuple[Location, ...] = ()) -> tuple[str | None, int]:
     """(parent, seq) of the next commit of `run_id`: its newest committed checkpoint and that one's seq + 1.
 
     From the run's commit index (commit_index.py: the pointer, checked against the markers, never the pointer
     alone, which a crash between a manifest and its update leaves one behind), else from a listing of commit
-    records. Runs on the coordinator's background thread.
+    records. `also`: other roots the run commits to (tiers' degraded mode saves on the durable tier while the
+    fast tier holds newer commits of the run than the durable tier does); the newest commit over all of them is
+    the parent, so `seq` stays strictly monotonic per run across tiers. Runs on the coordinator's background
+    thread.
     """
-    previous = commit_index.newest_of_run_by_index(root, run_id) if run_id is not None else None
-    if previous is None:  # no index to follow (a first save, a shared root, an older writer's root): list it
-        entries = catalog.list_checkpoints(root)
-        previous = catalog.newest_of_run(entries, run_id) if run_id is not None else catalog.newest_committed(entries)
+    previous = _newest_of_run(root, run_id)
+    for other in also if run_id is not None else ():
+        try:
+            theirs = catalog.newest_commit_of_run(other, run_id)
+        except Exception:  # noqa: BLE001 - a failing fast tier (why degraded mode began): its last commits are lost
+            log.warning("cannot read %s for the run's commit order; seq continues %s's", other.url, root.url)
+            continue
+        if theirs is not None and (previous is None or (theirs.seq or 0) > (previous.seq or 0)):
+            previous = theirs
     if previous is None:
         return None, 1
     return previous.checkpoint_id, (previous.seq or 0) + 1
+
+
+def _newest_of_run(root: Location, run_id: str | None) -> catalog.CheckpointEntry | None:
+    if run_id is not None:
+        return catalog.newest_commit_of_run(root, run_id)
+    return catalog.newest_committed(catalog.list_checkpoints(root))  # no run id (older writers): list the root
 
 
 def _verification_summary(mode: str, receipts: dict[MetadataIndex, ChunkReceipt]) -> dict[str, Any]:

@@ -101,7 +101,7 @@ class PartsCommitter:
             metadata_bytes = pickle.dumps(dcp_metadata(self.layout, facts.parts, target.path))
             fsio.write_new_file(target.root.fs, join(target.path, DCP_METADATA), metadata_bytes)
             metadata_record = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
-        parent, seq = lineage(target.root, fields.get("run_id"))
+        parent, seq = lineage(target.root, fields.get("run_id"), target.lineage_from)
         nonfinite = facts.nonfinite
         tensors = []
         for item in self.layout.tensors():

@@ -89,8 +89,12 @@ def persist_checkpoint(
     step: int,
     meta: SaveMeta,
     fault_hook: FaultHook | None = None,
+    lineage_from: tuple[Location, ...] = (),
 ) -> SaveResult:
     """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit.
+
+    `lineage_from`: other roots this run commits to (tiers' degraded mode: the fast tier), whose commits the
+    new one's `seq` and parent continue (commit.py `lineage`).
 
     A full save whose ranks agree on the layout is written in format v4 (parts_save.py: no global plan, rank
     0's commit is O(ranks)); the saves of an incremental run, `format_version=2`, or ranks holding different keys
@@ -121,6 +125,7 @@ def persist_checkpoint(
             "run_id": config.run_id,
         },
         sign=config.sign if config.sign.enabled else None,
+        lineage_from=tuple(lineage_from),
     )
     result = SaveResult(step=step, checkpoint_id=checkpoint_id, path=join(root.url, target.dirname), committed=False)
     if layout is not None and agreed:

@@ -33,6 +33,7 @@ from ..format.layout import checkpoint_dirname
 from ..format.listed_digests import reference_digests_of
 from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
+from ..storage.fsio import Location
 from ..storage.writer import FaultHook
 from .incremental import ChangeTracker
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
@@ -89,9 +90,14 @@ class CheckpointSaver:
         *,
         group: Any = None,
         fault_hook: FaultHook | None = None,
+        lineage_from: tuple[Location, ...] = (),
     ) -> None:
-        """`group`: an existing checkpoint process group to share; by default one is created (collectively)."""
+        """`group`: an existing checkpoint process group to share; by default one is created (collectively).
+        `lineage_from`: other roots this run commits to (tiers' degraded mode saves on the durable tier after the
+        fast tier's commits): each new commit's `seq` and parent continue theirs too, so `seq` stays monotonic
+        per run across roots."""
         self.config = config or SaveConfig()
+        self.lineage_from = tuple(lineage_from)
         self.root = fsio.resolve(dirpath, self.config.storage_options)
         self.root.backend.makedirs(self.root.path)
         self.group = group if group is not None else new_checkpoint_group(self.config.collective_timeout_s)
@@ -375,7 +381,14 @@ class CheckpointSaver:
                 job.meta.references = refs.chunk_map(refs.read_base(self.root, self._base), self._base, job.unchanged)
                 job.meta.reference_digests = self._base_digests
             result = persist_checkpoint(
-                self.root, self.group, self.config, job.state, job.step, job.meta, self._fault_hook
+                self.root,
+                self.group,
+                self.config,
+                job.state,
+                job.step,
+                job.meta,
+                self._fault_hook,
+                lineage_from=self.lineage_from,
             )
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)

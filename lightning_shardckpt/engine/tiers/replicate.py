@@ -21,6 +21,12 @@ files it is about to upload against the signed digests (collective "replicate-vo
 A checkpoint that fails either is refused: never copied, never retried, counted as `replication_refused` and
 logged with its path and why; it stays on the fast tier, where a signed resume refuses it too.
 
+A checkpoint older than the durable tier's newest commit of its run (by `seq`, the run's commit order across
+tiers) is not copied: counted as `replication_superseded`. That happens after degraded mode (the fast tier
+filled; later saves committed on the durable tier directly) when the close or the next run's catch-up owes the
+last fast commit, which is older. Committed there it would move the durable `latest` back to it, and a
+retention window ordered by `seq` would spend a slot on it; the durable tier exists to hold the newest state.
+
 The replicator has its own gloo group, created once at set-up, not the saver's checkpoint group: the
 saver's thread runs its collectives on that group at any moment, and two threads issuing collectives
 on one group interleave them (each rank could pair the saver's broadcast with the replicator's), which
@@ -57,6 +63,7 @@ REPLICATED = "replicated"
 REPLICATION_FAILED = "replication_failed"
 REPLICATION_SKIPPED = "replication_skipped"
 REPLICATION_REFUSED = "replication_refused"  # a signed run's fast copy whose signature or digests do not hold
+REPLICATION_SUPERSEDED = "replication_superseded"  # not copied: the durable tier holds a newer commit of the run
 REPLICATION_LAG = "replication_lag_checkpoints"  # a gauge: fast commits newer than the newest durable copy
 UNREPLICATED_DROPPED = "unreplicated_dropped"
 DEGRADED_SAVES = "degraded_saves"
@@ -181,6 +188,12 @@ class Replicator:
                     decision = None
                 decision = broadcast_from_coordinator("replicate-pick", decision, self.group)
                 action, name, manifest, owed, kid = decision
+                if action == "superseded":
+                    if not owed:  # a submitted one: handled now (an owed one was consumed when passed over)
+                        pending = self._consume_until(pending, name)
+                        self._backlog.done(1)
+                    self.counters.note(REPLICATION_SUPERSEDED)
+                    continue
                 if action in ("copy", "refuse") and owed:  # passed over earlier: consumed already
                     if action == "copy":
                         self._copy_with_retries(name, manifest, kid, counted=False)
@@ -224,7 +237,8 @@ class Replicator:
     def _decide(self, pending: list[str], stopping: bool) -> tuple[str, str | None, dict | None, bool, str | None]:
         """Coordinator: (action, name, manifest, owed, key id): ("copy", name, manifest, False, kid) copies the newest
         pending, ("copy", name, manifest, True, kid) the one the cadence passed over (at close), ("refuse", name,
-        None, owed, None) passes over one whose signature does not hold, ("skip", name, None, False, None) passes
+        None, owed, None) passes over one whose signature does not hold, ("superseded", name, None, owed, None) leaves
+        out one older than the durable tier's newest commit of its run, ("skip", name, None, False, None) passes
         `name` over, ("stop", None, None, False, None) ends the thread. `kid`: the key that signed the fast copy
         (None: the run does not sign)."""
         flushing = stopping or self._flush_deadline is not None
@@ -235,6 +249,8 @@ class Replicator:
             owed, self._owed = self._owed, None
             if stopping and owed is not None:  # close: the newest commit goes to the durable tier whatever the cadence
                 manifest = self._read_fast_manifest(owed)
+                if manifest is not None and self._superseded(owed, manifest):
+                    return ("superseded", owed, None, True, None)
                 if manifest is not None:
                     return self._copy_if_vouched(owed, manifest, owed=True)
             return ("stop", None, None, False, None)
@@ -260,9 +276,12 @@ class Replicator:
         manifest = self._read_fast_manifest(newest)
         if manifest is None:
             return ("skip", newest, None, False, None)
+        if self._superseded(newest, manifest):
+            self._owed = None  # older than `newest`: superseded with it
+            return ("superseded", newest, None, False, None)
         decision = self._copy_if_vouched(newest, manifest, owed=False)
         if decision[0] == "copy":
-            self._owed = None
+            self._owed = None  # older than `newest`: its copy replaces theirs (a refused one does not)
         return decision
 
     def _copy_if_vouched(
@@ -290,6 +309,30 @@ class Replicator:
             self.durable.url,
             why,
         )
+
+    def _superseded(self, name: str, manifest: dict[str, Any]) -> bool:
+        """Coordinator: the durable tier holds a newer commit of `name`'s run (a larger `seq`: degraded mode's)."""
+        run_id, seq = manifest.get("run_id"), manifest.get("seq")
+        if not isinstance(run_id, str) or not isinstance(seq, int):
+            return False  # no commit order to compare (a v1 manifest): copied as before
+        try:
+            newest = catalog.newest_commit_of_run(self.durable, run_id)
+        except Exception:  # noqa: BLE001 - unreachable: the copy attempt reports it and retries
+            log.debug("cannot read the durable tier's newest commit of %s", run_id, exc_info=True)
+            return False
+        if newest is None or newest.name == name or (newest.seq or 0) <= seq:
+            return False
+        log.warning(
+            "not copying %s (seq %d) to %s: it holds %s (seq %d), a newer commit of run %s (degraded mode); "
+            "a copy of the older one would become its `latest`",
+            name,
+            seq,
+            self.durable.url,
+            newest.name,
+            newest.seq,
+            run_id,
+        )
+        return True
 
     def _read_fast_manifest(self, name: str) -> dict[str, Any] | None:
         try:
@@ -503,6 +546,15 @@ def newest_on_both(fast: Location, durable: Location, run_id: str | None) -> str
         entry for entry in catalog.committed_of_run(catalog.list_checkpoints(durable), run_id) if entry.name in on_fast
     ]
     return both[-1].name if both else None
+
+
+def durable_ahead(fast: Location, durable: Location, run_id: str) -> bool:
+    """The durable tier holds a newer commit of `run_id` than the fast tier does (degraded mode saved there, or the
+    fast tier is new or was wiped): the fast tier's commits must continue the durable tier's `seq`, else their
+    copies would read as older there (and be left out as superseded)."""
+    theirs = catalog.newest_commit_of_run(durable, run_id)
+    mine = catalog.newest_commit_of_run(fast, run_id)
+    return theirs is not None and (mine is None or (theirs.seq or 0) > (mine.seq or 0))
 
 
 def missing_on_durable(fast: Location, durable: Location, run_id: str | None) -> str | None:

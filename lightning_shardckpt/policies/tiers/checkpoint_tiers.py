@@ -12,7 +12,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from ...engine import catalog, ownership
+from ...engine import catalog, commit_index, ownership
 from ...engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
 from ...engine.config import LoadConfig
 from ...engine.format import signing
@@ -26,6 +26,7 @@ from ...engine.tiers.replicate import (
     DEGRADED_SAVES,
     UNREPLICATED_DROPPED,
     Replicator,
+    durable_ahead,
     missing_on_durable,
     newest_on_both,
 )
@@ -97,6 +98,11 @@ class CheckpointTiers:
             try:
                 newest_durable = newest_on_both(self.fast, self.durable, run_id)  # for the fast tier's retention rule
                 catch_up = missing_on_durable(self.fast, self.durable, run_id)
+                continued = {location.url for location in saver.lineage_from}
+                if self.durable.url not in continued and durable_ahead(self.fast, self.durable, run_id):
+                    # this run's seq goes on from the durable tier's newest commit (one order across the tiers);
+                    # the coordinator alone computes a commit's lineage, so only its saver needs to know
+                    saver.lineage_from = (*saver.lineage_from, self.durable)
             except Exception:  # noqa: BLE001 - an unreachable durable tier: the first copy retries
                 log.warning("cannot compare the fast and durable tiers; no catch-up copy", exc_info=True)
         catch_up = broadcast_from_coordinator("tiers-catch-up", catch_up, self._group)
@@ -206,7 +212,11 @@ class CheckpointTiers:
         if fast is not None:
             fast.wait()  # one saver thread at a time on the checkpoint group
         config = replace(host.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
-        self.degraded_saver = CheckpointSaver(self.config.durable.dirpath, config, group=host.checkpoint_group())
+        # its commits continue the run's fast-tier commits (seq, parent): a replication of an older fast checkpoint
+        # then reads as older on the durable tier (and is skipped as superseded, engine/tiers/replicate.py)
+        self.degraded_saver = CheckpointSaver(
+            self.config.durable.dirpath, config, group=host.checkpoint_group(), lineage_from=(self.fast,)
+        )
         # the door's savers: a blocking save waits for it, closing the door closes it before the group goes
         host.replace_saver(self.config.durable.dirpath, self.degraded_saver)
         self._degraded_saves += 1
@@ -297,8 +307,9 @@ class CheckpointTiers:
 
         With peer copies, `latest` first assembles the newest commit the surviving nodes hold whole in every node
         root (engine/tiers/peer_restore.py); the durable tier is considered beside it, by commit order, unless its
-        `latest` pointer names the same checkpoint (then nothing of it is read: a rollback's newer commit of a
-        smaller step is never hidden, and a resume that has it locally reads no object). The durable copy of the
+        commit index vouches that its newest commit is the same checkpoint (then no checkpoint of it is read: a
+        rollback's newer commit of a smaller step is never hidden, nor a newer commit behind a stale `latest`, and a
+        resume that has it locally reads no object). The durable copy of the
         picked checkpoint is always a fallback when the fast one fails its checks.
         A checkpoint some rank cannot read is no candidate; if every one listed is such, that is an error (never a
         fresh start over checkpoints that exist). With `base.require_signature`, a copy the signature policy refuses
@@ -374,8 +385,8 @@ class CheckpointTiers:
 
     def _restore_from_peers(self, group: Any, policy: signing.SignaturePolicy | None) -> Location | None:
         """Collective: assemble from peer copies (the newest one `policy` accepts); returns the durable location to
-        consider beside it (None: its `latest` pointer names the checkpoint just assembled, so nothing newer is
-        there)."""
+        consider beside it (None: its commit index vouches that its newest commit is the checkpoint just assembled,
+        so nothing newer is there)."""
         restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group, policy=policy)
         self.peer_restore = restored
         if restored.name is None:
@@ -384,14 +395,17 @@ class CheckpointTiers:
             return self.durable
         if rank_zero():
             log.info("fast tier: %s", restored.reason)
-        pointer = None
+        nothing_newer = False
         if self.durable is not None and rank_zero():
-            try:  # the pointer file, not a checkpoint's object: one small read
-                pointer = catalog.read_latest_pointer(self.durable)
+            try:
+                # its commit index and directory names (no checkpoint's object read), never the bare pointer: a lost
+                # or rewritten `latest` naming the assembled checkpoint would hide a newer durable commit (degraded
+                # mode's); when they cannot vouch, the choice considers the durable tier
+                nothing_newer = commit_index.vouches_newest(self.durable, restored.name)
             except Exception:  # noqa: BLE001 - unreachable: consider it (the choice lists it or leaves it out)
-                log.debug("cannot read %s's latest pointer", self.durable.url, exc_info=True)
-        pointer = broadcast_from_coordinator("peer-durable-latest", pointer, group)
-        return None if pointer == restored.name else self.durable
+                log.debug("cannot read %s's commit index", self.durable.url, exc_info=True)
+        nothing_newer = broadcast_from_coordinator("peer-durable-latest", nothing_newer, group)
+        return None if nothing_newer else self.durable
 
     def _repair(self, name: str, group: Any) -> None:
         """Collective: files of `name` that fail their checksums in any node root are replaced from intact peer
