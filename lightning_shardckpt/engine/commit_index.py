@@ -134,11 +134,14 @@ def _nothing_newer_unindexed(location: Location, entry: CheckpointEntry, seqs: l
     # a directory of a step not below `entry`'s is read: an attempt that never committed, an abandoned branch (of
     # an older seq), or a newer commit whose marker is missing
     others = [join(location.path, name) for step, name in checkpoints if step >= entry.step and name != entry.name]
-    documents = location.backend.read_small_files([join(path, COMMIT_RECORD) for path in others]) if others else {}
+    records = [join(path, COMMIT_RECORD) for path in others]
+    documents = location.backend.read_small_files(records, SMALL_MAX_BYTES) if others else {}
     for path in others:
         document = documents.get(join(path, COMMIT_RECORD), FileNotFoundError(path))
         if isinstance(document, FileNotFoundError):
             continue  # no commit record: never committed (a v1 checkpoint would be older than any indexed one)
+        if isinstance(document, SmallFileRefused):
+            return False  # a FIFO, a symlink or an oversized record: the listing judges (and shows) it
         if isinstance(document, BaseException):
             raise document  # transient: the caller lists the root
         record = manifest_format.parse_commit_record(document, path)
