@@ -58,6 +58,14 @@ RUN_ORDER = ("e2e", "distributed")
 SHARED_SCOPES = ("module", "class", "package")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--deep",
+        action="store_true",
+        help="the model-based tests' deep profile (thousands of steps, minutes): tests/unit/test_one_truth_model.py",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns xdist_group marks into work units
 def pytest_collection_modifyitems(config, items):
     """Mark by directory, so a new file under tests/distributed/ or tests/e2e/ cannot forget its marker; keep
