@@ -241,3 +241,23 @@ def test_a_yaml_window_entry_and_revocation_reach_the_callbacks_policy(retired_r
     policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
     assert set(policy.windows) == {kid_of(key)} and policy.revoked == {"0" * 16}
     assert load(root, require_signature=True, public_keys=config.public_keys)[0].step == 2
+
+
+def test_a_drill_refuses_a_checkpoint_outside_its_keys_window_or_revoked_before_it_forks(retired_run):
+    from lightning_shardckpt.policies.drills import worker
+    from lightning_shardckpt.policies.drills.runner import DrillOptions, _rank_argv, run_drill
+
+    root, public, key, names = retired_run
+    window = {"path": public, "not_after_step": 2}
+    for options, why in (
+        (DrillOptions(public_keys=[window]), "outside its validity window"),
+        (DrillOptions(public_keys=[public], revoked_keys=[kid_of(key)]), "which is revoked"),
+    ):
+        record = run_drill(os.path.join(root, names[3]), options)
+        assert record["verdict"] == "failed" and record.get("signature_refused"), record
+        assert why in record["cause"]
+    # an accepted checkpoint's drill ranks get the same window and revocations on their command line
+    options = DrillOptions(public_keys=[window], revoked_keys=[kid_of(key)[:16]])
+    args = worker._parse(_rank_argv(os.path.join(root, names[2]), 0, 1, 1, "out.json", 0.0, options))
+    assert [signing.public_key_argument(spec) for spec in args.public_key] == [signing.AcceptedKey(public, 2)]
+    assert args.revoked_key == [kid_of(key)[:16]]
