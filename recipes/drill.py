@@ -38,7 +38,9 @@ def main(cfg: DictConfig) -> int:
         trust_checkpoint=cfg.trust_checkpoint,
         safe_globals=tuple(spec_of(name) for name in cfg.allow_globals),
         storage_options=OmegaConf.to_container(cfg.storage_options, resolve=True),
-        public_keys=tuple(cfg.get("public_keys") or ()),
+        # a windowed entry ({path, not_after_step, not_after}) stays a mapping; DrillOptions checks it
+        public_keys=OmegaConf.to_container(cfg.public_keys, resolve=True) if cfg.get("public_keys") else (),
+        revoked_keys=tuple(cfg.get("revoked_keys") or ()),
     )
     if require_bool("follow", cfg.follow):  # a quoted "false" is truthy: it would start the service
         from lightning_shardckpt.policies.drills.follower import DrillFollower

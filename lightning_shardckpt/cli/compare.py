@@ -38,7 +38,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     a, b = references.resolve_pair(args.a, args.b, args.root, args.storage_options)
     for side in (a, b):
-        options.require_signed(side.root, side.entry, args.public_key)
+        options.require_signed(side.root, side.entry, args.public_key, args.revoked_key)
     with GlobalTensorReader(a.root, a.entry) as reader_a, GlobalTensorReader(b.root, b.entry) as reader_b:
         changes = compare_readers(reader_a, reader_b)
     counts = summary(changes)

@@ -137,11 +137,11 @@ def cmd_drill(args: argparse.Namespace) -> int:
     if not args.follow and (args.once or args.exit_when_idle is not None):
         raise ConfigError("--once and --exit-when-idle stop a follower; add --follow, or drop them")
     if args.public_key and not args.follow:  # the one named checkpoint: refused in one line, before any drill
-        from ..engine.format.signing import SignaturePolicy, load_public_keys
+        from ..engine.format.signing import accepted_policy
         from ..ops.references import open_path
 
         location, entry = open_path(args.path, args.storage_options)
-        SignaturePolicy(load_public_keys(args.public_key)).check_manifest(location.fs, entry.path, entry.manifest)
+        accepted_policy(args.public_key, args.revoked_key).check_manifest(location.fs, entry.path, entry.manifest)
     # a drill that passes makes a checkpoint known-good: with keys, only one an accepted key signed. The drill checks
     # the manifest's signature before it forks (a refused one, found by a follower, is recorded as a failed drill)
     # and its ranks every file they read against the signed digests, as a resume with the policy does
@@ -156,6 +156,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         safe_globals=tuple(args.safe_globals),
         storage_options=args.storage_options,
         public_keys=tuple(args.public_key),
+        revoked_keys=tuple(args.revoked_key),
     )
     if args.follow:
         return _follow(args, options)

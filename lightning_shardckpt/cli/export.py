@@ -84,7 +84,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..ops.references import open_path
 
     if args.public_key:  # every byte exported comes from a checkpoint an accepted key signed
-        require_signed(*open_path(args.checkpoint, args.storage_options), args.public_key)
+        require_signed(*open_path(args.checkpoint, args.storage_options), args.public_key, args.revoked_key)
 
     options = ExportOptions(
         format=args.format,

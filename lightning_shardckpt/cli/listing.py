@@ -15,11 +15,9 @@ from .output import human_age, human_bytes, print_json, print_table
 def add_commands(commands: Any) -> None:
     ls = commands.add_parser("ls", parents=[options.common()], help="list the checkpoints under a root")
     ls.add_argument("root", metavar="ROOT")
-    ls.add_argument(
-        "--public-key",
-        action="append",
-        default=[],
-        metavar="PEM",
+    options.add_public_key(
+        ls,
+        "listing",
         help="show each committed checkpoint's signature against this Ed25519 public key (signed by its key id, "
         "refused and why, unsigned) and star the `latest` a resume requiring it loads; repeat for several keys",
     )
@@ -38,7 +36,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return tiers.cmd_ls_tiers(args)
     if "{node_rank}" in args.root:  # a node-local fast tier: on which nodes each checkpoint is complete
         return tiers.cmd_ls_nodes(args)
-    listing = list_checkpoints(args.root, storage_options=args.storage_options, public_keys=args.public_key)
+    listing = list_checkpoints(
+        args.root, storage_options=args.storage_options, public_keys=args.public_key, revoked_keys=args.revoked_key
+    )
     rows = [_ls_row(info, listing) for info in listing.checkpoints]
     if args.json:
         print_json(

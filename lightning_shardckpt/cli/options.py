@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..engine.validate import require_number
@@ -58,22 +58,64 @@ def number(flag: str, **rules: Any) -> Callable[[str], Any]:
     return parse
 
 
-def add_public_key(parser: argparse.ArgumentParser, what: str) -> None:
-    """`--public-key PEM` (repeatable): require the checkpoint(s) to be signed by one of these keys before `what`."""
+WINDOW_HELP = (
+    "; PEM,not_after_step=N and/or ,not_after=TIME (ISO 8601, UTC unless zoned) accepts the key only on checkpoints "
+    "up to step N / created by TIME (a retired key)"
+)
+REVOKED_HELP = (
+    "refuse checkpoints signed by this key at every step, even where --public-key lists it: its key id (16 to 64 hex "
+    "characters, as a refusal prints it) or its PEM public key file; repeatable"
+)
+
+
+def add_public_key(parser: argparse.ArgumentParser, what: str, help: str | None = None) -> None:
+    """`--public-key PEM[,not_after_step=N][,not_after=TIME]` and `--revoked-key KEY` (both repeatable): the
+    signature policy of LoadConfig's public_keys and revoked_keys, on the command line. `help`: the command's own
+    words for --public-key (default: require the checkpoint(s) to be signed by one of these keys before `what`)."""
     parser.add_argument(
         "--public-key",
         action="append",
         default=[],
         metavar="PEM",
-        help=f"before {what}, require a signature by this Ed25519 public key and every file to match the signed "
-        "digests (refused: one line naming the file and key, exit 2); repeat for several accepted keys (rotation)",
+        type=public_key_entry,
+        help=(
+            help
+            or f"before {what}, require a signature by this Ed25519 public key and every file to match the signed "
+            "digests (refused: one line naming the file and key, exit 2); repeat for several accepted keys (rotation)"
+        )
+        + WINDOW_HELP,
+    )
+    parser.add_argument(
+        "--revoked-key", action="append", default=[], metavar="KEY", type=revoked_key_entry, help=REVOKED_HELP
     )
 
 
-def require_signed(location: Any, entry: Any, public_keys: list[str]) -> None:
-    """Raise SignatureRefused (one line, naming the file and key) unless `entry` is signed by one of `public_keys`."""
+def public_key_entry(text: str) -> Any:
+    """`--public-key`'s value: a PEM file, or `PEM,not_after_step=N,not_after=TIME` (an AcceptedKey, checked)."""
+    from ..engine.format.signing import public_key_argument
+
+    try:
+        return public_key_argument(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def revoked_key_entry(text: str) -> str:
+    """`--revoked-key`'s value, checked now: a key id (hex) or a readable PEM public key file."""
+    from ..engine.format.signing import revoked_key_ids
+
+    try:
+        revoked_key_ids(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def require_signed(location: Any, entry: Any, public_keys: list[Any], revoked_keys: Sequence[str] = ()) -> None:
+    """Raise SignatureRefused (one line, naming the file and key) unless `entry` is signed by one of `public_keys`
+    (within its window) and by none of `revoked_keys`."""
     if not public_keys:
         return
     from ..engine.format.signing import require_signed as check
 
-    check(location.fs, entry.path, entry.manifest, public_keys)
+    check(location.fs, entry.path, entry.manifest, public_keys, revoked_keys)

@@ -59,9 +59,13 @@ def cmd_ls_tiers(args: argparse.Namespace) -> int:
     durable_options = dict(options.storage_option(o) for o in args.durable_storage_option)
     fast, durable = open_root(args.root, args.storage_options), open_root(args.durable, durable_options)
     keys = list(getattr(args, "public_key", None) or [])  # --public-key: each copy's signature, latest as signed
+    revoked = list(getattr(args, "revoked_key", None) or [])
     entries = {
-        "fast": list_checkpoints(args.root, storage_options=args.storage_options, public_keys=keys).checkpoints,
-        "durable": list_checkpoints(args.durable, storage_options=durable_options, public_keys=keys).checkpoints,
+        tier: list_checkpoints(root, storage_options=opts, public_keys=keys, revoked_keys=revoked).checkpoints
+        for tier, root, opts in (
+            ("fast", args.root, args.storage_options),
+            ("durable", args.durable, durable_options),
+        )
     }
     signatures = {tier: {e.name: _signature_cell(e) for e in listing} for tier, listing in entries.items()}
     drilled = {e.name for listing in entries.values() for e in listing if e.trust == drill_records.DRILLED}
@@ -70,7 +74,7 @@ def cmd_ls_tiers(args: argparse.Namespace) -> int:
         key=lambda n: next(e.step for listing in entries.values() for e in listing if e.name == n),
     )
     state = {tier: {e.name: e.state for e in listing} for tier, listing in entries.items()}
-    policy = signing.SignaturePolicy(signing.load_public_keys(keys)) if keys else None
+    policy = signing.accepted_policy(keys, revoked) if keys else None
     # what this machine would resume (every rank: the same check, agreed); with keys, as require_signature would
     choices = choose_signed(fast, durable, "latest", None, policy).choices
     latest = (choices[0].tier, choices[0].name) if choices else None

@@ -15,11 +15,9 @@ def add_commands(commands: Any) -> None:
         "verify", parents=[options.common()], help="read and checksum every byte of a checkpoint"
     )
     verify.add_argument("path", metavar="PATH", help="a checkpoint directory, a root or ROOT/latest")
-    verify.add_argument(
-        "--public-key",
-        action="append",
-        default=[],
-        metavar="PEM",
+    options.add_public_key(
+        verify,
+        "verifying",
         help="require a signature by this Ed25519 public key and every file to match the signed SHA-256 digests; "
         "repeat for several accepted keys (rotation)",
     )
@@ -30,7 +28,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..ops.verify import verify_checkpoint  # here: torch, which --help must not wait for
 
     location, entry = references.open_path(args.path, args.storage_options)
-    report = verify_checkpoint(location, entry, public_keys=args.public_key)
+    report = verify_checkpoint(location, entry, public_keys=args.public_key, revoked_keys=args.revoked_key)
     if args.json:
         print_json(report.to_dict())
     elif report.ok:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from .collectives import may_be_coordinator
-from .format.signing import public_key_specs
+from .format.signing import AcceptedKey, public_key_specs, revoked_key_ids
 from .validate import did_you_mean, require_number, typed_options
 
 VerifyMode = Literal["off", "sample", "full"]
@@ -236,11 +236,19 @@ class LoadConfig:
     # True: load only checkpoints signed by one of `public_keys` whose files match the signed SHA-256 digests (each
     # rank reads the files it loads from once more to hash them); `latest`/`last-good` skip the others
     require_signature: bool = False
-    public_keys: tuple[str, ...] = ()  # PEM public key files accepted (several: key rotation)
+    # PEM public key files accepted (several: key rotation); an entry `{path, not_after_step, not_after}` accepts
+    # that key only on checkpoints up to that step / created at or before that UTC time (a retired key)
+    public_keys: tuple[str | AcceptedKey, ...] = ()
+    # key ids (64 hex, or the 16 a refusal prints) or PEM public key files whose signatures are refused at every
+    # step, even where public_keys still lists the key (a leaked key)
+    revoked_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        # a list from Hydra or a single path: kept as a tuple, so the frozen config stays hashable
+        # a list from Hydra or a single path: kept as a tuple, so the frozen config stays hashable; a mapping entry
+        # becomes an AcceptedKey, checked now (a not_after that is not a time is refused before training)
         object.__setattr__(self, "public_keys", public_key_specs(self.public_keys))
+        object.__setattr__(self, "revoked_keys", public_key_specs(self.revoked_keys))
+        revoked_key_ids(self.revoked_keys)  # a revoked key id that is not hex, a file that is no key: refused now
         if self.require_signature and not self.public_keys:
             raise ConfigError(
                 "require_signature=true accepts no checkpoint without public_keys; give the PEM public key file(s) "

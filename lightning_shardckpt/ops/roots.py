@@ -136,6 +136,7 @@ def list_checkpoints(
     storage_options: dict[str, Any] | None = None,
     run_id: str | None = None,
     public_keys: PathLike | Sequence[PathLike] = (),
+    revoked_keys: str | PathLike | Sequence[str | PathLike] = (),
 ) -> CheckpointListing:
     """Every checkpoint directory under `root`: committed, uncommitted and corrupt, with trust, size and times.
 
@@ -145,10 +146,12 @@ def list_checkpoints(
     gets). `public_keys` (PEM files or text, several for a rotation): each committed checkpoint's `signature` is
     checked against them, and `latest`/`last_good` are what a resume with `require_signature` and these keys
     loads (the newest validly signed); costs one manifest and one signature read per committed checkpoint.
+    An entry `{path, not_after_step, not_after}` bounds that key's acceptance; `revoked_keys` (key ids or PEM
+    files) are refused at every step (LoadConfig's fields of the same names).
     Raises CheckpointNotFound when `root` does not exist, ConfigError when it is a checkpoint directory.
     """
     location = open_root(root, storage_options)
-    policy = signing.policy_of(bool(public_keys), public_keys)
+    policy = signing.policy_of(bool(public_keys), public_keys, revoked_keys)
     for attempt in (1, 2):
         entries = catalog.list_checkpoints(location)
         report = drill_records.trust_report(location, entries)  # one listing of ROOT/drills/
@@ -183,6 +186,7 @@ def resolve_checkpoint(
     storage_options: dict[str, Any] | None = None,
     run_id: str | None = None,
     public_keys: PathLike | Sequence[PathLike] = (),
+    revoked_keys: str | PathLike | Sequence[str | PathLike] = (),
 ) -> CheckpointInfo:
     """The committed checkpoint a reference names, its manifest validated: what a resume would open.
 
@@ -192,10 +196,10 @@ def resolve_checkpoint(
     `public_keys` (PEM files or text, several for a rotation): the pick of a resume with `require_signature`
     and these keys: `latest`/`last-good` pass over a checkpoint whose signature they refuse (unsigned, another
     key's, changed after signing) and name what they passed over in `signature_skipped`; a refused checkpoint
-    named by step, id or path raises SignatureRefused naming the file and key. The manifest and its signature
-    are judged, as the pick does; the resume then checks the files against the signed digests.
+    named by step, id or path raises SignatureRefused naming the file and key (windows and `revoked_keys`: as
+    LoadConfig's). The manifest and its signature are judged, as the pick does; the resume then checks the files against the signed digests.
     """
-    policy = signing.policy_of(bool(public_keys), public_keys)
+    policy = signing.policy_of(bool(public_keys), public_keys, revoked_keys)
     location, entry = open_reference(where, which, storage_options, run_id, policy)
     states = drill_records.trust_states(location, [entry])
     if policy is None:

@@ -72,7 +72,8 @@ def verify_checkpoint(
     storage_options: dict[str, Any] | None = None,
     *,
     progress_bar: bool | None = None,
-    public_keys: list[str] | tuple[str, ...] = (),
+    public_keys: list[Any] | tuple[Any, ...] = (),
+    revoked_keys: list[str] | tuple[str, ...] = (),
 ) -> VerifyReport:
     """Read and checksum every chunk of a committed checkpoint.
 
@@ -80,9 +81,10 @@ def verify_checkpoint(
     directory URL, or a root Location; `which` may also be a CheckpointEntry already found under it.
     Raises CheckpointNotFound when nothing committed matches; corruption is reported, not raised.
     `progress_bar`: bytes read so far on stderr (None: when stderr is a terminal). `public_keys` (PEM files): also
-    require a signature by one of them and every file's SHA-256 to match the signed digests (one more read).
+    require a signature by one of them and every file's SHA-256 to match the signed digests (one more read);
+    windows and `revoked_keys` as LoadConfig's.
     """
-    policy = signing.policy_of(bool(public_keys), public_keys)
+    policy = signing.policy_of(bool(public_keys), public_keys, revoked_keys)
     location, entry = _open(where, which, storage_options)
     started = time.perf_counter()
     report = VerifyReport(join(location.url, entry.name), entry.checkpoint_id, entry.step)

@@ -71,7 +71,8 @@ class Checkpointer:
         verify_on_load: bool = True,
         trust_checkpoint: bool = False,
         require_signature: bool = False,
-        public_keys: str | os.PathLike | Sequence[str | os.PathLike] = (),
+        public_keys: str | os.PathLike | Sequence[Any] = (),
+        revoked_keys: str | os.PathLike | Sequence[str | os.PathLike] = (),
         save_on_preemption: bool = False,
         preemption_grace_s: float | None = DEFAULT_GRACE_S,
         log_metrics: Callable[[dict[str, float], int], Any] | None = None,
@@ -106,6 +107,7 @@ class Checkpointer:
                 trust_checkpoint=trust_checkpoint,
                 require_signature=require_signature,
                 public_keys=public_keys,  # one path or several: LoadConfig makes it a tuple
+                revoked_keys=revoked_keys,
             ),
             tiers=tiers,
             drill=drill,

@@ -47,6 +47,8 @@ def test_every_record_kind_has_a_vector():
         "signature key seed",  # §12, checked by tests/unit/test_signing.py
         "signature manifest",
         "signature record",
+        "signature window manifest",  # §12.1, checked by tests/unit/test_signing_key_windows.py
+        "signature window verdicts",
     }
 
 

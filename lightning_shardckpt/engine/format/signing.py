@@ -9,6 +9,9 @@ over the small manifest covers every byte transitively.
 
 Readers with a signature policy (LoadConfig.require_signature) refuse an unsigned, mis-signed or
 digest-mismatched checkpoint with one line naming the file and the key id; `latest` and `last-good` skip it.
+A key's acceptance can end (FORMAT.md §12.1): an accepted key may carry a validity window (`not_after_step`,
+`not_after`: judged on the signed manifest's `step` and `created_at`), and `revoked_keys` refuses a key at every
+step. Both live in the one SignaturePolicy every reader builds (`policy_of`), so every reader refuses alike.
 `cryptography` is imported only when a key is used (the optional extra `sign`).
 """
 
@@ -19,8 +22,10 @@ import hashlib
 import importlib
 import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
 from typing import Any
 
 from ...errors import ConfigError, SignatureRefused
@@ -197,22 +202,159 @@ def signature_bytes(manifest_bytes: bytes, signer: Signer) -> bytes:
 # --- reading -------------------------------------------------------------------------------------------------
 
 
+WINDOW_OPTIONS = ("path", "not_after_step", "not_after")  # the keys of a windowed `public_keys` entry
+KEY_ID_HEX = re.compile(r"[0-9a-fA-F]{16,64}")  # a key id or its prefix as refusals print it (16 characters)
+
+
+@dataclass(frozen=True)
+class AcceptedKey:
+    """A `public_keys` entry with a validity window: the key's signatures are accepted on checkpoints up to and
+    including step `not_after_step` and created at or before `not_after` (UTC); either bound may be None. Frozen
+    and hashable, so LoadConfig stays hashable with it."""
+
+    path: str  # the PEM public key file (or PEM text), as a plain entry
+    not_after_step: int | None = None
+    not_after: datetime | None = None  # timezone-aware, UTC
+
+    def argument(self) -> str:
+        """The command-line spelling (`--public-key`, public_key_argument): what a drill worker is handed."""
+        bounds = [f"not_after_step={self.not_after_step}"] if self.not_after_step is not None else []
+        bounds += [f"not_after={_iso(self.not_after)}"] if self.not_after is not None else []
+        return ",".join([self.path, *bounds])
+
+    def describe(self) -> str:
+        bounds = [f"not_after_step={self.not_after_step}"] if self.not_after_step is not None else []
+        if self.not_after is not None:
+            bounds.append(f"not_after={_iso(self.not_after)}")
+        return ", ".join(bounds) or "no window"
+
+    def refuses(self, step: Any, created_at: Any) -> str | None:
+        """Why a manifest with this `step` and `created_at` is outside the window; None when it is inside. A value
+        the window cannot judge (missing, not a step or a time) is outside: a window is a promise to refuse."""
+        if self.not_after_step is not None:
+            if not isinstance(step, int) or isinstance(step, bool):
+                return f"its step {step!r} is not a step the window can judge"
+            if step > self.not_after_step:
+                return f"step {step} is after not_after_step={self.not_after_step}"
+        if self.not_after is not None:
+            try:
+                when = _utc(datetime.fromisoformat(created_at))
+            except (TypeError, ValueError):
+                return f"its created_at {created_at!r} is not a time the window can judge"
+            if when > self.not_after:
+                return f"created_at {_iso(when)} is after not_after={_iso(self.not_after)}"
+        return None
+
+
+def _utc(when: datetime) -> datetime:
+    # a time without a zone is UTC (what the manifests write and what docs/CONFIGURATION.md says)
+    return when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when.astimezone(timezone.utc)
+
+
+def _iso(when: datetime) -> str:
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def accepted_key(entry: Mapping[str, Any]) -> AcceptedKey:
+    """A windowed `public_keys` entry (`{path: ..., not_after_step: ..., not_after: ...}`), checked: ConfigError
+    naming the option and the fix for an unknown key, a missing path, a step that is not a step or a time that is
+    not a time."""
+    entry = dict(entry)
+    unknown = sorted(set(entry) - set(WINDOW_OPTIONS))
+    if unknown:
+        raise ConfigError(f"public_keys entry {entry!r}: unknown option(s) {unknown}; known: {list(WINDOW_OPTIONS)}")
+    path = entry.get("path")
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise ConfigError(f"public_keys entry {entry!r} has no `path`; give the PEM public key file it bounds")
+    step = entry.get("not_after_step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ConfigError(
+            f"public_keys entry for {os.fspath(path)!r}: not_after_step={step!r} is not a step; use an integer >= 0 "
+            "(the last training step this key may sign), or leave it out"
+        )
+    return AcceptedKey(os.fspath(path), step, _not_after(entry.get("not_after"), os.fspath(path)))
+
+
+def public_key_argument(text: str) -> str | AcceptedKey:
+    """`--public-key`'s value: a PEM file, or `PEM,not_after_step=N,not_after=TIME` (an AcceptedKey, checked)."""
+    path, *bounds = text.split(",")
+    if not bounds:
+        return text
+    entry: dict[str, Any] = {"path": path}
+    for bound in bounds:
+        name, sep, value = (part.strip() for part in bound.partition("="))
+        if not sep or name not in WINDOW_OPTIONS[1:]:
+            raise ConfigError(f"{text!r}: {bound!r} is not a window bound; use PEM,not_after_step=N,not_after=TIME")
+        entry[name] = int(value) if name == "not_after_step" and value.isdigit() else value
+    return accepted_key(entry)
+
+
+def _not_after(value: Any, path: str) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):  # YAML loaders other than Hydra's parse an unquoted timestamp
+        return _utc(value)
+    if isinstance(value, date):
+        return datetime(value.year, value.month, value.day, tzinfo=timezone.utc)
+    try:
+        return _utc(datetime.fromisoformat(value))
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"public_keys entry for {path!r}: not_after={value!r} is not a time; use an ISO 8601 time, UTC unless it "
+            "names a zone, e.g. '2026-12-01T00:00:00Z' (the last created_at this key may sign)"
+        ) from None
+
+
 def public_key_specs(public_keys: Any) -> tuple[Any, ...]:
-    """`public_keys` as every reader takes it: a tuple of PEM files (or PEM texts). The one place a single key
-    (`public_keys="/keys/ckpt.pub"`, a Path, one PEM text) becomes a one-tuple: iterated as it is, a string
-    would be a key file per character. None or empty: no keys."""
+    """`public_keys` as every reader takes it: a tuple of PEM files (or PEM texts), and AcceptedKey for an entry
+    with a validity window (a mapping). The one place a single key (`public_keys="/keys/ckpt.pub"`, a Path, one
+    PEM text, one mapping) becomes a one-tuple: iterated as it is, a string would be a key file per character.
+    None or empty: no keys."""
     if public_keys is None:
         return ()
-    if isinstance(public_keys, str | bytes | os.PathLike):
+    if isinstance(public_keys, str | bytes | os.PathLike | Mapping | AcceptedKey):
         public_keys = (public_keys,)
-    return tuple(spec if isinstance(spec, str | bytes) else os.fspath(spec) for spec in public_keys)
+    return tuple(_spec(spec) for spec in public_keys)
+
+
+def _spec(spec: Any) -> Any:
+    if isinstance(spec, str | bytes | AcceptedKey):
+        return spec
+    if isinstance(spec, Mapping):
+        return accepted_key(spec)
+    return os.fspath(spec)
+
+
+def revoked_key_ids(revoked_keys: Any) -> frozenset[str]:
+    """The key ids (or id prefixes, 16 to 64 hex characters: what refusals print) `revoked_keys` names: each
+    entry a key id, or a PEM public key file (or text) whose id is taken. ConfigError naming an entry that is
+    neither. A prefix revokes every key whose id starts with it: revoking too much refuses, never accepts."""
+    revoked = set()
+    for entry in public_key_specs(revoked_keys):
+        if isinstance(entry, AcceptedKey):
+            raise ConfigError(f"revoked_keys entry {entry!r}: give a key id or a PEM public key file, not a window")
+        text = entry.decode(errors="replace") if isinstance(entry, bytes) else entry
+        if KEY_ID_HEX.fullmatch(text.strip()):
+            revoked.add(text.strip().lower())
+        elif text.lstrip().startswith("-----BEGIN") or os.path.exists(os.path.expanduser(text)):
+            revoked.update(_load_keys((entry,), "revoked_keys entry"))
+        else:
+            raise ConfigError(
+                f"revoked_keys entry {text!r} is neither a key id (16 to 64 hex characters, as a refusal prints it) "
+                "nor a readable PEM public key file"
+            )
+    return frozenset(revoked)
 
 
 def load_public_keys(specs: Any) -> dict[str, Any]:
     """Accepted keys by key id, from PEM public key files (or PEM text): one, or several for a key rotation."""
+    return _load_keys([spec.path if isinstance(spec, AcceptedKey) else spec for spec in public_key_specs(specs)])
+
+
+def _load_keys(specs: Any, label: str = "public key") -> dict[str, Any]:
     serialization, ed25519 = _crypto()
     keys = {}
-    for spec in public_key_specs(specs):
+    for spec in specs:
         if isinstance(spec, bytes | str) and str(spec).lstrip().startswith("-----BEGIN"):
             pem, where = (spec if isinstance(spec, bytes) else spec.encode()), "a PEM text"
         else:
@@ -221,15 +363,28 @@ def load_public_keys(specs: Any) -> dict[str, Any]:
                 with open(os.path.expanduser(where), "rb") as handle:
                     pem = handle.read()
             except OSError as err:
-                raise ConfigError(f"public key {where!r} cannot be read ({err}); give a PEM public key file") from None
+                raise ConfigError(f"{label} {where!r} cannot be read ({err}); give a PEM public key file") from None
         try:
             key = serialization.load_pem_public_key(pem)
         except ValueError as err:
-            raise ConfigError(f"public key {where!r} is not a PEM public key ({err})") from None
+            raise ConfigError(f"{label} {where!r} is not a PEM public key ({err})") from None
         if not isinstance(key, ed25519.Ed25519PublicKey):
-            raise ConfigError(f"public key {where!r} is a {type(key).__name__}; only Ed25519 keys verify checkpoints")
+            raise ConfigError(f"{label} {where!r} is a {type(key).__name__}; only Ed25519 keys verify checkpoints")
         keys[key_id(_raw_public(key))] = key
     return keys
+
+
+def accepted_policy(public_keys: Any, revoked_keys: Any = ()) -> SignaturePolicy:
+    """The policy of `public_keys` (plain entries, and AcceptedKey windows) less `revoked_keys`: what every
+    reader with keys builds (policy_of, the replicator's policy_of_signer, the CLI's --public-key)."""
+    specs = public_key_specs(public_keys)
+    windows: dict[str, tuple[AcceptedKey, ...]] = {}
+    for spec in specs:
+        if isinstance(spec, AcceptedKey) and (spec.not_after_step is not None or spec.not_after is not None):
+            # a key listed twice is bound by every window given for it: the tighter one holds
+            for kid in _load_keys([spec.path]):
+                windows[kid] = windows.get(kid, ()) + (spec,)
+    return SignaturePolicy(load_public_keys(specs), windows, revoked_key_ids(revoked_keys))
 
 
 @dataclass(frozen=True)
@@ -237,6 +392,12 @@ class SignaturePolicy:
     """What a reader accepts: checkpoints whose manifest one of `keys` signed, and whose files match its digests."""
 
     keys: dict[str, Any]  # key id -> Ed25519PublicKey
+    windows: dict[str, tuple[AcceptedKey, ...]] = field(default_factory=dict)  # key id -> its validity window(s)
+    revoked: frozenset[str] = frozenset()  # key ids (or prefixes) refused whatever they signed; beats `keys`
+
+    def revocation_of(self, kid: str) -> str | None:
+        """The `revoked_keys` entry that revokes key `kid`, or None."""
+        return next((entry for entry in sorted(self.revoked) if kid.startswith(entry)), None)
 
     def check_manifest(self, fs: Any, directory: str, manifest: dict[str, Any]) -> str:
         """The accepting key's id; SignatureRefused naming the file and key otherwise. Reads manifest.json's
@@ -252,6 +413,13 @@ class SignaturePolicy:
             ) from None
         record = _parse_signature(raw, sig_path)
         kid = record["key_id"]
+        revoked = self.revocation_of(kid)
+        if revoked is not None:  # before the key lookup: a revoked key is refused even where it is still listed
+            raise SignatureRefused(
+                f"{sig_path}: signed by key {kid[:16]}, which is revoked (revoked_keys: {revoked[:16]}); its "
+                "checkpoints are refused at every step: resume one signed by a key still trusted, or take the key "
+                "out of revoked_keys if it was revoked by mistake"
+            )
         key = self.keys.get(kid)
         if key is None:
             raise SignatureRefused(
@@ -265,12 +433,34 @@ class SignaturePolicy:
                 f"{manifest_path}: its signature by key {kid[:16]} does not verify; the manifest was changed after "
                 "it was signed"
             ) from None
+        self._check_window(manifest_path, kid, data)
         if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS:
             raise SignatureRefused(
                 f"{manifest_path}: signed by key {kid[:16]} but records no file digests this reader knows "
                 f"({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a format v2/v3 save records none)"
             )
         return kid
+
+    def _check_window(self, manifest_path: str, kid: str, data: bytes) -> None:
+        """Key `kid`'s windows against the step and created_at of the manifest bytes it signed (verified just
+        now): judged on the signed bytes, never on a parse a caller holds, which could be another version."""
+        windows = self.windows.get(kid, ())
+        if not windows:
+            return
+        try:
+            signed = json.loads(data)
+        except ValueError:
+            signed = {}
+        signed = signed if isinstance(signed, dict) else {}
+        for window in windows:
+            why = window.refuses(signed.get("step"), signed.get("created_at"))
+            if why is not None:
+                raise SignatureRefused(
+                    f"{manifest_path}: signed by key {kid[:16]} outside its validity window ({why}; public key "
+                    f"{_where(window.path)}, {window.describe()}): the key was retired; resume a checkpoint within "
+                    "its window (latest passes over this one), or widen that public_keys entry's window if the key "
+                    "still signs"
+                )
 
     def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
         """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
@@ -328,11 +518,11 @@ def signature_state(
         return (REFUSED if present else UNSIGNED), None, str(err)
 
 
-def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_keys: Any) -> str:
-    """A whole checkpoint against `public_keys` (PEM files): its signature, then every part and shard file against
-    the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.
+def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_keys: Any, revoked_keys: Any = ()) -> str:
+    """A whole checkpoint against `public_keys` (PEM files, windows) less `revoked_keys`: its signature, then every
+    part and shard file against the signed digests (read whole). The accepting key's id; SignatureRefused naming the file and key otherwise.
     For tools that read everything (export, compare, drill) before they start."""
-    policy = SignaturePolicy(load_public_keys(public_keys))
+    policy = accepted_policy(public_keys, revoked_keys)
     kid = policy.check_manifest(fs, directory, manifest)
     policy.check_every_file(fs, directory, manifest, kid)
     return kid
@@ -356,15 +546,16 @@ def _parse_signature(raw: bytes, where: str) -> dict[str, Any]:
     return record
 
 
-def policy_of_signer(signer: Signer, public_keys: Any = ()) -> SignaturePolicy:
+def policy_of_signer(signer: Signer, public_keys: Any = (), revoked_keys: Any = ()) -> SignaturePolicy:
     """What a writer that signs what it copies (the tier replicator) accepts as the copy's source: checkpoints
-    signed by its own key, or by one of `public_keys` (PEM files or text: the run's accepted keys, a rotation).
-    A KMS signer is asked its public key by signing a fixed probe once."""
+    signed by its own key, or by one of `public_keys` (PEM files or text, windows: the run's accepted keys, a
+    rotation), never by one of `revoked_keys` (its own included). A KMS signer is asked its public key by signing
+    a fixed probe once."""
     _, ed25519 = _crypto()
     public_raw = signer.sign(_PUBLIC_KEY_PROBE)[1]
-    keys = load_public_keys(list(public_keys))
-    keys[key_id(public_raw)] = ed25519.Ed25519PublicKey.from_public_bytes(public_raw)
-    return SignaturePolicy(keys)
+    policy = accepted_policy(public_keys, revoked_keys)
+    policy.keys.setdefault(key_id(public_raw), ed25519.Ed25519PublicKey.from_public_bytes(public_raw))
+    return policy
 
 
 _PUBLIC_KEY_PROBE = b"lightning_shardckpt: which public key signs here"  # never a manifest: not JSON
@@ -387,11 +578,15 @@ def check_rank_files(fs: Any, directory: str, manifest: dict[str, Any], rank: in
     return check_listed_files(fs, directory, manifest, kid, only=written_by)
 
 
-def policy_of(require_signature: bool, public_keys: Any) -> SignaturePolicy | None:
+def policy_of(require_signature: bool, public_keys: Any, revoked_keys: Any = ()) -> SignaturePolicy | None:
     """The reader's policy from LoadConfig's fields; None when it requires no signature."""
     if not require_signature:
         return None
-    return SignaturePolicy(load_public_keys(public_keys))
+    return accepted_policy(public_keys, revoked_keys)
+
+
+def _where(path: str) -> str:
+    return "(a PEM text)" if path.lstrip().startswith("-----BEGIN") else repr(path)
 
 
 def _read_small(fs: Any, path: str, max_bytes: int) -> bytes:

@@ -219,7 +219,7 @@ def _check_signed_files(root: Location, entry: catalog.CheckpointEntry, plan: An
     """This rank's parts and shard files against the digests rank 0's pick found signed: the signature covers the
     manifest, the manifest each part's SHA-256, each part its shard's. Read whole once more to hash them (a
     resharded rank reads only ranges of a file, which a digest of the whole file cannot vouch for otherwise)."""
-    policy = signing.policy_of(config.require_signature, config.public_keys)
+    policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
     assert policy is not None
     kid = entry.extra.get(catalog.SIGNED_BY) or policy.check_manifest(root.fs, entry.path, entry.manifest)
     ranks = sorted({rank for rank in (_rank_of(info.relative_path) for info in plan.metadata.storage_data.values())})
@@ -290,7 +290,7 @@ def _pick(
     dirpath: str, which: str | int, config: LoadConfig
 ) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
     try:
-        policy = signing.policy_of(config.require_signature, config.public_keys)
+        policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
         location, entry = catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
         if policy is not None and not manifest_format.is_parts_format(entry.manifest):
             # v2/v3 (an incremental run's): no parts to split the check by rank, so rank 0 hashes every own and

@@ -87,15 +87,17 @@ class Replicator:
         fault_hook: FaultHook | None = None,
         sleep: Callable[[float], None] = time.sleep,
         sign: Any = None,
-        public_keys: tuple[str, ...] = (),
+        public_keys: tuple[Any, ...] = (),
+        revoked_keys: tuple[str, ...] = (),
     ) -> None:
         """`sign` (SaveConfig.sign, signing on): the durable copy's manifest (the original's plus `replicated_from`)
         is signed again with the run's key, so a reader with a signature policy accepts either tier's copy; only a
-        fast copy signed by that key or one of `public_keys` (PEM files or text), whose files match its signed
-        digests, is copied."""
+        fast copy signed by that key or one of `public_keys` (PEM files or text, validity windows), by none of
+        `revoked_keys`, whose files match its signed digests, is copied."""
         assert config.durable is not None
         self.sign = sign if sign is not None and sign.enabled else None
         self.public_keys = tuple(public_keys)
+        self.revoked_keys = tuple(revoked_keys)
         self._policy: signing.SignaturePolicy | None = None  # coordinator, signing on: built at the first copy
         self.config = config
         self.fast, self.durable = fast, durable
@@ -293,7 +295,7 @@ class Replicator:
             return ("copy", name, manifest, owed, None)
         try:
             if self._policy is None:
-                self._policy = signing.policy_of_signer(self._signer(), self.public_keys)
+                self._policy = signing.policy_of_signer(self._signer(), self.public_keys, self.revoked_keys)
             kid = self._policy.check_manifest(self.fast.fs, join(self.fast.path, name), manifest)
         except Exception as err:  # noqa: BLE001 - SignatureRefused, or no key to judge by: never re-signed
             self._refused(name, f"{type(err).__name__}: {err}")

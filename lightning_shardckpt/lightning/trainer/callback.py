@@ -14,7 +14,6 @@ identity, data position, the user's metrics and logged aggregates, loggers and W
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -77,7 +76,8 @@ class ShardedCheckpoint(Checkpoint):
         dataset_version: str | None = None,
         trust_checkpoint: bool = False,
         require_signature: bool = False,
-        public_keys: Sequence[str] = (),
+        public_keys: Any = (),
+        revoked_keys: Any = (),
         drill: DrillConfig = DrillConfig(),
         health: HealthConfig | dict | list | str | None = HealthConfig(),
         tiers: TiersConfig | None = None,
@@ -109,7 +109,8 @@ class ShardedCheckpoint(Checkpoint):
             verify_checksums=verify_on_load,
             trust_checkpoint=trust_checkpoint,
             require_signature=require_signature,
-            public_keys=tuple(public_keys or ()),
+            public_keys=public_keys,  # one path, a windowed mapping or several: LoadConfig makes it a tuple
+            revoked_keys=revoked_keys,
         )
         # the door's own flags, outside the option dataclasses (which check theirs): a string "false" is truthy
         self.log_metrics = require_bool("ShardedCheckpoint.log_metrics", log_metrics)

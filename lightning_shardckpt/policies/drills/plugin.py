@@ -100,12 +100,14 @@ class DrillConfig:
         *,
         trust_checkpoint: bool = False,
         safe_globals: tuple[str, ...] = (),
-        public_keys: tuple[str, ...] = (),
+        public_keys: tuple[Any, ...] = (),
+        revoked_keys: tuple[str, ...] = (),
     ) -> DrillOptions:
         """How one drill runs; `trust_checkpoint` and `safe_globals` are the run's (policies/drills/trust.py), and
         `public_keys` the run's signature policy (a checkpoint the run's resume would refuse never passes a drill)."""
         return DrillOptions(
             public_keys=public_keys,
+            revoked_keys=revoked_keys,
             world_size=self.world_size,
             timeout_s=self.timeout_s,
             threads=self.threads,
@@ -141,7 +143,8 @@ class TrainingDrills(Plugin):
         self._location = location
         self._storage_options = dict(storage_options or {})
         self._trust_checkpoint = False  # the run's LoadConfig.trust_checkpoint, from the plan (shape_plan)
-        self._public_keys: tuple[str, ...] = ()  # the run's signature policy (LoadConfig), from the plan (shape_plan)
+        self._public_keys: tuple[Any, ...] = ()  # the run's signature policy (LoadConfig), from the plan (shape_plan)
+        self._revoked_keys: tuple[str, ...] = ()
         self._runner: DrillRunner | None = None
         self._watch: FollowerWatch | None = None  # mode external: the follower's records, seen from here
         self._committed = 0
@@ -156,6 +159,7 @@ class TrainingDrills(Plugin):
         tiers = plan.tier_restore
         self._trust_checkpoint = plan.load.trust_checkpoint  # a drill unpickles what the run's resume does
         self._public_keys = plan.load.public_keys if plan.load.require_signature else ()  # and accepts what it does
+        self._revoked_keys = plan.load.revoked_keys if plan.load.require_signature else ()
         if plan.save.node_local and placement.num_nodes > 1 and self.config.every_n_checkpoints:
             # a drill restores from the coordinator's node, whose fast directory holds only its own ranks' shards
             log.warning(
@@ -250,6 +254,7 @@ class TrainingDrills(Plugin):
                 trust_checkpoint=self._trust_checkpoint,
                 safe_globals=drill_trust.process_safe_globals(),
                 public_keys=self._public_keys,
+                revoked_keys=self._revoked_keys,
             )
             self._runner = DrillRunner(options, self.record_result)
         self._runner.request(checkpoint_path)

@@ -66,7 +66,8 @@ class DrillOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     # PEM public key files (several: rotation). Set: only a checkpoint one of them signed is drilled; one that fails
     # the policy gets a failed record naming the file and key (engine/format/signing.py), never a pass
-    public_keys: tuple[str, ...] = ()
+    public_keys: tuple[Any, ...] = ()  # an AcceptedKey entry: a key with a validity window (LoadConfig's)
+    revoked_keys: tuple[str, ...] = ()  # key ids or PEM files refused whoever lists them (LoadConfig's)
     # destination memory the drill ranks keep between drills, all ranks together (policies/drills/pool.py): the
     # ranks of a drill that fits stay alive for the next; 0: every drill forks its ranks and frees it all
     keep_memory_gib: float = KEEP_BYTES / 2**30
@@ -75,6 +76,8 @@ class DrillOptions:
         object.__setattr__(self, "public_keys", signing.public_key_specs(self.public_keys))
         if self.public_keys:  # an unreadable key is the operator's mistake: refused now, not recorded per checkpoint
             signing.load_public_keys(self.public_keys)
+        object.__setattr__(self, "revoked_keys", signing.public_key_specs(self.revoked_keys))
+        signing.revoked_key_ids(self.revoked_keys)
         require_number(
             "drill.world_size",
             self.world_size,
@@ -205,7 +208,7 @@ def _signature_refusal(location: Any, entry: Any, options: DrillOptions, record:
     in `shardckpt ls`, and is never known-good. Accepted: the key id joins the record, and the drill ranks check
     every file they read against the signed digests (the resume path's check: a pass means a resume with this
     policy restores it, and the bytes are hashed as they are read for the drill, in parallel, not read twice)."""
-    policy = signing.SignaturePolicy(signing.load_public_keys(list(options.public_keys)))
+    policy = signing.accepted_policy(options.public_keys, options.revoked_keys)
     try:
         record["signed_by"] = policy.check_manifest(location.fs, entry.path, entry.manifest)
     except SignatureRefused as err:
@@ -346,7 +349,9 @@ def _rank_argv(
     for spec in options.safe_globals:
         argv += ["--safe-global", spec]
     for key in options.public_keys:
-        argv += ["--public-key", key]
+        argv += ["--public-key", key.argument() if isinstance(key, signing.AcceptedKey) else key]
+    for key in options.revoked_keys:
+        argv += ["--revoked-key", key]
     return argv
 
 

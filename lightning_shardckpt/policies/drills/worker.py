@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ...engine import catalog
 from ...engine.config import LoadConfig
-from ...engine.format import safe_pickle
+from ...engine.format import safe_pickle, signing
 from ...engine.load.loader import load_checkpoint
 from ...engine.storage.writer import is_finite
 from ...errors import ShardCkptError
@@ -158,7 +158,8 @@ def drill(args: argparse.Namespace, timings: dict[str, float], destination: Dest
             trust_checkpoint=args.trust,
             # with keys: each rank hashes the files it reads against the signed digests, as a resume with the policy
             require_signature=bool(args.public_key),
-            public_keys=tuple(args.public_key),
+            public_keys=tuple(signing.public_key_argument(key) for key in args.public_key),
+            revoked_keys=tuple(args.revoked_key),
         )
         result = load_checkpoint(target, args.checkpoint, config=config)
     timings["metadata_s"], timings["read_s"] = result.metadata_s, result.read_s  # rank 0's
@@ -474,8 +475,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="PEM",
-        help="load only if one of these Ed25519 keys signed it and every file read matches the signed digests",
+        help="load only if one of these Ed25519 keys signed it and every file read matches the signed digests "
+        "(PEM,not_after_step=N,not_after=TIME: within that window)",
     )
+    parser.add_argument("--revoked-key", action="append", default=[], metavar="KEY", help="a key id or PEM refused")
     return parser.parse_args(argv)
 
 

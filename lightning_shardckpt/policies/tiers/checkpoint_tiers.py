@@ -63,7 +63,8 @@ class CheckpointTiers:
         self._committed_here: list[str] = []  # node-local fast tier, node > 0: this process's commits, in order
         # the run's accepted public keys (LoadConfig.public_keys, from the plan): a signed run's replicator copies
         # (and signs again) only what its own key or one of these signed
-        self.accepted_keys: tuple[str, ...] = ()
+        self.accepted_keys: tuple[Any, ...] = ()
+        self.revoked_keys: tuple[str, ...] = ()  # LoadConfig.revoked_keys: refused as a copy's source too
 
     # --- before training ---
     def preflight(self) -> None:
@@ -115,6 +116,7 @@ class CheckpointTiers:
             fault_hook=fault_hook,
             sign=saver.config.sign,  # a signed run's durable copies are signed too
             public_keys=self.accepted_keys,
+            revoked_keys=self.revoked_keys,
         )
         self.replicator.newest_durable = newest_durable
         if catch_up is not None:
@@ -318,7 +320,7 @@ class CheckpointTiers:
         says so.
         """
         durable, refused_by_peers = self.durable, {}
-        policy = signing.policy_of(base.require_signature, base.public_keys)
+        policy = signing.policy_of(base.require_signature, base.public_keys, base.revoked_keys)
         if self.config.fast.peers is not None and which == "latest":
             durable = self._restore_from_peers(group, policy)
             refused_by_peers = self.peer_restore.refused
@@ -420,7 +422,7 @@ class CheckpointTiers:
         Where a `latest` picked from the tiers falls back to: drill records live in a tier's root (the fast
         tier's: drills run there), never inside the picked checkpoint's directory.
         """
-        policy = signing.policy_of(base.require_signature, base.public_keys)
+        policy = signing.policy_of(base.require_signature, base.public_keys, base.revoked_keys)
         choices = choose_signed(self.fast, self.durable, catalog.LAST_GOOD, group, policy).choices
         if not choices:
             return None

@@ -46,6 +46,7 @@ class TiersPlugin(Plugin):
         if self.tiers is None:
             self.tiers = CheckpointTiers(self.config, placement.node_rank, placement.local_rank)
         self.tiers.accepted_keys = tuple(plan.load.public_keys)  # what the replicator may copy and sign again
+        self.tiers.revoked_keys = tuple(plan.load.revoked_keys)  # and what it never copies, whoever signed
         fast = self.config.fast
         save = save_config_from(
             plan.save,
