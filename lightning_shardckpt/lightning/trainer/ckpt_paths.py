@@ -28,6 +28,8 @@ from ...policies import retention
 
 log = logging.getLogger(__name__)
 
+LATEST_REFERENCE = "latest"  # the newest committed checkpoint of ShardedCheckpoint's root, resolved at the load
+
 
 def with_last_resolved(launcher: _Launcher | None) -> _Launcher:
     """The strategy's launcher, passing `ckpt_path="last"` on as ShardedCheckpoint spells it.
@@ -50,7 +52,7 @@ def lightning_spelling(function: Callable, args: tuple, kwargs: dict[str, Any], 
     except (TypeError, ValueError):  # not a Trainer entry point we know: as given
         return args, kwargs
     if bound.arguments.get("ckpt_path") == "last" and _only_ours_saves_last(trainer):
-        bound.arguments["ckpt_path"] = "latest"
+        bound.arguments["ckpt_path"] = LATEST_REFERENCE
         log.debug("ckpt_path='last': the newest committed checkpoint of ShardedCheckpoint's root")
     return bound.args, bound.kwargs
 
