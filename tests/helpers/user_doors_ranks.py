@@ -4,7 +4,9 @@
 - "evaluate": an FSDP model whose `configure_model` is the README's snippet, exactly as printed (read from the
   README), fit with the README's callback list, then `validate` / `test` (ckpt_path="best") and `predict`
   (ckpt_path="last") on the same Trainer: Lightning calls `configure_model` again for each, and loads the
-  checkpoint named through `trainer.checkpoint_callback`.
+  checkpoint named through `trainer.checkpoint_callback`;
+- "from_checkpointer": a plain loop's Checkpointer (a ResumableDistributedSampler beside it) saves after 3 steps,
+  24 of 32 samples into its epoch; then `Trainer.fit(ckpt_path=that checkpoint, max_steps=5)` continues.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shardckpt import ShardedCheckpoint, ShardedStrategy
+from lightning_shardckpt import (
+    Checkpointer,
+    ResumableDistributedSampler,
+    ShardedCheckpoint,
+    ShardedStrategy,
+    resolve_checkpoint,
+)
 from tests.helpers.lightning_run import ddp_trainer, lightning_env
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -65,9 +73,13 @@ class ReadmeModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
+def dataset() -> TensorDataset:
+    return TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(3)))
+
+
 class ReadmeData(pl.LightningDataModule):
     def _loader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(3))), batch_size=4)
+        return DataLoader(dataset(), batch_size=4)
 
     train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _loader
 
@@ -93,6 +105,42 @@ def _evaluate(workdir: str) -> dict[str, Any]:
     return out
 
 
+class AtTrainStart(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sampler = trainer.train_dataloader.sampler
+        self.seen = {"step": trainer.global_step, "position": sampler.global_position, "epoch": sampler.epoch}
+
+
+def _from_checkpointer(workdir: str, rank: int, world_size: int) -> dict[str, Any]:
+    # the plain loop, as the Checkpointer's how-to writes it
+    model = ReadmeModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sampler = ResumableDistributedSampler(dataset(), num_replicas=world_size, rank=rank)
+    with Checkpointer(f"{workdir}/plain", sampler=sampler) as ckpt:
+        for step, (inputs,) in enumerate(DataLoader(dataset(), sampler=sampler, batch_size=4), start=1):
+            model(inputs).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sampler.mark_consumed(1, 4)
+            if step == 3:
+                assert ckpt.save(step, {"model": model, "optim": optimizer}, blocking=True).result().committed
+                break
+    checkpoint = resolve_checkpoint(f"{workdir}/plain").path  # its one checkpoint directory
+    # the Lightning user's fit from it
+    at_start = AtTrainStart()
+    callbacks = [ShardedCheckpoint(f"{workdir}/lightning", log_artifact=False), at_start]
+    trainer = ddp_trainer(world_size, 5, callbacks, strategy=ShardedStrategy(parallelism="fsdp"))
+    trainer.fit(ReadmeModel(), datamodule=ReadmeData(), ckpt_path=checkpoint)
+    return {
+        "at_start": at_start.seen,
+        "global_step": trainer.global_step,
+        "not_restored": list(trainer.strategy.not_restored),
+    }
+
+
 def user_code_on_rank(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     lightning_env(rank, world_size)
-    return {"evaluate": _evaluate(workdir)}
+    return {"evaluate": _evaluate(workdir), "from_checkpointer": _from_checkpointer(workdir, rank, world_size)}

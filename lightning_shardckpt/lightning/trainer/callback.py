@@ -39,7 +39,7 @@ from ...training.run_ids import RunIds
 from ...training.save_loop import Request, SaveLoop, StepEnd
 from ...training.schedule import SaveSchedule
 from .checkpoint_logging import log_record, log_resume_metrics
-from .ckpt_paths import LATEST_REFERENCE, forked_callback_state
+from .ckpt_paths import LATEST_REFERENCE, callback_state_key, forked_callback_state
 from .data_position import DataPosition
 from .plugin_context import TrainerReporter
 from .preemption import PreemptionSignal
@@ -140,7 +140,7 @@ class ShardedCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return f"ShardedCheckpoint{{'dirpath': {self.dirpath!r}}}"
+        return callback_state_key(self.dirpath)
 
     @property
     def last_saved_step(self) -> int | None:

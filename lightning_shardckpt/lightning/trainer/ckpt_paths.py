@@ -104,6 +104,11 @@ def keep_only_newest(location: Location, run_id: str | None, just_committed: str
         log.warning("could not delete the older checkpoints of %s; the next save retries", location.url, exc_info=True)
 
 
+def callback_state_key(dirpath: str | None) -> str:
+    """ShardedCheckpoint's `state_key`: Lightning files a callback's state in the checkpoint dict under it."""
+    return f"ShardedCheckpoint{{'dirpath': {dirpath!r}}}"
+
+
 def forked_callback_state(checkpoint: dict[str, Any], state_key: str) -> dict[str, Any] | None:
     """ShardedCheckpoint's state in `checkpoint` saved under another dirpath's key, when there is none under
     `state_key` (a fork into a new root) and exactly one other: None otherwise (Lightning loads its own)."""
