@@ -50,8 +50,13 @@ def warm_start(
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "callbacks": callbacks or {},
     }
-    if step is not None:
-        checkpoint["loops"] = {"fit_loop": _fit_loop_at(trainer, step, epoch or 0)}
+    if step is not None:  # every loop, as Lightning's own dict: validate / test / predict restore theirs from it
+        checkpoint["loops"] = {
+            "fit_loop": _fit_loop_at(trainer, step, epoch or 0),
+            "validate_loop": trainer.validate_loop.state_dict(),
+            "test_loop": trainer.test_loop.state_dict(),
+            "predict_loop": trainer.predict_loop.state_dict(),
+        }
     return checkpoint
 
 

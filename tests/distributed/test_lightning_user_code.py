@@ -49,6 +49,7 @@ def test_a_fit_from_a_checkpointers_checkpoint_continues_at_its_step_and_data_po
         # saved after 3 steps, 24 of the epoch's 32 samples consumed: the fit goes on from there, to max_steps=5
         assert fit["at_start"] == {"step": 3, "position": 24, "epoch": 0}
         assert fit["global_step"] == 5
+        assert fit["validated"]  # validate(ckpt_path=the Checkpointer's checkpoint) too
         # the warning names only what the Checkpointer's checkpoint does not hold
         assert fit["not_restored"] == [
             "the LR schedulers, the batch within the epoch, other callbacks' and the datamodule's state"

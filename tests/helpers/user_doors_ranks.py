@@ -6,7 +6,8 @@
   (ckpt_path="last") on the same Trainer: Lightning calls `configure_model` again for each, and loads the
   checkpoint named through `trainer.checkpoint_callback`;
 - "from_checkpointer": a plain loop's Checkpointer (a ResumableDistributedSampler beside it) saves after 3 steps,
-  24 of 32 samples into its epoch; then `Trainer.fit(ckpt_path=that checkpoint, max_steps=5)` continues.
+  24 of 32 samples into its epoch; then `Trainer.fit(ckpt_path=that checkpoint, max_steps=5)` continues, and
+  `validate(ckpt_path=that checkpoint)` evaluates it.
 """
 
 from __future__ import annotations
@@ -134,11 +135,14 @@ def _from_checkpointer(workdir: str, rank: int, world_size: int) -> dict[str, An
     callbacks = [ShardedCheckpoint(f"{workdir}/lightning", log_artifact=False), at_start]
     trainer = ddp_trainer(world_size, 5, callbacks, strategy=ShardedStrategy(parallelism="fsdp"))
     trainer.fit(ReadmeModel(), datamodule=ReadmeData(), ckpt_path=checkpoint)
-    return {
+    out = {
         "at_start": at_start.seen,
         "global_step": trainer.global_step,
         "not_restored": list(trainer.strategy.not_restored),
     }
+    # and an evaluation of it: Lightning restores the validate loop's state from the same dict
+    out["validated"] = bool(trainer.validate(datamodule=ReadmeData(), ckpt_path=checkpoint))
+    return out
 
 
 def user_code_on_rank(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
