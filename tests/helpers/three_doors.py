@@ -101,7 +101,7 @@ def one_checkpoint_three_doors(rank: int, world_size: int, workdir: str) -> dict
     out["from_checkpointer"] = {"unequal": unequal(trained, full_state(fresh.module, fresh_optimizer.optimizer))}
     fabric.strategy.teardown()
 
-    # the Trainer opens Fabric's and the Checkpointer's checkpoints: their model and optimizer, a warm start
+    # the Trainer opens Fabric's and the Checkpointer's checkpoints: their model, optimizer and step
     for label, source in (("trainer_from_fabric", fabric_root), ("trainer_from_checkpointer", plain_root)):
         warm = fit_on_rank(rank, world_size, f"{workdir}/{label}", "fsdp", 4, source, {"every": 3})
         out[label] = {"unequal": unequal(trained, warm["at_start"]["full"]), "step": warm["at_start"]["global_step"]}
