@@ -39,13 +39,42 @@ def load_target(model_state: dict[str, Any], optimizer_states: list[dict[str, An
     }
 
 
-def warm_start(trainer: Any) -> dict[str, Any]:
-    """Lightning's checkpoint dict for a checkpoint another door wrote: no loops (the fit starts at step 0), the
-    run's own LR scheduler states (Lightning requires the key); the model and optimizers come from the load."""
-    return {
+def warm_start(
+    trainer: Any, *, step: int | None, epoch: int | None, callbacks: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Lightning's checkpoint dict for a checkpoint another door wrote: its loops at the checkpoint's `step` (and
+    `epoch`, where it has one), the run's own LR scheduler states (Lightning requires the key), `callbacks`' states
+    by state key; the model and optimizers come from the load."""
+    checkpoint: dict[str, Any] = {
         "pytorch-lightning_version": lightning.__version__,
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "callbacks": callbacks or {},
     }
+    if step is not None:  # every loop, as Lightning's own dict: validate / test / predict restore theirs from it
+        checkpoint["loops"] = {
+            "fit_loop": _fit_loop_at(trainer, step, epoch or 0),
+            "validate_loop": trainer.validate_loop.state_dict(),
+            "test_loop": trainer.test_loop.state_dict(),
+            "predict_loop": trainer.predict_loop.state_dict(),
+        }
+    return checkpoint
+
+
+def _fit_loop_at(trainer: Any, step: int, epoch: int) -> dict[str, Any]:
+    """The fit loop's state of this (fresh) Trainer with `step` optimizer steps taken and `epoch` epochs done, at the
+    start of an epoch: the writer kept no batch count, the sampler's restored position says where the data is."""
+    state = trainer.fit_loop.state_dict()
+    for progress in ("ready", "started", "processed", "completed"):
+        for counts in ("total", "current"):
+            state["epoch_progress"][counts][progress] = epoch
+    # global_step reads the optimizer steps (automatic optimization) or the manual loop's step count
+    for counts in (
+        state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"],
+        state["epoch_loop.manual_optimization.optim_step_progress"]["total"],
+    ):
+        counts["ready"] = counts["completed"] = step
+    state["epoch_loop.state_dict"]["_batches_that_stepped"] = step  # the loggers' step
+    return state
 
 
 def lightning_rest(loaded: dict[str, Any], *, trust: bool = False, where: str = "checkpoint") -> dict[str, Any]:

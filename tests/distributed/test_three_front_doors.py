@@ -52,10 +52,10 @@ def test_fabric_and_checkpointer_checkpoints_open_in_each_other(ranks):
         assert rank["from_checkpointer"]["unequal"] == []
 
 
-def test_the_trainer_opens_fabrics_and_the_checkpointers_checkpoints_as_a_warm_start(ranks):
-    for rank in ranks:
-        assert rank["trainer_from_fabric"] == {"unequal": [], "step": 0}
-        assert rank["trainer_from_checkpointer"] == {"unequal": [], "step": 0}
+def test_the_trainer_opens_fabrics_and_the_checkpointers_checkpoints_at_their_step(ranks):
+    for rank in ranks:  # issue 48: their step carries over (it was a warm start at step 0)
+        assert rank["trainer_from_fabric"] == {"unequal": [], "step": 3}
+        assert rank["trainer_from_checkpointer"] == {"unequal": [], "step": 3}
 
 
 def test_every_door_shows_the_same_resume_line_on_rank_0_only(ranks):

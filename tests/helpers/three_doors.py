@@ -11,7 +11,8 @@ when it saved (`trained`: full model + optimizer state, keyed model.<fqn> / opti
   Checkpointer's own layout); "from_checkpointer": Fabric loads that one's model and optimizer (the optimizer is
   under the user's name "optim": found by its param_groups);
 - "trainer_from_fabric", "trainer_from_checkpointer": a Trainer opens Fabric's and the Checkpointer's checkpoints
-  (fit(ckpt_path=PATH)): model and optimizer, a warm start at step 0 (their loops are not in them).
+  (fit(ckpt_path=PATH)): model, optimizer and the checkpoint's step (3; the fit goes on to 4), the rest of
+  Lightning's loops as a fresh fit sets them up (those doors save none).
 Every resume says so in the one console line of training/resume.py ("lines", rank 0).
 """
 
@@ -100,9 +101,9 @@ def one_checkpoint_three_doors(rank: int, world_size: int, workdir: str) -> dict
     out["from_checkpointer"] = {"unequal": unequal(trained, full_state(fresh.module, fresh_optimizer.optimizer))}
     fabric.strategy.teardown()
 
-    # the Trainer opens Fabric's and the Checkpointer's checkpoints: their model and optimizer, a warm start
+    # the Trainer opens Fabric's and the Checkpointer's checkpoints: their model, optimizer and step
     for label, source in (("trainer_from_fabric", fabric_root), ("trainer_from_checkpointer", plain_root)):
-        warm = fit_on_rank(rank, world_size, f"{workdir}/{label}", "fsdp", 1, source, {"every": 3})
+        warm = fit_on_rank(rank, world_size, f"{workdir}/{label}", "fsdp", 4, source, {"every": 3})
         out[label] = {"unequal": unequal(trained, warm["at_start"]["full"]), "step": warm["at_start"]["global_step"]}
     out["lines"] = console.take()
     return out

@@ -38,7 +38,7 @@ from ...training.run_ids import RunIds
 from ...training.save_loop import Request, SaveLoop, StepEnd
 from ...training.schedule import SaveSchedule
 from .checkpoint_logging import log_record, log_resume_metrics
-from .ckpt_paths import forked_callback_state
+from .ckpt_paths import LATEST_REFERENCE, callback_state_key, forked_callback_state
 from .data_position import DataPosition
 from .plugin_context import TrainerReporter
 from .preemption import PreemptionSignal
@@ -52,6 +52,14 @@ class ShardedCheckpoint(Checkpoint):
     """Asynchronous, committed, verified checkpoints of a Lightning run, resumable on any world size.
 
     A `Checkpoint` subclass, so Lightning runs it after every other callback: their updates are in the snapshot.
+
+    Being a `Checkpoint`, it is `trainer.checkpoint_callback` (without a `ModelCheckpoint` before it), from which
+    Lightning reads `ckpt_path="best"` and its loggers read the checkpoints to upload. It monitors nothing, so it
+    has no best by a score: `best_model_path` and `last_model_path` are the reference `"latest"`, the newest
+    committed checkpoint of its root, which the strategy resolves at the load (the one reference every door
+    reads). Not `"last-good"`: that needs restore drills, which are off by default, and it would make
+    `validate(ckpt_path="best")` evaluate older weights than the run has committed; ask for `"last-good"` by
+    name. `best_model_score` and `current_score` are None, `best_k_models` is empty.
     """
 
     def __init__(
@@ -124,10 +132,16 @@ class ShardedCheckpoint(Checkpoint):
         self._signal = PreemptionSignal(self.options.preemption_grace_s)
         self._resume_logged = False
         self._trainer: pl.Trainer | None = None  # bound in on_fit_start, which Lightning runs before it restores
+        # what Lightning reads from `trainer.checkpoint_callback` (ckpt_path="best", loggers): see the docstring;
+        # attributes, not properties, as Lightning's spawn launcher writes `best_model_path` back
+        self.best_model_path = self.last_model_path = LATEST_REFERENCE
+        self.best_model_score: Any = None
+        self.current_score: Any = None
+        self.best_k_models: dict[str, Any] = {}
 
     @property
     def state_key(self) -> str:
-        return f"ShardedCheckpoint{{'dirpath': {self.dirpath!r}}}"
+        return callback_state_key(self.dirpath)
 
     @property
     def last_saved_step(self) -> int | None:

@@ -28,6 +28,8 @@ from ...policies import retention
 
 log = logging.getLogger(__name__)
 
+LATEST_REFERENCE = "latest"  # the newest committed checkpoint of ShardedCheckpoint's root, resolved at the load
+
 
 def with_last_resolved(launcher: _Launcher | None) -> _Launcher:
     """The strategy's launcher, passing `ckpt_path="last"` on as ShardedCheckpoint spells it.
@@ -50,7 +52,7 @@ def lightning_spelling(function: Callable, args: tuple, kwargs: dict[str, Any], 
     except (TypeError, ValueError):  # not a Trainer entry point we know: as given
         return args, kwargs
     if bound.arguments.get("ckpt_path") == "last" and _only_ours_saves_last(trainer):
-        bound.arguments["ckpt_path"] = "latest"
+        bound.arguments["ckpt_path"] = LATEST_REFERENCE
         log.debug("ckpt_path='last': the newest committed checkpoint of ShardedCheckpoint's root")
     return bound.args, bound.kwargs
 
@@ -100,6 +102,11 @@ def keep_only_newest(location: Location, run_id: str | None, just_committed: str
         retention.apply(location, 1, None, run_id=run_id, just_committed=just_committed, keep_last_drilled=0)
     except Exception:  # noqa: BLE001 - the save committed; a leftover older checkpoint is only space
         log.warning("could not delete the older checkpoints of %s; the next save retries", location.url, exc_info=True)
+
+
+def callback_state_key(dirpath: str | None) -> str:
+    """ShardedCheckpoint's `state_key`: Lightning files a callback's state in the checkpoint dict under it."""
+    return f"ShardedCheckpoint{{'dirpath': {dirpath!r}}}"
 
 
 def forked_callback_state(checkpoint: dict[str, Any], state_key: str) -> dict[str, Any] | None:

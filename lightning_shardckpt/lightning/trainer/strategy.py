@@ -49,12 +49,16 @@ from ...training.loadable import SaveChecks
 from ...training.resume import resume
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ...training.staging_fence import StagingFence
+from ...training.user_state import RESERVED_KEY as CHECKPOINTER_SECTION
 from .. import lightning_state
 from ..parallelism import PARALLELISMS, AllRanksDataParallel, register_in, strategy_class
 from . import ckpt_paths
 from .sampler_injection import end_of_fit, restore_position, use_resumable_sampler
 
 log = logging.getLogger(__name__)
+
+# what a fit from another door's checkpoint (Fabric's, the Checkpointer's) keeps as it set it up: that door saves none
+NOT_IN_OTHER_DOORS = "the LR schedulers, the batch within the epoch, other callbacks' and the datamodule's state"
 
 
 class _NothingToRestore(dict):
@@ -211,9 +215,16 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
                 trust=self.load_config.trust_checkpoint,
                 where=loaded.path,
             )
-        else:  # another door's checkpoint: its model and optimizers, a fresh fit otherwise (a warm start)
-            checkpoint = lightning_state.warm_start(module.trainer)
-        self.not_restored = tuple(layout.not_restored())
+        else:  # another door's checkpoint: its model, optimizers and step; the Checkpointer's data position and RNG
+            checkpoint = lightning_state.warm_start(
+                module.trainer,
+                step=loaded.step,
+                epoch=loaded.manifest.get("epoch"),
+                callbacks=self._carried_callback_state(target, loaded),
+            )
+        # what stays as this fit set it up, in the user's words: never silently
+        lacking = layout.not_restored() + ([] if layout.native else [NOT_IN_OTHER_DOORS])
+        self.not_restored = tuple(lacking)
         if self.is_global_zero:
             warn_not_restored(loaded.path, layout, list(self.not_restored))
         model_section = layout.sources.get((lightning_state.MODEL_KEY,), (lightning_state.MODEL_KEY,))
@@ -359,9 +370,20 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             model=(lightning_state.MODEL_KEY,),
             optimizers=tuple((lightning_state.OPTIMIZERS_KEY, str(index)) for index in range(len(optimizers))),
             own=(lightning_state.LIGHTNING_KEY,),
+            reads_own=(CHECKPOINTER_SECTION,),  # its step and data position carry into the fit (load_checkpoint)
             strict=strict,
             strict_hint="LightningModule.strict_loading = False",
         )
+
+    def _carried_callback_state(self, target: DoorTarget, loaded: LoadResult) -> dict[str, Any]:
+        """ShardedCheckpoint's state from a Checkpointer's own section (the sampler's position, every rank's RNG,
+        the plug-ins' state: what the callback saves too), filed under the state key of the checkpoint's root, so
+        the callback takes it as it takes a fork's; {} for a checkpoint without it (Fabric's, a bare saver's)."""
+        if target.layout is None or target.layout.own_source != CHECKPOINTER_SECTION:
+            return {}
+        own = safe_pickle.loads(target.own_section(), (), trust=self.load_config.trust_checkpoint) or {}
+        state = {"last_saved_step": loaded.step, "sampler": own.get("sampler"), "rng": own.get("rng")}
+        return {ckpt_paths.callback_state_key(loaded.path): {**state, **(own.get("plugins") or {})}}
 
     def _present_in_checkpoint(self, model_state: dict[str, Any], section: tuple[str, ...]) -> dict[str, Any]:
         """The loaded model state without keys the checkpoint lacks (a load gets here with them only when
