@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_shardckpt.engine import catalog
@@ -33,7 +35,8 @@ def _assert_continued(saved: dict, run: dict, root: str) -> None:
 def test_a_model_checkpoint_of_lightnings_own_strategy_resumes_and_saving_continues_in_our_root(tmp_path, parallelism):
     outcomes = run_ranks(from_model_checkpoint_on_rank, 2, str(tmp_path), parallelism, None, timeout_s=240)
     run = outcomes[0].value
-    assert run["saved"].endswith(".ckpt")  # DDPStrategy: a file; ModelParallelStrategy: a DCP directory so named
+    # DDPStrategy: a file; ModelParallelStrategy: a DCP directory so named
+    assert run["saved"].endswith(".ckpt") and Path(run["saved"]).is_dir() == (parallelism == "fsdp")
     _assert_continued(run, run, str(tmp_path / "root"))
 
 
