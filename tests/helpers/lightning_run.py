@@ -374,3 +374,84 @@ def preflight_on_rank(rank: int, world_size: int, dirpath: str, storage_options:
     except Exception as err:  # the error type and message are the result
         return {"error": f"{type(err).__name__}: {err}", "global_step": module.global_step}
     return {"error": None, "global_step": module.global_step}
+
+
+def from_model_checkpoint_on_rank(
+    rank: int, world_size: int, workdir: str, parallelism: str, saved: str | None, continue_here: bool = True
+) -> dict:
+    """A user's run checkpointed by Lightning's own ModelCheckpoint (DDPStrategy: a `.ckpt` file;
+    ModelParallelStrategy: a DCP directory) for 3 steps, when `saved` is None; then (or from `saved`, on this
+    world size) continued under ShardedStrategy + ShardedCheckpoint for 3 more, then once more from "latest"."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    lightning_env(rank, world_size)
+    common: dict[str, Any] = dict(
+        accelerator="cpu", devices=world_size, num_nodes=1, logger=False, enable_progress_bar=False
+    )
+    first: dict[str, Any] = {}
+    if saved is None:
+        lightnings = ModelCheckpoint(dirpath=f"{workdir}/lightning", every_n_train_steps=3, save_top_k=1)
+        strategy = DDPStrategy() if parallelism == "ddp" else ModelParallelStrategy()
+        trainer = pl.Trainer(strategy=strategy, max_steps=3, callbacks=[lightnings, CountingCallback()], **common)
+        module = TinyModule(parallelism=parallelism)
+        trainer.fit(module, datamodule=TinyData())
+        saved = lightnings.best_model_path
+        first = {"saved": saved, "final": _full(module, trainer.optimizers[0])}
+        if not continue_here:
+            return first
+
+    def fit(max_steps: int, ckpt_path: str) -> dict[str, Any]:
+        capture = CaptureAtStart()
+        sharded = ShardedCheckpoint(f"{workdir}/root", every_n_train_steps=100, log_artifact=False)
+        trainer = pl.Trainer(
+            strategy=ShardedStrategy(parallelism=parallelism),
+            max_steps=max_steps,
+            callbacks=[sharded, CountingCallback(), capture],
+            **common,
+        )
+        module = TinyModule(parallelism=parallelism)
+        trainer.fit(module, datamodule=TinyData(), ckpt_path=ckpt_path)
+        return {
+            "at_start": capture.at_start,
+            "final": _full(module, trainer.optimizers[0]),
+            "global_step": trainer.global_step,
+        }
+
+    continued = fit(6, saved)
+    return {**first, "continued": continued, "from_latest": fit(8, "latest")}
+
+
+class Recipe:
+    """A user's own class in hyperparameters: torch's weights_only loader refuses to build it."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+
+class RecipeModule(TinyModule):
+    def __init__(self, recipe: Recipe | None = None) -> None:
+        super().__init__(parallelism="ddp")
+        self.save_hyperparameters()
+
+
+def untrusted_lightning_ckpt_on_rank(rank: int, world_size: int, workdir: str) -> dict:
+    """A `.ckpt` of Lightning's own whose hyperparameters pickle a user class, continued under ShardedStrategy:
+    first without trust (the error), then with ShardedCheckpoint(trust_checkpoint=True)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    lightning_env(rank, world_size)
+    common: dict[str, Any] = dict(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False)
+    lightnings = ModelCheckpoint(dirpath=f"{workdir}/lightning", every_n_train_steps=2)
+    trainer = pl.Trainer(strategy="ddp", max_steps=2, callbacks=[lightnings], **common)
+    trainer.fit(RecipeModule(Recipe(3)), datamodule=TinyData())
+    outcome: dict[str, Any] = {}
+    for trust in (False, True):
+        sharded = ShardedCheckpoint(f"{workdir}/root", trust_checkpoint=trust, log_artifact=False)
+        trainer = pl.Trainer(strategy=ShardedStrategy(parallelism="ddp"), max_steps=3, callbacks=[sharded], **common)
+        try:
+            trainer.fit(RecipeModule(), datamodule=TinyData(), ckpt_path=lightnings.best_model_path)
+            outcome[str(trust)] = trainer.global_step
+        except Exception as err:  # the error type and message are the result
+            outcome[str(trust)] = f"{type(err).__name__}: {err}"
+    return outcome

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
+import re
 import time
 import weakref
 from dataclasses import replace
@@ -41,9 +43,10 @@ from ...engine.format.layout import parse_dirname
 from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
-from ...errors import ConfigError, IncompatibleCheckpoint
+from ...errors import ConfigError, IncompatibleCheckpoint, UntrustedCheckpoint
 from ...policies import retention
 from ...policies.plan import CheckpointPlan
+from ...training import console
 from ...training.layouts import DoorTarget, warn_not_restored
 from ...training.loadable import SaveChecks
 from ...training.resume import resume
@@ -52,7 +55,7 @@ from ...training.staging_fence import StagingFence
 from ...training.user_state import RESERVED_KEY as CHECKPOINTER_SECTION
 from .. import lightning_state
 from ..parallelism import PARALLELISMS, AllRanksDataParallel, register_in, strategy_class
-from . import ckpt_paths
+from . import ckpt_paths, lightning_files
 from .sampler_injection import end_of_fit, restore_position, use_resumable_sampler
 
 log = logging.getLogger(__name__)
@@ -189,8 +192,11 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """`fit(ckpt_path=...)`: the one resume of every door (training/resume.py), into fresh model tensors and
-        the optimizers (resharded); returns Lightning's checkpoint dict for its restore hooks."""
+        the optimizers (resharded); returns Lightning's checkpoint dict for its restore hooks. A checkpoint
+        Lightning's own ModelCheckpoint wrote goes to Lightning's loader (lightning/trainer/lightning_files.py)."""
         self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
+        if self._written_by_lightning(checkpoint_path):
+            return self._load_lightnings_own(str(checkpoint_path), weights_only)
         started = time.perf_counter()
         module = self.lightning_module
         optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
@@ -352,6 +358,47 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
     # --- internals ---
+    def _written_by_lightning(self, checkpoint_path: Any) -> bool:
+        """Whether `ckpt_path` is a `.ckpt` file or DCP directory of Lightning's own (rank 0 looks, every rank
+        gets its answer): a selector never is, and neither is a root of ours."""
+        if not catalog.parse_reference(str(checkpoint_path)).is_path:
+            return False
+        answer = None
+        if self.is_global_zero:
+            answer = lightning_files.written_by_lightning(str(checkpoint_path), self.load_config.storage_options)
+        return bool(self.broadcast(answer))
+
+    def _load_lightnings_own(self, checkpoint_path: str, weights_only: bool | None) -> dict[str, Any]:
+        """A run ModelCheckpoint saved, continued: Lightning's loader of the parent strategy reads the file
+        (DDP: the whole dict, weights applied by load_model_state_dict after the on_load_checkpoint hooks;
+        ModelParallelStrategy: weights and optimizers loaded in place, resharded by DCP), Lightning's restore
+        hooks take loops, global step and callbacks' state from the dict it returns. The next save goes to
+        ShardedCheckpoint's root in this package's format, continuing the step counter."""
+        if weights_only is None:  # Lightning's own default unpickles a remote file whole: our trust option decides
+            weights_only = not self.load_config.trust_checkpoint
+        try:  # super(): the Lightning strategy below ours (DDPStrategy: Strategy's torch.load; ModelParallelStrategy)
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except pickle.UnpicklingError as err:  # torch's weights_only refusal names the class it would not build
+            blocked = _WEIGHTS_ONLY_BLOCKED.search(str(err))
+            what = blocked[1] if blocked else "a class outside torch's weights_only allow-list"
+            raise UntrustedCheckpoint(
+                f"Lightning's checkpoint {checkpoint_path} pickles {what}, which torch's weights_only loader refuses "
+                "to build (unpickling it could run its code); if you trust the file, pass ShardedCheckpoint(..., "
+                "trust_checkpoint=True) or trainer.fit(..., weights_only=False), or allow just that class with "
+                "torch.serialization.add_safe_globals([...])",
+                blocked=blocked[1] if blocked else None,
+            ) from err
+        # Lightning restores optimizers itself only where lightning_restore_optimizer (False: ours load here)
+        super().load_optimizer_state_dict(checkpoint)
+        self.last_load, self.not_restored = None, ()  # nothing of ours was read: no resume event, a new run id
+        if self.is_global_zero:
+            console.say(
+                f"lightning_shardckpt: resumed from Lightning's checkpoint {checkpoint_path} "
+                f"(step {checkpoint.get('global_step', '?')}) with Lightning's loader, world size {self.world_size}; "
+                f"saves continue in {self.root or 'the paths trainer.save_checkpoint is given'}"
+            )
+        return checkpoint
+
     def _door_target(self, module: pl.LightningModule, optimizers: list[Optimizer], strict: bool) -> DoorTarget:
         """What a resume fills: fresh model tensors (this rank's shards; Lightning's on_load_checkpoint hooks see and
         may edit checkpoint["state_dict"] before load_model_state_dict applies it, as with a plain Lightning
@@ -496,6 +543,9 @@ def _own_options(cls: type[ShardedStrategy], parallelism: str, options: dict[str
                     f"{name}={value!r} applies to parallelism={other!r} only; remove it, or use parallelism={other!r}"
                 )
     return kept
+
+
+_WEIGHTS_ONLY_BLOCKED = re.compile(r"GLOBAL ([\w.]+)")  # torch: "Unsupported global: GLOBAL pkg.Class was not ..."
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
