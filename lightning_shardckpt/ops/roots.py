@@ -248,6 +248,7 @@ def follow_checkpoints(
     poll_s: float = DEFAULT_POLL_S,
     include_existing: bool = False,
     storage_options: dict[str, Any] | None = None,
+    public_keys: PathLike | Sequence[PathLike] = (),
 ) -> Iterator[CheckpointInfo]:
     """Yield each checkpoint committed under `root` from now on, in commit order, as it lands; like Orbax's
     and TensorFlow's `checkpoints_iterator`, for an evaluation job that follows training.
@@ -258,21 +259,31 @@ def follow_checkpoints(
     have no change notifications). Ends once `timeout_s` pass without a new commit, counted from when the caller
     asks for the next one (None: never ends).
     `include_existing`: first yield what is committed already. A root that does not exist yet is waited for.
+    `public_keys` (PEM files or text, several for a rotation): yield only checkpoints whose manifest one of these
+    keys signed, as a resume with `require_signature` picks (an unsigned, another key's or re-signed one is passed
+    over with a warning naming the file and key); the follower's reader then checks the files against the digests.
     """
     # checked now, not at the first next(): a generator function would defer these errors to the loop
     require_number("poll_s", poll_s, above=0, hint="seconds between looks at the root, e.g. 5")
     require_number("timeout_s", timeout_s, at_least=0, allow_none=True, none_means="wait forever", hint="seconds")
+    policy = signing.policy_of(bool(public_keys), public_keys)  # checked now: a bad key fails here, not at next()
     location = root_location(root, storage_options)
     settled: set[str] = set()  # yielded, found corrupt, or there before (not include_existing): never read again
     if not include_existing:
         settled = {entry.name for entry in catalog.list_checkpoints(location) if entry.state != UNCOMMITTED}
-    return _follow(location, settled, timeout_s, poll_s)
+    return _follow(location, settled, timeout_s, poll_s, policy)
 
 
-def _follow(location: Location, settled: set[str], timeout_s: float | None, poll_s: float) -> Iterator[CheckpointInfo]:
+def _follow(
+    location: Location,
+    settled: set[str],
+    timeout_s: float | None,
+    poll_s: float,
+    policy: signing.SignaturePolicy | None,
+) -> Iterator[CheckpointInfo]:
     while True:
         asked = time.monotonic()
-        while not (fresh := _newly_committed(location, settled)):
+        while not (fresh := _newly_committed(location, settled, policy)):
             left = None if timeout_s is None else timeout_s - (time.monotonic() - asked)
             if left is not None and left <= 0:
                 return
@@ -299,8 +310,11 @@ def _pick_or_none(
         return None
 
 
-def _newly_committed(location: Location, settled: set[str]) -> list[CheckpointInfo]:
-    """The committed, sound checkpoints not in `settled`, in commit order; settles them and the corrupt ones."""
+def _newly_committed(
+    location: Location, settled: set[str], policy: signing.SignaturePolicy | None
+) -> list[CheckpointInfo]:
+    """The committed, sound checkpoints not in `settled` (under `policy`: also accepted by it), in commit order;
+    settles them, the corrupt and the refused ones."""
     fresh = []
     for entry in catalog.list_checkpoints(location, only=lambda name: name not in settled):
         if entry.state == UNCOMMITTED:
@@ -312,6 +326,8 @@ def _newly_committed(location: Location, settled: set[str]) -> list[CheckpointIn
                 # matched against its commit record and validated. The record's own summary is not enough: a
                 # manifest edited after commit leaves the record as it was
                 _ = entry.manifest
+                if policy is not None:  # and, as the pick does under a policy, its signature over those bytes
+                    policy.check_manifest(location.fs, entry.path, entry.manifest)
             except CheckpointDeleted:
                 continue  # retention was quicker than this poll: nothing to evaluate
             except ShardCkptError as err:
