@@ -218,3 +218,24 @@ def drill_pool():
     pool = WarmPool(keep_bytes=0)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def compose_checkpoint(tmp_path, monkeypatch):
+    """`compose_checkpoint(*overrides)`: conf/train.yaml composed with Hydra overrides, its `checkpoint` node
+    instantiated as recipes/train.py does (the callback, or the error its options raise)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    monkeypatch.chdir(tmp_path)
+
+    def make(*overrides: str):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        return instantiate(cfg.checkpoint, _partial_=True)(run_config={})
+
+    yield make
+    HydraConfig.instance().cfg = None

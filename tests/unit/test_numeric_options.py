@@ -9,10 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 
 from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine.config import LoadConfig, SaveConfig, VerifyConfig
@@ -157,21 +154,6 @@ def test_sound_numbers_of_every_kind_are_still_accepted(tmp_path):
         health=[_rule(mitigation_options={"factor": 1.5, "max_factor": 4})],
     )
     assert callback.options.keep_last == 2 and callback.drill_options.tolerance == 0
-
-
-@pytest.fixture
-def compose_checkpoint(tmp_path, monkeypatch):
-    """conf/train.yaml composed with overrides, its `checkpoint` node instantiated as recipes/train.py does."""
-    monkeypatch.chdir(tmp_path)
-
-    def make(*overrides: str):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        return instantiate(cfg.checkpoint, _partial_=True)(run_config={})
-
-    yield make
-    HydraConfig.instance().cfg = None
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 
 import lightning_shardckpt
 from lightning_shardckpt import Checkpointer, LoadConfig, SaveConfig, ShardedCheckpoint, TierConfig, load_checkpoint
@@ -165,21 +162,6 @@ def test_an_untrusted_checkpoint_loaded_with_trust_checkpoint_false_as_a_string_
         with Checkpointer(root, trust_checkpoint="false") as ckpt:
             ckpt.load(target)
     assert not marker.exists()
-
-
-@pytest.fixture
-def compose_checkpoint(tmp_path, monkeypatch):
-    """conf/train.yaml composed with overrides, its `checkpoint` node instantiated as recipes/train.py does."""
-    monkeypatch.chdir(tmp_path)
-
-    def make(*overrides: str):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        return instantiate(cfg.checkpoint, _partial_=True)(run_config={})
-
-    yield make
-    HydraConfig.instance().cfg = None
 
 
 @pytest.mark.parametrize(
