@@ -6,7 +6,6 @@ configs, the callback's constructor, Hydra's conf/, or the `shardckpt` command l
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 from hydra.errors import InstantiationException
@@ -18,7 +17,6 @@ from lightning_shardckpt.errors import ConfigError
 from lightning_shardckpt.policies.drills.runner import DrillOptions
 
 NAN, INF = math.nan, math.inf
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
 # what every option refuses, by kind; a range's own out-of-range value is added per option
 NOT_A_NUMBER = [NAN, INF, -INF, "abc", True]

@@ -24,7 +24,6 @@ from lightning_shardckpt.lightning.fabric.strategy import ShardedFabricDDPStrate
 from tests.helpers.checkpoints import fresh_state, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "conf"
 STRINGS = ["false", "0", "1"]  # what a quoted YAML value or an environment variable holds
 
 # dataclasses that validate themselves but are not options a user writes (their values come from the code)
