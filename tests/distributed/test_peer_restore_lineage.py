@@ -17,26 +17,15 @@ from lightning_shardckpt.engine.collectives import new_checkpoint_group
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format.layout import LATEST, join
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.engine.tiers.config import PeersConfig, TierConfig, TiersConfig
 from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
-from tests.helpers.peer_ranks import state
+from tests.helpers.peer_ranks import one_rank_per_node, state
 from tests.helpers.spawn import run_ranks, values
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def tiers_config(base: str) -> TiersConfig:
-    return TiersConfig(
-        fast=TierConfig(dirpath=f"{base}/node{{node_rank}}", peers=PeersConfig(factor=2, jump=1)),
-        durable=TierConfig(dirpath=f"{base}/durable", every_n_checkpoints=1),
-        retry_backoff_s=0.2,
-        retry_backoff_max_s=1.0,
-        collective_timeout_s=30.0,
-    )
-
-
 def save_with_peers(rank: int, world_size: int, base: str) -> None:
-    tiers = CheckpointTiers(tiers_config(base), rank, 0)
+    tiers = CheckpointTiers(one_rank_per_node(base), rank, 0)
     saver = CheckpointSaver(
         tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True)
     )
@@ -50,7 +39,7 @@ def save_with_peers(rank: int, world_size: int, base: str) -> None:
 
 
 def resume_latest_with_peers(rank: int, world_size: int, base: str) -> dict[str, Any]:
-    tiers = CheckpointTiers(tiers_config(base), rank, 0)
+    tiers = CheckpointTiers(one_rank_per_node(base), rank, 0)
     picked = tiers.pick("latest", LoadConfig(), new_checkpoint_group(30.0))
     return {"path": picked.path, "assembled": tiers.peer_restore.name}
 

@@ -23,28 +23,17 @@ from lightning_shardckpt.engine.format import signing
 from lightning_shardckpt.engine.format.layout import join
 from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.engine.tiers.config import PeersConfig, TierConfig, TiersConfig
 from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 from tests.helpers.forgery import forge_tensor_values
-from tests.helpers.peer_ranks import KEYS, state
+from tests.helpers.peer_ranks import KEYS, one_rank_per_node, state
 from tests.helpers.spawn import run_ranks, values
 from tests.unit.test_signing import make_key
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def tiers_config(base: str) -> TiersConfig:
-    return TiersConfig(
-        fast=TierConfig(dirpath=f"{base}/node{{node_rank}}", peers=PeersConfig(factor=2, jump=1)),
-        durable=TierConfig(dirpath=f"{base}/durable", every_n_checkpoints=1),
-        retry_backoff_s=0.2,
-        retry_backoff_max_s=1.0,
-        collective_timeout_s=30.0,
-    )
-
-
 def save_signed_with_peers(rank: int, world_size: int, base: str, key_path: str) -> None:
-    tiers = CheckpointTiers(tiers_config(base), rank, 0)
+    tiers = CheckpointTiers(one_rank_per_node(base), rank, 0)
     sign = SignConfig(key_path=key_path)
     saver = CheckpointSaver(
         tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=30.0, node_local=True, sign=sign)
@@ -59,7 +48,7 @@ def save_signed_with_peers(rank: int, world_size: int, base: str, key_path: str)
 
 
 def resume_signed_with_peers(rank: int, world_size: int, base: str, public_key: str) -> dict[str, Any]:
-    tiers = CheckpointTiers(tiers_config(base), rank, 0)
+    tiers = CheckpointTiers(one_rank_per_node(base), rank, 0)
     group = new_checkpoint_group(30.0)
     try:
         picked = tiers.pick("latest", LoadConfig(require_signature=True, public_keys=[public_key]), group)

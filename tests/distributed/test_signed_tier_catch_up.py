@@ -23,6 +23,7 @@ from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.tiers.replicate import Replicator, missing_on_durable
 from lightning_shardckpt.errors import ShardCkptError
 from tests.helpers.forgery import forge_tensor_values, replace_file
+from tests.helpers.log_capture import MessageLines
 from tests.helpers.spawn import run_ranks, values
 from tests.helpers.tiers_ranks import KEYS, state, tiers
 from tests.unit.test_signing import make_key
@@ -42,18 +43,9 @@ def save_signed_on_the_fast_tier(rank: int, world_size: int, fast: str, key_path
     saver.close()
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def catch_up_signed(rank: int, world_size: int, fast: str, durable: str, key_path: str) -> dict:
     """The next run's catch-up: the newest fast commit the durable tier lacks, copied and signed there."""
-    lines = Lines()
+    lines = MessageLines()
     logging.getLogger("lightning_shardckpt").addHandler(lines)
     config = tiers(fast, durable, {})
     fast_loc, durable_loc = fsio.resolve(fast), fsio.resolve(durable)

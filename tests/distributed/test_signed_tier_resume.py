@@ -26,6 +26,7 @@ from lightning_shardckpt.engine.format import signing
 from lightning_shardckpt.engine.format.layout import join
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.forgery import forge_tensor_values
+from tests.helpers.log_capture import MessageLines
 from tests.helpers.spawn import run_ranks, values
 from tests.helpers.tiered_doors import TrainerShaped, step_held, tiers, weights_at
 from tests.unit.test_signing import make_key
@@ -43,19 +44,10 @@ def write_signed_tiered(rank: int, world_size: int, workdir: str, key_path: str)
             assert ckpt.save(step, {"model": model}, blocking=True).result().committed
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def resume_each(rank: int, world_size: int, workdirs: dict[str, str], keys: dict[str, str]) -> dict[str, Any]:
     """Every scenario's copy of the roots, resumed `latest` with require_signature and that scenario's public key."""
     out = {}
-    lines = Lines()
+    lines = MessageLines()
     logging.getLogger("lightning_shardckpt").addHandler(lines)
     logging.getLogger("lightning_shardckpt").setLevel(logging.INFO)
     for scenario, workdir in workdirs.items():

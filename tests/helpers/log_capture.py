@@ -23,3 +23,14 @@ def warnings_of(name: str) -> Iterator[list[str]]:
         yield messages
     finally:
         logger.removeHandler(handler)
+
+
+class MessageLines(logging.Handler):
+    """Every message of the loggers it is added to, as plain strings (`lines`), in a spawned rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

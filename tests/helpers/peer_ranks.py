@@ -37,6 +37,17 @@ def config(base: str, durable: str, options: dict, per_node: int, scan: bool = T
     )
 
 
+def one_rank_per_node(base: str) -> TiersConfig:
+    """Each rank a node of its own under `base` (node{r}), peers one node on, every commit copied to `base`/durable."""
+    return TiersConfig(
+        fast=TierConfig(dirpath=f"{base}/node{{node_rank}}", peers=PeersConfig(factor=2, jump=1)),
+        durable=TierConfig(dirpath=f"{base}/durable", every_n_checkpoints=1),
+        retry_backoff_s=0.2,
+        retry_backoff_max_s=1.0,
+        collective_timeout_s=30.0,
+    )
+
+
 def save_with_peers(rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int) -> dict:
     """Save steps 1, 2, 3 on the fast tier with peer copies (and a durable copy at close); node 0 keeps the last 2
     (the retention plug-in's rule, run after each commit as it does)."""
