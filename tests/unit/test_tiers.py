@@ -312,6 +312,28 @@ def test_degraded_saves_continue_the_runs_seq_and_an_older_fast_copy_never_super
         assert restart.load(at_restart) == 7 and at_restart["w"][0].item() == 7.0
 
 
+def test_a_resume_from_a_fast_tier_on_other_storage_names_the_fast_tier(tmp_path, caplog):
+    """The fast tier is a filesystem that needs options of its own (a quota'd node-local disk) and the durable tier
+    is plain disk: the resume picks the fast tier's newest checkpoint and says which tier it read. Asking whether
+    that path belongs to the durable tier must not open it with the durable tier's options (it raised TypeError)."""
+    from lightning_shardckpt import Checkpointer
+    from tests.helpers.quota_fs import quota_options, quota_url
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    tiers = {
+        "fast": {"dirpath": quota_url(disk / "fast"), "storage_options": quota_options(disk, 10**8)},
+        "durable": {"dirpath": str(tmp_path / "durable"), "every_n_checkpoints": 3},
+    }
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as first:
+        for step in (1, 2):  # neither is copied yet (every 3rd checkpoint)
+            first.save(step, {"w": torch.full((64,), float(step))}, blocking=True)
+    with Checkpointer(None, tiers=tiers, save={"async_save": False}) as restart, caplog.at_level("INFO"):
+        state = {"w": torch.zeros(64)}
+        assert restart.load(state) == 2 and state["w"][0].item() == 2.0
+    assert any("fast tier" in r.getMessage() and "resumed from quota://" in r.getMessage() for r in caplog.records)
+
+
 def test_a_run_back_on_the_fast_tier_continues_the_seq_the_durable_tier_reached(tmp_path):
     """A run resumed from a durable commit newer than anything on the fast tier (degraded mode saved it, or the
     fast tier was wiped) saves on the fast tier again: its commits continue the durable tier's seq, so their

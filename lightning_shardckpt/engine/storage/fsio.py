@@ -77,6 +77,12 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     return Location(fs=fs, path=backend.normalise_path(path).rstrip("/") or "/", url=text, backend=backend)
 
 
+def protocol_of(url: str | os.PathLike) -> str:
+    """The kind of storage a URL names, without opening it: `file` for a plain or `file://`/`local://` path."""
+    protocol = fsspec.core.split_protocol(os.fspath(url))[0]
+    return "file" if protocol in (None, "file", "local") else protocol
+
+
 def create_if_absent(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write `data` to `path` atomically, or raise FileExistsError if `path` exists.
 

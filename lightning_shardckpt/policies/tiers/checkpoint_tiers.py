@@ -440,8 +440,11 @@ class CheckpointTiers:
         """`path` is a checkpoint of the durable tier (a resume from it continues this run)."""
         if self.durable is None:
             return False
-        root = fsio.resolve(path.rstrip("/").rsplit("/", 1)[0], self.config.durable.storage_options)
-        return root.same_place(self.durable)
+        parent = path.rstrip("/").rsplit("/", 1)[0]
+        if fsio.protocol_of(parent) != fsio.protocol_of(self.config.durable.dirpath):
+            # another kind of storage (the fast tier's): the durable tier's options could not even open it
+            return False
+        return fsio.resolve(parent, self.config.durable.storage_options).same_place(self.durable)
 
 
 def rank_zero() -> bool:
