@@ -3,6 +3,7 @@ the mesh sizes both use, and the default FSDP2 wrapping of a model that brings n
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -66,28 +67,57 @@ def register_in(registry: Any, strategies: tuple[type, ...]) -> None:
 
 
 def shard_repeated_blocks(module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
-    """The default `parallelize_fn`: FSDP2 on each block holding parameters, then on the root.
+    """The default `parallelize_fn`: FSDP2 on each repeated block, one by one, then on the root.
 
-    A block is a child module with a forward of its own; containers without one (`ModuleDict`, `ModuleList`,
-    as LitGPT's `transformer = ModuleDict(h=ModuleList(blocks), ...)`, HF and torchtitan models hold their
-    layers) are looked into, and their blocks sharded one by one: `fully_shard` refuses a container itself.
+    The repeated blocks are the members of every stack in the tree (`repeated_blocks`): HF's `model.layers`
+    (LlamaForCausalLM) and `transformer.h` (GPT-2), LitGPT's `transformer.h`, torchtitan's `layers`. Everything else
+    (embeddings, final norm, head) is the root's unit, as in LitGPT's and torchtitan's own wrapping: a weight tied
+    between the embedding and the head (GPT-2) is then in one unit, which FSDP2 requires.
     """
     from torch.distributed.fsdp import fully_shard
 
     mesh = device_mesh["data_parallel"]
-    for block in _blocks(module):
+    for block in repeated_blocks(module):
         fully_shard(block, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
 
 
-def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks anywhere in `module`'s tree (`module` included), in the order of `named_modules`.
+
+    They are the members holding parameters of the three torch containers, each read as it is used:
+    - a `ModuleList` holds a model's layers, in order: every member (whatever their classes: Jamba alternates two);
+    - a `Sequential` runs its members in order: the members of a class it holds two or more of (the blocks of
+      `Sequential(embedding, *blocks, norm)`, the two Linears of `Sequential(Linear, ReLU, Linear)`);
+    - a `ModuleDict` is keyed: a stack when all its members are of one class (torchtitan's `layers`), otherwise a
+      namespace (LitGPT's `transformer = ModuleDict(wte, h=ModuleList(blocks), ln_f)`).
+    Everything else is looked into, so the layers under an HF model's backbone (`model.layers`, `transformer.h`)
+    are found; a block is not: its own stacks (a mixture's experts) are gathered with it, and units of their own
+    would only add collectives.
+    """
+    blocks = _stacked_members(module)
     found = []
     for child in module.children():
-        if not any(True for _ in child.parameters()):
-            continue
-        if type(child).forward is torch.nn.Module.forward:  # a container: its forward is nn.Module's, which raises
-            found.extend(_blocks(child))
-        else:
+        # a stack of stacks is looked into: fully_shard refuses a container without a forward of its own
+        if any(child is block for block in blocks) and not isinstance(child, _NO_FORWARD):
             found.append(child)
+        else:
+            found.extend(repeated_blocks(child))
     return found
+
+
+_NO_FORWARD = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _stacked_members(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The members of `module` that are repeated blocks, if it is a container (`repeated_blocks`)."""
+    if not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+        return []
+    members = [child for child in module.children() if any(True for _ in child.parameters())]
+    if isinstance(module, torch.nn.ModuleList):
+        return members
+    classes = Counter(type(member) for member in members)
+    if isinstance(module, torch.nn.Sequential):
+        return [member for member in members if classes[type(member)] >= 2]
+    return members if len(members) >= 2 and len(classes) == 1 else []

@@ -417,10 +417,10 @@ class ShardedFabricDDPStrategy(ShardedFabricStrategy, DDPStrategy):
 class ShardedFabricFSDPStrategy(AllRanksDataParallel, ShardedFabricStrategy, ModelParallelStrategy):
     """Fabric FSDP2 / DTensor (ModelParallelStrategy) with sharded, asynchronous, committed checkpoints.
 
-    Without a `parallelize_fn`, the repeated blocks and then the root are `fully_shard`-ed over all ranks
-    (lightning/parallelism.py `shard_repeated_blocks`); pass your own for tensor parallelism or another wrapping:
-    `parallelize_fn(module, device_mesh) -> module`, the mesh's dimensions named "data_parallel" and
-    "tensor_parallel".
+    Without a `parallelize_fn`, the repeated blocks anywhere in the tree (an HF model's decoder layers), one by one,
+    and then the root are `fully_shard`-ed over all ranks (lightning/parallelism.py `shard_repeated_blocks`); pass
+    your own for tensor parallelism or another wrapping: `parallelize_fn(module, device_mesh) -> module`, the mesh's
+    dimensions named "data_parallel" and "tensor_parallel".
     """
 
     strategy_name = "shardckpt_fsdp"
