@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -80,3 +82,24 @@ def test_layout_problems_name_what_is_wrong():
     assert "but 2 ranks wrote" in chunk_layout.layout_problems({"rank": 0, "split": [[0, 3, 1]]}, [4], 2)[0]
     assert chunk_layout.layout_problems({"rank": 1, "split": []}, [4], 2) == []
     assert chunk_layout.layout_problems({"chunks": [[[0], [4], 0]]}, [4], 1) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    base=st.integers(0, 40),
+    split=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.integers(0, 9)), max_size=3),
+    first=st.integers(0, 120),
+    width=st.integers(0, 60),
+)
+def test_a_leaders_share_of_the_ranks_is_the_worlds_restricted_to_its_group(base, split, first, width):
+    """A group leader counts only its ranks' chunks (ranks_within), and gets exactly what counting the whole
+    world's (ranks_of) and keeping its range gives, once per chunk, for any rule (zero strides included)."""
+    layout = Layout(rank=base, split=tuple(split))
+    stop = first + width
+    expected = sorted(r for r in chunk_layout.ranks_of(layout) if first <= r < stop)
+    assert sorted(chunk_layout.ranks_within(layout, first, stop)) == expected
+
+
+def test_a_listed_layouts_share_of_the_ranks_keeps_each_chunk():
+    cells = tuple(chunk_layout.Cell((i,), (1,), rank) for i, rank in enumerate([3, 1, 3, 7, 2]))
+    assert sorted(chunk_layout.ranks_within(Layout(chunks=cells), 2, 7)) == [2, 3, 3]

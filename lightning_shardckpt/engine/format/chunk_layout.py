@@ -173,6 +173,37 @@ def ranks_of(layout: Layout) -> list[int]:
     return ranks
 
 
+def ranks_within(layout: Layout, first: int, stop: int) -> list[int]:
+    """The ranks in [first, stop) that wrote a chunk of `layout`, once per chunk: a group leader's share of
+    `ranks_of`, in O(its chunks) rather than O(the world's) (strides are >= 0, so a branch of the grid whose
+    lowest and highest ranks both miss the range is skipped whole)."""
+    if layout.chunks is not None:
+        return [cell.rank for cell in layout.chunks if first <= cell.rank < stop]
+    split = layout.split
+    reach = [0] * (len(split) + 1)  # reach[k]: the most entries k, k+1, ... add to a rank
+    for k in range(len(split) - 1, -1, -1):
+        reach[k] = reach[k + 1] + (split[k][1] - 1) * split[k][2]
+    found: list[int] = []
+
+    def walk(k: int, rank: int) -> None:
+        if rank >= stop or rank + reach[k] < first:
+            return
+        if k == len(split):
+            found.append(rank)
+            return
+        _, pieces, stride = split[k]
+        if stride == 0:
+            for _ in range(pieces):
+                walk(k + 1, rank)
+            return
+        low = max(0, -(-(first - rank - reach[k + 1]) // stride))
+        for index in range(low, min(pieces, -(-(stop - rank) // stride))):
+            walk(k + 1, rank + index * stride)
+
+    walk(0, layout.rank)
+    return found
+
+
 def _cells(layout: Layout, shape: tuple[int, ...], box: Box | None) -> Iterator[Cell]:
     # per dimension, the (start, size) the entries so far left; a cell is complete after the last entry
     start = [0] * len(shape)

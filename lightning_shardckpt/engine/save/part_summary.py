@@ -53,7 +53,7 @@ def summary_problems(
     ranks = range(layout.world_size) if ranks is None else ranks
     if len(summaries) != len(ranks):
         problems.append(f"{len(summaries)} ranks reported, {len(ranks)} write the checkpoint")
-    expected = layout.chunks_per_rank()
+    expected = layout.chunks_per_rank(ranks)
     for rank, summary in zip(ranks, summaries):
         if not isinstance(summary, PartSummary):
             problems.append(f"rank {rank} sent no summary")
@@ -65,8 +65,10 @@ def summary_problems(
             problems.append(f"rank {rank} sent rank {summary.rank}'s summary")
         if summary.layout_digest != layout.digest:
             problems.append(f"rank {rank} planned another layout ({summary.layout_digest}, rank 0: {layout.digest})")
-        if rank < len(expected) and summary.chunks != expected[rank]:
-            problems.append(f"rank {rank} wrote {summary.chunks} chunk(s), its layout gives it {expected[rank]}")
+        if rank < layout.world_size and summary.chunks != expected[rank - ranks.start]:
+            problems.append(
+                f"rank {rank} wrote {summary.chunks} chunk(s), its layout gives it {expected[rank - ranks.start]}"
+            )
         if summary.chunks and (summary.file_bytes is None or summary.part_checksum is None):
             problems.append(f"rank {rank} wrote chunks but reported no file or part")
         if verify_mode != "off" and summary.chunks and not summary.verified_chunks:
