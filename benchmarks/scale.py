@@ -265,6 +265,7 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
     group is written as v4."""
     if group_size is not None and world <= group_size:
         group_size = None
+    count = groups.group_count(world, group_size) if group_size is not None else 1
     location = fsio.resolve(f"s3sim:///scale-{uuid.uuid4().hex[:8]}")
     fs, root = location.fs, location.path
     layout = save_layout(kind, world, tensors)
@@ -288,13 +289,13 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
         path = join(root, checkpoint_dirname(7, checkpoint_id), part_format.part_filename(r))
         fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id)))
     gathered = [pickle.dumps(s) for s in sums]
-    leader_max_s, received, leaders, leader0_s = 0.0, gathered, [], []
+    leader_max_s, received, leaders = 0.0, gathered, []
     if group_size is not None:
-        # every other leader's work, each timed alone: unpickle its members' summaries, check them, write its
-        # table (into the first checkpoint's directory: the one a resume plans from); rank 0 leads group 0 in commit
+        # every leader's work, each timed alone: unpickle its members' summaries, check them, write its table
+        # (into the first checkpoint's directory: the one a resume plans from). Rank 0 leads no group
         first_directory = join(root, checkpoint_dirname(7, checkpoint_id))
         times = []
-        for group in range(1, groups.group_count(world, group_size)):
+        for group in range(count):
             ranks = groups.group_ranks(group, group_size, world)
             started = time.perf_counter()
             members = [pickle.loads(gathered[r]) for r in ranks]
@@ -303,7 +304,7 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
             )
             times.append(time.perf_counter() - started)
         leader_max_s = max(times, default=0.0)
-        received = [pickle.dumps(leader) for leader in leaders]  # what rank 0 hears from the other leaders
+        received = [pickle.dumps(leader) for leader in leaders]  # what rank 0 hears: one summary per leader
 
     def commit(checkpoint: str) -> tuple[PartsCommitter, float, dict[str, int]]:
         target = CheckpointTarget(
@@ -319,14 +320,8 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
         )
         fs.requests.clear()
         started = time.perf_counter()
-        if group_size is None:
-            heard = [pickle.loads(data) for data in gathered]  # the gather's unpickling, on rank 0
-        else:  # rank 0 leads group 0 (its members' summaries, its table), then hears one summary per other leader
-            leading = time.perf_counter()
-            members = [pickle.loads(gathered[r]) for r in groups.group_ranks(0, group_size, world)]
-            own = lead_group(members, layout, 0, group_size, world, fs, target.path, checkpoint, "sample")
-            leader0_s.append(time.perf_counter() - leading)
-            heard = [own] + [pickle.loads(data) for data in received]
+        # the gather's unpickling, on rank 0: every rank's summary (v4) or every leader's (v5)
+        heard = [pickle.loads(data) for data in received]
         committer = PartsCommitter(target, layout, threshold, None, group_size=group_size)
         committer(heard)
         return committer, time.perf_counter() - started, dict(fs.requests)
@@ -382,10 +377,13 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
         "dcp_metadata_bytes": metadata_bytes,
         "format_version": 4 if group_size is None else 5,
         "group_size": group_size,
-        "gather_bytes": sum(map(len, gathered if group_size is None else gathered[1:group_size] + received)),
+        "gather_bytes": sum(map(len, received)),
+        # messages to one rank in the gather: rank 0 hears every other rank (v4) or every leader (v5; it leads
+        # no group), a leader its group's other members
+        "rank0_hears": world - 1 if group_size is None else count,
+        "leader_hears": 0 if group_size is None else group_size - 1,
         "rank0_commit_s": round(commit_s, 4),
-        # v5: the slowest leader's work (rank 0's own group's, from the timed commit, included)
-        "leader_s": round(max([leader_max_s, *leader0_s[-1:]]), 4),
+        "leader_s": round(leader_max_s, 4),  # v5: the slowest leader's work
         "rank0_commit_peak_mb": round(commit_peak / 1e6, 1),
         "rank_part_s": round(rank_part_s, 4),
         "rank_part_bytes": part_bytes,
@@ -559,11 +557,11 @@ def _commit_many(location: Any, kind: str, world: int, tensors: int, count: int,
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| layout | format | ranks | tensors | chunks | manifest | .metadata | gather | rank 0 commit s | rank 0 MB "
-        "| leader s "
+        "| leader s | messages to rank 0 / a leader "
         "| part (busiest rank) | resume plan s | resume MB | resume reads | parts read | requests: commit (rank 0) "
         "| `latest` | resume (one rank) |"
     )
-    lines = [head, "|" + "---|" * 19]
+    lines = [head, "|" + "---|" * 20]
     for r in rows:
         req = r["requests"]
         lines.append(
@@ -571,6 +569,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {_size(r['manifest_bytes'])} "
             f"| {_size(r['dcp_metadata_bytes']) if r['dcp_metadata_bytes'] else '-'} | {_size(r['gather_bytes'])} "
             f"| {r['rank0_commit_s']:.3f} | {r['rank0_commit_peak_mb']} | {r['leader_s']:.3f} "
+            f"| {r['rank0_hears']:,} / {r['leader_hears']:,} "
             f"| {_size(r['rank_part_bytes'])} "
             f"| {r['resume_plan_s']:.3f} | {r['resume_plan_peak_mb']} | {_size(r['resume_read_bytes'])} "
             f"| {r['resume_parts']} | {_req(req['commit_rank0'])} | {_req(req['latest'])} | {_req(req['resume_rank'])} |"
@@ -636,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "ddp", "2d"], choices=["fsdp", "ddp", "2d"])
     parser.add_argument("--dcp-metadata-max-chunks", type=int, default=DEFAULT_THRESHOLD)
     parser.add_argument("--format-version", type=int, choices=[4, 5], default=5, help="5: group tables (§10.5)")
-    parser.add_argument("--group-size", type=int, default=groups.DEFAULT_GROUP_SIZE, help="format 5's ranks per group")
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="format 5's ranks per group (default: the writer's for each world)"
+    )
     parser.add_argument("--listing", type=int, default=2000, help="checkpoints for ls/timeline (0: skip)")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -644,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.layouts:
         for tensors in args.tensors:
             for world in args.ranks:
-                group_size = args.group_size if args.format_version == 5 else None
+                group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
                 row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -674,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             max(args.ranks),
             max(args.tensors),
             args.listing,
-            args.group_size if args.format_version == 5 else None,
+            (args.group_size or groups.writer_group_size(max(args.ranks))) if args.format_version == 5 else None,
         )
         print(json.dumps(lst), flush=True)
         print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -129,7 +130,7 @@ def gather_to_coordinator(name: str, value: Any, group: Any) -> list[Any] | None
     return out
 
 
-def gather_to(name: str, value: Any, dst: int, sources: range, group: Any) -> list[Any] | None:
+def gather_to(name: str, value: Any, dst: int, sources: Sequence[int], group: Any) -> list[Any] | None:
     """Point-to-point collective `name` among `sources` (ranks of `group`, `dst` among them): rank `dst` gets
     each source's `value` in rank order, the other sources send theirs and get None; ranks outside `sources`
     take no part. Unlike gather_to_coordinator, no rank outside `sources` sends anything (torch's gather_object

@@ -29,7 +29,7 @@ from lightning_shardckpt.ops.verify import verify_checkpoint
 from tests.helpers import training_state as ts
 from tests.helpers.spawn import run_ranks
 
-GROUP_SIZE = "2"  # 3 or 4 ranks make two groups: rank 2 leads the second
+GROUP_SIZE = "2"  # 3 or 4 ranks make two groups; a group's highest rank leads it (rank 0 leads none)
 
 
 def save_worker(rank, world_size, root):
@@ -153,8 +153,8 @@ def failing_member_worker(rank, world_size, root):
     os.environ[groups.GROUP_SIZE_ENV] = GROUP_SIZE
 
     def hook(point):
-        if point == "before_receipt" and rank == 3:  # a member of group 1 (leader: rank 2), not of rank 0's group
-            raise OSError("injected: rank 3 lost its disk")
+        if point == "before_receipt" and rank == 2:  # a member of group 1 (leader: rank 3), not of rank 0's group
+            raise OSError("injected: rank 2 lost its disk")
 
     model, optimizer = ts.build("fsdp", seed=1, world_size=world_size)
     config = SaveConfig(async_save=False, write_events=False, format_version=5, collective_timeout_s=30)
@@ -168,5 +168,5 @@ def test_a_members_failure_reaches_rank_0_through_its_leader_and_no_rank_commits
     root = str(tmp_path / "ckpt")
     outcomes = [o.value for o in run_ranks(failing_member_worker, 4, root)]
     assert not any(o["committed"] for o in outcomes)
-    assert all("rank 3: OSError: injected: rank 3 lost its disk" in o["error"] for o in outcomes), outcomes
+    assert all("rank 2: OSError: injected: rank 2 lost its disk" in o["error"] for o in outcomes), outcomes
     assert not [e for e in list_checkpoints(resolve(root)) if e.committed]

@@ -103,7 +103,8 @@ def test_a_checkpoint_saved_on_32_ranks_resumes_on_7_bit_exact_reading_only_the_
 
 
 def test_a_v5_checkpoint_saved_on_32_ranks_in_4_groups_resumes_on_7_bit_exact(tmp_path):
-    """The two-step gather at the largest world here: 4 leaders each hear 7 members, rank 0 hears 3 leaders."""
+    """The two-step gather at the largest world here: 4 leaders (ranks 7, 15, 23, 31) each hear 7 members, rank 0
+    hears the 4 leaders."""
     root = str(tmp_path / "ckpt")
     manifest = run_ranks(save_on_32, SAVED_ON, root, 8, timeout_s=240, pg_timeout_s=120)[0].value
 

@@ -59,3 +59,22 @@ def test_a_leader_names_a_member_that_wrote_another_number_of_chunks_than_its_la
     assert summary_problems(_summaries(counts, range(8, 12)), layout, "sample", range(8, 12)) == [
         "rank 9 wrote 1 chunk(s), its layout gives it 0"
     ]
+
+
+@pytest.mark.parametrize("world", [129, 256, 16_384, 16_385, 65_536, 100_000, 131_072, 262_144])
+def test_rank_0_and_every_leader_each_hear_at_most_512_messages_to_131072_ranks_and_beyond(world):
+    """Issue 46's bound on the two-step gather: rank 0 leads no group and hears the leaders; a leader hears its
+    members. Groups grow as sqrt(world) past 16,384 ranks (128 a group up to there)."""
+    from lightning_shardckpt.engine.format import groups
+
+    size = groups.writer_group_size(world)
+    count = groups.group_count(world, size)
+    leaders = [groups.group_leader(g, size, world) for g in range(count)]
+    assert 0 not in leaders and len(set(leaders)) == count
+    assert all(leader in groups.group_ranks(g, size, world) for g, leader in enumerate(leaders))
+    heard_by_rank_0, heard_by_a_leader = count, size - 1
+    assert size == 128 or world > 16_384
+    if world <= 131_072:
+        assert heard_by_rank_0 <= 512 and heard_by_a_leader <= 512, (size, count)
+    if world > 16_384:
+        assert heard_by_rank_0 <= 2 * world**0.5 and heard_by_a_leader <= 2 * world**0.5

@@ -2,7 +2,7 @@
 
 A v4 manifest holds, per rank, its shard file's and part's sizes and checksums (~50 bytes a rank: 1 MB at
 ~17,000 ranks), and rank 0 receives every rank's summary to write them. In v5 the ranks are grouped by rank
-number, `size` ranks a group (the last may hold fewer). Each group's leader (its lowest rank) receives its
+number, `size` ranks a group (the last may hold fewer). Each group's leader (its highest rank) receives its
 members' summaries and writes `__g<g>.parts.json`: the v4 columns for its ranks. The manifest's `groups`
 table lists per group what a reader needs to trust a group table (its size and checksum) and what listings
 sum (its files' bytes, how many of its ranks wrote), so the manifest and rank 0's commit are O(ranks / size).
@@ -15,6 +15,7 @@ tools that handle every file anyway (verify, replication, peer copies, signature
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,9 @@ from .manifest_schema import HEX_DIGEST, is_int
 GROUPS_FIELD = "groups"
 GROUP_VERSION = 1
 GROUP_SUFFIX = ".parts.json"
-DEFAULT_GROUP_SIZE = 128  # 16,384 ranks: 128 groups of 128, so rank 0 and each leader hear from 127 others
+# the smallest group a writer makes: up to 16,384 ranks, 128 ranks a group; beyond, ceil(sqrt(world)) ranks, so
+# that rank 0 (which leads no group) and every leader each hear ~sqrt(world) messages: 362 at 131,072 ranks
+DEFAULT_GROUP_SIZE = 128
 # for tests only: a smaller group, so a handful of gloo ranks form several groups (a real run keeps the default)
 GROUP_SIZE_ENV = "LIGHTNING_SHARDCKPT_TEST_GROUP_SIZE"
 # a group table holds ~50 bytes a rank: 4 MiB is ~80,000 ranks in one group, far beyond any group a writer makes
@@ -41,9 +44,19 @@ GROUP_TABLE = "group"  # what files_of calls a group table
 TABLE_READ_THREADS = 8
 
 
-def writer_group_size() -> int:
+def writer_group_size(world: int) -> int:
+    """This writer's ranks per group for a save by `world` ranks (readers take it from the manifest)."""
     value = os.environ.get(GROUP_SIZE_ENV, "")
-    return int(value) if value.isdigit() and int(value) >= 1 else DEFAULT_GROUP_SIZE
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    return max(DEFAULT_GROUP_SIZE, math.isqrt(max(world - 1, 0)) + 1)
+
+
+def group_leader(group: int, size: int, world: int) -> int:
+    """The rank that gathers group `group`'s summaries and writes its table: its highest, so that rank 0, the
+    coordinator, leads no group (groups of one rank aside) and hears the leaders alone, not also size - 1
+    members: at 131,072 ranks 362 messages rather than 724."""
+    return group_ranks(group, size, world)[-1]
 
 
 def group_filename(group: int) -> str:

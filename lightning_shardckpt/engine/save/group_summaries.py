@@ -1,10 +1,12 @@
 """Format v5's two-step gather: members to their group's leader, leaders to rank 0 (FORMAT.md §10.5).
 
 In v4 rank 0 receives and unpickles every rank's PartSummary (~177 bytes a rank; half of its 0.16 s commit
-at 16,384 ranks) and writes a per-rank table into the manifest. Here each group's leader (its lowest rank)
-receives its members' summaries, checks them as rank 0 does in v4 (part_summary.summary_problems), writes the
-group table `__g<g>.parts.json`, and sends rank 0 one GroupSummary: the table's entry for the manifest, the
-sums a manifest records, and problems. Rank 0 hears from ranks / size leaders and its own size - 1 members.
+at 16,384 ranks) and writes a per-rank table into the manifest. Here each group's leader (its highest rank,
+groups.group_leader) receives its members' summaries, checks them as rank 0 does in v4
+(part_summary.summary_problems, over its own ranks only), writes the group table `__g<g>.parts.json`, and sends
+rank 0 one GroupSummary: the table's entry for the manifest, the sums a manifest records, and problems. Rank 0
+leads no group and hears ranks / size leaders; a leader hears size - 1 members (both ~sqrt(world) beyond 16,384
+ranks: groups.writer_group_size).
 
 Point-to-point messages over the dedicated checkpoint group, not sub-groups: torch's new_group is collective
 over every rank and would have to be made once per saver; and gather_object over the whole group would make
@@ -68,7 +70,7 @@ def gather_groups(
     if count == 1:
         members = gather_to_coordinator("part-summaries", summary, pg)
     else:
-        members = gather_to("part-summaries", summary, ranks.start, ranks, pg)
+        members = gather_to("part-summaries", summary, groups.group_leader(group, size, world), ranks, pg)
     own = None
     if members is not None:
         try:
@@ -80,8 +82,13 @@ def gather_groups(
             )
     if count == 1:
         return [own] if own is not None else None
-    # collective "group-summaries": the leaders to rank 0, point to point
-    return gather_to("group-summaries", own, 0, range(0, world, size), pg)
+    # collective "group-summaries": the leaders to rank 0, point to point. Rank 0 leads no group unless its group
+    # is itself alone (size 1): then its own summary comes first, else its place in the gather is dropped
+    leaders = [groups.group_leader(g, size, world) for g in range(count)]
+    heard = gather_to("group-summaries", own, 0, leaders if leaders[0] == 0 else [0, *leaders], pg)
+    if heard is None or leaders[0] == 0:
+        return heard
+    return heard[1:]
 
 
 def lead_group(

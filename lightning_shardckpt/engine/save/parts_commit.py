@@ -192,7 +192,9 @@ def _group_facts(summaries: list[GroupSummary | None], layout: SaveLayout, size:
         problems.append(f"{len(summaries)} groups reported, {count} write the checkpoint")
     for number, summary in enumerate(summaries):
         if not isinstance(summary, GroupSummary):
-            problems.append(f"group {number} (leader rank {number * size}) sent no summary")
+            problems.append(
+                f"group {number} (leader rank {groups.group_leader(number, size, layout.world_size)}) sent no summary"
+            )
         elif summary.problems:
             problems.extend(summary.problems)
         elif summary.group != number:

@@ -159,7 +159,7 @@ def _group_size(config: SaveConfig, world: int) -> int | None:
       and one to read at every resume for nothing;
     - signed and node-local saves stay v4: a group table carries no digests yet, and a leader's table would land
       on its own node's storage only."""
-    size = groups.writer_group_size()
+    size = groups.writer_group_size(world)
     if config.format_version < GROUPS_FORMAT_VERSION or config.sign.enabled or config.node_local or world <= size:
         return None
     return size
