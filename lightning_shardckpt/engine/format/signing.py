@@ -434,11 +434,8 @@ class SignaturePolicy:
                 "it was signed"
             ) from None
         self._check_window(manifest_path, kid, data)
-        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS:
-            raise SignatureRefused(
-                f"{manifest_path}: signed by key {kid[:16]} but records no file digests this reader knows "
-                f"({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a format v2/v3 save records none)"
-            )
+        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS or "parts" not in manifest and "files" not in manifest:
+            raise SignatureRefused(f"{manifest_path}: signed by key {kid[:16]} but {_unverifiable(manifest)}")
         return kid
 
     def _check_window(self, manifest_path: str, kid: str, data: bytes) -> None:
@@ -526,6 +523,25 @@ def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_key
     kid = policy.check_manifest(fs, directory, manifest)
     policy.check_every_file(fs, directory, manifest, kid)
     return kid
+
+
+def _unverifiable(manifest: dict[str, Any]) -> str:
+    """Why a signed manifest binds its files by no digest a reader can check (FORMAT.md §12, "Signed format v5")."""
+    version = manifest.get("format_version")
+    if "parts" not in manifest and "files" not in manifest:
+        # v5: the per-rank columns are in the group tables, which carry no digests (FORMAT.md §10.5): the signature
+        # would vouch for them, and so for every part and shard, by xxh3 only, which anyone can recompute
+        return (
+            f"is format v{version}, whose group tables carry no cryptographic digests: the signature binds its parts "
+            "and shard files by xxh3 only, so it vouches for nothing a person could not change. This writer signs "
+            "v2, v3 and v4 only (a signed save of any size is written as v4): the file was written or edited by "
+            "another tool; resume a checkpoint this writer signed"
+        )
+    return (
+        f"records no file digests this reader knows ({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a signed save of "
+        f"format v2, v3 or v4 records blake3 or sha256 digests of every file): the manifest was signed without "
+        "them by another tool; resume a checkpoint this writer signed"
+    )
 
 
 def _writing_ranks(manifest: dict[str, Any]) -> list[int]:
