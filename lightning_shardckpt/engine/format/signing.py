@@ -46,7 +46,7 @@ from .file_digests import (  # noqa: F401 - this module's readers and writers na
     file_digest,
     new_digest,
 )
-from .layout import MANIFEST, join, shard_rank
+from .layout import GROUPS_FORMAT_VERSION, MANIFEST, join, shard_rank
 
 SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
 ALGORITHM = "ed25519"
@@ -434,7 +434,7 @@ class SignaturePolicy:
                 "it was signed"
             ) from None
         self._check_window(manifest_path, kid, data)
-        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS or "parts" not in manifest and "files" not in manifest:
+        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS or _group_tables(manifest):
             raise SignatureRefused(f"{manifest_path}: signed by key {kid[:16]} but {_unverifiable(manifest)}")
         return kid
 
@@ -525,10 +525,16 @@ def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_key
     return kid
 
 
+def _group_tables(manifest: dict[str, Any]) -> bool:
+    """Format v5 or later: the per-rank columns are in group tables, which no signature of this format covers."""
+    version = manifest.get("format_version")
+    return isinstance(version, int) and version >= GROUPS_FORMAT_VERSION
+
+
 def _unverifiable(manifest: dict[str, Any]) -> str:
     """Why a signed manifest binds its files by no digest a reader can check (FORMAT.md §12, "Signed format v5")."""
     version = manifest.get("format_version")
-    if "parts" not in manifest and "files" not in manifest:
+    if _group_tables(manifest):
         # v5: the per-rank columns are in the group tables, which carry no digests (FORMAT.md §10.5): the signature
         # would vouch for them, and so for every part and shard, by xxh3 only, which anyone can recompute
         return (
