@@ -32,13 +32,15 @@ from ..format.layout import PARTS_FORMAT_VERSION
 
 # The v2/v3 manifest's size (manifest.to_bytes: JSON, indent 1, sorted keys), in bytes:
 #   HEADER + FILE x world + sum over tensors of (TENSOR + len(fqn) + SHAPE_DIM x ndim
-#       + chunks x (CHUNK + DIM x ndim + [a blocked chunk] BLOCKED + DIGEST x blocks))
+#       + chunks x (CHUNK + DIM x ndim + [a blocked chunk] BLOCKED + DIGEST x blocks + [v3] REFERENCE))
 # A chunk entry holds its file, offset, length, checksum and a line per offset and size; a chunk of 4 MiB and more
-# (checksum.block_size_for) adds its block digests, up to 64. Calibrated on the manifests manifest.build_manifest and
+# (checksum.block_size_for) adds its block digests, up to 64; an incremental save's reference names its file as
+# `../<checkpoint directory>/<file>` (REFERENCE more; counted for every chunk: the largest manifest the run writes,
+# where nothing changed). Calibrated on the manifests manifest.build_manifest and
 # to_bytes produce for FSDP2-shaped states (tests/unit/test_metadata_budget.py builds them at 1 to 4,096 ranks and
 # checks the estimate within 10 %): 214 bytes per 2-D chunk at 16,384 ranks, 2,031 per 64-block 2-D chunk.
 HEADER, FILE, TENSOR, SHAPE_DIM = 1_500, 110, 130, 10
-CHUNK, DIM, BLOCKED, DIGEST = 170, 22, 89, 27
+CHUNK, DIM, BLOCKED, DIGEST, REFERENCE = 170, 22, 89, 27, 31
 # DCP's `.metadata` (a pickle), only reported: ~87 bytes per chunk at 16,384 ranks, more per tensor at a few ranks
 DCP_METADATA_PER_CHUNK, DCP_METADATA_PER_TENSOR = 90, 130
 
@@ -85,8 +87,9 @@ def tensors_of(state_dict: dict[str, Any]) -> list[TensorShape]:
     return shapes
 
 
-def estimate(world: int, tensors: list[TensorShape]) -> MetadataSize:
-    """The manifest and `.metadata` a collective-path save of `tensors` by `world` ranks writes (the formula above)."""
+def estimate(world: int, tensors: list[TensorShape], references: bool = False) -> MetadataSize:
+    """The manifest and `.metadata` a collective-path save of `tensors` by `world` ranks writes (the formula above);
+    `references`: every chunk a reference into an earlier checkpoint (an incremental save of an unchanged state)."""
     manifest = HEADER + FILE * world
     chunks = 0
     for tensor in tensors:
@@ -95,7 +98,8 @@ def estimate(world: int, tensors: list[TensorShape]) -> MetadataSize:
         block = block_size_for(chunk_bytes)
         blocks = BLOCKED + DIGEST * math.ceil(chunk_bytes / block) if block else 0
         ndim = len(tensor.shape)
-        manifest += TENSOR + len(tensor.fqn) + SHAPE_DIM * ndim + count * (CHUNK + DIM * ndim + blocks)
+        per_chunk = CHUNK + DIM * ndim + blocks + (REFERENCE if references else 0)
+        manifest += TENSOR + len(tensor.fqn) + SHAPE_DIM * ndim + count * per_chunk
         chunks += count
     dcp_metadata = DCP_METADATA_PER_CHUNK * chunks + DCP_METADATA_PER_TENSOR * len(tensors)
     return MetadataSize(chunks, manifest, dcp_metadata)
@@ -106,7 +110,7 @@ def refuse_unloadable(config: SaveConfig, world: int, tensors: list[TensorShape]
     reader parses: a checkpoint that commits and never loads. Names the option that fixes it and the numbers."""
     if not writes_every_chunk(config):
         return
-    size = estimate(world, tensors)
+    size = estimate(world, tensors, references=config.incremental)
     if size.manifest_bytes <= MANIFEST_MAX_BYTES:
         return
     why = []
