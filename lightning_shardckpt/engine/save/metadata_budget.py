@@ -1,16 +1,16 @@
-"""Refuse before writing: a save configuration whose checkpoint no reader could load is refused at the first save.
+"""Refuse before writing: a save whose checkpoint no reader could load is refused before anything of it is written.
 
 Saves that take DCP's collective path — incremental saves (format v3) and `format_version=2` — record every chunk
-of every tensor in the manifest (docs/FORMAT.md §3), and the readers parse a manifest only up to
+of every tensor in the manifest (docs/FORMAT.md §5), and the readers parse a manifest only up to
 `bounded_json.MANIFEST_MAX_BYTES` (1 GiB): above it the checkpoint is written, committed and never loadable. With
 FSDP every tensor is a chunk per rank, so the manifest grows with ranks x tensors: 16,384 ranks x 1,000 tensors is
-16.4 M chunks, ~3.6 GB of manifest (and a ~1.3 GB `.metadata` every rank unpickles). The flat formats (v4/v5) list
+16.4 M chunks, ~3.5 GB of manifest (and a ~1.3 GB `.metadata` every rank unpickles). The flat formats (v4/v5) list
 ranks and tensors, never chunks, and are not limited here.
 
 What a save will write is known on the training thread before anything is: the world size and, from the state
 dict, each tensor's global shape, element size and the number of chunks its placements cut it into. From those
 `estimate` computes the manifest's size with the formula below; `refuse_unloadable` raises ConfigError naming the
-option that fixes it and the numbers. The saver calls it before its first save stages or writes anything.
+option that fixes it and the numbers. The saver calls it before each such save stages or writes anything.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..format.layout import PARTS_FORMAT_VERSION
 # (checksum.block_size_for) adds its block digests, up to 64; an incremental save's reference names its file as
 # `../<checkpoint directory>/<file>` (REFERENCE more; counted for every chunk: the largest manifest the run writes,
 # where nothing changed). Calibrated on the manifests manifest.build_manifest and
-# to_bytes produce for FSDP2-shaped states (tests/unit/test_metadata_budget.py builds them at 1 to 4,096 ranks and
+# to_bytes produce for FSDP2-shaped states (tests/unit/test_metadata_budget.py builds them at 1 to 2,048 ranks and
 # checks the estimate within 10 %): 214 bytes per 2-D chunk at 16,384 ranks, 2,031 per 64-block 2-D chunk.
 HEADER, FILE, TENSOR, SHAPE_DIM = 1_500, 110, 130, 10
 CHUNK, DIM, BLOCKED, DIGEST, REFERENCE = 170, 22, 89, 27, 31
