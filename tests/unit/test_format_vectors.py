@@ -49,6 +49,9 @@ def test_every_record_kind_has_a_vector():
         "signature record",
         "signature window manifest",  # §12.1, checked by tests/unit/test_signing_key_windows.py
         "signature window verdicts",
+        "signed part 0",  # §12: a whole signed v4 checkpoint
+        "signed manifest",
+        "signed manifest record",
     }
 
 
@@ -287,3 +290,56 @@ def test_the_object_record_vector_is_what_a_save_writes_and_reads_without_torch(
     with open(os.path.join(result.path, part["file"]), "rb") as shard:
         shard.seek(record["offset"])
         assert shard.read(record["length"]) == data and record["checksum"] == checksum(data)
+
+
+def test_the_signed_v4_vectors_are_what_the_writer_signs_and_a_policy_accepts(tmp_path):
+    """§12's signed checkpoint: the part's five-column entry, its `file_digest`, and the signature, checked as a
+    reader with a policy checks them, over real files (the shard is §11's object record)."""
+    import hashlib
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from lightning_shardckpt.engine.format import signing
+    from lightning_shardckpt.engine.format.checksum import checksum_of_checksums
+    from lightning_shardckpt.engine.format.layout import MANIFEST, shard_filename
+
+    shard = bytes.fromhex("".join(vectors()["object record"].split()))
+    part_bytes = (vectors()["signed part 0"] + "\n").encode()
+    manifest_bytes = (vectors()["signed manifest"] + "\n").encode()
+    record_bytes = (vectors()["signed manifest record"] + "\n").encode()
+    directory = tmp_path / checkpoint_dirname(7, "0123456789ab")
+    directory.mkdir()
+    for name, data in (
+        (shard_filename(0), shard),
+        (parts.part_filename(0), part_bytes),
+        (MANIFEST, manifest_bytes),
+        (signing.SIGNATURE, record_bytes),
+    ):
+        (directory / name).write_bytes(data)
+
+    manifest = manifest_format.parse(manifest_bytes, str(directory))
+    assert manifest_format.to_bytes(manifest) == manifest_bytes
+    part = parts.parse(part_bytes, parts.part_filename(0), checkpoint_id=manifest["id"], rank=0)
+    assert parts.to_bytes(part) == part_bytes  # compact, sorted keys, one trailing newline (§10.2)
+    table = manifest["parts"]
+    assert sorted(set(table) - {"count"}) == sorted(
+        ["file_bytes", "part_bytes", "file_checksums", "part_checksums", "part_digests"]
+    )
+    assert (table["part_bytes"], table["part_checksums"]) == ([len(part_bytes)], checksum(part_bytes))
+    assert table["part_digests"] == hashlib.sha256(part_bytes).hexdigest()
+    assert (part["file_bytes"], part["file_digest"]) == (len(shard), hashlib.sha256(shard).hexdigest())
+    assert part["file_checksum"] == table["file_checksums"] == checksum_of_checksums([checksum(shard)])
+    assert part["objects"][0]["checksum"] == checksum(shard)
+
+    seed = bytes.fromhex(vectors()["signature key seed"].strip())
+    key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
+    assert signing.signature_bytes(manifest_bytes, signing.signer_from_private_key(key, "vector")) == record_bytes
+    public = tmp_path / "vector.pub"
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    policy = signing.accepted_policy([str(public)])
+    fs = fsspec.filesystem("file")
+    kid = policy.check_manifest(fs, str(directory), manifest)
+    assert policy.check_files(fs, str(directory), manifest, [0], kid) == len(part_bytes) + len(shard)

@@ -46,7 +46,7 @@ from .file_digests import (  # noqa: F401 - this module's readers and writers na
     file_digest,
     new_digest,
 )
-from .layout import MANIFEST, join, shard_rank
+from .layout import GROUPS_FORMAT_VERSION, MANIFEST, join, shard_rank
 
 SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
 ALGORITHM = "ed25519"
@@ -434,11 +434,8 @@ class SignaturePolicy:
                 "it was signed"
             ) from None
         self._check_window(manifest_path, kid, data)
-        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS:
-            raise SignatureRefused(
-                f"{manifest_path}: signed by key {kid[:16]} but records no file digests this reader knows "
-                f"({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a format v2/v3 save records none)"
-            )
+        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS or _group_tables(manifest):
+            raise SignatureRefused(f"{manifest_path}: signed by key {kid[:16]} but {_unverifiable(manifest)}")
         return kid
 
     def _check_window(self, manifest_path: str, kid: str, data: bytes) -> None:
@@ -526,6 +523,31 @@ def require_signed(fs: Any, directory: str, manifest: dict[str, Any], public_key
     kid = policy.check_manifest(fs, directory, manifest)
     policy.check_every_file(fs, directory, manifest, kid)
     return kid
+
+
+def _group_tables(manifest: dict[str, Any]) -> bool:
+    """Format v5 or later: the per-rank columns are in group tables, which no signature of this format covers."""
+    version = manifest.get("format_version")
+    return isinstance(version, int) and version >= GROUPS_FORMAT_VERSION
+
+
+def _unverifiable(manifest: dict[str, Any]) -> str:
+    """Why a signed manifest binds its files by no digest a reader can check (FORMAT.md §12, "Signed format v5")."""
+    version = manifest.get("format_version")
+    if _group_tables(manifest):
+        # v5: the per-rank columns are in the group tables, which carry no digests (FORMAT.md §10.5): the signature
+        # would vouch for them, and so for every part and shard, by xxh3 only, which anyone can recompute
+        return (
+            f"is format v{version}, whose group tables carry no cryptographic digests: the signature binds its parts "
+            "and shard files by xxh3 only, so it vouches for nothing a person could not change. This writer signs "
+            "v2, v3 and v4 only (a signed save of any size is written as v4): the file was written or edited by "
+            "another tool; resume a checkpoint this writer signed"
+        )
+    return (
+        f"records no file digests this reader knows ({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a signed save of "
+        f"format v2, v3 or v4 records blake3 or sha256 digests of every file): the manifest was signed without "
+        "them by another tool; resume a checkpoint this writer signed"
+    )
 
 
 def _writing_ranks(manifest: dict[str, Any]) -> list[int]:

@@ -26,7 +26,6 @@ from ..format import groups, topology
 from ..format.layout import (
     GROUPS_FORMAT_VERSION,
     MANIFEST,
-    PARTS_FORMAT_VERSION,
     checkpoint_dirname,
     join,
     new_checkpoint_id,
@@ -36,6 +35,7 @@ from ..storage.fsio import Location
 from ..storage.writer import FaultHook, ShardWriter
 from . import save_layout
 from .commit import CheckpointTarget, Committer
+from .metadata_budget import writes_every_chunk
 from .parts_commit import PartsCommitter
 from .parts_save import SaveRefused, save_parts
 
@@ -103,7 +103,7 @@ def persist_checkpoint(
     started = time.perf_counter()
     retries_before = _retries()
     # an incremental run stays on DCP's collective path (v2 full, v3 incremental): references are per chunk
-    flat = not config.incremental and meta.references is None and config.format_version >= PARTS_FORMAT_VERSION
+    flat = not writes_every_chunk(config) and meta.references is None
     layout = save_layout.describe(state_dict, group, meta.identical) if flat else None
     # collective "checkpoint-id": all ranks must write into the same fresh directory, and learn whether every
     # rank derived the same layout (then none needs DCP's global plan)

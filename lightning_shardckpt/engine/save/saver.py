@@ -23,18 +23,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import CommitFailed
+from ...errors import CommitFailed, ConfigError
 from .. import metrics, ownership
 from ..collectives import is_distributed, new_checkpoint_group, rank_and_world
 from ..config import SaveConfig
 from ..format import manifest as manifest_format
 from ..format import references as refs
-from ..format.layout import checkpoint_dirname
+from ..format.layout import OWNER, checkpoint_dirname
 from ..format.listed_digests import reference_digests_of
 from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.writer import FaultHook
+from . import metadata_budget
 from .incremental import ChangeTracker
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import DeferredCopy, StagingBuffers
@@ -136,6 +137,7 @@ class CheckpointSaver:
         # committed and signed them (listed_digests.reference_digests_of), never re-read from storage
         self._base_digests: dict[str, str] | None = None
         self._fault_hook = fault_hook
+        self._requested = False  # a save was requested (the root may then hold this run's checkpoints)
 
     # --- the training thread's side ---
     def save(
@@ -164,6 +166,8 @@ class CheckpointSaver:
         after `fence()` (call it before the optimizer step, or let `guard(optimizer)` do it).
         """
         self._raise_first_error()
+        self._refuse_unloadable(state_dict)
+        self._requested = True
         self.fence()  # one snapshot at a time: the previous overlapped copy is complete before this one starts
         requested = time.perf_counter()
         pending = PendingSave(step)
@@ -221,6 +225,25 @@ class CheckpointSaver:
             record.pause_s = record.total_s  # synchronous: the caller waited for everything
             self._raise_first_error()
         return pending
+
+    def _refuse_unloadable(self, state_dict: dict[str, Any]) -> None:
+        """ConfigError, before anything of this save is staged or written, when its manifest would list every chunk
+        (format_version=2, incremental) and be larger than readers load (metadata_budget.py). Checked at every
+        save, not the first only: optimizer state may appear after it; O(tensors), no collective."""
+        if not metadata_budget.writes_every_chunk(self.config):
+            return
+        world = rank_and_world(self.group)[1]
+        try:
+            metadata_budget.refuse_unloadable(self.config, world, metadata_budget.tensors_of(state_dict))
+        except ConfigError as err:
+            if self._requested:
+                raise
+            # the root's owner marker (written when this saver was made) names this run: a fixed rerun with a
+            # new run id would be refused as another run, so say how to continue this one
+            raise ConfigError(
+                f"{err}. {self.root.url} is claimed for run {self.run_id!r} ({OWNER}): rerun with "
+                f"save.run_id={self.run_id}, or delete {OWNER} if nothing else writes there"
+            ) from None
 
     def fence(self) -> float:
         """Block until the state of every requested save is copied; returns the seconds this call blocked.
