@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig
@@ -16,7 +17,7 @@ from lightning_shardckpt.engine import metrics
 from lightning_shardckpt.engine.catalog import list_checkpoints
 from lightning_shardckpt.engine.config import CHECKPOINTER
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.plan import Placement
+from lightning_shardckpt.policies.plan import CheckpointPlan, Placement
 from lightning_shardckpt.training.callback_options import CallbackConfig
 from lightning_shardckpt.training.checkpoint_setup import door_plan
 from lightning_shardckpt.training.finished_saves import CallableReporter
@@ -190,3 +191,31 @@ def test_a_resume_that_keeps_the_run_id_leaves_a_started_loop_running(tmp_path):
     announce_resume(resumed, plan=loop.plan, loop=loop, rank=0, world_size=1)
     assert loop.started and loop.run_ids.current == own
     loop.finish()
+
+
+@pytest.fixture
+def trainer_strategy(tmp_path):
+    """A ShardedStrategy attached to a Trainer and a module, never fitted (no process group): its load runs as in
+    a fit; the fault hook stalls a save's commit."""
+    import lightning.pytorch as pl
+
+    from lightning_shardckpt import ShardedStrategy
+    from tests.helpers.lightning_run import TinyModule
+
+    strategy = ShardedStrategy(parallelism="ddp", fault_hook=Stall("before_manifest", 1.5))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
+    module = TinyModule(parallelism="ddp")
+    module.trainer = trainer
+    strategy.connect(module)
+    yield strategy
+    strategy.host.close()
+
+
+def test_the_trainer_strategy_waits_for_a_save_in_flight_before_it_loads(tmp_path, trainer_strategy):
+    strategy = trainer_strategy
+    root = str(tmp_path / "empty")
+    strategy.use_plan(CheckpointPlan(root=root, save=strategy.save_config))
+    pending = strategy.host.saver_for(str(tmp_path / "other")).save(weights(1.0), 1)  # in flight for 1.5 s
+    checkpoint = strategy.load_checkpoint("latest")  # nothing committed: a fresh start, after the save
+    assert not checkpoint
+    assert pending.done() and pending.result().committed
