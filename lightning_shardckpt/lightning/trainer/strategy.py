@@ -395,7 +395,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             ) from err
         # Lightning restores optimizers itself only where lightning_restore_optimizer (False: ours load here)
         super().load_optimizer_state_dict(checkpoint)
-        self.last_load, self.not_restored = None, ()  # nothing of ours was read: no resume event, a new run id
+        self.last_resumed, self.not_restored = None, ()  # nothing of ours was read: no resume event, a new run id
         if self.is_global_zero:
             console.say(
                 f"lightning_shardckpt: resumed from Lightning's checkpoint {checkpoint_path} "
