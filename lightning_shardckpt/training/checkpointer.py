@@ -29,9 +29,8 @@ from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.validate import require_bool, require_type
-from ..errors import IncompatibleCheckpoint
 from ..policies.plugin import Plugin
-from . import console, user_state
+from . import user_state
 from .callback_options import CallbackConfig
 from .checkpoint_setup import door_plan, placement_from_env
 from .data import (
@@ -42,10 +41,10 @@ from .data import (
     samples_consumed,
 )
 from .finished_saves import CallableReporter
-from .layouts import Layout, warn_not_restored
+from .layouts import Layout
 from .loadable import SaveChecks
 from .preemption import DEFAULT_GRACE_S, PreemptionRequests
-from .resume import resume, resume_event, resume_line, signature_metrics, write_resume_event
+from .resume_sequence import announce_resume, load_resumed
 from .save_loop import SaveLoop
 from .savers import ControlGroup, SaverHost
 
@@ -163,17 +162,20 @@ class Checkpointer:
         optimizers from "optimizers.<i>"; what it does not give back (its data position, RNG) is logged once and
         listed in `not_restored`. `strict=False`: a state entry the checkpoint lacks keeps its value (listed too)."""
         user_state.check_state(state)
-        self.host.fence()
-        self.host.wait()  # one thread at a time on the checkpoint group
         target = user_state.door_target(state, strict=strict)
-        try:
-            loaded = resume(self.plan, target, which, self.host.checkpoint_group(), strict=strict)
-        except IncompatibleCheckpoint as err:
-            raise target.explain(err) from err
-        if loaded is None:
+        resumed = load_resumed(
+            self.plan,
+            self.host,
+            target,
+            which,
+            strict=strict,
+            rank=self.rank,
+            lacking=self._not_restored,
+            spell=lambda key: f"state[{key!r}]",
+        )
+        if resumed is None:
             return None
-        layout = target.layout
-        assert layout is not None  # the loader shaped the target for the checkpoint it loaded
+        loaded = resumed.loaded
         own = self._own_section(target.own_section(), loaded.path)
         user_state.apply_loaded(state, {key[0]: value for key, value in target.restored().items()})
         if self.sampler is not None and own.get("sampler") is not None:
@@ -181,19 +183,12 @@ class Checkpointer:
         if self.restore_rng and own.get("rng"):
             restore_rng_state(rng_state_for_rank(own["rng"], self.rank))
         self.plugins.load_state_dict(own.get("plugins") or {})
-        self.not_restored = self._report_not_restored(layout, loaded.path)
+        self.not_restored = resumed.not_restored
         self.step, self.last_load = loaded.step, loaded
-        before = self.host.save_config.run_id
-        if self.loop.continue_from(loaded) != before and self.loop.started:
-            self.loop.started = False  # saved as another run before this load: the plug-ins start again on its saver
         self.loop.schedule.started(loaded.step)
-        if self.rank == 0:
-            self._resume_event = resume_event(loaded, self.world_size)
-            if self.plan.save.write_events:
-                write_resume_event(self.plan.location, self._resume_event)
-            console.say(resume_line(loaded, self.world_size))
-            if loaded.signature_skipped is not None:  # a signature policy: what `latest` passed over, counted
-                self.loop.reporter.log_metrics(signature_metrics(loaded))
+        self._resume_event = announce_resume(
+            resumed, plan=self.plan, loop=self.loop, rank=self.rank, world_size=self.world_size
+        )
         return loaded.step
 
     # --- saving ---
@@ -284,16 +279,14 @@ class Checkpointer:
         finally:
             self._signal.close()
 
-    def _report_not_restored(self, layout: Layout, where: str) -> tuple[str, ...]:
-        """What the state (or the Checkpointer) asked for and this checkpoint did not give back: logged once
-        (rank 0), never silently: the loop then runs on with its own values for them."""
+    def _not_restored(self, layout: Layout) -> list[str]:
+        """What the state (or the Checkpointer) asked for and this checkpoint did not give back (the resume
+        sequence logs it once, never silently: the loop then runs on with its own values for them)."""
         lacking = [f"state[{path[0]!r}]" for path in layout.missing if path != (user_state.RESERVED_KEY,)]
         if not layout.native:
             lacking += ["the sampler's position"] if self.sampler is not None else []
             lacking += ["the RNG states"] if self.restore_rng else []
-        if self.rank == 0:
-            warn_not_restored(where, layout, lacking, spell=lambda key: f"state[{key!r}]")
-        return tuple(lacking)
+        return lacking
 
     def _own_section(self, data: bytes, where: str) -> dict[str, Any]:
         try:

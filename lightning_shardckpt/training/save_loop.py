@@ -116,10 +116,15 @@ class SaveLoop:
         return run_id
 
     def continue_from(self, resumed: LoadResult) -> str:
-        """A resume before train start (a plain loop's load): this run's id now, from the checkpoint it loaded (a
-        resume of this run's checkpoint continues it). Every rank. Returns the run id."""
+        """A resume (training/resume_sequence.py): this run's id now, from the checkpoint it loaded (a resume of
+        this run's checkpoint continues it). After train start, a resume that changes the id (a checkpoint of
+        another run this root continues) starts the plug-ins again, on that run's saver, at the next save. Every
+        rank. Returns the run id."""
+        before = self.run_ids.current
         run_id = self.run_ids.choose(resumed, self._continues_run, self._new_run_id, self._root_owner)
         self.host.adopt_run_id(run_id)
+        if self.started and run_id != before:
+            self.started = False
         return run_id
 
     def at_step_end(self, step: int, request: Request, *, max_steps: int | None, preemption_requested: bool) -> StepEnd:

@@ -165,6 +165,7 @@ def fit_on_rank(
         every_n_train_steps=extra.get("every", 3),
         keep_last=extra.get("keep_last"),
         resume_required=extra.get("resume_required", False),
+        save=extra.get("save", {}),
         log_artifact=False,
     )
     trainer = pl.Trainer(

@@ -42,18 +42,15 @@ from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
 from ...engine.validate import require_bool
-from ...errors import IncompatibleCheckpoint
 from ...policies.plan import CheckpointPlan, Placement
 from ...policies.plugin import Plugin
 from ...policies.tiers.plugin import tiered_dirpath
-from ...training import console
 from ...training.callback_options import CallbackConfig
 from ...training.checkpoint_setup import checkpoint_plan, door_plugins
 from ...training.data import ResumableDistributedSampler, gather_rng_states, restore_rng_state, rng_state_for_rank
 from ...training.finished_saves import CallableReporter
-from ...training.layouts import warn_not_restored
 from ...training.loadable import SaveChecks
-from ...training.resume import resume, resume_event, resume_line, signature_metrics, write_resume_event
+from ...training.resume_sequence import announce_resume, load_resumed
 from ...training.save_loop import SaveLoop
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ..lightning_state import MODEL_KEY, OPTIMIZERS_KEY
@@ -182,23 +179,17 @@ class ShardedFabricStrategy:
                 f"{type(self).__name__} loads into a state dict, got state={state!r}: pass the objects to restore, "
                 "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer, 'step': 0})"
             )
-        self.host.fence()
-        self.wait()  # the load's collectives share the checkpoint group with the saver's thread: one at a time
         reference = str(self.broadcast(str(path)))
         loop = self._run_loop(None)
         plan = loop.plan if loop is not None else self._plan_without_root()
         parts = fabric_state.split(state)
         target = fabric_state.door_target(parts, strict=strict)
-        try:
-            loaded = resume(plan, target, reference, self.host.checkpoint_group(), strict=strict)
-        except IncompatibleCheckpoint as err:
-            raise target.explain(err) from err
-        if loaded is None:
+        resumed = load_resumed(plan, self.host, target, reference, strict=strict, rank=self.global_rank)
+        if resumed is None:
             return {}
-        self.last_load = loaded
-        restored = target.restored()
-        self._apply_tensors(parts, restored, strict)
-        blob_key = target.layout.own_source  # "fabric", the Trainer's "lightning", or None (another door's)
+        loaded = self.last_load = resumed.loaded
+        self._apply_tensors(parts, target.restored(), strict)
+        blob_key = resumed.layout.own_source  # "fabric", the Trainer's "lightning", or None (another door's)
         if blob_key is None:
             rest = fabric_state.SavedRest(values={}, stateful={}, rng=None, sampler=None)
         else:
@@ -206,19 +197,11 @@ class ShardedFabricStrategy:
                 {blob_key: target.own_section()}, blob_key, trust=plan.load.trust_checkpoint, where=loaded.path
             )
         remainder = self._apply_rest(parts, rest, state, strict, loaded.path)
-        self.not_restored = tuple(target.layout.not_restored())
-        if self.global_rank == 0:
-            warn_not_restored(loaded.path, target.layout, list(self.not_restored))
+        self.not_restored = resumed.not_restored
         self._last_step = loaded.step
-        if loop is not None and loop.started and loop.continue_from(loaded) != loop.run_ids.current:
-            loop.started = False
-        if self.global_rank == 0:
-            self._resume_event = resume_event(loaded, self.world_size)
-            if loop is not None and plan.save.write_events:
-                write_resume_event(plan.location, self._resume_event)
-            console.say(resume_line(loaded, self.world_size))
-            if loop is not None and loaded.signature_skipped is not None:  # what `latest` passed over, counted
-                loop.reporter.log_metrics(signature_metrics(loaded))
+        self._resume_event = announce_resume(
+            resumed, plan=plan, loop=loop, rank=self.global_rank, world_size=self.world_size
+        )
         return remainder
 
     def process_dataloader(self, dataloader: Any) -> Any:

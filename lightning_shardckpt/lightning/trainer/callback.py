@@ -8,8 +8,9 @@ Add it to the Trainer's callbacks together with a ShardedStrategy:
 
 It translates Lightning's hooks into the door core of training/: the save loop (save_loop.py: schedule,
 preemption agreement, plug-ins, drain), run on the strategy's saver host; the plan (policies/plan.py) it hands
-the strategy, whose resume is training/resume.py's. What stays here is Lightning's own: the checkpoint dict,
-identity, data position, the user's metrics and logged aggregates, loggers and W&B.
+the strategy, whose resume is training/resume_sequence.py's (the strategy loads, this callback announces the resume
+at train start). What stays here is Lightning's own: the checkpoint dict, identity, data position, the user's
+metrics and logged aggregates, loggers and W&B.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from ...policies.health.rules import HealthConfig, health_config_from
 from ...policies.plan import CheckpointPlan
 from ...policies.plugin import Plugin
 from ...policies.tiers.plugin import tiered_dirpath
-from ...training import console
 from ...training.callback_options import CallbackConfig
 from ...training.checkpoint_setup import checkpoint_plan, door_plugins, placement_of
 from ...training.preemption import DEFAULT_GRACE_S
-from ...training.resume import resume_line
+from ...training.resume import resume_metrics
+from ...training.resume_sequence import announce_resume
 from ...training.run_ids import RunIds
 from ...training.save_loop import Request, SaveLoop, StepEnd
 from ...training.schedule import SaveSchedule
-from .checkpoint_logging import log_record, log_resume_metrics
+from .checkpoint_logging import log_record, log_resumed_from
 from .ckpt_paths import LATEST_REFERENCE, callback_state_key, forked_callback_state
 from .data_position import DataPosition
 from .plugin_context import TrainerReporter
@@ -130,7 +131,6 @@ class ShardedCheckpoint(Checkpoint):
         self.loop: SaveLoop | None = None
         self._data, self._user = DataPosition(), UserState()  # user: torchmetrics, epoch aggregates, plateau steps
         self._signal = PreemptionSignal(self.options.preemption_grace_s)
-        self._resume_logged = False
         self._trainer: pl.Trainer | None = None  # bound in on_fit_start, which Lightning runs before it restores
         # what Lightning reads from `trainer.checkpoint_callback` (ckpt_path="best", loggers): see the docstring;
         # attributes, not properties, as Lightning's spawn launcher writes `best_model_path` back
@@ -190,21 +190,29 @@ class ShardedCheckpoint(Checkpoint):
     # --- the loop ---
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._signal.take_back()  # Lightning installed its SIGTERM handler just before: ours runs instead
-        resumed = trainer.strategy.last_load
+        resumed = ShardedStrategy.of(trainer).last_resumed
         self._data.started(trainer)
         self.identity.forget()
         resume_event = None
         if resumed is not None:
             self._data.restore_rng()
             self._user.resumed(trainer)
-            resume_event = self.identity.check_resume(trainer, pl_module, self.plan.location)  # may raise
+            identity = self.identity.check_resume(trainer, pl_module)  # may raise
+            first = not resumed.announced
+            resume_event = announce_resume(
+                resumed,
+                plan=self.plan,
+                loop=self.loop,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                identity=identity,
+                metrics=resume_metrics,  # the Trainer's loggers get the resume's time and step too
+            )
+            if first and trainer.is_global_zero:
+                log_resumed_from(trainer, resumed.loaded)
         # after the restore, before any save: a resume of this run's checkpoint continues its id, and the root's
         # saver is created now (a root another run owns is refused before the first step, not at the first save)
-        self.loop.start(resumed, resume_event=resume_event)
-        if resumed is not None and trainer.is_global_zero and not self._resume_logged:
-            self._resume_logged = True
-            console.say(resume_line(resumed, trainer.world_size))
-            log_resume_metrics(trainer, resumed)
+        self.loop.start(resumed.loaded if resumed is not None else None, resume_event=resume_event)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)

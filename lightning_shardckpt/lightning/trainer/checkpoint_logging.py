@@ -1,4 +1,4 @@
-"""What rank 0 tells the Trainer's loggers about checkpoints: one record per save, the resume's metrics."""
+"""What rank 0 tells the Trainer's loggers about checkpoints: one record per save, where a resume came from."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from ...engine.format.checksum import checksum
 from ...engine.format.manifest import to_bytes
 from ...engine.load.loader import LoadResult
 from ...engine.metrics import CheckpointRecord
-from ...training.resume import resume_metrics
 from .wandb_artifacts import log_checkpoint_artifact
 
 log = logging.getLogger(__name__)
@@ -33,9 +32,8 @@ def log_record(
         log_checkpoint_artifact(trainer.loggers, record, digest)
 
 
-def log_resume_metrics(trainer: pl.Trainer, loaded: LoadResult) -> None:
-    """How long the resume took and where it came from, to the Trainer's loggers (rank 0, once per fit; the console
-    line is training/resume.py's `resume_line`, the same in every door)."""
+def log_resumed_from(trainer: pl.Trainer, loaded: LoadResult) -> None:
+    """Where the resume came from, as a hyperparameter of the Trainer's loggers (rank 0, once per resume; its
+    metrics, the event and the console line are training/resume_sequence.py's, the same in every door)."""
     for logger in trainer.loggers:
-        logger.log_metrics(resume_metrics(loaded), step=trainer.global_step)
         logger.log_hyperparams({"shardckpt/resumed_from": loaded.path})

@@ -14,7 +14,6 @@ import lightning.pytorch as pl
 from ...identity import blocks as identity
 from ...identity.diff import WARN, IdentityPolicy, compare
 from ...policies.config_blocks import options_from
-from ...training.resume import resume_event, write_resume_event
 from .sampler_injection import train_sampler
 from .wandb_artifacts import wandb_run
 
@@ -58,11 +57,10 @@ class RunIdentity:
         )
         return {**self._static, "data": data}
 
-    def check_resume(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, location: Any = None
-    ) -> dict[str, Any] | None:
+    def check_resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any] | None:
         """Before the first step of a resumed run: the checkpoint's identity against this run's (raises under
-        policy `error`). On rank 0, returns the `resume` event, written under `location`/events/ when given."""
+        policy `error`). On rank 0, returns the comparison the `resume` event carries (training/resume_sequence.py
+        writes it); None elsewhere."""
         loaded = trainer.strategy.last_load
         report = compare(
             loaded.manifest.get("identity"), self.current(trainer, pl_module), self.policy, where=loaded.path
@@ -76,7 +74,4 @@ class RunIdentity:
         if warned:
             summary = f"{summary}\n(differs in {', '.join(warned)}: warned above)".lstrip("\n")
         log.info("identity of %s: %s", loaded.path, summary)
-        event = resume_event(loaded, trainer.world_size, differences=report.differences, unrecorded=report.unrecorded)
-        if location is not None:
-            write_resume_event(location, event)
-        return event
+        return {"differences": report.differences, "unrecorded": report.unrecorded}

@@ -43,13 +43,13 @@ from ...engine.format.layout import parse_dirname
 from ...engine.load.loader import LoadResult
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
-from ...errors import ConfigError, IncompatibleCheckpoint, UntrustedCheckpoint
+from ...errors import ConfigError, UntrustedCheckpoint
 from ...policies import retention
 from ...policies.plan import CheckpointPlan
 from ...training import console
-from ...training.layouts import DoorTarget, warn_not_restored
+from ...training.layouts import DoorTarget, Layout
 from ...training.loadable import SaveChecks
-from ...training.resume import resume
+from ...training.resume_sequence import Resumed, load_resumed
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ...training.staging_fence import StagingFence
 from ...training.user_state import RESERVED_KEY as CHECKPOINTER_SECTION
@@ -73,6 +73,11 @@ class _NothingToRestore(dict):
 
     def __bool__(self) -> bool:
         return False
+
+
+def _lacking(layout: Layout) -> list[str]:
+    """What stays as this fit set it up, in the user's words (the resume sequence reports it, never silently)."""
+    return layout.not_restored() + ([] if layout.native else [NOT_IN_OTHER_DOORS])
 
 
 def _built_by_new(cls: type) -> type:
@@ -116,7 +121,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         # the plan ShardedCheckpoint hands over (use_plan); without one: saves and loads of explicit paths only
         self._plan = CheckpointPlan(root="", save=SaveConfig(parallelism=self.parallelism, front_door=LIGHTNING))
         self.host = SaverHost(self._plan.save, self, fault_hook=fault_hook)
-        self.last_load: LoadResult | None = None
+        self.last_resumed: Resumed | None = None  # the last resume: ShardedCheckpoint announces it at train start
         self.not_restored: tuple[str, ...] = ()  # after a load: what the checkpoint did not give back
         self._resumed_sampler_state: dict[str, Any] | None = None  # applied in process_dataloader
         self._staging_prepared: weakref.WeakSet[CheckpointSaver] = weakref.WeakSet()
@@ -191,30 +196,29 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             ckpt_paths.keep_only_newest(saver.root, saver.run_id, result.path.rstrip("/").rsplit("/", 1)[-1])
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """`fit(ckpt_path=...)`: the one resume of every door (training/resume.py), into fresh model tensors and
+        """`fit(ckpt_path=...)`: the resume sequence of every door (training/resume_sequence.py), into fresh model tensors and
         the optimizers (resharded); returns Lightning's checkpoint dict for its restore hooks. A checkpoint
         Lightning's own ModelCheckpoint wrote goes to Lightning's loader (lightning/trainer/lightning_files.py)."""
-        self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
         if self._written_by_lightning(checkpoint_path):
+            self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
             return self._load_lightnings_own(str(checkpoint_path), weights_only)
         started = time.perf_counter()
         module = self.lightning_module
         optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
         strict = module.strict_loading  # Lightning's partial-checkpoint switch: missing keys keep their initial values
         target = self._door_target(module, optimizers, strict)
-        try:
-            loaded = resume(self._plan, target, str(checkpoint_path), self.host.checkpoint_group(), strict=strict)
-        except IncompatibleCheckpoint as err:
-            raise target.explain(err) from err
-        if loaded is None:
+        resumed = load_resumed(
+            self._plan, self.host, target, str(checkpoint_path), strict=strict, rank=self.global_rank, lacking=_lacking
+        )
+        if resumed is None:
             module.trainer._checkpoint_connector._ckpt_path = None  # nothing was restored
             return _NothingToRestore({"pytorch-lightning_version": pl.__version__})
-        self.last_load = loaded
+        self.last_resumed, loaded = resumed, resumed.loaded
         restored = target.restored()
         for index, optimizer in enumerate(optimizers):
             if (state := restored.get((lightning_state.OPTIMIZERS_KEY, str(index)))) is not None:
                 set_optimizer_state_dict(module, optimizer, state)
-        layout = target.layout
+        layout = resumed.layout
         if layout.own_source == lightning_state.LIGHTNING_KEY:
             checkpoint = lightning_state.lightning_rest(
                 {lightning_state.LIGHTNING_KEY: target.own_section()},
@@ -228,11 +232,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
                 epoch=loaded.manifest.get("epoch"),
                 callbacks=self._carried_callback_state(target, loaded),
             )
-        # what stays as this fit set it up, in the user's words: never silently
-        lacking = layout.not_restored() + ([] if layout.native else [NOT_IN_OTHER_DOORS])
-        self.not_restored = tuple(lacking)
-        if self.is_global_zero:
-            warn_not_restored(loaded.path, layout, list(self.not_restored))
+        self.not_restored = resumed.not_restored
         model_section = layout.sources.get((lightning_state.MODEL_KEY,), (lightning_state.MODEL_KEY,))
         checkpoint["state_dict"] = self._present_in_checkpoint(
             restored.get((lightning_state.MODEL_KEY,), {}), model_section
@@ -276,6 +276,11 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         """Where checkpoints go and how they are saved and loaded: the callback's whole hand-over, in one call."""
         self._plan = plan
         self.host.configure(plan.save)
+
+    @property
+    def last_load(self) -> LoadResult | None:
+        """What the last resume loaded (None: this strategy has not resumed)."""
+        return self.last_resumed.loaded if self.last_resumed is not None else None
 
     @property
     def save_config(self) -> SaveConfig:
@@ -390,7 +395,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             ) from err
         # Lightning restores optimizers itself only where lightning_restore_optimizer (False: ours load here)
         super().load_optimizer_state_dict(checkpoint)
-        self.last_load, self.not_restored = None, ()  # nothing of ours was read: no resume event, a new run id
+        self.last_resumed, self.not_restored = None, ()  # nothing of ours was read: no resume event, a new run id
         if self.is_global_zero:
             console.say(
                 f"lightning_shardckpt: resumed from Lightning's checkpoint {checkpoint_path} "
