@@ -3,7 +3,7 @@
 `resume(plan, target, reference, group)` is what `trainer.fit(ckpt_path=...)`, `fabric.load(path, state)` and
 `Checkpointer.load(state, which)` do:
 
-- the reference is parsed once (engine/root.parse_reference, the one interpreter's reading). A selector ("latest", "last-good", a step, an
+- the reference is parsed once (engine/root.parse_reference). A selector ("latest", "last-good", a step, an
   id, a directory name) is looked up in the plan's root, or across the tiers when the plan has them (any
   selector: a step only the durable tier still holds is found there). Anything else is a path, which must hold a
   committed checkpoint: a typo'd or emptied path never trains from scratch;

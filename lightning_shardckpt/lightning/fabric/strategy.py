@@ -171,10 +171,10 @@ class ShardedFabricStrategy:
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """`fabric.load(path, state)`: restore `state` in place; returns what the checkpoint holds besides it."""
-        if os.path.isfile(str(path)) and not is_selector_file(path):
-            # a plain torch file, not a checkpoint of ours (ROOT/latest, the pointer file, is: engine/root.py): Fabric's
-            # own loading (LitGPT's fine-tuning scripts start from converted weights with fabric.load_raw("lit_model.pth",
-            # model))
+        if os.path.isfile(str(path)) and not is_selector_file(str(path)):
+            # a plain torch file, not a checkpoint of ours (ROOT/latest, the pointer file, is: engine/root.py):
+            # Fabric's own loading (LitGPT's fine-tuning scripts start from converted weights with
+            # fabric.load_raw("lit_model.pth", model))
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if isinstance(state, torch.nn.Module):  # fabric.load_raw(path, model)
             self.load_checkpoint(path, {"model": state}, strict=strict)
