@@ -114,7 +114,9 @@ def locate(
         return Located(within.location, ref.selector)
     if ref.newest:  # `latest` of a path is the path's own pick: a checkpoint directory is itself
         return _locate_path(within, storage_options)
-    return Located(root_location(within, storage_options), ref.selector)
+    location = root_location(within, storage_options)
+    _must_exist(location, location.url if isinstance(within, Location) else os.fspath(within))
+    return Located(location, ref.selector)
 
 
 def open_reference(
@@ -251,12 +253,14 @@ def _locate_path(path: str | os.PathLike | Location, storage_options: dict | Non
     given = location.url if isinstance(path, Location) else os.fspath(path)
     inside = _inside(location)
     if inside is not None:
-        if inside.selector in SELECTOR_FILES and not inside.root.fs.exists(inside.root.path):
-            raise CheckpointNotFound(
-                f"{given}: {inside.root.url} does not exist; check the path (and storage_options for remote storage)"
-            )
+        if inside.selector in SELECTOR_FILES:  # the parent is the root: ROOT/latest of a ROOT that is not there
+            _must_exist(inside.root, given.rstrip("/").rsplit("/", 1)[0])
         return inside
-    if not location.fs.exists(location.path):
-        raise CheckpointNotFound(f"{given} does not exist; check the path (and storage_options for remote storage)")
+    _must_exist(location, given)
     catalog.refuse_file(location, given)
     return Located(location, "latest")
+
+
+def _must_exist(location: Location, given: str) -> None:
+    if not location.fs.exists(location.path):
+        raise CheckpointNotFound(f"{given} does not exist; check the path (and storage_options for remote storage)")
