@@ -194,7 +194,8 @@ class Root:
     def pick(
         self, reference: str | int = "latest", *, run_id: str | None = None, policy: SignaturePolicy | None = None
     ) -> CheckpointEntry:
-        """The committed checkpoint a selector names here, its manifest validated (a path is refused: `open`)."""
+        """The committed checkpoint `reference` names, its manifest validated: a selector here (a path names its
+        own root, as everywhere: `open` also returns that root)."""
         located = locate(reference, self)
         return catalog.find(located.root, located.selector, run_id, policy)
 
