@@ -13,10 +13,12 @@ import json
 import os
 
 import pytest
+import torch
 
 from lightning_shardckpt import (
     Checkpointer,
     CheckpointNotFound,
+    CheckpointSaver,
     export_checkpoint,
     load_checkpoint,
     read_manifest_summary,
@@ -162,3 +164,28 @@ def test_every_path_spelling_alone_names_the_same_checkpoint_at_every_entry_poin
     spelling, expected = spelled.spellings()[label]
     kwargs = {"path": spelling, "out_dir": tmp_path, "run_cli": run_cli, "elsewhere": str(tmp_path / "other")}
     check(answer(A_PATH_ALONE[door], **kwargs), expected, spelling)
+
+
+def _saved(backend, steps: tuple[int, ...]) -> list[str]:
+    """Commit a small checkpoint at each step under the backend's root; their directory names."""
+    saver = CheckpointSaver(backend.url, backend.save_config(async_save=False, write_events=False, run_id="one-root"))
+    try:
+        results = [saver.save({"model": {"w": torch.full((4,), float(step))}}, step=step).result(60) for step in steps]
+    finally:
+        saver.close()
+    return [dirname_of(result.manifest) for result in results]
+
+
+def test_root_lists_picks_opens_and_follows_the_same_way_on_local_disk_and_s3(backend):
+    first, second = _saved(backend, (1, 2))
+    root = Root.at(backend.url, backend.storage_options)
+    assert [entry.name for entry in root.list() if entry.committed] == [first, second]
+    assert root.pick().name == second and root.pick(1).name == first and root.pick("step-1").name == first
+    pointer = f"{backend.url}/latest"  # the pointer file, on either storage: the root's latest
+    assert root.open(pointer, storage_options=backend.storage_options)[1].name == second
+    target = {"model": {"w": torch.zeros(4)}}
+    assert load_checkpoint(target, pointer, config=backend.load_config()).step == 2
+    assert torch.equal(target["model"]["w"], torch.full((4,), 2.0))
+    settled: set[str] = set()
+    assert [entry.name for entry in root.follow(settled)] == [first, second]  # commit order
+    assert root.follow(settled) == []  # nothing new: nothing read again
