@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..engine.root import open_root
 from ..ops import diff as checkpoint_diff
-from ..ops import references
 from ..ops.choices import BISECT_TOP
 from . import exit_codes, options
 from .compare import print_changes
@@ -41,7 +41,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     from ..ops.bisect import bisect  # here: it imports torch, which `shardckpt --help` must not wait for
     from ..ops.checks import parse_check
 
-    location = references.open_root(args.root, args.storage_options)
+    location = open_root(args.root, args.storage_options)
     check, kind = parse_check(args.bad, storage_options=args.storage_options)
     report = bisect(
         location, check, kind=kind, linear=args.linear, run_id=args.run_id, top=args.top, check_name=args.bad

@@ -138,9 +138,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
         raise ConfigError("--once and --exit-when-idle stop a follower; add --follow, or drop them")
     if args.public_key and not args.follow:  # the one named checkpoint: refused in one line, before any drill
         from ..engine.format.signing import accepted_policy
-        from ..ops.references import open_path
+        from ..engine.root import open_reference
 
-        location, entry = open_path(args.path, args.storage_options)
+        location, entry = open_reference("latest", args.path, args.storage_options)
         accepted_policy(args.public_key, args.revoked_key).check_manifest(location.fs, entry.path, entry.manifest)
     # a drill that passes makes a checkpoint known-good: with keys, only one an accepted key signed. The drill checks
     # the manifest's signature before it forks (a refused one, found by a follower, is recorded as a failed drill)

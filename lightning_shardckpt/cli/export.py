@@ -80,11 +80,13 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ..engine.root import open_reference
     from ..ops.export import ExportOptions, export_checkpoint  # here: torch, which --help must not wait for
-    from ..ops.references import open_path
 
     if args.public_key:  # every byte exported comes from a checkpoint an accepted key signed
-        require_signed(*open_path(args.checkpoint, args.storage_options), args.public_key, args.revoked_key)
+        require_signed(
+            *open_reference("latest", args.checkpoint, args.storage_options), args.public_key, args.revoked_key
+        )
 
     options = ExportOptions(
         format=args.format,

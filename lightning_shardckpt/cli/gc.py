@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ..engine import catalog
-from ..ops import references
+from ..engine.root import open_root
 from ..ops.gc import DEFAULT_GRACE_S, GcReport, collect
 from . import exit_codes, options
 from .output import PROG, human_age, human_bytes, print_json, print_table
@@ -37,7 +37,7 @@ def add_commands(commands: Any) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    location = references.open_root(args.root, args.storage_options)
+    location = open_root(args.root, args.storage_options)
     report = collect(location, args.grace_minutes * 60.0, dry_run=not args.yes)
     if args.json:
         print_json(report.to_dict())

@@ -6,10 +6,10 @@ import argparse
 import json
 from typing import Any
 
+from ..engine.root import open_root
 from ..errors import ConfigError, ShardCkptError
 from ..ops.health_plot import plot
 from ..ops.health_report import evaluate_root
-from ..ops.references import open_root
 from ..policies.health.rules import HealthConfig, load_rules_file
 from . import exit_codes, options
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..engine.format.layout import join
+from ..engine.root import open_root
 from ..ops import diff as checkpoint_diff
 from ..ops import references
 from ..ops import timeline as root_timeline
@@ -66,7 +67,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    location = references.open_root(args.root, args.storage_options)
+    location = open_root(args.root, args.storage_options)
     result = root_timeline.timeline(location, grace_s=args.grace)
     if result["events_problem"]:
         print(f"{PROG}: warning: {result['events_problem']}; causes are not shown", file=sys.stderr)

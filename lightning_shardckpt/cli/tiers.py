@@ -7,8 +7,8 @@ import json
 
 from ..engine.format import drill_records, signing
 from ..engine.format.layout import parse_dirname
+from ..engine.root import open_root
 from ..engine.tiers.restore import choose_signed
-from ..ops.references import open_root
 from ..ops.roots import CheckpointInfo, list_checkpoints
 from . import exit_codes, options
 from .output import print_table

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..ops import references
+from ..engine.root import open_reference
 from . import exit_codes, options
 from .output import human_bytes, print_json, print_table
 
@@ -27,7 +27,7 @@ def add_commands(commands: Any) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..ops.verify import verify_checkpoint  # here: torch, which --help must not wait for
 
-    location, entry = references.open_path(args.path, args.storage_options)
+    location, entry = open_reference("latest", args.path, args.storage_options)
     report = verify_checkpoint(location, entry, public_keys=args.public_key, revoked_keys=args.revoked_key)
     if args.json:
         print_json(report.to_dict())

@@ -1,5 +1,8 @@
 """What a checkpoint root holds: committed and uncommitted checkpoints, and which one is latest.
 
+The pick of a selector among a root's checkpoints; what a reference's text means (a path, `ROOT/latest`, a
+selector) is engine/root.py's to say, the one interpreter every entry point asks.
+
 Readers trust manifests, never the `latest` pointer alone: a stale or missing pointer falls back to
 the newest committed directory.
 
@@ -17,10 +20,7 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -37,7 +37,6 @@ from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
 from .format.entry import read_manifest as read_manifest
 from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
 from .format.signing import SignaturePolicy, SignatureRefused
-from .storage import fsio
 from .storage.fsio import Location
 from .storage.small_files import SmallFileRefused
 
@@ -209,44 +208,6 @@ def resolve_latest(
 
 
 LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/format/drill_records.py): proven to restore
-_STEP_WORD = re.compile(r"^step-(\d+)$")  # `step-500`, as people say it: the step, not a directory name
-_CHECKPOINT_ID = re.compile(r"^[0-9a-f]{12}$")  # layout.new_checkpoint_id's spelling
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A checkpoint as a user names it (`ckpt_path`, `fabric.load`, `Checkpointer.load`, the CLI): a selector
-    within a root the caller knows, or a path that names its own root (or one checkpoint directory)."""
-
-    text: str  # as given
-    selector: str | int | None  # "latest", "last-good", a step (int), an id or a directory name; None: a path
-
-    @property
-    def is_path(self) -> bool:
-        return self.selector is None
-
-    @property
-    def newest(self) -> bool:
-        """`latest` (or a path, which means its root's latest): the one spelling an empty root may answer
-        with nothing (start fresh) instead of an error."""
-        return self.selector == "latest"
-
-
-def parse_reference(text: str | int) -> Reference:
-    """The one parser of checkpoint spellings. Without a `/`: `latest`, `last-good`, a step (`500` or
-    `step-500`), a checkpoint id (12 hex digits) or a directory name (`step-000000500-<id>`) is a selector;
-    anything else is a path (write `./name` for a directory here whose name looks like a selector)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return Reference(str(text), text)
-    text = str(text)
-    if "/" not in text:
-        if text in ("latest", LAST_GOOD) or parse_dirname(text) is not None or _CHECKPOINT_ID.match(text):
-            return Reference(text, text)
-        if text.isdigit():
-            return Reference(text, int(text))
-        if (word := _STEP_WORD.match(text)) is not None:
-            return Reference(text, int(word[1]))
-    return Reference(text, None)
 
 
 def last_good(
@@ -304,7 +265,7 @@ def find(
 
 
 def names(entry: CheckpointEntry, selector: str | int) -> bool:
-    """`selector` (a step, an id or a directory name, as parse_reference gives them) names this checkpoint."""
+    """`selector` (a step, an id or a directory name, as engine/root.parse_reference gives them) names this checkpoint."""
     text = str(selector)
     return entry.name == text or entry.checkpoint_id == text or (text.isdigit() and entry.step == int(text))
 
@@ -397,26 +358,6 @@ def _with_manifest_read(
             entry.state, entry.problem = CORRUPT, str(err)
             raise
     return entry
-
-
-def open_checkpoint(
-    url: str,
-    which: str | int = "latest",
-    storage_options: dict | None = None,
-    run_id: str | None = None,
-    policy: SignaturePolicy | None = None,
-) -> tuple[Location, CheckpointEntry]:
-    """Accept a root (with `which`) or a checkpoint directory itself; return its root and entry."""
-    location = fsio.resolve(url, storage_options)
-    if parse_dirname(location.path) is not None:
-        root, name = location.path.rstrip("/").rsplit("/", 1)
-        # the URL keeps its protocol: callers compare it with their own root (a resume adopting its run id)
-        root_location = Location(fs=location.fs, path=root, url=location.url.rstrip("/").rsplit("/", 1)[0])
-        return root_location, find(root_location, name, policy=policy)
-    if not location.fs.exists(location.path):
-        raise CheckpointNotFound(f"{url} does not exist; check the path (and storage_options for remote storage)")
-    refuse_file(location, os.fspath(url))
-    return location, find(location, which, run_id, policy)
 
 
 def age_seconds(entry: CheckpointEntry, location: Location) -> float | None:

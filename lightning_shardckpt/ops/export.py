@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..engine import catalog
-from ..engine.format.layout import LATEST, join
+from ..engine.format.layout import join
 from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
+from ..engine.root import open_reference
 from ..engine.storage import fsio
 from ..engine.validate import typed_options
 from ..errors import ConfigError
@@ -46,7 +46,6 @@ from .export_formats import (
     tensor_bytes,
 )
 from .progress import progress
-from .references import open_path
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +104,8 @@ def export_checkpoint(
     """Export a committed checkpoint (a directory, or a root with `which`) to OUT; see the module doc."""
     options = options or ExportOptions()
     started = time.perf_counter()
-    if which == LATEST:  # also accepts ROOT/latest, the pointer file's path, as the other commands do
-        location, entry = open_path(checkpoint, options.storage_options)
-    else:
-        location, entry = catalog.open_checkpoint(checkpoint, which, options.storage_options)
+    # `checkpoint` a root, a checkpoint directory or ROOT/latest, as every entry point reads it (engine/root.py)
+    location, entry = open_reference(which, checkpoint, options.storage_options)
     target = fsio.resolve(out, options.storage_options)
     sharded = options.format == SAFETENSORS and options.max_shard_size is not None
     export_target.check_outside_checkpoint_roots(target, target.path if sharded else _parent(target.path))

@@ -30,10 +30,10 @@ from ..engine.format import manifest as manifest_format
 from ..engine.format.entry import CheckpointEntry
 from ..engine.format.layout import join
 from ..engine.format.manifest_schema import REFERENCES_FIELD, parse_time
+from ..engine.root import Root, open_reference, open_root
 from ..engine.storage.fsio import Location
 from ..engine.validate import require_number
 from ..errors import CheckpointDeleted, CheckpointNotFound, ShardCkptError
-from .references import open_reference, open_root, root_location
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def resolve_checkpoint(
     LoadConfig's). The manifest and its signature are judged, as the pick does; the resume then checks the files against the signed digests.
     """
     policy = signing.policy_of(bool(public_keys), public_keys, revoked_keys)
-    location, entry = open_reference(where, which, storage_options, run_id, policy)
+    location, entry = open_reference(which, where, storage_options, run_id, policy)
     states = drill_records.trust_states(location, [entry])
     if policy is None:
         return _info(location, entry, states)
@@ -213,7 +213,7 @@ def read_manifest_summary(
     where: PathLike, which: str | int = "latest", *, storage_options: dict[str, Any] | None = None
 ) -> ManifestSummary:
     """The manifest of the checkpoint `where` and `which` name (as resolve_checkpoint), without its tables."""
-    location, entry = open_reference(where, which, storage_options)
+    location, entry = open_reference(which, where, storage_options)
     manifest = entry.manifest  # read and validated by the pick
     return ManifestSummary(
         path=join(location.url, entry.name),
@@ -267,15 +267,15 @@ def follow_checkpoints(
     require_number("poll_s", poll_s, above=0, hint="seconds between looks at the root, e.g. 5")
     require_number("timeout_s", timeout_s, at_least=0, allow_none=True, none_means="wait forever", hint="seconds")
     policy = signing.policy_of(bool(public_keys), public_keys)  # checked now: a bad key fails here, not at next()
-    location = root_location(root, storage_options)
+    followed = Root.at(root, storage_options)
     settled: set[str] = set()  # yielded, found corrupt, or there before (not include_existing): never read again
     if not include_existing:
-        settled = {entry.name for entry in catalog.list_checkpoints(location) if entry.state != UNCOMMITTED}
-    return _follow(location, settled, timeout_s, poll_s, policy)
+        settled = {entry.name for entry in followed.list() if entry.state != UNCOMMITTED}
+    return _follow(followed, settled, timeout_s, poll_s, policy)
 
 
 def _follow(
-    location: Location,
+    root: Root,
     settled: set[str],
     timeout_s: float | None,
     poll_s: float,
@@ -283,7 +283,7 @@ def _follow(
 ) -> Iterator[CheckpointInfo]:
     while True:
         asked = time.monotonic()
-        while not (fresh := _newly_committed(location, settled, policy)):
+        while not (fresh := _newly_committed(root, settled, policy)):
             left = None if timeout_s is None else timeout_s - (time.monotonic() - asked)
             if left is not None and left <= 0:
                 return
@@ -310,37 +310,13 @@ def _pick_or_none(
         return None
 
 
-def _newly_committed(
-    location: Location, settled: set[str], policy: signing.SignaturePolicy | None
-) -> list[CheckpointInfo]:
-    """The committed, sound checkpoints not in `settled` (under `policy`: also accepted by it), in commit order;
-    settles them, the corrupt and the refused ones."""
-    fresh = []
-    for entry in catalog.list_checkpoints(location, only=lambda name: name not in settled):
-        if entry.state == UNCOMMITTED:
-            continue  # in flight (or abandoned): looked at again next time, one small read
-        settled.add(entry.name)
-        if entry.committed:
-            try:
-                # the rule the listing's pick applies to what it stars (catalog.pick): the whole manifest read,
-                # matched against its commit record and validated. The record's own summary is not enough: a
-                # manifest edited after commit leaves the record as it was
-                _ = entry.manifest
-                if policy is not None:  # and, as the pick does under a policy, its signature over those bytes
-                    policy.check_manifest(location.fs, entry.path, entry.manifest)
-            except CheckpointDeleted:
-                continue  # retention was quicker than this poll: nothing to evaluate
-            except ShardCkptError as err:
-                log.warning("%s: not following %s: %s", location.url, entry.name, err)
-                continue
-            fresh.append(entry)
-        else:
-            log.warning("%s: not following %s: %s", location.url, entry.name, entry.problem)
+def _newly_committed(root: Root, settled: set[str], policy: signing.SignaturePolicy | None) -> list[CheckpointInfo]:
+    """The committed, sound checkpoints not in `settled`, in commit order (Root.follow), as CheckpointInfo."""
+    fresh = root.follow(settled, policy)
     if not fresh:
         return []
-    fresh.sort(key=catalog.time_order)
-    states = drill_records.trust_states(location, fresh)
-    return [_info(location, entry, states) for entry in fresh]
+    states = drill_records.trust_states(root.location, fresh)
+    return [_info(root.location, entry, states) for entry in fresh]
 
 
 def _signatures(

@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine import catalog
 from ..engine.catalog import CheckpointEntry
 from ..engine.format import chunk_layout, groups, parts_manifest, safe_pickle, signing
 from ..engine.format import manifest as manifest_format
@@ -24,6 +23,7 @@ from ..engine.format.chunk_index import read_parts
 from ..engine.format.layout import DCP_METADATA, join, shard_filename
 from ..engine.format.references import REFERENCES_FIELD
 from ..engine.format.safe_pickle import DCP_METADATA_FIELD
+from ..engine.root import open_reference
 from ..engine.storage import fsio
 from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound, CorruptCheckpoint
@@ -228,9 +228,7 @@ def _open(where: Any, which: Any, storage_options: dict[str, Any] | None) -> tup
         if not which.committed:
             raise CheckpointNotFound(f"{which.path} is {which.state}, not committed; only committed checkpoints verify")
         return (where if isinstance(where, Location) else fsio.resolve(where, storage_options)), which
-    if isinstance(where, Location):
-        return where, catalog.find(where, which)
-    return catalog.open_checkpoint(os.fspath(where), which, storage_options)
+    return open_reference(which, where, storage_options)  # `where` a root, a checkpoint directory or ROOT/latest
 
 
 def _verify_file(

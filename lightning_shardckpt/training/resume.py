@@ -3,7 +3,7 @@
 `resume(plan, target, reference, group)` is what `trainer.fit(ckpt_path=...)`, `fabric.load(path, state)` and
 `Checkpointer.load(state, which)` do:
 
-- the reference is parsed once (engine/catalog.parse_reference). A selector ("latest", "last-good", a step, an
+- the reference is parsed once (engine/root.parse_reference). A selector ("latest", "last-good", a step, an
   id, a directory name) is looked up in the plan's root, or across the tiers when the plan has them (any
   selector: a step only the durable tier still holds is found there). Anything else is a path, which must hold a
   committed checkpoint: a typo'd or emptied path never trains from scratch;
@@ -29,6 +29,7 @@ from ..engine.collectives import broadcast_from_coordinator, rank_and_world
 from ..engine.config import CHECKPOINTER, ENGINE, FABRIC, LIGHTNING, LoadConfig
 from ..engine.format.layout import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
+from ..engine.root import parse_reference, root_of
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from ..policies.plan import CheckpointPlan, Fallback
@@ -78,7 +79,7 @@ def resume(
     nothing to resume from (`latest` of an empty root). `strict=False`: what the checkpoint lacks keeps its value.
     Collective over `group` (the checkpoint group: no save may run on it meanwhile)."""
     words = WORDS.get(plan.save.front_door, WORDS[ENGINE])
-    ref = catalog.parse_reference(reference)
+    ref = parse_reference(reference)
     asked = words.asked.format(ref.text)
     root, which, config, fallbacks = plan.root, ref.selector, plan.load, []
     tier_skipped: tuple[str, ...] = ()  # what the tier choice passed over for the signature policy
@@ -253,8 +254,10 @@ def _agreed_has_committed(root: str, config: LoadConfig, group: Any) -> bool:
     """Rank 0 lists `root` (a checkpoint directory itself counts: the loader opens it or says why not)."""
     answer = None
     if rank_and_world(group)[0] == 0:
+        # ROOT/latest and a checkpoint directory name their root (engine/root.py)
+        within = root_of(fsio.resolve(root, config.storage_options))
         answer = parse_dirname(root.rstrip("/").rsplit("/", 1)[-1]) is not None or (
-            catalog.newest_committed(catalog.list_checkpoints(fsio.resolve(root, config.storage_options))) is not None
+            catalog.newest_committed(catalog.list_checkpoints(within)) is not None
         )
     return bool(broadcast_from_coordinator("has-committed", answer, group))
 
@@ -263,5 +266,5 @@ def _contents(root: str, config: LoadConfig, group: Any) -> str:
     """What a path that holds no committed checkpoint holds instead (rank 0 looks)."""
     found = None
     if rank_and_world(group)[0] == 0:
-        found = catalog.describe_contents(fsio.resolve(root, config.storage_options))
+        found = catalog.describe_contents(root_of(fsio.resolve(root, config.storage_options)))
     return broadcast_from_coordinator("path-contents", found, group)

@@ -1,9 +1,9 @@
-"""One parser for every spelling of a checkpoint (engine/catalog.parse_reference), shared by the three front
+"""One parser for every spelling of a checkpoint (engine/root.parse_reference), shared by the three front
 doors and the command line."""
 
 import pytest
 
-from lightning_shardckpt.engine.catalog import parse_reference
+from lightning_shardckpt.engine.root import parse_reference
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from lightning_shardckpt import CheckpointSaver, CorruptCheckpoint, SaveConfig
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format.manifest import parse, to_bytes
 from lightning_shardckpt.engine.format.outcomes import decode_metrics, encode_metrics
+from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import ConfigError
 from lightning_shardckpt.ops.export import ExportOptions, export_checkpoint
 from tests.helpers import quota_fs
@@ -185,7 +186,7 @@ def test_metrics_round_trip_with_non_finite_values_as_strings(tmp_path):
     saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
     saver.save({"model": {"w": torch.ones(1)}}, step=1, extra={"metrics": encoded}).result(timeout=60)
     saver.close()
-    entry = catalog.find(catalog.fsio.resolve(root))
+    entry = catalog.find(fsio.resolve(root))
     json.loads(
         open(os.path.join(entry.path, "manifest.json")).read(), parse_constant=lambda c: pytest.fail(f"{c} in JSON")
     )
@@ -195,7 +196,7 @@ def test_metrics_round_trip_with_non_finite_values_as_strings(tmp_path):
 
 def test_a_manifest_with_a_non_numeric_metric_is_corrupt_and_one_without_metrics_reads(saved):
     root, _ = saved
-    entry = catalog.find(catalog.fsio.resolve(root))
+    entry = catalog.find(fsio.resolve(root))
     manifest = dict(entry.manifest)
     assert decode_metrics(manifest) == {}  # written without metrics (old, or not Lightning): still readable
     manifest["extra"] = {"metrics": {"loss": [1.0]}}

@@ -29,6 +29,7 @@ from ..format import manifest as manifest_format
 from ..format import signing
 from ..format.layout import MANIFEST, join, parse_dirname
 from ..format.safe_pickle import DCP_METADATA_FIELD
+from ..root import open_reference, parse_reference, root_of
 from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.reader import ShardReader
@@ -102,7 +103,7 @@ def _load_once(
     )
     if isinstance(picked, ShardCkptError):
         raise picked
-    root, entry = _in_own_view(*picked, dirpath, config)
+    root, entry = _in_own_view(*picked, dirpath, which, config)
     if callable(state_dict):  # every rank alike: the manifest is rank 0's, broadcast
         state_dict = state_dict(entry.manifest)
     check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
@@ -266,14 +267,14 @@ def _portable(err: BaseException, path: str) -> BaseException:
 
 
 def _in_own_view(
-    root: Location, entry: catalog.CheckpointEntry, dirpath: str, config: LoadConfig
+    root: Location, entry: catalog.CheckpointEntry, dirpath: str, which: str | int, config: LoadConfig
 ) -> tuple[Location, catalog.CheckpointEntry]:
     """Rank 0's pick, read where this rank was told to look: node-local roots (`{node_rank}` tiers, a checkpoint
     assembled from peer copies in every node root) hold the same checkpoint under each node's own path, which
     the other nodes cannot read. Ranks given rank 0's path (the usual case) keep it."""
-    own = fsio.resolve(str(dirpath), config.storage_options)
-    if parse_dirname(own.path) is not None:  # a checkpoint directory: its root is the parent
-        own = fsio.resolve(str(dirpath).rstrip("/").rsplit("/", 1)[0], config.storage_options)
+    reference = parse_reference(which)
+    path = reference.text if reference.is_path else str(dirpath)  # a path in `which` names its own root
+    own = root_of(fsio.resolve(path, config.storage_options))  # a checkpoint directory's or ROOT/latest's: ROOT
     if own.same_place(root):
         return root, entry
     return own, dataclasses.replace(entry, path=join(own.path, entry.name))
@@ -291,7 +292,7 @@ def _pick(
 ) -> tuple[Location, catalog.CheckpointEntry] | ShardCkptError:
     try:
         policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
-        location, entry = catalog.open_checkpoint(dirpath, which, config.storage_options, policy=policy)
+        location, entry = open_reference(which, dirpath, config.storage_options, policy=policy)
         if policy is not None and not manifest_format.is_parts_format(entry.manifest):
             # v2/v3 (an incremental run's): no parts to split the check by rank, so rank 0 hashes every own and
             # referenced file once, before any rank reads; its verdict travels with the pick (v4: each rank its own)

@@ -39,6 +39,7 @@ from ...engine.collectives import rank_and_world
 from ...engine.config import FABRIC, LoadConfig, SaveConfig, save_config_from
 from ...engine.format import safe_pickle
 from ...engine.load.loader import LoadResult
+from ...engine.root import is_selector_file
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
 from ...engine.validate import require_bool
@@ -167,9 +168,10 @@ class ShardedFabricStrategy:
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """`fabric.load(path, state)`: restore `state` in place; returns what the checkpoint holds besides it."""
-        if os.path.isfile(str(path)):
-            # a plain torch file, not a checkpoint of ours: Fabric's own loading (LitGPT's fine-tuning scripts
-            # start from converted weights with fabric.load_raw("lit_model.pth", model))
+        if os.path.isfile(str(path)) and not is_selector_file(str(path)):
+            # a plain torch file, not a checkpoint of ours (ROOT/latest, the pointer file, is: engine/root.py):
+            # Fabric's own loading (LitGPT's fine-tuning scripts start from converted weights with
+            # fabric.load_raw("lit_model.pth", model))
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if isinstance(state, torch.nn.Module):  # fabric.load_raw(path, model)
             self.load_checkpoint(path, {"model": state}, strict=strict)

@@ -41,6 +41,7 @@ from ...engine.config import LIGHTNING, LoadConfig, SaveConfig
 from ...engine.format import safe_pickle
 from ...engine.format.layout import parse_dirname
 from ...engine.load.loader import LoadResult
+from ...engine.root import parse_reference
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
 from ...errors import ConfigError, UntrustedCheckpoint
@@ -366,7 +367,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
     def _written_by_lightning(self, checkpoint_path: Any) -> bool:
         """Whether `ckpt_path` is a `.ckpt` file or DCP directory of Lightning's own (rank 0 looks, every rank
         gets its answer): a selector never is, and neither is a root of ours."""
-        if not catalog.parse_reference(str(checkpoint_path)).is_path:
+        if not parse_reference(str(checkpoint_path)).is_path:
             return False
         answer = None
         if self.is_global_zero:

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ...engine import catalog
 from ...engine.format import drill_records, signing
 from ...engine.format.drill_records import FAILED, NOT_DRILLED, PASSED, outcome_details
 from ...engine.format.layout import MANIFEST, join
+from ...engine.root import open_reference
 from ...engine.validate import require_number, typed_options
 from ...errors import ConfigError, SignatureRefused, StorageUnavailable
 from . import trust as drill_trust
@@ -149,9 +149,7 @@ def run_drill(
             pool.close()
     _check_probe_importable(options.probe)  # the operator's mistake is not the checkpoint's: refuse, record nothing
     drill_trust.check_importable(options.safe_globals)
-    location, entry = catalog.open_checkpoint(
-        root or checkpoint, checkpoint if root else "latest", options.storage_options
-    )
+    location, entry = open_reference(checkpoint if root else "latest", root or checkpoint, options.storage_options)
     path = join(location.url, entry.name)
     _check_records_writable(location)
     writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...engine import catalog
 from ...engine.config import LoadConfig
 from ...engine.format import safe_pickle, signing
 from ...engine.load.loader import load_checkpoint
+from ...engine.root import open_reference
 from ...engine.storage.writer import is_finite
 from ...errors import ShardCkptError
 from . import trust as drill_trust
@@ -147,7 +147,7 @@ def drill(args: argparse.Namespace, timings: dict[str, float], destination: Dest
     with _phase(timings, "listing"):
         drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
         storage_options = json.loads(args.storage_options) if args.storage_options else {}
-        _, entry = catalog.open_checkpoint(args.checkpoint, storage_options=storage_options)
+        _, entry = open_reference("latest", args.checkpoint, storage_options)
         manifest = entry.manifest
     with _phase(timings, "target"):  # the device mesh and the NaN-filled tensors to restore into
         target = destination.target(manifest, args.world_size)
