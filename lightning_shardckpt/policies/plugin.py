@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.metrics import CheckpointRecord
+from ..errors import ConfigError
 from . import decisions
 from .context import PluginContext, Reporter, SaverHosting
 from .decisions import (
@@ -33,6 +34,7 @@ from .decisions import (
     SaverRouter,
     StopDecider,
 )
+from .plugin_check import check_plugin
 
 if TYPE_CHECKING:
     import torch
@@ -40,11 +42,21 @@ if TYPE_CHECKING:
     from ..engine.save.saver import CheckpointSaver
     from .plan import CheckpointPlan, Placement
 
-__all__ = ["Plugin", "PluginContext", "PluginList", "Reporter", "SaverHosting"]  # the contract, in one import
+__all__ = [
+    "Plugin",
+    "PluginContext",
+    "PluginList",
+    "PluginState",
+    "Reporter",
+    "SaverHosting",
+]  # the contract, in one import
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+
+# a plug-in's checkpointed state: a dict of plain values (Plugin.state_dict)
+PluginState = dict[str, Any]
 
 
 class Plugin:
@@ -79,11 +91,14 @@ class Plugin:
     def close(self, context: PluginContext, *, finished: bool) -> None:
         """Fit end (`finished`, after the last records are logged) or an exception (not `finished`)."""
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> PluginState | None:
+        """Any thread a save runs on: this plug-in's state, saved under `state_key` in every checkpoint (plain
+        values: str keys, numbers, strings, lists, dicts); None: nothing to save."""
         return None
 
-    def load_state_dict(self, state: Any) -> None:
-        pass
+    def load_state_dict(self, state: PluginState | None) -> None:
+        """Resume, every rank: what `state_dict` returned when the checkpoint was saved; None when the
+        checkpoint holds nothing under `state_key` (saved before this plug-in existed, or it returned None)."""
 
 
 class PluginList:
@@ -91,7 +106,20 @@ class PluginList:
     answer it and combines their answers by its rule (policies/decisions.py). The door never branches per plug-in."""
 
     def __init__(self, plugins: list[Plugin]) -> None:
-        self.plugins = list(plugins)
+        self.plugins: list[Plugin] = []
+        for plugin in plugins:
+            self.add(plugin)
+
+    def add(self, plugin: Plugin) -> None:
+        """Register one more, after those already here; a plug-in whose events or decisions are misspelt (or take
+        arguments the run does not pass) is refused now, before training (policies/plugin_check.py)."""
+        if not isinstance(plugin, Plugin):
+            raise ConfigError(
+                f"plugins=[...] holds a {type(plugin).__name__}, not a lightning_shardckpt.Plugin; subclass Plugin "
+                "(docs/ARCHITECTURE.md, 'Write a plug-in')"
+            )
+        check_plugin(plugin, Plugin)
+        self.plugins.append(plugin)
 
     def get(self, kind: type[P]) -> P | None:
         """The plug-in of this type (tests and front doors inspecting one), or None."""
@@ -134,10 +162,10 @@ class PluginList:
         for plugin in self.plugins:
             plugin.close(context, finished=finished)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, PluginState | None]:
         return {plugin.state_key: plugin.state_dict() for plugin in self.plugins if plugin.state_key}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, PluginState | None]) -> None:
         for plugin in self.plugins:
             if plugin.state_key:
                 plugin.load_state_dict(state.get(plugin.state_key))
