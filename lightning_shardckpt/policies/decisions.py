@@ -152,10 +152,10 @@ def any_true(answers: Iterable[bool | None]) -> bool | None:
     return verdict
 
 
-def each(answers: Iterable[Any]) -> None:
+def each(answers: Iterable[Callable[[], None]]) -> None:
     """Every one is asked, in order, for its effect; nothing is combined."""
-    for _ in answers:
-        pass
+    for answer in answers:
+        answer()
 
 
 def product(answers: Iterable[float]) -> float:

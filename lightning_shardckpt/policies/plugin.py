@@ -15,7 +15,9 @@ the list calls them in the order given.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..engine.metrics import CheckpointRecord
 from ..errors import ConfigError
@@ -125,9 +127,11 @@ class PluginList:
         """The plug-in of this type (tests and front doors inspecting one), or None."""
         return next((plugin for plugin in self.plugins if isinstance(plugin, kind)), None)
 
-    def answering(self, decision: type[P]) -> list[P]:
+    def answering(self, decision: Callable[..., P]) -> list[P]:
         """The plug-ins that take part in `decision` (a Protocol of policies/decisions.py), in order."""
-        return [plugin for plugin in self.plugins if isinstance(plugin, decision)]
+        # Callable, not type[P]: mypy takes a Protocol for an abstract class and refuses it as a type[P] argument
+        # (python/mypy#4717); at run time it is the Protocol class, which isinstance accepts (runtime_checkable)
+        return [plugin for plugin in self.plugins if isinstance(plugin, cast("type[P]", decision))]
 
     # --- events ---
     def setup(self, context: PluginContext) -> None:
@@ -172,14 +176,13 @@ class PluginList:
 
     # --- decisions, each by its rule ---
     def shape_plan(self, plan: CheckpointPlan, placement: Placement) -> CheckpointPlan:
-        shapers = self.answering(PlanShaper)
-        return decisions.in_order([lambda p, s=s: s.shape_plan(p, placement) for s in shapers], plan)
+        return decisions.in_order([shaping(s, placement) for s in self.answering(PlanShaper)], plan)
 
     def sync(self, preempted: bool, context: PluginContext) -> bool | None:
         return decisions.any_true([p.sync(preempted, context) for p in self.answering(ControlExchange)])
 
     def apply_control(self, saver: CheckpointSaver | None, when_busy: str) -> None:
-        decisions.each(p.apply_control(saver, when_busy) for p in self.answering(ControlApplier))
+        decisions.each(partial(p.apply_control, saver, when_busy) for p in self.answering(ControlApplier))
 
     def interval_factor(self) -> float:
         return decisions.product(p.interval_factor() for p in self.answering(IntervalScaler))
@@ -200,7 +203,7 @@ class PluginList:
         return bool(decisions.any_true(p.owns(checkpoint_path) for p in self.answering(RunMembership)))
 
     def drill_now(self, checkpoint_path: str) -> None:
-        decisions.each(p.drill_now(checkpoint_path) for p in self.answering(DrillTarget))
+        decisions.each(partial(p.drill_now, checkpoint_path) for p in self.answering(DrillTarget))
 
     def counters(self) -> dict[str, int]:
         return decisions.merged(p.counters() for p in self.answering(CounterSource))
@@ -208,3 +211,8 @@ class PluginList:
     def _each(self, event: str, *args: Any) -> None:
         for plugin in self.plugins:
             getattr(plugin, event)(*args)
+
+
+def shaping(shaper: PlanShaper, placement: Placement) -> Callable[[CheckpointPlan], CheckpointPlan]:
+    """One plug-in's step of the plan's shaping (decisions.in_order)."""
+    return lambda plan: shaper.shape_plan(plan, placement)
