@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from types import ModuleType
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,9 @@ def is_distributed() -> bool:
     return loaded is not None and loaded.is_available() and loaded.is_initialized()
 
 
-def _dist() -> dist:
-    """torch.distributed, which every caller below only asks for once is_distributed() said it is in use."""
+def _dist() -> ModuleType:
+    """torch.distributed, which every caller below only asks for once is_distributed() said it is in use (a module
+    object: mypy cannot name a module as a type, so its functions are unchecked here)."""
     return sys.modules["torch.distributed"]
 
 
