@@ -11,12 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from types import ModuleType
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
+from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
