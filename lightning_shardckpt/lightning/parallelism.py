@@ -36,10 +36,14 @@ def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size:
             )
         other = world_size // given
         return (other, given) if data_parallel == "auto" else (given, other)
+    for name, size in (("data_parallel_size", data_parallel), ("tensor_parallel_size", tensor_parallel)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"{name}={size!r} is not a mesh size; give a whole number >= 1, or 'auto'")
+    assert isinstance(data_parallel, int) and isinstance(tensor_parallel, int)  # checked just above
     if data_parallel * tensor_parallel != world_size:
         raise ConfigError(
             f"data_parallel_size={data_parallel} × tensor_parallel_size={tensor_parallel} must equal the world size "
-            f"{world_size} (devices × num_nodes); set data_parallel_size={max(world_size // max(tensor_parallel, 1), 1)}"
+            f"{world_size} (devices × num_nodes); set data_parallel_size={max(world_size // tensor_parallel, 1)}"
         )
     return data_parallel, tensor_parallel
 
@@ -51,13 +55,17 @@ class AllRanksDataParallel:
     data-parallel over every rank unless sizes are given (`mesh_sizes`)."""
 
     def setup_environment(self) -> None:
-        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
-            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
+        # the attributes and the next setup_environment are ModelParallelStrategy's (Lightning's or Fabric's), which
+        # this mixin precedes in both doors' classes: reached through Any, as mypy cannot name either base here
+        strategy: Any = self
+        strategy._data_parallel_size, strategy._tensor_parallel_size = mesh_sizes(
+            strategy._data_parallel_size, strategy._tensor_parallel_size, strategy.num_nodes * strategy.num_processes
         )
-        super().setup_environment()
+        next_in_line: Any = super()
+        next_in_line.setup_environment()
 
 
-def register_in(registry: Any, strategies: tuple[type, ...]) -> None:
+def register_in(registry: Any, strategies: tuple[Any, ...]) -> None:
     """Each strategy under its `strategy_name` (with its `description`), once: the Trainer's and Fabric's
     registries are separate, and `lightning_shardckpt.lightning` may be imported more than once."""
     for strategy in strategies:
