@@ -69,7 +69,7 @@ class Planned:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in memory order, without a copy when it is contiguous (any dtype, bf16 too)."""
     flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")  # .data: the array's memoryview
 
 
 # --- torch.save zip ---

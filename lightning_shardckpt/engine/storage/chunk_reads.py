@@ -104,7 +104,9 @@ class Destination:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (any dtype, bfloat16 included)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return (
+        tensor.reshape(-1).view(torch.uint8).numpy().data
+    )  # the array's memoryview (typed, unlike memoryview(ndarray))
 
 
 def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
