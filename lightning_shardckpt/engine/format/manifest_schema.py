@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 from .layout import LEGACY_CHECKSUM_ALGORITHM, READABLE_CHECKSUM_ALGORITHMS, DirName, parse_dirname
 from .outcomes import metrics_problems
@@ -19,7 +19,8 @@ MAX_PROBLEMS = 5  # a broken tensor table would otherwise produce thousands of l
 BLOCKS_FIELD = "blocks"  # optional on a tensor chunk: {"size": bytes, "checksums": [one per block]} (FORMAT.md §3)
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool (JSON's true is no count); narrows `value` to int for the checks after it."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
