@@ -154,7 +154,7 @@ def run_drill(
     )
     path = join(location.url, entry.name)
     _check_records_writable(location)
-    writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)
+    writer_world = int((entry.committed_manifest.get("topology") or {}).get("world_size") or 1)
     world_size = options.world_size or default_world_size(writer_world)
     record: dict[str, Any] = {
         "checkpoint": entry.name,
@@ -174,7 +174,9 @@ def run_drill(
         refused = _signature_refusal(location, entry, options, record)
         if refused is not None:
             return refused
-    outcome = _run_ranks(path, world_size, options, record, pool, destination_bytes(entry.manifest, world_size))
+    outcome = _run_ranks(
+        path, world_size, options, record, pool, destination_bytes(entry.committed_manifest, world_size)
+    )
     if outcome.get("verdict") == PASSED:
         record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
     elif _deleted(location, entry.name):
