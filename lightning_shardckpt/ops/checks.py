@@ -74,7 +74,7 @@ class CheckpointHandle:
 
     @property
     def manifest(self) -> dict[str, Any]:
-        return self.entry.manifest
+        return self.entry.committed_manifest
 
     @property
     def metrics(self) -> dict[str, float]:
