@@ -69,7 +69,7 @@ def check_completeness(
     if len(planned) != len(results):
         problems.append(f"{len(results)} ranks reported, {len(planned)} were planned")
     receipts: dict[MetadataIndex, ChunkReceipt] = {}
-    written: Counter[str] = Counter()
+    written: Counter[MetadataIndex] = Counter()
     for rank, (keys, rank_results) in enumerate(zip(planned, results)):
         counts = Counter(result.index for result in rank_results)
         written.update(counts)
