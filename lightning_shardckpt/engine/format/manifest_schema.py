@@ -328,7 +328,8 @@ def _overlaps(boxes: list[tuple[int, Box]], ndim: int) -> list[tuple[int, int, B
     found: list[tuple[int, int, Box]] = []
     solid = [(index, box) for index, box in boxes if _volume(box) > 0]
     if ndim == 0:
-        return [(a, b, ()) for (a, _), (b, _) in zip(solid, solid[1:])][:1] if len(solid) > 1 else []
+        empty: Box = ()  # a 0-d tensor's box: its one element
+        return [(a, b, empty) for (a, _), (b, _) in zip(solid, solid[1:])][:1] if len(solid) > 1 else []
     axis = max(range(ndim), key=lambda d: len({box[d][0] for _, box in solid}))
     active: list[tuple[int, Box]] = []
     for index, box in sorted(solid, key=lambda item: item[1][axis]):

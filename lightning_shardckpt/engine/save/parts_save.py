@@ -198,7 +198,7 @@ def _summarize(
         tensor_chunks.append(record)
     receipts = [receipt for _, receipt in written.receipts]
     verified = [r for r in receipts if r.verified]
-    verification = {
+    verification: dict[str, Any] = {
         "mode": config.verify.mode,
         "chunks_total": len(receipts),
         "bytes_total": sum(r.length for r in receipts),
