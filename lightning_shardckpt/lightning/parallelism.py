@@ -54,14 +54,17 @@ class AllRanksDataParallel:
     device_mesh["data_parallel"] is neither sharded nor gradient-synced and the replicas silently diverge. Ours:
     data-parallel over every rank unless sizes are given (`mesh_sizes`)."""
 
+    # ModelParallelStrategy's (Lightning's or Fabric's), which this mixin precedes in both doors' classes
+    _data_parallel_size: int | str
+    _tensor_parallel_size: int | str
+    num_nodes: int
+    num_processes: int
+
     def setup_environment(self) -> None:
-        # the attributes and the next setup_environment are ModelParallelStrategy's (Lightning's or Fabric's), which
-        # this mixin precedes in both doors' classes: reached through Any, as mypy cannot name either base here
-        strategy: Any = self
-        strategy._data_parallel_size, strategy._tensor_parallel_size = mesh_sizes(
-            strategy._data_parallel_size, strategy._tensor_parallel_size, strategy.num_nodes * strategy.num_processes
+        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
         )
-        next_in_line: Any = super()
+        next_in_line: Any = super()  # ModelParallelStrategy's, which mypy cannot name from this mixin
         next_in_line.setup_environment()
 
 
