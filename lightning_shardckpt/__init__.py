@@ -66,6 +66,18 @@ ENGINE_NAMES = {
     "register_mitigation": ".policies.health.mitigations",
     "Plugin": ".policies.plugin",
     "PluginContext": ".policies.plugin",
+    "PluginState": ".policies.plugin",
+    "ControlApplier": ".policies.decisions",
+    "ControlExchange": ".policies.decisions",
+    "CounterSource": ".policies.decisions",
+    "DrillTarget": ".policies.decisions",
+    "IntervalScaler": ".policies.decisions",
+    "ManifestExtras": ".policies.decisions",
+    "PlanShaper": ".policies.decisions",
+    "RetentionGuard": ".policies.decisions",
+    "RunMembership": ".policies.decisions",
+    "SaverRouter": ".policies.decisions",
+    "StopDecider": ".policies.decisions",
     "Checkpointer": ".training.checkpointer",
     "ResumableDistributedSampler": ".training.data",
 }
@@ -123,11 +135,24 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         resolve_checkpoint,
     )
     from .ops.verify import VerifyReport, verify_checkpoint
+    from .policies.decisions import (
+        ControlApplier,
+        ControlExchange,
+        CounterSource,
+        DrillTarget,
+        IntervalScaler,
+        ManifestExtras,
+        PlanShaper,
+        RetentionGuard,
+        RunMembership,
+        SaverRouter,
+        StopDecider,
+    )
     from .policies.drills.plugin import DrillConfig
     from .policies.health.evaluate import Transition
     from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
     from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence
-    from .policies.plugin import Plugin, PluginContext
+    from .policies.plugin import Plugin, PluginContext, PluginState
     from .training.checkpointer import Checkpointer
     from .training.data import ResumableDistributedSampler
 
@@ -188,4 +213,16 @@ __all__ = [
     "register_mitigation",
     "resolve_checkpoint",
     "verify_checkpoint",
+    "ControlApplier",
+    "ControlExchange",
+    "CounterSource",
+    "DrillTarget",
+    "IntervalScaler",
+    "ManifestExtras",
+    "PlanShaper",
+    "RetentionGuard",
+    "RunMembership",
+    "SaverRouter",
+    "StopDecider",
+    "PluginState",
 ]

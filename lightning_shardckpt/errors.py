@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ShardCkptError(Exception):
     """Base class of every error raised by lightning_shardckpt."""
@@ -26,7 +28,7 @@ class CheckpointDeleted(CheckpointNotFound):
 class CorruptCheckpoint(ShardCkptError):
     """Stored bytes do not match the checksums recorded at commit."""
 
-    def __init__(self, message: str, *, problems: list[dict] | None = None) -> None:
+    def __init__(self, message: str, *, problems: list[dict[str, Any]] | None = None) -> None:
         super().__init__(message)
         # Each problem names file, tensor (fqn), expected and actual checksum or size.
         self.problems = problems or []

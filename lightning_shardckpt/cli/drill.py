@@ -141,7 +141,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
         from ..engine.root import open_reference
 
         location, entry = open_reference("latest", args.path, args.storage_options)
-        accepted_policy(args.public_key, args.revoked_key).check_manifest(location.fs, entry.path, entry.manifest)
+        accepted_policy(args.public_key, args.revoked_key).check_manifest(
+            location.fs, entry.path, entry.committed_manifest
+        )
     # a drill that passes makes a checkpoint known-good: with keys, only one an accepted key signed. The drill checks
     # the manifest's signature before it forks (a refused one, found by a follower, is recorded as a failed drill)
     # and its ranks every file they read against the signed digests, as a resume with the policy does

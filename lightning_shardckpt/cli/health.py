@@ -74,8 +74,8 @@ def cmd_health(args: argparse.Namespace) -> int:
             key = row["slice"] + ("" if row["key"] is None else f"={row['key']}")
             rows.append((row["rule"], key, row["owner"], row["normal"], value, since, mitigation))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        for cells in rows:
+            print("  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip())
         firing = [row for row in report.rows() if row["firing"]]
         print(
             f"{len(firing)} firing"

@@ -104,7 +104,7 @@ def _signature_cell(row: dict[str, Any]) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     manifest = read_manifest_summary(args.path, storage_options=args.storage_options)
     identity = manifest.identity
-    summary = {
+    summary: dict[str, Any] = {
         "path": manifest.path,
         "id": manifest.checkpoint_id,
         "parent": manifest.parent,

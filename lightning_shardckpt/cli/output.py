@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 PROG = "shardckpt"  # the name every error, warning and hint line starts with
@@ -12,7 +13,7 @@ def print_json(document: Any) -> None:
     print(json.dumps(document, indent=1, sort_keys=True, default=str))
 
 
-def print_table(rows: list[tuple[str, ...]]) -> None:
+def print_table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

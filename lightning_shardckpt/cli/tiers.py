@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from ..engine.format import drill_records, signing
-from ..engine.format.layout import parse_dirname
+from ..engine.format.layout import checkpoint_dirname_parts
 from ..engine.root import open_root
 from ..engine.tiers.restore import choose_signed
 from ..ops.roots import CheckpointInfo, list_checkpoints
@@ -41,9 +42,9 @@ def cmd_ls_nodes(args: argparse.Namespace) -> int:
         print(f"no node roots match {args.root}; give the fast tier's dirpath with {{node_rank}} in it")
         return exit_codes.CANNOT_RUN
     held = complete_on(roots)
-    rows = [
-        {"step": parse_dirname(name).step, "name": name, "complete_on": nodes}
-        for name, nodes in sorted(held.items(), key=lambda item: parse_dirname(item[0]).step)
+    rows: list[dict[str, Any]] = [
+        {"step": checkpoint_dirname_parts(name).step, "name": name, "complete_on": nodes}
+        for name, nodes in sorted(held.items(), key=lambda item: checkpoint_dirname_parts(item[0]).step)
     ]
     if args.json:
         print(json.dumps({"nodes": {n: r.url for n, r in roots.items()}, "checkpoints": rows}, indent=1))

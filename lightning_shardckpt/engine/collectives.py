@@ -13,10 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
+from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +26,9 @@ def is_distributed() -> bool:
     return loaded is not None and loaded.is_available() and loaded.is_initialized()
 
 
-def _dist() -> dist:
-    """torch.distributed, which every caller below only asks for once is_distributed() said it is in use."""
+def _dist() -> ModuleType:
+    """torch.distributed, which every caller below only asks for once is_distributed() said it is in use (a module
+    object: mypy cannot name a module as a type, so its functions are unchecked here)."""
     return sys.modules["torch.distributed"]
 
 

@@ -63,15 +63,22 @@ def marker_path(root_path: str, run_id: str, seq: int) -> str:
 
 def indexable(run_id: Any, seq: Any) -> bool:
     """Whether a commit of `run_id` / `seq` gets a marker: a run id that is a plain file name, a seq >= 1."""
-    return isinstance(run_id, str) and bool(_SAFE_RUN_ID.match(run_id)) and isinstance(seq, int) and seq >= 1
+    return index_key(run_id, seq) is not None
+
+
+def index_key(run_id: Any, seq: Any) -> tuple[str, int] | None:
+    """(run_id, seq) of a commit that gets a marker (`indexable`), typed; None for one that gets none."""
+    if isinstance(run_id, str) and bool(_SAFE_RUN_ID.match(run_id)) and isinstance(seq, int) and seq >= 1:
+        return run_id, seq
+    return None
 
 
 def write_marker(fs: Any, root_path: str, manifest: dict[str, Any], dirname: str) -> None:
     """Record that `dirname` is the run's commit `seq` (written before its manifest; replaces a failed attempt's)."""
-    run_id, seq = manifest.get("run_id"), manifest.get("seq")
-    if not indexable(run_id, seq):
+    key = index_key(manifest.get("run_id"), manifest.get("seq"))
+    if key is None:
         return
-    path = marker_path(root_path, run_id, seq)
+    path = marker_path(root_path, *key)
     fsio.makedirs(fs, path.rsplit("/", 1)[0])
     fsio.replace_small_file(fs, path, (dirname + "\n").encode())
 
@@ -91,32 +98,34 @@ def _walk(location: Location, run_id: str | None) -> CheckpointEntry | None:
     if name is None or parse_dirname(name) is None:
         return None
     entry = _committed(location, name)
-    if entry is None or not indexable(entry.run_id, entry.seq):
+    key = index_key(entry.run_id, entry.seq) if entry is not None else None
+    if entry is None or key is None:
         return None
-    if run_id is not None and entry.run_id != run_id:
+    run, pointed_seq = key
+    if run_id is not None and run != run_id:
         return None
-    if run_id is None and _runs(location) != [entry.run_id]:
+    if run_id is None and _runs(location) != [run]:
         return None  # a shared root: which run committed last takes a listing
-    if _marker(location, entry.run_id, entry.seq) != name:
+    if _marker(location, run, pointed_seq) != name:
         return None  # the index does not cover the pointer's checkpoint
-    seqs = marker_seqs(location, entry.run_id)
-    newer = sorted((seq for seq in seqs if seq > entry.seq), reverse=True)
+    seqs = marker_seqs(location, run)
+    newer = sorted((seq for seq in seqs if seq > pointed_seq), reverse=True)
     for seq in newer[:MAX_WALK]:  # newest first, never seq + 1: seqs have gaps (a durable tier holds every n-th)
-        following = _marker(location, entry.run_id, seq)
+        following = _marker(location, run, seq)
         candidate = _committed(location, following) if following is not None else None
         if candidate is None:
             continue  # an attempt that never committed (a commit's retry would have replaced its marker)
-        if candidate.run_id != entry.run_id or candidate.seq != seq:
+        if candidate.run_id != run or candidate.seq != seq:
             return None  # the marker names another commit: the index is inconsistent
-        entry = candidate
+        entry, pointed_seq = candidate, seq
         break
     else:
         if len(newer) > MAX_WALK:
             return None  # that many markers of attempts that never committed: the listing decides
-    return entry if _nothing_newer_unindexed(location, entry, seqs) else None
+    return entry if _nothing_newer_unindexed(location, entry, pointed_seq, seqs) else None
 
 
-def _nothing_newer_unindexed(location: Location, entry: CheckpointEntry, seqs: list[int]) -> bool:
+def _nothing_newer_unindexed(location: Location, entry: CheckpointEntry, entry_seq: int, seqs: list[int]) -> bool:
     """The root's directory names (one LIST, no reads per directory) leave no room for a commit newer than `entry`
     that the index lacks (its marker deleted, or written by a writer that kept no index)."""
     try:
@@ -129,7 +138,7 @@ def _nothing_newer_unindexed(location: Location, entry: CheckpointEntry, seqs: l
     # branch made it, and then every one of them has a marker of a higher seq, so the root cannot hold more
     # directories below `entry`'s step than the index has markers below its seq
     below = sum(1 for step, _ in checkpoints if step < entry.step)
-    if below > sum(1 for seq in seqs if seq < entry.seq):
+    if below > sum(1 for seq in seqs if seq < entry_seq):
         return False
     # a directory of a step not below `entry`'s is read: an attempt that never committed, an abandoned branch (of
     # an older seq), or a newer commit whose marker is missing
@@ -147,7 +156,7 @@ def _nothing_newer_unindexed(location: Location, entry: CheckpointEntry, seqs: l
         record = manifest_format.parse_commit_record(document, path)
         if record.get("run_id") != entry.run_id or not isinstance(record.get("seq"), int):
             return False  # another run's commit: which is newest takes a listing
-        if record["seq"] > entry.seq:
+        if record["seq"] > entry_seq:
             return False
     return True
 
@@ -208,8 +217,8 @@ def prune_markers(location: Location, entries: list[CheckpointEntry]) -> int:
         mine = [e for e in entries if e.committed and e.run_id == run_id and e.name in present and e.seq]
         if not mine or not indexable(run_id, 1):
             continue  # nothing of the run is left committed: whether a save of it is in flight is unknown
-        newest = max(entry.seq for entry in mine)
-        kept = {entry.seq for entry in mine}
+        kept = {entry.seq for entry in mine if entry.seq}  # `mine` holds only entries with a seq
+        newest = max(kept)
         for seq in marker_seqs(location, run_id):
             if seq >= newest or seq in kept:
                 continue

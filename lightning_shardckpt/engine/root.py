@@ -23,6 +23,7 @@ engine/catalog.py's pick: the index walk and listing check of `latest`, `last-go
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -110,6 +111,7 @@ def locate(
             f"{ref.text!r} names a checkpoint within a checkpoint root, but no root was given; pass the root "
             f"(or write ./{ref.text} for a directory here)"
         )
+    assert ref.selector is not None  # not a path (above)
     if isinstance(within, Root):
         return Located(within.location, ref.selector)
     if ref.newest:  # `latest` of a path is the path's own pick: a checkpoint directory is itself
@@ -210,7 +212,7 @@ class Root:
         """`pick`, where a path names its own root (returned with the entry)."""
         return open_reference(reference, self, storage_options, run_id, policy)
 
-    def follow(self, settled: set[str], policy: SignaturePolicy | None = None) -> list[CheckpointEntry]:
+    def follow(self, settled: set[str], policy: SignaturePolicy | None = None) -> builtins.list[CheckpointEntry]:
         """The committed, sound checkpoints not in `settled` (under `policy`: also accepted by it), in commit order;
         settles them, the corrupt and the refused ones. One listing, reads only of directories not settled."""
         fresh = []
@@ -223,9 +225,9 @@ class Root:
                     # the rule the pick applies to what `latest` names (catalog.pick): the whole manifest read,
                     # matched against its commit record and validated. The record's own summary is not enough: a
                     # manifest edited after commit leaves the record as it was
-                    _ = entry.manifest
+                    manifest = entry.committed_manifest
                     if policy is not None:  # and, as the pick does under a policy, its signature over those bytes
-                        policy.check_manifest(self.location.fs, entry.path, entry.manifest)
+                        policy.check_manifest(self.location.fs, entry.path, manifest)
                 except CheckpointDeleted:
                     continue  # retention was quicker than this poll: nothing to evaluate
                 except ShardCkptError as err:

@@ -109,7 +109,7 @@ def require_type(name: str, value: Any, annotation: Any) -> Any:
 
 def require_bool(name: str, value: Any) -> bool:
     """`value` when it is True or False; else ConfigError naming `name` (a door's own flag, outside a dataclass)."""
-    return require_type(name, value, bool)  # type: ignore[no-any-return]
+    return require_type(name, value, bool)
 
 
 def _fits(value: Any, kind: type) -> bool:

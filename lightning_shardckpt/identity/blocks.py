@@ -320,7 +320,7 @@ def _host_count(world_size: int) -> int | None:
 def _model_class(module: torch.nn.Module) -> type:
     from torch.distributed.fsdp import FSDPModule
 
-    cls = type(module)
+    cls: type = type(module)
     if isinstance(module, FSDPModule):  # fully_shard swaps in a generated subclass, "FSDP<Name>"
         cls = next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
     return cls

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from ..engine.collectives import rank_and_world
 from ..engine.format.manifest import IDENTITY_BLOCKS as BLOCKS
@@ -18,8 +18,10 @@ from ..errors import ConfigError, IncompatibleCheckpoint
 
 log = logging.getLogger(__name__)
 
-ERROR, WARN, IGNORE = "error", "warn", "ignore"
 PolicyAction = Literal["error", "warn", "ignore"]
+ERROR: Final = "error"
+WARN: Final = "warn"
+IGNORE: Final = "ignore"
 MAX_DIFF_LINES = 20  # per category in a diff; the rest is counted
 
 _FIXES = {

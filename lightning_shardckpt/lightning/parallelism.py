@@ -37,10 +37,14 @@ def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world_size:
             )
         other = world_size // given
         return (other, given) if data_parallel == "auto" else (given, other)
+    for name, size in (("data_parallel_size", data_parallel), ("tensor_parallel_size", tensor_parallel)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"{name}={size!r} is not a mesh size; give a whole number >= 1, or 'auto'")
+    assert isinstance(data_parallel, int) and isinstance(tensor_parallel, int)  # checked just above
     if data_parallel * tensor_parallel != world_size:
         raise ConfigError(
             f"data_parallel_size={data_parallel} × tensor_parallel_size={tensor_parallel} must equal the world size "
-            f"{world_size} (devices × num_nodes); set data_parallel_size={max(world_size // max(tensor_parallel, 1), 1)}"
+            f"{world_size} (devices × num_nodes); set data_parallel_size={max(world_size // tensor_parallel, 1)}"
         )
     return data_parallel, tensor_parallel
 
@@ -51,14 +55,21 @@ class AllRanksDataParallel:
     device_mesh["data_parallel"] is neither sharded nor gradient-synced and the replicas silently diverge. Ours:
     data-parallel over every rank unless sizes are given (`mesh_sizes`)."""
 
+    # ModelParallelStrategy's (Lightning's or Fabric's), which this mixin precedes in both doors' classes
+    _data_parallel_size: int | str
+    _tensor_parallel_size: int | str
+    num_nodes: int
+    num_processes: int
+
     def setup_environment(self) -> None:
         self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
             self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes
         )
-        super().setup_environment()
+        next_in_line: Any = super()  # ModelParallelStrategy's, which mypy cannot name from this mixin
+        next_in_line.setup_environment()
 
 
-def register_in(registry: Any, strategies: tuple[type, ...]) -> None:
+def register_in(registry: Any, strategies: tuple[Any, ...]) -> None:
     """Each strategy under its `strategy_name` (with its `description`), once: the Trainer's and Fabric's
     registries are separate, and `lightning_shardckpt.lightning` may be imported more than once."""
     for strategy in strategies:

@@ -103,7 +103,7 @@ def bisect(
     bad_entry = lineage[first_bad]
     good_entry = lineage[first_bad - 1] if first_bad > 0 else None
     report["first_bad"] = _header(location, bad_entry, search.results[first_bad])
-    report["earliest_known_bad_at"] = bad_entry.record["created_at"]
+    report["earliest_known_bad_at"] = (bad_entry.record or {})["created_at"]  # a lineage's entries are committed
     if good_entry is not None:
         report["last_good"] = _header(location, good_entry, search.results[first_bad - 1])
         good, bad = (Resolved(entry.name, location, entry) for entry in (good_entry, bad_entry))
@@ -174,7 +174,7 @@ def _header(location: Location, entry: catalog.CheckpointEntry, result: CheckRes
         **_checked_row(entry, result),
         "path": join(location.url, entry.name),
         "id": entry.checkpoint_id,
-        "created_at": entry.record["created_at"],
+        "created_at": (entry.record or {})["created_at"],  # committed: listed with its record
     }
 
 

@@ -74,7 +74,7 @@ class CheckpointHandle:
 
     @property
     def manifest(self) -> dict[str, Any]:
-        return self.entry.manifest
+        return self.entry.committed_manifest
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -131,7 +131,7 @@ def check_nonfinite(handle: CheckpointHandle, *, recorded: bool = False) -> Chec
 
     `recorded=True` trusts the writer's `finite` flags where they exist and scans only unflagged tensors.
     """
-    bad = []
+    bad: list[dict[str, Any]] = []
     with handle.reader() as reader:
         for fqn, spec in reader.specs.items():
             if not (spec.dtype.is_floating_point or spec.dtype.is_complex):
@@ -207,7 +207,7 @@ def safely(check: Check, handle: CheckpointHandle) -> CheckResult:
     try:
         return check(handle)
     except CorruptCheckpoint as err:
-        files = sorted({problem.get("file") for problem in err.problems if problem.get("file")})
+        files = sorted({str(file) for problem in err.problems if (file := problem.get("file"))})
         tensors = [
             {"fqn": problem["tensor"], "files": [problem.get("file")]}
             for problem in err.problems

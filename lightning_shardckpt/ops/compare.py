@@ -83,12 +83,14 @@ def summary(changes: list[TensorChange]) -> dict[str, int]:
 
 def _compare_one(a: GlobalTensorReader, b: GlobalTensorReader, fqn: str) -> TensorChange:
     spec_a, spec_b = a.specs.get(fqn), b.specs.get(fqn)
+    either = spec_b or spec_a
+    assert either is not None  # fqn comes from one side's specs or the other's
     change = TensorChange(
         fqn,
         CHANGED,
         _shape(spec_a),
         _shape(spec_b),
-        str((spec_b or spec_a).dtype),
+        str(either.dtype),
         files_a=_files(spec_a),
         files_b=_files(spec_b),
     )

@@ -24,7 +24,9 @@ _ALL_IGNORE = IdentityPolicy(model="ignore", config="ignore", data="ignore", cod
 
 def diff(a: Resolved, b: Resolved) -> dict[str, Any]:
     """Identity blocks, topology and position of A and B side by side; `identical` per the module doc."""
-    blocks = compare_manifests(a.entry.manifest, b.entry.manifest, labels=(a.entry.name, b.entry.name))
+    blocks = compare_manifests(
+        a.entry.committed_manifest, b.entry.committed_manifest, labels=(a.entry.name, b.entry.name)
+    )
     differs = [name for name in COMPARED if blocks[name]["status"] not in (SAME, UNRECORDED)]
     return {
         "a": _header(a),
@@ -73,7 +75,7 @@ def changed_blocks(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], dic
 
 
 def _header(side: Resolved) -> dict[str, Any]:
-    manifest = side.entry.manifest
+    manifest = side.entry.committed_manifest
     return {
         "ref": side.ref,
         "path": side.path,

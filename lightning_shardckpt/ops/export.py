@@ -156,7 +156,8 @@ def export_checkpoint(
 def export_plan(specs: dict[str, TensorSpec], options: ExportOptions) -> tuple[list[Planned], dict[str, str]]:
     """Output name, shape and dtype of every exported tensor (sorted by name), and each one's source fqn."""
     cast = DTYPES.get(options.dtype) if options.dtype else None
-    plan, sources = [], {}
+    plan: list[Planned] = []
+    sources: dict[str, str] = {}
     for fqn, spec in specs.items():
         if options.model_only and not fqn.startswith(MODEL_PREFIX):
             continue

@@ -24,7 +24,7 @@ import pickle
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -69,7 +69,7 @@ class Planned:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in memory order, without a copy when it is contiguous (any dtype, bf16 too)."""
     flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")  # .data: the array's memoryview
 
 
 # --- torch.save zip ---
@@ -88,9 +88,10 @@ class _TensorStub:
     def __init__(self, storage: _StorageStub) -> None:
         self.storage = storage
 
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         shape = self.storage.planned.shape
-        stride, step = [], 1
+        stride: list[int] = []
+        step = 1
         for size in reversed(shape):
             stride.insert(0, step)
             step *= max(size, 1)
@@ -125,15 +126,19 @@ class TorchZipWriter:
         _Pickler(buffer, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(state)
         data = buffer.getvalue()
         self._writer.write_record("data.pkl", data, len(data))
-        self._writer.write_record(".format_version", ZIP_ARCHIVE_VERSION, len(ZIP_ARCHIVE_VERSION))
-        alignment = str(torch.serialization._get_storage_alignment())
+        # the same bytes torch.save writes (it passes these as str, which its own stub does not allow)
+        version = ZIP_ARCHIVE_VERSION.encode()
+        self._writer.write_record(".format_version", version, len(version))
+        alignment = str(torch.serialization._get_storage_alignment()).encode()
         self._writer.write_record(".storage_alignment", alignment, len(alignment))
-        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        byteorder = sys.byteorder.encode()
+        self._writer.write_record("byteorder", byteorder, len(byteorder))
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         storage_key, planned = self._plan[key]
         storage = tensor.contiguous().untyped_storage()
-        self._writer.write_record(f"data/{storage_key}", storage, planned.nbytes)
+        # torch's stub says Storage; torch.save itself passes an UntypedStorage, which the writer takes
+        self._writer.write_record(f"data/{storage_key}", storage, planned.nbytes)  # type: ignore[arg-type]
 
     def finish(self) -> None:
         self._writer.write_end_of_file()

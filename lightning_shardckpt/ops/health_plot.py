@@ -211,8 +211,8 @@ def _text_lines(report: HealthReport, result: HealthPlot, spans: dict[tuple[str,
     by_owner: dict[str, list[str]] = {}
     for rule in report.config.rules:
         by_owner.setdefault(rule.owner, []).append(f"{rule.name} ({rule.mitigation})")
-    for owner, rules in by_owner.items():
-        lines += _wrapped(f"owner {owner}: ", ", ".join(rules))
+    for owner, named in by_owner.items():
+        lines += _wrapped(f"owner {owner}: ", ", ".join(named))
     return lines
 
 

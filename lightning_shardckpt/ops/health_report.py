@@ -23,7 +23,7 @@ class HealthReport:
     config: HealthConfig
     evaluator: HealthEvaluator  # with per-series history, for plots
     transitions: list[Transition]
-    actions: dict[tuple[str, str], dict[str, Any]]  # (rule, key) -> the run's newest health event for it
+    actions: dict[tuple[str | None, str | None], dict[str, Any]]  # (rule, key) -> the run's newest health event for it
     rules_source: str
 
     @property
@@ -32,7 +32,7 @@ class HealthReport:
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per rule and series (a rule never observed gets one row saying so)."""
-        rows = []
+        rows: list[dict[str, Any]] = []
         for rule in self.config.rules:
             series = self.evaluator.series[rule.name]
             if not series:
@@ -110,7 +110,7 @@ def evaluate_root(location: Location, config: HealthConfig | None = None) -> Hea
         source = f"recorded by run {recorded[-1].get('run_id')} at {_iso(recorded[-1].get('created_at'))}"
     evaluator = HealthEvaluator(config, keep_history=True)
     transitions: list[Transition] = []
-    actions: dict[tuple[str, str], dict[str, Any]] = {}
+    actions: dict[tuple[str | None, str | None], dict[str, Any]] = {}  # (rule, key): a rule without slices has none
     for event in events:
         if event.get("event") == HEALTH_EVENT:
             actions[(event.get("rule"), event.get("key"))] = event

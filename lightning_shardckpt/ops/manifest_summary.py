@@ -168,7 +168,8 @@ def _validate(summary: dict[str, Any], tables: set[str], where: str) -> None:
     version = summary.get("format_version")
     if not manifest_schema.is_int(version) or version not in manifest_format.READABLE_FORMAT_VERSIONS:
         manifest_format.parse(json.dumps(summary).encode(), where)  # raises, naming the version problem
-    stand_ins = {"files": [], "tensors": [], "objects": []}
+        raise CorruptCheckpoint(f"{where}: format_version {version!r} is not one this package reads")  # as parse did
+    stand_ins: dict[str, list[Any]] = {"files": [], "tensors": [], "objects": []}
     missing = [name for name in manifest_format.required_fields(version) if name not in summary and name not in tables]
     if missing:
         raise CorruptCheckpoint(f"{where}: manifest lacks required fields {missing}; the checkpoint is damaged")

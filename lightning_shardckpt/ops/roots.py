@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 COMMITTED, UNCOMMITTED, CORRUPT = catalog.COMMITTED, catalog.UNCOMMITTED, catalog.CORRUPT
 DEFAULT_POLL_S = 5.0  # follow_checkpoints: seconds between two looks at the root (one listing each)
 
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -174,8 +174,8 @@ def _entry_item(
         age = _directory_age(location, entry.path)
     stamp = None if age is None else time.time() - age
     cause = None
-    if entry.state == catalog.COMMITTED:
-        stamp = datetime.fromisoformat(summary["created_at"]).timestamp()
+    if entry.state == catalog.COMMITTED:  # its summary was read above (an unreadable one marks the entry)
+        stamp = datetime.fromisoformat((summary or {})["created_at"]).timestamp()
         state = COMMITTED
         if event is not None and event.get("outcome") != COMMITTED:  # the manifest decides; the event is a note
             cause = f"the writer reported {event.get('outcome')} after the commit: {event.get('cause')}"
@@ -243,7 +243,7 @@ def _resume_item(event: dict[str, Any], world_sizes: dict[str, Any]) -> dict[str
     name = source.rstrip("/").rsplit("/", 1)[-1] or None
     before = event.get("from_world_size")
     if before is None:  # events written before they carried it: the checkpoint's own topology, when it read
-        before = world_sizes.get(name)
+        before = world_sizes.get(name) if name is not None else None
     parsed = parse_dirname(name) if name else None
     resume = {
         "from": name,

@@ -67,7 +67,7 @@ class VerifyReport:
 
 
 def verify_checkpoint(
-    where: str | os.PathLike | Location,
+    where: str | os.PathLike[str] | Location,
     which: str | int | CheckpointEntry = "latest",
     storage_options: dict[str, Any] | None = None,
     *,
@@ -90,7 +90,7 @@ def verify_checkpoint(
     report = VerifyReport(join(location.url, entry.name), entry.checkpoint_id, entry.step)
     if policy is not None:
         _verify_signature(location, entry, policy, report)
-    manifest = entry.manifest
+    manifest = entry.committed_manifest
     if groups.is_grouped(manifest):  # v5: the parts' sizes and checksums are in the group tables, read first
         try:
             manifest = groups.expanded(location.fs, entry.path, manifest)
@@ -215,8 +215,8 @@ def _verify_signature(
     """The manifest's signature, then every part and shard file against the signed digests: one problem, the
     first refusal, naming the file and the key."""
     try:
-        kid = policy.check_manifest(location.fs, entry.path, entry.manifest)
-        report.bytes_read += policy.check_every_file(location.fs, entry.path, entry.manifest, kid)
+        kid = policy.check_manifest(location.fs, entry.path, entry.committed_manifest)
+        report.bytes_read += policy.check_every_file(location.fs, entry.path, entry.committed_manifest, kid)
     except signing.SignatureRefused as err:
         where = str(err).split(": ", 1)[0].rsplit("/", 1)[-1]
         accepted = ", ".join(kid[:16] for kid in sorted(policy.keys))
@@ -232,7 +232,7 @@ def _open(where: Any, which: Any, storage_options: dict[str, Any] | None) -> tup
 
 
 def _verify_file(
-    fs: Any, directory: str, item: dict[str, Any], chunks: list[tuple[str, dict]], report: VerifyReport
+    fs: Any, directory: str, item: dict[str, Any], chunks: list[tuple[str, dict[str, Any]]], report: VerifyReport
 ) -> None:
     """Size, tiling, every chunk's checksum and the file checksum of one file the manifest lists."""
     relative, expected_bytes = item["path"], item["bytes"]
@@ -275,7 +275,7 @@ def _verify_file(
 
 
 def _verify_referenced(
-    fs: Any, directory: str, relative: str, chunks: list[tuple[str, dict]], report: VerifyReport
+    fs: Any, directory: str, relative: str, chunks: list[tuple[str, dict[str, Any]]], report: VerifyReport
 ) -> None:
     """Every chunk an incremental checkpoint references: its bytes in the sibling's file, against this
     manifest's checksums (the holder may be deleted or damaged independently of this checkpoint)."""
@@ -317,7 +317,11 @@ def _tiling_problems(relative: str, file_bytes: int, chunks: list[dict[str, Any]
 
 
 def _verify_dcp_metadata(
-    fs: Any, directory: str, chunks_by_file: dict[str, list], report: VerifyReport, recorded: dict[str, Any] | None
+    fs: Any,
+    directory: str,
+    chunks_by_file: dict[str, list[tuple[str, dict[str, Any]]]],
+    report: VerifyReport,
+    recorded: dict[str, Any] | None,
 ) -> None:
     """DCP's `.metadata` must exist, match its recorded checksum (v2), unpickle through the allow-list
     (never running code from the checkpoint), and point at exactly the chunks the manifest lists."""

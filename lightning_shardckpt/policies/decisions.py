@@ -46,9 +46,10 @@ class PlanShaper(Protocol):
 
 @runtime_checkable
 class ControlExchange(Protocol):
-    def sync(self, preempted: bool, context: PluginContext) -> bool:
+    def sync(self, preempted: bool, context: PluginContext) -> bool | None:
         """Step end, every rank: run this plug-in's own all-reduce carrying the local preemption flag; return
-        the agreed flag (every rank alike). With no exchanger, the door agrees on the flag itself."""
+        the agreed flag (every rank alike), or None when it ran none (it abstains). With no exchanger, the door
+        agrees on the flag itself."""
         ...
 
 
@@ -115,6 +116,22 @@ class CounterSource(Protocol):
         ...
 
 
+# every decision, in the table's order: the plug-in check (policies/plugin_check.py) reads their methods from here
+DECISIONS: tuple[type, ...] = (
+    PlanShaper,
+    ControlExchange,
+    ControlApplier,
+    IntervalScaler,
+    StopDecider,
+    RetentionGuard,
+    SaverRouter,
+    ManifestExtras,
+    RunMembership,
+    DrillTarget,
+    CounterSource,
+)
+
+
 # --- the rules ---
 
 
@@ -135,10 +152,10 @@ def any_true(answers: Iterable[bool | None]) -> bool | None:
     return verdict
 
 
-def each(answers: Iterable[Any]) -> None:
+def each(answers: Iterable[Callable[[], None]]) -> None:
     """Every one is asked, in order, for its effect; nothing is combined."""
-    for _ in answers:
-        pass
+    for answer in answers:
+        answer()
 
 
 def product(answers: Iterable[float]) -> float:

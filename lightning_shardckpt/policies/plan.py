@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..engine.config import LoadConfig, SaveConfig
 from ..engine.storage import fsio
+from ..engine.tiers.config import TiersConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,8 @@ class TierPicked(NamedTuple):
 class TierRestore(Protocol):
     """Which copy a resume reads when the run has tiers (policies/tiers/checkpoint_tiers.py `CheckpointTiers`).
     Each is collective over `group` (every rank, the same answer)."""
+
+    config: TiersConfig  # where each tier lives (a drill's warning names them)
 
     def pick(self, which: str | int, base: LoadConfig, group: Any) -> TierPicked | None:
         """(checkpoint path, its load config, the other copies to try, what the signature policy made it pass over)

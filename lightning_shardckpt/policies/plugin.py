@@ -15,9 +15,12 @@ the list calls them in the order given.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..engine.metrics import CheckpointRecord
+from ..errors import ConfigError
 from . import decisions
 from .context import PluginContext, Reporter, SaverHosting
 from .decisions import (
@@ -33,6 +36,7 @@ from .decisions import (
     SaverRouter,
     StopDecider,
 )
+from .plugin_check import check_plugin
 
 if TYPE_CHECKING:
     import torch
@@ -40,11 +44,21 @@ if TYPE_CHECKING:
     from ..engine.save.saver import CheckpointSaver
     from .plan import CheckpointPlan, Placement
 
-__all__ = ["Plugin", "PluginContext", "PluginList", "Reporter", "SaverHosting"]  # the contract, in one import
+__all__ = [
+    "Plugin",
+    "PluginContext",
+    "PluginList",
+    "PluginState",
+    "Reporter",
+    "SaverHosting",
+]  # the contract, in one import
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+
+# a plug-in's checkpointed state: a dict of plain values (Plugin.state_dict)
+PluginState = dict[str, Any]
 
 
 class Plugin:
@@ -79,11 +93,14 @@ class Plugin:
     def close(self, context: PluginContext, *, finished: bool) -> None:
         """Fit end (`finished`, after the last records are logged) or an exception (not `finished`)."""
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> PluginState | None:
+        """Any thread a save runs on: this plug-in's state, saved under `state_key` in every checkpoint (plain
+        values: str keys, numbers, strings, lists, dicts); None: nothing to save."""
         return None
 
-    def load_state_dict(self, state: Any) -> None:
-        pass
+    def load_state_dict(self, state: PluginState | None) -> None:
+        """Resume, every rank: what `state_dict` returned when the checkpoint was saved; None when the
+        checkpoint holds nothing under `state_key` (saved before this plug-in existed, or it returned None)."""
 
 
 class PluginList:
@@ -91,15 +108,30 @@ class PluginList:
     answer it and combines their answers by its rule (policies/decisions.py). The door never branches per plug-in."""
 
     def __init__(self, plugins: list[Plugin]) -> None:
-        self.plugins = list(plugins)
+        self.plugins: list[Plugin] = []
+        for plugin in plugins:
+            self.add(plugin)
+
+    def add(self, plugin: Plugin) -> None:
+        """Register one more, after those already here; a plug-in whose events or decisions are misspelt (or take
+        arguments the run does not pass) is refused now, before training (policies/plugin_check.py)."""
+        if not isinstance(plugin, Plugin):
+            raise ConfigError(
+                f"plugins=[...] holds a {type(plugin).__name__}, not a lightning_shardckpt.Plugin; subclass Plugin "
+                "(docs/ARCHITECTURE.md, 'Write a plug-in')"
+            )
+        check_plugin(plugin, Plugin)
+        self.plugins.append(plugin)
 
     def get(self, kind: type[P]) -> P | None:
         """The plug-in of this type (tests and front doors inspecting one), or None."""
         return next((plugin for plugin in self.plugins if isinstance(plugin, kind)), None)
 
-    def answering(self, decision: type[P]) -> list[P]:
+    def answering(self, decision: Callable[..., P]) -> list[P]:
         """The plug-ins that take part in `decision` (a Protocol of policies/decisions.py), in order."""
-        return [plugin for plugin in self.plugins if isinstance(plugin, decision)]
+        # Callable, not type[P]: mypy takes a Protocol for an abstract class and refuses it as a type[P] argument
+        # (python/mypy#4717); at run time it is the Protocol class, which isinstance accepts (runtime_checkable)
+        return [plugin for plugin in self.plugins if isinstance(plugin, cast("type[P]", decision))]
 
     # --- events ---
     def setup(self, context: PluginContext) -> None:
@@ -134,24 +166,23 @@ class PluginList:
         for plugin in self.plugins:
             plugin.close(context, finished=finished)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, PluginState | None]:
         return {plugin.state_key: plugin.state_dict() for plugin in self.plugins if plugin.state_key}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, PluginState | None]) -> None:
         for plugin in self.plugins:
             if plugin.state_key:
                 plugin.load_state_dict(state.get(plugin.state_key))
 
     # --- decisions, each by its rule ---
     def shape_plan(self, plan: CheckpointPlan, placement: Placement) -> CheckpointPlan:
-        shapers = self.answering(PlanShaper)
-        return decisions.in_order([lambda p, s=s: s.shape_plan(p, placement) for s in shapers], plan)
+        return decisions.in_order([shaping(s, placement) for s in self.answering(PlanShaper)], plan)
 
     def sync(self, preempted: bool, context: PluginContext) -> bool | None:
         return decisions.any_true([p.sync(preempted, context) for p in self.answering(ControlExchange)])
 
     def apply_control(self, saver: CheckpointSaver | None, when_busy: str) -> None:
-        decisions.each(p.apply_control(saver, when_busy) for p in self.answering(ControlApplier))
+        decisions.each(partial(p.apply_control, saver, when_busy) for p in self.answering(ControlApplier))
 
     def interval_factor(self) -> float:
         return decisions.product(p.interval_factor() for p in self.answering(IntervalScaler))
@@ -172,7 +203,7 @@ class PluginList:
         return bool(decisions.any_true(p.owns(checkpoint_path) for p in self.answering(RunMembership)))
 
     def drill_now(self, checkpoint_path: str) -> None:
-        decisions.each(p.drill_now(checkpoint_path) for p in self.answering(DrillTarget))
+        decisions.each(partial(p.drill_now, checkpoint_path) for p in self.answering(DrillTarget))
 
     def counters(self) -> dict[str, int]:
         return decisions.merged(p.counters() for p in self.answering(CounterSource))
@@ -180,3 +211,8 @@ class PluginList:
     def _each(self, event: str, *args: Any) -> None:
         for plugin in self.plugins:
             getattr(plugin, event)(*args)
+
+
+def shaping(shaper: PlanShaper, placement: Placement) -> Callable[[CheckpointPlan], CheckpointPlan]:
+    """One plug-in's step of the plan's shaping (decisions.in_order)."""
+    return lambda plan: shaper.shape_plan(plan, placement)

@@ -39,8 +39,8 @@ class RetentionPlugin(Plugin):
 
     def start(self, context: PluginContext) -> None:
         saver = context.saver
-        if self.keep_last is None or not context.is_global_zero or saver in self._attached:
-            return
+        if self.keep_last is None or not context.is_global_zero or saver is None or saver in self._attached:
+            return  # saver None: a door that starts plug-ins before its saver exists saves nothing to retain
         self._attached.add(saver)
         location, run_id, spare = context.location, context.run_id, context.spare
         saver.add_listener(lambda record: self.after_commit(saver, record, location, run_id, spare))
@@ -68,12 +68,15 @@ class RetentionPlugin(Plugin):
     def _apply(
         self, saver: Any, location: Any, run_id: str | None, spare: Callable, *, just_committed: str | None, step
     ) -> None:
+        keep_last = self.keep_last
+        if keep_last is None:  # never attached to a saver then (start): nothing falls out of a window
+            return
         try:
-            spared = frozenset(spare(self.keep_last))
+            spared = frozenset(spare(keep_last))
             self._spared_in_flight = bool(spared)
             deleted = retention.apply(
                 location,
-                self.keep_last,
+                keep_last,
                 self.keep_every_n_steps,
                 run_id=run_id,
                 just_committed=just_committed,

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..engine.config import LIGHTNING, LoadConfig, SaveConfig
 from ..engine.tiers.config import TiersConfig, tiers_config_from
-from ..errors import ConfigError
 from ..policies.drills.plugin import DrillConfig, TrainingDrills, drill_config_from
 from ..policies.health.plugin import HealthWatch
 from ..policies.health.rules import HealthConfig, health_config_from
@@ -30,12 +29,7 @@ def door_plugins(
     tiers_config = tiers_config_from(tiers)
     plugins = checkpoint_plugins(options, tiers_config, drill_config_from(drill), health_config_from(health))
     for plugin in extra or ():
-        if not isinstance(plugin, Plugin):
-            raise ConfigError(
-                f"plugins=[...] holds a {type(plugin).__name__}, not a lightning_shardckpt.Plugin; subclass Plugin "
-                "(docs/ARCHITECTURE.md, 'Write a plug-in')"
-            )
-        plugins.plugins.append(plugin)
+        plugins.add(plugin)  # checked there: a Plugin, its events and decisions spelt and shaped as the run calls them
     return plugins, tiers_config
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 SAMPLER_STATE_VERSION = 1
 
 
-class ResumableDistributedSampler(DistributedSampler):
+class ResumableDistributedSampler(DistributedSampler[int]):
     """A DistributedSampler whose position in the epoch survives a checkpoint and a world-size change.
 
     With `global_position == 0` it yields exactly what torch's DistributedSampler yields. Being a
@@ -70,10 +72,12 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.dataset_length = len(dataset)
         self.global_position = 0
+        # the current pass (_begin_pass sets them): where it started, what each rank consumed, what it keeps
+        self._pass_start, self._consumed_per_rank, self._pass_kept = 0, 0, 0
         self._begin_pass()
 
     # --- the DistributedSampler surface ---
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         # a pass deals what is unseen *now*: a loaded state or an earlier pass's consumption counts
         self._begin_pass()
         return iter(self.rank_indices())
@@ -225,7 +229,9 @@ class ResumableDistributedSampler(DistributedSampler):
         self.total_size = self.num_samples * self.num_replicas
 
 
-def replacing(plain: DistributedSampler, kind: type[ResumableDistributedSampler] = ResumableDistributedSampler):
+def replacing(
+    plain: DistributedSampler[Any], kind: type[ResumableDistributedSampler] = ResumableDistributedSampler
+) -> ResumableDistributedSampler:
     """A resumable sampler (`kind`) with the arguments of an injected DistributedSampler: same order at position 0."""
     return kind(
         plain.dataset,
@@ -316,7 +322,7 @@ def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]
     return state
 
 
-def _numpy():
+def _numpy() -> ModuleType | None:
     try:
         import numpy
     except ImportError:  # numpy is optional: without it there is no numpy state to keep

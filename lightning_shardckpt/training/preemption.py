@@ -127,6 +127,8 @@ class PreemptionRequests:
             self._wakeup = None
 
     def _watch(self) -> None:
+        grace_s = self.grace_s
+        assert grace_s is not None  # the watchdog thread starts only with a grace (install)
         noticed, wakeup = False, self._wakeup
         while not self._done.is_set():
             if wakeup is None:
@@ -151,7 +153,7 @@ class PreemptionRequests:
                     signal.Signals(self.signum or signal.SIGTERM).name,
                     self.grace_s,
                 )
-            if time.monotonic() - started > self.grace_s and not self._done.is_set():
+            if time.monotonic() - started > grace_s and not self._done.is_set():
                 self._expire()
 
     def _expire(self) -> None:

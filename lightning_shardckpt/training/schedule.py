@@ -69,7 +69,9 @@ class SaveSchedule:
     def minutes_elapsed(self, interval_factor: float = 1.0) -> bool:
         """This process's clock: every_n_minutes (× the health factor) passed since the last save."""
         minutes = self.options.every_n_minutes
-        return bool(minutes) and self.clock() - self.last_save_time >= minutes * 60 * interval_factor
+        return (
+            minutes is not None and minutes > 0 and self.clock() - self.last_save_time >= minutes * 60 * interval_factor
+        )
 
     def at_batch_end(
         self,

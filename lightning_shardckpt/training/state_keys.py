@@ -104,8 +104,8 @@ def str_keyed(value: Any, path: Path = ()) -> Any:
             converted[text], first[text] = item, key
         return converted
     if isinstance(value, list) and not _is_value(value):
-        items = [str_keyed(item, (*path, index)) for index, item in enumerate(value)]
-        return value if all(new is old for new, old in zip(items, value)) else items
+        listed = [str_keyed(item, (*path, index)) for index, item in enumerate(value)]
+        return value if all(new is old for new, old in zip(listed, value)) else listed
     return value
 
 

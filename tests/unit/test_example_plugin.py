@@ -1,5 +1,6 @@
-"""The example plug-in of docs/ARCHITECTURE.md ("Write a plug-in") runs as printed: a newcomer's plug-in, taking an
-event (on_commit), a saver listener and a decision (spare), with its state carried in every checkpoint."""
+"""The example plug-in of docs/ARCHITECTURE.md ("Write a plug-in") runs as printed through all three doors: a
+newcomer's plug-in, taking an event (on_commit), a saver listener and a decision (spare), with its state carried in
+every checkpoint (the Checkpointer here in process; the Trainer and Fabric on one spawned gloo rank)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import Checkpointer, ConfigError
-from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.doc_blocks import REPO, parse
-
-DOCUMENT = "docs/ARCHITECTURE.md"
-
-
-def example_plugin() -> type:
-    text = (REPO / DOCUMENT).read_text()
-    section = text[text.index("## Write a plug-in") :]
-    (block,) = [block for block in parse(section, DOCUMENT) if block.language == "python"][:1]
-    namespace: dict = {}
-    exec(compile(block.body, DOCUMENT, "exec"), namespace)  # noqa: S102 - the document's own code, as printed
-    return namespace["KeepSteps"]
-
-
-def committed_steps(root: str) -> list[int]:
-    return [entry.step for entry in catalog.list_checkpoints(fsio.resolve(root)) if entry.committed]
+from tests.helpers.example_plugin import committed_steps, example_plugin, example_plugin_through_trainer_and_fabric
+from tests.helpers.spawn import run_ranks, values
 
 
 def save_four(root: str, plugins: list) -> None:
@@ -58,3 +43,14 @@ def test_the_plugins_state_travels_in_the_checkpoint_and_comes_back_on_resume(tm
 def test_a_plugin_that_is_not_a_plugin_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="not a lightning_shardckpt.Plugin"):
         Checkpointer(str(tmp_path / "run"), plugins=[object()])
+
+
+@pytest.mark.slow
+def test_the_documented_plugin_keeps_its_steps_and_resumes_its_state_through_the_trainer_and_fabric(tmp_path):
+    (result,) = values(run_ranks(example_plugin_through_trainer_and_fabric, 1, str(tmp_path), timeout_s=240))
+    for door in ("trainer", "fabric"):
+        assert result[door]["steps"] == [2, 4], (door, result)  # keep_last=1 kept step 4; the plug-in spared 2
+        assert result[door]["commits"] == 4, (door, result)  # on_commit, once per commit
+        assert result[door]["resumed_kept"] == [2], (door, result)  # its state came back with the checkpoint
+        assert result[door]["steps_after_resume"] == [2, 5], (door, result)  # and still spares step 2
+    assert result["fabric"]["loaded_step"] == 4

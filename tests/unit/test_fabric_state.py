@@ -101,3 +101,12 @@ def test_fabric_s_injected_distributed_sampler_becomes_resumable_and_others_stay
     assert list(swapped.sampler) == list(plain.sampler)  # the same order at position 0
     custom = DataLoader(DATA, shuffle=True)
     assert use_fabric_sampler(custom) is custom
+
+
+def test_the_plugins_state_is_saved_in_the_fabric_section_and_given_back_on_load():
+    plugins = {"keep_steps": {"kept": ["step-000000002-abc"]}, "health": None}
+    saved = fabric_state.to_dcp_state(fabric_state.split({"step": 4}), rng=None, plugins=plugins)
+    rest = fabric_state.saved_rest(saved, fabric_state.FABRIC_KEY, trust=False, where="ROOT/step-4")
+    assert rest.plugins == plugins
+    older = fabric_state.to_dcp_state(fabric_state.split({"step": 4}), rng=None)  # a save without plug-in state
+    assert fabric_state.saved_rest(older, fabric_state.FABRIC_KEY, trust=False, where="ROOT/step-4").plugins == {}

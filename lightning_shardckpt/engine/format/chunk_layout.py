@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 RULE_RANK, RULE_SPLIT, LIST_CHUNKS = "rank", "split", "chunks"
 
@@ -106,6 +106,7 @@ def layout_problems(value: Any, shape: list[int] | None, world_size: int | None)
         return [problem]
     if not isinstance(split, list):
         return [f"layout.split is {split!r}, not a list"]
+    assert _is_int(rank)  # _rank_problem found none
     highest = rank
     for index, entry in enumerate(split):
         if not (isinstance(entry, list) and len(entry) == 3 and all(_is_int(x) for x in entry)):
@@ -251,9 +252,9 @@ def _rank_problem(rank: Any, world_size: int | None, name: str) -> str | None:
     return None
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(_is_int(item) and item >= 0 for item in value)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ...errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
+from ...errors import CheckpointDeleted, CheckpointNotFound, CorruptCheckpoint, ShardCkptError
 from ..storage import fsio
 from ..storage.small_files import SmallFileRefused
 from . import bounded_json
@@ -75,6 +75,18 @@ class CheckpointEntry:
     @manifest.setter
     def manifest(self, value: dict[str, Any] | None) -> None:
         self._manifest = value
+
+    @property
+    def committed_manifest(self) -> dict[str, Any]:
+        """`manifest` where the caller holds a committed checkpoint (a pick, a load): an entry without one
+        (uncommitted, corrupt, or listed without its filesystem) is refused by name rather than read as None."""
+        manifest = self.manifest
+        if manifest is None:
+            raise CheckpointNotFound(
+                f"{self.path} is {self.state}, not a committed checkpoint with a readable manifest: load or "
+                "inspect a committed one (`shardckpt ls ROOT` lists them)"
+            )
+        return manifest
 
     def __getstate__(self) -> dict[str, Any]:
         # sent between ranks (loader's pick): the manifest travels, the filesystem handle does not

@@ -71,6 +71,15 @@ def parse_dirname(name: str) -> DirName | None:
     return DirName(step=int(match["step"]), checkpoint_id=match["id"])
 
 
+def checkpoint_dirname_parts(name: str) -> DirName:
+    """`parse_dirname` of a name already known to be a checkpoint directory's (listed as one, or written by us);
+    ValueError naming it otherwise, never a None read as one."""
+    parsed = parse_dirname(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a checkpoint directory name (step-<step>-<id>)")
+    return parsed
+
+
 def join(root: str, *parts: str) -> str:
     """Join storage paths with '/', whatever the backend (fsspec paths always use '/').
 

@@ -82,7 +82,12 @@ def build_manifest(*, metadata: Metadata, receipts: dict[MetadataIndex, Any], **
             for chunk in item.chunks:
                 receipt = receipts[MetadataIndex(fqn, chunk.offsets)]
                 chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes), **_where(receipt)})
-            entry = {"fqn": fqn, "shape": list(item.size), "dtype": str(item.properties.dtype), "chunks": chunks}
+            entry: dict[str, Any] = {
+                "fqn": fqn,
+                "shape": list(item.size),
+                "dtype": str(item.properties.dtype),
+                "chunks": chunks,
+            }
             flags = [getattr(receipts[MetadataIndex(fqn, chunk.offsets)], "finite", None) for chunk in item.chunks]
             if any(flag is not None for flag in flags):
                 entry["finite"] = all(flag is not False for flag in flags)  # for drills: NaN/Inf at save time?

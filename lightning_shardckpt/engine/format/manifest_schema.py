@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 from .layout import LEGACY_CHECKSUM_ALGORITHM, READABLE_CHECKSUM_ALGORITHMS, DirName, parse_dirname
 from .outcomes import metrics_problems
@@ -19,7 +19,8 @@ MAX_PROBLEMS = 5  # a broken tensor table would otherwise produce thousands of l
 BLOCKS_FIELD = "blocks"  # optional on a tensor chunk: {"size": bytes, "checksums": [one per block]} (FORMAT.md §3)
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool (JSON's true is no count); narrows `value` to int for the checks after it."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -327,7 +328,8 @@ def _overlaps(boxes: list[tuple[int, Box]], ndim: int) -> list[tuple[int, int, B
     found: list[tuple[int, int, Box]] = []
     solid = [(index, box) for index, box in boxes if _volume(box) > 0]
     if ndim == 0:
-        return [(a, b, ()) for (a, _), (b, _) in zip(solid, solid[1:])][:1] if len(solid) > 1 else []
+        empty: Box = ()  # a 0-d tensor's box: its one element
+        return [(a, b, empty) for (a, _), (b, _) in zip(solid, solid[1:])][:1] if len(solid) > 1 else []
     axis = max(range(ndim), key=lambda d: len({box[d][0] for _, box in solid}))
     active: list[tuple[int, Box]] = []
     for index, box in sorted(solid, key=lambda item: item[1][axis]):

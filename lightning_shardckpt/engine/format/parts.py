@@ -13,7 +13,7 @@ Parsing is bounded per part (PART_MAX_BYTES), never per checkpoint: no checkpoin
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeGuard
 
 from . import bounded_json
 from .checksum import checksum_of_checksums
@@ -164,5 +164,5 @@ def _digest(value: Any) -> bool:
     return isinstance(value, str) and HEX_DIGEST.match(value) is not None
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(is_int(item) and item >= 0 for item in value)

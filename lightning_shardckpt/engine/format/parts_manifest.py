@@ -66,7 +66,11 @@ def part_of(manifest: dict[str, Any], rank: int) -> tuple[str, int, str]:
     table = manifest[PARTS_FIELD]
     if not 0 <= rank < table["count"] or table[PART_BYTES][rank] is None:
         raise KeyError(f"rank {rank} wrote no part")
-    return part_filename(rank), table[PART_BYTES][rank], digest_at(table, PART_CHECKSUMS, rank)
+    digest = digest_at(table, PART_CHECKSUMS, rank)
+    if digest is None:  # a validated table pairs every size with a digest (table_problems)
+        raise KeyError(f"rank {rank}'s part has a size but no checksum in {PARTS_FIELD}")
+    size: int = table[PART_BYTES][rank]
+    return part_filename(rank), size, digest
 
 
 def files_of(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -130,7 +134,7 @@ def table_problems(manifest: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     table = manifest.get(PARTS_FIELD)
     world = columns_problems(table, PARTS_FIELD, problems)
-    if world is None:
+    if world is None or table is None:  # columns_problems named what is missing
         return problems
     writers = {rank for rank, size in enumerate(table[FILE_BYTES]) if size is not None}
     return layout_problems(manifest, world, writers)
@@ -236,8 +240,8 @@ def _tensor_problems(tensor: Any, world: int, writers: set[int] | None, checked:
     if writers is not None and pattern not in checked:
         silent = sorted({rank for rank in chunk_layout.ranks_of(layout) if rank not in writers})
         checked[pattern] = f"rank {silent[0]} holds a chunk but wrote no part" if silent else None
-    if checked.get(pattern):
-        problems.append(checked[pattern])
+    if (silent_rank := checked.get(pattern)) is not None:
+        problems.append(silent_rank)
     return problems
 
 

@@ -84,7 +84,7 @@ class Allowance:
 
 
 # bytes per item a copy of each kind costs (a pointer, a hash-table entry; a byte or an ASCII character)
-_PER_ITEM = {bytes: 1, bytearray: 1, str: 1, list: 8, tuple: 8, dict: 48, set: 32, frozenset: 32}
+_PER_ITEM: dict[type, int] = {bytes: 1, bytearray: 1, str: 1, list: 8, tuple: 8, dict: 48, set: 32, frozenset: 32}
 _WIDE_CHARACTER = 4  # a str with any non-ASCII character: up to 4 bytes a character, in memory or encoded
 
 
@@ -207,7 +207,7 @@ def guard_class(key: str, cls: type, allowance: Allowance) -> type:
     def __new__(stand_in: type, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:  # NEWOBJ of a dataclass passes none
             allowance.charge(key, copy_cost((*args, *kwargs.values())))
-        instance = object.__new__(stand_in) if plain_new else cls.__new__(stand_in, *args, **kwargs)
+        instance: Any = object.__new__(stand_in) if plain_new else cls.__new__(stand_in, *args, **kwargs)
         made.append(instance)
         return instance
 

@@ -39,7 +39,8 @@ def referenced_files(manifest: dict[str, Any]) -> dict[str, set[str]]:
     """Sibling directory -> files of it that `manifest` references."""
     out: dict[str, set[str]] = {}
     for item in manifest.get(REFERENCES_FIELD) or []:
-        parts = split(item.get("path")) if isinstance(item, dict) else None
+        path = item.get("path") if isinstance(item, dict) else None
+        parts = split(path) if isinstance(path, str) else None  # anything else is no reference (split's None)
         if parts:
             out.setdefault(parts[0], set()).add(parts[1])
     return out

@@ -103,7 +103,7 @@ class GlobalTensorReader:
             )
         self.location = location
         self.entry = entry
-        self.manifest = entry.manifest
+        self.manifest = entry.committed_manifest
         self.specs = tensor_specs(self.manifest)
         self._chunks = ChunkIndex(location.fs, entry.path, self.manifest)
         self.bytes_read = 0

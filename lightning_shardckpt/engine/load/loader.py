@@ -103,23 +103,24 @@ def _load_once(
     )
     if isinstance(picked, ShardCkptError):
         raise picked
-    root, entry = _in_own_view(*picked, dirpath, which, config)
+    root, entry = _in_own_view(picked[0], picked[1], dirpath, which, config)
+    manifest = entry.committed_manifest
     if callable(state_dict):  # every rank alike: the manifest is rank 0's, broadcast
-        state_dict = state_dict(entry.manifest)
-    check_compatible(state_dict, entry.manifest, entry.path, strict=strict)
+        state_dict = state_dict(manifest)
+    check_compatible(state_dict, manifest, entry.path, strict=strict)
     # rank 0's pick, broadcast: every rank knows what it passed over
     skipped = tuple(entry.extra.get(catalog.SIGNATURE_SKIPPED) or ()) if config.require_signature else None
-    if manifest_format.is_parts_format(entry.manifest):
+    if manifest_format.is_parts_format(manifest):
         result = _load_from_parts(state_dict, root, entry, config, strict, process_group)
         result.signature_skipped = skipped
         return result
-    expected = manifest_format.expected_checksums(entry.manifest) if config.verify_checksums else None
+    expected = manifest_format.expected_checksums(manifest) if config.verify_checksums else None
     reader = ShardReader(
         root.fs,
         entry.path,
         expected_checksums=expected,
-        expected_blocks=manifest_format.expected_blocks(entry.manifest) if config.verify_checksums else None,
-        expected_metadata=entry.manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
+        expected_blocks=manifest_format.expected_blocks(manifest) if config.verify_checksums else None,
+        expected_metadata=manifest.get(DCP_METADATA_FIELD),  # v1 manifests have none: no byte check
         trust=config.trust_checkpoint,
         read_threads=config.read_threads,
         read_ahead_bytes=config.read_ahead_bytes,
@@ -159,7 +160,7 @@ def _load_from_parts(
     plan = reader = None
     failure: BaseException | None = None
     try:
-        plan = plan_resume(root.fs, entry.path, entry.manifest, state_dict)
+        plan = plan_resume(root.fs, entry.path, entry.committed_manifest, state_dict)
         if config.require_signature:
             _check_signed_files(root, entry, plan, config)
         reader = ShardReader(
@@ -204,7 +205,7 @@ def _result(
         join(root.url, entry.name),
         entry.checkpoint_id,
         entry.step,
-        entry.manifest,
+        entry.committed_manifest,
         0.0,
         reader.bytes_read,
         metadata_s=metadata_s,
@@ -222,9 +223,12 @@ def _check_signed_files(root: Location, entry: catalog.CheckpointEntry, plan: An
     resharded rank reads only ranges of a file, which a digest of the whole file cannot vouch for otherwise)."""
     policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
     assert policy is not None
-    kid = entry.extra.get(catalog.SIGNED_BY) or policy.check_manifest(root.fs, entry.path, entry.manifest)
-    ranks = sorted({rank for rank in (_rank_of(info.relative_path) for info in plan.metadata.storage_data.values())})
-    policy.check_files(root.fs, entry.path, entry.manifest, [rank for rank in ranks if rank is not None], kid)
+    manifest = entry.committed_manifest
+    kid = entry.extra.get(catalog.SIGNED_BY) or policy.check_manifest(root.fs, entry.path, manifest)
+    ranks = sorted(
+        {rank for info in plan.metadata.storage_data.values() if (rank := _rank_of(info.relative_path)) is not None}
+    )
+    policy.check_files(root.fs, entry.path, manifest, ranks, kid)
 
 
 def _rank_of(relative_path: str) -> int | None:
@@ -254,7 +258,8 @@ def _agree_on_failure(
                     f"{root.url}?); nothing is corrupt. Load another checkpoint: shardckpt ls {root.url}"
                 )
     # collective "load-verdict": every rank raises the same error, or none
-    return broadcast_from_coordinator("load-verdict", verdict, group)
+    agreed: BaseException | None = broadcast_from_coordinator("load-verdict", verdict, group)
+    return agreed
 
 
 def _portable(err: BaseException, path: str) -> BaseException:
@@ -293,10 +298,10 @@ def _pick(
     try:
         policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
         location, entry = open_reference(which, dirpath, config.storage_options, policy=policy)
-        if policy is not None and not manifest_format.is_parts_format(entry.manifest):
+        if policy is not None and not manifest_format.is_parts_format(entry.committed_manifest):
             # v2/v3 (an incremental run's): no parts to split the check by rank, so rank 0 hashes every own and
             # referenced file once, before any rank reads; its verdict travels with the pick (v4: each rank its own)
-            policy.check_every_file(location.fs, entry.path, entry.manifest, entry.extra[catalog.SIGNED_BY])
+            policy.check_every_file(location.fs, entry.path, entry.committed_manifest, entry.extra[catalog.SIGNED_BY])
         return location, entry
     except ShardCkptError as err:  # sent to every rank, raised everywhere
         return err

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -68,7 +69,7 @@ def check_completeness(
     if len(planned) != len(results):
         problems.append(f"{len(results)} ranks reported, {len(planned)} were planned")
     receipts: dict[MetadataIndex, ChunkReceipt] = {}
-    written = Counter()
+    written: Counter[MetadataIndex] = Counter()
     for rank, (keys, rank_results) in enumerate(zip(planned, results)):
         counts = Counter(result.index for result in rank_results)
         written.update(counts)
@@ -147,7 +148,7 @@ def check_stored_sizes(
     for relative, end in sorted(reach.items()):
         path = join(directory, relative)
         try:
-            actual = retry.call("size", lambda path=path: root.fs.size(path), target=path)
+            actual = retry.call("size", partial(root.fs.size, path), target=path)
         except FileNotFoundError:
             if missing_ok:
                 continue
@@ -158,7 +159,7 @@ def check_stored_sizes(
         try:
             path = join(directory, relative)
             actual = (
-                seen[relative] if relative in seen else retry.call("size", lambda p=path: root.fs.size(p), target=path)
+                seen[relative] if relative in seen else retry.call("size", partial(root.fs.size, path), target=path)
             )
         except FileNotFoundError:
             if missing_ok:
@@ -327,6 +328,7 @@ def lineage(root: Location, run_id: str | None, also: tuple[Location, ...] = ())
     """
     previous = _newest_of_run(root, run_id)
     for other in also if run_id is not None else ():
+        assert run_id is not None  # the loop runs only with a run id
         try:
             theirs = catalog.newest_commit_of_run(other, run_id)
         except Exception:  # noqa: BLE001 - a failing fast tier (why degraded mode began): its last commits are lost

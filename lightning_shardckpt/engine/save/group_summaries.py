@@ -110,8 +110,8 @@ def lead_group(
         own.problems = own.problems[:MAX_GROUP_PROBLEMS] + [
             f"(and {len(own.problems) - MAX_GROUP_PROBLEMS} more in group {group})"
         ]
-    if not own.problems:
-        _write_table(own, members, size, world, fs, directory, checkpoint_id)
+    if not own.problems:  # so every member sent its summary (a missing one is a problem above)
+        _write_table(own, [s for s in members if s is not None], size, world, fs, directory, checkpoint_id)
     return own
 
 
@@ -148,14 +148,14 @@ def _write_table(
     own.verified_chunks = sum(s.verified_chunks for s in members)
     own.verified_bytes = sum(s.verified_bytes for s in members)
     own.nonfinite = sorted({fqn for s in members for fqn in s.nonfinite})
-    timed = [s for s in written if s.write_s]
+    timed = [(s.file_bytes / s.write_s, s) for s in written if s.write_s and s.file_bytes is not None]
     if timed:
-        slowest = min(timed, key=lambda s: s.file_bytes / s.write_s)
+        rate, slowest = min(timed, key=lambda pair: pair[0])
         own.slowest = {
             "rank": slowest.rank,
             "bytes": slowest.file_bytes,
             "write_s": slowest.write_s,
-            "write_gbps": slowest.file_bytes / slowest.write_s / 1e9,
+            "write_gbps": rate / 1e9,
         }
     if any(s.part is not None for s in written):
         own.parts = [(s.rank, s.part) for s in written]

@@ -205,13 +205,16 @@ def _group_facts(summaries: list[GroupSummary | None], layout: SaveLayout, size:
             problems.append(f"group {number}'s leader wrote no group table")
     if problems:
         return CommitFacts(problems)
+    # no problem above: every group sent its summary, with its table's entry
+    sent = [s for s in summaries if s is not None]
+    entries = [s.entry for s in sent if s.entry is not None]
     return CommitFacts(
         [],
-        ranks=[s.slowest for s in summaries if s.slowest is not None],
-        parts=[item for s in summaries for item in s.parts or ()],
-        nonfinite={fqn for s in summaries for fqn in s.nonfinite},
-        verification=_verification(verify_mode, summaries),
-        tables={"group_table": groups.groups_table(layout.world_size, size, [s.entry for s in summaries])},
+        ranks=[s.slowest for s in sent if s.slowest is not None],
+        parts=[item for s in sent for item in s.parts or ()],
+        nonfinite={fqn for s in sent for fqn in s.nonfinite},
+        verification=_verification(verify_mode, sent),
+        tables={"group_table": groups.groups_table(layout.world_size, size, entries)},
     )
 
 
@@ -243,6 +246,7 @@ def dcp_metadata(layout: SaveLayout, parts: list[tuple[int, dict[str, Any] | Non
             state[item.fqn] = BytesStorageMetadata()
             storage[MetadataIndex(item.fqn)] = where(item.fqn, ())
             continue
+        assert item.layout is not None and item.properties is not None  # a tensor's item carries both (save_layout)
         chunks = []
         for cell in chunk_layout.cells(item.layout, item.shape):
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(cell.offsets), sizes=torch.Size(cell.sizes)))
@@ -268,4 +272,4 @@ def _verification(mode: str, written: Any) -> dict[str, Any]:
 
 
 def _gbps(summary: PartSummary) -> float:
-    return summary.file_bytes / summary.write_s / 1e9 if summary.write_s else 0.0
+    return summary.file_bytes / summary.write_s / 1e9 if summary.write_s and summary.file_bytes is not None else 0.0

@@ -77,7 +77,7 @@ def save_parts(
     except Exception as err:  # reported to the coordinator, which refuses the commit, naming it
         log.error("rank %d: writing its part of %s failed: %s", rank, directory, err)
         summary = PartSummary(rank, layout.digest, error=f"rank {rank}: {type(err).__name__}: {err}")
-        summary_error = err
+        summary_error: Exception | None = err
     else:
         summary_error = None
     if group_size is None:
@@ -198,7 +198,7 @@ def _summarize(
         tensor_chunks.append(record)
     receipts = [receipt for _, receipt in written.receipts]
     verified = [r for r in receipts if r.verified]
-    verification = {
+    verification: dict[str, Any] = {
         "mode": config.verify.mode,
         "chunks_total": len(receipts),
         "bytes_total": sum(r.length for r in receipts),

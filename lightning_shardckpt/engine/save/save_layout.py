@@ -50,11 +50,23 @@ class ItemLayout:
     own: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # tensors: this rank's chunk (offsets, sizes)
     properties: TensorProperties | None = field(default=None, repr=False)  # for DCP's .metadata (commit.py)
 
+    @property
+    def tensor_layout(self) -> Layout:
+        """`layout` of a tensor's item (every tensor's has one; an object's has none)."""
+        if self.layout is None:
+            raise ValueError(f"{self.fqn} is an object: it has no chunk layout")
+        return self.layout
+
     def describe(self) -> dict[str, Any]:
         """What the manifest lists for it (and what the ranks' digests compare)."""
         if self.kind == OBJECT:
             return {"fqn": self.fqn, "rank": self.rank}
-        return {"fqn": self.fqn, "shape": list(self.shape), "dtype": str(self.dtype), "layout": self.layout.to_json()}
+        return {
+            "fqn": self.fqn,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype),
+            "layout": self.tensor_layout.to_json(),
+        }
 
 
 @dataclass
@@ -73,7 +85,7 @@ class SaveLayout:
         return [item for item in self.items.values() if item.kind == OBJECT]
 
     def chunk_count(self) -> int:
-        return sum(chunk_layout.chunk_count(item.layout) for item in self.tensors()) + len(self.objects())
+        return sum(chunk_layout.chunk_count(item.tensor_layout) for item in self.tensors()) + len(self.objects())
 
     def chunks_per_rank(self, ranks: range | None = None) -> list[int]:
         """How many chunks (records) each rank of `ranks` (None: every rank) must hold in its file, in rank
@@ -82,10 +94,10 @@ class SaveLayout:
         for a leader (at 131,072 ranks the whole world's count was 0.08 s of each leader's 0.09 s)."""
         ranks = range(self.world_size) if ranks is None else ranks
         counts = [0] * len(ranks)
-        patterns: dict[tuple, tuple[Layout, int]] = {}
+        patterns: dict[tuple[Any, ...], tuple[Layout, int]] = {}
         for item in self.tensors():
-            key = item.layout.pattern()
-            layout, seen = patterns.get(key, (item.layout, 0))
+            key = item.tensor_layout.pattern()
+            layout, seen = patterns.get(key, (item.tensor_layout, 0))
             patterns[key] = (layout, seen + 1)
         for layout, times in patterns.values():
             for rank in chunk_layout.ranks_within(layout, ranks.start, ranks.stop):
@@ -130,7 +142,7 @@ def describe(state_dict: dict[str, Any], group: Any, identical: Callable[[str], 
         if item.kind == OBJECT:
             item.rank = owners.get(fqn, 0)
             item.writes_here = item.rank == rank
-        elif item.layout.is_rule and not item.layout.split and not isinstance(flat[fqn], DTensor):
+        elif item.tensor_layout.is_rule and not item.tensor_layout.split and not isinstance(flat[fqn], DTensor):
             item.layout = chunk_layout.replicated(owners.get(fqn, 0))
             item.writes_here = item.layout.rank == rank
     digest = checksum(

@@ -420,9 +420,13 @@ class CheckpointSaver:
             job.state = {}
             job.meta.references = job.meta.reference_digests = None
         if self._tracker is not None:  # before the slot is free: the next request sees whether it may reference
-            self._base = checkpoint_dirname(job.step, result.checkpoint_id) if result.committed else None
-            signed = self._base is not None and result.manifest is not None and self.config.sign.enabled
-            self._base_digests = reference_digests_of(result.manifest, self._base) if signed else None
+            committed_id = result.checkpoint_id if result.committed else None  # a commit has its id
+            self._base = checkpoint_dirname(job.step, committed_id) if committed_id is not None else None
+            base, manifest = self._base, result.manifest
+            if base is not None and manifest is not None and self.config.sign.enabled:
+                self._base_digests = reference_digests_of(manifest, base)
+            else:
+                self._base_digests = None
             self._base_failed = self._base_failed or not result.committed
         self._free_slots.put(job.slot)
         if result.error is not None:

@@ -104,7 +104,9 @@ class Destination:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (any dtype, bfloat16 included)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return (
+        tensor.reshape(-1).view(torch.uint8).numpy().data
+    )  # the array's memoryview (typed, unlike memoryview(ndarray))
 
 
 def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
@@ -312,7 +314,8 @@ def record_data_offset(head: bytearray, tail: bytearray, tail_start: int, length
     None when the record is not one tensor storage of `data_bytes` bytes, or its headers lie elsewhere.
     """
     try:
-        record = torch._C.PyTorchFileReader(PartsFile(length, [(0, head), (tail_start, tail)]))
+        # torch types its reader as taking str | IO[bytes]; it takes any object with read, seek and tell
+        record = torch._C.PyTorchFileReader(PartsFile(length, [(0, head), (tail_start, tail)]))  # type: ignore[call-overload]
         if record.get_all_records().count(DATA_RECORD) != 1 or record.get_record_size(DATA_RECORD) != data_bytes:
             return None
         start = record.get_record_offset(DATA_RECORD)
@@ -419,7 +422,7 @@ def decode_tensor_record(data: memoryview, sizes: tuple[int, ...] | None, dtype:
     if sizes is not None and dtype is not None:
         nbytes = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
         try:
-            record = torch._C.PyTorchFileReader(PartsFile(len(data), [(0, data)]))
+            record = torch._C.PyTorchFileReader(PartsFile(len(data), [(0, data)]))  # type: ignore[call-overload]  # as above
             if record.get_all_records().count("data/0") == 1 and record.get_record_size("data/0") == nbytes:
                 offset = record.get_record_offset("data/0")
                 return torch.frombuffer(data, dtype=dtype, count=math.prod(sizes), offset=offset).view(sizes)

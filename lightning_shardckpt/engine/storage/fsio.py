@@ -59,7 +59,7 @@ class Location:
         return self.backend.same_store(other.backend) and self.path == other.path
 
 
-def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
+def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
     """Turn a URL (`/data/ckpt`, `file://…`, `s3://bucket/run`, `memory://x`) into a Location."""
     text = os.fspath(url)
     if not text:
@@ -77,7 +77,7 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     return Location(fs=fs, path=backend.normalise_path(path).rstrip("/") or "/", url=text, backend=backend)
 
 
-def protocol_of(url: str | os.PathLike) -> str:
+def protocol_of(url: str | os.PathLike[str]) -> str:
     """The kind of storage a URL names, without opening it: `file` for a plain or `file://`/`local://` path."""
     protocol = fsspec.core.split_protocol(os.fspath(url))[0]
     return "file" if protocol in (None, "file", "local") else protocol
@@ -112,7 +112,8 @@ def read_small(fs: fsspec.AbstractFileSystem, path: str, max_bytes: int) -> byte
 
 
 def read_range(fs: fsspec.AbstractFileSystem, path: str, start: int, length: int) -> bytes:
-    return retry.call("read_range", lambda: fs.cat_file(path, start=start, end=start + length), target=path)
+    data: bytes = retry.call("read_range", lambda: fs.cat_file(path, start=start, end=start + length), target=path)
+    return data  # fsspec is untyped: cat_file's bytes are Any to mypy
 
 
 def makedirs(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -211,7 +212,7 @@ def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
         log.debug("could not remove probe %s", path, exc_info=True)
 
 
-def written_at(info: dict) -> float:
+def written_at(info: dict[str, Any]) -> float:
     """A listed entry's modification time in seconds since the epoch (local disks give `mtime`, object stores
     `LastModified`); 0 when the listing says nothing."""
     value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0.0)))

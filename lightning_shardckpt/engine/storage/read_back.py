@@ -15,6 +15,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ...errors import CorruptCheckpoint
@@ -127,7 +128,7 @@ def verify_reads(fs: Any, path: str, reads: list[VerifyRead], names: list[str]) 
     stored: int | None = None
     for span in spans_of(reads):
         # a span is retried whole on a transient error (its request, or its body cut off midway)
-        size, found = retry.call("read_range", lambda span=span: _check_span(backend, path, span, piece), target=path)
+        size, found = retry.call("read_range", partial(_check_span, backend, path, span, piece), target=path)
         stored = size if stored is None else stored
         problems.extend(_named(problem, names) for problem in found)
     if problems:

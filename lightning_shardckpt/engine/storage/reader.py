@@ -139,6 +139,7 @@ class ShardReader(StorageReader):
             )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None  # set just above when the file had none
         metadata.storage_meta.load_id = self.load_id
         self.metadata_s += time.perf_counter() - started
         return metadata

@@ -134,7 +134,8 @@ def save_record(tensor: torch.Tensor, stream: Any) -> None:
     """
     sink = _RecordSink(stream)
     try:
-        writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
+        # torch's stub lists str | IO[bytes]; the writer takes any object with a write method, as torch.save's does
+        writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())  # type: ignore[call-overload]
     except (AttributeError, TypeError):
         torch.save(tensor, stream)
         return

@@ -154,7 +154,7 @@ class TiersConfig:
             )
 
     def backoff_s(self, failures: int) -> float:
-        return min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** max(0, failures - 1))
+        return min(self.retry_backoff_max_s, self.retry_backoff_s * 2.0 ** max(0, failures - 1))
 
 
 def tiers_config_from(value: Any) -> TiersConfig | None:

@@ -165,9 +165,7 @@ def _newest(infos: list[dict[str, Any]]) -> list[tuple[int, str]]:
     """The newest checkpoint directories of a listing by when this disk last wrote them, not by step: after a
     rollback the new branch's smaller steps are the newest commits (a node root without manifests knows no seq)."""
     dirs = [
-        (fsio.written_at(info), parse_dirname(_name(info)).step, _name(info))
-        for info in infos
-        if parse_dirname(_name(info))
+        (fsio.written_at(info), parsed.step, _name(info)) for info in infos if (parsed := parse_dirname(_name(info)))
     ]
     return [(step, name) for _, step, name in sorted(dirs)[-CANDIDATES_PER_ROOT:]]
 

@@ -83,7 +83,7 @@ def exchange(
             index, length = in_plan[step]
             buffer = torch.empty(length, dtype=torch.uint8)
             dist.recv(buffer, src, group=group)
-            writer.write(index, memoryview(buffer.numpy()))
+            writer.write(index, buffer.numpy().data)  # ndarray.data: its memoryview (numpy types no Buffer for 3.10)
         if work is not None:
             work.wait()
     reader.close()

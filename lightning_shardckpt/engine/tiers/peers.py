@@ -33,7 +33,15 @@ from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import bounded_json, signing
 from ..format import manifest as manifest_format
-from ..format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST, join, parse_dirname, shard_rank
+from ..format.layout import (
+    COMMIT_RECORD,
+    DCP_METADATA,
+    MANIFEST,
+    checkpoint_dirname_parts,
+    join,
+    parse_dirname,
+    shard_rank,
+)
 from ..format.manifest import files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..storage import fsio
@@ -42,7 +50,7 @@ from . import root_identity
 from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
-from .verified_copy import expected_ranges, file_size
+from .verified_copy import expected_ranges, file_size, listed_size
 
 log = logging.getLogger(__name__)
 
@@ -239,14 +247,14 @@ class PeerReplicator:
             send = self._storage[dst] != self._storage[self.rank]
             receive = self._storage[src] != self._storage[self.rank]
             outgoing = [
-                Outgoing(self.fast.fs, join(directory, rel), file_size(manifest, rel))
+                Outgoing(self.fast.fs, join(directory, rel), listed_size(manifest, rel))
                 for rel in (files_of_rank(manifest, self.rank) if send else [])
             ]
             incoming = [
                 Incoming(
                     self.fast.fs,
                     join(directory, rel),
-                    file_size(manifest, rel),
+                    listed_size(manifest, rel),
                     _ranges(manifest, rel, self.fast, directory),
                 )
                 for rel in (files_of_rank(manifest, src) if receive else [])
@@ -264,7 +272,7 @@ class PeerReplicator:
         failed = [p for rank_problems in receipts for p in rank_problems]
         self.counters.note(PEER_REPLICATION_FAILED if failed else PEER_REPLICATED)
         self.bytes_sent += sent
-        self._follow_owner_retention(kept, parse_dirname(name).step)
+        self._follow_owner_retention(kept, checkpoint_dirname_parts(name).step)
         self._gc()
         if failed:
             log.warning("copying %s to peer nodes failed: %s", name, "; ".join(failed[:3]))
@@ -425,6 +433,6 @@ def complete_on(roots: dict[int, Location]) -> dict[str, list[int]]:
     for node, root in roots.items():
         for entry in catalog.list_checkpoints(root):
             out.setdefault(entry.name, [])
-            if entry.committed and holds_all(root, entry.path, entry.manifest):
+            if entry.committed and holds_all(root, entry.path, entry.committed_manifest):
                 out[entry.name].append(node)
     return out

@@ -48,7 +48,7 @@ from ...errors import CorruptCheckpoint, SignatureRefused
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import groups, signing
-from ..format.layout import MANIFEST, join, parse_dirname, shard_rank
+from ..format.layout import MANIFEST, checkpoint_dirname_parts, join, shard_rank
 from ..format.manifest import files_of, files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..save.commit import publish
@@ -259,6 +259,7 @@ class Replicator:
         newest = pending[-1]
         self._since_copy += 1
         durable = self.config.durable
+        assert durable is not None, "a replicator runs only with a durable tier"
         due = flushing
         if durable.every_minutes is not None:
             due = due or time.monotonic() - self._last_copy_time >= durable.every_minutes * 60
@@ -295,7 +296,9 @@ class Replicator:
             return ("copy", name, manifest, owed, None)
         try:
             if self._policy is None:
-                self._policy = signing.policy_of_signer(self._signer(), self.public_keys, self.revoked_keys)
+                signer = self._signer()
+                assert signer is not None  # self.sign is set: _signer loads its key (or raises)
+                self._policy = signing.policy_of_signer(signer, self.public_keys, self.revoked_keys)
             kid = self._policy.check_manifest(self.fast.fs, join(self.fast.path, name), manifest)
         except Exception as err:  # noqa: BLE001 - SignatureRefused, or no key to judge by: never re-signed
             self._refused(name, f"{type(err).__name__}: {err}")
@@ -344,7 +347,7 @@ class Replicator:
             return None
 
     def _entry(self, name: str) -> catalog.CheckpointEntry:
-        parsed = parse_dirname(name)
+        parsed = checkpoint_dirname_parts(name)
         return catalog.CheckpointEntry(
             name, join(self.fast.path, name), parsed.step, parsed.checkpoint_id, catalog.COMMITTED
         )

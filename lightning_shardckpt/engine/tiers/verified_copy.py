@@ -60,6 +60,8 @@ def expected_ranges(
 
 def _shard_ranges(manifest: dict[str, Any], relative: str, parts_at: Any) -> list[Range]:
     rank = shard_rank(relative)
+    if rank is None:
+        raise ValueError(f"{relative} is not a shard file (__<rank>_0.distcp): it has no part to read ranges from")
     problems = []
     for fs, directory in parts_at:
         try:
@@ -79,6 +81,14 @@ def file_size(manifest: dict[str, Any], relative: str) -> int | None:
     if relative == DCP_METADATA:
         return (manifest.get(DCP_METADATA_FIELD) or {}).get("bytes")
     return next((entry["bytes"] for entry in manifest_format.files_of(manifest) if entry["path"] == relative), None)
+
+
+def listed_size(manifest: dict[str, Any], relative: str) -> int:
+    """`file_size` of a file the manifest lists (files_of_rank's): CorruptCheckpoint where it records none."""
+    size = file_size(manifest, relative)
+    if size is None:
+        raise CorruptCheckpoint(f"the manifest lists {relative} without its size: it is not one this package wrote")
+    return size
 
 
 def copy_verified(

@@ -120,8 +120,11 @@ def inner_module(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def to_dcp_state(parts: FabricParts, rng: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """What DCP saves; the tensors are live (the saver stages a copy), the blob is pickled now."""
+def to_dcp_state(
+    parts: FabricParts, rng: list[dict[str, Any]] | None, plugins: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What DCP saves; the tensors are live (the saver stages a copy), the blob is pickled now. `plugins`: the
+    plug-ins' states by state_key (PluginList.state_dict), which a Fabric resume gives back to them."""
     state: dict[str, Any] = {}
     if parts.module is not None:
         state[MODEL_KEY] = get_model_state_dict(parts.module)
@@ -136,6 +139,7 @@ def to_dcp_state(parts: FabricParts, rng: list[dict[str, Any]] | None) -> dict[s
         "values": parts.values,
         "stateful": {key: value.state_dict() for key, value in parts.stateful.items()},
         "rng": rng,
+        "plugins": plugins or {},
     }
     # whether a load will unpickle it is checked as it is saved (training/loadable.py: the strategy's SaveChecks)
     state[FABRIC_KEY] = pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL)
@@ -170,6 +174,9 @@ class SavedRest:
     stateful: dict[str, Any]  # state dicts by name
     rng: list[dict[str, Any]] | None
     sampler: dict[str, Any] | None  # a Trainer checkpoint's sampler position (ShardedCheckpoint's state)
+    # the plug-ins' states by state_key (PluginList.load_state_dict); a Trainer checkpoint keeps them in
+    # ShardedCheckpoint's state, beside the sampler position
+    plugins: dict[str, Any] = field(default_factory=dict)
 
 
 def saved_rest(loaded: dict[str, Any], blob_key: str, *, trust: bool, where: str) -> SavedRest:
@@ -178,7 +185,11 @@ def saved_rest(loaded: dict[str, Any], blob_key: str, *, trust: bool, where: str
         rest = lightning_rest(loaded, trust=trust, where=where)
         data_position = _trainer_data_position(rest)
         return SavedRest(
-            values=rest, stateful={}, rng=data_position.get("rng"), sampler=data_position.get("sampler") or None
+            values=rest,
+            stateful={},
+            rng=data_position.get("rng"),
+            sampler=data_position.get("sampler") or None,
+            plugins=data_position,
         )
     try:
         blob = safe_pickle.loads(loaded[FABRIC_KEY], safe_pickle.LIGHTNING_STATE_GLOBALS, trust=trust)
@@ -189,7 +200,13 @@ def saved_rest(loaded: dict[str, Any], blob_key: str, *, trust: bool, where: str
             f"{where}: the Fabric state has version {getattr(blob, 'get', lambda _: None)('version')!r}, this "
             f"lightning_shardckpt reads version {BLOB_VERSION}; load it with the version that wrote it"
         )
-    return SavedRest(values=blob["values"], stateful=blob["stateful"], rng=blob.get("rng"), sampler=None)
+    return SavedRest(
+        values=blob["values"],
+        stateful=blob["stateful"],
+        rng=blob.get("rng"),
+        sampler=None,
+        plugins=blob.get("plugins") or {},  # none in a checkpoint saved before the plug-ins' state was
+    )
 
 
 def _trainer_data_position(rest: dict[str, Any]) -> dict[str, Any]:

@@ -199,6 +199,7 @@ class ShardedFabricStrategy:
                 {blob_key: target.own_section()}, blob_key, trust=plan.load.trust_checkpoint, where=loaded.path
             )
         remainder = self._apply_rest(parts, rest, state, strict, loaded.path)
+        self.plugins.load_state_dict(rest.plugins)  # what each plug-in's state_dict() returned at that save
         self.not_restored = resumed.not_restored
         self._last_step = loaded.step
         self._resume_event = announce_resume(
@@ -302,7 +303,7 @@ class ShardedFabricStrategy:
     def _request_of(self, parts: fabric_state.FabricParts, step: int) -> Callable[[CheckpointSaver, bool], PendingSave]:
         def request(saver: CheckpointSaver, never_skip: bool) -> PendingSave:
             rng = gather_rng_states() if self.restore_rng else None  # every rank's: a collective on the training group
-            dcp_state = fabric_state.to_dcp_state(parts, rng)
+            dcp_state = fabric_state.to_dcp_state(parts, rng, self.plugins.state_dict())
             self._save_checks(dcp_state, trust=self._load_options.trust_checkpoint, rank=self.global_rank)
             if saver.config.overlap_staging:
                 self.host.guard(parts.optimizers.values())
@@ -322,7 +323,7 @@ class ShardedFabricStrategy:
         return request
 
     @staticmethod
-    def _parameters_or_optimizer_state(parts: fabric_state.FabricParts):
+    def _parameters_or_optimizer_state(parts: fabric_state.FabricParts) -> Callable[[str], bool]:
         """Flattened keys that only the optimizer step changes and that gradient sync keeps identical on every
         rank: written from any rank, copied while the next batch runs (buffers are not: rank 0's, at once)."""
         names = () if parts.module is None else fabric_state.inner_module(parts.module).named_parameters()

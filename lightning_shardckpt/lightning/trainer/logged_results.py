@@ -25,7 +25,16 @@ from ...engine.collectives import all_gather_objects
 _REDUCTIONS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 _REDUCTIONS.update({"builtins.sum": sum, "builtins.max": max, "builtins.min": min})
 _NAMES = {id(fn): name for name, fn in _REDUCTIONS.items()}
-_FIELDS = ("fx", "name", "prog_bar", "logger", "on_step", "on_epoch", "enable_graph", "add_dataloader_idx")
+_FIELDS: tuple[str, ...] = (
+    "fx",
+    "name",
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "enable_graph",
+    "add_dataloader_idx",
+)
 _FIELDS += ("dataloader_idx", "metric_attribute")
 
 

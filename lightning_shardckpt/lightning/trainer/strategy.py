@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 NOT_IN_OTHER_DOORS = "the LR schedulers, the batch within the epoch, other callbacks' and the datamodule's state"
 
 
-class _NothingToRestore(dict):
+class _NothingToRestore(dict[str, Any]):
     """What `load_checkpoint` returns when `ckpt_path="latest"` finds nothing committed.
 
     Lightning skips every restore step for a falsy checkpoint, exactly as when no path was given; the

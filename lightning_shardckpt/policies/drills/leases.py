@@ -128,16 +128,19 @@ class DrillLeases:
         try:
             data = fsio.read_small(self.location.fs, join(self._directory, name), bounded_json.SMALL_MAX_BYTES)
         except SmallFileRefused as err:  # a FIFO, a link or a huge file: never opened or read whole
-            return self._malformed(name, err.why)
+            self._malformed(name, err.why)
+            return None
         except OSError:
             return None  # released or removed meanwhile
         try:
             body = bounded_json.loads(data, bounded_json.SMALL_MAX_BYTES)
         except bounded_json.UnreadableJson as err:
-            return self._malformed(name, str(err))
+            self._malformed(name, str(err))
+            return None
         problem = lease_problem(body, checkpoint)
         if problem:
-            return self._malformed(name, problem)
+            self._malformed(name, problem)
+            return None
         return {**body, "pid": body.get("pid") or 0, "host": body.get("host")}
 
     def _malformed(self, name: str, problem: str) -> None:

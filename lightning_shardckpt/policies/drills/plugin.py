@@ -239,7 +239,8 @@ class TrainingDrills(Plugin):
         self._committed += 1
         with self._lock:
             self.tally.committed_since_drilled += 1
-        if self._committed % self.config.every_n_checkpoints:
+        every = self.config.every_n_checkpoints  # set: the config is enabled
+        if every is None or self._committed % every:
             return
         self.request_now(checkpoint_path)
 
@@ -283,7 +284,7 @@ class TrainingDrills(Plugin):
         }
         if lag is not None:
             event["lag_s"] = lag["lag_s"]
-        metrics.write_json_event(self._location, f"drill-step-{int(record.get('step') or 0):09d}", event)
+        metrics.write_json_event(self.root, f"drill-step-{int(record.get('step') or 0):09d}", event)
         self._publish(event)
 
     def record_lag(self, lag: dict[str, float]) -> None:
@@ -298,12 +299,19 @@ class TrainingDrills(Plugin):
             "run_id": self.run_id,
             "created_at": time.time(),
         }
-        metrics.write_json_event(self._location, "drill-lag", event)
+        metrics.write_json_event(self.root, "drill-lag", event)
         self._publish(event)
+
+    @property
+    def root(self) -> Location:
+        """The run's root, where drill records go: set at set-up (every door sets up its plug-ins first)."""
+        if self._location is None:
+            raise ValueError("TrainingDrills recorded a drill before set-up gave it the run's root")
+        return self._location
 
     def _follower_watch(self) -> FollowerWatch:
         if self._watch is None:
-            self._watch = FollowerWatch(self._location, self.record_result, self.record_lag, poll_s=self.config.poll_s)
+            self._watch = FollowerWatch(self.root, self.record_result, self.record_lag, poll_s=self.config.poll_s)
         return self._watch
 
     def _publish(self, event: dict[str, Any]) -> None:
@@ -376,5 +384,5 @@ def _summary(record: dict[str, Any]) -> dict[str, Any]:
         "unpickle_trust",
     )
     out = {key: record.get(key) for key in keys if key in record}
-    out["trust"] = {PASSED: DRILLED, FAILED: "drill-failed"}.get(record.get("verdict"), NOT_DRILLED)
+    out["trust"] = {PASSED: DRILLED, FAILED: "drill-failed"}.get(str(record.get("verdict")), NOT_DRILLED)
     return out

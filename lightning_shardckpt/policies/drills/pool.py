@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a drill rank gets before SIGKILL
 REPLY_GRACE_S = 30.0  # beyond the drill's own timeout, how long the starter waits for the pool's reply
@@ -60,7 +60,7 @@ _POOL_BOOTSTRAP = (
     "sys.exit(serve())\n"
 )
 # the drill is not part of the training job's world
-_JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_JOB_VARIABLES: tuple[str, ...] = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _JOB_VARIABLES += ("GROUP_RANK", "NODE_RANK")
 
 
@@ -74,7 +74,7 @@ class WarmPool:
 
     def __init__(self, *, threads: int = 1, nice: int = 0, keep_bytes: int = KEEP_BYTES) -> None:
         self.threads, self.nice, self.keep_bytes = threads, nice, keep_bytes
-        self._process: subprocess.Popen | None = None
+        self._process: subprocess.Popen[str] | None = None
         self.start_s: float | None = None  # seconds the last start took (interpreter + imports)
 
     @property
@@ -96,18 +96,18 @@ class WarmPool:
             # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
             "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry),
         }
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _POOL_BOOTSTRAP, _PACKAGE_DIR],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            # its own process group, so a Ctrl-C or a preemption signal of the training job is not the drill's;
-            # the same session, so the same scheduler autogroup: with a new session Linux gives the drill a
-            # group of its own, weighted like the whole training job, and its nice value means nothing
-            # (measured: +23% training time at nice +19 with a new session)
-            process_group=0,
-        )
+        command = [sys.executable, "-c", _POOL_BOOTSTRAP, _PACKAGE_DIR]
+        # its own process group, so a Ctrl-C or a preemption signal of the training job is not the drill's;
+        # the same session, so the same scheduler autogroup: with a new session Linux gives the drill a
+        # group of its own, weighted like the whole training job, and its nice value means nothing
+        # (measured: +23% training time at nice +19 with a new session)
+        if sys.version_info >= (3, 11):
+            self._process = subprocess.Popen(
+                command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, process_group=0
+            )
+        else:  # Popen has no process_group before 3.11: the parent moves the child, as a shell does
+            self._process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            os.setpgid(self._process.pid, 0)
         if self.nice:
             # after the start, not in a preexec_fn: that is unsafe in a process with threads (the training job)
             try:
@@ -140,9 +140,10 @@ class WarmPool:
             "keep": 0 < destination_bytes * len(ranks) <= self.keep_bytes,
             "kept_key": kept_key,
         }
+        _, stdin, _ = self._pipes()
         try:
-            self._process.stdin.write(json.dumps(request) + "\n")
-            self._process.stdin.flush()
+            stdin.write(json.dumps(request) + "\n")
+            stdin.flush()
         except OSError as err:
             self.close()
             raise PoolFailed(f"the drill worker pool is gone ({err})") from err
@@ -157,7 +158,8 @@ class WarmPool:
         if process is None:
             return
         try:
-            process.stdin.close()  # the pool's end of input: it exits
+            if process.stdin is not None:
+                process.stdin.close()  # the pool's end of input: it exits
             process.wait(STOP_GRACE_S)
         except (OSError, subprocess.TimeoutExpired):
             try:
@@ -171,12 +173,20 @@ class WarmPool:
 
     def _receive(self, timeout_s: float) -> dict[str, Any] | None:
         """The pool's next reply line; None when it died or said nothing within `timeout_s`."""
-        process = self._process
-        readable, _, _ = select.select([process.stdout], [], [], timeout_s)
+        _, _, stdout = self._pipes()
+        readable, _, _ = select.select([stdout], [], [], timeout_s)
         if not readable:
             return None
-        line = process.stdout.readline()
-        return json.loads(line) if line else None
+        line = stdout.readline()
+        reply: dict[str, Any] | None = json.loads(line) if line else None
+        return reply
+
+    def _pipes(self) -> tuple[subprocess.Popen[str], IO[str], IO[str]]:
+        """The running pool and its two pipes; PoolFailed when there is none (closed, or never started)."""
+        process = self._process
+        if process is None or process.stdin is None or process.stdout is None:
+            raise PoolFailed("the drill worker pool is not running (closed, or never started): start it first")
+        return process, process.stdin, process.stdout
 
 
 def destination_bytes(manifest: dict[str, Any], world_size: int) -> int:

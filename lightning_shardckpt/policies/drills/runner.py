@@ -152,7 +152,7 @@ def run_drill(
     location, entry = open_reference(checkpoint if root else "latest", root or checkpoint, options.storage_options)
     path = join(location.url, entry.name)
     _check_records_writable(location)
-    writer_world = int((entry.manifest.get("topology") or {}).get("world_size") or 1)
+    writer_world = int((entry.committed_manifest.get("topology") or {}).get("world_size") or 1)
     world_size = options.world_size or default_world_size(writer_world)
     record: dict[str, Any] = {
         "checkpoint": entry.name,
@@ -172,7 +172,9 @@ def run_drill(
         refused = _signature_refusal(location, entry, options, record)
         if refused is not None:
             return refused
-    outcome = _run_ranks(path, world_size, options, record, pool, destination_bytes(entry.manifest, world_size))
+    outcome = _run_ranks(
+        path, world_size, options, record, pool, destination_bytes(entry.committed_manifest, world_size)
+    )
     if outcome.get("verdict") == PASSED:
         record = outcome["record"]  # filed by drill rank 0 itself: the starter never files a pass
     elif _deleted(location, entry.name):

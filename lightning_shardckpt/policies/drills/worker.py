@@ -148,7 +148,7 @@ def drill(args: argparse.Namespace, timings: dict[str, float], destination: Dest
         drill_trust.allow_in_this_process(args.safe_global)  # the run's add_safe_globals, before anything unpickles
         storage_options = json.loads(args.storage_options) if args.storage_options else {}
         _, entry = open_reference("latest", args.checkpoint, storage_options)
-        manifest = entry.manifest
+        manifest = entry.committed_manifest
     with _phase(timings, "target"):  # the device mesh and the NaN-filled tensors to restore into
         target = destination.target(manifest, args.world_size)
     with _phase(timings, "load"):  # listing (again, on rank 0), metadata, planning, read, reshard

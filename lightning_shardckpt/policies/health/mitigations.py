@@ -129,7 +129,8 @@ def mitigation_for(name: str) -> Mitigation:
                 f"mitigation {name!r} cannot be imported ({err}); check the module is importable on every rank"
             ) from err
         if callable(found):
-            return found
+            mitigation: Mitigation = found  # an importable callable: a user's mitigation, called as documented
+            return mitigation
     raise ConfigError(f"mitigation {name!r} is unknown; registered: {sorted(_REGISTRY)}; or give 'module:function'")
 
 

@@ -107,12 +107,19 @@ class HealthWatch(Plugin):
         if finished and context.is_global_zero:
             self.report(context.reporter, request_drill=None)  # the final verdicts' alerts; no new drills now
 
+    @property
+    def root(self) -> Location:
+        """The run's root, where health events go: set at set-up (every door sets up its plug-ins first)."""
+        if self._location is None:
+            raise ValueError("HealthWatch wrote an event before set-up gave it the run's root")
+        return self._location
+
     # --- rank 0, any thread ---
     def record_rules(self) -> None:
         """Write the rules into the root once per fit, so `shardckpt health ROOT` replays with them."""
         if self.enabled:
             metrics.write_json_event(
-                self._location,
+                self.root,
                 f"health-rules-{self.run_id or 'run'}",
                 {
                     "event": RULES_EVENT,
@@ -172,7 +179,7 @@ class HealthWatch(Plugin):
         text = transition.describe() + (f"; done: {changed}" if changed else "")
         (log.warning if transition.kind == FIRED else log.info)("%s", text)
         metrics.write_json_event(
-            self._location,
+            self.root,
             f"health-{transition.rule.name}-{transition.kind}-step-{transition.step:09d}",
             {
                 "event": HEALTH_EVENT,
@@ -272,7 +279,7 @@ class HealthWatch(Plugin):
         """After a resize: per-rank series of ranks that no longer exist would fire forever; drop them."""
         with self._lock:
             for name, series in self.evaluator.series.items():
-                for key in [key for key in series if _rank_of(key) is not None and _rank_of(key) >= world_size]:
+                for key in [key for key in series if (rank := _rank_of(key)) is not None and rank >= world_size]:
                     log.info(
                         "health rule %s: dropping the series of %s (the run now has %d ranks)", name, key, world_size
                     )

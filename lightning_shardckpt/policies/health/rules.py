@@ -7,6 +7,7 @@ metric has no values for, or a mitigation nobody registered is a ConfigError nam
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,7 +284,7 @@ def rule_from(value: Any) -> HealthRule:
     converted = dict(value)
     for key, cls in blocks.items():
         if isinstance(converted.get(key), dict):
-            fields = set(cls.__dataclass_fields__)
+            fields = {f.name for f in dataclasses.fields(cls)}
             if set(converted[key]) - fields:
                 raise ConfigError(
                     f"health rule {value.get('name')!r}: unknown {key} field(s) {sorted(set(converted[key]) - fields)}; "

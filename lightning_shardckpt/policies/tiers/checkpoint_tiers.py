@@ -19,7 +19,7 @@ from ...engine.format import signing
 from ...engine.format.layout import join, parse_dirname
 from ...engine.storage import fsio
 from ...engine.storage.fsio import Location
-from ...engine.tiers.config import TiersConfig
+from ...engine.tiers.config import PeersConfig, TierConfig, TiersConfig
 from ...engine.tiers.peer_restore import PeerRestore, restore_from_peers
 from ...engine.tiers.peers import PeerReplicator
 from ...engine.tiers.replicate import (
@@ -213,14 +213,14 @@ class CheckpointTiers:
         fast = host.existing_saver(self.fast_dirpath)
         if fast is not None:
             fast.wait()  # one saver thread at a time on the checkpoint group
-        config = replace(host.save_config, storage_options=dict(self.config.durable.storage_options), node_local=False)
+        config = replace(host.save_config, storage_options=dict(self.durable_tier.storage_options), node_local=False)
         # its commits continue the run's fast-tier commits (seq, parent): a replication of an older fast checkpoint
         # then reads as older on the durable tier (and is skipped as superseded, engine/tiers/replicate.py)
         self.degraded_saver = CheckpointSaver(
-            self.config.durable.dirpath, config, group=host.checkpoint_group(), lineage_from=(self.fast,)
+            self.durable_tier.dirpath, config, group=host.checkpoint_group(), lineage_from=(self.fast,)
         )
         # the door's savers: a blocking save waits for it, closing the door closes it before the group goes
-        host.replace_saver(self.config.durable.dirpath, self.degraded_saver)
+        host.replace_saver(self.durable_tier.dirpath, self.degraded_saver)
         self._degraded_saves += 1
         if rank_zero():
             log.error(
@@ -230,10 +230,10 @@ class CheckpointTiers:
             )
 
     # --- retention per tier ---
-    def fast_spare(self, keep_last: int, run_id: str | None) -> set[str]:
+    def fast_spare(self, keep_last: int | None, run_id: str | None) -> set[str]:
         """Fast-tier checkpoints retention must keep although outside keep_last: newer than the newest durable copy,
         at most `max_unreplicated` of them; older unreplicated ones are dropped (counted, logged)."""
-        if self.durable is None:
+        if self.durable is None or keep_last is None:  # keep_last None keeps every checkpoint: none to spare
             return set()
         entries = catalog.committed_of_run(catalog.list_checkpoints(self.fast), run_id)
         if self.replicator is not None:
@@ -261,7 +261,7 @@ class CheckpointTiers:
 
     def _durable_retention(self, name: str) -> None:
         keep = self.config.durable.keep_last if self.config.durable is not None else None
-        if keep is not None:
+        if keep is not None and self.durable is not None:
             newest = catalog.newest_committed(catalog.list_checkpoints(self.durable))
             retention.apply(self.durable, keep, None, run_id=newest.run_id if newest else None, just_committed=name)
 
@@ -319,11 +319,12 @@ class CheckpointTiers:
         newest validly signed commit, naming what they passed over; if the policy refused every candidate, the error
         says so.
         """
-        durable, refused_by_peers = self.durable, {}
+        durable: Location | None = self.durable
+        refused_by_peers: dict[str, tuple[str, tuple[Any, ...]]] = {}
         policy = signing.policy_of(base.require_signature, base.public_keys, base.revoked_keys)
         if self.config.fast.peers is not None and which == "latest":
             durable = self._restore_from_peers(group, policy)
-            refused_by_peers = self.peer_restore.refused
+            refused_by_peers = self.peer_restore.refused if self.peer_restore is not None else {}
         tier_pick = choose_signed(self.fast, durable, which, group, policy, refused_by_peers)
         choices, refused = tier_pick.choices, tier_pick.refused
         if refused and rank_zero():
@@ -389,7 +390,7 @@ class CheckpointTiers:
         """Collective: assemble from peer copies (the newest one `policy` accepts); returns the durable location to
         consider beside it (None: its commit index vouches that its newest commit is the checkpoint just assembled,
         so nothing newer is there)."""
-        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group, policy=policy)
+        restored = restore_from_peers(self.fast, self.config.fast.dirpath, self.peers_config, group, policy=policy)
         self.peer_restore = restored
         if restored.name is None:
             if rank_zero():
@@ -412,7 +413,7 @@ class CheckpointTiers:
     def _repair(self, name: str, group: Any) -> None:
         """Collective: files of `name` that fail their checksums in any node root are replaced from intact peer
         copies (the load that follows says whether that was enough)."""
-        repaired = restore_from_peers(self.fast, self.config.fast.dirpath, self.config.fast.peers, group, repair=name)
+        repaired = restore_from_peers(self.fast, self.config.fast.dirpath, self.peers_config, group, repair=name)
         if rank_zero():
             log.warning("fast tier: %s", repaired.reason)
 
@@ -428,12 +429,24 @@ class CheckpointTiers:
             return None
         return choices[0].url, self._config_for(choices[0].tier, base)
 
+    @property
+    def durable_tier(self) -> TierConfig:
+        """The durable tier's options, where only a run with a durable tier gets (self.durable is made from them)."""
+        assert self.config.durable is not None, "a durable-tier step of a run without a durable tier"
+        return self.config.durable
+
+    @property
+    def peers_config(self) -> PeersConfig:
+        """The fast tier's peer copies, where only a run that has them gets (a resume from peers, a repair)."""
+        assert self.config.fast.peers is not None, "a peer-copy step of a run without fast.peers"
+        return self.config.fast.peers
+
     def tier_of(self, checkpoint_path: str) -> str:
         """Where a resume read `checkpoint_path`, in the words of its console line."""
         return "durable tier" if self.owns(checkpoint_path) else "fast tier"
 
     def _config_for(self, tier: str, base: LoadConfig) -> LoadConfig:
-        options = self.config.fast.storage_options if tier == FAST else self.config.durable.storage_options
+        options = self.config.fast.storage_options if tier == FAST else self.durable_tier.storage_options
         return replace(base, storage_options=dict(options))
 
     def owns(self, path: str) -> bool:
@@ -441,10 +454,10 @@ class CheckpointTiers:
         if self.durable is None:
             return False
         parent = path.rstrip("/").rsplit("/", 1)[0]
-        if fsio.protocol_of(parent) != fsio.protocol_of(self.config.durable.dirpath):
+        if fsio.protocol_of(parent) != fsio.protocol_of(self.durable_tier.dirpath):
             # another kind of storage (the fast tier's): the durable tier's options could not even open it
             return False
-        return fsio.resolve(parent, self.config.durable.storage_options).same_place(self.durable)
+        return fsio.resolve(parent, self.durable_tier.storage_options).same_place(self.durable)
 
 
 def rank_zero() -> bool:

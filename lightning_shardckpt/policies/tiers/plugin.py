@@ -57,10 +57,14 @@ class TiersPlugin(Plugin):
 
     def setup(self, context: PluginContext) -> None:
         if context.stage == "fit":
-            self.tiers.preflight()
+            self.shaped("setup").preflight()
 
     def start(self, context: PluginContext) -> None:
-        tiers = self.tiers
+        tiers = self.shaped("start")
+        if context.run_id is None:
+            raise ValueError(
+                "TiersPlugin.start without a run id: the door starts plug-ins once its saver and run exist"
+            )
         tiers.start(
             context.saver, context.run_id, context.allow_shared_root, context.is_global_zero, context.fault_hook
         )
@@ -78,7 +82,15 @@ class TiersPlugin(Plugin):
             tiers.peer_replicator.listeners.append(context.publish)  # peer_replication_ok, ..._lag_checkpoints
 
     def before_save(self, context: PluginContext) -> None:
-        self.tiers.before_save(context.host)  # collective: degraded mode when the fast tier failed
+        if context.host is None:
+            raise ValueError("TiersPlugin.before_save without the door's saver host (PluginContext.host)")
+        self.shaped("before_save").before_save(context.host)  # collective: degraded mode when the fast tier failed
+
+    def shaped(self, event: str) -> CheckpointTiers:
+        """The tiers, made when the door had the plan shaped (`shape_plan`), which every door does at set-up."""
+        if self.tiers is None:
+            raise ValueError(f"TiersPlugin.{event} before shape_plan: a door must have its plan shaped first")
+        return self.tiers
 
     def saver_override(self) -> CheckpointSaver | None:
         return self.tiers.degraded_saver if self.tiers is not None else None
