@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 _PRELOAD = [
@@ -232,6 +233,17 @@ class ForkedMain:
 
     def kill(self) -> None:
         self._process.kill()
+
+
+def fork_launched_ranks(
+    argv: list[str], world: int, cwd: str | os.PathLike, logs: list[Path], **env: str
+) -> list[ForkedMain]:
+    """`torchrun --nproc-per-node {world} ARGV` on one node without torchrun: each rank forked from the forkserver
+    (ForkedMain) with the environment torchrun gives it (launched_rank_env, `env` laid over it), its output appended
+    to `logs[rank]` (the same path for every rank: one log, as torchrun's). For a test of what a script's ranks do; a test of
+    how a process starts or exits, or of a launcher (Lightning's, Fabric's, torchrun), starts fresh interpreters."""
+    port = free_port()
+    return [ForkedMain(argv, launched_rank_env(rank, world, port, **env), cwd, logs[rank]) for rank in range(world)]
 
 
 def values(outcomes: list[RankOutcome]) -> list[Any]:
