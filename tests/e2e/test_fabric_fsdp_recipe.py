@@ -23,7 +23,7 @@ import torch
 
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import fork_launched_ranks
+from tests.helpers.spawn import fork_launched_ranks, wait_for_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "fabric_fsdp.py"
@@ -51,13 +51,7 @@ def run_recipe(workdir: Path, name: str, devices: int, *extra: str, root: str | 
         assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return record
     log = workdir / f"{name}.log"
-    ranks = fork_launched_ranks(argv, devices, workdir, [log] * devices)
-    try:
-        codes = [rank.wait(timeout=240) for rank in ranks]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
+    codes = wait_for_ranks(fork_launched_ranks(argv, devices, workdir, [log] * devices), 240)
     assert codes == [0] * devices, f"{name}: ranks exited {codes}:\n{log.read_text()[-6000:]}"
     return record
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.spawn import fork_launched_ranks, free_port
+from tests.helpers.spawn import fork_launched_ranks, free_port, wait_for_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "recipes" / "lightning_cli.py"
@@ -53,12 +53,7 @@ def fit_on_one_rank(workdir: Path, *args: str) -> None:
     instead of a fresh interpreter: torch and Lightning are imported already."""
     log = workdir / "one_rank.log"
     argv = [str(SCRIPT), "fit", "--config", str(CONFIG), *TINY, "--trainer.devices=1", *args]
-    (rank,) = fork_launched_ranks(argv, 1, workdir, [log])
-    try:
-        code = rank.wait(timeout=240)
-    finally:
-        if rank.poll() is None:
-            rank.kill()
+    (code,) = wait_for_ranks(fork_launched_ranks(argv, 1, workdir, [log]), 240)
     if code != 0:
         pytest.fail(f"{' '.join(args)} on 1 rank exited {code}\n{log.read_text()[-8000:]}")
 

@@ -20,7 +20,7 @@ from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.recipe_nodes import TRAIN, node_command, tiers_env
-from tests.helpers.spawn import fork_launched_ranks, free_port
+from tests.helpers.spawn import fork_launched_ranks, free_port, wait_for_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -96,13 +96,7 @@ def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_fr
         *_overrides(tmp_path, "resume", run_name),
     ]
     log = tmp_path / "resume.log"
-    ranks = fork_launched_ranks(argv, 3, tmp_path, [log] * 3, **env)
-    try:
-        codes = [rank.wait(timeout=400) for rank in ranks]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
+    codes = wait_for_ranks(fork_launched_ranks(argv, 3, tmp_path, [log] * 3, **env), 400)
     out = log.read_text()
     if codes != [0, 0, 0]:
         pytest.fail(f"resume on 3 ranks: ranks exited {codes}\n{out[-8000:]}")
