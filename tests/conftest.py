@@ -14,8 +14,9 @@ The suite runs in pieces (markers registered in pyproject.toml):
 Running in parallel (pytest-xdist, `-n 4 --dist loadgroup`): a test that uses a module- or class-scoped fixture
 gets an `xdist_group` named after its file, so its fixture is built once, on one worker; tests that need one
 machine-wide resource share a named group (the documents that start moto on its documented port:
-"docs-moto-port"); everything else runs anywhere, e2e first, then distributed, then unit, so the long tests
-start early. A test that must not run beside a given other one says so with `@pytest.mark.xdist_group(NAME)`.
+"docs-moto-port"); everything else runs anywhere, e2e first, then distributed, then the slow units, then the rest,
+so the long tests start early. A test that must not run beside a given other one says so with
+`@pytest.mark.xdist_group(NAME)`.
 
 Fixtures for every test: `backend` (a fresh checkpoint root, run once on local disk and once on the loopback
 S3 server), `run_cli` (the `shardckpt` command in-process: exit code, stdout, stderr) and
@@ -52,9 +53,10 @@ TESTS = Path(__file__).parent
 MARKER_BY_DIRECTORY = {TESTS / "distributed": "distributed", TESTS / "e2e": "e2e"}
 
 
-# The order tests are handed to xdist workers: the long ones first (whole recipes, then spawned ranks, then
-# single-process units), so no worker picks up a 60-second recipe while the others have run out of work.
-RUN_ORDER = ("e2e", "distributed")
+# The order tests are handed to xdist workers: the long ones first (whole recipes, then spawned ranks, then the
+# `slow` units: the model-based test's minute, the CLI's own processes; then the quick units), so no worker picks up
+# a 60-second recipe, or the model-based test, while the others have run out of work.
+RUN_ORDER = ("e2e", "distributed", "slow")
 SHARED_SCOPES = ("module", "class", "package")
 
 

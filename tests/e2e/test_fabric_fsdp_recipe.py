@@ -1,5 +1,5 @@
 """The Fabric recipe end to end: recipes/fabric_fsdp.py on 2 CPU ranks started by Fabric itself (it re-runs the
-script for rank 1), then resumed from its step-4 checkpoint on 2, 1 and 3 ranks.
+script for rank 1), then resumed from its step-4 checkpoint on 2, 1 and 3 ranks (forked with torchrun's environment).
 
 What we check:
 - on the same world size the resumed run ends bit-identical to the uninterrupted one (parameters and optimizer
@@ -23,6 +23,7 @@ import torch
 
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
+from tests.helpers.spawn import fork_launched_ranks, wait_for_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "fabric_fsdp.py"
@@ -34,22 +35,24 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run_recipe(workdir: Path, name: str, devices: int, *extra: str, root: str | None = None) -> Path:
-    """One run of the recipe (Fabric starts its ranks), saving under workdir/ckpt-<root or name>; returns its
-    record directory."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for launched in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(launched, None)  # Fabric launches the ranks itself
+    """One run of the recipe, saving under workdir/ckpt-<root or name>; returns its record directory. The first run
+    (no --resume) is started as a user starts it, and Fabric starts its other ranks; a resume's ranks are forked with
+    torchrun's environment (Fabric launches nothing then), so none of them re-imports torch and Lightning."""
     record = workdir / f"record-{name}"
-    command = [sys.executable, str(RECIPE), "--root", str(workdir / f"ckpt-{root or name}"), "--devices", str(devices)]
-    done = subprocess.run(
-        [*command, "--max-steps", "8", "--save-every", "4", "--record", str(record), *extra],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    argv = [str(RECIPE), "--root", str(workdir / f"ckpt-{root or name}"), "--devices", str(devices)]
+    argv += ["--max-steps", "8", "--save-every", "4", "--record", str(record), *extra]
+    if "--resume" not in extra:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        for launched in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(launched, None)  # Fabric launches the ranks itself
+        done = subprocess.run(
+            [sys.executable, *argv], cwd=workdir, env=env, capture_output=True, text=True, timeout=240
+        )
+        assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return record
+    log = workdir / f"{name}.log"
+    codes = wait_for_ranks(fork_launched_ranks(argv, devices, workdir, [log] * devices), 240)
+    assert codes == [0] * devices, f"{name}: ranks exited {codes}:\n{log.read_text()[-6000:]}"
     return record
 
 

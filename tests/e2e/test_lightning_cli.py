@@ -1,7 +1,8 @@
 """The LightningCLI recipe end to end: `recipes/lightning_cli.py fit` on 2 CPU ranks, then resumed on 1.
 
-Both phases are real subprocesses over recipes/lightning_cli.yaml (ShardedStrategy by class_path,
-ShardedCheckpoint with nested save options); Lightning's own launcher starts rank 1 on gloo. The resume
+Both phases run the script over recipes/lightning_cli.yaml (ShardedStrategy by class_path, ShardedCheckpoint with
+nested save options): the fit as a fresh subprocess whose Lightning launcher starts rank 1 on gloo, the 1-rank
+resume (nothing to launch) forked from the tests' forkserver. The resume
 (`--ckpt_path latest --trainer.devices 1`) must continue the committed checkpoint of step 6: its first save
 is step 9 of the same run, on world size 1, parented on step 6, with the samples of both phases counted.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.spawn import free_port
+from tests.helpers.spawn import fork_launched_ranks, free_port, wait_for_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "recipes" / "lightning_cli.py"
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def fit(workdir: Path, *args: str) -> None:
+    """`recipes/lightning_cli.py fit` as a user runs it: a fresh interpreter, Lightning's launcher for rank 1."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1")
     env["MASTER_PORT"] = str(free_port())
     command = [sys.executable, str(SCRIPT), "fit", "--config", str(CONFIG), *TINY, *args]
@@ -46,12 +48,22 @@ def fit(workdir: Path, *args: str) -> None:
         pytest.fail(f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
+def fit_on_one_rank(workdir: Path, *args: str) -> None:
+    """The same on 1 rank (Lightning launches nothing), forked from the tests' forkserver with torchrun's environment
+    instead of a fresh interpreter: torch and Lightning are imported already."""
+    log = workdir / "one_rank.log"
+    argv = [str(SCRIPT), "fit", "--config", str(CONFIG), *TINY, "--trainer.devices=1", *args]
+    (code,) = wait_for_ranks(fork_launched_ranks(argv, 1, workdir, [log]), 240)
+    if code != 0:
+        pytest.fail(f"{' '.join(args)} on 1 rank exited {code}\n{log.read_text()[-8000:]}")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """Train 6 steps on 2 ranks (saves at 3 and 6), then resume on 1 rank up to step 9."""
     workdir = tmp_path_factory.mktemp("lightning_cli")
     fit(workdir, "--trainer.devices=2", "--trainer.max_steps=6")
-    fit(workdir, "--trainer.devices=1", "--trainer.max_steps=9", "--ckpt_path=latest")
+    fit_on_one_rank(workdir, "--trainer.max_steps=9", "--ckpt_path=latest")
     return workdir
 
 

@@ -12,8 +12,6 @@ every step.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.storage import fsio
-from tests.helpers.spawn import free_port, launched_rank_env
+from tests.helpers.spawn import ForkedMain, fork_launched_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "plain_fsdp.py"
@@ -32,11 +30,10 @@ RESUMED_AT = 6  # the newest checkpoint of the interrupted run
 pytestmark = pytest.mark.timeout(300)
 
 
-def start(workdir: Path, world: int, root: str, name: str, *extra: str) -> list[tuple[subprocess.Popen, Path]]:
-    """`torchrun --nproc_per_node {world} recipes/plain_fsdp.py ...`: each rank started here with the environment
-    torchrun gives it (launched_rank_env), so the test pays for no launcher process."""
-    command = [
-        sys.executable,
+def start(workdir: Path, world: int, root: str, name: str, *extra: str) -> list[tuple[ForkedMain, Path]]:
+    """`torchrun --nproc_per_node {world} recipes/plain_fsdp.py ...`: each rank forked with the environment torchrun
+    gives it (fork_launched_ranks), so the test pays for no launcher process and no rank re-imports torch."""
+    argv = [
         str(RECIPE),
         f"--root={workdir / root}",
         f"--max-steps={MAX_STEPS}",
@@ -45,16 +42,11 @@ def start(workdir: Path, world: int, root: str, name: str, *extra: str) -> list[
         f"--record={workdir / (name + '.pt')}",
         *extra,
     ]
-    port, ranks = free_port(), []
-    for rank in range(world):
-        log = workdir / f"{name}.rank{rank}.log"
-        with open(log, "w") as out:
-            env = launched_rank_env(rank, world, port)
-            ranks.append((subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT), log))
-    return ranks
+    logs = [workdir / f"{name}.rank{rank}.log" for rank in range(world)]
+    return list(zip(fork_launched_ranks(argv, world, workdir, logs), logs))
 
 
-def finish(*runs: list[tuple[subprocess.Popen, Path]]) -> None:
+def finish(*runs: list[tuple[ForkedMain, Path]]) -> None:
     for process, log in (rank for ranks in runs for rank in ranks):
         code = process.wait(timeout=240)
         assert code == 0, f"{log.name} exited {code}:\n" + log.read_text()[-4000:]

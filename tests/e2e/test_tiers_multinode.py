@@ -4,14 +4,14 @@ Phase 1 runs two `torchrun --nnodes=2 --node-rank={0,1}` processes on loopback, 
 one per node; each node's fast tier is its own directory (`.../node{node_rank}`), the durable tier is the
 loopback S3 server. Phase 2 is a resized cluster: one node, 3 ranks. Node 0's directory holds the
 manifest but not node 1's shards, so no rank can read the fast copy whole: the ranks agree on the
-durable copy, load it (every byte checked against the manifest's checksums) and train on.
+durable copy, load it (every byte checked against the manifest's checksums) and train on (its ranks forked from
+the tests' forkserver with torchrun's environment: tests.helpers.spawn.fork_launched_ranks).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.recipe_nodes import TRAIN, node_command, tiers_env
-from tests.helpers.spawn import free_port
+from tests.helpers.spawn import fork_launched_ranks, free_port, wait_for_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,7 +39,7 @@ def _overrides(tmp_path: Path, phase: str, run_name: str) -> list[str]:
     ]
 
 
-def _check(proc: subprocess.CompletedProcess | subprocess.Popen, out: str, what: str) -> None:
+def _check(proc: subprocess.Popen, out: str, what: str) -> None:
     if proc.returncode != 0:
         pytest.fail(f"{what} exited {proc.returncode}\n{out[-8000:]}")
 
@@ -85,9 +85,9 @@ def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_fr
             == path.read_bytes()
         ), name
 
-    # a resized cluster: 1 node × 3 ranks; the fast tier here (node0) lacks node 1's shards
-    command = [
-        sys.executable,
+    # a resized cluster: 1 node × 3 ranks; the fast tier here (node0) lacks node 1's shards. How torchrun starts
+    # nodes is phase 1's: these ranks are forked with its environment, so none re-imports torch and Lightning
+    argv = [
         str(TRAIN),
         "trainer.devices=3",
         "trainer.max_steps=10",
@@ -95,9 +95,11 @@ def test_two_nodes_write_node_local_fast_tiers_and_s3_then_three_ranks_resume_fr
         "checkpoint.drill.every_n_checkpoints=null",
         *_overrides(tmp_path, "resume", run_name),
     ]
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    _check(proc, out, "resume on 3 ranks")
+    log = tmp_path / "resume.log"
+    codes = wait_for_ranks(fork_launched_ranks(argv, 3, tmp_path, [log] * 3, **env), 400)
+    out = log.read_text()
+    if codes != [0, 0, 0]:
+        pytest.fail(f"resume on 3 ranks: ranks exited {codes}\n{out[-8000:]}")
     assert f"resuming from the durable tier: {durable_url}/{newest.name} (step 8)" in out, out[-4000:]
     assert "not readable by every rank" in out
     events = [json.loads(p.read_text()) for p in (local / "node0" / "events").glob("resume-*.json")]

@@ -15,10 +15,12 @@ import runpy
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 _PRELOAD = [
@@ -232,6 +234,34 @@ class ForkedMain:
 
     def kill(self) -> None:
         self._process.kill()
+
+
+def fork_launched_ranks(
+    argv: list[str], world: int, cwd: str | os.PathLike, logs: list[Path], **env: str
+) -> list[ForkedMain]:
+    """`torchrun --nproc-per-node {world} ARGV` on one node without torchrun: each rank forked from the forkserver
+    (ForkedMain) with the environment torchrun gives it (launched_rank_env, `env` laid over it), its output appended
+    to `logs[rank]` (one path for every rank: one log, as torchrun's). For a test of what a script's ranks do; a
+    test of how a process starts or exits, or of a launcher (Lightning's, Fabric's, torchrun), starts fresh
+    interpreters. Wait for them with `wait_for_ranks`."""
+    port = free_port()
+    return [ForkedMain(argv, launched_rank_env(rank, world, port, **env), cwd, logs[rank]) for rank in range(world)]
+
+
+def wait_for_ranks(ranks: list[ForkedMain], timeout_s: float) -> list[int | None]:
+    """Each rank's exit status within `timeout_s` overall; None for a rank still running then, which is killed (a
+    hung rank must not outlive its test)."""
+    deadline, codes = time.monotonic() + timeout_s, []
+    for rank in ranks:
+        try:
+            codes.append(rank.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    return codes
 
 
 def values(outcomes: list[RankOutcome]) -> list[Any]:
