@@ -66,6 +66,7 @@ ENGINE_NAMES = {
     "register_mitigation": ".policies.health.mitigations",
     "Plugin": ".policies.plugin",
     "PluginContext": ".policies.plugin",
+    "CheckpointOptions": ".training.checkpoint_options",
     "Checkpointer": ".training.checkpointer",
     "ResumableDistributedSampler": ".training.data",
 }
@@ -128,11 +129,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
     from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence
     from .policies.plugin import Plugin, PluginContext
+    from .training.checkpoint_options import CheckpointOptions
     from .training.checkpointer import Checkpointer
     from .training.data import ResumableDistributedSampler
 
 # the errors above, ENGINE_NAMES and LIGHTNING_NAMES (tests/unit/test_public_api.py holds them equal)
 __all__ = [
+    "CheckpointOptions",
     "Checkpointer",
     "CheckpointInfo",
     "CheckpointListing",
