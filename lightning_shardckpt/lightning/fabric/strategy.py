@@ -80,7 +80,8 @@ class ShardedFabricStrategy:
     `step_key` (the state entry that names a save's step), `restore_rng` (save every rank's RNG and restore it on
     load; default True), `keep_last` / `keep_every_n_steps` (retention), `tiers`, `drill`, `health` (as
     ShardedCheckpoint's), `log_metrics(values, step)` (rank 0's checkpoint metrics, e.g. `fabric.log_dict`),
-    `plugins` (your own lightning_shardckpt.Plugin instances).
+    `plugins` (your own lightning_shardckpt.Plugin instances); or `options=CheckpointOptions(...)`. The checkpoint
+    options are CheckpointOptions fields (training/checkpoint_options.py: FABRIC_OPTIONS says which).
     """
 
     parallelism: str = "unknown"
