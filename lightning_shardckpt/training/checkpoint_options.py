@@ -60,7 +60,9 @@ class CheckpointOptions:
     every_n_minutes: float | None = None  # save after N minutes of training time; None: off
     save_on_epoch_end: bool = False  # also save at each epoch end
     save_on_fit_end: bool = True  # a final checkpoint when fit ends (skipped if that step is already saved)
-    save_on_preemption: bool = True  # SIGTERM / SIGUSR1: every rank saves the same step (blocking), then stops
+    # SIGTERM / SIGUSR1: every rank saves the same step (blocking), then stops. None: the door's default (the
+    # Trainer's: on; the Checkpointer's: off, as a plain loop's signal handlers are its own)
+    save_on_preemption: bool | None = None
     # after a preemption signal, a process whose fit has not returned by then exits (status 128 + signal);
     # None: never. Below the scheduler's kill time, above the final save's duration
     preemption_grace_s: float | None = DEFAULT_GRACE_S
@@ -84,7 +86,7 @@ class CheckpointOptions:
     drill: DrillConfig = DrillConfig()  # restore drills of committed checkpoints
     health: HealthConfig | dict | list | str | None = HealthConfig()  # health rules: a config, rules, or a rules file
     tiers: TiersConfig | None = None  # a fast and a durable tier; None: checkpoints live under the root
-    plugins: list[Plugin] | None = field(default=None)  # your own plug-ins (lightning_shardckpt.Plugin), after ours
+    plugins: list[Plugin] | None = None  # your own plug-ins (lightning_shardckpt.Plugin), after ours
 
     def __post_init__(self) -> None:
         # the blocks as their configs, once: every door reads the same validated values
@@ -96,12 +98,18 @@ class CheckpointOptions:
             self, "identity_policy", options_from(IdentityPolicy, self.identity_policy, "identity_policy block")
         )
         self.schedule()  # checked now, by the configs that own the rules
-        self.load_config()
+        load = self.load_config()
+        # as the load reads them (a list from YAML is a tuple): equal options compare equal
+        object.__setattr__(self, "public_keys", load.public_keys)
+        object.__setattr__(self, "revoked_keys", load.revoked_keys)
 
     def schedule(self, **overrides: Any) -> CallbackConfig:
         """The save loop's schedule and retention; `overrides`: what a door decides itself (the Checkpointer's
         fit-end save follows `max_steps`)."""
-        return CallbackConfig(**{**{name: getattr(self, name) for name in SCHEDULE_FIELDS}, **overrides})
+        values = {name: getattr(self, name) for name in SCHEDULE_FIELDS}
+        if values["save_on_preemption"] is None:  # left to a door that did not resolve it: no signal handlers
+            values["save_on_preemption"] = False
+        return CallbackConfig(**{**values, **overrides})
 
     def load_config(self) -> LoadConfig:
         return LoadConfig(**{ours: getattr(self, name) for name, ours in LOAD_FIELDS.items()})
@@ -114,7 +122,9 @@ class DoorKeywords:
     door: str  # how messages name it: "Checkpointer"
     names: tuple[str, ...]  # the fields it takes, in its signature's order
     spellings: Mapping[str, str] = field(default_factory=dict)  # the door's keyword -> the field, where they differ
-    defaults: Mapping[str, Any] = field(default_factory=dict)  # the door's default where it differs from the field's
+    # the door's default of a field whose default is None ("the door's default"): in its signature, and where
+    # the keywords and `options` leave it None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     why_not: str = ""  # why the door takes no other field (said when a CheckpointOptions sets one)
 
     def keywords(self) -> dict[str, str]:
@@ -138,7 +148,7 @@ class DoorKeywords:
             inspect.Parameter(
                 keyword,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=self.defaults.get(name, _default(fields[name])),
+                default=self.defaults.get(name, fields[name].default),
                 annotation=hints[name],
             )
             for keyword, name in self.keywords().items()
@@ -148,19 +158,23 @@ class DoorKeywords:
         return constructor
 
     def build(self, given: Mapping[str, Any], options: CheckpointOptions | None = None) -> CheckpointOptions:
-        """The door's CheckpointOptions: `options` (else the door's defaults) with the keywords `given` replacing
-        fields. An unknown keyword is refused naming it and the closest option the door takes."""
+        """The door's CheckpointOptions: `options` (else the defaults) with the keywords `given` replacing fields,
+        and the door's own default where a field is left None. An unknown keyword is refused naming it and the
+        closest option the door takes."""
         keywords = self.keywords()
         self.refuse_unknown(set(given) - set(keywords))
         values = {keywords[keyword]: value for keyword, value in given.items()}
         if options is None:
-            return CheckpointOptions(**{**self.defaults, **values})
-        if not isinstance(options, CheckpointOptions):
+            options = CheckpointOptions(**values)
+        elif not isinstance(options, CheckpointOptions):
             raise ConfigError(
                 f"{self.door}(options=...) takes a lightning_shardckpt.CheckpointOptions, got {type(options).__name__}"
             )
-        self._refuse_untaken(options)
-        return dataclasses.replace(options, **values) if values else options
+        else:
+            self._refuse_untaken(options)
+            options = dataclasses.replace(options, **values) if values else options
+        unset = {name: default for name, default in self.defaults.items() if getattr(options, name) is None}
+        return dataclasses.replace(options, **unset) if unset else options
 
     def refuse_unknown(self, unknown: Iterable[str], also: Iterable[str] = ()) -> None:
         """One message for a keyword the door does not know, naming the closest of its options (or of `also`:
@@ -184,10 +198,6 @@ class DoorKeywords:
         ]
         if set_here:
             raise ConfigError(f"{self.door} does not take CheckpointOptions.{set_here[0]}: {self.why_not}")
-
-
-def _default(option: dataclasses.Field) -> Any:
-    return option.default if option.default is not dataclasses.MISSING else option.default_factory()  # type: ignore[misc]
 
 
 ALL_OPTIONS = tuple(f.name for f in dataclasses.fields(CheckpointOptions))

@@ -73,7 +73,7 @@ def test_each_door_signature_is_derived_from_the_options_typed_with_their_defaul
     for name in taken:
         parameter = parameters[name]
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.annotation == hints[name], name
-        if name != "save_on_preemption":  # the Checkpointer's one own default: opt-in
+        if name != "save_on_preemption":  # None in the options: each door's own default
             assert parameter.default == getattr(defaults, name), name
     assert parameters["options"].annotation == CheckpointOptions | None
 
@@ -83,6 +83,19 @@ def test_the_callback_takes_every_option_and_the_checkpointer_spells_the_step_sc
     checkpointer = inspect.signature(Checkpointer).parameters
     assert "every_n_steps" in checkpointer and "every_n_train_steps" not in checkpointer
     assert checkpointer["save_on_preemption"].default is False
+    assert inspect.signature(ShardedCheckpoint).parameters["save_on_preemption"].default is True
+
+
+def test_a_door_default_fills_what_the_options_leave_to_the_door(tmp_path):
+    # CheckpointOptions leaves save_on_preemption to the door: the Trainer's is on, a plain loop's opt-in
+    options = CheckpointOptions(keep_last=2)
+    assert options.save_on_preemption is None
+    assert ShardedCheckpoint(str(tmp_path / "c"), options=options).options.save_on_preemption is True
+    with Checkpointer(str(tmp_path / "p"), options=options) as ckpt:
+        assert ckpt.options.save_on_preemption is False and ckpt.options.keep_last == 2
+    assert ShardedCheckpoint(str(tmp_path / "c"), options=CheckpointOptions(save_on_preemption=False)).options == (
+        ShardedCheckpoint(str(tmp_path / "c"), save_on_preemption=False).options
+    )
 
 
 def test_a_door_built_from_checkpoint_options_equals_one_built_from_the_same_keywords(tmp_path):

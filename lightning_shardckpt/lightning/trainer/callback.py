@@ -42,7 +42,7 @@ from .strategy import ShardedStrategy
 from .user_state import UserState
 
 # every option: the Trainer's door is the one the YAML (conf/checkpoint/) describes
-CALLBACK_OPTIONS = DoorKeywords("ShardedCheckpoint", ALL_OPTIONS)
+CALLBACK_OPTIONS = DoorKeywords("ShardedCheckpoint", ALL_OPTIONS, defaults={"save_on_preemption": True})
 
 
 class ShardedCheckpoint(Checkpoint):
