@@ -78,6 +78,7 @@ ENGINE_NAMES = {
     "RunMembership": ".policies.decisions",
     "SaverRouter": ".policies.decisions",
     "StopDecider": ".policies.decisions",
+    "CheckpointOptions": ".training.checkpoint_options",
     "Checkpointer": ".training.checkpointer",
     "ResumableDistributedSampler": ".training.data",
 }
@@ -153,11 +154,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
     from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence
     from .policies.plugin import Plugin, PluginContext, PluginState
+    from .training.checkpoint_options import CheckpointOptions
     from .training.checkpointer import Checkpointer
     from .training.data import ResumableDistributedSampler
 
 # the errors above, ENGINE_NAMES and LIGHTNING_NAMES (tests/unit/test_public_api.py holds them equal)
 __all__ = [
+    "CheckpointOptions",
     "Checkpointer",
     "CheckpointInfo",
     "CheckpointListing",

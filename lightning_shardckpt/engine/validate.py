@@ -38,20 +38,27 @@ Options = TypeVar("Options", bound=type)
 
 # every options dataclass whose field types `typed_options` checks, in the order they were defined
 OPTION_CLASSES: list[type] = []
+# per class: the fields another options class checks for it (`typed_options(checked_by_parts=...)`)
+_PARTS_CHECK: dict[type, frozenset[str]] = {}
 
 # the annotations `require_type` checks; any other (str, Literal, a dataclass, dict, Any) is its class's own rule
 CHECKED_TYPES = (bool, int, float)
 _BOOL_WORDS = {"false": False, "0": False, "no": False, "off": False, "true": True, "1": True, "yes": True, "on": True}
 
 
-def typed_options(label: str | None = None) -> Callable[[Options], Options]:
+def typed_options(label: str | None = None, *, checked_by_parts: Iterable[str] = ()) -> Callable[[Options], Options]:
     """Class decorator, placed under `@dataclass`: each instance's bool/int/float fields are type-checked
     (`require_type`) before the class's own `__post_init__` runs. `label` is how messages name the class's options
-    (`"drill"` gives `drill.threads=...`); None: the class's name (`LoadConfig.trust_checkpoint=...`)."""
+    (`"drill"` gives `drill.threads=...`); None: the class's name (`LoadConfig.trust_checkpoint=...`).
+
+    `checked_by_parts`: fields the class's own `__post_init__` hands to another options class that checks them
+    (CheckpointOptions' schedule goes to CallbackConfig, its `verify_on_load` to LoadConfig.verify_checksums): the
+    part's message names the field where it is documented and checked, once, so this guard leaves them to it."""
 
     def guard(cls: Options) -> Options:
         own = cls.__dict__.get("__post_init__")
         prefix = label if label is not None else cls.__name__
+        _PARTS_CHECK[cls] = frozenset(checked_by_parts)
 
         def __post_init__(self: Any) -> None:
             # types first: the class's own checks compare and branch on values a string would fool
@@ -77,7 +84,12 @@ def checked_fields(cls: type) -> dict[str, Any]:
 def _checked_fields(cls: type) -> dict[str, Any]:
     # resolved once per class, at its first instance: `from __future__ import annotations` leaves strings
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if _simple_types(hints[f.name]) is not None}
+    parts = _PARTS_CHECK.get(cls, frozenset())
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(cls)
+        if f.name not in parts and _simple_types(hints[f.name]) is not None
+    }
 
 
 def _simple_types(annotation: Any) -> tuple[tuple[type, ...], bool] | None:

@@ -18,20 +18,18 @@ checkpoints of the other doors: training/layouts.py. Docs: docs/howto/plain-pyto
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.collectives import rank_and_world
-from ..engine.config import CHECKPOINTER, LoadConfig, save_config_from
+from ..engine.config import CHECKPOINTER
 from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.validate import require_bool, require_type
-from ..policies.plugin import Plugin
 from . import user_state
-from .callback_options import CallbackConfig
+from .checkpoint_options import CheckpointOptions, DoorKeywords
 from .checkpoint_setup import door_plan, placement_from_env
 from .data import (
     ResumableDistributedSampler,
@@ -43,77 +41,77 @@ from .data import (
 from .finished_saves import CallableReporter
 from .layouts import Layout
 from .loadable import SaveChecks
-from .preemption import DEFAULT_GRACE_S, PreemptionRequests
+from .preemption import PreemptionRequests
 from .resume_sequence import announce_resume, load_resumed
 from .save_loop import SaveLoop
 from .savers import ControlGroup, SaverHost
 
 log = logging.getLogger(__name__)
 
+# a plain loop has no epochs, no fit end (`max_steps` says which step is last) and no Trainer loggers
+CHECKPOINTER_OPTIONS = DoorKeywords(
+    "Checkpointer",
+    (
+        "every_n_train_steps",
+        "every_n_minutes",
+        "keep_last",
+        "keep_every_n_steps",
+        "save",
+        "resume_required",
+        "verify_on_load",
+        "trust_checkpoint",
+        "require_signature",
+        "public_keys",
+        "revoked_keys",
+        "save_on_preemption",
+        "preemption_grace_s",
+        "drill",
+        "health",
+        "tiers",
+        "plugins",
+    ),
+    spellings={"every_n_steps": "every_n_train_steps"},
+    defaults={"save_on_preemption": False},  # opt-in: a plain loop's own signal handlers stay its own
+    why_not="a plain loop has no epochs, no fit end (max_steps= names the last step) and no Trainer loggers",
+)
+
 
 class Checkpointer:
     """Checkpoints of a plain training loop. Construct it on every rank at the same point (collectives)."""
 
+    @CHECKPOINTER_OPTIONS.derive
     def __init__(
         self,
         root: str | None = None,
         *,
-        every_n_steps: int | None = None,
-        every_n_minutes: float | None = None,
         max_steps: int | None = None,
-        keep_last: int | None = None,
-        keep_every_n_steps: int | None = None,
-        save: Any = None,
         sampler: ResumableDistributedSampler | None = None,
         restore_rng: bool = True,
-        resume_required: bool = False,
-        verify_on_load: bool = True,
-        trust_checkpoint: bool = False,
-        require_signature: bool = False,
-        public_keys: str | os.PathLike[str] | Sequence[Any] = (),
-        revoked_keys: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
-        save_on_preemption: bool = False,
-        preemption_grace_s: float | None = DEFAULT_GRACE_S,
         log_metrics: Callable[[dict[str, float], int], Any] | None = None,
-        drill: Any = None,
-        health: Any = None,
-        tiers: Any = None,
-        plugins: Sequence[Plugin] | None = None,
+        options: CheckpointOptions | None = None,
+        **given: Any,
     ) -> None:
-        """`max_steps`: the last step saves (never skipped). `save`: SaveConfig or dict. `log_metrics(values,
-        step)`: rank 0's checkpoint metrics (e.g. `wandb.log`); they are also under ROOT/events/ (`read_events`).
-        `plugins`: your own plug-ins (lightning_shardckpt.Plugin), after retention, tiers, drills and health."""
-        self.options = CallbackConfig(
-            every_n_train_steps=every_n_steps,
-            every_n_minutes=every_n_minutes,
-            save_on_fit_end=max_steps is not None,
-            save_on_preemption=save_on_preemption,
-            preemption_grace_s=preemption_grace_s,
-            keep_last=keep_last,
-            keep_every_n_steps=keep_every_n_steps,
-            resume_required=resume_required,
-        )
+        """`max_steps`: the last step saves (never skipped). `log_metrics(values, step)`: rank 0's checkpoint
+        metrics (e.g. `wandb.log`); they are also under ROOT/events/ (`read_events`). `options` (a
+        CheckpointOptions) and the keywords: its fields a plain loop has (training/checkpoint_options.py;
+        `every_n_steps` is its every_n_train_steps); `plugins`: your own, after retention, tiers, drills and health."""
+        options = self.checkpoint_options = CHECKPOINTER_OPTIONS.build(given, options)  # validated now
         # the door's own flags, outside the option dataclasses (which check theirs): a string "false" is truthy
         require_type("Checkpointer.max_steps", max_steps, int | None)
+        self.options = options.schedule(save_on_epoch_end=False, save_on_fit_end=max_steps is not None)
         self.max_steps, self.sampler = max_steps, sampler
         self.restore_rng = require_bool("Checkpointer.restore_rng", restore_rng)
         plugins, plan = door_plan(
             root,
             self.options,
-            save_config_from(save),
-            LoadConfig(
-                verify_checksums=verify_on_load,
-                trust_checkpoint=trust_checkpoint,
-                require_signature=require_signature,
-                public_keys=public_keys,  # one path or several: LoadConfig makes it a tuple
-                revoked_keys=revoked_keys,
-            ),
-            tiers=tiers,
-            drill=drill,
-            health=health,
+            options.save,
+            options.load_config(),
+            tiers=options.tiers,
+            drill=options.drill,
+            health=options.health,
             placement=placement_from_env(),
             front_door=CHECKPOINTER,
-            extra=plugins,
+            extra=options.plugins,
         )
         self.plan, self.plugins = plan, plugins
         self.rank, self.world_size = rank_and_world()
@@ -139,7 +137,7 @@ class Checkpointer:
         )
         self.loop.setup("fit")
         self._signal = PreemptionRequests(self.options.preemption_grace_s)
-        if save_on_preemption:
+        if self.options.save_on_preemption:
             self._signal.install()
 
     @property

@@ -176,3 +176,21 @@ def test_sharded_strategy_is_a_lightning_strategy_built_for_its_parallelism():
         ShardedDDPStrategy(parallelism="fsdp")
     with pytest.raises(ConfigError, match="parallelism='zero' is unknown"):
         ShardedStrategy(parallelism="zero")
+
+
+def test_help_lists_every_checkpoint_option_with_its_type():
+    # the callback's signature is derived from CheckpointOptions: jsonargparse must still read each field typed
+    import dataclasses
+
+    from lightning_shardckpt import CheckpointOptions
+
+    _, code, out, err = parse("--help")
+    assert code == 0, err
+    for option in dataclasses.fields(CheckpointOptions):
+        assert f"--checkpoint.{option.name} " in out, option.name
+    assert "--checkpoint.keep_last KEEP_LAST\n                        (type: int | null, default: null)" in out
+    # None in CheckpointOptions (the door's default); the Trainer's door says its own: on
+    assert (
+        "--checkpoint.save_on_preemption {true,false,null}\n                        (type: bool | null, default: True)"
+        in out
+    )

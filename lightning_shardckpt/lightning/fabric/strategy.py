@@ -33,10 +33,11 @@ from typing import Any
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ...engine.collectives import rank_and_world
-from ...engine.config import FABRIC, LoadConfig, SaveConfig, save_config_from
+from ...engine.config import FABRIC, LoadConfig, save_config_from
 from ...engine.format import safe_pickle
 from ...engine.load.loader import LoadResult
 from ...engine.root import is_selector_file
@@ -44,9 +45,9 @@ from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
 from ...engine.validate import require_bool
 from ...policies.plan import CheckpointPlan, Placement
-from ...policies.plugin import Plugin
 from ...policies.tiers.plugin import tiered_dirpath
 from ...training.callback_options import CallbackConfig
+from ...training.checkpoint_options import CheckpointOptions, DoorKeywords
 from ...training.checkpoint_setup import checkpoint_plan, door_plugins
 from ...training.data import ResumableDistributedSampler, gather_rng_states, restore_rng_state, rng_state_for_rank
 from ...training.finished_saves import CallableReporter
@@ -61,6 +62,15 @@ from .sampler import use_fabric_sampler
 
 log = logging.getLogger(__name__)
 
+# Fabric saves when the loop calls fabric.save (no schedule of ours), reads the load options from `load=`, and
+# logs through `log_metrics=`
+FABRIC_OPTIONS = DoorKeywords(
+    "ShardedFabricStrategy",
+    ("save", "resume_required", "keep_last", "keep_every_n_steps", "tiers", "drill", "health", "plugins"),
+    why_not="Fabric saves when your loop calls fabric.save (no schedule), and takes the load options as "
+    "load={'verify_checksums': ..., 'trust_checkpoint': ...}",
+)
+
 
 class ShardedFabricStrategy:
     """Base of the sharded Fabric strategies; calling it builds the one for `parallelism`.
@@ -71,7 +81,8 @@ class ShardedFabricStrategy:
     `step_key` (the state entry that names a save's step), `restore_rng` (save every rank's RNG and restore it on
     load; default True), `keep_last` / `keep_every_n_steps` (retention), `tiers`, `drill`, `health` (as
     ShardedCheckpoint's), `log_metrics(values, step)` (rank 0's checkpoint metrics, e.g. `fabric.log_dict`),
-    `plugins` (your own lightning_shardckpt.Plugin instances).
+    `plugins` (your own lightning_shardckpt.Plugin instances); or `options=CheckpointOptions(...)`. The checkpoint
+    options are CheckpointOptions fields (training/checkpoint_options.py: FABRIC_OPTIONS says which).
     """
 
     parallelism: str = "unknown"
@@ -81,30 +92,30 @@ class ShardedFabricStrategy:
             cls = strategy_class(parallelism, ddp=ShardedFabricDDPStrategy, fsdp=ShardedFabricFSDPStrategy)
         return super().__new__(cls)
 
+    @FABRIC_OPTIONS.derive
     def _init_checkpointing(
         self,
         *,
         root: str | None = None,
-        save: SaveConfig | dict | None = None,
         load: LoadConfig | dict | None = None,
-        resume_required: bool = False,
         step_key: str | None = None,
         restore_rng: bool = True,
-        keep_last: int | None = None,
-        keep_every_n_steps: int | None = None,
-        tiers: Any = None,
-        drill: Any = None,
-        health: Any = None,
         log_metrics: Callable[[dict[str, float], int], Any] | None = None,
-        plugins: Sequence[Plugin] | None = None,
         fault_hook: Any = None,  # tests only: fail, stall or kill a rank at named points of a save
+        options: CheckpointOptions | None = None,
+        **given: Any,
     ) -> None:
         # validated now: bad options fail when the strategy is built, before Fabric starts any rank
+        options = self.checkpoint_options = FABRIC_OPTIONS.build(given, options)
         self.options = CallbackConfig.saves_when_asked(
-            keep_last=keep_last, keep_every_n_steps=keep_every_n_steps, resume_required=resume_required
+            keep_last=options.keep_last,
+            keep_every_n_steps=options.keep_every_n_steps,
+            resume_required=options.resume_required,
         )
-        self.plugins, tiers_config = door_plugins(self.options, tiers, drill, health, plugins)
-        self._save_options = save_config_from(save or {}, parallelism=self.parallelism, front_door=FABRIC)
+        self.plugins, tiers_config = door_plugins(
+            self.options, options.tiers, options.drill, options.health, options.plugins
+        )
+        self._save_options = save_config_from(options.save, parallelism=self.parallelism, front_door=FABRIC)
         self._load_options = load if isinstance(load, LoadConfig) else LoadConfig(**(load or {}))
         self._save_checks = SaveChecks(
             trust_option="ShardedFabricStrategy(load={'trust_checkpoint': True})",
@@ -376,10 +387,15 @@ def _missing(key: str, where: str) -> KeyError:
     )
 
 
-def _checkpoint_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Take ShardedFabricStrategy's own options out of `kwargs` (what is left goes to Fabric's strategy)."""
+def _checkpoint_options(kwargs: dict[str, Any], fabric_takes: Sequence[Callable[..., Any]]) -> dict[str, Any]:
+    """Take ShardedFabricStrategy's own options out of `kwargs`; what is left goes to Fabric's strategy, so a name
+    none of `fabric_takes` (its constructor, and DDP's for the DDP strategy) has is refused here, by name, with the
+    closest option (a misspelt `keep_lst` would otherwise reach Fabric's strategy, or DDP at the first setup)."""
     names = inspect.signature(ShardedFabricStrategy._init_checkpointing).parameters
-    return {name: kwargs.pop(name) for name in list(kwargs) if name in names}
+    ours = {name: kwargs.pop(name) for name in list(kwargs) if name in names}
+    theirs = {name for function in fabric_takes for name in inspect.signature(function).parameters}
+    FABRIC_OPTIONS.refuse_unknown(set(kwargs) - theirs, also=theirs - {"self", "args", "kwargs"})
+    return ours
 
 
 def _plain_int(value: Any) -> int | None:
@@ -395,7 +411,7 @@ class ShardedFabricDDPStrategy(ShardedFabricStrategy, DDPStrategy):
 
     def __init__(self, *args: Any, parallelism: str = "ddp", **kwargs: Any) -> None:
         """The checkpoint options of ShardedFabricStrategy; the rest go to Fabric's DDPStrategy."""
-        checkpointing = _checkpoint_options(kwargs)
+        checkpointing = _checkpoint_options(kwargs, (DDPStrategy.__init__, DistributedDataParallel.__init__))
         DDPStrategy.__init__(self, *args, **kwargs)
         self._init_checkpointing(**checkpointing)
 
@@ -415,7 +431,7 @@ class ShardedFabricFSDPStrategy(AllRanksDataParallel, ShardedFabricStrategy, Mod
 
     def __init__(self, parallelize_fn: Any = None, *args: Any, parallelism: str = "fsdp", **kwargs: Any) -> None:
         """The checkpoint options of ShardedFabricStrategy; the rest go to Fabric's ModelParallelStrategy."""
-        checkpointing = _checkpoint_options(kwargs)
+        checkpointing = _checkpoint_options(kwargs, (ModelParallelStrategy.__init__,))
         ModelParallelStrategy.__init__(self, parallelize_fn or shard_repeated_blocks, *args, **kwargs)
         self._init_checkpointing(**checkpointing)
 

@@ -20,19 +20,12 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from ...engine.config import LoadConfig, SaveConfig, save_config_from
+from ...engine.config import save_config_from
 from ...engine.save.saver import CheckpointSaver, PendingSave
-from ...engine.tiers.config import TiersConfig
-from ...engine.validate import require_bool
-from ...identity.diff import IdentityPolicy
-from ...policies.drills.plugin import DrillConfig, drill_config_from
-from ...policies.health.rules import HealthConfig, health_config_from
 from ...policies.plan import CheckpointPlan
-from ...policies.plugin import Plugin
 from ...policies.tiers.plugin import tiered_dirpath
-from ...training.callback_options import CallbackConfig
+from ...training.checkpoint_options import ALL_OPTIONS, CheckpointOptions, DoorKeywords
 from ...training.checkpoint_setup import checkpoint_plan, door_plugins, placement_of
-from ...training.preemption import DEFAULT_GRACE_S
 from ...training.resume import resume_metrics
 from ...training.resume_sequence import announce_resume
 from ...training.run_ids import RunIds
@@ -47,6 +40,9 @@ from .run_identity import RunIdentity
 from .saving import request_save
 from .strategy import ShardedStrategy
 from .user_state import UserState
+
+# every option: the Trainer's door is the one the YAML (conf/checkpoint/) describes
+CALLBACK_OPTIONS = DoorKeywords("ShardedCheckpoint", ALL_OPTIONS, defaults={"save_on_preemption": True})
 
 
 class ShardedCheckpoint(Checkpoint):
@@ -63,68 +59,33 @@ class ShardedCheckpoint(Checkpoint):
     name. `best_model_score` and `current_score` are None, `best_k_models` is empty.
     """
 
+    @CALLBACK_OPTIONS.derive
     def __init__(
         self,
         dirpath: str | None = None,
         *,
-        every_n_train_steps: int | None = None,
-        every_n_minutes: float | None = None,
-        save_on_epoch_end: bool = False,
-        save_on_fit_end: bool = True,
-        save_on_preemption: bool = True,
-        preemption_grace_s: float | None = DEFAULT_GRACE_S,
-        keep_last: int | None = None,
-        keep_every_n_steps: int | None = None,
-        resume_required: bool = False,
-        save: SaveConfig = SaveConfig(),
-        verify_on_load: bool = True,
-        log_metrics: bool = True,
-        log_artifact: bool = True,
         run_config: Any = None,
-        identity_policy: IdentityPolicy = IdentityPolicy(),
-        dataset_version: str | None = None,
-        trust_checkpoint: bool = False,
-        require_signature: bool = False,
-        public_keys: Any = (),
-        revoked_keys: Any = (),
-        drill: DrillConfig = DrillConfig(),
-        health: HealthConfig | dict | list | str | None = HealthConfig(),
-        tiers: TiersConfig | None = None,
-        plugins: list[Plugin] | None = None,
+        options: CheckpointOptions | None = None,
+        **given: Any,
     ) -> None:
-        self.save_options = save_config_from(save)  # validated now: bad options fail before training starts
-        self.options = CallbackConfig(
-            every_n_train_steps=every_n_train_steps,
-            every_n_minutes=every_n_minutes,
-            save_on_epoch_end=save_on_epoch_end,
-            save_on_fit_end=save_on_fit_end,
-            save_on_preemption=save_on_preemption,
-            preemption_grace_s=preemption_grace_s,
-            keep_last=keep_last,
-            keep_every_n_steps=keep_every_n_steps,
-            resume_required=resume_required,
-        )
-        self.drill_options = drill_config_from(drill)  # restore drills of committed checkpoints
-        self.health_config = health_config_from(health)  # health rules; validated now
-        # retention, tiers (a fast and a durable tier), restore drills, health rules: validated now
+        """`dirpath`: the checkpoint root; `run_config`: the run's resolved config, recorded in every manifest;
+        `options` (a CheckpointOptions) and the keywords, its fields (training/checkpoint_options.py)."""
+        options = self.checkpoint_options = CALLBACK_OPTIONS.build(given, options)  # validated now
+        self.save_options = options.save
+        self.options = options.schedule()
+        self.drill_options = options.drill  # restore drills of committed checkpoints
+        self.health_config = options.health  # health rules
+        # retention, tiers (a fast and a durable tier), restore drills, health rules
         self.plugins, self.tiers_config = door_plugins(
-            self.options, tiers, self.drill_options, self.health_config, plugins
+            self.options, options.tiers, self.drill_options, self.health_config, options.plugins
         )
         # as given, or with tiers the fast tier's (a node-local one's template): the state key
         self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
         self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up
-        self.verify_on_load, self.trust_checkpoint = verify_on_load, trust_checkpoint
-        self.load_options = LoadConfig(
-            verify_checksums=verify_on_load,
-            trust_checkpoint=trust_checkpoint,
-            require_signature=require_signature,
-            public_keys=public_keys,  # one path, a windowed mapping or several: LoadConfig makes it a tuple
-            revoked_keys=revoked_keys,
-        )
-        # the door's own flags, outside the option dataclasses (which check theirs): a string "false" is truthy
-        self.log_metrics = require_bool("ShardedCheckpoint.log_metrics", log_metrics)
-        self.log_artifact = require_bool("ShardedCheckpoint.log_artifact", log_artifact)
-        self.identity = RunIdentity(run_config, dataset_version, identity_policy)  # validated now
+        self.verify_on_load, self.trust_checkpoint = options.verify_on_load, options.trust_checkpoint
+        self.load_options = options.load_config()
+        self.log_metrics, self.log_artifact = options.log_metrics, options.log_artifact
+        self.identity = RunIdentity(run_config, options.dataset_version, options.identity_policy)
         # kept across fits (the loop is rebuilt at each set-up): the last saved step and the run's id
         self.schedule, self.run_ids = SaveSchedule(self.options), RunIds(self.save_options.run_id)
         self.plan: CheckpointPlan | None = None
