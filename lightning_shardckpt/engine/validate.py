@@ -60,9 +60,10 @@ def typed_options(label: str | None = None, *, checked_by_parts: Iterable[str] =
         prefix = label if label is not None else cls.__name__
         _PARTS_CHECK[cls] = frozenset(checked_by_parts)
 
-        def __post_init__(self: Any) -> None:
+        def __post_init__(self: object) -> None:
             # types first: the class's own checks compare and branch on values a string would fool
-            for name, annotation in _checked_fields(type(self)).items():
+            cls_of_self: type = type(self)  # as `type`: mypy finds type[object] not Hashable, as functools.cache asks
+            for name, annotation in _checked_fields(cls_of_self).items():
                 require_type(f"{prefix}.{name}", getattr(self, name), annotation)
             if own is not None:
                 own(self)
@@ -227,6 +228,8 @@ def _problem(
         return "is not a finite number"
     if integer and not isinstance(value, Integral):
         return "is not an integer"
+    # as a float (isfinite above converted it already): typeshed's Real declares no order against a float
+    value = float(value)
     if at_least is not None and value < at_least:
         return too_small or f"is below {at_least:g}"
     if above is not None and value <= above:

@@ -4,7 +4,7 @@ the mesh sizes both use, and the default FSDP2 wrapping of a model that brings n
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -56,8 +56,8 @@ class AllRanksDataParallel:
     data-parallel over every rank unless sizes are given (`mesh_sizes`)."""
 
     # ModelParallelStrategy's (Lightning's or Fabric's), which this mixin precedes in both doors' classes
-    _data_parallel_size: int | str
-    _tensor_parallel_size: int | str
+    _data_parallel_size: int | Literal["auto"]
+    _tensor_parallel_size: int | Literal["auto"]
     num_nodes: int
     num_processes: int
 

@@ -214,7 +214,9 @@ def read_manifest_summary(
 ) -> ManifestSummary:
     """The manifest of the checkpoint `where` and `which` name (as resolve_checkpoint), without its tables."""
     location, entry = open_reference(which, where, storage_options)
-    manifest = entry.manifest  # read and validated by the pick
+    manifest = entry.committed_manifest  # read and validated by the pick
+    created_at = parse_time(manifest["created_at"])
+    assert created_at is not None  # the validation refuses a manifest whose created_at is not a time with a timezone
     return ManifestSummary(
         path=join(location.url, entry.name),
         checkpoint_id=manifest["id"],
@@ -223,7 +225,7 @@ def read_manifest_summary(
         step=manifest["step"],
         epoch=manifest.get("epoch"),
         samples_consumed=manifest.get("samples_consumed"),
-        created_at=parse_time(manifest["created_at"]),
+        created_at=created_at,
         format_version=manifest["format_version"],
         writer=dict(manifest.get("writer") or {}),
         topology=manifest["topology"],
@@ -329,7 +331,7 @@ def _signatures(
         if not entry.committed:
             continue
         try:
-            out[entry.name] = signing.signature_state(policy, location.fs, entry.path, entry.manifest)
+            out[entry.name] = signing.signature_state(policy, location.fs, entry.path, entry.committed_manifest)
         except ShardCkptError as err:  # corrupt (marked) or deleted meanwhile: no signature to speak of
             log.debug("%s: no signature state: %s", entry.path, err)
     return out

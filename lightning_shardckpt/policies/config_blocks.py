@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.validate import did_you_mean
 from ..errors import ConfigError
 
-Options = TypeVar("Options")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Options = TypeVar("Options", bound="DataclassInstance")  # a config dataclass: its fields are the known keys
 
 
 def options_from(cls: type[Options], value: Any, what: str) -> Options:

@@ -84,7 +84,9 @@ class CheckpointOptions:
     # --- the engine and the plug-ins: a config, a dict or a Hydra block, converted to the config when built ---
     save: SaveConfig = SaveConfig()  # the save engine (async, verify, format, signing, storage options)
     drill: DrillConfig = DrillConfig()  # restore drills of committed checkpoints
-    health: HealthConfig | dict | list | str | None = HealthConfig()  # health rules: a config, rules, or a rules file
+    health: HealthConfig | dict[str, Any] | list[Any] | str | None = (
+        HealthConfig()
+    )  # health rules: a config, rules, or a rules file
     tiers: TiersConfig | None = None  # a fast and a durable tier; None: checkpoints live under the root
     plugins: list[Plugin] | None = None  # your own plug-ins (lightning_shardckpt.Plugin), after ours
 

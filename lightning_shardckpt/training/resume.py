@@ -81,10 +81,12 @@ def resume(
     words = WORDS.get(plan.save.front_door, WORDS[ENGINE])
     ref = parse_reference(reference)
     asked = words.asked.format(ref.text)
-    root, which, config, fallbacks = plan.root, ref.selector, plan.load, []
+    root, config = plan.root, plan.load
+    fallbacks: list[Fallback] = []
+    which: str | int = "latest" if ref.selector is None else ref.selector  # a path: its own newest (below)
     tier_skipped: tuple[str, ...] = ()  # what the tier choice passed over for the signature policy
     if ref.is_path:  # a path names its own root (or one checkpoint directory): it must hold a checkpoint
-        root, which = ref.text, "latest"
+        root = ref.text
         if not _agreed_has_committed(root, config, group):
             raise CheckpointNotFound(
                 f"{asked} holds no committed checkpoint: found {_contents(root, config, group)}; pass a checkpoint "

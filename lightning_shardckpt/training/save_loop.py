@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..engine import ownership
 from ..engine.load.loader import LoadResult
@@ -87,6 +87,12 @@ class SaveLoop:
             fault_hook=self.host.fault_hook,
             **fields,
         )
+
+    @overload
+    def saver(self, create: Literal[True] = True) -> CheckpointSaver: ...
+
+    @overload
+    def saver(self, create: bool) -> CheckpointSaver | None: ...
 
     def saver(self, create: bool = True) -> CheckpointSaver | None:
         """Where saves go now: a plug-in's override (tiers' degraded mode), else the root's (created unless not
@@ -201,7 +207,7 @@ class SaveLoop:
                 pending.result()
                 self.drain()
         stop = due is not None and due.stop
-        if stop and due.reason == PREEMPTION and self.rank == 0:
+        if due is not None and due.stop and due.reason == PREEMPTION and self.rank == 0:
             committed = pending is not None and pending.result().committed
             said = "is committed" if committed else "did NOT commit (see above)"
             log.warning("preempted: step %d %s under %s; training stops", step, said, self.root)

@@ -10,14 +10,26 @@ Lightning calls inside the closure) needs no fence: gradients are not part of th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+
+if TYPE_CHECKING:  # savers.py imports the engine; the fence needs only its type
+    from .savers import SaverHost
+
+
+class _WithOptimizers(Protocol):
+    """What the strategy this mixin precedes (Lightning's Strategy) has and the mixin uses."""
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]: ...
 
 
 class StagingFence:
     """Mixin of ShardedStrategy, whose savers are its `host` (training/savers.py SaverHost): the fence itself is
     `SaverHost.fence`, the step pre-hooks `SaverHost.guard`."""
 
-    host: Any
+    host: SaverHost
 
     def _init_staging_fence(self) -> None:
         self._in_optimizer_step = False  # inside optimizer_step: its closure fences, the pre-hook need not
@@ -37,7 +49,8 @@ class StagingFence:
 
         self._in_optimizer_step = True
         try:
-            return super().optimizer_step(optimizer, closure_then_fence, model, **kwargs)
+            next_in_line: Any = super()  # Lightning's Strategy.optimizer_step, which mypy cannot name from this mixin
+            return next_in_line.optimizer_step(optimizer, closure_then_fence, model, **kwargs)
         finally:
             self._in_optimizer_step = False
 
@@ -57,5 +70,6 @@ class StagingFence:
         after the forward and backward that automatic optimization runs inside `step()`.
         """
         # LightningOptimizer wraps the real one
-        optimizers = [getattr(optimizer, "_optimizer", optimizer) for optimizer in self.optimizers]
+        strategy = cast(_WithOptimizers, self)  # the mixin of a Strategy, whose `optimizers` it reads
+        optimizers = [getattr(optimizer, "_optimizer", optimizer) for optimizer in strategy.optimizers]
         self.host.guard(optimizers, unless=lambda: self._in_optimizer_step)

@@ -143,7 +143,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     def load(self) -> Any:
         found = getattr(self, "persistent_load", None)  # torch.load sets it between construction and load
         if found is not None:
-            self.persistent_load = charge_storages(found, self._allowance)
+            # pickle's documented per-instance hook, which typeshed declares as a method
+            self.persistent_load = charge_storages(found, self._allowance)  # type: ignore[method-assign]
         try:
             return super().load()
         finally:

@@ -387,7 +387,11 @@ class ShardReader(StorageReader):
             return
         # read whole: by the digest of its block digests when it has blocks, as the buffered read hashed it
         check = ChunkCheck.of(expected[0], self._expected_blocks.get((chunk.relative_path, chunk.offset)))
-        actual = SHORT_READ.format(filled=fetched.filled, length=chunk.length) if short else fetched.digest
+        if short:
+            actual = SHORT_READ.format(filled=fetched.filled, length=chunk.length)
+        else:
+            assert fetched.digest is not None  # checksums are on (`_expected`): a whole, full read hashes the chunk
+            actual = fetched.digest
         if actual != check.expected:
             raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, check.expected, actual)
 

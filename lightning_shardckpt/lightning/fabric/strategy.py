@@ -28,7 +28,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, ModelParallelStrategy
@@ -60,6 +60,14 @@ from ..parallelism import AllRanksDataParallel, register_in, shard_repeated_bloc
 from . import state as fabric_state
 from .sampler import use_fabric_sampler
 
+if TYPE_CHECKING:
+    # The base precedes Fabric's DDPStrategy or ModelParallelStrategy in both concrete classes (below), so every
+    # instance is a Fabric ParallelStrategy: typed as one, its calls of broadcast, global_rank, super().teardown()
+    # are checked against Fabric's signatures. At run time it is a plain mixin, ahead of the real one in the MRO.
+    from lightning.fabric.strategies import ParallelStrategy as _FabricStrategy
+else:
+    _FabricStrategy = object
+
 log = logging.getLogger(__name__)
 
 # Fabric saves when the loop calls fabric.save (no schedule of ours), reads the load options from `load=`, and
@@ -72,7 +80,7 @@ FABRIC_OPTIONS = DoorKeywords(
 )
 
 
-class ShardedFabricStrategy:
+class ShardedFabricStrategy(_FabricStrategy):
     """Base of the sharded Fabric strategies; calling it builds the one for `parallelism`.
 
     Options (keyword-only, besides the Fabric strategy's own): `root` (the run's checkpoint root: where "latest",
@@ -86,8 +94,9 @@ class ShardedFabricStrategy:
     """
 
     parallelism: str = "unknown"
+    num_nodes: int  # DDPStrategy's and ModelParallelStrategy's (Fabric's ParallelStrategy does not declare it)
 
-    def __new__(cls, *args: Any, parallelism: str = "fsdp", **kwargs: Any):
+    def __new__(cls, *args: Any, parallelism: str = "fsdp", **kwargs: Any) -> ShardedFabricStrategy:
         if cls is ShardedFabricStrategy:
             cls = strategy_class(parallelism, ddp=ShardedFabricDDPStrategy, fsdp=ShardedFabricFSDPStrategy)
         return super().__new__(cls)
@@ -97,7 +106,7 @@ class ShardedFabricStrategy:
         self,
         *,
         root: str | None = None,
-        load: LoadConfig | dict | None = None,
+        load: LoadConfig | dict[str, Any] | None = None,
         step_key: str | None = None,
         restore_rng: bool = True,
         log_metrics: Callable[[dict[str, float], int], Any] | None = None,
@@ -162,7 +171,7 @@ class ShardedFabricStrategy:
         step = self._last_step + 1 if step is None else step
         request = self._request_of(parts, step)
         loop = self._run_loop(path)
-        if self._is_run_root(loop, path):
+        if loop is not None and self._is_run_root(loop, path):
             if not loop.started:
                 loop.start(self.last_load, resume_event=self._resume_event)
             loop.drain()
@@ -300,9 +309,7 @@ class ShardedFabricStrategy:
             self._loop.setup("fit")
         return self._loop
 
-    def _is_run_root(self, loop: SaveLoop | None, path: str) -> bool:
-        if loop is None:
-            return False
+    def _is_run_root(self, loop: SaveLoop, path: str) -> bool:
         if path in (self.root, loop.root):
             return True
         return fsio.resolve(path, loop.plan.save.storage_options).same_place(loop.plan.location)

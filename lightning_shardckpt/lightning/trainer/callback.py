@@ -158,12 +158,12 @@ class ShardedCheckpoint(Checkpoint):
         if resumed is not None:
             self._data.restore_rng()
             self._user.resumed(trainer)
-            identity = self.identity.check_resume(trainer, pl_module)  # may raise
+            identity = self.identity.check_resume(trainer, pl_module, resumed.loaded)  # may raise
             first = not resumed.announced
             resume_event = announce_resume(
                 resumed,
-                plan=self.plan,
-                loop=self.loop,
+                plan=self._set_up.plan,
+                loop=self._set_up,
                 rank=trainer.global_rank,
                 world_size=trainer.world_size,
                 identity=identity,
@@ -173,27 +173,27 @@ class ShardedCheckpoint(Checkpoint):
                 log_resumed_from(trainer, resumed.loaded)
         # after the restore, before any save: a resume of this run's checkpoint continues its id, and the root's
         # saver is created now (a root another run owns is refused before the first step, not at the first save)
-        self.loop.start(resumed.loaded if resumed is not None else None, resume_event=resume_event)
+        self._set_up.start(resumed.loaded if resumed is not None else None, resume_event=resume_event)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)
         if trainer.global_step >= 1:  # the optimizer state exists now: staging memory before the first save
-            trainer.strategy.prepare_staging(self.loop.saver())
+            ShardedStrategy.of(trainer).prepare_staging(self._set_up.saver())
         # Lightning's flag counts too: a SIGTERM in the moment before `take_back` reached Lightning's handler
         requested = self._signal.requested or bool(getattr(trainer, "received_sigterm", False))
-        outcome = self.loop.at_step_end(
+        outcome = self._set_up.at_step_end(
             trainer.global_step, self._request(trainer), max_steps=trainer.max_steps, preemption_requested=requested
         )
         self._after(trainer, outcome)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._after(trainer, self.loop.at_epoch_end(trainer.global_step, self._request(trainer)))
+        self._after(trainer, self._set_up.at_epoch_end(trainer.global_step, self._request(trainer)))
         self._user.epoch_ended(trainer)  # after the save: the uninterrupted run's snapshot precedes it too
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # on_train_end, not on_fit_end: Lightning tears the strategy (and its savers) down in between
-        self._after(trainer, self.loop.at_fit_end(trainer.global_step, self._request(trainer)))
-        self.loop.finish()
+        self._after(trainer, self._set_up.at_fit_end(trainer.global_step, self._request(trainer)))
+        self._set_up.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
@@ -213,7 +213,9 @@ class ShardedCheckpoint(Checkpoint):
             **self.plugins.state_dict(),  # "health": rank 0's (the one written) rule counters and mitigations
         }
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # a fork (saved under another dirpath): Lightning hands over only a state saved under this dirpath
         if (forked := forked_callback_state(checkpoint, self.state_key)) is not None:
             self.load_state_dict(forked)
@@ -225,6 +227,16 @@ class ShardedCheckpoint(Checkpoint):
         self._user.load(state_dict, self._trainer)
 
     # --- internals ---
+    @property
+    def _set_up(self) -> SaveLoop:
+        """The save loop `setup` built: Lightning calls setup before any hook of the loop."""
+        if self.loop is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.setup has not run: Lightning calls it at the start of trainer.fit; "
+                "pass the callback to Trainer(callbacks=[...]) rather than calling its hooks yourself"
+            )
+        return self.loop
+
     def _request(self, trainer: pl.Trainer) -> Request:
         """A save of this step: Lightning's snapshot and what goes with it (every rank)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -40,7 +40,7 @@ def with_last_resolved(launcher: _Launcher | None) -> _Launcher:
     """
     if launcher is None:
         return InProcessLauncher()
-    launcher.launch = _ResolvingLast(launcher)
+    cast(Any, launcher).launch = _ResolvingLast(launcher)  # this instance's method only: its class stays Lightning's
     return launcher
 
 

@@ -15,6 +15,7 @@ Logged `torchmetrics.Metric` objects are not in here: their states are merged wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Metada
 
 from ...engine.collectives import all_gather_objects
 
-_REDUCTIONS = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
+_REDUCTIONS: dict[str, Callable[..., Any]] = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
 _REDUCTIONS.update({"builtins.sum": sum, "builtins.max": max, "builtins.min": min})
 _NAMES = {id(fn): name for name, fn in _REDUCTIONS.items()}
 _FIELDS: tuple[str, ...] = (

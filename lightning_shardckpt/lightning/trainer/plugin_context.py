@@ -33,7 +33,9 @@ class TrainerReporter(Reporter):
         try:
             import wandb
 
-            run.alert(title=title, text=text, level=getattr(wandb.AlertLevel, level), wait_duration=wait_s)
+            # wandb's __init__.pyi omits AlertLevel, which its __init__.py exports (wandb.AlertLevel.WARN, ...)
+            levels = wandb.AlertLevel  # type: ignore[attr-defined]
+            run.alert(title=title, text=text, level=getattr(levels, level), wait_duration=wait_s)
         except Exception:  # an alert that cannot be sent is logged, never raised into training
             log.warning("could not send the W&B alert %r", title, exc_info=True)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from ...engine.load.loader import LoadResult
 from ...identity import blocks as identity
 from ...identity.diff import WARN, IdentityPolicy, compare
 from ...policies.config_blocks import options_from
@@ -57,11 +58,12 @@ class RunIdentity:
         )
         return {**self._static, "data": data}
 
-    def check_resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any] | None:
+    def check_resume(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loaded: LoadResult
+    ) -> dict[str, Any] | None:
         """Before the first step of a resumed run: the checkpoint's identity against this run's (raises under
         policy `error`). On rank 0, returns the comparison the `resume` event carries (training/resume_sequence.py
         writes it); None elsewhere."""
-        loaded = trainer.strategy.last_load
         report = compare(
             loaded.manifest.get("identity"), self.current(trainer, pl_module), self.policy, where=loaded.path
         )

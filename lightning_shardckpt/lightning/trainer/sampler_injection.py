@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -112,5 +112,6 @@ def end_of_fit() -> None:
     """The strategy's teardown: the next fit may have no resumable sampler, and then the warning is right."""
     while _quieted:
         entry = _quieted.pop()
-        if entry in warnings.filters:  # a caller's catch_warnings may have restored the list meanwhile
-            warnings.filters.remove(entry)
+        filters = cast(list[Any], warnings.filters)  # a list (typeshed: a Sequence), which filterwarnings edits too
+        if entry in filters:  # a caller's catch_warnings may have restored the list meanwhile
+            filters.remove(entry)

@@ -11,6 +11,7 @@ from ...engine.save.saver import PendingSave
 from ...policies.plugin import PluginList
 from .data_position import DataPosition
 from .run_identity import RunIdentity
+from .strategy import ShardedStrategy
 
 
 def request_save(
@@ -22,7 +23,7 @@ def request_save(
     extra = plugins.save_extra(trainer.lightning_module, trainer.global_rank)  # every rank: the probe's collectives
     # the outcome next to the identity: what the run logged by the time it saved (floats only)
     extra = {**(extra or {}), METRICS_EXTRA: encode_metrics(trainer.callback_metrics)}
-    return trainer.strategy.save_to_saver(
+    return ShardedStrategy.of(trainer).save_to_saver(
         saver,
         checkpoint,
         identity=current,

@@ -19,12 +19,14 @@ import pickle
 import re
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -81,10 +83,13 @@ def _lacking(layout: Layout) -> list[str]:
     return layout.not_restored() + ([] if layout.native else [NOT_IN_OTHER_DOORS])
 
 
-def _built_by_new(cls: type) -> type:
+_Class = TypeVar("_Class", bound=type)
+
+
+def _built_by_new(cls: _Class) -> _Class:
     """LightningCLI (jsonargparse) refuses an abstract class_path. ShardedStrategy never is an instance itself:
     its `__new__` builds ShardedDDPStrategy or ShardedFSDPStrategy, which implement all of Strategy."""
-    cls.__abstractmethods__ = frozenset()
+    cast(Any, cls).__abstractmethods__ = frozenset()  # ABCMeta's attribute, which typeshed's `type` does not declare
     return cls
 
 
@@ -142,6 +147,17 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             )
         return trainer.strategy
 
+    @property
+    def connected_module(self) -> pl.LightningModule:
+        """The LightningModule, which Lightning connects before any hook that saves, loads or builds a loader."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no LightningModule yet: it saves, loads and builds loaders only inside "
+                "trainer.fit/validate/test/predict, which connect the model first"
+            )
+        return module
+
     # --- what Lightning asks of a strategy ---
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -157,17 +173,17 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         self._launcher = ckpt_paths.with_last_resolved(self._launcher)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module)
+        return get_model_state_dict(self.connected_module)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
+        return get_optimizer_state_dict(self.connected_module, _unwrap(optimizer))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Apply `checkpoint["state_dict"]` (DCP-loaded, resharded) after Lightning's `on_load_checkpoint` hooks ran."""
         if "state_dict" not in checkpoint:
             return
         started = time.perf_counter()
-        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=StateDictOptions(strict=strict))
+        set_model_state_dict(self.connected_module, checkpoint["state_dict"], options=StateDictOptions(strict=strict))
         if self.last_load is not None:
             self.last_load.seconds += time.perf_counter() - started  # time to resume includes applying the weights
 
@@ -204,7 +220,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             self.wait_for_staging()  # the load overwrites parameters and optimizer state in place
             return self._load_lightnings_own(str(checkpoint_path), weights_only)
         started = time.perf_counter()
-        module = self.lightning_module
+        module = self.connected_module
         optimizers = [_unwrap(optimizer) for optimizer in self.optimizers]
         strict = module.strict_loading  # Lightning's partial-checkpoint switch: missing keys keep their initial values
         target = self._door_target(module, optimizers, strict)
@@ -236,7 +252,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         self.not_restored = resumed.not_restored
         model_section = layout.sources.get((lightning_state.MODEL_KEY,), (lightning_state.MODEL_KEY,))
         checkpoint["state_dict"] = self._present_in_checkpoint(
-            restored.get((lightning_state.MODEL_KEY,), {}), model_section
+            restored.get((lightning_state.MODEL_KEY,), {}), model_section, loaded
         )
         loaded.seconds = time.perf_counter() - started  # pick + read; load_model_state_dict adds the apply
         return checkpoint
@@ -244,7 +260,7 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         # a sampler whose position survives a resume onto another world size
         dataloader = use_resumable_sampler(super().process_dataloader(dataloader))
-        trainer = self.lightning_module.trainer
+        trainer = self.connected_module.trainer
         if self._resumed_sampler_state is not None and trainer.training:
             # here, not at on_train_start: Lightning sizes the epoch and creates the iterator right after
             restore_position(trainer, dataloader, self._resumed_sampler_state)
@@ -326,13 +342,13 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
 
     def state_layout(self) -> dict[str, Any]:
         """A state with the layout `save_to_saver` stages (live tensors, no copies): for `saver.prepare`."""
-        module = self.lightning_module
+        module = self.connected_module
         return lightning_state.load_target(
             get_model_state_dict(module), [get_optimizer_state_dict(module, _unwrap(opt)) for opt in self.optimizers]
         )
 
     def save_to_saver(
-        self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict | None = None, **meta: Any
+        self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict[str, Any] | None = None, **meta: Any
     ) -> PendingSave:
         state = lightning_state.to_dcp_state(checkpoint)
         self._save_checks(state, trust=self.load_config.trust_checkpoint, rank=self.global_rank)
@@ -352,14 +368,14 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             never_skip=bool(meta.get("never_skip", False)),
         )
 
-    def _parameters_or_optimizer_state(self):
+    def _parameters_or_optimizer_state(self) -> Callable[[str], bool]:
         """Flattened keys of parameters and optimizer state.
 
         Gradient sync keeps every rank's copy bit-identical, so their writes may be spread (buffers such
         as BatchNorm statistics and the pickled rest are not: rank 0's copy); and only the optimizer
         step changes them, so their staging copy may overlap the next forward and backward (buffers
         change in forward: copied at the request)."""
-        parameters = {f"{lightning_state.MODEL_KEY}.{name}" for name, _ in self.lightning_module.named_parameters()}
+        parameters = {f"{lightning_state.MODEL_KEY}.{name}" for name, _ in self.connected_module.named_parameters()}
         optimizers = f"{lightning_state.OPTIMIZERS_KEY}."
         return lambda fqn: fqn in parameters or fqn.startswith(optimizers)
 
@@ -438,22 +454,24 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
         state = {"last_saved_step": loaded.step, "sampler": own.get("sampler"), "rng": own.get("rng")}
         return {ckpt_paths.callback_state_key(loaded.path): {**state, **(own.get("plugins") or {})}}
 
-    def _present_in_checkpoint(self, model_state: dict[str, Any], section: tuple[str, ...]) -> dict[str, Any]:
+    def _present_in_checkpoint(
+        self, model_state: dict[str, Any], section: tuple[str, ...], loaded: LoadResult
+    ) -> dict[str, Any]:
         """The loaded model state without keys the checkpoint lacks (a load gets here with them only when
         strict_loading=False); warns naming every model key left as initialised. `section`: where the checkpoint
-        holds the model ("model"; another door's name for it)."""
+        `loaded` holds the model ("model"; another door's name for it)."""
         prefix = ".".join(section) + "."
-        saved = {entry["fqn"] for entry in self.last_load.manifest.get("tensors", [])}
-        saved |= {entry["fqn"] for entry in self.last_load.manifest.get("objects", [])}
+        saved = {entry["fqn"] for entry in loaded.manifest.get("tensors", [])}
+        saved |= {entry["fqn"] for entry in loaded.manifest.get("objects", [])}
         missing = {key for key in model_state if f"{prefix}{key}" not in saved}
         # also what the module's own state_dict() leaves out (Lightning's frozen-backbone pattern): never loaded
-        module_keys = torch.nn.Module.state_dict(self.lightning_module, keep_vars=True).keys()
+        module_keys = torch.nn.Module.state_dict(self.connected_module, keep_vars=True).keys()
         left = sorted(missing | {key for key in module_keys if f"{prefix}{key}" not in saved})
         if left and self.is_global_zero:
             log.warning(
                 "strict_loading=False: %d model key(s) are not in %s and keep their initialised values: %s",
                 len(left),
-                self.last_load.path,
+                loaded.path,
                 ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""),
             )
         return {key: value for key, value in model_state.items() if key not in missing}
@@ -554,8 +572,8 @@ def _own_options(cls: type[ShardedStrategy], parallelism: str, options: dict[str
 _WEIGHTS_ONLY_BLOCKED = re.compile(r"GLOBAL ([\w.]+)")  # torch: "Unsupported global: GLOBAL pkg.Class was not ..."
 
 
-def _unwrap(optimizer: Any) -> Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer  # it wraps the real one
 
 
 def _looks_like_id(text: str) -> bool:

@@ -11,9 +11,10 @@ of the resumed epoch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
+from lightning.pytorch.loops.progress import _ProcessedTracker
 
 from ...engine.collectives import rank_and_world
 from . import logged_results, metric_states, plateau
@@ -27,10 +28,12 @@ def _saved_at(trainer: pl.Trainer) -> str | None:
     after an epoch that ran to its end) or None (elsewhere: fit end, outside fit)."""
     if not trainer.training:
         return None
-    batches, epochs = trainer.fit_loop.epoch_loop.batch_progress, trainer.fit_loop.epoch_progress
-    if batches.current.completed == batches.current.processed - 1:
+    # Lightning's progress dataclasses declare `current` as the base tracker their default factory subclasses
+    batches = cast(_ProcessedTracker, trainer.fit_loop.epoch_loop.batch_progress.current)
+    epochs = cast(_ProcessedTracker, trainer.fit_loop.epoch_progress.current)
+    if batches.completed == batches.processed - 1:
         return "step"
-    in_epoch_end = epochs.current.completed == epochs.current.processed - 1
+    in_epoch_end = epochs.completed == epochs.processed - 1
     return "epoch" if in_epoch_end and _last_batch(trainer) else None
 
 
@@ -72,10 +75,11 @@ class UserState:
         plateau steps the checkpoint was taken before."""
         loaded, self._loaded = self._loaded, None
         self._resumed_mid_epoch = bool(loaded and loaded["mid_epoch"])
+        if not loaded:
+            return
         if self._resumed_mid_epoch:
             logged_results.restore(trainer, loaded["logged"], rank_and_world()[0])
-        if loaded:
-            plateau.replay(trainer, loaded["plateau_due"])
+        plateau.replay(trainer, loaded["plateau_due"])
 
     def epoch_ended(self, trainer: pl.Trainer) -> None:
         """At the end of every epoch, after the epoch-end save: the plateau update Lightning skips at the end
