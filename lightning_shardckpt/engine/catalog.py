@@ -19,8 +19,9 @@ step 9 exists) the new branch's commits are newer than step 9, whatever their st
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -195,8 +196,15 @@ def resolve_latest(
     """The latest committed checkpoint (see newest_committed); the pointer is only a hint, checked against the listing."""
     entries = list_checkpoints(location) if entries is None else entries
     newest = newest_committed(entries, run_id)
+    if newest is not None:
+        _pointer_hint(location, newest)
+    return newest
+
+
+def _pointer_hint(location: Location, newest: CheckpointEntry) -> None:
+    """Say so when the `latest` pointer names another checkpoint than the newest commit (which wins)."""
     pointer = read_latest_pointer(location)
-    if newest is not None and pointer != newest.name:
+    if pointer != newest.name:
         log.warning(
             "%s: `latest` points to %r but the newest committed checkpoint is %r; using %r",
             location.url,
@@ -204,7 +212,6 @@ def resolve_latest(
             newest.name,
             newest.name,
         )
-    return newest
 
 
 LAST_GOOD = "last-good"  # the newest drilled checkpoint (engine/format/drill_records.py): proven to restore
@@ -226,6 +233,13 @@ def last_good(
     """
     if states is None:
         states = drill_records.trust_states(location, entries)
+    return _newest_drilled(entries, run_id, keep, states)
+
+
+def _newest_drilled(
+    entries: list[CheckpointEntry], run_id: str | None, keep: int, states: dict[str, str]
+) -> list[CheckpointEntry]:
+    """`last_good` once the trust states are read."""
     newest = newest_committed(entries, run_id)
     if newest is None:
         return []
@@ -264,6 +278,54 @@ def find(
     raise AssertionError("unreachable")
 
 
+def candidates(
+    entries: list[CheckpointEntry],
+    which: str | int,
+    run_id: str | None = None,
+    states: dict[str, str] | None = None,
+) -> Iterator[CheckpointEntry]:
+    """The committed checkpoints among `entries` that `which` names, in the order a pick tries them: the one place
+    the rules of which checkpoint a selector names live. `pick` takes the first whose manifest validates (and the
+    signature policy accepts); a tiered resume (engine/tiers/restore.py) the first a copy of which every rank can
+    read, over the tiers' checkpoints together.
+
+    - `latest`: the newest commit of `run_id` when that run has one, else of the run that committed last
+      (`newest_committed`), then the newest of what is left by the same rule, and so on: each one passed over is
+      as if it were not there;
+    - `last-good`: the drilled ones of the run `latest` comes from (of every run, when it has none), newest first;
+      `states` (drill_records.trust_states) are required for it;
+    - a step, an id or a directory name: the one committed checkpoint it names (the newest commit, where several
+      runs committed a step). Only that one: a named checkpoint that is not sound is an error, never another.
+    Lazy: a pick reads no further than the candidate it takes.
+    """
+    if which == "latest":
+        yield from _newest_first(entries, run_id)
+    elif which == LAST_GOOD:
+        if states is None:
+            raise ValueError("the candidates for `last-good` need the trust states (drill_records.trust_states)")
+        yield from reversed(_newest_drilled(entries, run_id, len(entries), states))
+    else:
+        # `entries` in listing order (step, commit time, name): the last match is the newest commit of that step
+        named = [entry for entry in entries if entry.committed and names(entry, which)]
+        if named:
+            yield max(named, key=lambda e: (e.step, _timestamp(e), e.name))
+
+
+def _newest_first(entries: list[CheckpointEntry], run_id: str | None) -> Iterator[CheckpointEntry]:
+    """`newest_committed` of `entries`, then of what is left without it, and so on (each run's commits popped from
+    its newest; the run that committed last found from each run's newest commit time among what it has left)."""
+    runs: dict[str | None, list[CheckpointEntry]] = {}
+    for entry in sorted((e for e in entries if e.committed), key=run_order):
+        runs.setdefault(entry.run_id, []).append(entry)
+    # newest[run][i]: the newest commit time among the run's first i + 1 commits (what is left after popping)
+    newest = {run: list(itertools.accumulate(map(time_order, mine), max)) for run, mine in runs.items()}
+    while runs:
+        run = run_id if run_id in runs else max(runs, key=lambda r: newest[r][len(runs[r]) - 1])
+        yield runs[run].pop()
+        if not runs[run]:
+            del runs[run]
+
+
 def names(entry: CheckpointEntry, selector: str | int) -> bool:
     """`selector` (a step, an id or a directory name, as engine/root.parse_reference gives them) names this checkpoint."""
     text = str(selector)
@@ -290,17 +352,18 @@ def pick(
     """
     unsigned: list[str] = []  # passed over because the signature policy refused them
     if which == "latest":
-        while True:
-            chosen = resolve_latest(location, entries, run_id)
-            if chosen is None:
-                break
+        for tried, chosen in enumerate(candidates(entries, which, run_id)):
+            if tried == 0:
+                _pointer_hint(location, chosen)
             try:
                 # validated now: a corrupt one is never handed out
                 return _skipped_noted(_with_manifest_read(chosen, location, policy), unsigned)
-            except CorruptCheckpoint as err:  # the entry is marked corrupt: the next pass skips it
+            except CorruptCheckpoint as err:  # the entry is marked corrupt: a listing shows why
                 _skipping(location, chosen, "latest", err, unsigned)
     elif which == LAST_GOOD:
-        for chosen in reversed(last_good(location, entries, run_id, keep=len(entries), states=states)):
+        if states is None:
+            states = drill_records.trust_states(location, entries)
+        for chosen in candidates(entries, which, run_id, states):
             try:
                 return _skipped_noted(_with_manifest_read(chosen, location, policy), unsigned)
             except CorruptCheckpoint as err:
@@ -310,19 +373,16 @@ def pick(
             f"Drill one with `shardckpt drill {location.url}`, or resume from `latest`"
         )
     else:
-        text = str(which)
-        matches = [e for e in entries if names(e, text)]
-        uncommitted = [e for e in matches if not e.committed]
-        matches = [e for e in matches if e.committed]
-        if uncommitted and not matches:
+        uncommitted = [e for e in entries if not e.committed and names(e, which)]
+        for chosen in candidates(entries, which):
+            return _with_manifest_read(chosen, location, policy)  # a corrupt or vanished one raises, naming itself
+        if uncommitted:
             raise CheckpointNotFound(
                 f"{uncommitted[-1].path} is {uncommitted[-1].state}, not committed"
                 + (f" ({uncommitted[-1].problem})" if uncommitted[-1].problem else "")
                 + "; it will never be loaded. Pick a committed one: shardckpt ls "
                 + location.url
             )
-        if matches:
-            return _with_manifest_read(matches[-1], location, policy)  # a corrupt or vanished one raises, naming itself
     committed = [e.name for e in entries if e.committed]
     hint = f"committed here: {committed[-5:]}" if committed else "there is no committed checkpoint here"
     corrupt = [e for e in entries if e.state == CORRUPT]

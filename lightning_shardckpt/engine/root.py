@@ -19,6 +19,8 @@ The spellings (`parse_reference` reads the text; `locate` adds what only storage
 `Root` is a root on any storage: `list()` its checkpoints, `pick(reference)` one, `open(reference)` one that may be
 elsewhere (a path names its own root), `follow()` the commits it has not seen. What it picks is
 engine/catalog.py's pick: the index walk and listing check of `latest`, `last-good`, the signature policy's skips.
+Its rules of which checkpoint a selector names (catalog.candidates) are the ones a tiered resume applies over the
+tiers' checkpoints taken together (engine/tiers/restore.py): the tiers choose a copy, never another checkpoint.
 """
 
 from __future__ import annotations

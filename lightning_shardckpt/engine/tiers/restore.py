@@ -1,5 +1,10 @@
 """Which tier a resume reads: the newest committed checkpoint every rank can read, fast tier first at a tie.
 
+Which checkpoints a selector names, and in which order, is not decided here: it is engine/catalog.py's `candidates`,
+the rules `Root.pick` applies, over the two tiers' checkpoints taken together (one root holding whatever either
+tier lists; a checkpoint drilled on either tier is drilled). This module only chooses the copy: the first candidate
+of which a copy is readable by every rank (and accepted by the signature policy), the fast copy first.
+
 A node-local fast tier is readable only where it was written: on a resized or replaced cluster some
 ranks lack the files (or the manifest) there. So each rank checks, in its own view of each tier,
 which of the newest candidates are complete, and the ranks agree with one all-gather
@@ -20,7 +25,7 @@ from typing import Any
 
 from .. import catalog
 from ..collectives import all_gather_objects, rank_and_world
-from ..format import groups
+from ..format import drill_records, groups
 from ..format.layout import MANIFEST, join
 from ..format.manifest import files_with_metadata
 from ..format.signing import SignaturePolicy, SignatureRefused
@@ -71,40 +76,62 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
         return False
 
 
-def _candidates(
-    location: Location | None, which: str | int, per_tier: int = CANDIDATES_PER_TIER
-) -> tuple[list[catalog.CheckpointEntry], set[str]]:
-    """The tier's newest `per_tier` committed checkpoints of its latest run (newest first), and its drilled ones;
-    for a step, an id or a directory name, the committed checkpoints it names (newest commit first)."""
+def _listing(location: Location | None) -> list[catalog.CheckpointEntry]:
     if location is None:
-        return [], set()
+        return []
     try:
-        entries = catalog.list_checkpoints(location)
+        return catalog.list_checkpoints(location)
     except Exception:  # noqa: BLE001 - an unreachable tier offers nothing
         log.warning("cannot list %s; not considering it for the resume", location.url, exc_info=True)
-        return [], set()
-    if which not in ("latest", catalog.LAST_GOOD):
-        named = [entry for entry in entries if entry.committed and catalog.names(entry, which)]
-        return sorted(named, key=catalog.time_order, reverse=True)[:per_tier], set()
-    newest = catalog.newest_committed(entries)
-    if newest is None:
-        return [], set()
-    mine = catalog.committed_of_run(entries, newest.run_id)
-    drilled = (
-        {entry.name for entry in catalog.last_good(location, entries, newest.run_id, keep=len(mine))}
-        if which == catalog.LAST_GOOD
-        else set()
-    )
-    return list(reversed(mine))[:per_tier] if which != catalog.LAST_GOOD else list(reversed(mine)), drilled
+        return []
+
+
+def _candidates(
+    tiers: dict[str, Location | None], which: str | int, per_tier: int = CANDIDATES_PER_TIER
+) -> tuple[list[str], dict[str, list[catalog.CheckpointEntry]]]:
+    """What `which` names on the tiers taken together: the catalog's candidates (catalog.candidates, the rules
+    `Root.pick` applies) over one root holding every checkpoint either tier lists, a checkpoint drilled on either
+    tier being drilled (drills run on the fast tier; its durable copy is the same checkpoint). Returns their names
+    in the pick's order of preference, and each tier's copies of them, its first `per_tier` (each is checked with
+    one listing of its directory): a tier's newest copies are considered even where the other tier has newer ones."""
+    listed = {tier: _listing(location) for tier, location in tiers.items()}
+    together: dict[str, catalog.CheckpointEntry] = {}
+    for entries in listed.values():
+        for entry in entries:  # a copy that is not committed (a torn or corrupt one) does not hide the other's
+            if entry.name not in together or (entry.committed and not together[entry.name].committed):
+                together[entry.name] = entry
+    states: dict[str, str] | None = None
+    if which == catalog.LAST_GOOD:
+        states = {}
+        for tier, location in tiers.items():
+            if location is None or not listed[tier]:
+                continue
+            for name, state in drill_records.trust_states(location, listed[tier]).items():
+                if states.get(name) != drill_records.DRILLED:
+                    states[name] = state
+    copies = {tier: {entry.name: entry for entry in entries if entry.committed} for tier, entries in listed.items()}
+    order: list[str] = []
+    found: dict[str, list[catalog.CheckpointEntry]] = {tier: [] for tier in tiers}
+    left = {tier: len(held) for tier, held in copies.items()}  # copies not yet met in the order
+    for entry in catalog.candidates(list(together.values()), which, states=states):
+        kept = False
+        for tier in tiers:
+            if entry.name in copies[tier]:
+                left[tier] -= 1
+                if len(found[tier]) < per_tier:
+                    found[tier].append(copies[tier][entry.name])
+                    kept = True
+        if kept:
+            order.append(entry.name)
+        if all(len(found[tier]) >= per_tier or left[tier] == 0 for tier in tiers):
+            break  # `latest` is lazy: no tier has a candidate left to take
+    return order, found
 
 
 def listed_anywhere(fast: Location | None, durable: Location | None, which: str | int) -> list[str]:
     """The candidates for `which` either tier lists (readable or not), as `TIER:NAME`."""
-    return [
-        f"{tier}:{entry.name}"
-        for tier, location in ((FAST, fast), (DURABLE, durable))
-        for entry in _candidates(location, which)[0]
-    ]
+    _, found = _candidates({FAST: fast, DURABLE: durable}, which)
+    return [f"{tier}:{entry.name}" for tier, entries in found.items() for entry in entries]
 
 
 def choose(fast: Location | None, durable: Location | None, which: str | int, group: Any) -> list[TierChoice]:
@@ -130,15 +157,12 @@ def choose_signed(
     restore already refused ({name: (why, commit order)}, the same on every rank), counted among those passed over."""
     tiers = {FAST: fast, DURABLE: durable}
     per_tier = CANDIDATES_PER_TIER if policy is None else SIGNED_CANDIDATES_PER_TIER
-    found: dict[str, list[catalog.CheckpointEntry]] = {}
-    drilled: set[str] = set()
-    for tier, location in tiers.items():
-        found[tier], tier_drilled = _candidates(location, which, per_tier)
-        drilled |= tier_drilled
-    if which == catalog.LAST_GOOD:
-        found = {tier: [e for e in entries if e.name in drilled][:per_tier] for tier, entries in found.items()}
+    order, found = _candidates(tiers, which, per_tier)
     mine = {
-        (tier, entry.name) for tier, entries in found.items() for entry in entries if readable_here(tiers[tier], entry)
+        (tier, entry.name)
+        for tier, entries in found.items()
+        for entry in entries
+        if readable_here(_listed(tiers[tier]), entry)
     }
     refused_here: dict[str, tuple[str, tuple]] = {}
     if policy is not None and rank_and_world(group)[0] == 0:  # rank 0 judges manifests, as the loader's pick does
@@ -147,7 +171,7 @@ def choose_signed(
                 if (tier, entry.name) not in mine:
                     continue
                 try:
-                    why = _refusal(policy, tiers[tier], entry)
+                    why = _refusal(policy, _listed(tiers[tier]), entry)
                 except Exception:  # noqa: BLE001 - not judged (a read failed): no candidate, but nothing refused
                     log.warning("cannot check the signature of %s; not considering it", entry.path, exc_info=True)
                     mine.discard((tier, entry.name))
@@ -159,16 +183,12 @@ def choose_signed(
     everywhere = set.intersection(*[set(map(tuple, view["readable"])) for view in views])
     refused = {f"{FAST}:{name}": verdict for name, verdict in (refused_before or {}).items()}
     refused.update({copy: verdict for view in views for copy, verdict in view["refused"].items()})
-    ranked = []
-    for tier, entries in found.items():
-        for entry in entries:
-            if (tier, entry.name) in everywhere:
-                ranked.append((catalog.run_order(entry)[:2], entry.step, 0 if tier == FAST else 1, tier, entry))
-    # newest commit first; at the same checkpoint (or step) the fast tier first
-    ranked.sort(key=lambda item: (item[0][0], item[0][1], item[1], -item[2]), reverse=True)
+    # the pick's order (catalog.candidates); at the same checkpoint the fast tier first
+    copy_of = {(tier, entry.name): entry for tier, entries in found.items() for entry in entries}
+    ranked = [(tier, copy_of[tier, name]) for name in order for tier in (FAST, DURABLE) if (tier, name) in everywhere]
     choices = []
-    for _, _, _, tier, entry in ranked:
-        location = tiers[tier]
+    for tier, entry in ranked:
+        location = _listed(tiers[tier])
         others = [t for t in found if t != tier and any(e.name == entry.name for e in found[t])]
         if tier == FAST:
             reason = (
@@ -187,6 +207,12 @@ def choose_signed(
                 reason += f"; the signature policy refused the fast tier's copies of {', '.join(unsigned[:3])}"
         choices.append(TierChoice(tier, entry.name, join(location.url, entry.name), entry.step, reason))
     return TierPick(choices, {copy: why for copy, (why, _) in refused.items()}, _passed_over(refused, ranked))
+
+
+def _listed(location: Location | None) -> Location:
+    """A tier that offered candidates: it was listed, so it is configured."""
+    assert location is not None, "a candidate of a tier that is not there"
+    return location
 
 
 def _order(entry: catalog.CheckpointEntry) -> tuple:
@@ -208,7 +234,7 @@ def _refusal(policy: SignaturePolicy, location: Location, entry: catalog.Checkpo
 def _passed_over(refused: dict[str, tuple[str, tuple]], ranked: list[tuple]) -> tuple[str, ...]:
     """Names of the checkpoints newer than the first choice (all, without one) of which a copy was refused; newest
     first. A refused copy of the chosen checkpoint itself (its other tier's copy is read) passes over nothing."""
-    first = ranked[0][4] if ranked else None
+    first = ranked[0][1] if ranked else None
     newer = {}
     for copy, (_, order) in refused.items():
         name = copy.split(":", 1)[1]
