@@ -7,8 +7,16 @@ them in `transformer.h` and ties `lm_head.weight` to `transformer.wte.weight`.""
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # set before the import: huggingface_hub reads it once; a test never downloads
+# scripts/setup_env.sh installs transformers beside the venv, not in it (torchmetrics would import it in every
+# Lightning process); appended, so what the venv has wins over the copies of shared dependencies there
+HF_SITE = os.path.join(sys.prefix, "hf-site")
+if not os.path.isdir(HF_SITE):
+    raise ImportError(f"{HF_SITE} is missing: transformers for the HF tests; run `bash scripts/setup_env.sh`")
+if HF_SITE not in sys.path:
+    sys.path.append(HF_SITE)
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
