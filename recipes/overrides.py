@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 NOT_A_KEY = re.compile(r"Could not override '([^']+)'")
 _ABSENT = object()
-UNEXPECTED = re.compile(r"unexpected keyword argument '([^']+)'")
+# Python's own refusal, and a door's (CheckpointOptions.refuse_unknown) for a keyword it does not take
+UNEXPECTED = re.compile(r"(?:unexpected keyword argument|\): unknown option) '([^']+)'")
 
 
 def unknown_keys(config_dir: str, config_name: str, overrides: list[str]) -> list[str]:
@@ -56,7 +57,7 @@ def _explained(key: str, cause: str, config: DictConfig) -> str:
 
 
 def unexpected_argument(err: BaseException, target: Any, group: str) -> str | None:
-    """For a TypeError about an unexpected keyword of `target` (a class or function): which key, and the
+    """For a refusal of an unexpected keyword of `target` (a class or function): which key, and the
     closest parameters it has; None for any other error."""
     match = UNEXPECTED.search(str(err))
     if match is None or target is None:
