@@ -26,8 +26,8 @@ from typing import Any
 from .. import catalog
 from ..collectives import all_gather_objects, rank_and_world
 from ..format import drill_records, groups
-from ..format.layout import MANIFEST, join
 from ..format.manifest import files_with_metadata
+from ..format.names import MANIFEST, join
 from ..format.signing import SignaturePolicy, SignatureRefused
 from ..storage.fsio import Location
 
