@@ -88,7 +88,7 @@ def synthetic_manifest(
 def make_root(root: str, checkpoints: int, tensors: int, version: int = 2) -> list[str]:
     """Write `checkpoints` committed synthetic checkpoints of one run under `root`; return their names."""
     from lightning_shardckpt.engine.format import manifest as manifest_format
-    from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
+    from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST, checkpoint_dirname
 
     os.makedirs(root, exist_ok=True)
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
-from lightning_shardckpt.engine.format.layout import shard_filename
+from lightning_shardckpt.engine.format.names import shard_filename
 
 ONE_TENSOR = "2-one-tensor"  # saved on 2 ranks, the same bytes as one tensor
 SAVED_WORLDS = (2, 3, 4, ONE_TENSOR)  # every checkpoint is saved once, on this many ranks (or this layout)

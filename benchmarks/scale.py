@@ -47,7 +47,7 @@ from lightning_shardckpt.engine.format import chunk_layout, groups
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.format.checksum import checksum
-from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname, join
+from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname, join
 from lightning_shardckpt.engine.load.resume_plan import plan_boxes
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
 from lightning_shardckpt.engine.save.group_summaries import lead_group

@@ -55,7 +55,7 @@ ENGINE_NAMES = {
     "export_checkpoint": ".ops.export",
     "VerifyReport": ".ops.verify",
     "verify_checkpoint": ".ops.verify",
-    "DrillConfig": ".policies.drills.plugin",
+    "DrillConfig": ".policies.drills.drills_plugin",
     "Transition": ".policies.health.evaluate",
     "HealthConfig": ".policies.health.rules",
     "HealthRule": ".policies.health.rules",
@@ -149,7 +149,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         SaverRouter,
         StopDecider,
     )
-    from .policies.drills.plugin import DrillConfig
+    from .policies.drills.drills_plugin import DrillConfig
     from .policies.health.evaluate import Transition
     from .policies.health.mitigations import HealthControl, MitigationContext, register_mitigation
     from .policies.health.rules import HealthConfig, HealthRule, NormalRange, Persistence

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from ..engine.format import drill_records
-from ..engine.format.layout import parse_dirname
+from ..engine.format.names import parse_dirname
 from ..engine.storage import fsio
 from ..errors import CheckpointNotFound, ConfigError
 from ..ops.roots import list_checkpoints

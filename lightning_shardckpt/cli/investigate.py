@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from ..engine.format.layout import join
+from ..engine.format.names import join
 from ..engine.root import open_root
 from ..ops import diff as checkpoint_diff
 from ..ops import references

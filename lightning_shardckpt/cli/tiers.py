@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..engine.format import drill_records, signing
-from ..engine.format.layout import checkpoint_dirname_parts
+from ..engine.format.names import checkpoint_dirname_parts
 from ..engine.root import open_root
 from ..engine.tiers.restore import choose_signed
 from ..ops.roots import CheckpointInfo, list_checkpoints

@@ -36,7 +36,7 @@ from .format.bounded_json import MANIFEST_MAX_BYTES, SMALL_MAX_BYTES
 # name them too; callers keep reaching them here, where a root is listed
 from .format.entry import COMMITTED, CORRUPT, UNCOMMITTED, CheckpointEntry
 from .format.entry import read_manifest as read_manifest
-from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
+from .format.names import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
 from .format.signing import SignaturePolicy, SignatureRefused
 from .storage.fsio import Location
 from .storage.small_files import SmallFileRefused

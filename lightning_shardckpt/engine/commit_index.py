@@ -29,7 +29,7 @@ from ..errors import ShardCkptError
 from .format import manifest as manifest_format
 from .format.bounded_json import MANIFEST_MAX_BYTES, SMALL_MAX_BYTES
 from .format.entry import COMMITTED, CheckpointEntry
-from .format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
+from .format.names import COMMIT_RECORD, LATEST, MANIFEST, join, parse_dirname
 from .storage import fsio
 from .storage.fsio import Location
 from .storage.small_files import SmallFileRefused

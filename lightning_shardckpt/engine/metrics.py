@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .format import bounded_json
-from .format.layout import EVENTS_DIR, join
+from .format.names import EVENTS_DIR, join
 from .storage import fsio
 from .storage.fsio import Location
 from .storage.small_files import SmallFileRefused

@@ -25,7 +25,7 @@ from ..errors import ConfigError, StorageUnavailable
 from .collectives import broadcast_from_coordinator, rank_and_world
 from .config import CHECKPOINTER, ENGINE, FABRIC, LIGHTNING
 from .format import bounded_json
-from .format.layout import OWNER, join
+from .format.names import OWNER, join
 from .storage import fsio
 from .storage.fsio import Location
 from .storage.small_files import SmallFileRefused

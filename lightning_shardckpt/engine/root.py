@@ -36,7 +36,7 @@ from typing import Union
 from ..errors import CheckpointDeleted, CheckpointNotFound, ConfigError, ShardCkptError
 from . import catalog
 from .format.entry import UNCOMMITTED, CheckpointEntry
-from .format.layout import LATEST, parse_dirname
+from .format.names import LATEST, parse_dirname
 from .format.signing import SignaturePolicy
 from .storage import fsio
 from .storage.fsio import Location

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import catalog
-from ..engine.format.layout import join, shard_rank
+from ..engine.format.names import join, shard_rank
 from ..engine.storage.fsio import Location
 from ..errors import CheckpointNotFound
 from . import diff as identity_diff

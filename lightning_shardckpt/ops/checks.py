@@ -24,7 +24,7 @@ import torch
 
 from ..engine.catalog import CheckpointEntry
 from ..engine.format import drill_records
-from ..engine.format.layout import join
+from ..engine.format.names import join
 from ..engine.format.outcomes import decode_metrics
 from ..engine.load.global_tensors import GlobalTensorReader
 from ..engine.storage.fsio import Location

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..engine.format.layout import join
+from ..engine.format.names import join
 from ..engine.load.global_tensors import GlobalTensorReader, TensorSpec
 from ..engine.root import open_reference
 from ..engine.storage import fsio

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..engine.format.layout import MANIFEST, join, parse_dirname
+from ..engine.format.names import MANIFEST, join, parse_dirname
 from ..engine.storage import fsio
 from ..errors import ConfigError
 from .export_formats import SAFETENSORS_INDEX

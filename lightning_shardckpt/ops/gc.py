@@ -33,7 +33,7 @@ from typing import Any
 
 from ..engine import catalog, commit_index
 from ..engine.format import references as refs
-from ..engine.format.layout import MANIFEST, join
+from ..engine.format.names import MANIFEST, join
 from ..engine.storage.fsio import Location
 from ..engine.validate import require_number
 

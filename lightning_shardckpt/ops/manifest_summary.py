@@ -23,7 +23,7 @@ from ..engine.format import manifest as manifest_format
 from ..engine.format import manifest_schema
 from ..engine.format.entry import read_manifest, read_manifest_bytes
 from ..engine.format.groups import GROUPS_FIELD
-from ..engine.format.layout import MANIFEST, PARTS_FORMAT_VERSION, join, parse_dirname
+from ..engine.format.names import MANIFEST, PARTS_FORMAT_VERSION, join, parse_dirname
 from ..engine.format.parts_manifest import PARTS_FIELD
 from ..errors import CheckpointDeleted, CorruptCheckpoint, ShardCkptError
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import catalog
-from ..engine.format.layout import join
+from ..engine.format.names import join
 from ..engine.root import open_reference, open_root, parse_reference
 from ..engine.storage.fsio import Location
 from ..errors import ConfigError

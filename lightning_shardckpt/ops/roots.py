@@ -28,8 +28,8 @@ from ..engine import catalog
 from ..engine.format import drill_records, groups, signing
 from ..engine.format import manifest as manifest_format
 from ..engine.format.entry import CheckpointEntry
-from ..engine.format.layout import join
 from ..engine.format.manifest_schema import REFERENCES_FIELD, parse_time
+from ..engine.format.names import join
 from ..engine.root import Root, open_reference, open_root
 from ..engine.storage.fsio import Location
 from ..engine.validate import require_number

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..engine import catalog
 from ..engine.format import drill_records
-from ..engine.format.layout import join, parse_dirname
 from ..engine.format.manifest import IDENTITY_BLOCKS, canonical_digest
+from ..engine.format.names import join, parse_dirname
 from ..engine.format.outcomes import decode_metrics
 from ..engine.metrics import COMMITTED, FAILED, SKIPPED, read_events
 from ..engine.storage.fsio import Location

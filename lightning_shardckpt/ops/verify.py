@@ -20,7 +20,7 @@ from ..engine.format import manifest as manifest_format
 from ..engine.format import parts as part_format
 from ..engine.format.checksum import ChunkCheck, checksum_of_checksums
 from ..engine.format.chunk_index import read_parts
-from ..engine.format.layout import DCP_METADATA, join, shard_filename
+from ..engine.format.names import DCP_METADATA, join, shard_filename
 from ..engine.format.references import REFERENCES_FIELD
 from ..engine.format.safe_pickle import DCP_METADATA_FIELD
 from ..engine.root import open_reference

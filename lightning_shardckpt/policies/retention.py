@@ -29,7 +29,7 @@ from typing import Any
 from ..engine import catalog, commit_index
 from ..engine.format import drill_records
 from ..engine.format import references as refs
-from ..engine.format.layout import MANIFEST, join
+from ..engine.format.names import MANIFEST, join
 from ..engine.storage.fsio import Location
 
 log = logging.getLogger(__name__)

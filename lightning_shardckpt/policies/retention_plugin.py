@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import metrics
-from ..engine.format.layout import parse_dirname
+from ..engine.format.names import parse_dirname
 from ..engine.metrics import CheckpointRecord
 from . import retention
 from .plugin import Plugin, PluginContext

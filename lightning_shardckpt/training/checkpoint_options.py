@@ -29,7 +29,7 @@ from ..engine.validate import did_you_mean, typed_options
 from ..errors import ConfigError
 from ..identity.diff import IdentityPolicy
 from ..policies.config_blocks import options_from
-from ..policies.drills.plugin import DrillConfig, drill_config_from
+from ..policies.drills.drills_plugin import DrillConfig, drill_config_from
 from ..policies.health.rules import HealthConfig, health_config_from
 from ..policies.plugin import Plugin
 from .callback_options import CallbackConfig

@@ -10,13 +10,13 @@ from typing import Any
 
 from ..engine.config import LIGHTNING, LoadConfig, SaveConfig
 from ..engine.tiers.config import TiersConfig, tiers_config_from
-from ..policies.drills.plugin import DrillConfig, TrainingDrills, drill_config_from
-from ..policies.health.plugin import HealthWatch
+from ..policies.drills.drills_plugin import DrillConfig, TrainingDrills, drill_config_from
+from ..policies.health.health_plugin import HealthWatch
 from ..policies.health.rules import HealthConfig, health_config_from
 from ..policies.plan import CheckpointPlan, Placement
 from ..policies.plugin import Plugin, PluginList
 from ..policies.retention_plugin import RetentionPlugin
-from ..policies.tiers.plugin import TiersPlugin, tiered_dirpath
+from ..policies.tiers.tiers_plugin import TiersPlugin, tiered_dirpath
 from .callback_options import CallbackConfig
 
 

@@ -11,8 +11,8 @@
 The same door core as the Trainer's and Fabric's: the save loop (training/save_loop.py: schedule, plug-ins for
 retention, tiers, drills and health, run ids), the saver host (training/savers.py) and the one resume
 (training/resume.py). It owns the sampler's position and every rank's RNG (training/data.py), and, opt-in, the
-preemption signals (training/preemption.py). How the user's objects become DCP state: training/user_state.py;
-checkpoints of the other doors: training/layouts.py. Docs: docs/howto/plain-pytorch.md.
+preemption signals (training/preemption.py). How the user's objects become DCP state: training/checkpointer_state.py;
+checkpoints of the other doors: training/door_targets.py. Docs: docs/howto/plain-pytorch.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..engine.format import safe_pickle
 from ..engine.load.loader import LoadResult
 from ..engine.save.saver import CheckpointSaver, PendingSave
 from ..engine.validate import require_bool, require_type
-from . import user_state
+from . import checkpointer_state
 from .checkpoint_options import CheckpointOptions, DoorKeywords
 from .checkpoint_setup import door_plan, placement_from_env
 from .data import (
@@ -38,8 +38,8 @@ from .data import (
     rng_state_for_rank,
     samples_consumed,
 )
+from .door_targets import Layout
 from .finished_saves import CallableReporter
-from .layouts import Layout
 from .loadable import SaveChecks
 from .preemption import PreemptionRequests
 from .resume_sequence import announce_resume, load_resumed
@@ -133,7 +133,8 @@ class Checkpointer:
         self.should_stop = False  # a preemption save or a health rule's stop: leave the loop
         self._closed = False
         self._save_checks = SaveChecks(
-            trust_option="Checkpointer(..., trust_checkpoint=True)", pickled_sections={user_state.RESERVED_KEY: ()}
+            trust_option="Checkpointer(..., trust_checkpoint=True)",
+            pickled_sections={checkpointer_state.RESERVED_KEY: ()},
         )
         self.loop.setup("fit")
         self._signal = PreemptionRequests(self.options.preemption_grace_s)
@@ -156,11 +157,11 @@ class Checkpointer:
         position and the RNG; returns its step, or None when there is nothing to resume from (start fresh).
 
         `which`: "latest" (this run's root, or the tiers), "last-good", a step, a checkpoint id, or a path. A
-        checkpoint of the Trainer or Fabric opens too (training/layouts.py): the model from its "model", the
+        checkpoint of the Trainer or Fabric opens too (training/door_targets.py): the model from its "model", the
         optimizers from "optimizers.<i>"; what it does not give back (its data position, RNG) is logged once and
         listed in `not_restored`. `strict=False`: a state entry the checkpoint lacks keeps its value (listed too)."""
-        user_state.check_state(state)
-        target = user_state.door_target(state, strict=strict)
+        checkpointer_state.check_state(state)
+        target = checkpointer_state.door_target(state, strict=strict)
         resumed = load_resumed(
             self.plan,
             self.host,
@@ -175,7 +176,7 @@ class Checkpointer:
             return None
         loaded = resumed.loaded
         own = self._own_section(target.own_section(), loaded.path)
-        user_state.apply_loaded(state, {key[0]: value for key, value in target.restored().items()})
+        checkpointer_state.apply_loaded(state, {key[0]: value for key, value in target.restored().items()})
         if self.sampler is not None and own.get("sampler") is not None:
             self.sampler.load_state_dict(own["sampler"])
         if self.restore_rng and own.get("rng"):
@@ -241,7 +242,7 @@ class Checkpointer:
             raise RuntimeError("this Checkpointer is closed; create a new one to save again")
         self.step = step
         if not self.loop.started:
-            user_state.check_state(state)
+            checkpointer_state.check_state(state)
             self.loop.start(self.last_load, resume_event=self._resume_event)
 
     def _request_of(self, step: int, state: dict[str, Any]) -> Callable[[CheckpointSaver, bool], PendingSave]:
@@ -252,19 +253,19 @@ class Checkpointer:
                 "rng": gather_rng_states(self._control.group),  # every rank's, so a resized run finds its own
                 "plugins": self.plugins.state_dict(),  # health: rule counters and mitigations
             }
-            dcp_state = {**user_state.to_dcp(state), user_state.RESERVED_KEY: pickle.dumps(own)}
+            dcp_state = {**checkpointer_state.to_dcp(state), checkpointer_state.RESERVED_KEY: pickle.dumps(own)}
             # keys that would collide (refused), values a load would refuse (a warning): before anything is written
             self._save_checks(dcp_state, trust=self.plan.load.trust_checkpoint, rank=self.rank)
             if saver.config.overlap_staging:
-                self.host.guard(user_state.optimizers_of(state))
-            models = [value for value in state.values() if user_state.is_module(value)]
+                self.host.guard(checkpointer_state.optimizers_of(state))
+            models = [value for value in state.values() if checkpointer_state.is_module(value)]
             return saver.save(
                 dcp_state,
                 step,
                 epoch=self.sampler.epoch if self.sampler is not None else None,
                 samples_consumed=samples_consumed(self.sampler) if self.sampler is not None else None,
                 extra=self.plugins.save_extra(models[0], self.rank) if len(models) == 1 else None,
-                defer=user_state.deferrable(state),
+                defer=checkpointer_state.deferrable(state),
                 never_skip=never_skip,
             )
 
@@ -280,7 +281,7 @@ class Checkpointer:
     def _not_restored(self, layout: Layout) -> list[str]:
         """What the state (or the Checkpointer) asked for and this checkpoint did not give back (the resume
         sequence logs it once, never silently: the loop then runs on with its own values for them)."""
-        lacking = [f"state[{path[0]!r}]" for path in layout.missing if path != (user_state.RESERVED_KEY,)]
+        lacking = [f"state[{path[0]!r}]" for path in layout.missing if path != (checkpointer_state.RESERVED_KEY,)]
         if not layout.native:
             lacking += ["the sampler's position"] if self.sampler is not None else []
             lacking += ["the RNG states"] if self.restore_rng else []
@@ -291,5 +292,5 @@ class Checkpointer:
             return safe_pickle.loads(data, (), trust=self.plan.load.trust_checkpoint) if data else {}
         except safe_pickle.BlockedGlobal as err:
             raise safe_pickle.untrusted(
-                where, f"the Checkpointer's {user_state.RESERVED_KEY!r} entry", err.name
+                where, f"the Checkpointer's {checkpointer_state.RESERVED_KEY!r} entry", err.name
             ) from err

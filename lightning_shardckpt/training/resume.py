@@ -27,7 +27,7 @@ from typing import Any
 from ..engine import catalog, metrics
 from ..engine.collectives import broadcast_from_coordinator, rank_and_world
 from ..engine.config import CHECKPOINTER, ENGINE, FABRIC, LIGHTNING, LoadConfig
-from ..engine.format.layout import join, parse_dirname
+from ..engine.format.names import join, parse_dirname
 from ..engine.load.loader import LoadResult, load_checkpoint
 from ..engine.root import parse_reference, root_of
 from ..engine.storage import fsio

@@ -28,7 +28,7 @@ from ..errors import IncompatibleCheckpoint
 from ..policies.plan import CheckpointPlan
 from ..policies.plugin import Reporter
 from . import console
-from .layouts import DoorTarget, Layout, warn_not_restored
+from .door_targets import DoorTarget, Layout, warn_not_restored
 from .resume import resume, resume_event, resume_line, signature_metrics, write_resume_event
 
 

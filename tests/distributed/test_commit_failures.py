@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from lightning_shardckpt import CheckpointNotFound, CheckpointSaver, VerifyConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, join, shard_filename
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, LATEST, MANIFEST, join, shard_filename
 from lightning_shardckpt.engine.format.parts import part_filename
 from lightning_shardckpt.engine.storage import retry
 from tests.helpers import training_state as ts

@@ -16,7 +16,7 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.drills.plugin import DrillConfig, TrainingDrills
+from lightning_shardckpt.policies.drills.drills_plugin import DrillConfig, TrainingDrills
 from lightning_shardckpt.policies.plan import CheckpointPlan, Placement
 from tests.helpers.drill_user_state import UserState
 

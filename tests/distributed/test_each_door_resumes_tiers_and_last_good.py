@@ -17,7 +17,7 @@ import pytest
 
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
-from lightning_shardckpt.engine.format.layout import join
+from lightning_shardckpt.engine.format.names import join
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.drills.runner import run_drill
 from tests.helpers.spawn import run_ranks, values

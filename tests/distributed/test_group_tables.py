@@ -23,7 +23,7 @@ from lightning_shardckpt import (
 )
 from lightning_shardckpt.engine.catalog import list_checkpoints
 from lightning_shardckpt.engine.format import groups, parts_manifest
-from lightning_shardckpt.engine.format.layout import DCP_METADATA
+from lightning_shardckpt.engine.format.names import DCP_METADATA
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops.verify import verify_checkpoint
 from tests.helpers import training_state as ts

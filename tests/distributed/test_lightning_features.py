@@ -6,7 +6,7 @@ import csv
 import glob
 
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.retention import to_delete
 from tests.helpers.lightning_run import features_on_rank

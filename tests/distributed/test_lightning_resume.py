@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname, new_checkpoint_id
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST, checkpoint_dirname, new_checkpoint_id
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.lightning_run import fit_on_rank

@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 
 from lightning_shardckpt import CheckpointNotFound, ShardedFabricStrategy, resolve_checkpoint
 from lightning_shardckpt.engine.format import drill_records
-from lightning_shardckpt.engine.format.layout import MANIFEST
+from lightning_shardckpt.engine.format.names import MANIFEST
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.fabric_ranks import TrainerShaped
 from tests.helpers.lightning_run import fit_on_rank, lightning_env

@@ -19,7 +19,7 @@ import pytest
 
 from lightning_shardckpt.cli.main import main
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.health.observe import observe
 from tests.helpers.peer_ranks import (

@@ -15,7 +15,7 @@ from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.collectives import new_checkpoint_group
 from lightning_shardckpt.engine.config import LoadConfig
-from lightning_shardckpt.engine.format.layout import LATEST, join
+from lightning_shardckpt.engine.format.names import LATEST, join
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 from tests.helpers.peer_ranks import one_rank_per_node, state

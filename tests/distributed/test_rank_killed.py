@@ -45,7 +45,7 @@ import torch.distributed as dist
 from lightning_shardckpt import CheckpointSaver, SaveConfig, ShardedCheckpoint
 from lightning_shardckpt.cli import main as cli
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import DCP_METADATA, MANIFEST, shard_filename
+from lightning_shardckpt.engine.format.names import DCP_METADATA, MANIFEST, shard_filename
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.lightning.trainer.strategy import ShardedDDPStrategy, ShardedFSDPStrategy
 from tests.helpers import training_state as ts

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_shardckpt import CheckpointSaver, SaveConfig, VerifyConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer
 from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
-from lightning_shardckpt.engine.format.layout import shard_filename
 from lightning_shardckpt.engine.format.manifest import files_of
+from lightning_shardckpt.engine.format.names import shard_filename
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers import training_state as ts
 from tests.helpers.backends import LOCAL, S3

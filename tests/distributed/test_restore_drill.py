@@ -17,8 +17,8 @@ import torch
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.format.checksum import checksum, checksum_of_checksums
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.format.manifest import to_bytes
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.policies.drills.runner import DrillOptions, run_drill
 from tests.helpers import drill_probes

@@ -14,7 +14,7 @@ from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.cli import main as cli
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.policies.health.plugin import HealthWatch
+from lightning_shardckpt.policies.health.health_plugin import HealthWatch
 from tests.helpers.forgery import forge_tensor_values
 from tests.helpers.health_rules import static_rule
 from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env

@@ -20,7 +20,7 @@ from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.collectives import new_checkpoint_group
 from lightning_shardckpt.engine.config import LoadConfig, SignConfig
 from lightning_shardckpt.engine.format import signing
-from lightning_shardckpt.engine.format.layout import join
+from lightning_shardckpt.engine.format.names import join
 from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers

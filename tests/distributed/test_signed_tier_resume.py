@@ -23,7 +23,7 @@ import pytest
 from lightning_shardckpt import Checkpointer
 from lightning_shardckpt.engine import catalog, metrics
 from lightning_shardckpt.engine.format import signing
-from lightning_shardckpt.engine.format.layout import join
+from lightning_shardckpt.engine.format.names import join
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.forgery import forge_tensor_values
 from tests.helpers.log_capture import MessageLines

@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine.format import safe_pickle
-from lightning_shardckpt.engine.format.layout import DCP_METADATA
+from lightning_shardckpt.engine.format.names import DCP_METADATA
 from lightning_shardckpt.errors import UntrustedCheckpoint
 from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
 from tests.helpers.log_capture import warnings_of

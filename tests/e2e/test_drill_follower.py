@@ -25,7 +25,7 @@ import pytest
 
 from lightning_shardckpt import ShardedCheckpoint
 from lightning_shardckpt.engine import catalog, metrics
-from lightning_shardckpt.engine.format.layout import DRILLS_DIR
+from lightning_shardckpt.engine.format.names import DRILLS_DIR
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.drills import scratch
 from tests.helpers.health_rules import static_rule

@@ -11,7 +11,7 @@ import signal
 
 from lightning_shardckpt.engine.config import SignConfig
 from lightning_shardckpt.engine.format import drill_records
-from lightning_shardckpt.engine.format.layout import shard_filename
+from lightning_shardckpt.engine.format.names import shard_filename
 from lightning_shardckpt.engine.storage import fsio
 from tests.helpers.forgery import forge_tensor_values
 from tests.unit.test_signing import FORGED, FQN, make_key, save

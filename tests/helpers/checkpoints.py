@@ -10,7 +10,7 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname, join, parse_dirname
+from lightning_shardckpt.engine.format.names import checkpoint_dirname, join, parse_dirname
 from lightning_shardckpt.engine.storage import fsio
 
 SHARD = "__0_0.distcp"  # the only shard file a single-process save writes

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.checksum import checksum
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, DCP_METADATA, MANIFEST
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, DCP_METADATA, MANIFEST
 from lightning_shardckpt.engine.format.parts import part_filename
 from lightning_shardckpt.engine.format.parts import to_bytes as part_to_bytes
 from lightning_shardckpt.engine.format.safe_pickle import DCP_METADATA_FIELD
@@ -131,7 +131,7 @@ def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -
 
     from lightning_shardckpt.engine.format import parts_manifest, signing
     from lightning_shardckpt.engine.format.checksum import HashingWriter, block_size_for, checksum_of_checksums
-    from lightning_shardckpt.engine.format.layout import join, shard_filename
+    from lightning_shardckpt.engine.format.names import join, shard_filename
     from lightning_shardckpt.engine.storage.writer import save_record
 
     fs = location.fs

@@ -25,7 +25,7 @@ from lightning_shardckpt import (
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import bounded_json, drill_records
 from lightning_shardckpt.engine.format.checksum import checksum
-from lightning_shardckpt.engine.format.layout import (
+from lightning_shardckpt.engine.format.names import (
     COMMIT_RECORD,
     DRILLS_DIR,
     EVENTS_DIR,

@@ -18,7 +18,7 @@ import torch
 from benchmarks.listing import RUN_ID, make_root
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CorruptCheckpoint
 from lightning_shardckpt.ops import timeline

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.format.manifest import files_of
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from tests.helpers.checkpoints import PART, SHARD, chunk_of, dirnames_at_step, save_checkpoint
 
 UNCOMMITTED = checkpoint_dirname(9, "deadbeefcafe")

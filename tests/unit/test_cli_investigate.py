@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
 from lightning_shardckpt.engine.format.manifest import total_bytes
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from lightning_shardckpt.identity.blocks import (
     code_identity,
     config_identity,

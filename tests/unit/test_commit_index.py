@@ -9,7 +9,7 @@ import os
 import pytest
 
 from lightning_shardckpt.engine import catalog, commit_index
-from lightning_shardckpt.engine.format.layout import LATEST, MANIFEST
+from lightning_shardckpt.engine.format.names import LATEST, MANIFEST
 from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.checkpoints import RUN_ID, dirname_of, save_checkpoint
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_shardckpt.engine.format import manifest as manifest_format
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, checkpoint_dirname, join
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, LATEST, MANIFEST, checkpoint_dirname, join
 from lightning_shardckpt.engine.save.commit import publish
 from lightning_shardckpt.engine.storage import fsio
 

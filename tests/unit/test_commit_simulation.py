@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import VerifyConfig
 from lightning_shardckpt.engine.format.checksum import checksum
-from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname, join, shard_filename
+from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname, join, shard_filename
 from lightning_shardckpt.engine.save.commit import CheckpointTarget, Committer
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.storage.fsio import Location

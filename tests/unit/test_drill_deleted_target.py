@@ -19,7 +19,7 @@ import torch
 
 from lightning_shardckpt import Checkpointer
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import DRILLS_DIR
+from lightning_shardckpt.engine.format.names import DRILLS_DIR
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies import retention
 from lightning_shardckpt.policies.drills.follower import DrillFollower

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import drill_records
-from lightning_shardckpt.engine.format.layout import DRILLS_DIR
+from lightning_shardckpt.engine.format.names import DRILLS_DIR
 from lightning_shardckpt.engine.storage.fsio import resolve
 from tests.helpers.checkpoints import dirname_of, save_checkpoint
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_shardckpt import ConfigError
-from lightning_shardckpt.lightning.fabric import state as fabric_state
+from lightning_shardckpt.lightning.fabric import fabric_state
 from lightning_shardckpt.lightning.fabric.sampler import FabricResumableSampler, use_fabric_sampler
 
 DATA = TensorDataset(torch.arange(10).float())

@@ -19,7 +19,7 @@ import xxhash
 from lightning_shardckpt.engine.format import chunk_layout, groups, parts, parts_manifest
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.checksum import ChunkCheck, HashingWriter, block_size_for, checksum
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from lightning_shardckpt.engine.storage.chunk_reads import decode_tensor_record
 
 FORMAT = Path(__file__).parents[2] / "docs" / "FORMAT.md"
@@ -302,7 +302,7 @@ def test_the_signed_v4_vectors_are_what_the_writer_signs_and_a_policy_accepts(tm
 
     from lightning_shardckpt.engine.format import signing
     from lightning_shardckpt.engine.format.checksum import checksum_of_checksums
-    from lightning_shardckpt.engine.format.layout import MANIFEST, shard_filename
+    from lightning_shardckpt.engine.format.names import MANIFEST, shard_filename
 
     shard = bytes.fromhex("".join(vectors()["object record"].split()))
     part_bytes = (vectors()["signed part 0"] + "\n").encode()

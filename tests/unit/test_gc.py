@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname
+from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops import gc
 from tests.helpers.checkpoints import SHARD, dirnames_at_step, save_checkpoint

@@ -12,7 +12,7 @@ from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops.health_plot import plot
 from lightning_shardckpt.ops.health_report import evaluate_root
 from lightning_shardckpt.policies.health.evaluate import FIRED, RESOLVED
-from lightning_shardckpt.policies.health.plugin import HealthWatch
+from lightning_shardckpt.policies.health.health_plugin import HealthWatch
 from lightning_shardckpt.policies.health.rules import METRIC_UNITS, METRICS, health_config_from
 from tests.helpers.checkpoints import fresh_state
 from tests.helpers.faults import DiskFullOnOccurrences

@@ -12,8 +12,8 @@ from lightning_shardckpt import ConfigError, HealthConfig, register_mitigation
 from lightning_shardckpt.engine import metrics
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.health.evaluate import FIRED, RESOLVED, HealthEvaluator
+from lightning_shardckpt.policies.health.health_plugin import HealthWatch
 from lightning_shardckpt.policies.health.observe import failure_cause
-from lightning_shardckpt.policies.health.plugin import HealthWatch
 from lightning_shardckpt.policies.health.rules import health_config_from, load_rules_file, rule_from
 from tests.helpers.health_rules import static_rule
 

@@ -19,7 +19,7 @@ from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import references as refs
-from lightning_shardckpt.engine.format.layout import parse_dirname
+from lightning_shardckpt.engine.format.names import parse_dirname
 from lightning_shardckpt.engine.save.incremental import ChangeTracker
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import CorruptCheckpoint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname, new_checkpoint_id
+from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname, new_checkpoint_id
 from lightning_shardckpt.lightning.trainer.lightning_files import written_by_lightning
 
 

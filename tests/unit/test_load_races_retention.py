@@ -12,7 +12,7 @@ import torch
 
 from lightning_shardckpt import load_checkpoint
 from lightning_shardckpt.engine import catalog, commit_index
-from lightning_shardckpt.engine.format.layout import parse_dirname
+from lightning_shardckpt.engine.format.names import parse_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.engine.storage.writer import ShardReader
 from lightning_shardckpt.errors import CheckpointDeleted

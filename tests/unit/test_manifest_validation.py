@@ -14,7 +14,7 @@ from lightning_shardckpt import load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import manifest_schema
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST, checkpoint_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.errors import CheckpointNotFound, CorruptCheckpoint
 from lightning_shardckpt.ops import gc

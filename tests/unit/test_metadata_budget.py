@@ -28,7 +28,7 @@ from lightning_shardckpt.engine.config import SaveConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.bounded_json import MANIFEST_MAX_BYTES
 from lightning_shardckpt.engine.format.checksum import block_size_for
-from lightning_shardckpt.engine.format.layout import shard_filename
+from lightning_shardckpt.engine.format.names import shard_filename
 from lightning_shardckpt.engine.save.metadata_budget import TensorShape, estimate, refuse_unloadable
 from lightning_shardckpt.engine.storage.writer import ChunkReceipt
 from lightning_shardckpt.errors import ConfigError

@@ -61,7 +61,7 @@ CASES = [
     ("read_ahead_bytes", [*NOT_A_COUNT, 0], lambda v, t: LoadConfig(read_ahead_bytes=v)),
     ("retry.attempts", [*NOT_A_COUNT, 0], lambda v, t: RetryPolicy(attempts=v)),
     ("retry.base_s", [*NOT_A_NUMBER, -1], lambda v, t: RetryPolicy(base_s=v)),
-    # drills (policies/drills/plugin.py DrillConfig, policies/drills/runner.py DrillOptions)
+    # drills (policies/drills/drills_plugin.py DrillConfig, policies/drills/runner.py DrillOptions)
     ("drill.tolerance", [*NOT_A_NUMBER, -1], lambda v, t: _callback(t, drill={"tolerance": v})),
     ("drill.timeout_s", [*NOT_A_NUMBER, 0], lambda v, t: _callback(t, drill={"timeout_s": v})),
     ("drill.threads", [*NOT_A_COUNT, 0], lambda v, t: _callback(t, drill={"threads": v})),

@@ -26,7 +26,7 @@ from lightning_shardckpt import (
     verify_checkpoint,
 )
 from lightning_shardckpt.engine.format import drill_records
-from lightning_shardckpt.engine.format.layout import MANIFEST, parse_dirname
+from lightning_shardckpt.engine.format.names import MANIFEST, parse_dirname
 from lightning_shardckpt.engine.root import Root
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops.export import ExportOptions

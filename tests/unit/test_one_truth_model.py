@@ -51,7 +51,7 @@ from lightning_shardckpt import (
 from lightning_shardckpt.cli.main import main as shardckpt
 from lightning_shardckpt.engine.config import SaveConfig, SignConfig
 from lightning_shardckpt.engine.format import signing
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD
 from lightning_shardckpt.engine.save.saver import CheckpointSaver
 from tests.helpers.faults import FailOnce
 from tests.helpers.forgery import forge_tensor_values

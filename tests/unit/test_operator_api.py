@@ -26,7 +26,7 @@ from lightning_shardckpt import (
 )
 from lightning_shardckpt.engine.format import drill_records
 from lightning_shardckpt.engine.format import manifest as manifest_format
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, MANIFEST, checkpoint_dirname, join
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST, checkpoint_dirname, join
 from tests.helpers import counting_fs
 from tests.helpers.backends import LOCAL, Backend
 from tests.helpers.checkpoints import RUN_ID, dirname_of, fresh_state

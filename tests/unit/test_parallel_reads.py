@@ -26,8 +26,8 @@ from lightning_shardckpt import (
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.checksum import block_size_for, checksum
 from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
-from lightning_shardckpt.engine.format.layout import join
 from lightning_shardckpt.engine.format.manifest import files_of
+from lightning_shardckpt.engine.format.names import join
 from lightning_shardckpt.engine.storage.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.engine.storage.reader import ShardReader

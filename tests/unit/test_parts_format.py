@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import DCP_METADATA, MANIFEST
+from lightning_shardckpt.engine.format.names import DCP_METADATA, MANIFEST
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops.verify import verify_checkpoint
 from tests.helpers.checkpoints import PART, RUN_ID, SHARD, fresh_state

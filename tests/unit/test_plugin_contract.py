@@ -12,7 +12,7 @@ import lightning_shardckpt
 from lightning_shardckpt import Checkpointer, ConfigError, Plugin
 from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig
 from lightning_shardckpt.policies.decisions import DECISIONS
-from lightning_shardckpt.policies.drills.plugin import DrillConfig
+from lightning_shardckpt.policies.drills.drills_plugin import DrillConfig
 from lightning_shardckpt.policies.health.rules import HealthConfig
 from lightning_shardckpt.policies.plugin import PluginList
 from lightning_shardckpt.policies.plugin_check import signature_text

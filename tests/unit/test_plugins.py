@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lightning_shardckpt.engine.config import SaveConfig
 from lightning_shardckpt.engine.storage import fsio
-from lightning_shardckpt.policies.drills.plugin import DrillConfig, TrainingDrills
-from lightning_shardckpt.policies.health.plugin import HealthWatch
+from lightning_shardckpt.policies.drills.drills_plugin import DrillConfig, TrainingDrills
+from lightning_shardckpt.policies.health.health_plugin import HealthWatch
 from lightning_shardckpt.policies.health.rules import health_config_from
 from lightning_shardckpt.policies.plan import CheckpointPlan, Placement
 from lightning_shardckpt.policies.plugin import Plugin, PluginContext, PluginList, Reporter

@@ -20,8 +20,8 @@ from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.policies.plan import CheckpointPlan, Placement
 from lightning_shardckpt.training.callback_options import CallbackConfig
 from lightning_shardckpt.training.checkpoint_setup import door_plan
+from lightning_shardckpt.training.door_targets import DoorTarget
 from lightning_shardckpt.training.finished_saves import CallableReporter
-from lightning_shardckpt.training.layouts import DoorTarget
 from lightning_shardckpt.training.resume import resume_metrics
 from lightning_shardckpt.training.resume_sequence import announce_resume, load_resumed
 from lightning_shardckpt.training.save_loop import SaveLoop

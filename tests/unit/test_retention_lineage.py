@@ -9,7 +9,7 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import parse_dirname
+from lightning_shardckpt.engine.format.names import parse_dirname
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.policies import retention
 from tests.helpers.checkpoints import dirname_of

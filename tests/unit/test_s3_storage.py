@@ -16,7 +16,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from lightning_shardckpt import CheckpointSaver, SaveConfig, StorageUnavailable, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints, read_latest_pointer, resolve_latest
 from lightning_shardckpt.engine.config import LoadConfig
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from lightning_shardckpt.engine.storage import backends, retry
 from lightning_shardckpt.engine.storage.fsio import create_if_absent, makedirs, preflight, resolve
 

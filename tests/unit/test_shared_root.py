@@ -10,7 +10,7 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.format.layout import OWNER
+from lightning_shardckpt.engine.format.names import OWNER
 from lightning_shardckpt.engine.load.loader import LoadResult
 from lightning_shardckpt.engine.ownership import new_run_id
 from lightning_shardckpt.engine.storage.fsio import resolve

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 
 from lightning_shardckpt.engine.format import signing
-from lightning_shardckpt.engine.format.layout import MANIFEST, checkpoint_dirname
+from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname
 from lightning_shardckpt.errors import SignatureRefused
 from tests.helpers.signing_keys import Keys
 from tests.unit.test_format_vectors import vectors

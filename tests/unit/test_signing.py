@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 from lightning_shardckpt import Checkpointer, CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine.config import SignConfig, save_config_from
 from lightning_shardckpt.engine.format import signing
-from lightning_shardckpt.engine.format.layout import shard_filename
+from lightning_shardckpt.engine.format.names import shard_filename
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import ConfigError
 from lightning_shardckpt.ops.verify import SIGNATURE_PROBLEM, verify_checkpoint

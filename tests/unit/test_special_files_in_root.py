@@ -17,7 +17,7 @@ import pytest
 
 from lightning_shardckpt import follow_checkpoints, list_checkpoints, resolve_checkpoint
 from lightning_shardckpt.engine.commit_index import INDEX_DIR
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, LATEST, MANIFEST, parse_dirname
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, LATEST, MANIFEST, parse_dirname
 from lightning_shardckpt.engine.metrics import read_events
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.storage.fsio import resolve

@@ -13,7 +13,7 @@ import torch
 
 from lightning_shardckpt import CheckpointSaver, ConfigError, SaveConfig, ShardedCheckpoint
 from lightning_shardckpt.engine import catalog
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname, new_checkpoint_id
+from lightning_shardckpt.engine.format.names import checkpoint_dirname, new_checkpoint_id
 from lightning_shardckpt.engine.metrics import CheckpointRecord
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.engine.tiers.config import TierConfig, TiersConfig, tiers_config_from

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from lightning_shardckpt import CorruptCheckpoint, LoadConfig, UntrustedCheckpoint, load_checkpoint, verify_checkpoint
 from lightning_shardckpt.engine.format import safe_pickle
-from lightning_shardckpt.engine.format.layout import DCP_METADATA, MANIFEST
+from lightning_shardckpt.engine.format.names import DCP_METADATA, MANIFEST
 from lightning_shardckpt.errors import ShardCkptError
 from lightning_shardckpt.lightning import lightning_state
 from lightning_shardckpt.ops.verify import DCP_METADATA_PROBLEM

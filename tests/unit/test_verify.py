@@ -14,7 +14,7 @@ import torch
 from lightning_shardckpt import CorruptCheckpoint, load_checkpoint
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.checksum import checksum
-from lightning_shardckpt.engine.format.layout import COMMIT_RECORD, DCP_METADATA
+from lightning_shardckpt.engine.format.names import COMMIT_RECORD, DCP_METADATA
 from lightning_shardckpt.ops.verify import (
     CHUNK_CHECKSUM,
     DCP_METADATA_PROBLEM,

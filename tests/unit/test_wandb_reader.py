@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shardckpt.engine.format.layout import checkpoint_dirname
+from lightning_shardckpt.engine.format.names import checkpoint_dirname
 from tests.helpers.wandb_reader import BLOCK_SIZE, find_run_file, iter_records, read_run
 
 CHECKPOINT = checkpoint_dirname(6, "abcdef012345")  # the directory the logged artifact references

@@ -16,8 +16,8 @@ from ...errors import CorruptCheckpoint
 from . import chunk_layout, groups, parts_manifest
 from . import manifest as manifest_format
 from . import parts as part_format
-from .layout import join
 from .listed_read import read_listed
+from .names import join
 
 PART_READ_THREADS = 8  # parts read at once: small objects, so what matters on an object store is the round trips
 

@@ -30,7 +30,7 @@ from ..storage import fsio
 from ..storage.fsio import Location
 from . import bounded_json
 from .entry import CheckpointEntry
-from .layout import DRILLS_DIR, join, parse_dirname
+from .names import DRILLS_DIR, join, parse_dirname
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from ..storage import fsio
 from ..storage.small_files import SmallFileRefused
 from . import bounded_json
 from . import manifest as manifest_format
-from .layout import MANIFEST, join
 from .manifest_schema import parse_time
+from .names import MANIFEST, join
 
 COMMITTED, UNCOMMITTED, CORRUPT = "committed", "uncommitted", "corrupt"
 

@@ -24,9 +24,9 @@ from typing import Any
 from ...errors import CorruptCheckpoint
 from . import bounded_json, parts_manifest
 from .checksum import checksum
-from .layout import join
 from .listed_read import read_listed
 from .manifest_schema import HEX_DIGEST, is_int
+from .names import join
 
 GROUPS_FIELD = "groups"
 GROUP_VERSION = 1

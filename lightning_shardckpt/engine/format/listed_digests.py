@@ -16,7 +16,7 @@ from typing import Any
 
 from ...errors import CommitFailed, SignatureRefused
 from .file_digests import DIGEST_FIELD, file_digest
-from .layout import join
+from .names import join
 from .references import REFERENCES_FIELD, make
 
 DIGEST = "digest"  # files[] and references[] entries: the file's digest, 64 lowercase hex characters

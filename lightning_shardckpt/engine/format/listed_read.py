@@ -8,7 +8,7 @@ from ...errors import CorruptCheckpoint
 from ..storage import fsio
 from ..storage.small_files import SmallFileRefused
 from .checksum import checksum
-from .layout import join
+from .names import join
 
 
 def read_listed(fs: Any, directory: str, name: str, size: int, digest: str | None, what: str) -> bytes:

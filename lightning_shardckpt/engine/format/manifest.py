@@ -18,7 +18,8 @@ from ...errors import CorruptCheckpoint, IncompatibleCheckpoint
 from ..gc_pause import gc_paused
 from . import bounded_json, groups, manifest_schema, parts_manifest
 from .checksum import checksum, checksum_of_checksums
-from .layout import (
+from .manifest_schema import BLOCKS_FIELD, REFERENCES_FIELD
+from .names import (
     CHECKSUM_ALGORITHM,
     DCP_METADATA,
     DCP_METADATA_FIELD,
@@ -31,7 +32,6 @@ from .layout import (
     DirName,
     parse_dirname,
 )
-from .manifest_schema import BLOCKS_FIELD, REFERENCES_FIELD
 from .parts import PART_SUFFIX
 from .parts_manifest import PARTS_FIELD
 

@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Any, TypeGuard
 
-from .layout import LEGACY_CHECKSUM_ALGORITHM, READABLE_CHECKSUM_ALGORITHMS, DirName, parse_dirname
+from .names import LEGACY_CHECKSUM_ALGORITHM, READABLE_CHECKSUM_ALGORITHMS, DirName, parse_dirname
 from .outcomes import metrics_problems
 
 HEX_DIGEST = re.compile(r"^[0-9a-f]{16}$")  # xxh3_64, 16 lowercase hex characters (FORMAT.md §3)

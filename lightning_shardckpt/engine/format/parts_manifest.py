@@ -15,8 +15,8 @@ from typing import Any
 
 from . import chunk_layout
 from .checksum import checksum_of_checksums
-from .layout import CHECKSUM_ALGORITHM, shard_filename
 from .manifest_schema import BLOCKS_FIELD, HEX_DIGEST, is_int, tiling_problems
+from .names import CHECKSUM_ALGORITHM, shard_filename
 from .parts import TENSOR_CHUNKS, part_filename
 
 PARTS_FIELD = "parts"

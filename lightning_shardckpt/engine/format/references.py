@@ -16,7 +16,6 @@ from typing import Any
 
 from .chunk_index import ChunkIndex
 from .entry import load_manifest, read_manifest
-from .layout import INCREMENTAL_FORMAT_VERSION, join
 
 # The schema rules of a reference (its field, its form, why a path is not one) live with the rest of the
 # manifest's schema, which validates them; these names stay here for the code that makes and follows them.
@@ -24,6 +23,7 @@ from .manifest_schema import REFERENCE_PREFIX as PREFIX
 from .manifest_schema import REFERENCES_FIELD as REFERENCES_FIELD
 from .manifest_schema import is_reference as is_reference
 from .manifest_schema import split_reference as split
+from .names import INCREMENTAL_FORMAT_VERSION, join
 
 log = logging.getLogger(__name__)
 

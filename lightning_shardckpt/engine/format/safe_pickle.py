@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...errors import CorruptCheckpoint, UntrustedCheckpoint
 from ..storage.backends import backend_for
 from .checksum import checksum
-from .layout import DCP_METADATA_FIELD as DCP_METADATA_FIELD
 from .manifest_schema import is_reference, reference_problem
+from .names import DCP_METADATA_FIELD as DCP_METADATA_FIELD
 from .pickle_allowance import (
     QTENSOR,
     Allowance,

@@ -46,7 +46,7 @@ from .file_digests import (  # noqa: F401 - this module's readers and writers na
     file_digest,
     new_digest,
 )
-from .layout import GROUPS_FORMAT_VERSION, MANIFEST, join, shard_rank
+from .names import GROUPS_FORMAT_VERSION, MANIFEST, join, shard_rank
 
 SIGNATURE = "manifest.sig"  # beside manifest.json, written before commit.json
 ALGORITHM = "ed25519"
@@ -461,7 +461,7 @@ class SignaturePolicy:
 
     def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
         """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
-        from .layout import shard_filename
+        from .names import shard_filename
         from .parts import PART_MAX_BYTES, part_filename
 
         table = manifest["parts"]

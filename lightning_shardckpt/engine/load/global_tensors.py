@@ -25,7 +25,7 @@ from ..catalog import CheckpointEntry
 from ..format import chunk_layout, safe_pickle
 from ..format.checksum import ChunkCheck
 from ..format.chunk_index import ChunkIndex
-from ..format.layout import join, shard_filename
+from ..format.names import join, shard_filename
 from ..format.parts_manifest import LAYOUT_FIELD
 from ..storage.chunk_reads import check_chunk, decode_tensor_record, read_at
 from ..storage.fsio import Location

@@ -27,7 +27,7 @@ from ..collectives import broadcast_from_coordinator, gather_to_coordinator, ran
 from ..config import LoadConfig
 from ..format import manifest as manifest_format
 from ..format import signing
-from ..format.layout import MANIFEST, join, parse_dirname
+from ..format.names import MANIFEST, join, parse_dirname
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..root import open_reference, parse_reference, root_of
 from ..storage import fsio

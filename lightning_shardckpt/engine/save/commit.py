@@ -23,8 +23,8 @@ from .. import catalog, commit_index
 from ..format import manifest as manifest_format
 from ..format import signing
 from ..format.checksum import checksum
-from ..format.layout import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
 from ..format.listed_digests import add_listed_digests
+from ..format.names import COMMIT_RECORD, DCP_METADATA, LATEST, MANIFEST, join
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio, retry
 from ..storage.fsio import Location

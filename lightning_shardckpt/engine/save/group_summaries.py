@@ -23,7 +23,7 @@ from typing import Any
 
 from ..collectives import gather_to, gather_to_coordinator, rank_and_world
 from ..format import groups
-from ..format.layout import join
+from ..format.names import join
 from ..storage import fsio
 from .part_summary import PartSummary, PickledAsValues, summary_problems
 from .save_layout import SaveLayout

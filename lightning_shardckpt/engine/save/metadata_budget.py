@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from ..config import SaveConfig
 from ..format.bounded_json import MANIFEST_MAX_BYTES
 from ..format.checksum import block_size_for
-from ..format.layout import PARTS_FORMAT_VERSION
+from ..format.names import PARTS_FORMAT_VERSION
 
 # The v2/v3 manifest's size (manifest.to_bytes: JSON, indent 1, sorted keys), in bytes:
 #   HEADER + FILE x world + sum over tensors of (TENSOR + len(fqn) + SHAPE_DIM x ndim

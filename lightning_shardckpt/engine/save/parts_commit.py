@@ -37,7 +37,7 @@ from ..format import chunk_layout, groups, parts_manifest, signing
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format.checksum import checksum
-from ..format.layout import DCP_METADATA, join
+from ..format.names import DCP_METADATA, join
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..gc_pause import gc_paused
 from ..storage import fsio

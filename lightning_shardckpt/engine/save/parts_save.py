@@ -29,7 +29,7 @@ from ..config import SaveConfig
 from ..format import parts as part_format
 from ..format import signing
 from ..format.checksum import checksum
-from ..format.layout import join
+from ..format.names import join
 from ..storage import fsio, retry
 from ..storage.writer import FaultHook, RankWrite, write_rank_file
 from .group_summaries import gather_groups

@@ -23,7 +23,7 @@ from ...errors import CommitFailed, ShardCkptError
 from ..collectives import agree, is_distributed, rank_and_world
 from ..config import SaveConfig
 from ..format import groups, topology
-from ..format.layout import (
+from ..format.names import (
     GROUPS_FORMAT_VERSION,
     MANIFEST,
     checkpoint_dirname,

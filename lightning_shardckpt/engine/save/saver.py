@@ -29,8 +29,8 @@ from ..collectives import is_distributed, new_checkpoint_group, rank_and_world
 from ..config import SaveConfig
 from ..format import manifest as manifest_format
 from ..format import references as refs
-from ..format.layout import OWNER, checkpoint_dirname
 from ..format.listed_digests import reference_digests_of
+from ..format.names import OWNER, checkpoint_dirname
 from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location

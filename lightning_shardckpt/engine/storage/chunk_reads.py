@@ -30,7 +30,7 @@ import torch
 from ...errors import CorruptCheckpoint
 from ..format import safe_pickle
 from ..format.checksum import ChunkCheck, ChunkHasher
-from ..format.layout import join
+from ..format.names import join
 from . import fsio
 from .backends import backend_for
 

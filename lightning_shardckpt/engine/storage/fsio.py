@@ -25,7 +25,7 @@ from typing import Any
 import fsspec
 
 from ...errors import StorageUnavailable
-from ..format.layout import join
+from ..format.names import join
 from . import retry
 from .backends import FsspecBackend, backend_class_for_url, backend_for
 

@@ -35,7 +35,7 @@ from ...errors import CorruptCheckpoint
 from ..config import DEFAULT_READ_AHEAD_BYTES, DEFAULT_READ_THREADS
 from ..format import safe_pickle
 from ..format.checksum import ChunkCheck
-from ..format.layout import DCP_METADATA, join
+from ..format.names import DCP_METADATA, join
 from .chunk_reads import (
     SHORT_READ,
     BufferPool,

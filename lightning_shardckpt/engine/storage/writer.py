@@ -34,7 +34,7 @@ from torch.futures import Future
 from ..config import VerifyConfig
 from ..format import signing
 from ..format.checksum import HashingWriter, block_size_for
-from ..format.layout import join, shard_filename
+from ..format.names import join, shard_filename
 from . import fsio
 from .read_back import (  # noqa: F401  (moved to read_back.py; importing them from here keeps working)
     VerifyRead,

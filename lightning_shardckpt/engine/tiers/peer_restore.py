@@ -28,9 +28,9 @@ from ...errors import CorruptCheckpoint, SignatureRefused
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
 from ..format import bounded_json, signing
 from ..format import manifest as manifest_format
-from ..format.layout import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..format.manifest import transfer_order
 from ..format.manifest_schema import parse_time
+from ..format.names import COMMIT_RECORD, MANIFEST, join, parse_dirname
 from ..format.signing import SignaturePolicy
 from ..storage import fsio
 from ..storage.fsio import Location

@@ -33,7 +33,8 @@ from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import bounded_json, signing
 from ..format import manifest as manifest_format
-from ..format.layout import (
+from ..format.manifest import files_with_metadata, transfer_order
+from ..format.names import (
     COMMIT_RECORD,
     DCP_METADATA,
     MANIFEST,
@@ -42,7 +43,6 @@ from ..format.layout import (
     parse_dirname,
     shard_rank,
 )
-from ..format.manifest import files_with_metadata, transfer_order
 from ..metrics import RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location

@@ -48,8 +48,8 @@ from ...errors import CorruptCheckpoint, SignatureRefused
 from .. import catalog, metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import groups, signing
-from ..format.layout import MANIFEST, checkpoint_dirname_parts, join, shard_rank
 from ..format.manifest import files_of, files_with_metadata, transfer_order
+from ..format.names import MANIFEST, checkpoint_dirname_parts, join, shard_rank
 from ..metrics import RunCounters
 from ..save.commit import publish
 from ..storage.fsio import Location

@@ -26,8 +26,8 @@ from typing import Any
 from .. import catalog
 from ..collectives import all_gather_objects, rank_and_world
 from ..format import drill_records, groups
-from ..format.layout import MANIFEST, join
 from ..format.manifest import files_with_metadata
+from ..format.names import MANIFEST, join
 from ..format.signing import SignaturePolicy, SignatureRefused
 from ..storage.fsio import Location
 
@@ -69,7 +69,7 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
         }
         if MANIFEST not in listing:
             return False
-        manifest = groups.expanded(location.fs, entry.path, entry.manifest)  # v5: its files are in its group tables
+        manifest = groups.expanded(location.fs, entry.path, entry.committed_manifest)  # v5: its files are in its group tables
         return all(listing.get(path) == size for path, size in files_with_metadata(manifest).items())
     except Exception:  # noqa: BLE001 - unreadable is the answer, whatever the reason
         log.debug("%s is not readable here", entry.path, exc_info=True)
@@ -225,7 +225,7 @@ def _refusal(policy: SignaturePolicy, location: Location, entry: catalog.Checkpo
     a transient error is no forgery, never counted as one). The loader checks the picked one again, and every rank
     the files it reads: a copy changed after this check is still refused."""
     try:
-        entry.extra[catalog.SIGNED_BY] = policy.check_manifest(location.fs, entry.path, entry.manifest)
+        entry.extra[catalog.SIGNED_BY] = policy.check_manifest(location.fs, entry.path, entry.committed_manifest)
         return None
     except SignatureRefused as err:
         return str(err)

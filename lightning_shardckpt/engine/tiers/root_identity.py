@@ -18,7 +18,7 @@ import secrets
 from typing import Any
 
 from ..collectives import all_gather_objects, broadcast_from_coordinator
-from ..format.layout import join
+from ..format.names import join
 from ..storage.fsio import Location
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format.checksum import ChunkCheck, ChunkHasher
 from ..format.chunk_index import read_parts
-from ..format.layout import DCP_METADATA, join, shard_rank
+from ..format.names import DCP_METADATA, join, shard_rank
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..storage import fsio
 

@@ -14,7 +14,7 @@ ModelParallelStrategy (FSDP2 / DTensor, sharded by `parallelize_fn`); `Fabric(st
   step, an id (training/resume.py, the resume of every door: tiers, fallbacks, the resume line). Models and
   optimizers are restored resharded onto this world size, plain values and `load_state_dict` objects from the
   pickled rest (through the allow-list), the sampler's position and every rank's RNG. Checkpoints the Trainer
-  and the Checkpointer wrote load too (training/layouts.py, lightning/fabric/state.py).
+  and the Checkpointer wrote load too (training/door_targets.py, lightning/fabric/fabric_state.py).
 - Saves to the run's root (`root=`, else the first root saved to) run the save loop of every door
   (training/save_loop.py): retention (`keep_last`, `keep_every_n_steps`), `tiers`, restore `drill`s and `health`
   rules, with the options of ShardedCheckpoint and the Checkpointer.
@@ -45,7 +45,7 @@ from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...engine.storage import fsio
 from ...engine.validate import require_bool
 from ...policies.plan import CheckpointPlan, Placement
-from ...policies.tiers.plugin import tiered_dirpath
+from ...policies.tiers.tiers_plugin import tiered_dirpath
 from ...training.callback_options import CallbackConfig
 from ...training.checkpoint_options import CheckpointOptions, DoorKeywords
 from ...training.checkpoint_setup import checkpoint_plan, door_plugins
@@ -57,7 +57,7 @@ from ...training.save_loop import SaveLoop
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ..lightning_state import MODEL_KEY, OPTIMIZERS_KEY
 from ..parallelism import AllRanksDataParallel, register_in, shard_repeated_blocks, strategy_class
-from . import state as fabric_state
+from . import fabric_state
 from .sampler import use_fabric_sampler
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from ...engine.config import save_config_from
 from ...engine.save.saver import CheckpointSaver, PendingSave
 from ...policies.plan import CheckpointPlan
-from ...policies.tiers.plugin import tiered_dirpath
+from ...policies.tiers.tiers_plugin import tiered_dirpath
 from ...training.checkpoint_options import ALL_OPTIONS, CheckpointOptions, DoorKeywords
 from ...training.checkpoint_setup import checkpoint_plan, door_plugins, placement_of
 from ...training.resume import resume_metrics
@@ -34,12 +34,12 @@ from ...training.schedule import SaveSchedule
 from .checkpoint_logging import log_record, log_resumed_from
 from .ckpt_paths import LATEST_REFERENCE, callback_state_key, forked_callback_state
 from .data_position import DataPosition
+from .merged_user_state import UserState
 from .plugin_context import TrainerReporter
 from .preemption import PreemptionSignal
 from .run_identity import RunIdentity
 from .saving import request_save
 from .strategy import ShardedStrategy
-from .user_state import UserState
 
 # every option: the Trainer's door is the one the YAML (conf/checkpoint/) describes
 CALLBACK_OPTIONS = DoorKeywords("ShardedCheckpoint", ALL_OPTIONS, defaults={"save_on_preemption": True})

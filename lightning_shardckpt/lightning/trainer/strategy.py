@@ -6,7 +6,7 @@
 
 Only Lightning's overrides live here; the checkpointing is the door core of training/: the strategy's
 savers are a `SaverHost` (`host`, training/savers.py), a resume is training/resume.py's (tiers, fallbacks, the
-resume line), and a checkpoint of any door opens (training/layouts.py). ShardedCheckpoint hands the strategy
+resume line), and a checkpoint of any door opens (training/door_targets.py). ShardedCheckpoint hands the strategy
 one `CheckpointPlan` (policies/plan.py) through `use_plan`. `fault_hook=` (tests only) is a constructor option:
 a picklable callable the savers call at named points of a save (tests/helpers/faults.py).
 """
@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from ...engine import catalog
 from ...engine.config import LIGHTNING, LoadConfig, SaveConfig
 from ...engine.format import safe_pickle
-from ...engine.format.layout import parse_dirname
+from ...engine.format.names import parse_dirname
 from ...engine.load.loader import LoadResult
 from ...engine.root import parse_reference
 from ...engine.save.saver import CheckpointSaver, PendingSave
@@ -50,12 +50,12 @@ from ...errors import ConfigError, UntrustedCheckpoint
 from ...policies import retention
 from ...policies.plan import CheckpointPlan
 from ...training import console
-from ...training.layouts import DoorTarget, Layout
+from ...training.checkpointer_state import RESERVED_KEY as CHECKPOINTER_SECTION
+from ...training.door_targets import DoorTarget, Layout
 from ...training.loadable import SaveChecks
 from ...training.resume_sequence import Resumed, load_resumed
 from ...training.savers import SaverHost, all_reduce_max_on_default_group
 from ...training.staging_fence import StagingFence
-from ...training.user_state import RESERVED_KEY as CHECKPOINTER_SECTION
 from .. import lightning_state
 from ..parallelism import PARALLELISMS, AllRanksDataParallel, register_in, strategy_class
 from . import ckpt_paths, lightning_files

@@ -22,7 +22,7 @@ from typing import Any
 from ...engine import catalog
 from ...engine.format import drill_records
 from ...engine.format.entry import CheckpointEntry
-from ...engine.format.layout import join
+from ...engine.format.names import join
 from ...engine.storage import fsio
 from ...engine.validate import require_number
 from ...errors import ShardCkptError

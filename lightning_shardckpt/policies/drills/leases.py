@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...engine.format import bounded_json
-from ...engine.format.layout import DRILLS_DIR, join
+from ...engine.format.names import DRILLS_DIR, join
 from ...engine.storage import fsio
 from ...engine.storage.fsio import Location
 from ...engine.storage.small_files import SmallFileRefused

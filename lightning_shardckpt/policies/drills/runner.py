@@ -31,7 +31,7 @@ from typing import Any
 
 from ...engine.format import drill_records, signing
 from ...engine.format.drill_records import FAILED, NOT_DRILLED, PASSED, outcome_details
-from ...engine.format.layout import MANIFEST, join
+from ...engine.format.names import MANIFEST, join
 from ...engine.root import open_reference
 from ...engine.validate import require_number, typed_options
 from ...errors import ConfigError, SignatureRefused, StorageUnavailable

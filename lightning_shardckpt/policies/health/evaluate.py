@@ -1,7 +1,7 @@
 """The rule engine: feeds observations through each rule's normal range and persistence, and says
 when a rule fires and when it resolves.
 
-Deterministic and free of I/O: the training run (policies/health/plugin.py) and `shardckpt health` (offline,
+Deterministic and free of I/O: the training run (policies/health/health_plugin.py) and `shardckpt health` (offline,
 over ROOT/events/) run this same code on the same documents. Its state is plain JSON-able data, saved in
 every checkpoint, so persistence counters and learned baselines survive a restart and a resize.
 """

@@ -15,7 +15,7 @@ from ...engine.metrics import COMMITTED, FAILED, SKIPPED
 from .rules import CAUSE, RANK, ROOT, RUN
 
 DRILL_EVENT, RESUME_EVENT, HEALTH_EVENT, RULES_EVENT = "drill", "resume", "health", "health_rules"
-DRILL_LAG_EVENT = "drill_lag"  # policies/drills/plugin.py, drills external: commits the follower has not drilled
+DRILL_LAG_EVENT = "drill_lag"  # policies/drills/drills_plugin.py, drills external: commits the follower has not drilled
 REPLICATION_EVENT = "replication"  # engine/tiers/replicate.py: one copy attempt to the durable tier
 PEER_REPLICATION_EVENT = "peer_replication"  # engine/tiers/peers.py: one checkpoint copied to peer nodes
 ALL_SERIES = None  # an observation's slice key that applies to every series of the rule (a commit clears every cause)

@@ -16,7 +16,7 @@ from ...engine import catalog, commit_index, ownership
 from ...engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
 from ...engine.config import LoadConfig
 from ...engine.format import signing
-from ...engine.format.layout import join, parse_dirname
+from ...engine.format.names import join, parse_dirname
 from ...engine.storage import fsio
 from ...engine.storage.fsio import Location
 from ...engine.tiers.config import PeersConfig, TierConfig, TiersConfig

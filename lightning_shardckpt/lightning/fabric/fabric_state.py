@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from ...engine.format import safe_pickle
 from ...errors import ConfigError, IncompatibleCheckpoint
 from ...training.data import ResumableDistributedSampler
-from ...training.layouts import DoorTarget
+from ...training.door_targets import DoorTarget
 from ..lightning_state import LIGHTNING_KEY, MODEL_KEY, OPTIMIZERS_KEY, lightning_rest
 
 FABRIC_KEY = "fabric"  # the pickled rest of a Fabric state
@@ -147,7 +147,7 @@ def to_dcp_state(
 
 
 def door_target(parts: FabricParts, *, strict: bool) -> DoorTarget:
-    """What `fabric.load` fills (training/layouts.py): live model tensors (loaded in place), fresh optimizer states,
+    """What `fabric.load` fills (training/door_targets.py): live model tensors (loaded in place), fresh optimizer states,
     its own section; a Trainer checkpoint's "lightning" section is read in its place."""
     entries: dict[tuple[str, ...], Any] = {}
     if parts.module is not None:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
-from .layouts import DoorTarget
+from .door_targets import DoorTarget
 from .state_keys import restore_keys, str_keyed
 
 RESERVED_KEY = "checkpointer"  # the Checkpointer's own section (data position, RNG, plug-ins)
