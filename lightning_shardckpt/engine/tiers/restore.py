@@ -69,7 +69,8 @@ def readable_here(location: Location, entry: catalog.CheckpointEntry) -> bool:
         }
         if MANIFEST not in listing:
             return False
-        manifest = groups.expanded(location.fs, entry.path, entry.committed_manifest)  # v5: its files are in its group tables
+        # v5: its files are in its group tables
+        manifest = groups.expanded(location.fs, entry.path, entry.committed_manifest)
         return all(listing.get(path) == size for path, size in files_with_metadata(manifest).items())
     except Exception:  # noqa: BLE001 - unreadable is the answer, whatever the reason
         log.debug("%s is not readable here", entry.path, exc_info=True)
