@@ -313,3 +313,21 @@ def test_the_index_vouches_for_a_rollbacks_newest_commit_past_the_abandoned_bran
     location = resolve(path)
     assert commit_index.vouches_newest(location, names[25])
     assert not commit_index.vouches_newest(location, names[30])
+
+
+def test_gc_prunes_markers_of_both_formats_in_a_root_an_old_run_began(tmp_path, run_cli):
+    """Markers 1-5 as a writer before markers carried names left them (`<seq:09d>`), 6-10 as this one writes them:
+    with checkpoints 1-8 deleted, gc removes the markers of both formats that name them."""
+    import shutil
+
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in range(1, 11)]
+    index = os.path.join(path, commit_index.INDEX_DIR, RUN_ID)
+    for seq in range(1, 6):
+        os.rename(os.path.join(index, commit_index.marker_name(seq, names[seq - 1])), os.path.join(index, f"{seq:09d}"))
+    for name in names[:8]:
+        shutil.rmtree(os.path.join(path, name))
+    code, out, _ = run_cli("gc", path, "--yes", "--json")
+    assert code == 0
+    assert _markers(path) == [commit_index.marker_name(9, names[8]), commit_index.marker_name(10, names[9])]
+    assert json.loads(out)["markers_removed"] == 8
