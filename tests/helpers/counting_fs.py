@@ -2,7 +2,7 @@
 
 `counting:///abs/path` with storage_options `{"log_id": "<unique>", "latency_s": 0.02}` behaves as the
 local filesystem (it is one), except that `cat_file` (the range read our reader uses on any filesystem
-but the plain local one) records (path, start, stop) in `LOGS[log_id]`, counts how many range reads run at
+but the plain local one) records (path, start, stop) in `LOGS[log_id]` (and `ls` the directory it lists), counts how many range reads run at
 once, and takes `latency_s` longer, as an object store's round trip does. Distinct `log_id`s give
 distinct instances and logs (fsspec caches one instance per set of options).
 
@@ -26,6 +26,7 @@ PROTOCOL = "counting"
 @dataclass
 class ReadLog:
     reads: list[tuple[str, int, int]] = field(default_factory=list)
+    lists: list[str] = field(default_factory=list)  # the directories `ls` listed (an object store's LIST), in order
     running: int = 0
     peak_running: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,6 +62,11 @@ class CountingFileSystem(LocalFileSystem):
         with self.log.lock:
             self.log.reads.append((path, first, first + len(data)))
         return data
+
+    def ls(self, path: str, detail: bool = False, **kwargs: Any) -> Any:
+        with self.log.lock:
+            self.log.lists.append(self._strip_protocol(path))
+        return super().ls(path, detail=detail, **kwargs)
 
 
 def counting_url(path: str | os.PathLike) -> str:

@@ -53,7 +53,7 @@ def _point_latest_at(path: str, name: str) -> None:
 def test_each_commit_writes_its_runs_marker(root):
     path, names = root
     for seq, name in enumerate(names, start=1):
-        with open(commit_index.marker_path(path, RUN_ID, seq)) as handle:
+        with open(commit_index.marker_path(path, RUN_ID, seq, name)) as handle:
             assert handle.read() == name + "\n"
 
 
@@ -70,7 +70,7 @@ def test_an_attempt_that_never_committed_ends_the_walk(root, monkeypatch):
     path, names = root
     failed = names[2].replace("step-000000003", "step-000000004")
     os.makedirs(os.path.join(path, failed))  # an attempt that wrote its marker, then died before its manifest
-    with open(commit_index.marker_path(path, RUN_ID, 4), "w") as handle:
+    with open(commit_index.marker_path(path, RUN_ID, 4, failed), "w") as handle:
         handle.write(failed + "\n")
     _no_listing(monkeypatch)
     assert catalog.find(resolve(path), "latest").name == names[2]
@@ -88,7 +88,7 @@ def test_the_next_save_of_the_run_takes_parent_and_seq_from_the_index_without_li
 def test_where_the_index_cannot_answer_the_root_is_listed_and_the_answer_is_the_same(root, monkeypatch, damage):
     path, names = root
     if damage == "marker_missing":  # a writer that kept no index (older versions) committed step 3
-        os.remove(commit_index.marker_path(path, RUN_ID, 3))
+        os.remove(commit_index.marker_path(path, RUN_ID, 3, names[2]))
     elif damage == "another_run_in_the_root":  # a shared root: which run committed last takes a listing
         os.makedirs(os.path.join(path, commit_index.INDEX_DIR, "another-run"))
     else:
@@ -100,7 +100,7 @@ def test_where_the_index_cannot_answer_the_root_is_listed_and_the_answer_is_the_
 
 def test_a_marker_naming_another_runs_checkpoint_sends_the_reader_to_the_listing(root, monkeypatch):
     path, names = root
-    with open(commit_index.marker_path(path, RUN_ID, 4), "w") as handle:
+    with open(commit_index.marker_path(path, RUN_ID, 4, names[0]), "w") as handle:
         handle.write(names[0] + "\n")  # names a committed checkpoint of seq 1: the index is inconsistent
     listed = _counting_listing(monkeypatch)
     assert catalog.find(resolve(path), "latest").name == names[2]
@@ -152,7 +152,7 @@ def test_every_reader_resumes_the_step_ls_stars_whatever_the_pointer_and_markers
         os.remove(os.path.join(root, LATEST))
     elif damage == "marker_deleted":  # `latest` rewritten and the newest commit's marker gone
         _point_latest_at(root, names[1])
-        os.remove(commit_index.marker_path(root, RUN_ID, 6))
+        os.remove(commit_index.marker_path(root, RUN_ID, 6, names[2]))
     code, out, _ = run_cli("ls", root)
     assert code == 0
     starred = [line.split()[0] for line in out.splitlines() if line[:1].isdigit() and "*" in line.split()]
@@ -180,7 +180,7 @@ def test_a_rollbacks_newer_commit_of_a_smaller_step_stays_latest_with_its_marker
     branch = save_checkpoint(path, step=3)
     assert branch["seq"] == 5
     _point_latest_at(path, names[3])
-    os.remove(commit_index.marker_path(path, RUN_ID, 5))
+    os.remove(commit_index.marker_path(path, RUN_ID, 5, dirname_of(branch)))
     assert catalog.find(resolve(path), "latest").name == dirname_of(branch)
     assert resolve_checkpoint(path).checkpoint_id == branch["id"]
 
@@ -202,7 +202,7 @@ def test_retention_prunes_the_markers_of_the_checkpoints_it_deletes_and_latest_s
             checkpointer.save(step, {"w": torch.full((8,), float(step))}, blocking=True)
     committed = [e for e in catalog.list_checkpoints(resolve(root)) if e.committed]
     assert [e.step for e in committed] == [29, 30]
-    assert _markers(root) == [f"{e.seq:09d}" for e in committed]  # 2 markers, not 30
+    assert _markers(root) == [commit_index.marker_name(e.seq, e.name) for e in committed]  # 2 markers, not 30
     _point_latest_at(root, committed[0].name)  # stale: the walk goes from seq 29 to 30 over the pruned index
     _no_listing(monkeypatch)
     assert catalog.find(resolve(root), "latest").name == committed[1].name
@@ -218,7 +218,7 @@ def test_gc_prunes_the_markers_of_checkpoints_deleted_before_retention_pruned_th
     assert len(_markers(path)) == 10
     code, out, _ = run_cli("gc", path, "--yes", "--json")
     assert code == 0
-    assert _markers(path) == ["000000009", "000000010"]
+    assert _markers(path) == [commit_index.marker_name(9, names[8]), commit_index.marker_name(10, names[9])]
     assert json.loads(out)["markers_removed"] == 8
     assert catalog.find(resolve(path), "latest").name == names[9]
 
@@ -230,3 +230,104 @@ def test_a_pointer_more_commits_behind_than_the_walk_reads_still_resolves_from_t
     _point_latest_at(path, names[0])
     _no_listing(monkeypatch)
     assert catalog.find(resolve(path), "latest").name == names[2]
+
+
+def test_latest_after_a_rollback_reads_no_marker_and_only_the_pointers_and_the_answers_directories(tmp_path):
+    """Steps 1-12, then a rollback commits step 3 again (seq 13), `latest` left at step 1: one LIST of the index
+    gives every marker's directory, so neither a marker nor the abandoned branch's nine directories of higher steps
+    is read (the counting check read each of those commit records, and the walk read markers one by one)."""
+    import uuid
+
+    from tests.helpers import counting_fs
+    from tests.helpers.counting_fs import counting_url
+
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in range(1, 13)]
+    branch = dirname_of(save_checkpoint(path, step=3))
+    _point_latest_at(path, names[0])
+    log_id = uuid.uuid4().hex
+    location = resolve(counting_url(path), {"log_id": log_id})
+    assert catalog.find(location, "latest").name == branch
+    log = counting_fs.LOGS[log_id]
+    read = {os.path.relpath(p, path).split(os.sep)[0] for p, _, _ in log.reads}
+    assert read == {LATEST, names[0], branch}  # nothing under index/, no other checkpoint directory
+    index = os.path.join(path, commit_index.INDEX_DIR)
+    assert sorted(log.lists) == sorted([index, os.path.join(index, RUN_ID), path])
+
+
+def _markers_of_seq(root: str, seq: int) -> list[str]:
+    return [name for name in _markers(root) if name.split(".", 1)[0] == f"{seq:09d}"]
+
+
+def test_a_retry_of_a_seq_leaves_one_marker_naming_its_commit_and_a_leftover_attempts_marker_is_passed_over(
+    root, monkeypatch
+):
+    import torch
+
+    from lightning_shardckpt import CheckpointSaver, SaveConfig
+    from tests.helpers.faults import FailOnce
+
+    path, names = root
+    config = SaveConfig(async_save=False, write_events=False, run_id=RUN_ID, keep_failed_attempts=True)
+    failing = CheckpointSaver(path, config, fault_hook=FailOnce("before_manifest"))  # after its marker
+    try:
+        failed = failing.save({"w": torch.zeros(4)}, step=4).result(timeout=60)
+    finally:
+        failing.close()
+    assert not failed.committed
+    failed_name = failed.path.rstrip("/").rsplit("/", 1)[-1]
+    assert _markers_of_seq(path, 4) == [commit_index.marker_name(4, failed_name)]
+    retry = dirname_of(save_checkpoint(path, step=4))
+    assert _markers_of_seq(path, 4) == [commit_index.marker_name(4, retry)]  # the failed attempt's went
+    # had that removal failed, both markers of seq 4 would be there: the one naming a commit of seq 4 wins
+    with open(commit_index.marker_path(path, RUN_ID, 4, failed_name), "w") as handle:
+        handle.write(failed_name + "\n")
+    _point_latest_at(path, names[0])
+    _no_listing(monkeypatch)
+    assert catalog.find(resolve(path), "latest").name == retry
+
+
+def test_the_index_never_vouches_for_a_peer_assembled_checkpoint_when_a_newer_commit_lost_its_marker(tmp_path):
+    """Steps 10, 20, 30; step 10's directory deleted with its marker left (a crash in retention); step 25 commits
+    (seq 4) and its marker is lost: the highest marker names step 30 and the counts below it balance (dirs 20, 25;
+    markers 1, 2), so counting vouched for step 30. Step 25's directory is named by no marker: nothing is vouched."""
+    import shutil
+
+    path = str(tmp_path / "run")
+    names = {step: dirname_of(save_checkpoint(path, step=step)) for step in (10, 20, 30)}
+    location = resolve(path)
+    assert commit_index.vouches_newest(location, names[30])
+    shutil.rmtree(os.path.join(path, names[10]))
+    names[25] = dirname_of(save_checkpoint(path, step=25))
+    assert not commit_index.vouches_newest(location, names[30])
+    for marker in _markers_of_seq(path, 4):
+        os.remove(os.path.join(path, commit_index.INDEX_DIR, RUN_ID, marker))
+    assert not commit_index.vouches_newest(location, names[30])
+
+
+def test_the_index_vouches_for_a_rollbacks_newest_commit_past_the_abandoned_branchs_higher_steps(tmp_path):
+    """Steps 10, 20, 30, then step 25 (seq 4, a rollback's new branch): step 30's directory is named by marker 3, an
+    older commit, so the index vouches for step 25 without a read inside any directory."""
+    path = str(tmp_path / "run")
+    names = {step: dirname_of(save_checkpoint(path, step=step)) for step in (10, 20, 30, 25)}
+    location = resolve(path)
+    assert commit_index.vouches_newest(location, names[25])
+    assert not commit_index.vouches_newest(location, names[30])
+
+
+def test_gc_prunes_markers_of_both_formats_in_a_root_an_old_run_began(tmp_path, run_cli):
+    """Markers 1-5 as a writer before markers carried names left them (`<seq:09d>`), 6-10 as this one writes them:
+    with checkpoints 1-8 deleted, gc removes the markers of both formats that name them."""
+    import shutil
+
+    path = str(tmp_path / "run")
+    names = [dirname_of(save_checkpoint(path, step=step)) for step in range(1, 11)]
+    index = os.path.join(path, commit_index.INDEX_DIR, RUN_ID)
+    for seq in range(1, 6):
+        os.rename(os.path.join(index, commit_index.marker_name(seq, names[seq - 1])), os.path.join(index, f"{seq:09d}"))
+    for name in names[:8]:
+        shutil.rmtree(os.path.join(path, name))
+    code, out, _ = run_cli("gc", path, "--yes", "--json")
+    assert code == 0
+    assert _markers(path) == [commit_index.marker_name(9, names[8]), commit_index.marker_name(10, names[9])]
+    assert json.loads(out)["markers_removed"] == 8

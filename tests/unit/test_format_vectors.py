@@ -201,6 +201,16 @@ def test_the_index_marker_vector_names_the_manifest_vectors_directory():
     assert vectors()["index marker"] == checkpoint_dirname(manifest["step"], manifest["id"])
 
 
+def test_the_index_marker_vectors_file_name_is_the_one_the_writer_gives_and_readers_parse():
+    from lightning_shardckpt.engine.commit_index import marker_name, parse_marker_name
+
+    named = re.search(r"A commit index marker \(§4\.1\), `ROOT/index/[^/`]+/([^`]+)`", FORMAT.read_text())[1]
+    dirname = vectors()["index marker"]
+    assert named == marker_name(1, dirname)
+    assert parse_marker_name(named) == (1, dirname)
+    assert parse_marker_name("000000001") == (1, None)  # the first format: the name is inside
+
+
 def test_the_tensor_record_vector_decodes_without_torch_and_with_it():
     text = FORMAT.read_text()
     data = bytes.fromhex("".join(vectors()["tensor record"].split()))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lightning_shardckpt import follow_checkpoints, list_checkpoints
+from lightning_shardckpt.engine.commit_index import INDEX_DIR
 from lightning_shardckpt.engine.config import SaveConfig, SignConfig
+from lightning_shardckpt.engine.format.names import LATEST
 from lightning_shardckpt.engine.save.saver import CheckpointSaver
 from tests.helpers.checkpoints import fresh_state
 from tests.helpers.signing_keys import Keys
@@ -37,3 +41,71 @@ def test_a_follower_under_a_signature_policy_never_yields_an_unsigned_or_foreign
     ]
     assert followed == [signed_1, signed_4]
     assert list_checkpoints(root, public_keys=keys.public).latest.name == signed_4  # the pick it must agree with
+
+
+def _rollback_root(root: str) -> dict[int, str]:
+    """Through the door: steps 10 and 50, then twice a rollback to step 10 (by its path) that commits 30, then 20:
+    seqs 1-4 by step 10, 50, 30, 20. Returns step -> directory name."""
+    import torch
+
+    from lightning_shardckpt import Checkpointer
+
+    names: dict[int, str] = {}
+    state = {"w": torch.zeros(8)}
+
+    def save(checkpointer: Checkpointer, step: int) -> None:
+        state["w"].fill_(float(step))
+        result = checkpointer.save(step, state, blocking=True).result()
+        assert result.committed, result.error
+        names[step] = result.path.rstrip("/").rsplit("/", 1)[-1]
+
+    with Checkpointer(root, save={"async_save": False, "run_id": "run-1"}) as checkpointer:
+        save(checkpointer, 10)
+        save(checkpointer, 50)
+        for step in (30, 20):
+            assert checkpointer.load(state, f"{root}/{names[10]}") == 10
+            save(checkpointer, step)
+    return names
+
+
+def _markers_of(root: str) -> str:
+    return os.path.join(root, INDEX_DIR, "run-1")
+
+
+def _in_the_first_marker_format(root: str, seqs: set[int]) -> None:
+    """Rewrite the markers of `seqs` as a writer before markers carried names left them: `<seq:09d>`, holding the
+    directory name."""
+    for marker in os.listdir(_markers_of(root)):
+        seq, _, dirname = marker.partition(".")  # today's `<seq:09d>.<directory name>`
+        if dirname and int(seq) in seqs:
+            os.rename(os.path.join(_markers_of(root), marker), os.path.join(_markers_of(root), seq))
+
+
+@pytest.mark.parametrize("markers", ["named", "first_format", "mixed"])
+def test_a_rollbacks_newest_commit_with_its_marker_deleted_is_latest_for_ls_resolve_and_resume(tmp_path, markers):
+    """Shrunk from the walk's counting check: with marker 4 (step 20) deleted and `latest` naming step 30 (seq 3),
+    the abandoned step 50 made the counts of directories and markers below step 30 balance, so `resolve_checkpoint`
+    and a resume took step 30 while `ls` starred step 20. Every directory no marker names is now read."""
+    import torch
+
+    from lightning_shardckpt import Checkpointer, resolve_checkpoint
+
+    root = str(tmp_path / "root")
+    names = _rollback_root(root)
+    seqs = {entry.name: entry.seq for entry in list_checkpoints(root).checkpoints}
+    assert [seqs[names[step]] for step in (10, 50, 30, 20)] == [1, 2, 3, 4]
+    marker_4 = next(m for m in os.listdir(_markers_of(root)) if m.startswith("000000004"))
+    os.remove(os.path.join(_markers_of(root), marker_4))
+    with open(os.path.join(root, LATEST), "w") as handle:
+        handle.write(names[30] + "\n")
+    if markers != "named":  # an old run's root, or one an old run wrote and this writer resumed
+        _in_the_first_marker_format(root, {1, 2, 3} if markers == "first_format" else {1, 2})
+    state = {"w": torch.zeros(8)}
+    with Checkpointer(root) as checkpointer:
+        resumed = checkpointer.load(state)
+    assert {
+        "ls": list_checkpoints(root).latest.name,
+        "resolve_checkpoint": resolve_checkpoint(root, "latest").name,
+        "resume": names[resumed],
+    } == dict.fromkeys(["ls", "resolve_checkpoint", "resume"], names[20])
+    assert state["w"][0].item() == 20.0
