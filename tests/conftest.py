@@ -66,6 +66,12 @@ def pytest_addoption(parser):
         action="store_true",
         help="the model-based tests' deep profile (thousands of steps, minutes): tests/unit/test_one_truth_model.py",
     )
+    parser.addoption(
+        "--deep-seconds",
+        type=float,
+        default=120.0,
+        help="with --deep: how long each model-based test searches (fresh sequences until then; default 120 s)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns xdist_group marks into work units
