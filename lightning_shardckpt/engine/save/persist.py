@@ -156,11 +156,12 @@ def persist_checkpoint(
 def _group_size(config: SaveConfig, world: int) -> int | None:
     """Format v5's ranks per group, or None for v4: what format_version asks, except that
     - a world of one group stays v4: its parts table is O(group size) already, and v5 would add a file to write
-      and one to read at every resume for nothing;
-    - signed and node-local saves stay v4: a group table carries no digests yet, and a leader's table would land
-      on its own node's storage only."""
+      and one to read at every resume for nothing (signed too: its v4 parts hold a digest per file);
+    - node-local saves stay v4: a leader's table would land on its own node's storage only.
+    A signed save of several groups is v5: its group tables and parts carry cryptographic digests down to each
+    chunk (FORMAT.md §12.2), so each rank verifies what it reads and nothing more."""
     size = groups.writer_group_size(world)
-    if config.format_version < GROUPS_FORMAT_VERSION or config.sign.enabled or config.node_local or world <= size:
+    if config.format_version < GROUPS_FORMAT_VERSION or config.node_local or world <= size:
         return None
     return size
 
