@@ -498,8 +498,10 @@ class SignaturePolicy:
         return hashed
 
     def check_every_file(self, fs: Any, directory: str, manifest: dict[str, Any], kid: str) -> int:
-        """Every file of the checkpoint against the signed digests, read whole; bytes hashed. v4: each writing
-        rank's part and shard; v2/v3: every listed and every referenced file (listed_digests.py)."""
+        """Every file of the checkpoint against the signed digests, read whole; bytes hashed. `.metadata` by its
+        digest when the manifest records one; v5: every group table, part and shard file (each by its chunks'
+        digests); v4: each writing rank's part and shard; v2/v3: every listed and every referenced file
+        (listed_digests.py)."""
         hashed = _check_metadata(fs, directory, manifest, kid)
         if groups.is_grouped(manifest):
             return hashed + _check_grouped(fs, directory, manifest, None, kid)
