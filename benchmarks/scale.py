@@ -295,14 +295,14 @@ def run(
 ) -> dict[str, Any]:
     """One configuration; `group_size`: format v5 (every group's leader simulated, each timed on its own),
     None: format v4 (rank 0 hears from every rank). As the writer does (persist._group_size), a world of one
-    group is written as v4. `sign_key` (a PEM private key file): signed (FORMAT.md §12; v5: §12.2), the commit
-    signing the manifest, and the resume planned as a rank under a signature policy plans it (each group table and
-    part it reads checked against its digest)."""
+    group is written as v4, unless signed. `sign_key` (a PEM private key file): signed (FORMAT.md §12; v5: §12.2),
+    the commit signing the manifest, and the resume planned as a rank under a signature policy plans it (each group
+    table and part it reads checked against its digest)."""
     signed = sign_key is not None
-    # signed v5: a digest per chunk record; signed v4: one per part (its shard file's, `file_digest`)
-    signed_as = None if not signed else ("v5" if group_size is not None and world > group_size else "v4")
-    if group_size is not None and world <= group_size:
-        group_size = None
+    if group_size is not None and world <= group_size and not signed:
+        group_size = None  # a signed save is v5 at any size (persist._group_size)
+    # signed v5: a digest per chunk record; signed v4 (--format-version 4): one per part, its shard file's
+    signed_as = None if not signed else ("v5" if group_size is not None else "v4")
     count = groups.group_count(world, group_size) if group_size is not None else 1
     location = fsio.resolve(f"s3sim:///scale-{uuid.uuid4().hex[:8]}")
     fs, root = location.fs, location.path
@@ -403,8 +403,9 @@ def run(
         # the picked checkpoint's manifest, read and validated as rank 0 reads it once `latest` named it (one GET;
         # the other ranks get it in the pick's broadcast, loader.py): an upper bound for any rank
         manifest = manifest_format.parse(fs.cat_file(join(directory, MANIFEST)), directory)
-        checked = signed and groups.is_signed(manifest)  # v4 signed: its files are hashed whole, not simulated here
-        return plan_boxes(location.fs, directory, manifest, boxes, {}, checked), time.perf_counter() - started
+        # as under a policy (the key id only names it in refusals); v4 signed: files hashed whole, not simulated here
+        signed_by = "bench" if signed and groups.is_signed(manifest) else None
+        return plan_boxes(location.fs, directory, manifest, boxes, {}, signed_by), time.perf_counter() - started
 
     fs.requests.clear()
     plan, plan_s = plan_share()

@@ -184,6 +184,20 @@ def test_a_part_or_group_table_edited_under_a_signed_v5_manifest_is_refused_nami
     assert edited != data and len(edited) == len(data)
     _replace(resolve(copy).fs, path, edited)
     [refused] = [outcome.value for outcome in run_ranks(load_worker, 1, copy, public, None, 2)]
-    assert f"{name}: its blake3 digest differs from the one the signed manifest vouches for" in refused["refused"]
+    assert f"{name}: its blake3 digest differs from the one the manifest signed by key" in refused["refused"]
     report = verify_checkpoint(copy, public_keys=[public])
     assert (SIGNATURE_PROBLEM, name) in [(p["kind"], p["file"]) for p in report.problems], report
+
+
+def test_bytes_appended_to_a_shard_file_under_a_signed_v5_manifest_are_refused_by_its_signed_size(signed, tmp_path):
+    # after every chunk: no chunk digest (nor xxh3) covers them, the part's signed `file_bytes` does; a resume
+    # knows each file's size from opening it, so the check costs no request
+    root, _, public = signed
+    copy, directory = _copy(root, tmp_path)
+    shard = os.path.join(directory, shard_filename(1))
+    _replace(resolve(copy).fs, shard, Path(shard).read_bytes() + b"appended by someone without the key")
+    [refused] = [outcome.value for outcome in run_ranks(load_worker, 1, copy, public, None, 2)]
+    assert f"{shard_filename(1)}: its blake3 digest differs" in refused["refused"], refused
+    assert "bytes were added or cut after it was signed" in refused["refused"]
+    report = verify_checkpoint(copy, public_keys=[public])
+    assert (SIGNATURE_PROBLEM, shard_filename(1)) in [(p["kind"], p["file"]) for p in report.problems], report

@@ -213,13 +213,14 @@ class GroupTables:
     """The group tables of one committed v5 checkpoint, read when asked, each once, each checked against the
     manifest (size bound, size, checksum) before it is parsed, then against its place and the manifest's sums."""
 
-    def __init__(self, fs: Any, directory: str, manifest: dict[str, Any], signed: bool = False) -> None:
-        """`signed` (a reader with a signature policy, the manifest's signature checked): each table is checked
-        against the manifest's `table_digests` before anything else, and must carry its ranks' `part_digests`."""
+    def __init__(self, fs: Any, directory: str, manifest: dict[str, Any], signed_by: str | None = None) -> None:
+        """`signed_by` (a reader with a signature policy: the id of the key whose signature over the manifest it
+        accepted): each table is checked against the manifest's `table_digests` before anything else, and must
+        carry its ranks' `part_digests`."""
         self.fs, self.directory, self.manifest = fs, directory, manifest
         self.table = manifest[GROUPS_FIELD]
         self.world, self.size = self.table["count"], self.table["size"]
-        self.signed = signed
+        self.signed_by = signed_by
         self._read: dict[int, dict[str, Any]] = {}
         self.tables_read = 0
 
@@ -251,19 +252,26 @@ class GroupTables:
             for g, table in tables.items():
                 values[g * self.size : g * self.size + table["count"]] = table[column]
             merged[column] = values
-        signed = self.signed or (bool(tables) and all(PART_DIGESTS in table for table in tables.values()))
-        for column, blank in (
-            *((column, parts_manifest.NO_DIGEST) for column in parts_manifest.DIGEST_COLUMNS),
-            *([(PART_DIGESTS, parts_manifest.NO_CRYPTO)] if signed else []),
-        ):
+        for column in parts_manifest.DIGEST_COLUMNS:
             pieces = [
-                tables[g].get(column, blank * tables[g]["count"])
+                tables[g][column]
                 if g in tables
-                else blank * len(group_ranks(g, self.size, self.world))
+                else parts_manifest.NO_DIGEST * len(group_ranks(g, self.size, self.world))
                 for g in range(group_count(self.world, self.size))
             ]
             merged[column] = "".join(pieces)
         return merged
+
+    def part_digests(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Signed v5: the digest each of `ranks`' group tables records of its part (`part_digests`), by rank; never
+        merged into parts_table's world-wide columns (64 characters a rank: 8 MB at 131,072 ranks, per plan)."""
+        wanted = [rank for rank in ranks if 0 <= rank < self.world]
+        tables = self.load(self.groups_of(wanted))
+        out = {}
+        for rank in wanted:
+            table, at = tables[rank // self.size], (rank % self.size) * CRYPTO_CHARS
+            out[rank] = table.get(PART_DIGESTS, parts_manifest.NO_CRYPTO * table["count"])[at : at + CRYPTO_CHARS]
+        return out
 
     def _read_one(self, group: int) -> dict[str, Any]:
         name = group_filename(group)
@@ -275,9 +283,9 @@ class GroupTables:
                 "the manifest is damaged"
             )
         crypto = None
-        if self.signed:  # before its xxh3: a table whose bytes changed is refused as a forgery, naming it
-            algorithm = self.manifest[DIGEST_FIELD]
-            crypto = (algorithm, self.table[TABLE_DIGESTS][group * CRYPTO_CHARS : (group + 1) * CRYPTO_CHARS])
+        if self.signed_by is not None:  # before its xxh3: a table whose bytes changed is refused as a forgery
+            expected = self.table[TABLE_DIGESTS][group * CRYPTO_CHARS : (group + 1) * CRYPTO_CHARS]
+            crypto = (self.manifest[DIGEST_FIELD], expected, self.signed_by)
         data = read_listed(self.fs, self.directory, name, size, digest, "group table", crypto)
         problems = []
         try:
@@ -307,7 +315,7 @@ class GroupTables:
         if problems or parts_manifest.columns_problems(table, f"group {group}", problems) is None:
             return problems
         crypto = table.get(PART_DIGESTS)
-        if crypto is not None or self.signed:
+        if crypto is not None or self.signed_by is not None:
             problems.extend(parts_manifest.crypto_column_problems(table, f"group {group}"))
         entry = group_entry(table, b"")
         for column in (BYTES, WRITERS):

@@ -2,7 +2,7 @@
 
 xxh3 checksums catch rot and truncation, but anyone who can write the storage can change a shard and recompute
 every checksum. With signing on, cryptographic digests (BLAKE3, or SHA-256) are computed in the same streaming pass
-as the xxh3 chunk checksums. Format v4 (a world of one group): each shard file's in its part (`file_digest`), each
+as the xxh3 chunk checksums. Format v4 (save.format_version 4): each shard file's in its part (`file_digest`), each
 part's in the manifest's parts table (`part_digests`). Format v5 (FORMAT.md §12.2): each chunk's (and block's) in
 its part (`digest`), each part's in its group table (`part_digests`), each table's in the manifest
 (`groups.table_digests`), so a rank checks exactly the tables, parts and chunks it reads (chunk_index.py,
@@ -554,18 +554,20 @@ def _check_grouped(fs: Any, directory: str, manifest: dict[str, Any], ranks: lis
     from .names import shard_filename
 
     algorithm = manifest[DIGEST_FIELD]
-    tables = groups.GroupTables(fs, directory, manifest, signed=True)
+    tables = groups.GroupTables(fs, directory, manifest, signed_by=kid)
     merged = {**manifest, "parts": tables.parts_table(ranks)}
     writers = [r for r in (_writing_ranks(merged) if ranks is None else ranks) if _wrote(merged, r)]
     hashed = sum(merged["parts"]["part_bytes"][r] for r in writers)
-    for rank, part in sorted(read_parts(fs, directory, merged, writers, signed=True).items()):
+    digests = tables.part_digests(writers)
+    parts = read_parts(fs, directory, merged, writers, signed_by=kid, part_digests=digests)
+    for rank, part in sorted(parts.items()):
         shard_path = join(directory, shard_filename(rank))
         problem, nbytes = shard_chunk_problem(fs, shard_path, part, algorithm)
         hashed += nbytes
         if problem is not None:
             raise SignatureRefused(
-                f"{shard_path}: its chunk {problem} differs from the {algorithm} digest its part records under the "
-                f"manifest signed by key {kid[:16]}; the file was changed"
+                f"{shard_path}: its {algorithm} digest differs from its part's (signed through its group table and the "
+                f"manifest by key {kid[:16]}) at its chunk {problem}; the file was changed"
             )
     return hashed
 

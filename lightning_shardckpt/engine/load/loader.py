@@ -32,7 +32,7 @@ from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..root import open_reference, parse_reference, root_of
 from ..storage import fsio
 from ..storage.fsio import Location
-from ..storage.reader import ShardReader
+from ..storage.reader import ShardReader, SignedReads
 from .resume_plan import plan_resume
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,9 @@ def _load_from_parts(
     # the signature binds, as it reads them (FORMAT.md §12.2); signed v4: each file it reads from, hashed whole
     signed_v5 = config.require_signature and groups.is_signed(manifest)
     try:
-        if signed_v5:
-            _signed_by(root, entry, config)  # rank 0's pick checked the signature; else it is checked here
-        plan = plan_resume(root.fs, entry.path, manifest, state_dict, signed=signed_v5)
+        # rank 0's pick checked the signature (else it is checked here): the key that vouches for every read
+        kid = _signed_by(root, entry, config) if signed_v5 else None
+        plan = plan_resume(root.fs, entry.path, manifest, state_dict, signed_by=kid)
         if config.require_signature and not signed_v5:
             _check_signed_files(root, entry, plan, config)
         checked = config.verify_checksums or signed_v5  # under a policy the bytes read are always hashed
@@ -179,9 +179,9 @@ def _load_from_parts(
             read_threads=config.read_threads,
             read_ahead_bytes=config.read_ahead_bytes,
             metadata=plan.metadata,
-            expected_digests=(
-                (manifest[signing.DIGEST_FIELD], plan.expected_digests)
-                if signed_v5 and plan.expected_digests is not None
+            signed=(
+                SignedReads(manifest[signing.DIGEST_FIELD], kid, plan.expected_digests, plan.file_bytes)
+                if kid is not None and plan.expected_digests is not None
                 else None
             ),
         )

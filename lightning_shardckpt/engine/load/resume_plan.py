@@ -51,19 +51,20 @@ class ResumePlan:
     # signed v5 under a signature policy: (file, offset) -> (the chunk's cryptographic digest, its blocks' or
     # None), from parts checked against the signed chain; None when the plan was not made under a policy
     expected_digests: dict[tuple[str, int], tuple[str, list[str] | None]] | None = None
+    file_bytes: dict[str, int] = field(default_factory=dict)  # each shard file read: its size, as its part says
 
 
 def plan_resume(
-    fs: Any, directory: str, manifest: dict[str, Any], state_dict: dict[str, Any], signed: bool = False
+    fs: Any, directory: str, manifest: dict[str, Any], state_dict: dict[str, Any], signed_by: str | None = None
 ) -> ResumePlan:
     """The metadata of the chunks this rank's `state_dict` (the target, as DCP flattens it) overlaps, read from
     the parts that hold them; keys the checkpoint lacks are left out (DCP then reports them, or skips them in
-    a partial load). `signed` (a signed v5 checkpoint whose signature a policy accepted): every group table and
-    part read is checked against the signed chain of digests, and the plan holds each chunk's digest."""
+    a partial load). `signed_by` (a signed v5 checkpoint whose signature by that key a policy accepted): every
+    group table and part read is checked against the signed chain of digests, and the plan holds each chunk's."""
     flat, mappings = flatten_state_dict(state_dict)
     shapes = {tensor["fqn"]: tensor["shape"] for tensor in manifest["tensors"]}
     boxes = {fqn: _target_box(value, shapes[fqn]) if fqn in shapes else None for fqn, value in flat.items()}
-    return plan_boxes(fs, directory, manifest, boxes, mappings, signed)
+    return plan_boxes(fs, directory, manifest, boxes, mappings, signed_by)
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -75,12 +76,12 @@ def plan_boxes(
     manifest: dict[str, Any],
     boxes: dict[str, Box | None],
     mappings: dict[str, Any],
-    signed: bool = False,
+    signed_by: str | None = None,
 ) -> ResumePlan:
     """plan_resume for a target given as the box (offsets, sizes) of each tensor this rank holds (None: none of
     it; objects: any value). What a resume plans with, without a state dict (benchmarks/scale.py plans so)."""
     with gc_paused():  # parts parsed and metadata built: a burst of small objects (engine/gc_pause.py)
-        return _plan_boxes(fs, directory, manifest, boxes, mappings, signed)
+        return _plan_boxes(fs, directory, manifest, boxes, mappings, signed_by)
 
 
 def _plan_boxes(
@@ -89,7 +90,7 @@ def _plan_boxes(
     manifest: dict[str, Any],
     boxes: dict[str, Box | None],
     mappings: dict[str, Any],
-    signed: bool,
+    signed_by: str | None,
 ) -> ResumePlan:
     started = time.perf_counter()
     tensors = {tensor["fqn"]: tensor for tensor in manifest["tensors"]}
@@ -103,7 +104,7 @@ def _plan_boxes(
             wanted_cells[fqn] = [] if box is None else list(chunk_layout.cells_within(layout, shape, box))
         elif fqn in objects:
             wanted_objects.append(fqn)
-    index = ChunkIndex(fs, directory, manifest, signed)
+    index = ChunkIndex(fs, directory, manifest, signed_by)
     # every part this rank needs, read at once (concurrently), before any record is looked up
     index.parts(
         {cell.rank for cells in wanted_cells.values() for cell in cells} | {objects[f]["rank"] for f in wanted_objects}
@@ -112,7 +113,7 @@ def _plan_boxes(
     storage: dict[MetadataIndex, _StorageInfo] = {}
     checksums: dict[tuple[str, int], tuple[str, str]] = {}
     blocks: dict[tuple[str, int], tuple[int, list[str]]] = {}
-    digests: dict[tuple[str, int], tuple[str, list[str] | None]] | None = {} if signed else None
+    digests: dict[tuple[str, int], tuple[str, list[str] | None]] | None = {} if signed_by is not None else None
     for fqn, cells in wanted_cells.items():
         tensor = tensors[fqn]
         chunks = []
@@ -142,6 +143,7 @@ def _plan_boxes(
         checksums[(record["file"], record["offset"])] = (record["checksum"], fqn)
         if digests is not None:
             digests[(record["file"], record["offset"])] = _digests_of(record)
+    held = index.parts_held()
     metadata = Metadata(
         state_dict_metadata=state,
         planner_data={fqn: mappings[fqn] for fqn in state if fqn in mappings},
@@ -155,9 +157,10 @@ def _plan_boxes(
         parts_read=index.parts_read,
         chunks=len(storage),
         seconds=time.perf_counter() - started,
-        part_ranks=sorted(index._parts),
+        part_ranks=sorted(held),
         group_tables_read=index.tables_read,
         expected_digests=digests,
+        file_bytes={part["file"]: part["file_bytes"] for part in held.values()},
     )
 
 

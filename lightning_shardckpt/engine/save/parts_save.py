@@ -70,7 +70,7 @@ def save_parts(
     fault = fault_hook or (lambda point: None)
     stats: dict[str, Any] = {}
     try:
-        # signed v5: a digest per chunk (each rank checks what it reads); signed v4: one per file, as before
+        # signed v5: a digest per chunk (each rank checks what it reads); signed v4 (format_version 4): one per file
         chunk_digests = config.sign.enabled and group_size is not None
         written = _write(state_dict, layout, fs, directory, rank, config, fault, chunk_digests)
         stats = written.stats
