@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import statistics
 import sys
@@ -43,10 +44,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from lightning_shardckpt.engine import catalog, commit_index
+from lightning_shardckpt.engine.config import SignConfig
 from lightning_shardckpt.engine.format import chunk_layout, groups
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.format.checksum import checksum
+from lightning_shardckpt.engine.format.file_digests import digest_of
 from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname, join
 from lightning_shardckpt.engine.load.resume_plan import plan_boxes
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
@@ -61,6 +64,7 @@ TP = 8  # the 2-D mesh's tensor-parallel size
 # norms [8192]; optimizer moments repeat them
 SHAPES = ([8192, 8192], [1024, 8192], [1024, 8192], [8192, 8192], [28672, 8192], [28672, 8192], [8192, 28672], [8192])
 DEFAULT_THRESHOLD = 50_000  # SaveConfig.dcp_metadata_max_chunks
+SIGN_DIGEST = "sha256"  # --sign's digest: the standard library's (the writer's default, blake3, is optional)
 
 
 class CountingS3(MemoryFileSystem):
@@ -142,13 +146,24 @@ def save_layout(kind: str, world: int, tensors: int) -> SaveLayout:
     return SaveLayout(items, world, f"{uuid.uuid4().int % 2**64:016x}", {fqn: (fqn,) for fqn in items})
 
 
-def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str) -> dict[str, Any]:
-    """Rank `rank`'s part as the writer builds it: one record per chunk the layout gives it."""
+def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str, signed_as: str | None = None) -> dict[str, Any]:
+    """Rank `rank`'s part as the writer builds it: one record per chunk the layout gives it. `signed_as` "v5": each
+    record with its chunk's digest (FORMAT.md §12.2); "v4": the part with its shard file's (stand-ins, as no tensor
+    bytes exist here)."""
+    signed = signed_as == "v5"
     chunks, objects, offset = [], [], 0
     for item in layout.items.values():
         if item.kind == OBJECT:
             if item.rank == rank:
-                objects.append({"fqn": item.fqn, "offset": offset, "length": 4096, "checksum": _digest(offset)})
+                record: dict[str, Any] = {
+                    "fqn": item.fqn,
+                    "offset": offset,
+                    "length": 4096,
+                    "checksum": _digest(offset),
+                }
+                if signed:
+                    record["digest"] = _digest(offset) * 4
+                objects.append(record)
                 offset += 4096
             continue
         for cell in _cells_of_rank(item, rank):
@@ -162,11 +177,13 @@ def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str) -> dict[str,
                 "checksum": _digest(offset),
                 "finite": True,
             }
+            if signed:
+                record["digest"] = _digest(offset) * 4
             chunks.append(record)
             offset += length
     verification = {"mode": "sample", "chunks_total": len(chunks) + len(objects), "bytes_total": offset}
     verification.update(chunks_verified=1, bytes_verified=min(offset, 1600))
-    return part_format.build_part(
+    part = part_format.build_part(
         checkpoint_id=checkpoint_id,
         rank=rank,
         file=f"__{rank}_0.distcp",
@@ -176,6 +193,9 @@ def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str) -> dict[str,
         verification=verification,
         write_s=1.0,
     )
+    if signed_as == "v4":
+        part["file_digest"] = _digest(rank) * 4
+    return part
 
 
 def _cells_of_rank(item: ItemLayout, rank: int) -> list[chunk_layout.Cell]:
@@ -199,22 +219,32 @@ def _cells_of_rank(item: ItemLayout, rank: int) -> list[chunk_layout.Cell]:
     return [chunk_layout.cell_at(layout, item.shape, by_entry)]
 
 
-def summaries(layout: SaveLayout, checkpoint_id: str, real: set[int], with_parts: bool) -> list[PartSummary]:
-    """Every rank's summary; the ranks in `real` (and all, `with_parts`) carry their actual part's size and digest."""
+def summaries(
+    layout: SaveLayout,
+    checkpoint_id: str,
+    real: set[int],
+    with_parts: bool,
+    signed_as: str | None = None,
+) -> list[PartSummary]:
+    """Every rank's summary; the ranks in `real` (and all, `with_parts`) carry their actual part's size and digest
+    (`signed_as`, part_of_rank's: its cryptographic digest too, SIGN_DIGEST)."""
+    signed = signed_as is not None
     counts = layout.chunks_per_rank()
     out = []
     for rank in range(layout.world_size):
         summary = PartSummary(rank, layout.digest, chunks=counts[rank], write_s=1.0)
         if counts[rank]:
             if rank in real or with_parts:
-                part = part_of_rank(layout, rank, checkpoint_id)
+                part = part_of_rank(layout, rank, checkpoint_id, signed_as)
                 data = part_format.to_bytes(part)
                 summary.part_bytes, summary.part_checksum = len(data), checksum(data)
+                summary.part_digest = digest_of(data, SIGN_DIGEST) if signed else None
                 summary.file_bytes, summary.file_checksum = part["file_bytes"], part["file_checksum"]
                 summary.part = part if with_parts else None
             else:
                 summary.part_bytes, summary.part_checksum = 150 * counts[rank], _digest(rank)
                 summary.file_bytes, summary.file_checksum = 2**20 * counts[rank], _digest(rank + 1)
+                summary.part_digest = _digest(rank) * 4 if signed else None
             summary.bytes_total = summary.file_bytes
             summary.verified_chunks, summary.verified_bytes = 1, 1600
         out.append(summary)
@@ -260,12 +290,19 @@ def resume_targets(kind: str, layout: SaveLayout) -> tuple[int, int, dict[str, A
     return new_world, rank, boxes
 
 
-def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | None = None) -> dict[str, Any]:
+def run(
+    kind: str, world: int, tensors: int, threshold: int, group_size: int | None = None, sign_key: str | None = None
+) -> dict[str, Any]:
     """One configuration; `group_size`: format v5 (every group's leader simulated, each timed on its own),
     None: format v4 (rank 0 hears from every rank). As the writer does (persist._group_size), a world of one
-    group is written as v4."""
-    if group_size is not None and world <= group_size:
-        group_size = None
+    group is written as v4, unless signed. `sign_key` (a PEM private key file): signed (FORMAT.md §12; v5: §12.2),
+    the commit signing the manifest, and the resume planned as a rank under a signature policy plans it (each group
+    table and part it reads checked against its digest)."""
+    signed = sign_key is not None
+    if group_size is not None and world <= group_size and not signed:
+        group_size = None  # a signed save is v5 at any size (persist._group_size)
+    # signed v5: a digest per chunk record; signed v4 (--format-version 4): one per part, its shard file's
+    signed_as = None if not signed else ("v5" if group_size is not None else "v4")
     count = groups.group_count(world, group_size) if group_size is not None else 1
     location = fsio.resolve(f"s3sim:///scale-{uuid.uuid4().hex[:8]}")
     fs, root = location.fs, location.path
@@ -280,15 +317,15 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
         for cell in chunk_layout.cells_within(item.layout, item.shape, boxes[item.fqn])
     } | {0}
     small = chunks <= threshold
-    sums = summaries(layout, checkpoint_id, needed, with_parts=small)
+    sums = summaries(layout, checkpoint_id, needed, with_parts=small, signed_as=signed_as)
     # each rank's own work: its part (the busiest rank: the one with the most chunks)
     busiest = max(range(world), key=lambda r: sums[r].chunks)
     started = time.perf_counter()
-    part_bytes = len(part_format.to_bytes(part_of_rank(layout, busiest, checkpoint_id)))
+    part_bytes = len(part_format.to_bytes(part_of_rank(layout, busiest, checkpoint_id, signed_as)))
     rank_part_s = time.perf_counter() - started
     for r in needed:  # the parts a resume reads, on storage
         path = join(root, checkpoint_dirname(7, checkpoint_id), part_format.part_filename(r))
-        fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id)))
+        fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as)))
     gathered = [pickle.dumps(s) for s in sums]
     leader_max_s, leader_median_s, received, leaders = 0.0, 0.0, gathered, []
     if group_size is not None:
@@ -301,7 +338,18 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
             started = time.perf_counter()
             members = [pickle.loads(gathered[r]) for r in ranks]
             leaders.append(
-                lead_group(members, layout, group, group_size, world, fs, first_directory, checkpoint_id, "sample")
+                lead_group(
+                    members,
+                    layout,
+                    group,
+                    group_size,
+                    world,
+                    fs,
+                    first_directory,
+                    checkpoint_id,
+                    "sample",
+                    SIGN_DIGEST if signed else None,
+                )
             )
             times.append(time.perf_counter() - started)
         leader_max_s = max(times, default=0.0)
@@ -319,6 +367,7 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
                 "topology": {"world_size": world, "device_type": "cuda", "parallelism": kind, "mesh_shape": None},
                 "run_id": "scale-bench",
             },
+            sign=SignConfig(key_path=sign_key, digest=SIGN_DIGEST) if signed else None,
         )
         fs.requests.clear()
         started = time.perf_counter()
@@ -354,7 +403,9 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
         # the picked checkpoint's manifest, read and validated as rank 0 reads it once `latest` named it (one GET;
         # the other ranks get it in the pick's broadcast, loader.py): an upper bound for any rank
         manifest = manifest_format.parse(fs.cat_file(join(directory, MANIFEST)), directory)
-        return plan_boxes(location.fs, directory, manifest, boxes, {}), time.perf_counter() - started
+        # as under a policy (the key id only names it in refusals); v4 signed: files hashed whole, not simulated here
+        signed_by = "bench" if signed and groups.is_signed(manifest) else None
+        return plan_boxes(location.fs, directory, manifest, boxes, {}, signed_by), time.perf_counter() - started
 
     fs.requests.clear()
     plan, plan_s = plan_share()
@@ -364,7 +415,7 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
     plan_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     plan_read = manifest_bytes + sum(
-        len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id))) for r in plan.part_ranks
+        len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as))) for r in plan.part_ranks
     )
     if group_size is not None:  # and the group tables of those parts' ranks
         table_bytes = json.loads(fs.cat_file(join(directory, MANIFEST)))["groups"]["table_bytes"]
@@ -378,6 +429,7 @@ def run(kind: str, world: int, tensors: int, threshold: int, group_size: int | N
         "commit_record_bytes": record_bytes,
         "dcp_metadata_bytes": metadata_bytes,
         "format_version": 4 if group_size is None else 5,
+        "signed": signed,
         "group_size": group_size,
         "gather_bytes": sum(map(len, received)),
         # messages to one rank in the gather: rank 0 hears every other rank (v4) or every leader (v5; it leads
@@ -568,7 +620,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         req = r["requests"]
         lines.append(
-            f"| {r['layout']} | v{r['format_version']} | {r['ranks']:,} | {r['tensors']:,} | {r['chunks']:,} "
+            f"| {r['layout']} | v{r['format_version']}{' signed' if r.get('signed') else ''} | {r['ranks']:,} "
+            f"| {r['tensors']:,} | {r['chunks']:,} "
             f"| {_size(r['manifest_bytes'])} "
             f"| {_size(r['dcp_metadata_bytes']) if r['dcp_metadata_bytes'] else '-'} | {_size(r['gather_bytes'])} "
             f"| {r['rank0_commit_s']:.3f} | {r['rank0_commit_peak_mb']} | {r['leader_median_s']:.3f}, {r['leader_s']:.3f} "
@@ -600,11 +653,11 @@ def growth_table(rows: list[dict[str, Any]]) -> str:
         "| layout | tensors | ranks | " + " | ".join(name for name, _ in GROWTH) + " |",
         "|" + "---|" * (3 + len(GROWTH)),
     ]
-    by_config: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    by_config: dict[tuple[str, int, bool], list[dict[str, Any]]] = {}
     for row in rows:
         if not row["dcp_metadata_bytes"]:
-            by_config.setdefault((row["layout"], row["tensors"]), []).append(row)
-    for (kind, tensors), group in by_config.items():
+            by_config.setdefault((row["layout"], row["tensors"], row.get("signed", False)), []).append(row)
+    for (kind, tensors, signed), group in by_config.items():
         if len(group) < 2:
             continue
         low, high = min(group, key=lambda r: r["ranks"]), max(group, key=lambda r: r["ranks"])
@@ -616,7 +669,8 @@ def growth_table(rows: list[dict[str, Any]]) -> str:
             unit = " B" if key.endswith("bytes") else (" µs" if key.endswith("_s") else " KB")
             scale = 1e6 if key.endswith("_s") else (1e3 if key.endswith("_mb") else 1)
             cells.append(f"{ratio} ({per_rank * scale:+.1f}{unit}/rank)")
-        lines.append(f"| {kind} | {tensors:,} | {low['ranks']:,} → {high['ranks']:,} | " + " | ".join(cells) + " |")
+        label = f"{kind} signed" if signed else kind
+        lines.append(f"| {label} | {tensors:,} | {low['ranks']:,} → {high['ranks']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -631,6 +685,22 @@ def _req(counts: dict[str, int]) -> str:
     return " ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "-"
 
 
+def _throwaway_key() -> str:
+    """A PEM Ed25519 private key file for --sign, in a temporary directory (the benchmark's only)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    path = os.path.join(tempfile.mkdtemp(prefix="scale-sign-"), "bench.pem")
+    key = ed25519.Ed25519PrivateKey.generate()
+    with open(path, "wb") as handle:
+        handle.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 2048, 16384])
@@ -642,16 +712,23 @@ def main(argv: list[str] | None = None) -> int:
         "--group-size", type=int, default=None, help="format 5's ranks per group (default: the writer's for each world)"
     )
     parser.add_argument("--listing", type=int, default=2000, help="checkpoints for ls/timeline (0: skip)")
+    parser.add_argument(
+        "--sign",
+        action="store_true",
+        help="signed checkpoints (FORMAT.md §12.2): each configuration also signed, with a throwaway Ed25519 key",
+    )
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = []
+    keys = [None, _throwaway_key()] if args.sign else [None]
     for kind in args.layouts:
         for tensors in args.tensors:
             for world in args.ranks:
                 group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
-                row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                for key in keys:
+                    row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size, key)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     print()
     print(table(rows))
     print()

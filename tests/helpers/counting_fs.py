@@ -4,6 +4,10 @@
 local filesystem (it is one), except that `cat_file` (the range read our reader uses on any filesystem
 but the plain local one) records (path, start, stop) in `LOGS[log_id]` (and `ls` the directory it lists), counts how many range reads run at
 once, and takes `latency_s` longer, as an object store's round trip does. Distinct `log_id`s give
+=======
+but the plain local one) records (path, start, stop) in `LOGS[log_id]`, counts how many range reads run at
+once, and takes `latency_s` longer, as an object store's round trip does. With `"log_opens": True` every read
+of a file opened for reading is logged too (a whole-file hash streams through one). Distinct `log_id`s give
 distinct instances and logs (fsspec caches one instance per set of options).
 
 Importing this module registers the protocol.
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 PROTOCOL = "counting"
 
@@ -37,15 +41,17 @@ class ReadLog:
 
 
 LOGS: dict[str, ReadLog] = {}
+_IN_CAT_FILE = threading.local()
 
 
 class CountingFileSystem(LocalFileSystem):
     protocol = (PROTOCOL,)
 
-    def __init__(self, log_id: str, latency_s: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, log_id: str, latency_s: float = 0.0, log_opens: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.log = LOGS.setdefault(log_id, ReadLog())
         self.latency_s = float(latency_s)
+        self.log_opens = bool(log_opens)  # also log reads through open(): a whole-file hash streams through one
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         path = self._strip_protocol(path)
@@ -54,7 +60,11 @@ class CountingFileSystem(LocalFileSystem):
             self.log.peak_running = max(self.log.peak_running, self.log.running)
         try:
             time.sleep(self.latency_s)
-            data = super().cat_file(path, start=start, end=end, **kwargs)
+            _IN_CAT_FILE.active = True  # its own read through open() is this read: logged once, below
+            try:
+                data = super().cat_file(path, start=start, end=end, **kwargs)
+            finally:
+                _IN_CAT_FILE.active = False
         finally:
             with self.log.lock:
                 self.log.running -= 1
@@ -67,6 +77,37 @@ class CountingFileSystem(LocalFileSystem):
         with self.log.lock:
             self.log.lists.append(self._strip_protocol(path))
         return super().ls(path, detail=detail, **kwargs)
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
+        if not self.log_opens or "r" not in mode or "+" in mode:
+            return super()._open(path, mode, block_size=block_size, **kwargs)
+        return _CountingOpener(self._strip_protocol(path), mode, self.log, fs=self, **kwargs)
+
+
+class _CountingOpener(LocalFileOpener):
+    """A file opened for reading whose reads are logged as cat_file's are: a whole-file hash streams through one."""
+
+    def __init__(self, path: str, mode: str, log: ReadLog, **kwargs: Any) -> None:
+        self._log = log
+        super().__init__(path, mode, **kwargs)
+
+    def read(self, *args: Any, **kwargs: Any) -> bytes:
+        first = self.f.tell()
+        data = self.f.read(*args, **kwargs)
+        self._logged(first, len(data))
+        return data
+
+    def readinto(self, target: Any) -> int:
+        first = self.f.tell()
+        count = self.f.readinto(target)
+        self._logged(first, count or 0)
+        return count
+
+    def _logged(self, first: int, count: int) -> None:
+        if getattr(_IN_CAT_FILE, "active", False):
+            return
+        with self._log.lock:
+            self._log.reads.append((self.path, first, first + count))
 
 
 def counting_url(path: str | os.PathLike) -> str:

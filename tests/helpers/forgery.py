@@ -120,24 +120,27 @@ def _forge_chunk_length_in_part(directory: str, fqn: str, length: int, grown: in
 
 
 def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -> dict[str, Any]:
-    """The issue-39 attack, on any storage (fsspec): replace the first stored chunk of `fqn` (format v4) with a record
-    of the same shape holding `value`, then recompute everything FORMAT.md says vouches for it: the chunk's xxh3
-    checksum (and block checksums), the part's file checksum, the cryptographic digests when it records them,
-    the manifest's parts table and the commit record. Only a signature, which needs the private key, is left as
-    it was. Returns the forged chunk's part record."""
+    """The issue-39 attack, on any storage (fsspec): replace the first stored chunk of `fqn` (format v4 or v5) with a
+    record of the same shape holding `value`, then recompute everything FORMAT.md says vouches for it: the chunk's
+    xxh3 checksum (and block checksums), the part's file checksum, the cryptographic digests when it records them
+    (v4: the file's; v5: the chunk's and its blocks'), the parts table (v5: the group table, and the manifest's
+    record of it) and the commit record. Only a signature, which needs the private key, is left as it was. Returns
+    the forged chunk's part record."""
     import io
 
     import torch
 
-    from lightning_shardckpt.engine.format import parts_manifest, signing
+    from lightning_shardckpt.engine.format import groups, parts_manifest, signing
     from lightning_shardckpt.engine.format.checksum import HashingWriter, block_size_for, checksum_of_checksums
     from lightning_shardckpt.engine.format.names import join, shard_filename
     from lightning_shardckpt.engine.storage.writer import save_record
 
     fs = location.fs
     manifest = json.loads(fs.cat_file(join(directory, MANIFEST)))
+    algorithm = manifest.get(signing.DIGEST_FIELD)
+    expanded = groups.expanded(fs, directory, manifest)  # v5: the per-rank columns, from the group tables
     dtypes = {tensor["fqn"]: tensor["dtype"] for tensor in manifest["tensors"]}
-    for rank in parts_manifest.writing_ranks(manifest):
+    for rank in parts_manifest.writing_ranks(expanded):
         part_path = join(directory, part_filename(rank))
         part = json.loads(fs.cat_file(part_path))
         chunk = next((c for c in part["chunks"] if c["fqn"] == fqn), None)
@@ -148,7 +151,7 @@ def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -
     dtype = getattr(torch, dtypes[fqn].removeprefix("torch."))
     forged = torch.full(chunk["sizes"], value, dtype=dtype)
     buffer = io.BytesIO()
-    stream = HashingWriter(buffer)
+    stream = HashingWriter(buffer, chunk_digest=algorithm if "digest" in chunk else None)
     stream.begin_chunk(block_size_for(forged.numel() * forged.element_size()))  # as the writer does
     save_record(forged, stream)
     _, length, digest = stream.end_chunk()
@@ -159,28 +162,63 @@ def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -
     shard[chunk["offset"] : chunk["offset"] + length] = record
     chunk["checksum"] = digest
     if stream.chunk_blocks is not None and "blocks" in chunk:
-        chunk["blocks"] = {"size": stream.chunk_blocks[0], "checksums": list(stream.chunk_blocks[1])}
+        chunk["blocks"] = {**chunk["blocks"], "size": stream.chunk_blocks[0], "checksums": list(stream.chunk_blocks[1])}
+    if stream.chunk_crypto is not None:  # signed v5: the chunk's own digest (and its blocks')
+        chunk["digest"] = stream.chunk_crypto[0]
+        if stream.chunk_crypto[1] is not None and "blocks" in chunk:
+            chunk["blocks"]["digests"] = list(stream.chunk_crypto[1])
     in_order = sorted(part["chunks"] + part["objects"], key=lambda c: c["offset"])
     part["file_checksum"] = checksum_of_checksums([c["checksum"] for c in in_order])
-    algorithm = manifest.get(signing.DIGEST_FIELD)
     if signing.FILE_DIGEST in part:
         part[signing.FILE_DIGEST] = signing.digest_of(bytes(shard), algorithm)
     part_data = part_to_bytes(part)
     _replace(fs, shard_path, bytes(shard))
     _replace(fs, part_path, part_data)
-    table = manifest["parts"]
-    table["part_bytes"][rank] = len(part_data)
-    table["file_checksums"] = _put(table["file_checksums"], rank, part["file_checksum"], 16)
-    table["part_checksums"] = _put(table["part_checksums"], rank, checksum(part_data), 16)
-    if signing.PART_DIGESTS in table:
-        table[signing.PART_DIGESTS] = _put(
-            table[signing.PART_DIGESTS], rank, signing.digest_of(part_data, algorithm), 64
-        )
+    if groups.is_grouped(manifest):
+        _forge_group_entry(fs, directory, manifest, rank, part, part_data, algorithm)
+    else:
+        _forge_columns(manifest["parts"], rank, part, part_data, algorithm)
     data = manifest_format.to_bytes(manifest)
     _replace(fs, join(directory, MANIFEST), data)
     commit_record = manifest_format.build_commit_record(manifest, data)
     _replace(fs, join(directory, COMMIT_RECORD), manifest_format.to_bytes(commit_record))
     return chunk
+
+
+def _forge_columns(table: dict[str, Any], index: int, part: dict[str, Any], part_data: bytes, algorithm: Any) -> None:
+    """A parts table's (v4: the manifest's; v5: a group table's) entry `index` for the forged part."""
+    from lightning_shardckpt.engine.format import signing
+
+    table["part_bytes"][index] = len(part_data)
+    table["file_checksums"] = _put(table["file_checksums"], index, part["file_checksum"], 16)
+    table["part_checksums"] = _put(table["part_checksums"], index, checksum(part_data), 16)
+    if signing.PART_DIGESTS in table:
+        table[signing.PART_DIGESTS] = _put(
+            table[signing.PART_DIGESTS], index, signing.digest_of(part_data, algorithm), 64
+        )
+
+
+def _forge_group_entry(
+    fs: Any, directory: str, manifest: dict[str, Any], rank: int, part: dict[str, Any], part_data: bytes, algorithm: Any
+) -> None:
+    """v5: the forged part's entry in its group table, the table rewritten, and the manifest's record of it."""
+    from lightning_shardckpt.engine.format import groups, signing
+    from lightning_shardckpt.engine.format.names import join
+
+    size = manifest["groups"]["size"]
+    group = rank // size
+    path = join(directory, groups.group_filename(group))
+    table = json.loads(fs.cat_file(path))
+    old_part_bytes = table["part_bytes"][rank - table["first_rank"]]
+    _forge_columns(table, rank - table["first_rank"], part, part_data, algorithm)
+    data = groups.to_bytes(table)
+    _replace(fs, path, data)
+    entry = manifest["groups"]
+    entry["bytes"][group] += len(part_data) - old_part_bytes
+    entry["table_bytes"][group] = len(data)
+    entry["table_checksums"] = _put(entry["table_checksums"], group, checksum(data), 16)
+    if groups.TABLE_DIGESTS in entry:
+        entry[groups.TABLE_DIGESTS] = _put(entry[groups.TABLE_DIGESTS], group, signing.digest_of(data, algorithm), 64)
 
 
 def _put(column: str, rank: int, digest: str, width: int) -> str:

@@ -52,6 +52,12 @@ def test_every_record_kind_has_a_vector():
         "signed part 0",  # §12: a whole signed v4 checkpoint
         "signed manifest",
         "signed manifest record",
+        "signed v5 part 0",  # §12.2: a whole signed v5 checkpoint
+        "signed v5 group table 0",
+        "signed v5 group table 1",
+        "signed v5 manifest",
+        "signed v5 manifest record",
+        "signed blocked chunk",
     }
 
 
@@ -353,3 +359,117 @@ def test_the_signed_v4_vectors_are_what_the_writer_signs_and_a_policy_accepts(tm
     fs = fsspec.filesystem("file")
     kid = policy.check_manifest(fs, str(directory), manifest)
     assert policy.check_files(fs, str(directory), manifest, [0], kid) == len(part_bytes) + len(shard)
+
+
+def _signed_v5_directory(tmp_path: Path) -> tuple[Path, Path]:
+    """§12.2's signed v5 checkpoint as files, and the PEM public key of §12's vector key: (directory, key)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from lightning_shardckpt.engine.format import signing
+    from lightning_shardckpt.engine.format.names import MANIFEST, shard_filename
+
+    directory = tmp_path / "root" / checkpoint_dirname(7, "0123456789ab")
+    directory.mkdir(parents=True)
+    for name, data in (
+        (shard_filename(0), bytes.fromhex("".join(vectors()["object record"].split()))),
+        (parts.part_filename(0), (vectors()["signed v5 part 0"] + "\n").encode()),
+        (groups.group_filename(0), (vectors()["signed v5 group table 0"] + "\n").encode()),
+        (groups.group_filename(1), (vectors()["signed v5 group table 1"] + "\n").encode()),
+        (MANIFEST, (vectors()["signed v5 manifest"] + "\n").encode()),
+        (signing.SIGNATURE, (vectors()["signed v5 manifest record"] + "\n").encode()),
+    ):
+        (directory / name).write_bytes(data)
+    key = ed25519.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(vectors()["signature key seed"].strip()))
+    public = tmp_path / "vector.pub"
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return directory, public
+
+
+def test_the_signed_v5_vectors_verify_with_hashlib_alone_and_are_what_the_writer_signs(tmp_path):
+    """§12.2's signed v5 checkpoint: every binding recomputed as an independent reader would (hashlib and the
+    Ed25519 key, no project code), then the writer's own signature, builders and a policy over the files."""
+    import hashlib
+
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from lightning_shardckpt.engine.format import signing
+
+    directory, public = _signed_v5_directory(tmp_path)
+    read = {path.name: path.read_bytes() for path in directory.iterdir()}
+    manifest, record = json.loads(read["manifest.json"]), json.loads(read[signing.SIGNATURE])
+    key = ed25519.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(vectors()["signature key seed"].strip()))
+    raw = bytes.fromhex("03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8")
+    assert record["key_id"] == hashlib.sha256(raw).hexdigest()
+    ed25519.Ed25519PublicKey.from_public_bytes(raw).verify(base64_decode(record["signature"]), read["manifest.json"])
+    table = manifest["groups"]
+    for group in (0, 1):
+        data = read[groups.group_filename(group)]
+        assert table["table_digests"][64 * group : 64 * group + 64] == hashlib.sha256(data).hexdigest()
+    group_table = json.loads(read[groups.group_filename(0)])
+    assert group_table["part_digests"] == hashlib.sha256(read[parts.part_filename(0)]).hexdigest()
+    assert json.loads(read[groups.group_filename(1)])["part_digests"] == "-" * 64
+    [item] = json.loads(read[parts.part_filename(0)])["objects"]
+    chunk = read["__0_0.distcp"][item["offset"] : item["offset"] + item["length"]]
+    assert item["digest"] == hashlib.sha256(chunk).hexdigest() and item["checksum"] == checksum(chunk)
+
+    # the writer's own: the same signature (Ed25519 is deterministic), the same table bytes and entries
+    signer = signing.signer_from_private_key(key, "vector")
+    assert signing.signature_bytes(read["manifest.json"], signer) == read[signing.SIGNATURE]
+    assert (
+        manifest_format.to_bytes(manifest_format.parse(read["manifest.json"], str(directory))) == read["manifest.json"]
+    )
+    assert groups.to_bytes(group_table) == read[groups.group_filename(0)]
+    entries = [
+        groups.group_entry(json.loads(read[groups.group_filename(g)]), read[groups.group_filename(g)], "sha256")
+        for g in (0, 1)
+    ]
+    assert groups.groups_table(2, 1, entries) == table
+    policy = signing.accepted_policy([str(public)])
+    fs = fsspec.filesystem("file")
+    kid = policy.check_manifest(fs, str(directory), manifest)
+    assert policy.check_every_file(fs, str(directory), manifest, kid) == len(read[parts.part_filename(0)]) + len(chunk)
+
+
+def test_the_signed_v5_vector_checkpoint_loads_under_a_policy_and_refuses_its_object_changed(tmp_path):
+    from lightning_shardckpt import LoadConfig, SignatureRefused, load_checkpoint
+
+    directory, public = _signed_v5_directory(tmp_path)
+    policy = LoadConfig(require_signature=True, public_keys=[str(public)])
+    state = {"progress": {"global_step": 0}}
+    assert load_checkpoint(state, str(directory), config=policy).step == 7 and state["progress"]["global_step"] == 7
+    shard = directory / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-30] ^= 0x01  # the record's trailer: its xxh3 would catch it too, its digest is checked first
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(
+        SignatureRefused, match=r"__0_0.distcp @ 0: the sha256 digest of its chunk of 'progress.global_step'"
+    ):
+        load_checkpoint({"progress": {"global_step": 0}}, str(directory), config=policy)
+
+
+def test_the_signed_blocked_chunk_vector_is_what_the_writer_records(tmp_path):
+    """§12.2's blocked chunk: each block's digest, and the chunk's as the digest of theirs, as HashingWriter makes
+    them in the one pass that makes the xxh3 block checksums (and as hashlib recomputes them)."""
+    import hashlib
+
+    vector = json.loads(vectors()["signed blocked chunk"])
+    data = bytes(i % 251 for i in range(vector["length"]))
+    size = vector["blocks"]["size"]
+    blocks = [hashlib.sha256(data[i : i + size]).hexdigest() for i in range(0, len(data), size)]
+    assert blocks == vector["blocks"]["digests"]
+    assert hashlib.sha256("".join(blocks).encode()).hexdigest() == vector["digest"]
+    stream = HashingWriter(io.BytesIO(), chunk_digest="sha256")
+    stream.begin_chunk(block_size_for(len(data)))
+    stream.write(data)
+    stream.end_chunk()
+    assert stream.chunk_crypto == (vector["digest"], tuple(vector["blocks"]["digests"]))
+
+
+def base64_decode(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text, validate=True)

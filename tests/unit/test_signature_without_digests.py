@@ -1,8 +1,9 @@
 """A `manifest.sig` that verifies over a manifest binding its files by no digest a reader can check (FORMAT.md §12,
 "A signature beside a v5 manifest"): refused, and the refusal says why in terms that are true of every format.
 
-A v5 manifest's group tables carry no cryptographic digests, so a signature over it vouches for its parts and shard
-files by xxh3 only; this writer signs v2, v3 and v4 (never v5), each with digests of every file."""
+A v5 manifest without `groups.table_digests` binds its group tables, and through them its parts and shard files, by
+xxh3 only (another tool's, or one written before signed v5, FORMAT.md §12.2); this writer records digests of every
+file in every format it signs."""
 
 from __future__ import annotations
 

@@ -49,8 +49,14 @@ def keys(tmp_path):
     return make_key(tmp_path, "a"), make_key(tmp_path, "b")
 
 
-def save(root: str, step: int, sign: SignConfig | None = None) -> str:
-    config = SaveConfig(async_save=False, write_events=False, run_id="run-sign", sign=sign or SignConfig())
+def save(root: str, step: int, sign: SignConfig | None = None, format_version: int = 5) -> str:
+    config = SaveConfig(
+        async_save=False,
+        write_events=False,
+        run_id="run-sign",
+        sign=sign or SignConfig(),
+        format_version=format_version,
+    )
     saver = CheckpointSaver(root, config)
     try:
         result = saver.save(fresh_state(seed=step), step=step).result(timeout=60)
@@ -72,8 +78,9 @@ def policy(*public: str) -> dict:
 
 @pytest.mark.parametrize("digest", ["blake3", "sha256"])
 def test_signed_save_records_a_digest_of_every_file_and_signs_the_exact_manifest_bytes(tmp_path, keys, digest):
+    # format v4 (save.format_version: 4): a digest per file; v5's per chunk: tests/distributed/test_signed_v5.py
     (private, public, key), _ = keys
-    directory = save(str(tmp_path / "root"), 1, SignConfig(key_path=private, digest=digest))
+    directory = save(str(tmp_path / "root"), 1, SignConfig(key_path=private, digest=digest), format_version=4)
     record = signing._parse_signature(Path(directory, signing.SIGNATURE).read_bytes(), "sig")
     manifest_bytes = Path(directory, "manifest.json").read_bytes()
     key.public_key().verify(base64.b64decode(record["signature"]), manifest_bytes)  # raises if not
@@ -87,6 +94,26 @@ def test_signed_save_records_a_digest_of_every_file_and_signs_the_exact_manifest
     part_digest = signing.digest_of(Path(directory, "__0_0.part.json").read_bytes(), digest)
     assert manifest["parts"][signing.PART_DIGESTS] == part_digest
     assert load(str(tmp_path / "root"), 1, **policy(public))[0].step == 1
+
+
+def test_a_signed_save_of_one_rank_is_v5_with_a_digest_per_chunk_and_resumes_under_a_policy(tmp_path, keys):
+    # one group: an unsigned save of it is v4, a signed one v5, whose parts let a reader check what it reads
+    (private, public, _), _ = keys
+    root = str(tmp_path / "root")
+    directory = save(root, 1, SignConfig(key_path=private, digest="sha256"))
+    manifest = json.loads(Path(directory, "manifest.json").read_bytes())
+    assert manifest["format_version"] == 5 and "parts" not in manifest
+    assert manifest["groups"]["count"] == 1 and len(manifest["groups"]["table_digests"]) == 64
+    part = json.loads(Path(directory, "__0_0.part.json").read_bytes())
+    assert signing.FILE_DIGEST not in part
+    shard = Path(directory, shard_filename(0)).read_bytes()
+    for chunk in [*part["chunks"], *part["objects"]]:
+        assert chunk["digest"] == signing.digest_of(
+            shard[chunk["offset"] : chunk["offset"] + chunk["length"]], "sha256"
+        )
+    result, state = load(root, 1, **policy(public))
+    expected = fresh_state(seed=1)
+    assert result.step == 1 and torch.equal(state["model"]["0.weight"], expected["model"]["0.weight"])
 
 
 def test_signing_off_writes_no_digest_and_no_signature(tmp_path):
@@ -120,9 +147,10 @@ def test_edited_shard_with_every_checksum_recomputed_is_refused_by_load_and_veri
 def test_shard_bytes_changed_under_a_signed_manifest_are_refused_by_their_digest(tmp_path, keys):
     # the manifest and parts stay as signed; only the shard changes (as an xxh3 collision would leave it): with
     # checksums off, only the signed digest stands between the load and the attacker's bytes
+    # format v4: the shard's one digest condemns it; v5's chunk digests: tests/distributed/test_signed_v5.py
     (private, public, _), _ = keys
     root = str(tmp_path / "root")
-    directory = save(root, 1, SignConfig(key_path=private))
+    directory = save(root, 1, SignConfig(key_path=private), format_version=4)
     shard = os.path.join(directory, shard_filename(0))
     data = bytearray(Path(shard).read_bytes())
     data[-100] ^= 0xFF

@@ -14,6 +14,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from .file_digests import digest_of, new_digest
+
 
 def checksum(data: Any) -> str:
     """Hex digest of a bytes-like object."""
@@ -58,46 +60,80 @@ class ChunkHasher:
 
     With `block_size`, `blocks` holds the digest of every block completed so far (the last, partial one
     is added by `hexdigest`).
+
+    With `crypto` (a signed v5 checkpoint's digest algorithm, "blake3" or "sha256"), the same bytes also feed a
+    cryptographic digest in the same pass, by the same rule (FORMAT.md §12.2): `crypto_digest()` is the digest of
+    the chunk's bytes, or with `block_size` the digest of its block digests (`crypto_blocks`, one per block).
     """
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, crypto: str | None = None) -> None:
         self.block_size = block_size
         self._hasher = xxhash.xxh3_64()
         self._filled = 0
         self.blocks: list[str] = []
+        self.crypto = crypto
+        self._crypto = new_digest(crypto) if crypto is not None else None
+        self.crypto_blocks: list[str] = []
 
-    def reset(self, block_size: int | None = None) -> None:
+    def reset(self, block_size: int | None = None, crypto: str | None = None) -> None:
         self.block_size, self._filled, self.blocks = block_size, 0, []
         self._hasher.reset()
+        self.crypto, self.crypto_blocks = crypto, []
+        self._crypto = new_digest(crypto) if crypto is not None else None
 
     def update(self, data: Any) -> None:
         if self.block_size is None:
             self._hasher.update(data)
+            if self._crypto is not None:
+                self._crypto.update(data)
             return
         view = memoryview(data).cast("B")
         start = 0
         while start < len(view):
             take = min(len(view) - start, self.block_size - self._filled)
             self._hasher.update(view[start : start + take])
+            if self._crypto is not None:
+                self._crypto.update(view[start : start + take])
             self._filled += take
             start += take
             if self._filled == self.block_size:
-                self.blocks.append(self._hasher.hexdigest())
-                self._hasher.reset()
-                self._filled = 0
+                self._end_block()
+
+    def _end_block(self) -> None:
+        self.blocks.append(self._hasher.hexdigest())
+        self._hasher.reset()
+        self._filled = 0
+        if self._crypto is not None and self.crypto is not None:
+            self.crypto_blocks.append(self._crypto.hexdigest())
+            self._crypto = new_digest(self.crypto)  # hashlib's digests have no reset
 
     def finish_blocks(self) -> tuple[str, ...]:
         """Every block digest, the last (partial) block's included; call once, after the last byte."""
         if self._filled:
-            self.blocks.append(self._hasher.hexdigest())
-            self._hasher.reset()
-            self._filled = 0
+            self._end_block()
         return tuple(self.blocks)
+
+    def crypto_digest(self) -> str | None:
+        """The chunk's cryptographic digest (None without `crypto`): of its bytes, or with `block_size` of its
+        block digests' hex text joined (`crypto_of_blocks`); call after the last byte (after `hexdigest`)."""
+        if self._crypto is None or self.crypto is None:
+            return None
+        if self.block_size is None:
+            return self._crypto.hexdigest()
+        self.finish_blocks()
+        return crypto_of_blocks(self.crypto_blocks, self.crypto)
 
     def hexdigest(self) -> str:
         if self.block_size is None:
             return self._hasher.hexdigest()
         return checksum_of_checksums(self.finish_blocks())
+
+
+def crypto_of_blocks(digests: list[str] | tuple[str, ...], algorithm: str) -> str:
+    """A blocked chunk's cryptographic digest in a signed v5 part: the digest of its block digests' hex text,
+    joined in order (as `checksum_of_checksums` is for xxh3), so each byte is hashed once and a reader of some
+    blocks checks each against its own digest."""
+    return digest_of("".join(digests).encode(), algorithm)
 
 
 def chunk_checksum(data: Any, block_size: int | None = None) -> str:
@@ -149,27 +185,41 @@ class HashingWriter:
     read from memory once, and the checksum describes exactly what was handed to storage.
     """
 
-    def __init__(self, raw: BinaryIO, file_digest: Any = None) -> None:
-        """`file_digest` (signing on): a hashlib-style hasher fed every byte of the file in the same pass."""
+    def __init__(self, raw: BinaryIO, file_digest: Any = None, chunk_digest: str | None = None) -> None:
+        """`file_digest` (signing on, format v4): a hashlib-style hasher fed every byte of the file in the same
+        pass. `chunk_digest` (signing on, format v5): the algorithm of each chunk's own cryptographic digest."""
         self._raw = raw
         self._file_digest = file_digest
+        self._chunk_digest = chunk_digest
         self._position = 0
         self._chunk_start = 0
         self._hasher = ChunkHasher()
         self._blocks: tuple[str, ...] | None = None
+        self._crypto: tuple[str, tuple[str, ...] | None] | None = None
 
     def begin_chunk(self, block_size: int | None = None) -> None:
         """Start a chunk; with `block_size`, checksum each `block_size` bytes of it (block_size_for) and make
         the chunk's checksum the digest of those (`xxh3_64_blocks`): every byte is hashed once."""
-        self._hasher.reset(block_size)
+        self._hasher.reset(block_size, self._chunk_digest)
         self._chunk_start = self._position
         self._blocks = None
+        self._crypto = None
 
     def end_chunk(self) -> tuple[int, int, str]:
         """Return (offset, length, checksum) of the bytes written since `begin_chunk`."""
         if self._hasher.block_size is not None:
             self._blocks = self._hasher.finish_blocks()
-        return self._chunk_start, self._position - self._chunk_start, self._hasher.hexdigest()
+        digest = self._hasher.hexdigest()
+        crypto = self._hasher.crypto_digest()
+        if crypto is not None:
+            blocks = tuple(self._hasher.crypto_blocks) if self._hasher.block_size is not None else None
+            self._crypto = (crypto, blocks)
+        return self._chunk_start, self._position - self._chunk_start, digest
+
+    @property
+    def chunk_crypto(self) -> tuple[str, tuple[str, ...] | None] | None:
+        """(cryptographic digest, block digests or None) of the chunk just ended; None without `chunk_digest`."""
+        return self._crypto
 
     @property
     def chunk_blocks(self) -> tuple[int, tuple[str, ...]] | None:

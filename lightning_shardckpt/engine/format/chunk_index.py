@@ -12,10 +12,11 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, SignatureRefused
 from . import chunk_layout, groups, parts_manifest
 from . import manifest as manifest_format
 from . import parts as part_format
+from .file_digests import DIGEST_FIELD
 from .listed_read import read_listed
 from .names import join
 
@@ -23,10 +24,19 @@ PART_READ_THREADS = 8  # parts read at once: small objects, so what matters on a
 
 
 def read_parts(
-    fs: Any, directory: str, manifest: dict[str, Any], ranks: Iterable[int], threads: int = PART_READ_THREADS
+    fs: Any,
+    directory: str,
+    manifest: dict[str, Any],
+    ranks: Iterable[int],
+    threads: int = PART_READ_THREADS,
+    signed_by: str | None = None,
+    part_digests: dict[int, str] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The parts of `ranks`, read concurrently, each checked against the manifest (size bound, checksum) and
-    validated. CorruptCheckpoint names the first part that is missing, too large, altered or invalid."""
+    validated. CorruptCheckpoint names the first part that is missing, too large, altered or invalid.
+    `signed_by` (a reader with a signature policy, signed v5: the id of the key whose signature over the manifest
+    it accepted): each part is first checked against `part_digests[rank]` (its group table's, GroupTables.
+    part_digests), and must digest every chunk; SignatureRefused names the part otherwise."""
     wanted = sorted(set(ranks))
     if not wanted:
         return {}
@@ -48,11 +58,20 @@ def read_parts(
     def read(rank: int) -> tuple[int, dict[str, Any]]:
         name, size, digest = expected[rank]
         path = join(directory, name)
-        data = read_listed(fs, directory, name, size, digest, "part")
+        crypto = None
+        if signed_by is not None:
+            crypto = (manifest[DIGEST_FIELD], (part_digests or {}).get(rank, parts_manifest.NO_CRYPTO), signed_by)
+        data = read_listed(fs, directory, name, size, digest, "part", crypto)
         try:
             part = part_format.parse(data, path, checkpoint_id=manifest["id"], rank=rank)
         except ValueError as err:
             raise CorruptCheckpoint(f"{err}; the checkpoint is damaged, load an older one") from err
+        if signed_by is not None and (bare := part_format.undigested(part)) is not None:
+            raise SignatureRefused(
+                f"{path}: its chunk of {bare} records no cryptographic digest, which a part of a format v5 manifest "
+                f"signed (here by key {signed_by[:16]}) holds for every chunk: the part was not written by a signed "
+                "save. Resume a checkpoint this writer signed"
+            )
         disagreements = parts_manifest.part_entry_problems(manifest, rank, part)
         if disagreements:
             raise CorruptCheckpoint(
@@ -73,12 +92,16 @@ class ChunkIndex:
     """The chunks of one committed checkpoint, as `{fqn, offsets, sizes, file, offset, length, checksum[,
     blocks]}` records (objects without offsets and sizes), from its manifest or from the parts it needs."""
 
-    def __init__(self, fs: Any, directory: str, manifest: dict[str, Any]) -> None:
+    def __init__(self, fs: Any, directory: str, manifest: dict[str, Any], signed_by: str | None = None) -> None:
+        """`signed_by` (a reader with a signature policy, signed v5: the id of the key whose signature over the
+        manifest it accepted): every group table and part read is checked against its cryptographic digest first
+        (FORMAT.md §12.2)."""
         self.fs, self.directory, self.manifest = fs, directory, manifest
         self.parts_format = manifest_format.is_parts_format(manifest)
+        self.signed_by = signed_by
         # v5 not yet expanded (groups.expanded): the group tables of the ranks asked about, read when asked
         self._groups = (
-            groups.GroupTables(fs, directory, manifest)
+            groups.GroupTables(fs, directory, manifest, signed_by)
             if groups.is_grouped(manifest) and parts_manifest.PARTS_FIELD not in manifest
             else None
         )
@@ -97,9 +120,23 @@ class ChunkIndex:
         """The parts of `ranks` (read once each, then kept)."""
         missing = [rank for rank in set(ranks) if rank not in self._parts]
         if missing:
-            self._parts.update(read_parts(self.fs, self.directory, self._with_parts(missing), missing))
+            digests = self._groups.part_digests(missing) if self._groups is not None and self.signed_by else None
+            self._parts.update(
+                read_parts(
+                    self.fs,
+                    self.directory,
+                    self._with_parts(missing),
+                    missing,
+                    signed_by=self.signed_by,
+                    part_digests=digests,
+                )
+            )
             self.parts_read += len(missing)
         return {rank: self._parts[rank] for rank in ranks}
+
+    def parts_held(self) -> dict[int, dict[str, Any]]:
+        """Every part read so far, by rank."""
+        return dict(self._parts)
 
     @property
     def tables_read(self) -> int:

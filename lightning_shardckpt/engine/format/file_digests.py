@@ -19,6 +19,7 @@ DIGEST_ALGORITHMS = (BLAKE3, SHA256)
 DIGEST_FIELD = "digest_algorithm"  # manifest: present exactly when files carry digests
 FILE_DIGEST = "file_digest"  # part: its shard file's digest
 PART_DIGESTS = "part_digests"  # manifest parts table: one string, 64 hex characters per rank
+METADATA_DIGEST = "digest"  # manifest dcp_metadata record, signed: `.metadata`'s digest
 DIGEST_CHARS = 64
 NO_DIGEST = "-" * DIGEST_CHARS
 INSTALL_HINT = "install the optional extra: pip install 'lightning_shardckpt[sign]' (cryptography, blake3)"

@@ -24,6 +24,8 @@ from typing import Any
 from ...errors import CorruptCheckpoint
 from . import bounded_json, parts_manifest
 from .checksum import checksum
+from .file_digests import DIGEST_CHARS as CRYPTO_CHARS
+from .file_digests import DIGEST_FIELD, PART_DIGESTS, digest_of
 from .listed_read import read_listed
 from .manifest_schema import HEX_DIGEST, is_int
 from .names import join
@@ -40,6 +42,8 @@ GROUP_SIZE_ENV = "LIGHTNING_SHARDCKPT_TEST_GROUP_SIZE"
 GROUP_TABLE_MAX_BYTES = 4 * 2**20
 # the manifest's columns, one entry per group
 BYTES, WRITERS, TABLE_BYTES, TABLE_CHECKSUMS = "bytes", "writers", "table_bytes", "table_checksums"
+# signed v5 (FORMAT.md §12.2): each table's cryptographic digest, one string of 64 hex characters a group
+TABLE_DIGESTS = "table_digests"
 GROUP_TABLE = "group"  # what files_of calls a group table
 TABLE_READ_THREADS = 8
 
@@ -73,12 +77,20 @@ def group_ranks(group: int, size: int, world: int) -> range:
 
 
 def build_group_table(
-    checkpoint_id: str, group: int, size: int, world: int, summaries: dict[int, dict[str, Any]]
+    checkpoint_id: str,
+    group: int,
+    size: int,
+    world: int,
+    summaries: dict[int, dict[str, Any]],
+    part_digests: bool = False,
 ) -> dict[str, Any]:
-    """Group `group`'s table from its writing ranks' {file_bytes, file_checksum, part_bytes, part_checksum}
-    (keyed by global rank): the v4 parts columns for its ranks, first rank first."""
+    """Group `group`'s table from its writing ranks' {file_bytes, file_checksum, part_bytes, part_checksum[,
+    part_digest]} (keyed by global rank): the v4 parts columns for its ranks, first rank first; with
+    `part_digests` (signed) also the fifth column."""
     ranks = group_ranks(group, size, world)
-    table = parts_manifest.parts_table(len(ranks), {rank - ranks.start: s for rank, s in summaries.items()})
+    table = parts_manifest.parts_table(
+        len(ranks), {rank - ranks.start: s for rank, s in summaries.items()}, part_digests
+    )
     return {
         "group_version": GROUP_VERSION,
         "checkpoint_id": checkpoint_id,
@@ -92,19 +104,24 @@ def to_bytes(table: dict[str, Any]) -> bytes:
     return (json.dumps(table, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
-def group_entry(table: dict[str, Any], data: bytes) -> dict[str, Any]:
-    """What the manifest lists of a written group table (`data`: its exact bytes)."""
-    return {
+def group_entry(table: dict[str, Any], data: bytes, digest: str | None = None) -> dict[str, Any]:
+    """What the manifest lists of a written group table (`data`: its exact bytes); with `digest` (signed) also
+    its cryptographic digest."""
+    entry = {
         BYTES: sum(size for column in parts_manifest.SIZE_COLUMNS for size in table[column] if size is not None),
         WRITERS: sum(size is not None for size in table[parts_manifest.FILE_BYTES]),
         TABLE_BYTES: len(data),
         TABLE_CHECKSUMS: checksum(data),
     }
+    if digest is not None:
+        entry[TABLE_DIGESTS] = digest_of(data, digest)
+    return entry
 
 
 def groups_table(world: int, size: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest's `groups` table from each group's group_entry, in group order."""
-    return {
+    """The manifest's `groups` table from each group's group_entry, in group order (signed: with every table's
+    digest, which the signature over the manifest then covers)."""
+    table = {
         "count": world,
         "size": size,
         BYTES: [entry[BYTES] for entry in entries],
@@ -112,6 +129,15 @@ def groups_table(world: int, size: int, entries: list[dict[str, Any]]) -> dict[s
         TABLE_BYTES: [entry[TABLE_BYTES] for entry in entries],
         TABLE_CHECKSUMS: "".join(entry[TABLE_CHECKSUMS] for entry in entries),
     }
+    if entries and all(TABLE_DIGESTS in entry for entry in entries):
+        table[TABLE_DIGESTS] = "".join(entry[TABLE_DIGESTS] for entry in entries)
+    return table
+
+
+def is_signed(manifest: dict[str, Any]) -> bool:
+    """A signed v5 manifest's shape: a digest algorithm and a digest of every group table (FORMAT.md §12.2)."""
+    table = manifest.get(GROUPS_FIELD)
+    return DIGEST_FIELD in manifest and isinstance(table, dict) and TABLE_DIGESTS in table
 
 
 def is_grouped(manifest: dict[str, Any]) -> bool:
@@ -164,6 +190,14 @@ def manifest_problems(manifest: dict[str, Any]) -> list[str]:
         problems.append(f"{GROUPS_FIELD}.{TABLE_CHECKSUMS} is not a string of {groups} x 16 characters")
     elif not all(HEX_DIGEST.match(_digest_at(table, g)) for g in range(groups)):
         problems.append(f"{GROUPS_FIELD}.{TABLE_CHECKSUMS} holds a checksum that is not 16 lowercase hex characters")
+    if TABLE_DIGESTS in table:
+        crypto = table[TABLE_DIGESTS]
+        if not (
+            isinstance(crypto, str)
+            and len(crypto) == groups * CRYPTO_CHARS
+            and all(c in "0123456789abcdef" for c in crypto)
+        ):
+            problems.append(f"{GROUPS_FIELD}.{TABLE_DIGESTS} is not a string of {groups} x 64 lowercase hex characters")
     if not problems:
         problems.extend(
             f"{GROUPS_FIELD} group {g}: {writers} writers, more than its {len(group_ranks(g, size, world))} ranks"
@@ -179,10 +213,14 @@ class GroupTables:
     """The group tables of one committed v5 checkpoint, read when asked, each once, each checked against the
     manifest (size bound, size, checksum) before it is parsed, then against its place and the manifest's sums."""
 
-    def __init__(self, fs: Any, directory: str, manifest: dict[str, Any]) -> None:
+    def __init__(self, fs: Any, directory: str, manifest: dict[str, Any], signed_by: str | None = None) -> None:
+        """`signed_by` (a reader with a signature policy: the id of the key whose signature over the manifest it
+        accepted): each table is checked against the manifest's `table_digests` before anything else, and must
+        carry its ranks' `part_digests`."""
         self.fs, self.directory, self.manifest = fs, directory, manifest
         self.table = manifest[GROUPS_FIELD]
         self.world, self.size = self.table["count"], self.table["size"]
+        self.signed_by = signed_by
         self._read: dict[int, dict[str, Any]] = {}
         self.tables_read = 0
 
@@ -224,6 +262,17 @@ class GroupTables:
             merged[column] = "".join(pieces)
         return merged
 
+    def part_digests(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Signed v5: the digest each of `ranks`' group tables records of its part (`part_digests`), by rank; never
+        merged into parts_table's world-wide columns (64 characters a rank: 8 MB at 131,072 ranks, per plan)."""
+        wanted = [rank for rank in ranks if 0 <= rank < self.world]
+        tables = self.load(self.groups_of(wanted))
+        out = {}
+        for rank in wanted:
+            table, at = tables[rank // self.size], (rank % self.size) * CRYPTO_CHARS
+            out[rank] = table.get(PART_DIGESTS, parts_manifest.NO_CRYPTO * table["count"])[at : at + CRYPTO_CHARS]
+        return out
+
     def _read_one(self, group: int) -> dict[str, Any]:
         name = group_filename(group)
         path = join(self.directory, name)
@@ -233,7 +282,11 @@ class GroupTables:
                 f"{path}: the manifest says {size} bytes, over the {GROUP_TABLE_MAX_BYTES} a group table may hold; "
                 "the manifest is damaged"
             )
-        data = read_listed(self.fs, self.directory, name, size, digest, "group table")
+        crypto = None
+        if self.signed_by is not None:  # before its xxh3: a table whose bytes changed is refused as a forgery
+            expected = self.table[TABLE_DIGESTS][group * CRYPTO_CHARS : (group + 1) * CRYPTO_CHARS]
+            crypto = (self.manifest[DIGEST_FIELD], expected, self.signed_by)
+        data = read_listed(self.fs, self.directory, name, size, digest, "group table", crypto)
         problems = []
         try:
             table = bounded_json.loads(data, GROUP_TABLE_MAX_BYTES, schema_checked=parts_manifest.SIZE_COLUMNS)
@@ -261,6 +314,9 @@ class GroupTables:
             problems.append(f"count is {table.get('count')!r}, the group has {len(ranks)} ranks")
         if problems or parts_manifest.columns_problems(table, f"group {group}", problems) is None:
             return problems
+        crypto = table.get(PART_DIGESTS)
+        if crypto is not None or self.signed_by is not None:
+            problems.extend(parts_manifest.crypto_column_problems(table, f"group {group}"))
         entry = group_entry(table, b"")
         for column in (BYTES, WRITERS):
             if entry[column] != self.table[column][group]:

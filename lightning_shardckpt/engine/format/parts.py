@@ -13,6 +13,7 @@ Parsing is bounded per part (PART_MAX_BYTES), never per checkpoint: no checkpoin
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeGuard
 
 from . import bounded_json
@@ -25,6 +26,9 @@ PART_SUFFIX = ".part.json"
 PART_MAX_BYTES = 256 * 2**20
 TENSOR_CHUNKS, OBJECTS = "chunks", "objects"
 FINITE_FIELD = "finite"
+# signed v5 (FORMAT.md §12.2): each chunk record's cryptographic digest, and a blocked chunk's per block
+DIGEST, BLOCK_DIGESTS = "digest", "digests"
+CRYPTO_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def part_filename(rank: int) -> str:
@@ -141,7 +145,38 @@ def _chunk_problems(chunk: Any, *, tensor: bool) -> list[str]:
             problems.append(f"finite is {chunk[FINITE_FIELD]!r}, not true or false")
         if BLOCKS_FIELD in chunk:
             problems.extend(blocks_problems(chunk[BLOCKS_FIELD], chunk.get("length")))
+    if DIGEST in chunk:
+        problems.extend(chunk_digest_problems(chunk))
     return problems
+
+
+def chunk_digest_problems(chunk: dict[str, Any]) -> list[str]:
+    """A signed v5 chunk record's digests (FORMAT.md §12.2): `digest`, 64 lowercase hex characters, and for a
+    chunk checksummed by block one digest per block in `blocks.digests`. Empty when sound."""
+    if not _crypto(chunk.get(DIGEST)):
+        return [f"digest {chunk.get(DIGEST)!r} is not 64 lowercase hex characters"]
+    blocks = chunk.get(BLOCKS_FIELD)
+    if isinstance(blocks, dict):
+        digests, checksums = blocks.get(BLOCK_DIGESTS), blocks.get("checksums")
+        if not (isinstance(digests, list) and all(_crypto(d) for d in digests)):
+            return [f"{BLOCKS_FIELD}.{BLOCK_DIGESTS} is not a list of 64-hex-character digests"]
+        if isinstance(checksums, list) and len(digests) != len(checksums):
+            return [f"{BLOCKS_FIELD} has {len(checksums)} checksum(s) and {len(digests)} digest(s)"]
+    return []
+
+
+def undigested(part: dict[str, Any]) -> str | None:
+    """The first chunk of a part that records no cryptographic digest (a signed v5 part must digest every chunk
+    and object, FORMAT.md §12.2), as `fqn @ offset`; None when every chunk has one."""
+    for chunk in [*part[TENSOR_CHUNKS], *part[OBJECTS]]:
+        blocks = chunk.get(BLOCKS_FIELD)
+        if DIGEST not in chunk or (isinstance(blocks, dict) and BLOCK_DIGESTS not in blocks):
+            return f"{chunk['fqn']!r} at byte {chunk['offset']}"
+    return None
+
+
+def _crypto(value: Any) -> bool:
+    return isinstance(value, str) and CRYPTO_HEX.fullmatch(value) is not None
 
 
 def _tiling_problems(part: dict[str, Any]) -> list[str]:

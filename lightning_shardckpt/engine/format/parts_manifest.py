@@ -15,6 +15,9 @@ from typing import Any
 
 from . import chunk_layout
 from .checksum import checksum_of_checksums
+from .file_digests import DIGEST_CHARS as CRYPTO_CHARS  # signed: the fifth column, 64 hex characters a rank
+from .file_digests import NO_DIGEST as NO_CRYPTO
+from .file_digests import PART_DIGESTS
 from .manifest_schema import BLOCKS_FIELD, HEX_DIGEST, is_int, tiling_problems
 from .names import CHECKSUM_ALGORITHM, shard_filename
 from .parts import TENSOR_CHUNKS, part_filename
@@ -31,16 +34,21 @@ SHARD, PART = "shard", "part"  # what files_of calls each file
 MAX_PROBLEMS = 5
 
 
-def parts_table(world_size: int, summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The `parts` table from each writing rank's {file_bytes, file_checksum, part_bytes, part_checksum}."""
+def parts_table(world_size: int, summaries: dict[int, dict[str, Any]], part_digests: bool = False) -> dict[str, Any]:
+    """The `parts` table from each writing rank's {file_bytes, file_checksum, part_bytes, part_checksum}; with
+    `part_digests` (signed) also the fifth column, from each summary's `part_digest` (FORMAT.md §12)."""
     table: dict[str, Any] = {"count": world_size, **{column: [None] * world_size for column in SIZE_COLUMNS}}
     digests = {column: [NO_DIGEST] * world_size for column in DIGEST_COLUMNS}
+    crypto = [NO_CRYPTO] * world_size
     for rank, summary in summaries.items():
         table[FILE_BYTES][rank] = summary["file_bytes"]
         table[PART_BYTES][rank] = summary["part_bytes"]
         digests[FILE_CHECKSUMS][rank] = summary["file_checksum"]
         digests[PART_CHECKSUMS][rank] = summary["part_checksum"]
+        crypto[rank] = summary.get("part_digest") or NO_CRYPTO
     table.update({column: "".join(values) for column, values in digests.items()})
+    if part_digests:
+        table[PART_DIGESTS] = "".join(crypto)
     return table
 
 
@@ -210,6 +218,21 @@ def columns_problems(table: Any, name: str, problems: list[str]) -> int | None:
             if len(problems) > MAX_PROBLEMS:
                 return None
     return world if not problems else None
+
+
+def crypto_column_problems(table: dict[str, Any], name: str) -> list[str]:
+    """A signed table's fifth column (FORMAT.md §12): `part_digests`, one string of 64 lowercase hex characters
+    per rank that wrote, 64 `-` per rank that did not. `table`'s four columns were checked (columns_problems)."""
+    value = table.get(PART_DIGESTS)
+    world = table["count"]
+    if not isinstance(value, str) or len(value) != world * CRYPTO_CHARS:
+        return [f"{name}.{PART_DIGESTS} is not a string of {world} x {CRYPTO_CHARS} characters"]
+    for rank, size in enumerate(table[PART_BYTES]):
+        digest = value[rank * CRYPTO_CHARS : (rank + 1) * CRYPTO_CHARS]
+        sound = digest == NO_CRYPTO if size is None else all(c in "0123456789abcdef" for c in digest)
+        if not sound:
+            return [f"{name}.{PART_DIGESTS} rank {rank}: {digest!r} does not fit its part (size {size})"]
+    return []
 
 
 def _tensor_problems(tensor: Any, world: int, writers: set[int] | None, checked: dict[tuple, str | None]) -> list[str]:

@@ -1,11 +1,14 @@
 """Signed checkpoints: who wrote a checkpoint, not only whether its bytes rotted (FORMAT.md §12).
 
 xxh3 checksums catch rot and truncation, but anyone who can write the storage can change a shard and recompute
-every checksum. With signing on, each shard file's cryptographic digest (BLAKE3, or SHA-256) is computed in the
-same streaming pass as its xxh3 chunk checksums and recorded in its part (`file_digest`), each part's digest in the
-manifest's parts table (`part_digests`), the algorithm in the manifest (`digest_algorithm`), and the coordinator
-signs the manifest's exact bytes with Ed25519 into `manifest.sig`, written before the commit record: one signature
-over the small manifest covers every byte transitively.
+every checksum. With signing on, cryptographic digests (BLAKE3, or SHA-256) are computed in the same streaming pass
+as the xxh3 chunk checksums. Format v4 (save.format_version 4): each shard file's in its part (`file_digest`), each
+part's in the manifest's parts table (`part_digests`). Format v5 (FORMAT.md §12.2): each chunk's (and block's) in
+its part (`digest`), each part's in its group table (`part_digests`), each table's in the manifest
+(`groups.table_digests`), so a rank checks exactly the tables, parts and chunks it reads (chunk_index.py,
+storage/reader.py) and never fetches a whole file to check it. The algorithm is in the manifest (`digest_algorithm`),
+and the coordinator signs the manifest's exact bytes with Ed25519 into `manifest.sig`, written before the commit
+record: one signature over the small manifest covers every byte transitively.
 
 Readers with a signature policy (LoadConfig.require_signature) refuse an unsigned, mis-signed or
 digest-mismatched checkpoint with one line naming the file and the key id; `latest` and `last-good` skip it.
@@ -31,7 +34,7 @@ from typing import Any
 from ...errors import ConfigError, SignatureRefused
 from ..storage import fsio, retry
 from ..storage.small_files import SmallFileRefused
-from . import bounded_json
+from . import bounded_json, groups
 from .file_digests import (  # noqa: F401 - this module's readers and writers name the digests through it
     BLAKE3,
     DIGEST_ALGORITHMS,
@@ -39,6 +42,7 @@ from .file_digests import (  # noqa: F401 - this module's readers and writers na
     DIGEST_FIELD,
     FILE_DIGEST,
     INSTALL_HINT,
+    METADATA_DIGEST,
     NO_DIGEST,
     PART_DIGESTS,
     SHA256,
@@ -434,7 +438,9 @@ class SignaturePolicy:
                 "it was signed"
             ) from None
         self._check_window(manifest_path, kid, data)
-        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS or _group_tables(manifest):
+        if manifest.get(DIGEST_FIELD) not in DIGEST_ALGORITHMS or (
+            _group_tables(manifest) and not groups.is_signed(manifest)
+        ):
             raise SignatureRefused(f"{manifest_path}: signed by key {kid[:16]} but {_unverifiable(manifest)}")
         return kid
 
@@ -460,10 +466,13 @@ class SignaturePolicy:
                 )
 
     def check_files(self, fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int], kid: str) -> int:
-        """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed."""
+        """Each of `ranks`' part and shard file against the signed digests, read whole; returns bytes hashed.
+        Signed v5: through their group tables, each shard file by its chunks' digests (_check_grouped)."""
         from .names import shard_filename
         from .parts import PART_MAX_BYTES, part_filename
 
+        if groups.is_grouped(manifest):
+            return _check_grouped(fs, directory, manifest, ranks, kid)
         table = manifest["parts"]
         algorithm = manifest[DIGEST_FIELD]
         hashed = 0
@@ -489,13 +498,18 @@ class SignaturePolicy:
         return hashed
 
     def check_every_file(self, fs: Any, directory: str, manifest: dict[str, Any], kid: str) -> int:
-        """Every file of the checkpoint against the signed digests, read whole; bytes hashed. v4: each writing
-        rank's part and shard; v2/v3: every listed and every referenced file (listed_digests.py)."""
+        """Every file of the checkpoint against the signed digests, read whole; bytes hashed. `.metadata` by its
+        digest when the manifest records one; v5: every group table, part and shard file (each by its chunks'
+        digests); v4: each writing rank's part and shard; v2/v3: every listed and every referenced file
+        (listed_digests.py)."""
+        hashed = _check_metadata(fs, directory, manifest, kid)
+        if groups.is_grouped(manifest):
+            return hashed + _check_grouped(fs, directory, manifest, None, kid)
         if "parts" in manifest:
-            return self.check_files(fs, directory, manifest, _writing_ranks(manifest), kid)
+            return hashed + self.check_files(fs, directory, manifest, _writing_ranks(manifest), kid)
         from .listed_digests import check_listed_files  # that module builds on this one's names
 
-        return check_listed_files(fs, directory, manifest, kid)
+        return hashed + check_listed_files(fs, directory, manifest, kid)
 
 
 SIGNED, UNSIGNED, REFUSED = "signed", "unsigned", "refused"  # a checkpoint's signature state under a policy
@@ -531,6 +545,56 @@ def _group_tables(manifest: dict[str, Any]) -> bool:
     return isinstance(version, int) and version >= GROUPS_FORMAT_VERSION
 
 
+def _check_grouped(fs: Any, directory: str, manifest: dict[str, Any], ranks: list[int] | None, kid: str) -> int:
+    """Signed v5 (FORMAT.md §12.2): the group tables of `ranks` (None: every rank) against the manifest's
+    `table_digests`, their parts against the tables' `part_digests`, each shard file against its part's chunk
+    digests, read whole; bytes hashed. SignatureRefused naming the file and the key otherwise."""
+    from .chunk_digests import shard_chunk_problem
+    from .chunk_index import read_parts
+    from .names import shard_filename
+
+    algorithm = manifest[DIGEST_FIELD]
+    tables = groups.GroupTables(fs, directory, manifest, signed_by=kid)
+    merged = {**manifest, "parts": tables.parts_table(ranks)}
+    writers = [r for r in (_writing_ranks(merged) if ranks is None else ranks) if _wrote(merged, r)]
+    hashed = sum(merged["parts"]["part_bytes"][r] for r in writers)
+    digests = tables.part_digests(writers)
+    parts = read_parts(fs, directory, merged, writers, signed_by=kid, part_digests=digests)
+    for rank, part in sorted(parts.items()):
+        shard_path = join(directory, shard_filename(rank))
+        problem, nbytes = shard_chunk_problem(fs, shard_path, part, algorithm)
+        hashed += nbytes
+        if problem is not None:
+            raise SignatureRefused(
+                f"{shard_path}: its {algorithm} digest differs from its part's (signed through its group table and the "
+                f"manifest by key {kid[:16]}) at its chunk {problem}; the file was changed"
+            )
+    return hashed
+
+
+def _wrote(manifest: dict[str, Any], rank: int) -> bool:
+    table = manifest["parts"]
+    return 0 <= rank < table["count"] and table["file_bytes"][rank] is not None
+
+
+def _check_metadata(fs: Any, directory: str, manifest: dict[str, Any], kid: str) -> int:
+    """`.metadata` against its digest in the signed manifest's `dcp_metadata` record, when it records one (a
+    signed save of format v4 or v5 does; earlier ones bound it by xxh3 only, FORMAT.md §12); bytes hashed."""
+    from .names import DCP_METADATA, DCP_METADATA_FIELD
+
+    record = manifest.get(DCP_METADATA_FIELD)
+    if not isinstance(record, dict) or METADATA_DIGEST not in record:
+        return 0
+    path = join(directory, DCP_METADATA)
+    actual, nbytes = file_digest(fs, path, manifest[DIGEST_FIELD])
+    if actual != record[METADATA_DIGEST]:
+        raise SignatureRefused(
+            f"{path}: its {manifest[DIGEST_FIELD]} digest differs from the manifest signed by key {kid[:16]}; the "
+            "file was changed"
+        )
+    return nbytes
+
+
 def _unverifiable(manifest: dict[str, Any]) -> str:
     """Why a signed manifest binds its files by no digest a reader can check (FORMAT.md §12, "Signed format v5")."""
     version = manifest.get("format_version")
@@ -538,10 +602,11 @@ def _unverifiable(manifest: dict[str, Any]) -> str:
         # v5: the per-rank columns are in the group tables, which carry no digests (FORMAT.md §10.5): the signature
         # would vouch for them, and so for every part and shard, by xxh3 only, which anyone can recompute
         return (
-            f"is format v{version}, whose group tables carry no cryptographic digests: the signature binds its parts "
-            "and shard files by xxh3 only, so it vouches for nothing a person could not change. This writer signs "
-            "v2, v3 and v4 only (a signed save of any size is written as v4): the file was written or edited by "
-            "another tool; resume a checkpoint this writer signed"
+            f"is format v{version}, whose group tables carry no cryptographic digests (no "
+            f"{groups.GROUPS_FIELD}.{groups.TABLE_DIGESTS}, or no {DIGEST_FIELD}): the signature binds its parts and "
+            "shard files by xxh3 only, so it vouches for nothing a person could not change. A signed save of this "
+            "writer records both (FORMAT.md §12.2): the file was written or edited by another tool; resume a "
+            "checkpoint this writer signed"
         )
     return (
         f"records no file digests this reader knows ({DIGEST_FIELD}={manifest.get(DIGEST_FIELD)!r}; a signed save of "
@@ -588,6 +653,8 @@ def check_rank_files(fs: Any, directory: str, manifest: dict[str, Any], rank: in
     already (SignaturePolicy.check_manifest, where the keys are): v4, its part and shard file; v2, its listed
     files (rank 0 also those no rank's name marks, as it copies them). Comparing digests needs no key, so each
     rank of a copier checks what it reads itself. Bytes hashed; SignatureRefused naming the file and key."""
+    if groups.is_grouped(manifest):
+        return _check_grouped(fs, directory, manifest, [rank], kid)
     if "parts" in manifest:
         ranks = [rank] if rank in _writing_ranks(manifest) else []
         return SignaturePolicy({}).check_files(fs, directory, manifest, ranks, kid)

@@ -25,14 +25,14 @@ from ...errors import CheckpointDeleted, CorruptCheckpoint, IncompatibleCheckpoi
 from .. import catalog
 from ..collectives import broadcast_from_coordinator, gather_to_coordinator, rank_and_world
 from ..config import LoadConfig
+from ..format import groups, signing
 from ..format import manifest as manifest_format
-from ..format import signing
 from ..format.names import MANIFEST, join, parse_dirname
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..root import open_reference, parse_reference, root_of
 from ..storage import fsio
 from ..storage.fsio import Location
-from ..storage.reader import ShardReader
+from ..storage.reader import ShardReader, SignedReads
 from .resume_plan import plan_resume
 
 log = logging.getLogger(__name__)
@@ -159,19 +159,31 @@ def _load_from_parts(
     collectives: no rank sends its plan anywhere); one verdict collective makes every rank fail alike."""
     plan = reader = None
     failure: BaseException | None = None
+    manifest = entry.committed_manifest
+    # signed v5 under a policy: each rank checks what it reads (its group tables, parts, chunks) by the digests
+    # the signature binds, as it reads them (FORMAT.md §12.2); signed v4: each file it reads from, hashed whole
+    signed_v5 = config.require_signature and groups.is_signed(manifest)
     try:
-        plan = plan_resume(root.fs, entry.path, entry.committed_manifest, state_dict)
-        if config.require_signature:
+        # rank 0's pick checked the signature (else it is checked here): the key that vouches for every read
+        kid = _signed_by(root, entry, config) if signed_v5 else None
+        plan = plan_resume(root.fs, entry.path, manifest, state_dict, signed_by=kid)
+        if config.require_signature and not signed_v5:
             _check_signed_files(root, entry, plan, config)
+        checked = config.verify_checksums or signed_v5  # under a policy the bytes read are always hashed
         reader = ShardReader(
             root.fs,
             entry.path,
-            expected_checksums=plan.expected_checksums if config.verify_checksums else None,
-            expected_blocks=plan.expected_blocks if config.verify_checksums else None,
+            expected_checksums=plan.expected_checksums if checked else None,
+            expected_blocks=plan.expected_blocks if checked else None,
             trust=config.trust_checkpoint,
             read_threads=config.read_threads,
             read_ahead_bytes=config.read_ahead_bytes,
             metadata=plan.metadata,
+            signed=(
+                SignedReads(manifest[signing.DIGEST_FIELD], kid, plan.expected_digests, plan.file_bytes)
+                if kid is not None and plan.expected_digests is not None
+                else None
+            ),
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -217,14 +229,24 @@ def _result(
     )
 
 
+def _signed_by(root: Location, entry: catalog.CheckpointEntry, config: LoadConfig) -> str:
+    """The id of the key whose signature over the manifest rank 0's pick accepted (or, without one, this rank's
+    own check of it): nothing else in the directory is trusted before it."""
+    policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
+    assert policy is not None
+    signed_by: str | None = entry.extra.get(catalog.SIGNED_BY)
+    return signed_by or policy.check_manifest(root.fs, entry.path, entry.committed_manifest)
+
+
 def _check_signed_files(root: Location, entry: catalog.CheckpointEntry, plan: Any, config: LoadConfig) -> None:
-    """This rank's parts and shard files against the digests rank 0's pick found signed: the signature covers the
-    manifest, the manifest each part's SHA-256, each part its shard's. Read whole once more to hash them (a
-    resharded rank reads only ranges of a file, which a digest of the whole file cannot vouch for otherwise)."""
+    """Signed v4: this rank's parts and shard files against the digests rank 0's pick found signed: the signature
+    covers the manifest, the manifest each part's digest, each part its shard's. Read whole once more to hash them
+    (a v4 part holds one digest per file, which only the whole file can be checked against; v5 parts hold one
+    per chunk, checked as each chunk is read)."""
     policy = signing.policy_of(config.require_signature, config.public_keys, config.revoked_keys)
     assert policy is not None
     manifest = entry.committed_manifest
-    kid = entry.extra.get(catalog.SIGNED_BY) or policy.check_manifest(root.fs, entry.path, manifest)
+    kid = _signed_by(root, entry, config)
     ranks = sorted(
         {rank for info in plan.metadata.storage_data.values() if (rank := _rank_of(info.relative_path)) is not None}
     )

@@ -31,7 +31,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..format import chunk_layout, parts_manifest
 from ..format.chunk_index import ChunkIndex
-from ..format.parts import BLOCKS_FIELD
+from ..format.parts import BLOCK_DIGESTS, BLOCKS_FIELD, DIGEST
 from ..gc_pause import gc_paused
 from .global_tensors import dtype_of
 
@@ -48,32 +48,49 @@ class ResumePlan:
     seconds: float = 0.0
     part_ranks: list[int] = field(default_factory=list)
     group_tables_read: int = 0  # v5: the group tables read to find those parts (FORMAT.md §10.5)
+    # signed v5 under a signature policy: (file, offset) -> (the chunk's cryptographic digest, its blocks' or
+    # None), from parts checked against the signed chain; None when the plan was not made under a policy
+    expected_digests: dict[tuple[str, int], tuple[str, list[str] | None]] | None = None
+    file_bytes: dict[str, int] = field(default_factory=dict)  # each shard file read: its size, as its part says
 
 
-def plan_resume(fs: Any, directory: str, manifest: dict[str, Any], state_dict: dict[str, Any]) -> ResumePlan:
+def plan_resume(
+    fs: Any, directory: str, manifest: dict[str, Any], state_dict: dict[str, Any], signed_by: str | None = None
+) -> ResumePlan:
     """The metadata of the chunks this rank's `state_dict` (the target, as DCP flattens it) overlaps, read from
     the parts that hold them; keys the checkpoint lacks are left out (DCP then reports them, or skips them in
-    a partial load)."""
+    a partial load). `signed_by` (a signed v5 checkpoint whose signature by that key a policy accepted): every
+    group table and part read is checked against the signed chain of digests, and the plan holds each chunk's."""
     flat, mappings = flatten_state_dict(state_dict)
     shapes = {tensor["fqn"]: tensor["shape"] for tensor in manifest["tensors"]}
     boxes = {fqn: _target_box(value, shapes[fqn]) if fqn in shapes else None for fqn, value in flat.items()}
-    return plan_boxes(fs, directory, manifest, boxes, mappings)
+    return plan_boxes(fs, directory, manifest, boxes, mappings, signed_by)
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def plan_boxes(
-    fs: Any, directory: str, manifest: dict[str, Any], boxes: dict[str, Box | None], mappings: dict[str, Any]
+    fs: Any,
+    directory: str,
+    manifest: dict[str, Any],
+    boxes: dict[str, Box | None],
+    mappings: dict[str, Any],
+    signed_by: str | None = None,
 ) -> ResumePlan:
     """plan_resume for a target given as the box (offsets, sizes) of each tensor this rank holds (None: none of
     it; objects: any value). What a resume plans with, without a state dict (benchmarks/scale.py plans so)."""
     with gc_paused():  # parts parsed and metadata built: a burst of small objects (engine/gc_pause.py)
-        return _plan_boxes(fs, directory, manifest, boxes, mappings)
+        return _plan_boxes(fs, directory, manifest, boxes, mappings, signed_by)
 
 
 def _plan_boxes(
-    fs: Any, directory: str, manifest: dict[str, Any], boxes: dict[str, Box | None], mappings: dict[str, Any]
+    fs: Any,
+    directory: str,
+    manifest: dict[str, Any],
+    boxes: dict[str, Box | None],
+    mappings: dict[str, Any],
+    signed_by: str | None,
 ) -> ResumePlan:
     started = time.perf_counter()
     tensors = {tensor["fqn"]: tensor for tensor in manifest["tensors"]}
@@ -87,7 +104,7 @@ def _plan_boxes(
             wanted_cells[fqn] = [] if box is None else list(chunk_layout.cells_within(layout, shape, box))
         elif fqn in objects:
             wanted_objects.append(fqn)
-    index = ChunkIndex(fs, directory, manifest)
+    index = ChunkIndex(fs, directory, manifest, signed_by)
     # every part this rank needs, read at once (concurrently), before any record is looked up
     index.parts(
         {cell.rank for cells in wanted_cells.values() for cell in cells} | {objects[f]["rank"] for f in wanted_objects}
@@ -96,6 +113,7 @@ def _plan_boxes(
     storage: dict[MetadataIndex, _StorageInfo] = {}
     checksums: dict[tuple[str, int], tuple[str, str]] = {}
     blocks: dict[tuple[str, int], tuple[int, list[str]]] = {}
+    digests: dict[tuple[str, int], tuple[str, list[str] | None]] | None = {} if signed_by is not None else None
     for fqn, cells in wanted_cells.items():
         tensor = tensors[fqn]
         chunks = []
@@ -106,6 +124,8 @@ def _plan_boxes(
                 record["file"], record["offset"], record["length"]
             )
             checksums[(record["file"], record["offset"])] = (record["checksum"], fqn)
+            if digests is not None:
+                digests[(record["file"], record["offset"])] = _digests_of(record)
             if BLOCKS_FIELD in record:
                 blocks[(record["file"], record["offset"])] = (
                     record[BLOCKS_FIELD]["size"],
@@ -121,6 +141,9 @@ def _plan_boxes(
         state[fqn] = BytesStorageMetadata()
         storage[MetadataIndex(fqn)] = _StorageInfo(record["file"], record["offset"], record["length"])
         checksums[(record["file"], record["offset"])] = (record["checksum"], fqn)
+        if digests is not None:
+            digests[(record["file"], record["offset"])] = _digests_of(record)
+    held = index.parts_held()
     metadata = Metadata(
         state_dict_metadata=state,
         planner_data={fqn: mappings[fqn] for fqn in state if fqn in mappings},
@@ -134,9 +157,17 @@ def _plan_boxes(
         parts_read=index.parts_read,
         chunks=len(storage),
         seconds=time.perf_counter() - started,
-        part_ranks=sorted(index._parts),
+        part_ranks=sorted(held),
         group_tables_read=index.tables_read,
+        expected_digests=digests,
+        file_bytes={part["file"]: part["file_bytes"] for part in held.values()},
     )
+
+
+def _digests_of(record: dict[str, Any]) -> tuple[str, list[str] | None]:
+    """A signed v5 chunk record's (digest, block digests or None); the part was checked to digest every chunk."""
+    blocks = record.get(BLOCKS_FIELD)
+    return record[DIGEST], (blocks[BLOCK_DIGESTS] if isinstance(blocks, dict) else None)
 
 
 def _target_box(value: Any, shape: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -60,8 +60,10 @@ def gather_groups(
     checkpoint_id: str,
     verify_mode: str,
     pg: Any,
+    digest: str | None = None,
 ) -> list[GroupSummary | None] | None:
-    """Rank 0: every group's summary, in group order; other ranks: None. A leader writes its group's table."""
+    """Rank 0: every group's summary, in group order; other ranks: None. A leader writes its group's table
+    (`digest`, signing on: with its ranks' part digests, and its own digest in its summary for the manifest)."""
     rank, world = rank_and_world(pg)
     count = groups.group_count(world, size)
     group = rank // size
@@ -74,7 +76,7 @@ def gather_groups(
     own = None
     if members is not None:
         try:
-            own = lead_group(members, layout, group, size, world, fs, directory, checkpoint_id, verify_mode)
+            own = lead_group(members, layout, group, size, world, fs, directory, checkpoint_id, verify_mode, digest)
         except Exception as err:  # reported to rank 0, which refuses the commit, naming it
             log.error("rank %d: leading group %d of %s failed: %s", rank, group, directory, err)
             own = GroupSummary(
@@ -101,6 +103,7 @@ def lead_group(
     directory: str,
     checkpoint_id: str,
     verify_mode: str,
+    digest: str | None = None,
 ) -> GroupSummary:
     """A leader's work: check its members' summaries as v4's rank 0 checks every rank's, write the group table,
     sum up what rank 0 needs. Problems are in the summary, not raised (storage errors are)."""
@@ -111,7 +114,7 @@ def lead_group(
             f"(and {len(own.problems) - MAX_GROUP_PROBLEMS} more in group {group})"
         ]
     if not own.problems:  # so every member sent its summary (a missing one is a problem above)
-        _write_table(own, [s for s in members if s is not None], size, world, fs, directory, checkpoint_id)
+        _write_table(own, [s for s in members if s is not None], size, world, fs, directory, checkpoint_id, digest)
     return own
 
 
@@ -123,8 +126,12 @@ def _write_table(
     fs: Any,
     directory: str,
     checkpoint_id: str,
+    digest: str | None = None,
 ) -> None:
     written = [s for s in members if s.file_bytes is not None]
+    if digest is not None and any(s.part_digest is None for s in written):
+        missing = next(s.rank for s in written if s.part_digest is None)
+        raise ValueError(f"rank {missing} sent no digest of its part, which a signed group table records")
     table = groups.build_group_table(
         checkpoint_id,
         own.group,
@@ -136,13 +143,15 @@ def _write_table(
                 "file_checksum": s.file_checksum,
                 "part_bytes": s.part_bytes,
                 "part_checksum": s.part_checksum,
+                "part_digest": s.part_digest,
             }
             for s in written
         },
+        part_digests=digest is not None,
     )
     data = groups.to_bytes(table)
     fsio.write_new_file(fs, join(directory, groups.group_filename(own.group)), data)
-    own.entry = groups.group_entry(table, data)
+    own.entry = groups.group_entry(table, data, digest)
     own.chunks = sum(s.chunks for s in members)
     own.bytes_total = sum(s.bytes_total for s in members)
     own.verified_chunks = sum(s.verified_chunks for s in members)

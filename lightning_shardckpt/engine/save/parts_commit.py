@@ -101,6 +101,9 @@ class PartsCommitter:
             metadata_bytes = pickle.dumps(dcp_metadata(self.layout, facts.parts, target.path))
             fsio.write_new_file(target.root.fs, join(target.path, DCP_METADATA), metadata_bytes)
             metadata_record = {"checksum": checksum(metadata_bytes), "bytes": len(metadata_bytes)}
+            if target.sign is not None and target.sign.enabled:
+                # signed: .metadata is bound by a cryptographic digest too, never by xxh3 alone (FORMAT.md §12)
+                metadata_record[signing.METADATA_DIGEST] = signing.digest_of(metadata_bytes, target.sign.digest)
         parent, seq = lineage(target.root, fields.get("run_id"), target.lineage_from)
         nonfinite = facts.nonfinite
         tensors = []
@@ -122,12 +125,21 @@ class PartsCommitter:
         )
         written = facts.written
         if target.sign is not None and target.sign.enabled:
-            # each part's digest (each part holds its shard's): the signature over this manifest covers every byte
             manifest[signing.DIGEST_FIELD] = target.sign.digest
-            manifest[parts_manifest.PARTS_FIELD][signing.PART_DIGESTS] = "".join(
-                written[rank].part_digest or signing.NO_DIGEST if rank in written else signing.NO_DIGEST
-                for rank in range(self.layout.world_size)
-            )
+            if self.group_size is None:
+                # v4: each part's digest (each part holds its shard's): the signature over this manifest covers
+                # every byte
+                manifest[parts_manifest.PARTS_FIELD][signing.PART_DIGESTS] = "".join(
+                    written[rank].part_digest or signing.NO_DIGEST if rank in written else signing.NO_DIGEST
+                    for rank in range(self.layout.world_size)
+                )
+            elif groups.TABLE_DIGESTS not in manifest[groups.GROUPS_FIELD]:
+                raise CommitFailed(
+                    f"step {target.step} ({target.dirname}) did not commit: a signed save's group leaders sent no "
+                    "digest of their tables"
+                )
+            # v5: each group table's digest is in `groups` already; each table holds its parts', each part its
+            # chunks': the signature over this manifest covers every byte, and a reader checks only what it reads
         if metadata_record is not None:
             manifest[DCP_METADATA_FIELD] = metadata_record  # readers check .metadata's bytes before unpickling
 

@@ -70,7 +70,9 @@ def save_parts(
     fault = fault_hook or (lambda point: None)
     stats: dict[str, Any] = {}
     try:
-        written = _write(state_dict, layout, fs, directory, rank, config, fault)
+        # signed v5: a digest per chunk (each rank checks what it reads); signed v4 (format_version 4): one per file
+        chunk_digests = config.sign.enabled and group_size is not None
+        written = _write(state_dict, layout, fs, directory, rank, config, fault, chunk_digests)
         stats = written.stats
         summary = _summarize(written, layout, fs, directory, checkpoint_id, rank, config)
         fault("before_receipt")
@@ -93,6 +95,7 @@ def save_parts(
             checkpoint_id=checkpoint_id,
             verify_mode=config.verify.mode,
             pg=group,
+            digest=config.sign.digest if config.sign.enabled else None,
         )
     verdict: str | None = None
     if summaries is not None:
@@ -117,6 +120,7 @@ def _write(
     rank: int,
     config: SaveConfig,
     fault: FaultHook,
+    chunk_digests: bool = False,
 ) -> RankWrite:
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, StorageMeta(checkpoint_id=directory), rank == 0)
@@ -137,6 +141,7 @@ def _write(
         fault,
         digest=digest,
         direct_io=config.direct_io,
+        chunk_digests=chunk_digests,
     )
 
 
@@ -184,6 +189,8 @@ def _summarize(
             "length": receipt.length,
             "checksum": receipt.checksum,
         }
+        if receipt.crypto is not None:  # signed v5: bound by the part's digest in its group table
+            record[part_format.DIGEST] = receipt.crypto[0]
         if item.tensor_data is None:
             objects.append(record)
             continue
@@ -191,6 +198,8 @@ def _summarize(
         record["sizes"] = list(item.tensor_data.chunk.sizes)
         if receipt.blocks is not None:
             record["blocks"] = {"size": receipt.blocks[0], "checksums": list(receipt.blocks[1])}
+            if receipt.crypto is not None and receipt.crypto[1] is not None:
+                record["blocks"][part_format.BLOCK_DIGESTS] = list(receipt.crypto[1])
         if receipt.finite is not None:
             record[part_format.FINITE_FIELD] = receipt.finite
             if not receipt.finite:
@@ -223,7 +232,7 @@ def _summarize(
     summary.file_checksum = part["file_checksum"]
     summary.part_bytes = len(data)
     summary.part_checksum = checksum(data)
-    if written.file_digest is not None:
+    if config.sign.enabled:  # v4: the part holds its file's digest; v5: its chunks'
         summary.part_digest = signing.digest_of(data, config.sign.digest)
     summary.verified_chunks = verification["chunks_verified"]
     summary.verified_bytes = verification["bytes_verified"]

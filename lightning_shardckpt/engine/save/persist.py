@@ -155,12 +155,15 @@ def persist_checkpoint(
 
 def _group_size(config: SaveConfig, world: int) -> int | None:
     """Format v5's ranks per group, or None for v4: what format_version asks, except that
-    - a world of one group stays v4: its parts table is O(group size) already, and v5 would add a file to write
-      and one to read at every resume for nothing;
-    - signed and node-local saves stay v4: a group table carries no digests yet, and a leader's table would land
-      on its own node's storage only."""
+    - an unsigned world of one group stays v4: its parts table is O(group size) already, and v5 would add a file
+      to write and one to read at every resume for nothing;
+    - node-local saves stay v4: a leader's table would land on its own node's storage only.
+    A signed save is v5 at any size: only v5's group tables and parts carry cryptographic digests down to each
+    chunk (FORMAT.md §12.2), so each rank verifies what it reads and nothing more (a signed v4 part binds its
+    shard file by one digest, which a resharded rank can only check by fetching the whole file)."""
     size = groups.writer_group_size(world)
-    if config.format_version < GROUPS_FORMAT_VERSION or config.sign.enabled or config.node_local or world <= size:
+    one_group = world <= size and not config.sign.enabled
+    if config.format_version < GROUPS_FORMAT_VERSION or config.node_local or one_group:
         return None
     return size
 

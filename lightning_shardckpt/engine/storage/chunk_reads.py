@@ -91,6 +91,9 @@ class Fetched:
     finished: float  # perf_counter when the last byte landed
     placed: bool = True  # False: a direct read found another record layout and wrote nothing; read it buffered
     blocks: dict[int, str] | None = None  # read by block: the digest of each block read (the chunk digest is None)
+    # signed v5 under a policy: the chunk's cryptographic digest (FORMAT.md §12.2), or by block that of each block
+    crypto: str | None = None
+    crypto_blocks: dict[int, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,21 @@ def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
 
 
 def fetch_buffered(
-    shard: ShardFile, offset: int, length: int, buffer: bytearray, hashing: bool, block_size: int | None = None
+    shard: ShardFile,
+    offset: int,
+    length: int,
+    buffer: bytearray,
+    hashing: bool,
+    block_size: int | None = None,
+    crypto: str | None = None,
 ) -> Fetched:
     """The whole chunk into `buffer`, piece by piece, hashing each piece as it lands (`block_size`: the chunk's
-    ChunkCheck's, so its digest is made of block digests). `buffer` needs only `available_bytes(...)`: what the
-    file holds of the chunk (a `length` past the file's end is short, not read)."""
+    ChunkCheck's, so its digest is made of block digests; `crypto`: its cryptographic digest too, same pass).
+    `buffer` needs only `available_bytes(...)`: what the file holds of the chunk (a `length` past the file's end
+    is short, not read)."""
     wanted = available_bytes(shard, offset, length)
     view = memoryview(buffer)[:wanted]
-    hasher = ChunkHasher(block_size) if hashing else None
+    hasher = ChunkHasher(block_size, crypto) if hashing else None
     filled = 0
     while filled < wanted:
         piece = view[filled : min(wanted, filled + PIECE_BYTES)]
@@ -132,7 +142,8 @@ def fetch_buffered(
         if count < len(piece):
             break  # the file ends early: the check names the chunk
     digest = hasher.hexdigest() if hasher is not None and filled == length else None
-    return Fetched(filled, filled, digest, time.perf_counter())
+    signed = hasher.crypto_digest() if hasher is not None and filled == length else None
+    return Fetched(filled, filled, digest, time.perf_counter(), crypto=signed)
 
 
 class DirectReader:
@@ -142,8 +153,10 @@ class DirectReader:
     (never the caller's: a pool thread waiting on tasks of its own pool could wait forever). close() ends it.
     """
 
-    def __init__(self, hashing: bool, range_threads: int = 1) -> None:
+    def __init__(self, hashing: bool, range_threads: int = 1, crypto: str | None = None) -> None:
+        """`crypto` (signed v5 under a policy): each chunk's (or block's) cryptographic digest too, same pass."""
         self._hashing = hashing
+        self._crypto = crypto if hashing else None
         self._local = threading.local()
         self._range_threads = max(1, range_threads)
         self._ranges = (
@@ -179,11 +192,14 @@ class DirectReader:
             return Fetched(length, read_bytes, None, time.perf_counter(), placed=False)
         chunk = _ChunkBytes(shard, offset, length, head, tail, tail_start, _segments(length, data_start, destinations))
         if block_size is None or not self._hashing:
-            hasher = ChunkHasher() if self._hashing else None  # no block size here: the chunk has no blocks
+            # no block size here: the chunk has no blocks
+            hasher = ChunkHasher(crypto=self._crypto) if self._hashing else None
             read_bytes, short_at = self._copy(chunk, 0, length, hasher, read_bytes)
             if short_at is not None:
                 return Fetched(short_at, read_bytes, None, time.perf_counter())
-            return Fetched(length, read_bytes, hasher.hexdigest() if hasher is not None else None, time.perf_counter())
+            if hasher is None:
+                return Fetched(length, read_bytes, None, time.perf_counter())
+            return Fetched(length, read_bytes, hasher.hexdigest(), time.perf_counter(), crypto=hasher.crypto_digest())
         needed = needed_blocks(length, block_size, data_start, destinations)
         if self._ranges is None or len(needed) < PARALLEL_MIN_BLOCKS:
             runs = [self._read_blocks(chunk, needed, block_size)]
@@ -193,28 +209,31 @@ class DirectReader:
                     lambda group: self._read_blocks(chunk, group, block_size), _split(needed, self._range_threads)
                 )
             )
-        digests = {index: digest for run_digests, _, _ in runs for index, digest in run_digests.items()}
+        digests = {index: digest[0] for run_digests, _, _ in runs for index, digest in run_digests.items()}
         read_bytes += sum(count for _, count, _ in runs)
         short = [short_at for _, _, short_at in runs if short_at is not None]
         if short:
             return Fetched(min(short), read_bytes, None, time.perf_counter())
-        return Fetched(length, read_bytes, None, time.perf_counter(), blocks=digests)
+        crypto = None
+        if self._crypto is not None:
+            crypto = {index: digest[1] for run_digests, _, _ in runs for index, digest in run_digests.items()}
+        return Fetched(length, read_bytes, None, time.perf_counter(), blocks=digests, crypto_blocks=crypto)
 
     def _read_blocks(
         self, chunk: _ChunkBytes, indices: list[int], block_size: int
-    ) -> tuple[dict[int, str], int, int | None]:
-        """Blocks `indices` of the chunk to their destinations, each hashed on its own: (digests, bytes read,
-        where a short read stopped or None)."""
-        digests: dict[int, str] = {}
+    ) -> tuple[dict[int, tuple[str, str | None]], int, int | None]:
+        """Blocks `indices` of the chunk to their destinations, each hashed on its own: ((xxh3, cryptographic
+        digest or None) per block, bytes read, where a short read stopped or None)."""
+        digests: dict[int, tuple[str, str | None]] = {}
         read_bytes = 0
         for index in indices:
-            hasher = ChunkHasher()  # one block: its plain xxh3
+            hasher = ChunkHasher(crypto=self._crypto)  # one block: its plain xxh3 (and its own digest)
             read_bytes, short_at = self._copy(
                 chunk, index * block_size, min(chunk.length, (index + 1) * block_size), hasher, read_bytes
             )
             if short_at is not None:
                 return digests, read_bytes, short_at
-            digests[index] = hasher.hexdigest()
+            digests[index] = (hasher.hexdigest(), hasher.crypto_digest())
         return digests, read_bytes, None
 
     def _copy(self, chunk: _ChunkBytes, low: int, high: int, hasher: Any, read_bytes: int) -> tuple[int, int | None]:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, SignatureRefused
 from ..config import DEFAULT_READ_AHEAD_BYTES, DEFAULT_READ_THREADS
 from ..format import safe_pickle
 from ..format.checksum import ChunkCheck
@@ -53,6 +53,17 @@ from .chunk_reads import (
 log = logging.getLogger(__name__)
 
 THREAD_NAME_PREFIX = "shardckpt-read"
+
+
+@dataclass(frozen=True)
+class SignedReads:
+    """What a signed v5 checkpoint's parts, checked against its signature's chain (FORMAT.md §12.2), say of the
+    bytes one rank reads: each chunk's cryptographic digest (and its blocks'), and each shard file's size."""
+
+    algorithm: str  # the manifest's digest_algorithm
+    key_id: str  # whose signature over the manifest was accepted: named in every refusal
+    digests: dict[tuple[str, int], tuple[str, list[str] | None]]  # (file, offset) -> (digest, block digests)
+    file_bytes: dict[str, int]  # file -> its size as its part records it
 
 
 @dataclass
@@ -83,8 +94,15 @@ class ShardReader(StorageReader):
         read_threads: int = DEFAULT_READ_THREADS,
         read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
         metadata: Metadata | None = None,
+        signed: SignedReads | None = None,
     ) -> None:
         """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off.
+
+        `signed` (a signed v5 checkpoint under a signature policy): each chunk read is hashed with its digest in
+        the same pass as its xxh3 (a chunk read by block: each block read) and checked first, and each shard file
+        opened must hold the bytes its part records (appended or cut bytes, which no chunk covers, are refused
+        too: its size is known from opening it, no request more); SignatureRefused names the file and the key.
+        Needs `expected_checksums`.
 
         `metadata`: the metadata to plan with, already built (format v4: the rank's own share, from the parts it
         needs, engine/load/resume_plan.py); None reads and checks `.metadata` (format v1-v3).
@@ -103,6 +121,9 @@ class ShardReader(StorageReader):
         self._expected = expected_checksums
         self._expected_metadata = expected_metadata
         self._expected_blocks = (expected_blocks or {}) if expected_checksums is not None else {}
+        self._signed = signed
+        if signed is not None and expected_checksums is None:
+            raise ValueError("a signed read needs expected_checksums: it hashes what it checks")
         self._trust = trust
         self._threads = read_threads
         self._read_ahead_bytes = read_ahead_bytes
@@ -163,7 +184,8 @@ class ShardReader(StorageReader):
         chunks = self._chunks_of(plan)
         files: dict[str, ShardFile] = {}
         pool = BufferPool(self._read_ahead_bytes)
-        direct = DirectReader(hashing=self._expected is not None, range_threads=self._threads)
+        crypto = self._signed.algorithm if self._signed is not None else None
+        direct = DirectReader(hashing=self._expected is not None, range_threads=self._threads, crypto=crypto)
         executor = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=THREAD_NAME_PREFIX)
         pending: deque[tuple[_Chunk, ThreadFuture[Fetched]]] = deque()
         buffered = 0  # bytes of the chunk buffers in `pending`: read or being read, not yet placed
@@ -173,6 +195,7 @@ class ShardReader(StorageReader):
             for chunk in chunks:
                 if chunk.relative_path not in files:
                     files[chunk.relative_path] = self._open_shard(chunk.relative_path, chunks)
+                    self._check_size(chunk.relative_path, files[chunk.relative_path])
                 shard = files[chunk.relative_path]
                 chunk.targets = self._direct_targets(chunk, planner)
                 needs = 0 if chunk.targets is not None else chunk.length
@@ -205,6 +228,7 @@ class ShardReader(StorageReader):
                         chunk.buffer,
                         self._expected is not None,
                         self._block_size(chunk),
+                        crypto,
                     )
                 pending.append((chunk, future))
                 buffered += needs
@@ -305,7 +329,13 @@ class ShardReader(StorageReader):
             chunk.targets, chunk.buffer = None, pool.take(available_bytes(file, chunk.offset, chunk.length))
             try:
                 fetched = fetch_buffered(
-                    file, chunk.offset, chunk.length, chunk.buffer, self._expected is not None, self._block_size(chunk)
+                    file,
+                    chunk.offset,
+                    chunk.length,
+                    chunk.buffer,
+                    self._expected is not None,
+                    self._block_size(chunk),
+                    self._signed.algorithm if self._signed is not None else None,
                 )
             finally:
                 file.close()
@@ -377,6 +407,8 @@ class ShardReader(StorageReader):
                 "that the manifest does not list; the checkpoint's metadata was altered after commit"
             )
         short = fetched.filled != chunk.length
+        if not short and self._signed is not None:
+            self._check_digest(chunk, fetched)
         if not short and fetched.blocks is not None:  # read by block: check each block read
             expected_blocks = self._expected_blocks[(chunk.relative_path, chunk.offset)][1]
             for index, digest in sorted(fetched.blocks.items()):
@@ -394,6 +426,42 @@ class ShardReader(StorageReader):
             actual = fetched.digest
         if actual != check.expected:
             raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, check.expected, actual)
+
+    def _check_size(self, relative_path: str, shard: ShardFile) -> None:
+        """A signed v5 shard file holds exactly the bytes its part records: bytes appended after its last chunk, or
+        cut, are in no chunk a digest covers, and would pass unseen otherwise."""
+        if self._signed is None:
+            return
+        expected = self._signed.file_bytes.get(relative_path)
+        if expected != shard.size:
+            raise SignatureRefused(
+                f"{join(self.path, relative_path)}: its {self._signed.algorithm} digest differs from what the manifest "
+                f"signed by key {self._signed.key_id[:16]} binds: it holds {shard.size} bytes, its part lists "
+                f"{expected}; bytes were added or cut after it was signed. Resume a checkpoint whose files are intact"
+            )
+
+    def _check_digest(self, chunk: _Chunk, fetched: Fetched) -> None:
+        """A signed v5 chunk's bytes (or the blocks read of it) against the cryptographic digests its part records,
+        before its xxh3: bytes forged with every checksum recomputed are refused here, naming the file."""
+        assert self._signed is not None
+        algorithm, kid = self._signed.algorithm, self._signed.key_id
+        digest, blocks = self._signed.digests.get((chunk.relative_path, chunk.offset), (None, None))
+        if fetched.crypto_blocks is not None:
+            wrong = [
+                index
+                for index, actual in sorted(fetched.crypto_blocks.items())
+                if blocks is None or index >= len(blocks) or actual != blocks[index]
+            ]
+            where = f"block {wrong[0]} of " if wrong else ""
+        else:
+            wrong = [0] if digest is None or fetched.crypto != digest else []
+            where = ""
+        if wrong:
+            raise SignatureRefused(
+                f"{join(self.path, chunk.relative_path)} @ {chunk.offset}: the {algorithm} digest of {where}its chunk "
+                f"of {chunk.fqn!r} differs from the one its part records under the manifest signed by key {kid[:16]}; "
+                "the file was changed after it was signed. Resume a checkpoint whose files are intact"
+            )
 
     def _block_size(self, chunk: _Chunk) -> int | None:
         """The block size a whole read of `chunk` hashes by (ChunkCheck): its blocks', or None without blocks."""

@@ -72,6 +72,8 @@ class ChunkReceipt:
     reference: bool = False  # incremental: not written; `relative_path` is '../<sibling>/<file>' holding the bytes
     verified_bytes: int | None = None  # bytes read back (sampled blocks of a large chunk); None: `length` if verified
     file_digest: str | None = None  # signing on: the cryptographic digest of the whole file, from the write pass
+    # signing on, format v5: this chunk's own cryptographic digest (and its blocks', when checksummed by block)
+    crypto: tuple[str, tuple[str, ...] | None] | None = None
     # the file's size on storage as this rank's read-back found it (None: nothing read back): the coordinator's size
     # check then needs no request of its own (format v2: one HEAD per rank's file on rank 0 otherwise)
     stored_bytes: int | None = None
@@ -85,12 +87,16 @@ class _RankPrefix:
 class ChunkFileWriter:
     """Writes one shard file chunk by chunk, checksumming each chunk in the same pass."""
 
-    def __init__(self, fs: Any, path: str, file_digest: Any = None, direct_io: bool = False) -> None:
-        """`direct_io`: write past the page cache where the storage allows it (SaveConfig.direct_io)."""
+    def __init__(
+        self, fs: Any, path: str, file_digest: Any = None, direct_io: bool = False, chunk_digest: str | None = None
+    ) -> None:
+        """`direct_io`: write past the page cache where the storage allows it (SaveConfig.direct_io).
+        `chunk_digest`: each chunk's cryptographic digest of this algorithm (HashingWriter)."""
         self._handle = fsio.open_shard(fs, path, direct_io)
-        self._stream = HashingWriter(self._handle, file_digest)
+        self._stream = HashingWriter(self._handle, file_digest, chunk_digest)
         self.chunks: list[tuple[int, int, str]] = []
         self.blocks: list[tuple[int, tuple[str, ...]] | None] = []  # per chunk, as HashingWriter.chunk_blocks
+        self.crypto: list[tuple[str, tuple[str, ...] | None] | None] = []  # per chunk, HashingWriter.chunk_crypto
 
     def add_bytes(self, data: Any) -> tuple[int, int, str]:
         self._stream.begin_chunk()
@@ -120,6 +126,7 @@ class ChunkFileWriter:
         chunk = self._stream.end_chunk()
         self.chunks.append(chunk)
         self.blocks.append(self._stream.chunk_blocks)
+        self.crypto.append(self._stream.chunk_crypto)
         return chunk
 
 
@@ -209,10 +216,12 @@ def write_rank_file(
     reference_of: Callable[[Any], dict[str, Any] | None] = lambda item: None,
     digest: str | None = None,
     direct_io: bool = False,
+    chunk_digests: bool = False,
 ) -> RankWrite:
     """Write `plan_items` (DCP write items) as this rank's shard file, checksumming every chunk as it streams,
     then read back what `verify` asks for. Unchanged chunks an incremental save references are not written.
-    `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass. `direct_io`:
+    `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass; with
+    `chunk_digests` (a signed v5 save) each chunk's digest instead, so a reader checks the chunks it reads. `direct_io`:
     the file is written past the page cache where the storage allows it (direct_file.py).
     Raises on the first failure (the file's upload is abandoned, never committed)."""
     fault("before_write")
@@ -238,7 +247,10 @@ def write_rank_file(
     if not items:
         stats["chunks"] = len(reference_receipts)
         return RankWrite(reference_receipts, stats)
-    writer = ChunkFileWriter(fs, full_path, signing.new_digest(digest) if digest else None, direct_io=direct_io)
+    whole_file = signing.new_digest(digest) if digest and not chunk_digests else None
+    writer = ChunkFileWriter(
+        fs, full_path, whole_file, direct_io=direct_io, chunk_digest=digest if chunk_digests else None
+    )
     finite: list[bool | None] = []
     try:
         for position, item in enumerate(items):
@@ -280,6 +292,7 @@ def write_rank_file(
             writer.blocks[position],
             verified_bytes=read_back[position],
             file_digest=writer.file_digest,
+            crypto=writer.crypto[position],
             stored_bytes=stored_bytes,
         )
         receipts.append((item, receipt))
