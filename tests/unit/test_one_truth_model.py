@@ -17,8 +17,9 @@ committed, in commit order, and after every step checks the invariants docs/GUAR
 - no committed checkpoint disappears except by retention (outside the newest `keep_last` commits);
 - every reader returns within a bound.
 
-Not here: format v5 (group tables). One process never writes it: a world of one group stays v4 whatever the test
-group size (engine/save/persist.py `_group_size`), and signed saves stay v4; it needs gloo ranks (tests/distributed).
+Format: the signing variants write v5 (a signed save is v5 at any world size: group tables, digests down to each
+chunk); the unsigned ones write v4, as a world of one group does whatever the group size (engine/save/persist.py
+`_group_size`). Unsigned v5 of many groups needs gloo ranks (tests/distributed).
 
 Profiles: the default runs in CI (a fixed search, CI_SEARCH: 25 s for the six tests on a quiet 2-core host);
 `pytest -s --deep --deep-seconds 120 tests/unit/test_one_truth_model.py` searches fresh sequences, twice as long, for
