@@ -53,7 +53,7 @@ from lightning_shardckpt import (
 from lightning_shardckpt.cli.main import main as shardckpt
 from lightning_shardckpt.engine.config import SaveConfig, SignConfig
 from lightning_shardckpt.engine.format import signing
-from lightning_shardckpt.engine.format.names import COMMIT_RECORD
+from lightning_shardckpt.engine.format.names import MANIFEST
 from lightning_shardckpt.engine.save.saver import CheckpointSaver
 from tests.helpers.faults import FailOnce
 from tests.helpers.forgery import forge_tensor_values
@@ -237,12 +237,16 @@ class OneTruth(RuleBasedStateMachine):
 
     # --- the model ---
     def _present(self) -> set[str]:
-        """The model's commits still committed: retention uncommits a checkpoint first, and an incremental one's
-        directory stays (without its commit record) while a kept checkpoint references its files."""
+        """The model's commits still committed: those whose manifest is there, the commit point (FORMAT.md §2, §4).
+
+        Not the commit record: retention uncommits a checkpoint by removing its manifest (after writing RETIRED,
+        FORMAT.md §9), and an incremental one's directory stays while a kept checkpoint may reference its files.
+        When reachability is unknown (a kept manifest was edited, so its references cannot be read) nothing more
+        of it is removed, its commit record included: a directory with RETIRED and commit.json but no manifest is
+        retired all the same. Counted as present, it let the model believe an older sound checkpoint survived
+        retention, and so edit the last sound one (the deep profile's "stars None" failures)."""
         listed = set(self.storage.list())
-        return {
-            c["name"] for c in self.commits if c["name"] in listed and self.storage.exists(c["name"], COMMIT_RECORD)
-        }
+        return {c["name"] for c in self.commits if c["name"] in listed and self.storage.exists(c["name"], MANIFEST)}
 
     def _expected_latest(self) -> dict[str, Any] | None:
         present = self._present()
@@ -325,7 +329,10 @@ class OneTruth(RuleBasedStateMachine):
     @rule(data=st.data())
     def edit_a_committed_manifest(self, data: st.DataObject) -> None:
         """A byte of a value changed after commit, the JSON still valid: the listing must call it corrupt."""
-        victim = data.draw(st.sampled_from(self._sound_present()))
+        self.edit_manifest_of(data.draw(st.sampled_from(self._sound_present())))
+
+    def edit_manifest_of(self, victim: dict[str, Any]) -> None:
+        """The rule's act on a chosen commit (a regression test replays it without Hypothesis)."""
         manifest = self.storage.read(victim["name"], "manifest.json")
         edited = manifest.replace(b'"step":', b'"step": ', 1) if b'"step":' in manifest else manifest + b" "
         json.loads(edited)

@@ -109,3 +109,39 @@ def test_a_rollbacks_newest_commit_with_its_marker_deleted_is_latest_for_ls_reso
         "resume": names[resumed],
     } == dict.fromkeys(["ls", "resolve_checkpoint", "resume"], names[20])
     assert state["w"][0].item() == 20.0
+
+
+@pytest.mark.timeout(120)
+def test_an_incremental_checkpoint_retired_while_reachability_is_unknown_is_not_sound_for_the_model(tmp_path):
+    """Shrunk from the deep profile (incremental variants, "list_checkpoints stars None ... the newest sound commit
+    is step-1"): save 1-3; edit step 2's manifest; save 4. Retention retires step 1 (RETIRED written, manifest
+    removed) but, a kept manifest being unreadable, removes nothing more: its commit record stays. The model counted
+    a commit record as committed, so it believed step 1 sound and let the machine edit steps 3 and 4 too, the last
+    sound one, then expected step 1 where every reader rightly picks nothing. The manifest is the commit point
+    (FORMAT.md §4, §9): the model now sees step 4 as the only sound commit left."""
+    from lightning_shardckpt.engine.format.names import COMMIT_RECORD, MANIFEST
+    from lightning_shardckpt.engine.format.references import RETIRED
+    from tests.unit.test_one_truth_model import KEEP_LAST, _machine
+
+    assert KEEP_LAST == 3  # the sequence below retires step 1 at the 4th save
+    machine = _machine(str(tmp_path / "root"), {}, (), incremental=True)()
+
+    def then(act) -> None:  # a rule, then the invariants, as the state machine runs them
+        act()
+        machine.every_entry_point_picks_the_same_checkpoint()
+        machine.no_commit_lost_except_by_retention()
+
+    then(machine.start)
+    for _ in range(3):
+        then(machine.save)
+    step = {commit["step"]: commit for commit in machine.commits}
+    then(lambda: machine.edit_manifest_of(step[2]))
+    then(machine.save)
+    retired = str(tmp_path / "root" / step[1]["name"])
+    assert sorted(os.listdir(retired)) == sorted([".metadata", "__0_0.distcp", COMMIT_RECORD, RETIRED])
+    assert MANIFEST not in os.listdir(retired)  # uncommitted, its commit record notwithstanding
+    assert [c["step"] for c in machine._sound_present()] == [3, 4]
+    then(lambda: machine.edit_manifest_of(step[3]))
+    # one sound commit left: the machine's rules that damage a checkpoint (precondition: two sound) stop here
+    assert [c["step"] for c in machine._sound_present()] == [4]
+    machine.teardown()
