@@ -33,6 +33,17 @@ def _record(tensor: torch.Tensor) -> tuple[bytes, int, tuple[str, tuple[str, ...
     return buffer.getvalue(), block_size, stream.chunk_crypto
 
 
+def _fetch(path, record_bytes: int, tensor: torch.Tensor, wanted: list[Destination], block_size: int):
+    """What a rank under a signature policy reads of the record at `path`: the wanted bytes, block digests hashed."""
+    reader = DirectReader(hashing=True, crypto="sha256")
+    shard = ShardFile(fsspec.filesystem("file"), str(path))
+    try:
+        return reader.fetch(shard, 0, record_bytes, tensor.numel() * 4, wanted, block_size)
+    finally:
+        shard.close()
+        reader.close()
+
+
 def test_a_partial_read_of_a_blocked_chunk_checks_each_block_it_reads_by_its_signed_digest(tmp_path):
     tensor = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024)  # 8 MiB: 1 MiB blocks
     record, block_size, (_, block_digests) = _record(tensor)
@@ -43,13 +54,7 @@ def test_a_partial_read_of_a_blocked_chunk_checks_each_block_it_reads_by_its_sig
     start = 512 * 1024 * 4
     wanted = [Destination(start, start + rows.numel() * 4, byte_view(rows))]
 
-    reader = DirectReader(hashing=True, crypto="sha256")
-    shard = ShardFile(fsspec.filesystem("file"), str(path))
-    try:
-        fetched = reader.fetch(shard, 0, len(record), tensor.numel() * 4, wanted, block_size)
-    finally:
-        shard.close()
-        reader.close()
+    fetched = _fetch(path, len(record), tensor, wanted, block_size)
     assert torch.equal(rows, tensor[512:768])
     # only the blocks holding the rows or the record's headers were read, and each was hashed with its digest
     needed = needed_blocks(len(record), block_size, _data_start(record), wanted)
@@ -61,13 +66,7 @@ def test_a_partial_read_of_a_blocked_chunk_checks_each_block_it_reads_by_its_sig
     changed = bytearray(record)
     changed[start + 4096 + 1000] ^= 0xFF
     path.write_bytes(bytes(changed))
-    reader = DirectReader(hashing=True, crypto="sha256")
-    shard = ShardFile(fsspec.filesystem("file"), str(path))
-    try:
-        forged = reader.fetch(shard, 0, len(record), tensor.numel() * 4, wanted, block_size)
-    finally:
-        shard.close()
-        reader.close()
+    forged = _fetch(path, len(record), tensor, wanted, block_size)
     assert forged.crypto_blocks is not None
     differing = [index for index, digest in forged.crypto_blocks.items() if digest != block_digests[index]]
     assert differing == [(start + 4096 + 1000 + _data_start(record)) // block_size]
