@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_shardckpt.engine.format import digest_column
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.checksum import checksum
 from lightning_shardckpt.engine.format.names import COMMIT_RECORD, DCP_METADATA, MANIFEST
@@ -57,7 +58,7 @@ def forge_part(
     """Apply `edit` to rank `rank`'s part (format v4) and rewrite it, with the manifest's record of its size and
     checksum (and so the commit record) to match: a part only its content can condemn."""
     path = os.path.join(directory, part_filename(rank))
-    part = json.loads(Path(path).read_text())
+    part = digest_column.unpack(json.loads(Path(path).read_text()))  # the records as every reader sees them
     edit(part)
     data = part_to_bytes(part)
     replace_file(path, data)
@@ -142,7 +143,7 @@ def forge_tensor_values(location: Any, directory: str, fqn: str, value: float) -
     dtypes = {tensor["fqn"]: tensor["dtype"] for tensor in manifest["tensors"]}
     for rank in parts_manifest.writing_ranks(expanded):
         part_path = join(directory, part_filename(rank))
-        part = json.loads(fs.cat_file(part_path))
+        part = digest_column.unpack(json.loads(fs.cat_file(part_path)))
         chunk = next((c for c in part["chunks"] if c["fqn"] == fqn), None)
         if chunk is not None:
             break

@@ -411,9 +411,12 @@ def test_the_signed_v5_vectors_verify_with_hashlib_alone_and_are_what_the_writer
     group_table = json.loads(read[groups.group_filename(0)])
     assert group_table["part_digests"] == hashlib.sha256(read[parts.part_filename(0)]).hexdigest()
     assert json.loads(read[groups.group_filename(1)])["part_digests"] == "-" * 64
-    [item] = json.loads(read[parts.part_filename(0)])["objects"]
+    stored = json.loads(read[parts.part_filename(0)])
+    [item] = stored["objects"]
     chunk = read["__0_0.distcp"][item["offset"] : item["offset"] + item["length"]]
-    assert item["digest"] == hashlib.sha256(chunk).hexdigest() and item["checksum"] == checksum(chunk)
+    # §12.2's digest_column: the one record's digest, 32 bytes, base64
+    assert base64_decode(stored["digest_column"]) == hashlib.sha256(chunk).digest() and "digest" not in item
+    assert item["checksum"] == checksum(chunk)
 
     # the writer's own: the same signature (Ed25519 is deterministic), the same table bytes and entries
     signer = signing.signer_from_private_key(key, "vector")

@@ -107,8 +107,12 @@ def test_a_signed_save_of_one_rank_is_v5_with_a_digest_per_chunk_and_resumes_und
     part = json.loads(Path(directory, "__0_0.part.json").read_bytes())
     assert signing.FILE_DIGEST not in part
     shard = Path(directory, shard_filename(0)).read_bytes()
-    for chunk in [*part["chunks"], *part["objects"]]:
-        assert chunk["digest"] == signing.digest_of(
+    # §12.2: the records' digests are stored as one column, 32 bytes per record in record order
+    records = [*part["chunks"], *part["objects"]]
+    column = base64.b64decode(part["digest_column"], validate=True)
+    assert records and len(column) == 32 * len(records) and not any("digest" in chunk for chunk in records)
+    for index, chunk in enumerate(records):
+        assert column[32 * index : 32 * index + 32].hex() == signing.digest_of(
             shard[chunk["offset"] : chunk["offset"] + chunk["length"]], "sha256"
         )
     result, state = load(root, 1, **policy(public))

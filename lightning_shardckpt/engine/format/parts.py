@@ -13,11 +13,13 @@ Parsing is bounded per part (PART_MAX_BYTES), never per checkpoint: no checkpoin
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, TypeGuard
 
-from . import bounded_json
+from . import bounded_json, digest_column
 from .checksum import checksum_of_checksums
+from .digest_column import BLOCK_DIGESTS as BLOCK_DIGESTS  # signed v5 (FORMAT.md §12.2), re-exported for readers
+from .digest_column import DIGEST as DIGEST
+from .digest_column import is_crypto_hex
 from .manifest_schema import BLOCKS_FIELD, HEX_DIGEST, blocks_problems, is_int, relative_path_problem
 
 PART_VERSION = 1
@@ -26,9 +28,6 @@ PART_SUFFIX = ".part.json"
 PART_MAX_BYTES = 256 * 2**20
 TENSOR_CHUNKS, OBJECTS = "chunks", "objects"
 FINITE_FIELD = "finite"
-# signed v5 (FORMAT.md §12.2): each chunk record's cryptographic digest, and a blocked chunk's per block
-DIGEST, BLOCK_DIGESTS = "digest", "digests"
-CRYPTO_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def part_filename(rank: int) -> str:
@@ -64,8 +63,10 @@ def build_part(
 
 
 def to_bytes(part: dict[str, Any]) -> bytes:
-    # compact: a part is read by machines; indent=1 would also force the pure-Python encoder (5x slower)
-    return (json.dumps(part, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    # compact: a part is read by machines; indent=1 would also force the pure-Python encoder (5x slower); a signed
+    # part's digests as one binary column (digest_column.py)
+    stored = digest_column.pack(part)
+    return (json.dumps(stored, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
 def parse(data: bytes, where: str, *, checkpoint_id: str | None = None, rank: int | None = None) -> dict[str, Any]:
@@ -76,6 +77,10 @@ def parse(data: bytes, where: str, *, checkpoint_id: str | None = None, rank: in
         raise ValueError(f"{where}: part is {err}") from err
     if not isinstance(part, dict):
         raise ValueError(f"{where}: part is not a JSON object")
+    try:
+        digest_column.unpack(part)
+    except ValueError as err:
+        raise ValueError(f"{where}: part is invalid: {err}") from err
     problems = part_problems(part, checkpoint_id=checkpoint_id, rank=rank)
     if problems:
         raise ValueError(f"{where}: part is invalid: " + "; ".join(problems[:5]) + (" …" if len(problems) > 5 else ""))
@@ -153,12 +158,12 @@ def _chunk_problems(chunk: Any, *, tensor: bool) -> list[str]:
 def chunk_digest_problems(chunk: dict[str, Any]) -> list[str]:
     """A signed v5 chunk record's digests (FORMAT.md §12.2): `digest`, 64 lowercase hex characters, and for a
     chunk checksummed by block one digest per block in `blocks.digests`. Empty when sound."""
-    if not _crypto(chunk.get(DIGEST)):
+    if not is_crypto_hex(chunk.get(DIGEST)):
         return [f"digest {chunk.get(DIGEST)!r} is not 64 lowercase hex characters"]
     blocks = chunk.get(BLOCKS_FIELD)
     if isinstance(blocks, dict):
         digests, checksums = blocks.get(BLOCK_DIGESTS), blocks.get("checksums")
-        if not (isinstance(digests, list) and all(_crypto(d) for d in digests)):
+        if not (isinstance(digests, list) and all(is_crypto_hex(d) for d in digests)):
             return [f"{BLOCKS_FIELD}.{BLOCK_DIGESTS} is not a list of 64-hex-character digests"]
         if isinstance(checksums, list) and len(digests) != len(checksums):
             return [f"{BLOCKS_FIELD} has {len(checksums)} checksum(s) and {len(digests)} digest(s)"]
@@ -173,10 +178,6 @@ def undigested(part: dict[str, Any]) -> str | None:
         if DIGEST not in chunk or (isinstance(blocks, dict) and BLOCK_DIGESTS not in blocks):
             return f"{chunk['fqn']!r} at byte {chunk['offset']}"
     return None
-
-
-def _crypto(value: Any) -> bool:
-    return isinstance(value, str) and CRYPTO_HEX.fullmatch(value) is not None
 
 
 def _tiling_problems(part: dict[str, Any]) -> list[str]:
