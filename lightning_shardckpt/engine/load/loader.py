@@ -228,7 +228,10 @@ def _shared_chunks(
     ChunkIndex the read used: its plan does not read those parts again. Every rank calls it, whatever failed."""
     index = None
     value: SharedChunks | BaseException | None = None
-    if rank_and_world(group)[0] == 0:
+    rank, world = rank_and_world(group)
+    if world == 1:  # no other rank to share with: the reader reads it all itself, as it always did
+        return (failure if failure is not None else SharedChunks()), None
+    if rank == 0:
         try:
             if failure is not None:
                 raise failure

@@ -25,6 +25,7 @@ from ...errors import CorruptCheckpoint
 from ..format import chunk_layout, parts_manifest
 from ..format.chunk_index import ChunkIndex
 from ..format.names import join
+from ..format.safe_pickle import check_inside
 from ..storage.chunk_reads import InMemoryShard, ShardFile
 from .global_tensors import dtype_of
 
@@ -88,6 +89,7 @@ def read_shared(index: ChunkIndex, fqns: list[str]) -> SharedChunks:
     held = {part["file"]: part["file_bytes"] for part in index.parts_held().values()}
     for file, records in sorted(by_file.items()):
         path = join(index.directory, file)
+        check_inside(index.fs, index.directory, file)  # a name or a symlink leading out is never opened
         try:
             shard = ShardFile(index.fs, path)
         except FileNotFoundError as err:
