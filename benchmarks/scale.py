@@ -330,6 +330,7 @@ def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict
             shared_writers[item.rank if item.kind == OBJECT else item.tensor_layout.rank] += 1
     readers = {"now": (Counter(), Counter(), Counter()), "before": (Counter(), Counter(), Counter())}
     most_chunks = {"now": 0, "before": 0}  # range reads of one rank to one shard file
+    total = {"now": 0, "before": 0}  # every GET of the resume: tables, parts and shard range reads, all ranks
     for rank in range(new_world):
         per_file: Counter = Counter()
         for item, times in patterns.values():
@@ -349,9 +350,11 @@ def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict
                 parts[old] += 1
                 shards[old] += 1
                 most_chunks[when] = max(most_chunks[when], chunks)
+                total[when] += 1 + chunks
             if group_size is not None:
                 for group in {old // group_size for old in files}:
                     tables[group] += 1
+                    total[when] += 1
     out: dict[str, Any] = {"new_world": new_world}
     for when, (parts, shards, tables) in readers.items():
         out[when] = {
@@ -361,6 +364,7 @@ def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict
             + sum(n == new_world for n in shards.values())
             + sum(n == new_world for n in tables.values()),
             "most_requests_per_rank": {"part": 1, "group_table": 1, "shard": most_chunks[when]},
+            "requests_total": total[when],
         }
     return out
 
@@ -742,8 +746,8 @@ def fanout_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| layout | ranks → new | records | empty cells (no record) | empty records | files read by every rank "
         "(before → now) | most ranks reading one file: table / part / shard (before → now) "
-        "| most range reads of one rank to one shard file |",
-        "|" + "---|" * 8,
+        "| most range reads of one rank to one shard file | GETs of the whole resume (before → now) |",
+        "|" + "---|" * 9,
     ]
     for r in rows:
         f = r["resume_fanout"]
@@ -756,7 +760,7 @@ def fanout_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['layout']} | {r['ranks']:,} → {f['new_world']:,} | {r['records']:,} "
             f"| {r['empty_cells_unrecorded']:,} | {r['empty_records']} "
             f"| {before['read_by_every_rank']} → {now['read_by_every_rank']} | {most(before)} → {most(now)} "
-            f"| {now['most_requests_per_rank']['shard']} |"
+            f"| {now['most_requests_per_rank']['shard']} | {before['requests_total']:,} → {now['requests_total']:,} |"
         )
     return "\n".join(lines)
 
