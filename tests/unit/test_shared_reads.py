@@ -39,6 +39,8 @@ def test_the_shared_items_are_read_in_one_request_per_run_and_served_from_memory
     entry = _saved(str(tmp_path / "ckpt"))
     fqns = shared_items(entry.manifest, {"step", "norm", "big", "progress.epoch", "note", "absent"})
     assert sorted(fqns) == ["norm", "note", "progress.epoch", "step"]
+    # a budget for the shared tensors: the smallest first (step's 8 bytes), the rest read by each rank
+    assert sorted(shared_items(entry.manifest, {"step", "norm", "note"}, tensors_max_bytes=8)) == ["note", "step"]
     log_id = uuid.uuid4().hex
     location = resolve(counting_fs.counting_url(tmp_path / "ckpt"), {"log_id": log_id})
     directory = location.fs._strip_protocol(entry.path)

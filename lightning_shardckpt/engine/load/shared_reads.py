@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # a replicated tensor is shared when its stored bytes are at most this: scalars, norms, counters; a larger one is
 # read by each rank that needs it (its bytes must reach each rank either way)
 SHARED_TENSOR_MAX_BYTES = 1 * 2**20
+# and the shared tensors together at most this: the broadcast is pickled whole on every rank, so a model of many
+# small replicated tensors (a DDP-style state) shares its smallest ones and each rank reads the rest as before
+SHARED_TENSORS_MAX_BYTES = 64 * 2**20
 # neighbouring shared records of one file are read in one range request when the bytes between them are fewer
 MERGE_GAP_BYTES = 1 * 2**20
 
@@ -53,10 +56,14 @@ class SharedChunks:
         return {file: InMemoryShard(file, self.stored_bytes[file], spans) for file, spans in self.spans.items()}
 
 
-def shared_items(manifest: dict[str, Any], wanted: set[str]) -> list[str]:
+def shared_items(
+    manifest: dict[str, Any], wanted: set[str], tensors_max_bytes: int = SHARED_TENSORS_MAX_BYTES
+) -> list[str]:
     """Of the keys a target holds (`wanted`), those every rank reads whole from one writer: objects, and replicated
-    tensors (one cell) of at most SHARED_TENSOR_MAX_BYTES. A v4/v5 manifest (parts) only."""
+    tensors (one cell) of at most SHARED_TENSOR_MAX_BYTES each, smallest first, `tensors_max_bytes` in all. A v4/v5
+    manifest (parts) only."""
     out = [item["fqn"] for item in manifest["objects"] if item["fqn"] in wanted]
+    small = []
     for tensor in manifest["tensors"]:
         if tensor["fqn"] not in wanted:
             continue
@@ -65,7 +72,13 @@ def shared_items(manifest: dict[str, Any], wanted: set[str]) -> list[str]:
             continue
         nbytes = math.prod(tensor["shape"]) * dtype_of(tensor["dtype"]).itemsize
         if 0 < nbytes <= SHARED_TENSOR_MAX_BYTES:
-            out.append(tensor["fqn"])
+            small.append((nbytes, tensor["fqn"]))
+    total = 0
+    for nbytes, fqn in sorted(small):
+        total += nbytes
+        if total > tensors_max_bytes:
+            break
+        out.append(fqn)
     return out
 
 
