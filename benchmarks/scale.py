@@ -49,9 +49,11 @@ from lightning_shardckpt.engine.format import chunk_layout, groups
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.format.checksum import checksum
+from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
 from lightning_shardckpt.engine.format.file_digests import digest_of
 from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname, join
 from lightning_shardckpt.engine.load.resume_plan import plan_boxes
+from lightning_shardckpt.engine.load.shared_reads import SharedChunks, shared_items
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
 from lightning_shardckpt.engine.save.group_summaries import lead_group
 from lightning_shardckpt.engine.save.part_summary import PartSummary
@@ -167,6 +169,8 @@ def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str, signed_as: s
                 offset += 4096
             continue
         for cell in _cells_of_rank(item, rank):
+            if not chunk_layout.holds_elements(cell.sizes):
+                continue  # no record for a chunk of no element (parts_save._holds_nothing, FORMAT.md §10.1)
             length = 1600 + 2 * _prod(cell.sizes)
             record = {
                 "fqn": item.fqn,
@@ -272,8 +276,13 @@ def resume_targets(kind: str, layout: SaveLayout) -> tuple[int, int, dict[str, A
         new_world, rank = world, world // 2
     else:
         new_world, rank = max(1, world // 2), max(1, world // 2) // 2
+    return new_world, rank, boxes_of(kind, list(layout.items.values()), new_world, rank)
+
+
+def boxes_of(kind: str, items: list[ItemLayout], new_world: int, rank: int) -> dict[str, Any]:
+    """The box of each of `items` that rank `rank` of `new_world` holds (None: none of it; objects: None)."""
     boxes: dict[str, Any] = {}
-    for item in layout.items.values():
+    for item in items:
         if item.kind == OBJECT:
             boxes[item.fqn] = None
             continue
@@ -287,7 +296,77 @@ def resume_targets(kind: str, layout: SaveLayout) -> tuple[int, int, dict[str, A
         else:
             cells = _cells_of_rank(item, rank)
             boxes[item.fqn] = (cells[0].offsets, cells[0].sizes) if cells else None
-    return new_world, rank, boxes
+    return boxes
+
+
+def manifest_lists(layout: SaveLayout) -> dict[str, Any]:
+    """The manifest's `tensors` and `objects` of `layout` (what shared_reads.shared_items chooses from)."""
+    return {
+        "tensors": [item.describe() for item in layout.tensors()],
+        "objects": [item.describe() for item in layout.objects()],
+    }
+
+
+def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict[str, Any]:
+    """Every rank of the resume's new world (resume_targets'), and what it reads: the parts, shard files and
+    group tables of the old ranks whose stored cells overlap its boxes (chunk_layout.cells_within, as the plan
+    takes them), and on the coordinator also the writers' of what it reads for every rank (shared_reads.
+    shared_items); `before`: as a resume read before issue 46, each rank reading the shared items itself. Per
+    kind of file: the most ranks reading one file, how many files every rank reads, and the most requests one
+    rank makes to one file (a table or part: once; a shard file: one range read per chunk it reads there).
+    Tensors sharing a layout and shape share a box per rank: computed once per such pattern."""
+    new_world, _, _ = resume_targets(kind, layout)
+    shared = set(shared_items(manifest_lists(layout), set(layout.items)))
+    patterns: dict[tuple[Any, ...], tuple[ItemLayout, int]] = {}
+    for item in layout.tensors():
+        if item.fqn in shared:
+            continue
+        key = (item.tensor_layout, item.shape)
+        first, times = patterns.get(key, (item, 0))
+        patterns[key] = (first, times + 1)
+    shared_writers: dict[int, int] = Counter()  # old rank -> shared records it holds
+    for item in layout.items.values():
+        if item.fqn in shared:
+            shared_writers[item.rank if item.kind == OBJECT else item.tensor_layout.rank] += 1
+    readers = {"now": (Counter(), Counter(), Counter()), "before": (Counter(), Counter(), Counter())}
+    most_chunks = {"now": 0, "before": 0}  # range reads of one rank to one shard file
+    total = {"now": 0, "before": 0}  # every GET of the resume: tables, parts and shard range reads, all ranks
+    for rank in range(new_world):
+        per_file: Counter = Counter()
+        for item, times in patterns.values():
+            box = boxes_of(kind, [item], new_world, rank)[item.fqn]
+            if box is None:
+                continue
+            for cell in chunk_layout.cells_within(item.tensor_layout, item.shape, box):
+                per_file[cell.rank] += times
+        for when in ("now", "before"):
+            files = Counter(per_file)
+            if when == "before" or rank == 0:
+                files.update(shared_writers if when == "before" else {})
+                if when == "now":  # the coordinator's one range read per run of shared records in a file
+                    files.update({old: 1 for old in shared_writers})
+            parts, shards, tables = readers[when]
+            for old, chunks in files.items():
+                parts[old] += 1
+                shards[old] += 1
+                most_chunks[when] = max(most_chunks[when], chunks)
+                total[when] += 1 + chunks
+            if group_size is not None:
+                for group in {old // group_size for old in files}:
+                    tables[group] += 1
+                    total[when] += 1
+    out: dict[str, Any] = {"new_world": new_world}
+    for when, (parts, shards, tables) in readers.items():
+        out[when] = {
+            "most_readers": {"part": max(parts.values(), default=0), "shard": max(shards.values(), default=0)}
+            | ({"group_table": max(tables.values(), default=0)} if group_size is not None else {}),
+            "read_by_every_rank": sum(n == new_world for n in parts.values())
+            + sum(n == new_world for n in shards.values())
+            + sum(n == new_world for n in tables.values()),
+            "most_requests_per_rank": {"part": 1, "group_table": 1, "shard": most_chunks[when]},
+            "requests_total": total[when],
+        }
+    return out
 
 
 def run(
@@ -405,8 +484,21 @@ def run(
         manifest = manifest_format.parse(fs.cat_file(join(directory, MANIFEST)), directory)
         # as under a policy (the key id only names it in refusals); v4 signed: files hashed whole, not simulated here
         signed_by = "bench" if signed and groups.is_signed(manifest) else None
-        return plan_boxes(location.fs, directory, manifest, boxes, {}, signed_by), time.perf_counter() - started
+        plan = plan_boxes(location.fs, directory, manifest, boxes, {}, signed_by, broadcast)
+        return plan, time.perf_counter() - started
 
+    # what the coordinator reads for every rank and broadcasts (loader._shared_chunks): the records the measured
+    # rank plans those items from, with no part of theirs read (their bytes: no shard bytes exist here)
+    coordinator = ChunkIndex(
+        location.fs, directory, manifest_format.parse(fs.cat_file(join(directory, MANIFEST)), directory)
+    )
+    broadcast = SharedChunks(
+        records={
+            fqn: coordinator.object_chunk(fqn)
+            for fqn in shared_items(manifest_lists(layout), set(layout.items))
+            if layout.items[fqn].kind == OBJECT
+        }
+    )
     fs.requests.clear()
     plan, plan_s = plan_share()
     plan_requests = dict(fs.requests)
@@ -414,6 +506,15 @@ def run(
     plan_share()
     plan_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    records = sum(layout.chunks_per_rank())
+    empty_records = sum(
+        not chunk_layout.holds_elements(chunk["sizes"])
+        for r in needed
+        for chunk in part_of_rank(layout, r, checkpoint_id, signed_as)[part_format.TENSOR_CHUNKS]
+    )
+    started = time.perf_counter()
+    fanout = resume_fanout(kind, layout, group_size)
+    fanout_s = time.perf_counter() - started
     plan_read = manifest_bytes + sum(
         len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as))) for r in plan.part_ranks
     )
@@ -450,6 +551,13 @@ def run(
         "resume_group_tables": plan.group_tables_read,
         "latest_s": round(latest_s, 4),
         "requests": {"commit_rank0": commit_requests, "latest": latest_requests, "resume_rank": plan_requests},
+        # every record the ranks write (the commit's count: stored cells and objects), the cells of no element
+        # that get none (before issue 46 each was a record), and records of no element in the parts built here
+        "records": records,
+        "empty_cells_unrecorded": chunks - records,
+        "empty_records": empty_records,
+        "resume_fanout": fanout,
+        "resume_fanout_s": round(fanout_s, 2),
     }
 
 
@@ -633,6 +741,30 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def fanout_table(rows: list[dict[str, Any]]) -> str:
+    """A full resume's requests per file (resume_fanout), before issue 46 and now, and the records written."""
+    lines = [
+        "| layout | ranks → new | records | empty cells (no record) | empty records | files read by every rank "
+        "(before → now) | most ranks reading one file: table / part / shard (before → now) "
+        "| most range reads of one rank to one shard file | GETs of the whole resume (before → now) |",
+        "|" + "---|" * 9,
+    ]
+    for r in rows:
+        f = r["resume_fanout"]
+        before, now = f["before"], f["now"]
+
+        def most(side: dict[str, Any]) -> str:
+            return " / ".join(str(side["most_readers"].get(k, "-")) for k in ("group_table", "part", "shard"))
+
+        lines.append(
+            f"| {r['layout']} | {r['ranks']:,} → {f['new_world']:,} | {r['records']:,} "
+            f"| {r['empty_cells_unrecorded']:,} | {r['empty_records']} "
+            f"| {before['read_by_every_rank']} → {now['read_by_every_rank']} | {most(before)} → {most(now)} "
+            f"| {now['most_requests_per_rank']['shard']} | {before['requests_total']:,} → {now['requests_total']:,} |"
+        )
+    return "\n".join(lines)
+
+
 GROWTH = (  # (column, row key): what grows with the world size, on rank 0 and on every rank
     ("manifest", "manifest_bytes"),
     ("gather to rank 0", "gather_bytes"),
@@ -717,6 +849,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="signed checkpoints (FORMAT.md §12.2): each configuration also signed, with a throwaway Ed25519 key",
     )
+    parser.add_argument(
+        "--no-save-requests", action="store_true", help="skip one rank's save counted on S3 (moto; about a minute)"
+    )
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = []
@@ -733,13 +868,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print()
     print(growth_table(rows))
+    print()
+    print(fanout_table(rows))
     result: dict[str, Any] = {"rows": rows}
     saving = {}
     for label, mode, big in (
-        ("sample", "sample", 0),
-        ("full", "full", 0),
-        ("off", "off", 0),
-        ("sample-multipart", "sample", 120),
+        ()
+        if args.no_save_requests
+        else (("sample", "sample", 0), ("full", "full", 0), ("off", "off", 0), ("sample-multipart", "sample", 120))
     ):
         saving[label] = rank_save_requests(max(args.tensors), mode, big)
         shard = f"{max(args.tensors):,} tensors" + (f" and one of {big} MiB (a multipart upload)" if big else "")

@@ -1,7 +1,8 @@
 """On two real ranks: a load whose checkpoint another job's retention deletes mid-read (issue 9, item 7).
 
-Rank 0 reads `.metadata`, then the other job (a separate process) commits step 4 and applies
-keep_last=1, deleting the checkpoint being loaded. Every rank must agree: deleted, not corrupt, and
+Rank 0 plans its share, then, before it opens the first shard file, the other job (a separate process) commits
+step 4 and applies keep_last=1, deleting the checkpoint being loaded. (Rank 0 opens the first shard file: it reads
+the objects and small replicated tensors for every rank, engine/load/shared_reads.py.) Every rank must agree: deleted, not corrupt, and
 `latest` loads step 4 on both; an explicit step raises CheckpointDeleted on both.
 """
 
@@ -12,7 +13,7 @@ import subprocess
 import sys
 
 from lightning_shardckpt import load_checkpoint
-from lightning_shardckpt.engine.storage.writer import ShardReader
+from lightning_shardckpt.engine.storage.chunk_reads import ShardFile
 from lightning_shardckpt.errors import CheckpointDeleted
 from tests.helpers.spawn import run_ranks
 from tests.unit.test_retention_lineage import save, state
@@ -29,17 +30,16 @@ def _other_job(root: str) -> None:
 
 
 def _load_racing_retention_on_rank(rank: int, world_size: int, root: str, which) -> dict:
-    real = ShardReader.read_metadata
+    real = ShardFile.__init__
     fired: list[bool] = []
 
-    def read_then_race(self, *args, **kwargs):
-        metadata = real(self, *args, **kwargs)
+    def race_then_open(self, *args, **kwargs):
         if rank == 0 and not fired:
             fired.append(True)
             _other_job(root)
-        return metadata
+        real(self, *args, **kwargs)
 
-    ShardReader.read_metadata = read_then_race
+    ShardFile.__init__ = race_then_open
     target = state(0)
     try:
         result = load_checkpoint(target, root, which)

@@ -8,16 +8,26 @@ whose rows overlap its own, not all 32) and reads exactly its rows, every byte c
 
 from __future__ import annotations
 
+import json
 import os
+import uuid
+import warnings
+from collections import Counter
+from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
+from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints
 from lightning_shardckpt.engine.format import chunk_layout, groups, parts_manifest
+from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.storage.fsio import resolve
+from lightning_shardckpt.ops.verify import verify_checkpoint
+from tests.helpers import counting_fs
 from tests.helpers.spawn import run_ranks
 
 SAVED_ON, LOADED_ON = 32, 7
@@ -96,8 +106,8 @@ def test_a_checkpoint_saved_on_32_ranks_resumes_on_7_bit_exact_reading_only_the_
     loaded = [o.value for o in run_ranks(load_on_7, LOADED_ON, root, timeout_s=240, pg_timeout_s=120)]
     assert all(r["step"] == 7 and r["exact"] and r["scalar"] == 7 for r in loaded), loaded
     assert all(r["progress"] == {"global_step": 7, "note": "saved-on-32"} for r in loaded)
-    # each new rank reads the parts of exactly the old ranks whose rows overlap its own (and rank 0's, which holds
-    # the objects and the replicated scalar): never all 32
+    # each new rank reads the parts of exactly the old ranks whose rows overlap its own (and rank 0, the coordinator,
+    # rank 0's part, which holds the objects and the replicated scalar it reads for every rank): never all 32
     expected = [len(_old_ranks_overlapping(manifest, rank)) for rank in range(LOADED_ON)]
     assert [r["parts_read"] for r in loaded] == expected and max(expected) < SAVED_ON, expected
 
@@ -122,7 +132,7 @@ def test_a_v5_checkpoint_saved_on_32_ranks_in_4_groups_resumes_on_7_bit_exact(tm
 
 
 def _old_ranks_overlapping(manifest: dict, rank: int) -> set[int]:
-    ranks = {0}
+    ranks = {0} if rank == 0 else set()  # the coordinator reads rank 0's part for what it sends every rank
     for tensor in manifest["tensors"]:
         if tensor["shape"] == []:
             continue
@@ -133,6 +143,87 @@ def _old_ranks_overlapping(manifest: dict, rank: int) -> set[int]:
         layout = chunk_layout.from_json(tensor["layout"])
         ranks |= {cell.rank for cell in chunk_layout.cells_within(layout, tensor["shape"], box)}
     return ranks
+
+
+# --- no hot object on resume, no empty record (issue 46, item 4) ---
+
+
+@pytest.fixture(scope="module")
+def saved_32_in_groups_of_8(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hot") / "ckpt")
+    manifest = run_ranks(save_on_32, SAVED_ON, root, 8, timeout_s=240, pg_timeout_s=120)[0].value
+    return root, manifest
+
+
+def test_ranks_holding_no_rows_of_a_tensor_write_no_record_for_it_and_a_plain_dcp_load_still_reads_it(
+    saved_32_in_groups_of_8,
+):
+    """FSDP2's uneven Shard(0): a [5, 8] tensor on 32 ranks leaves ranks 5..31 without a row; they write nothing for
+    it (before: 27 records of zero elements, ~1.5 KB of DCP header each, in their files and parts)."""
+    root, manifest = saved_32_in_groups_of_8
+    [entry] = list_checkpoints(resolve(root))
+    directory = Path(entry.path)
+    records = []
+    for rank in range(SAVED_ON):
+        part = json.loads((directory / part_format.part_filename(rank)).read_bytes())
+        records += [(rank, chunk["fqn"], chunk["sizes"]) for chunk in part[part_format.TENSOR_CHUNKS]]
+    assert [r for r in records if 0 in r[2]] == []  # no empty record anywhere
+    five_rows = sorted(rank for rank, fqn, _ in records if fqn == "model.layer03.weight")
+    assert five_rows == [0, 1, 2, 3, 4]
+    # per rank the rows it holds of [96, 70, 33, 5]-row tensors x 3 each, and rank 0 the replicated scalar
+    counts = Counter(rank for rank, _, _ in records)
+    assert counts[0] == 13 and counts[31] == 3  # rank 31: rows of the three 96-row tensors only
+
+    # DCP's own reader, without this package's, plans from .metadata, which names no empty chunk either
+    target = {
+        "model": {
+            t["fqn"][len("model.") :]: torch.zeros(t["shape"]) for t in manifest["tensors"] if t["fqn"] != "model.step"
+        },
+        "progress": {"global_step": 0, "note": ""},
+    }
+    target["model"]["step"] = torch.tensor(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+    assert all(torch.equal(target["model"][f"layer{i:02d}.weight"], _global(i)) for i in range(12))
+    assert int(target["model"]["step"]) == 7 and target["progress"] == {"global_step": 7, "note": "saved-on-32"}
+    report = verify_checkpoint(root)
+    assert report.ok, report.problems
+
+
+def load_on_7_counting(rank, world_size, root, log_id):
+    state = _state(rank, world_size, zeros=True)
+    load_checkpoint(
+        state, counting_fs.counting_url(root), config=LoadConfig(storage_options={"log_id": log_id, "log_opens": True})
+    )
+    exact = all(
+        torch.equal(value.full_tensor(), _global(int(name[5:7])))
+        for name, value in state["model"].items()
+        if isinstance(value, DTensor)
+    )
+    assert exact and int(state["model"]["step"]) == 7 and state["progress"]["note"] == "saved-on-32"
+    return [(Path(path).name, start, stop) for path, start, stop in counting_fs.LOGS[log_id].reads]
+
+
+def test_a_resume_of_32_ranks_on_7_reads_no_file_on_every_rank_and_each_table_and_part_once_per_rank(
+    saved_32_in_groups_of_8,
+):
+    """Before: every rank read group table 0 and rank 0's part (and ranges of rank 0's shard file): the objects and
+    the replicated scalar live there. Now the coordinator reads them once and broadcasts them."""
+    root, _ = saved_32_in_groups_of_8
+    log_id = uuid.uuid4().hex
+    reads = [o.value for o in run_ranks(load_on_7_counting, LOADED_ON, root, log_id, timeout_s=240, pg_timeout_s=120)]
+    readers: dict[str, set[int]] = {}
+    requests: Counter = Counter()
+    for rank, log in enumerate(reads):
+        for name, _, _ in log:
+            readers.setdefault(name, set()).add(rank)
+            requests[(name, rank)] += 1
+    hot = sorted(name for name, ranks in readers.items() if len(ranks) == LOADED_ON)
+    assert hot == [], f"read by every one of {LOADED_ON} ranks: {hot}"
+    metadata = {key: n for key, n in requests.items() if not key[0].endswith(".distcp")}
+    assert metadata and max(metadata.values()) <= 2, sorted(metadata.items(), key=lambda kv: -kv[1])[:5]
+    assert any(name.startswith("__g") for name, _ in metadata)  # group tables were read (v5), each by few ranks
 
 
 # --- a 2-D mesh, and ranks that disagree on their keys ---

@@ -150,7 +150,8 @@ class ChunkIndex:
         return {**self.manifest, parts_manifest.PARTS_FIELD: self._groups.parts_table(ranks)}
 
     def tensor_chunks(self, fqn: str) -> list[dict[str, Any]]:
-        """Every chunk of tensor `fqn`, each with its file; KeyError when the checkpoint has no such tensor."""
+        """Every chunk of tensor `fqn`, each with its file; KeyError when the checkpoint has no such tensor. A v4
+        layout's empty cells have no record (FORMAT.md §10.1) and are not asked for: they hold nothing."""
         if not self.parts_format:
             for tensor in self.manifest["tensors"]:
                 if tensor["fqn"] == fqn:
@@ -158,7 +159,7 @@ class ChunkIndex:
             raise KeyError(fqn)
         layout = self.layouts[fqn]
         shape = next(t["shape"] for t in self.manifest["tensors"] if t["fqn"] == fqn)
-        return self.cells_chunks(fqn, list(chunk_layout.cells(layout, shape)))
+        return self.cells_chunks(fqn, list(chunk_layout.stored_cells(layout, shape)))
 
     def cells_chunks(self, fqn: str, cells: list[chunk_layout.Cell]) -> list[dict[str, Any]]:
         """The records of `cells` of tensor `fqn` (v4), from the parts of the ranks that wrote them."""

@@ -12,6 +12,10 @@ A v4 manifest lists each tensor once, with its `layout`, never its chunks: those
   the whole tensor, written by r0 (a replicated tensor).
 - a **list** `{"chunks": [[offsets, sizes, rank], ...]}`: every chunk spelled out (a layout no rule fits).
 
+A cell that holds no element (an empty piece: FSDP2's ranks past the last row) has no record: its rank writes
+nothing for it, and no reader needs one (`stored_cells`, FORMAT.md §10.1). At 16,384 ranks half of an FSDP2
+model's cells are empty; each record of zero elements cost a DCP header (~1.5 KB) and a part entry.
+
 "Row-sharded evenly over 16,384 ranks" is then `{"rank": 0, "split": [[0, 16384, 1]]}`, a few bytes instead
 of 16,384 entries. Pure Python: `shardckpt` and independent readers use it without torch.
 """
@@ -130,6 +134,34 @@ def cells(layout: Layout, shape: list[int] | tuple[int, ...]) -> Iterator[Cell]:
     yield from _cells(layout, tuple(shape), None)
 
 
+def holds_elements(sizes: tuple[int, ...] | list[int]) -> bool:
+    """Whether a chunk of these sizes holds an element (a scalar's, sizes (), does): only such chunks have records."""
+    return math.prod(sizes) > 0
+
+
+def stored_cells(layout: Layout, shape: list[int] | tuple[int, ...]) -> Iterator[Cell]:
+    """The cells that have a record in their rank's part: those holding at least one element, in grid order."""
+    for cell in cells(layout, shape):
+        if holds_elements(cell.sizes):
+            yield cell
+
+
+def stored_ranks_within(layout: Layout, shape: list[int] | tuple[int, ...], first: int, stop: int) -> list[int]:
+    """The ranks in [first, stop) that recorded a chunk of `layout` (an element-holding cell), once per chunk: what
+    each rank's part must hold, without visiting the world's cells for a range of it (as ranks_within)."""
+    if layout.chunks is not None:
+        return [c.rank for c in layout.chunks if first <= c.rank < stop and holds_elements(c.sizes)]
+    return [cell.rank for cell in _cells(layout, tuple(shape), None, (first, stop)) if holds_elements(cell.sizes)]
+
+
+def stored_pattern(layout: Layout, shape: list[int] | tuple[int, ...]) -> tuple[Any, ...]:
+    """What the ranks of the stored cells depend on: `pattern()` and, for a rule, the sizes of the dimensions it
+    cuts (which pieces are empty). Layouts with one stored pattern put as many records on each rank."""
+    if layout.chunks is not None:
+        return ("list", tuple((c.rank, holds_elements(c.sizes)) for c in layout.chunks))
+    return ("rule", layout.rank, layout.split, tuple(shape[dim] for dim, _, _ in layout.split), holds_elements(shape))
+
+
 def cells_within(layout: Layout, shape: list[int] | tuple[int, ...], box: Box) -> Iterator[Cell]:
     """The chunks that share at least one element with `box` (offsets, sizes): what a reader of that box needs.
     Only the pieces overlapping the box are visited, so a rank of 16,384 finds its one or two rows at once."""
@@ -158,7 +190,7 @@ def cell_at(layout: Layout, shape: list[int] | tuple[int, ...], grid: list[int] 
 
 
 def chunk_count(layout: Layout) -> int:
-    """How many chunks the layout describes (empty pieces included: DCP writes a record for each)."""
+    """How many cells the layout describes, empty pieces included (an upper bound on its records: stored_cells)."""
     if layout.chunks is not None:
         return len(layout.chunks)
     return math.prod(pieces for _, pieces, _ in layout.split)
@@ -205,12 +237,20 @@ def ranks_within(layout: Layout, first: int, stop: int) -> list[int]:
     return found
 
 
-def _cells(layout: Layout, shape: tuple[int, ...], box: Box | None) -> Iterator[Cell]:
+def _cells(
+    layout: Layout, shape: tuple[int, ...], box: Box | None, ranks: tuple[int, int] | None = None
+) -> Iterator[Cell]:
+    """The rule's cells overlapping `box` (None: all), of ranks in [first, stop) `ranks` (None: any)."""
     # per dimension, the (start, size) the entries so far left; a cell is complete after the last entry
     start = [0] * len(shape)
     size = list(shape)
+    reach = [0] * (len(layout.split) + 1)  # reach[k]: the most entries k, k+1, ... add to a rank
+    for k in range(len(layout.split) - 1, -1, -1):
+        reach[k] = reach[k + 1] + (layout.split[k][1] - 1) * layout.split[k][2]
 
     def walk(entry: int, rank: int) -> Iterator[Cell]:
+        if ranks is not None and (rank >= ranks[1] or rank + reach[entry] < ranks[0]):
+            return  # strides are >= 0: no cell below this branch is of a wanted rank
         if entry == len(layout.split):
             if box is None or _overlaps(start, size, *box) or not shape:
                 yield Cell(tuple(start), tuple(size), rank)
@@ -223,6 +263,9 @@ def _cells(layout: Layout, shape: tuple[int, ...], box: Box | None) -> Iterator[
             low, high = box[0][dim], box[0][dim] + box[1][dim]
             first = max(0, (low - outer_start) // piece)
             last = min(pieces - 1, (high - 1 - outer_start) // piece)
+        if ranks is not None and stride:  # only the pieces whose branch reaches a wanted rank
+            first = max(first, -(-(ranks[0] - rank - reach[entry + 1]) // stride))
+            last = min(last, -(-(ranks[1] - rank) // stride) - 1)
         for index in range(first, last + 1):
             lo = index * piece
             if lo >= outer_size:  # empty: DTensor puts it at the end of the whole dimension

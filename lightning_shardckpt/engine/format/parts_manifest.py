@@ -258,10 +258,12 @@ def _tensor_problems(tensor: Any, world: int, writers: set[int] | None, checked:
         problems.extend(
             f"{p} (its chunks must cover every element exactly once)" for p in tiling_problems(shape, boxes)
         )
-    # every chunk's rank wrote a part: checked once per pattern of ranks, however many tensors share it
-    pattern = layout.pattern()
+    # every recorded chunk's rank wrote a part (an empty cell has no record, so its rank may have written
+    # nothing): checked once per stored pattern, however many tensors share it
+    pattern = chunk_layout.stored_pattern(layout, shape)
     if writers is not None and pattern not in checked:
-        silent = sorted({rank for rank in chunk_layout.ranks_of(layout) if rank not in writers})
+        stored = chunk_layout.stored_ranks_within(layout, shape, 0, world)
+        silent = sorted({rank for rank in stored if rank not in writers})
         checked[pattern] = f"rank {silent[0]} holds a chunk but wrote no part" if silent else None
     if (silent_rank := checked.get(pattern)) is not None:
         problems.append(silent_rank)

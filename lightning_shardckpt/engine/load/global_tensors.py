@@ -61,7 +61,7 @@ class TensorSpec:
     @property
     def files(self) -> list[str]:
         if self.layout is not None:  # v4: the shard files of the ranks its layout names, no part read
-            return sorted({shard_filename(rank) for rank in chunk_layout.ranks_of(self.layout)})
+            return sorted({shard_filename(cell.rank) for cell in chunk_layout.stored_cells(self.layout, self.shape)})
         return sorted({chunk["file"] for chunk in self.chunks})
 
 

@@ -27,6 +27,7 @@ from ..collectives import broadcast_from_coordinator, gather_to_coordinator, ran
 from ..config import LoadConfig
 from ..format import groups, signing
 from ..format import manifest as manifest_format
+from ..format.chunk_index import ChunkIndex
 from ..format.names import MANIFEST, join, parse_dirname
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..root import open_reference, parse_reference, root_of
@@ -34,6 +35,7 @@ from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.reader import ShardReader, SignedReads
 from .resume_plan import plan_resume
+from .shared_reads import SharedChunks, read_shared, shared_items
 
 log = logging.getLogger(__name__)
 
@@ -156,17 +158,26 @@ def _load_from_parts(
     process_group: Any,
 ) -> LoadResult:
     """Format v4: each rank plans from the parts it needs and loads its share on its own (DCP without its
-    collectives: no rank sends its plan anywhere); one verdict collective makes every rank fail alike."""
+    collectives: no rank sends its plan anywhere); what every rank needs (objects, small replicated tensors) the
+    coordinator reads once and broadcasts (shared_reads.py), so no file is read by every rank; one verdict
+    collective makes every rank fail alike."""
     plan = reader = None
     failure: BaseException | None = None
     manifest = entry.committed_manifest
     # signed v5 under a policy: each rank checks what it reads (its group tables, parts, chunks) by the digests
     # the signature binds, as it reads them (FORMAT.md §12.2); signed v4: each file it reads from, hashed whole
     signed_v5 = config.require_signature and groups.is_signed(manifest)
+    kid = index = None
     try:
         # rank 0's pick checked the signature (else it is checked here): the key that vouches for every read
         kid = _signed_by(root, entry, config) if signed_v5 else None
-        plan = plan_resume(root.fs, entry.path, manifest, state_dict, signed_by=kid)
+    except Exception as err:
+        failure = err
+    shared, index = _shared_chunks(root, entry, state_dict, kid, failure, process_group)
+    try:
+        if isinstance(shared, BaseException):  # the coordinator's read failed: every rank reports its error
+            raise shared
+        plan = plan_resume(root.fs, entry.path, manifest, state_dict, signed_by=kid, shared=shared, index=index)
         if config.require_signature and not signed_v5:
             _check_signed_files(root, entry, plan, config)
         checked = config.verify_checksums or signed_v5  # under a policy the bytes read are always hashed
@@ -184,6 +195,7 @@ def _load_from_parts(
                 if kid is not None and plan.expected_digests is not None
                 else None
             ),
+            in_memory=shared.shards(),
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -194,12 +206,45 @@ def _load_from_parts(
                 no_dist=True,  # this rank's share only: its plan is complete without the others'
             )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        failure = _unwrap(err, entry.path) if isinstance(err, CheckpointException) else err
+        failure = failure or (_unwrap(err, entry.path) if isinstance(err, CheckpointException) else err)
     verdict = _agree_on_failure(failure, root, entry, process_group)
     if verdict is not None:
         raise verdict from failure
     assert plan is not None and reader is not None
     return _result(root, entry, reader, metadata_s=plan.seconds, parts_read=plan.parts_read)
+
+
+def _shared_chunks(
+    root: Location,
+    entry: catalog.CheckpointEntry,
+    state_dict: dict[str, Any],
+    kid: str | None,
+    failure: BaseException | None,
+    group: Any,
+) -> tuple[SharedChunks | BaseException, ChunkIndex | None]:
+    """What every rank reads alike (its target's objects and small replicated tensors), read by the coordinator
+    alone and broadcast: rank 0's group table, part and shard file would otherwise take one request from every
+    rank. Its error, when the read failed, instead (every rank then reports it). On the coordinator also the
+    ChunkIndex the read used: its plan does not read those parts again. Every rank calls it, whatever failed."""
+    index = None
+    value: SharedChunks | BaseException | None = None
+    rank, world = rank_and_world(group)
+    if world == 1:  # no other rank to share with: the reader reads it all itself, as it always did
+        return (failure if failure is not None else SharedChunks()), None
+    if rank == 0:
+        try:
+            if failure is not None:
+                raise failure
+            index = ChunkIndex(root.fs, entry.path, entry.committed_manifest, kid)
+            flat, _ = flatten_state_dict(state_dict)
+            value = read_shared(index, shared_items(entry.committed_manifest, set(flat)))
+        except Exception as err:
+            value = _portable(err, entry.path)
+    # collective "shared-chunks": on the load's group (the caller's thread owns it, as every load collective)
+    shared = broadcast_from_coordinator("shared-chunks", value, group)
+    if failure is not None:
+        return failure, index
+    return shared, index
 
 
 def _result(

@@ -34,6 +34,7 @@ from ..format.chunk_index import ChunkIndex
 from ..format.parts import BLOCK_DIGESTS, BLOCKS_FIELD, DIGEST
 from ..gc_pause import gc_paused
 from .global_tensors import dtype_of
+from .shared_reads import SharedChunks
 
 
 @dataclass
@@ -55,16 +56,24 @@ class ResumePlan:
 
 
 def plan_resume(
-    fs: Any, directory: str, manifest: dict[str, Any], state_dict: dict[str, Any], signed_by: str | None = None
+    fs: Any,
+    directory: str,
+    manifest: dict[str, Any],
+    state_dict: dict[str, Any],
+    signed_by: str | None = None,
+    shared: SharedChunks | None = None,
+    index: ChunkIndex | None = None,
 ) -> ResumePlan:
     """The metadata of the chunks this rank's `state_dict` (the target, as DCP flattens it) overlaps, read from
     the parts that hold them; keys the checkpoint lacks are left out (DCP then reports them, or skips them in
     a partial load). `signed_by` (a signed v5 checkpoint whose signature by that key a policy accepted): every
-    group table and part read is checked against the signed chain of digests, and the plan holds each chunk's."""
+    group table and part read is checked against the signed chain of digests, and the plan holds each chunk's.
+    `shared`: the records of the items the coordinator read for every rank (shared_reads.py), planned from them
+    with no part read; `index`: the coordinator's own ChunkIndex of that read, whose parts are not read again."""
     flat, mappings = flatten_state_dict(state_dict)
     shapes = {tensor["fqn"]: tensor["shape"] for tensor in manifest["tensors"]}
     boxes = {fqn: _target_box(value, shapes[fqn]) if fqn in shapes else None for fqn, value in flat.items()}
-    return plan_boxes(fs, directory, manifest, boxes, mappings, signed_by)
+    return plan_boxes(fs, directory, manifest, boxes, mappings, signed_by, shared, index)
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -77,11 +86,13 @@ def plan_boxes(
     boxes: dict[str, Box | None],
     mappings: dict[str, Any],
     signed_by: str | None = None,
+    shared: SharedChunks | None = None,
+    index: ChunkIndex | None = None,
 ) -> ResumePlan:
     """plan_resume for a target given as the box (offsets, sizes) of each tensor this rank holds (None: none of
     it; objects: any value). What a resume plans with, without a state dict (benchmarks/scale.py plans so)."""
     with gc_paused():  # parts parsed and metadata built: a burst of small objects (engine/gc_pause.py)
-        return _plan_boxes(fs, directory, manifest, boxes, mappings, signed_by)
+        return _plan_boxes(fs, directory, manifest, boxes, mappings, signed_by, shared, index)
 
 
 def _plan_boxes(
@@ -91,8 +102,11 @@ def _plan_boxes(
     boxes: dict[str, Box | None],
     mappings: dict[str, Any],
     signed_by: str | None,
+    shared: SharedChunks | None,
+    index: ChunkIndex | None,
 ) -> ResumePlan:
     started = time.perf_counter()
+    received = shared.records if shared is not None else {}
     tensors = {tensor["fqn"]: tensor for tensor in manifest["tensors"]}
     objects = {item["fqn"]: item for item in manifest["objects"]}
     wanted_cells: dict[str, list[chunk_layout.Cell]] = {}
@@ -104,10 +118,13 @@ def _plan_boxes(
             wanted_cells[fqn] = [] if box is None else list(chunk_layout.cells_within(layout, shape, box))
         elif fqn in objects:
             wanted_objects.append(fqn)
-    index = ChunkIndex(fs, directory, manifest, signed_by)
-    # every part this rank needs, read at once (concurrently), before any record is looked up
+    if index is None:
+        index = ChunkIndex(fs, directory, manifest, signed_by)
+    # every part this rank needs, read at once (concurrently), before any record is looked up; none for what the
+    # coordinator read for every rank
     index.parts(
-        {cell.rank for cells in wanted_cells.values() for cell in cells} | {objects[f]["rank"] for f in wanted_objects}
+        {cell.rank for fqn, cells in wanted_cells.items() if fqn not in received for cell in cells}
+        | {objects[f]["rank"] for f in wanted_objects if f not in received}
     )
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -117,7 +134,8 @@ def _plan_boxes(
     for fqn, cells in wanted_cells.items():
         tensor = tensors[fqn]
         chunks = []
-        for number, record in enumerate(index.cells_chunks(fqn, cells)):
+        records = [received[fqn]] if fqn in received and cells else index.cells_chunks(fqn, cells)
+        for number, record in enumerate(records):
             offsets = torch.Size(record["offsets"])
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(record["sizes"])))
             storage[MetadataIndex(fqn, offsets, number)] = _StorageInfo(
@@ -137,7 +155,7 @@ def _plan_boxes(
             chunks=chunks,
         )
     for fqn in wanted_objects:
-        record = index.object_chunk(fqn)
+        record = received[fqn] if fqn in received else index.object_chunk(fqn)
         state[fqn] = BytesStorageMetadata()
         storage[MetadataIndex(fqn)] = _StorageInfo(record["file"], record["offset"], record["length"])
         checksums[(record["file"], record["offset"])] = (record["checksum"], fqn)
@@ -160,7 +178,10 @@ def _plan_boxes(
         part_ranks=sorted(held),
         group_tables_read=index.tables_read,
         expected_digests=digests,
-        file_bytes={part["file"]: part["file_bytes"] for part in held.values()},
+        file_bytes={
+            **(shared.file_bytes if shared is not None else {}),
+            **{part["file"]: part["file_bytes"] for part in held.values()},
+        },
     )
 
 

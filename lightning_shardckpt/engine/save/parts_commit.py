@@ -260,7 +260,7 @@ def dcp_metadata(layout: SaveLayout, parts: list[tuple[int, dict[str, Any] | Non
             continue
         assert item.layout is not None and item.properties is not None  # a tensor's item carries both (save_layout)
         chunks = []
-        for cell in chunk_layout.cells(item.layout, item.shape):
+        for cell in chunk_layout.stored_cells(item.layout, item.shape):  # an empty cell has no record
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(cell.offsets), sizes=torch.Size(cell.sizes)))
             storage[MetadataIndex(item.fqn, torch.Size(cell.offsets), len(chunks) - 1)] = where(item.fqn, cell.offsets)
         state[item.fqn] = TensorStorageMetadata(properties=item.properties, size=torch.Size(item.shape), chunks=chunks)

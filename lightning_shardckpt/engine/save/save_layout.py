@@ -89,18 +89,19 @@ class SaveLayout:
 
     def chunks_per_rank(self, ranks: range | None = None) -> list[int]:
         """How many chunks (records) each rank of `ranks` (None: every rank) must hold in its file, in rank
-        order: what the coordinator, or a group's leader for its group, checks each part by. Tensors sharing a
-        pattern of ranks are counted once per pattern: O(patterns x len(ranks)), not O(chunks), and not O(world)
-        for a leader (at 131,072 ranks the whole world's count was 0.08 s of each leader's 0.09 s)."""
+        order: what the coordinator, or a group's leader for its group, checks each part by. Only cells holding an
+        element have records (chunk_layout.stored_cells). Tensors sharing a stored pattern (the ranks of their
+        cells, and which are empty) are counted once per pattern: O(patterns x len(ranks)), not O(chunks), and
+        not O(world) for a leader (at 131,072 ranks the whole world's count was 0.08 s of each leader's 0.09 s)."""
         ranks = range(self.world_size) if ranks is None else ranks
         counts = [0] * len(ranks)
-        patterns: dict[tuple[Any, ...], tuple[Layout, int]] = {}
+        patterns: dict[tuple[Any, ...], tuple[ItemLayout, int]] = {}
         for item in self.tensors():
-            key = item.tensor_layout.pattern()
-            layout, seen = patterns.get(key, (item.tensor_layout, 0))
-            patterns[key] = (layout, seen + 1)
-        for layout, times in patterns.values():
-            for rank in chunk_layout.ranks_within(layout, ranks.start, ranks.stop):
+            key = chunk_layout.stored_pattern(item.tensor_layout, item.shape)
+            first, seen = patterns.get(key, (item, 0))
+            patterns[key] = (first, seen + 1)
+        for item, times in patterns.values():
+            for rank in chunk_layout.stored_ranks_within(item.tensor_layout, item.shape, ranks.start, ranks.stop):
                 counts[rank - ranks.start] += times
         for item in self.objects():
             if item.rank in ranks:

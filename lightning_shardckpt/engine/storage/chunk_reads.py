@@ -81,6 +81,32 @@ class ShardFile:
             self._fd = None
 
 
+class InMemoryShard:
+    """Runs of a shard file's bytes another rank read and sent (engine/load/shared_reads.py), read like a ShardFile:
+    `size` is the file's size on storage when they were read; `covers` says whether a chunk is among them."""
+
+    def __init__(self, path: str, size: int, spans: list[tuple[int, bytes]]) -> None:
+        self.path, self.size = path, size
+        self._spans = sorted(spans, key=lambda span: span[0])
+
+    def covers(self, offset: int, length: int) -> bool:
+        """Whether bytes [offset, offset + length) were read, or all of them the file holds (a cut file: the
+        reader's check then names the short chunk, as it would reading storage)."""
+        stop = min(offset + length, self.size)
+        return any(start <= offset and stop <= start + len(data) for start, data in self._spans)
+
+    def read_into(self, offset: int, view: memoryview) -> int:
+        for start, data in self._spans:
+            if start <= offset < start + len(data):
+                count = min(len(view), start + len(data) - offset)
+                view[:count] = data[offset - start : offset - start + count]
+                return count
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Fetched:
     """What reading one chunk gave."""
@@ -112,12 +138,12 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     )  # the array's memoryview (typed, unlike memoryview(ndarray))
 
 
-def available_bytes(shard: ShardFile, offset: int, length: int) -> int:
+def available_bytes(shard: ShardFile | InMemoryShard, offset: int, length: int) -> int:
     return max(0, min(length, shard.size - offset))
 
 
 def fetch_buffered(
-    shard: ShardFile,
+    shard: ShardFile | InMemoryShard,
     offset: int,
     length: int,
     buffer: bytearray,

@@ -42,6 +42,7 @@ from .chunk_reads import (
     Destination,
     DirectReader,
     Fetched,
+    InMemoryShard,
     ShardFile,
     available_bytes,
     byte_view,
@@ -95,6 +96,7 @@ class ShardReader(StorageReader):
         read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
         metadata: Metadata | None = None,
         signed: SignedReads | None = None,
+        in_memory: dict[str, InMemoryShard] | None = None,
     ) -> None:
         """`expected_checksums` maps (file, offset) to (checksum, fqn); None turns checking off.
 
@@ -103,6 +105,9 @@ class ShardReader(StorageReader):
         opened must hold the bytes its part records (appended or cut bytes, which no chunk covers, are refused
         too: its size is known from opening it, no request more); SignatureRefused names the file and the key.
         Needs `expected_checksums`.
+
+        `in_memory` (file -> its bytes another rank read and sent: engine/load/shared_reads.py): chunks those hold
+        are served from them, with no request to storage, and checked exactly as chunks read from storage.
 
         `metadata`: the metadata to plan with, already built (format v4: the rank's own share, from the parts it
         needs, engine/load/resume_plan.py); None reads and checks `.metadata` (format v1-v3).
@@ -140,6 +145,7 @@ class ShardReader(StorageReader):
         self.place_s = 0.0
         self._chunk_layout: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}
         self._metadata = metadata
+        self._in_memory = in_memory or {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -193,11 +199,13 @@ class ShardReader(StorageReader):
         last_byte = started
         try:
             for chunk in chunks:
-                if chunk.relative_path not in files:
+                memory = self._shared(chunk)
+                if memory is None and chunk.relative_path not in files:
                     files[chunk.relative_path] = self._open_shard(chunk.relative_path, chunks)
                     self._check_size(chunk.relative_path, files[chunk.relative_path])
-                shard = files[chunk.relative_path]
-                chunk.targets = self._direct_targets(chunk, planner)
+                shard: ShardFile | InMemoryShard = files[chunk.relative_path] if memory is None else memory
+                # bytes in memory already are placed as a buffered read's are
+                chunk.targets = self._direct_targets(chunk, planner) if memory is None else None
                 needs = 0 if chunk.targets is not None else chunk.length
                 # place finished chunks first while the next would overrun the read-ahead budget or queue
                 while pending and (buffered + needs > self._read_ahead_bytes or len(pending) >= 2 * self._threads):
@@ -209,7 +217,7 @@ class ShardReader(StorageReader):
                     blocks = self._expected_blocks.get((chunk.relative_path, chunk.offset))
                     future = executor.submit(
                         direct.fetch,
-                        shard,
+                        files[chunk.relative_path],
                         chunk.offset,
                         chunk.length,
                         data_bytes,
@@ -237,8 +245,8 @@ class ShardReader(StorageReader):
         finally:
             executor.shutdown(wait=True, cancel_futures=True)  # a failed chunk: stop reading the rest
             direct.close()
-            for shard in files.values():
-                shard.close()
+            for opened in files.values():
+                opened.close()
         self.read_s += last_byte - started
         log.debug(
             "read %d chunk(s) (%d read again buffered), %d bytes for %d read item(s) in %.3fs",
@@ -261,6 +269,14 @@ class ShardReader(StorageReader):
         return False
 
     # --- our part ---
+    def _shared(self, chunk: _Chunk) -> InMemoryShard | None:
+        """The in-memory bytes holding `chunk` (its file's size checked as an opened file's is), or None."""
+        shard = self._in_memory.get(chunk.relative_path)
+        if shard is None or not shard.covers(chunk.offset, chunk.length):
+            return None
+        self._check_size(chunk.relative_path, shard)
+        return shard
+
     def _chunks_of(self, plan: LoadPlan) -> list[_Chunk]:
         """The plan's read items grouped by the stored chunk they come from, in file and offset order."""
         chunks: dict[tuple[str, int], _Chunk] = {}
@@ -427,7 +443,7 @@ class ShardReader(StorageReader):
         if actual != check.expected:
             raise chunk_mismatch(self.path, chunk.relative_path, chunk.fqn, check.expected, actual)
 
-    def _check_size(self, relative_path: str, shard: ShardFile) -> None:
+    def _check_size(self, relative_path: str, shard: ShardFile | InMemoryShard) -> None:
         """A signed v5 shard file holds exactly the bytes its part records: bytes appended after its last chunk, or
         cut, are in no chunk a digest covers, and would pass unseen otherwise."""
         if self._signed is None:
