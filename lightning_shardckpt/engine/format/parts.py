@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any, TypeGuard
 
-from . import bounded_json
+from . import bounded_json, part_references
 from .checksum import checksum_of_checksums
 from .manifest_schema import BLOCKS_FIELD, HEX_DIGEST, blocks_problems, is_int, relative_path_problem
 
@@ -47,8 +47,9 @@ def build_part(
     verification: dict[str, Any],
     write_s: float | None = None,
 ) -> dict[str, Any]:
-    """A rank's part: its file (size, checksum of its chunks' checksums in file order) and every chunk in it."""
-    in_file_order = sorted(tensor_chunks + objects, key=lambda chunk: chunk["offset"])
+    """A rank's part: its file (size, checksum of its chunks' checksums in file order) and every chunk in it (an
+    incremental save's referenced chunks too: their bytes are in a sibling's file, part_references.py)."""
+    in_file_order = _own_in_file_order(tensor_chunks + objects)
     return {
         "part_version": PART_VERSION,
         "checkpoint_id": checkpoint_id,
@@ -145,6 +146,10 @@ def _chunk_problems(chunk: Any, *, tensor: bool) -> list[str]:
             problems.append(f"finite is {chunk[FINITE_FIELD]!r}, not true or false")
         if BLOCKS_FIELD in chunk:
             problems.extend(blocks_problems(chunk[BLOCKS_FIELD], chunk.get("length")))
+        if part_references.is_referenced(chunk):
+            problems.extend(part_references.record_problems(chunk))
+    elif part_references.is_referenced(chunk):
+        problems.append("an object is never a reference (objects are written by every save)")
     if DIGEST in chunk:
         problems.extend(chunk_digest_problems(chunk))
     return problems
@@ -181,8 +186,9 @@ def _crypto(value: Any) -> bool:
 
 def _tiling_problems(part: dict[str, Any]) -> list[str]:
     """The chunks tile the file: sorted by offset, each starts where the last ended, the last ends at its size;
-    and the file checksum is the digest of their checksums in that order (FORMAT.md §3)."""
-    chunks = sorted(part[TENSOR_CHUNKS] + part[OBJECTS], key=lambda chunk: chunk["offset"])
+    and the file checksum is the digest of their checksums in that order (FORMAT.md §3). Referenced chunks are in
+    a sibling's file, not this one (§10.6)."""
+    chunks = _own_in_file_order(part[TENSOR_CHUNKS] + part[OBJECTS])
     position = 0
     for chunk in chunks:
         if chunk["offset"] != position:
@@ -193,6 +199,12 @@ def _tiling_problems(part: dict[str, Any]) -> list[str]:
     if checksum_of_checksums([chunk["checksum"] for chunk in chunks]) != part["file_checksum"]:
         return ["file_checksum is not the digest of the chunks' checksums in file order"]
     return []
+
+
+def _own_in_file_order(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chunks whose bytes are in the part's own file, by offset."""
+    own = [chunk for chunk in chunks if not part_references.is_referenced(chunk)]
+    return sorted(own, key=lambda chunk: chunk["offset"])
 
 
 def _digest(value: Any) -> bool:

@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from ..config import SaveConfig
 from ..format.bounded_json import MANIFEST_MAX_BYTES
 from ..format.checksum import block_size_for
-from ..format.names import PARTS_FORMAT_VERSION
+from ..format.names import GROUPS_FORMAT_VERSION, PARTS_FORMAT_VERSION
 
 # The v2/v3 manifest's size (manifest.to_bytes: JSON, indent 1, sorted keys), in bytes:
 #   HEADER + FILE x world + sum over tensors of (TENSOR + len(fqn) + SHAPE_DIM x ndim
@@ -65,8 +65,13 @@ class MetadataSize:
 
 
 def writes_every_chunk(config: SaveConfig) -> bool:
-    """Whether saves under `config` take DCP's collective path, whose manifest lists every chunk (v2, v3)."""
-    return config.incremental or config.format_version < PARTS_FORMAT_VERSION
+    """Whether saves under `config` take DCP's collective path, whose manifest lists every chunk (v2, v3): a
+    format_version before v4, or a signed incremental save on v4 (a signed v4 part digests its whole shard file, so
+    a chunk referenced in another file would have no digest; v5 digests each chunk: FORMAT.md §12.2). Incremental
+    saves on v5 (and unsigned on v4) reference unchanged chunks from the parts (§10.6)."""
+    if config.format_version < PARTS_FORMAT_VERSION:
+        return True
+    return config.incremental and config.sign.enabled and config.format_version < GROUPS_FORMAT_VERSION
 
 
 def tensors_of(state_dict: dict[str, Any]) -> list[TensorShape]:
