@@ -194,6 +194,8 @@ class CheckpointSaver:
                     self._base_failed = False
                     self._tracker.reset()
                 unchanged = self._tracker.plan(state_dict)
+                if self._tracker.full_because is not None and self.rank == 0:
+                    log.info("rank 0: incremental: step %d is a full save: %s", step, self._tracker.full_because)
             # synchronous: the caller waits for the write, so the live state is consistent without a copy
             staged = (
                 slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
