@@ -91,6 +91,12 @@ def _dirs(root: str) -> dict[int, Path]:
     return {entry.step: Path(entry.path) for entry in list_checkpoints(resolve(root))}
 
 
+def _assert_incremental_v5(directory: Path) -> None:
+    """What the test is about: a v5 checkpoint whose parts reference (not DCP's v3 with a per-chunk manifest)."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["format_version"] == 5 and "references" in manifest and "files" not in manifest
+
+
 def test_an_incremental_chain_is_v5_whose_parts_reference_the_unchanged_chunks_and_the_manifest_lists_no_chunk(chain):
     root, saved = chain
     full, *incremental = saved["manifests"]
@@ -116,6 +122,7 @@ def test_an_incremental_chain_is_v5_whose_parts_reference_the_unchanged_chunks_a
 @pytest.mark.parametrize("loaded_on", [3, 2])
 def test_the_last_incremental_checkpoint_resumes_bit_exact_on_another_world_size(chain, loaded_on):
     root, saved = chain
+    _assert_incremental_v5(_dirs(root)[2])
     loaded = run_ranks(load_worker, loaded_on, root, 2, None)
     assert loaded[0].value["step"] == 2
     ts.assert_bit_exact(saved["full"], loaded[0].value["full"])
@@ -128,6 +135,7 @@ def test_retention_keeps_the_referenced_shard_files_of_a_retired_base_and_remove
     retention.apply(location, 1, None, just_committed=None, keep_last_drilled=0)
     dirs = {entry.step: entry for entry in list_checkpoints(location)}
     assert [step for step, entry in dirs.items() if entry.committed] == [2]
+    _assert_incremental_v5(Path(dirs[2].path))
     assert 1 not in dirs  # step 1's files are referenced by nothing kept: gone
     left = sorted(path.name for path in Path(dirs[0].path).iterdir())
     # the base: its shard files (step 2 reads its frozen chunks there) and the retirement marker, nothing else

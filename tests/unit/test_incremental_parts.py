@@ -15,11 +15,8 @@ import torch
 from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
-from lightning_shardckpt.engine.format import part_references
 from lightning_shardckpt.engine.format import references as refs
 from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
-from lightning_shardckpt.engine.format.parts import part_filename
-from lightning_shardckpt.engine.format.parts import to_bytes as part_to_bytes
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import CorruptCheckpoint
 from tests.helpers.forgery import forge_manifest, forge_part
@@ -131,6 +128,8 @@ def test_the_manifest_lists_referenced_files_by_directory_and_rank_ranges_and_re
 
 
 def test_references_tables_merge_into_sorted_disjoint_ranges():
+    from lightning_shardckpt.engine.format import part_references
+
     a = part_references.references_table([("step-000000001-aaaaaaaaaaaa", r, 10, 1) for r in (0, 1, 2, 5)])
     b = part_references.references_table([("step-000000001-aaaaaaaaaaaa", r, 10, 1) for r in (3, 7)])
     merged = part_references.merge_tables([a, b])
@@ -140,9 +139,3 @@ def test_references_tables_merge_into_sorted_disjoint_ranges():
     assert part_references.table_problems({"step": 2, "id": "bbbbbbbbbbbb", "references": merged}) == []
     overlapping = [{**merged[0], "ranks": [[0, 3], [3, 4]]}]
     assert part_references.table_problems({"references": overlapping})
-
-
-def test_a_part_with_a_reference_round_trips_its_bytes_exactly():
-    part = {"chunks": [{"fqn": "w", "file": "../step-000000000-aaaaaaaaaaaa/__0_0.distcp", "offset": 0}]}
-    assert json.loads(part_to_bytes(part)) == part
-    assert part_filename(3) == "__3_0.part.json"
