@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_shardckpt import CheckpointSaver, SaveConfig, load_checkpoint
+from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
 from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import references as refs
@@ -139,3 +139,30 @@ def test_references_tables_merge_into_sorted_disjoint_ranges():
     assert part_references.table_problems({"step": 2, "id": "bbbbbbbbbbbb", "references": merged}) == []
     overlapping = [{**merged[0], "ranks": [[0, 3], [3, 4]]}]
     assert part_references.table_problems({"references": overlapping})
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_a_rank_whose_every_chunk_is_referenced_writes_an_empty_shard_file_and_its_checkpoint_loads(
+    tmp_path, storage, request
+):
+    if storage == "s3":
+        s3_root = request.getfixturevalue("s3_root")
+        url, options = s3_root.url, s3_root.storage_options
+    else:
+        url, options = str(tmp_path), {}
+    frozen = torch.arange(4096, dtype=torch.float32)  # the whole state: unchanged from the first save on
+    config = SaveConfig(incremental=True, run_id="inc", write_events=False, storage_options=options)
+    saver = CheckpointSaver(url, config)
+    try:
+        results = [saver.save({"w": frozen}, step).result(timeout=60) for step in range(2)]
+    finally:
+        saver.close()
+    assert all(result.committed for result in results), [result.error for result in results]
+    location = fsio.resolve(url, options)
+    newest = catalog.list_checkpoints(location)[-1]
+    manifest = catalog.read_manifest(location.fs, newest)
+    assert manifest["references"][0]["chunks"] == 1 and manifest["parts"]["file_bytes"] == [0]
+    assert location.fs.size(f"{newest.path}/__0_0.distcp") == 0
+    target = {"w": torch.zeros(4096)}
+    load_checkpoint(target, url, 1, config=LoadConfig(storage_options=options))
+    assert torch.equal(target["w"], frozen)
