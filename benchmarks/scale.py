@@ -249,7 +249,7 @@ def summaries(
         if counts[rank]:
             if rank in real or with_parts:
                 part = part_of_rank(layout, rank, checkpoint_id, signed_as, base)
-                summary.referenced = part_references.reference_entries(part["chunks"])
+                summary.referenced = part_references.reference_entries(part)
                 data = part_format.to_bytes(part)
                 summary.part_bytes, summary.part_checksum = len(data), checksum(data)
                 summary.part_digest = digest_of(data, SIGN_DIGEST) if signed else None

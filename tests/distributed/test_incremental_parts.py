@@ -113,9 +113,9 @@ def test_an_incremental_chain_is_v5_whose_parts_reference_the_unchanged_chunks_a
     for rank in range(4):
         part = json.loads((dirs[2] / part_filename(rank)).read_text())
         [frozen] = [chunk for chunk in part["chunks"] if chunk["fqn"] == FROZEN]
-        assert frozen["file"] == f"../{dirs[0].name}/{shard_filename(rank)}"  # the holder, not step 1 (no chain)
-        holder = (dirs[0] / shard_filename(rank)).read_bytes()
-        assert frozen["file_bytes"] == len(holder)
+        held = part["holders"][frozen["holder"]]  # each holder file once per part, its chunks point to it
+        assert held["file"] == f"../{dirs[0].name}/{shard_filename(rank)}"  # the holder, not step 1 (no chain)
+        assert held["file_bytes"] == len((dirs[0] / shard_filename(rank)).read_bytes())
     assert verify_checkpoint(root, 2).ok
 
 

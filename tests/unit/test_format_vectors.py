@@ -225,7 +225,7 @@ def test_the_incremental_v5_vectors_parse_and_their_references_are_the_base_part
     manifest = manifest_format.parse(data, str(directory))
     assert manifest_format.to_bytes(manifest) == data
     record = manifest_format.build_commit_record(manifest, data)
-    assert (record["bytes_total"], record["bytes_referenced"]) == (4035, 3000)
+    assert (record["bytes_total"], record["bytes_referenced"]) == (4085, 3000)
     assert part_references.files(manifest) == {base.name: {"__0_0.distcp", "__1_0.distcp"}}  # what retention pins
     chunks = dict(
         ((fqn, tuple(c.get("offsets", ()))), c)
@@ -246,7 +246,7 @@ def test_the_incremental_v5_vectors_parse_and_their_references_are_the_base_part
             rank=rank,
             file=part["file"],
             file_bytes=part["file_bytes"],
-            tensor_chunks=part["chunks"],
+            tensor_chunks=[part_references.resolve(c, part) if "holder" in c else c for c in part["chunks"]],
             objects=part["objects"],
             verification=part["verification"],
             write_s=part["write_s"],
@@ -262,10 +262,12 @@ def test_an_incremental_v5_part_whose_reference_is_unlisted_or_escapes_is_corrup
     _, directory = _incremental_v5_root(tmp_path)
     manifest = json.loads(vectors()["incremental v5 manifest"])
     unlisted = {**manifest, "references": [{**manifest["references"][0], "ranks": [[0, 0]]}]}  # rank 1's not listed
-    with pytest.raises(CorruptCheckpoint, match=r"__1_0\.part\.json.*do not list"):
+    with pytest.raises(
+        CorruptCheckpoint, match=r"__1_0\.part\.json.*__1_0\.distcp, a file the manifest's .* do not list"
+    ):
         list(ChunkIndex(fsspec.filesystem("file"), str(directory), unlisted).all_chunks())
     part = json.loads(vectors()["incremental v5 part 1"])
-    part["chunks"][0]["file"] = "../../elsewhere/__1_0.distcp"
+    part["holders"][0]["file"] = "../../elsewhere/__1_0.distcp"
     with pytest.raises(ValueError, match="sibling checkpoint"):
         parts.parse(parts.to_bytes(part), parts.part_filename(1), checkpoint_id="0123456789ac", rank=1)
 

@@ -90,7 +90,7 @@ def test_a_part_whose_reference_escapes_or_names_no_shard_file_makes_the_checkpo
     _, incremental = incremental_pair(tmp_path)
 
     def redirect(part: dict) -> None:
-        next(chunk for chunk in part["chunks"] if "file" in chunk)["file"] = path
+        part["holders"][0]["file"] = path  # the part's one holder file (FORMAT.md §10.6)
 
     forge_part(incremental.path, 0, redirect)
     with pytest.raises(CorruptCheckpoint, match="file"):
@@ -104,7 +104,7 @@ def test_a_part_reference_the_manifest_does_not_list_makes_the_checkpoint_corrup
         manifest["references"][0]["ranks"] = [[5, 5]]  # no longer rank 0's file
 
     forge_manifest(incremental.path, unlist)
-    with pytest.raises(CorruptCheckpoint, match="references a file the manifest's references do not list"):
+    with pytest.raises(CorruptCheckpoint, match="a file the manifest's references do not list"):
         _chunks(incremental)
 
 

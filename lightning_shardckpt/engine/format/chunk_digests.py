@@ -43,7 +43,9 @@ def referenced_chunk_problem(
     from .safe_pickle import check_inside
 
     hashed = 0
-    referenced = [chunk for chunk in part[TENSOR_CHUNKS] if part_references.is_referenced(chunk)]
+    referenced = [
+        part_references.resolve(chunk, part) for chunk in part[TENSOR_CHUNKS] if part_references.is_referenced(chunk)
+    ]
     for chunk in sorted(referenced, key=lambda chunk: (chunk["file"], chunk["offset"])):
         check_inside(fs, directory, chunk["file"])  # one sibling of the same root, never further
         path = join(directory, chunk["file"])

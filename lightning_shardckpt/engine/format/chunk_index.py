@@ -84,8 +84,8 @@ def read_parts(
             )
         if (stray := part_references.unlisted(listed, part)) is not None:
             raise CorruptCheckpoint(
-                f"{path}: part is invalid: its chunk {stray} references a file the manifest's references do not "
-                "list; the checkpoint is damaged, load an older one",
+                f"{path}: part is invalid: it references {stray}, a file the manifest's references do not list; "
+                "the checkpoint is damaged, load an older one",
                 problems=[{"file": name, "tensor": None, "expected": "listed references", "actual": stray}],
             )
         return rank, part
@@ -99,7 +99,9 @@ def read_parts(
 def own_file(chunk: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
     """A part's chunk record with the file holding its bytes: the part's own shard file, or for an incremental
     checkpoint's referenced chunk the sibling's file it names (`../<dir>/<file>`, FORMAT.md §10.6)."""
-    return chunk if part_references.is_referenced(chunk) else {**chunk, "file": part["file"]}
+    if part_references.is_referenced(chunk):
+        return part_references.resolve(chunk, part)
+    return {**chunk, "file": part["file"]}
 
 
 class ChunkIndex:

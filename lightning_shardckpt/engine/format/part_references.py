@@ -1,10 +1,11 @@
 """Incremental checkpoints on parts (format v4/v5, FORMAT.md §10.6): a chunk a rank did not write again.
 
 An incremental save on the flat format records an unchanged chunk in the rank's own part, as a chunk record
-with two more fields: `file`, the reference `../<sibling checkpoint directory>/__<h>_0.distcp` of the shard
-file that physically holds the bytes (§9's reference rules: one level up, one sibling, one file, never a chain),
-and `file_bytes`, that holder file's size. Offset, length, checksum, blocks and, signed, the cryptographic
-digests are the holder's record, copied by the rank that wrote it (it keeps its own part in memory).
+with one more field, `holder`: an index into the part's `holders`, each the reference
+`../<sibling checkpoint directory>/__<h>_0.distcp` of a shard file that physically holds bytes (§9's reference
+rules: one level up, one sibling, one file, never a chain) and that file's size. Offset, length, checksum,
+blocks and, signed, the cryptographic digests are the holder's record, copied by the rank that wrote it (it keeps
+its own part in memory).
 
 So nothing per chunk reaches the manifest. It lists, in `references`, only which shard files of which siblings
 the checkpoint reads: per sibling directory the holder ranks as ranges, the bytes and the chunks referenced
@@ -22,50 +23,101 @@ from typing import Any
 from .manifest_schema import REFERENCES_FIELD, is_int, reference_problem, split_reference
 from .names import checkpoint_dirname, shard_filename
 
-FILE, HOLDER_BYTES = "file", "file_bytes"  # a referenced chunk record's holder file and that file's size
+FILE, HOLDER_BYTES = "file", "file_bytes"  # a holder file (`holders` entry): its reference and its size
+HOLDERS, HOLDER = "holders", "holder"  # a part's table of holder files; a referenced record's index into it
 DIR, RANKS = "dir", "ranks"  # a manifest `references` entry: the sibling directory and its holder-rank ranges
-HOLDER = re.compile(r"__(0|[1-9][0-9]*)_0\.distcp")
+HOLDER_NAME = re.compile(r"__(0|[1-9][0-9]*)_0\.distcp")
 
 
 def is_referenced(chunk: dict[str, Any]) -> bool:
     """Whether a part's chunk record is a reference (its bytes are in a sibling checkpoint's shard file)."""
-    return FILE in chunk
+    return HOLDER in chunk
 
 
-def holder(chunk: dict[str, Any]) -> tuple[str, int]:
-    """(sibling directory, holder rank) of a validated referenced record."""
-    parts = split_reference(chunk[FILE])
-    assert parts is not None  # validated: record_problems
-    match = HOLDER.fullmatch(parts[1])
+def resolve(chunk: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """A validated part's referenced record as a reader uses it: the record with its holder's `file` (the
+    reference) and `file_bytes` in place of the `holder` index."""
+    held = part[HOLDERS][chunk[HOLDER]]
+    record = {name: value for name, value in chunk.items() if name != HOLDER}
+    record[FILE], record[HOLDER_BYTES] = held[FILE], held[HOLDER_BYTES]
+    return record
+
+
+def compact(tensor_chunks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(holders, chunks) for a part: the writer's records that name their holder's `file` and `file_bytes` (as
+    resolve gives them) rewritten to an index into one table of holder files, sorted by file. A file's name and
+    size once per part, not once per chunk (~60 bytes a referenced chunk: a third of a part of FSDP records)."""
+    sizes = {chunk[FILE]: chunk[HOLDER_BYTES] for chunk in tensor_chunks if FILE in chunk}
+    order = {name: index for index, name in enumerate(sorted(sizes))}
+    chunks = [
+        {**{k: v for k, v in chunk.items() if k not in (FILE, HOLDER_BYTES)}, HOLDER: order[chunk[FILE]]}
+        if FILE in chunk
+        else chunk
+        for chunk in tensor_chunks
+    ]
+    return [{FILE: name, HOLDER_BYTES: sizes[name]} for name in sorted(sizes)], chunks
+
+
+def _holder_of(file: str) -> tuple[str, int]:
+    """(sibling directory, holder rank) of a validated holder file."""
+    parts = split_reference(file)
+    assert parts is not None  # validated: part_problems
+    match = HOLDER_NAME.fullmatch(parts[1])
     assert match is not None
     return parts[0], int(match.group(1))
 
 
-def record_problems(chunk: dict[str, Any]) -> list[str]:
-    """Why a part's referenced chunk record breaks §10.6 (its reference fields only); empty when sound."""
-    problem = reference_problem(chunk.get(FILE))
-    if problem is not None:
-        return [f"file: {problem}"]
-    name = chunk[FILE].rsplit("/", 1)[1]
-    if HOLDER.fullmatch(name) is None:
-        return [f"file {chunk[FILE]!r} names no shard file (a reference holds `__<rank>_0.distcp` of a sibling)"]
-    size = chunk.get(HOLDER_BYTES)
-    end = (chunk.get("offset") or 0) + (chunk.get("length") or 0)
-    if not is_int(size) or not is_int(end) or size < end:
-        return [f"file_bytes is {size!r}, not the size of a holder file that holds bytes up to {end}"]
-    return []
+def part_problems(part: dict[str, Any]) -> list[str]:
+    """Why a part's references break §10.6 (its `holders` and the records pointing into it); empty when sound.
+    `part`'s chunk lists were checked already (parts.part_problems)."""
+    holders = part.get(HOLDERS, [])
+    if any(HOLDER in chunk for chunk in part["objects"]):
+        return ["an object is never a reference (objects are written by every save)"]
+    if not isinstance(holders, list) or (HOLDERS in part and not holders):
+        return [f"{HOLDERS} is not a non-empty list"]
+    problems: list[str] = []
+    previous = ""
+    for index, held in enumerate(holders):
+        where = f"{HOLDERS}[{index}]"
+        if not isinstance(held, dict):
+            return [f"{where}: {held!r} is not an object"]
+        problem = reference_problem(held.get(FILE))
+        if problem is not None:
+            return [f"{where}: file: {problem}"]
+        if HOLDER_NAME.fullmatch(held[FILE].rsplit("/", 1)[1]) is None:
+            return [f"{where}: file {held[FILE]!r} names no shard file (a holder is `__<rank>_0.distcp` of a sibling)"]
+        if held[FILE] <= previous:
+            return [f"{where}: file {held[FILE]!r} is out of order or listed twice (sorted by file)"]
+        previous = held[FILE]
+        if not is_int(held.get(HOLDER_BYTES)) or held[HOLDER_BYTES] < 0:
+            return [f"{where}: file_bytes is {held.get(HOLDER_BYTES)!r}, not an integer >= 0"]
+    used: set[int] = set()
+    for chunk in part["chunks"]:
+        if HOLDER not in chunk:
+            continue
+        index = chunk[HOLDER]
+        if not is_int(index) or not 0 <= index < len(holders):
+            return [f"chunk of {chunk['fqn']!r}: holder {index!r} is not an index into {HOLDERS} ({len(holders)})"]
+        used.add(index)
+        if chunk["offset"] + chunk["length"] > holders[index][HOLDER_BYTES]:
+            problems.append(
+                f"chunk of {chunk['fqn']!r}: bytes {chunk['offset']}..{chunk['offset'] + chunk['length']} lie past "
+                f"the {holders[index][HOLDER_BYTES]} bytes of {holders[index][FILE]}"
+            )
+    if len(used) != len(holders):
+        problems.append(f"{HOLDERS} lists a file no chunk references")
+    return problems
 
 
-def reference_entries(records: Iterable[dict[str, Any]]) -> list[tuple[str, int, int, int]]:
-    """(sibling directory, holder rank, bytes, chunks) per holder file the `records` reference: what one rank
-    tells its leader and the coordinator for the manifest's `references`."""
-    out: dict[tuple[str, int], list[int]] = {}
-    for record in records:
-        if is_referenced(record):
-            totals = out.setdefault(holder(record), [0, 0])
-            totals[0] += record["length"]
-            totals[1] += 1
-    return [(directory, rank, total[0], total[1]) for (directory, rank), total in sorted(out.items())]
+def reference_entries(part: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+    """(sibling directory, holder rank, bytes, chunks) per holder file `part` references: what one rank tells its
+    leader and the coordinator for the manifest's `references`."""
+    totals = [[0, 0] for _ in part.get(HOLDERS, [])]
+    for chunk in part["chunks"]:
+        if HOLDER in chunk:
+            totals[chunk[HOLDER]][0] += chunk["length"]
+            totals[chunk[HOLDER]][1] += 1
+    return [(*_holder_of(held[FILE]), *totals[index]) for index, held in enumerate(part.get(HOLDERS, []))]
 
 
 def references_table(entries: Iterable[tuple[str, int, int, int]]) -> list[dict[str, Any]]:
@@ -110,14 +162,12 @@ def listed(manifest: dict[str, Any]) -> dict[str, list[list[int]]]:
 
 
 def unlisted(manifest_listed: dict[str, list[list[int]]], part: dict[str, Any]) -> str | None:
-    """The first reference of `part` the manifest's `references` does not list, as `fqn -> file`; None when every
-    one is listed (a part cannot send a reader to a file the signed or checksummed manifest does not name)."""
-    for chunk in part["chunks"]:
-        if not is_referenced(chunk):
-            continue
-        directory, rank = holder(chunk)
+    """The first holder file of `part` the manifest's `references` does not list; None when every one is listed (a
+    part cannot send a reader to a file the signed or checksummed manifest does not name)."""
+    for held in part.get(HOLDERS, []):
+        directory, rank = _holder_of(held[FILE])
         if not any(first <= rank <= last for first, last in manifest_listed.get(directory, ())):
-            return f"{chunk['fqn']!r} -> {chunk[FILE]}"
+            return held[FILE]
     return None
 
 

@@ -48,9 +48,11 @@ def build_part(
     write_s: float | None = None,
 ) -> dict[str, Any]:
     """A rank's part: its file (size, checksum of its chunks' checksums in file order) and every chunk in it (an
-    incremental save's referenced chunks too: their bytes are in a sibling's file, part_references.py)."""
+    incremental save's referenced chunks too, given with their holder's `file` and `file_bytes`: their bytes are in a
+    sibling's file, listed once in the part's `holders`, part_references.py)."""
+    holders, tensor_chunks = part_references.compact(tensor_chunks)
     in_file_order = _own_in_file_order(tensor_chunks + objects)
-    return {
+    part = {
         "part_version": PART_VERSION,
         "checkpoint_id": checkpoint_id,
         "rank": rank,
@@ -62,6 +64,9 @@ def build_part(
         "verification": verification,
         "write_s": write_s,
     }
+    if holders:
+        part[part_references.HOLDERS] = holders
+    return part
 
 
 def to_bytes(part: dict[str, Any]) -> bytes:
@@ -115,7 +120,8 @@ def part_problems(part: dict[str, Any], *, checkpoint_id: str | None, rank: int 
             return problems
     if problems:
         return problems
-    return _tiling_problems(part)
+    problems = part_references.part_problems(part)  # an incremental part's holders (FORMAT.md §10.6)
+    return problems or _tiling_problems(part)
 
 
 def tensor_index(part: dict[str, Any]) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
@@ -146,10 +152,6 @@ def _chunk_problems(chunk: Any, *, tensor: bool) -> list[str]:
             problems.append(f"finite is {chunk[FINITE_FIELD]!r}, not true or false")
         if BLOCKS_FIELD in chunk:
             problems.extend(blocks_problems(chunk[BLOCKS_FIELD], chunk.get("length")))
-        if part_references.is_referenced(chunk):
-            problems.extend(part_references.record_problems(chunk))
-    elif part_references.is_referenced(chunk):
-        problems.append("an object is never a reference (objects are written by every save)")
     if DIGEST in chunk:
         problems.extend(chunk_digest_problems(chunk))
     return problems

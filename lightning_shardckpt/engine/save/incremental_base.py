@@ -58,8 +58,10 @@ def from_part(part: dict[str, Any], dirname: str, keys: frozenset[str]) -> Chunk
     for chunk in part[TENSOR_CHUNKS]:
         if chunk["fqn"] not in keys:
             continue
-        entry = dict(chunk)
-        if not part_references.is_referenced(chunk):
+        if part_references.is_referenced(chunk):
+            entry = part_references.resolve(chunk, part)  # its holder already: a reference never chains
+        else:
+            entry = dict(chunk)
             entry[part_references.FILE] = refs.make(dirname, part["file"])
             entry[part_references.HOLDER_BYTES] = part["file_bytes"]
         out[(chunk["fqn"], tuple(chunk["offsets"]))] = entry

@@ -262,7 +262,7 @@ def _summarize(
     summary.verified_chunks = verification["chunks_verified"]
     summary.verified_bytes = verification["bytes_verified"]
     summary.bytes_total = verification["bytes_total"]
-    summary.referenced = part_references.reference_entries(tensor_chunks)
+    summary.referenced = part_references.reference_entries(part)
     if layout.chunk_count() <= config.dcp_metadata_max_chunks:
         summary.part = part
     return summary, part
