@@ -117,7 +117,11 @@ def reference_entries(part: dict[str, Any]) -> list[tuple[str, int, int, int]]:
         if HOLDER in chunk:
             totals[chunk[HOLDER]][0] += chunk["length"]
             totals[chunk[HOLDER]][1] += 1
-    return [(*_holder_of(held[FILE]), *totals[index]) for index, held in enumerate(part.get(HOLDERS, []))]
+    out = []
+    for index, held in enumerate(part.get(HOLDERS, [])):
+        directory, rank = _holder_of(held[FILE])
+        out.append((directory, rank, totals[index][0], totals[index][1]))
+    return out
 
 
 def references_table(entries: Iterable[tuple[str, int, int, int]]) -> list[dict[str, Any]]:
