@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 
 from lightning_shardckpt.engine import catalog, commit_index
 from lightning_shardckpt.engine.config import SignConfig
-from lightning_shardckpt.engine.format import chunk_layout, groups
+from lightning_shardckpt.engine.format import chunk_layout, groups, part_references
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.format.checksum import checksum
@@ -148,12 +148,16 @@ def save_layout(kind: str, world: int, tensors: int) -> SaveLayout:
     return SaveLayout(items, world, f"{uuid.uuid4().int % 2**64:016x}", {fqn: (fqn,) for fqn in items})
 
 
-def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str, signed_as: str | None = None) -> dict[str, Any]:
+def part_of_rank(
+    layout: SaveLayout, rank: int, checkpoint_id: str, signed_as: str | None = None, base: str | None = None
+) -> dict[str, Any]:
     """Rank `rank`'s part as the writer builds it: one record per chunk the layout gives it. `signed_as` "v5": each
     record with its chunk's digest (FORMAT.md §12.2); "v4": the part with its shard file's (stand-ins, as no tensor
-    bytes exist here)."""
+    bytes exist here). `base` (--incremental: a sibling checkpoint's directory): every tensor chunk unchanged, so
+    referenced in the rank's own file of `base` (FORMAT.md §10.6), the largest part and manifest an incremental save
+    writes; objects are written again."""
     signed = signed_as == "v5"
-    chunks, objects, offset = [], [], 0
+    chunks, objects, offset, held = [], [], 0, 0
     for item in layout.items.values():
         if item.kind == OBJECT:
             if item.rank == rank:
@@ -181,11 +185,19 @@ def part_of_rank(layout: SaveLayout, rank: int, checkpoint_id: str, signed_as: s
                 "checksum": _digest(offset),
                 "finite": True,
             }
+            if base is not None:  # in the base's file, where the rank wrote it at its full save
+                record.update(offset=held, checksum=_digest(held), file=f"../{base}/__{rank}_0.distcp")
+                held += length
+            else:
+                offset += length
             if signed:
-                record["digest"] = _digest(offset) * 4
+                record["digest"] = record["checksum"] * 4
             chunks.append(record)
-            offset += length
-    verification = {"mode": "sample", "chunks_total": len(chunks) + len(objects), "bytes_total": offset}
+    for record in chunks:
+        if "file" in record:
+            record["file_bytes"] = held  # the holder's size (its objects aside: stand-ins)
+    own = len(objects) + sum("file" not in record for record in chunks)
+    verification = {"mode": "sample", "chunks_total": own, "bytes_total": offset}
     verification.update(chunks_verified=1, bytes_verified=min(offset, 1600))
     part = part_format.build_part(
         checkpoint_id=checkpoint_id,
@@ -229,9 +241,10 @@ def summaries(
     real: set[int],
     with_parts: bool,
     signed_as: str | None = None,
+    base: str | None = None,
 ) -> list[PartSummary]:
     """Every rank's summary; the ranks in `real` (and all, `with_parts`) carry their actual part's size and digest
-    (`signed_as`, part_of_rank's: its cryptographic digest too, SIGN_DIGEST)."""
+    (`signed_as`, part_of_rank's: its cryptographic digest too, SIGN_DIGEST; `base`: its references)."""
     signed = signed_as is not None
     counts = layout.chunks_per_rank()
     out = []
@@ -239,7 +252,8 @@ def summaries(
         summary = PartSummary(rank, layout.digest, chunks=counts[rank], write_s=1.0)
         if counts[rank]:
             if rank in real or with_parts:
-                part = part_of_rank(layout, rank, checkpoint_id, signed_as)
+                part = part_of_rank(layout, rank, checkpoint_id, signed_as, base)
+                summary.referenced = part_references.reference_entries(part)
                 data = part_format.to_bytes(part)
                 summary.part_bytes, summary.part_checksum = len(data), checksum(data)
                 summary.part_digest = digest_of(data, SIGN_DIGEST) if signed else None
@@ -249,6 +263,8 @@ def summaries(
                 summary.part_bytes, summary.part_checksum = 150 * counts[rank], _digest(rank)
                 summary.file_bytes, summary.file_checksum = 2**20 * counts[rank], _digest(rank + 1)
                 summary.part_digest = _digest(rank) * 4 if signed else None
+                if base is not None:  # every chunk referenced in its own file of the base; objects aside
+                    summary.referenced = [(base, rank, summary.file_bytes, counts[rank])]
             summary.bytes_total = summary.file_bytes
             summary.verified_chunks, summary.verified_bytes = 1, 1600
         out.append(summary)
@@ -370,14 +386,22 @@ def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict
 
 
 def run(
-    kind: str, world: int, tensors: int, threshold: int, group_size: int | None = None, sign_key: str | None = None
+    kind: str,
+    world: int,
+    tensors: int,
+    threshold: int,
+    group_size: int | None = None,
+    sign_key: str | None = None,
+    incremental: bool = False,
 ) -> dict[str, Any]:
     """One configuration; `group_size`: format v5 (every group's leader simulated, each timed on its own),
     None: format v4 (rank 0 hears from every rank). As the writer does (persist._group_size), a world of one
     group is written as v4, unless signed. `sign_key` (a PEM private key file): signed (FORMAT.md §12; v5: §12.2),
     the commit signing the manifest, and the resume planned as a rank under a signature policy plans it (each group
-    table and part it reads checked against its digest)."""
+    table and part it reads checked against its digest). `incremental`: the save after a full one where no tensor
+    changed (every chunk a reference in the parts, FORMAT.md §10.6), and the resume follows those references."""
     signed = sign_key is not None
+    base = checkpoint_dirname(6, "b" * 12) if incremental else None
     if group_size is not None and world <= group_size and not signed:
         group_size = None  # a signed save is v5 at any size (persist._group_size)
     # signed v5: a digest per chunk record; signed v4 (--format-version 4): one per part, its shard file's
@@ -396,15 +420,15 @@ def run(
         for cell in chunk_layout.cells_within(item.layout, item.shape, boxes[item.fqn])
     } | {0}
     small = chunks <= threshold
-    sums = summaries(layout, checkpoint_id, needed, with_parts=small, signed_as=signed_as)
+    sums = summaries(layout, checkpoint_id, needed, with_parts=small, signed_as=signed_as, base=base)
     # each rank's own work: its part (the busiest rank: the one with the most chunks)
     busiest = max(range(world), key=lambda r: sums[r].chunks)
     started = time.perf_counter()
-    part_bytes = len(part_format.to_bytes(part_of_rank(layout, busiest, checkpoint_id, signed_as)))
+    part_bytes = len(part_format.to_bytes(part_of_rank(layout, busiest, checkpoint_id, signed_as, base)))
     rank_part_s = time.perf_counter() - started
     for r in needed:  # the parts a resume reads, on storage
         path = join(root, checkpoint_dirname(7, checkpoint_id), part_format.part_filename(r))
-        fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as)))
+        fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as, base)))
     gathered = [pickle.dumps(s) for s in sums]
     leader_max_s, leader_median_s, received, leaders = 0.0, 0.0, gathered, []
     if group_size is not None:
@@ -516,7 +540,7 @@ def run(
     fanout = resume_fanout(kind, layout, group_size)
     fanout_s = time.perf_counter() - started
     plan_read = manifest_bytes + sum(
-        len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as))) for r in plan.part_ranks
+        len(part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as, base))) for r in plan.part_ranks
     )
     if group_size is not None:  # and the group tables of those parts' ranks
         table_bytes = json.loads(fs.cat_file(join(directory, MANIFEST)))["groups"]["table_bytes"]
@@ -531,6 +555,7 @@ def run(
         "dcp_metadata_bytes": metadata_bytes,
         "format_version": 4 if group_size is None else 5,
         "signed": signed,
+        "incremental": incremental,
         "group_size": group_size,
         "gather_bytes": sum(map(len, received)),
         # messages to one rank in the gather: rank 0 hears every other rank (v4) or every leader (v5; it leads
@@ -852,6 +877,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-save-requests", action="store_true", help="skip one rank's save counted on S3 (moto; about a minute)"
     )
+    parser.add_argument(
+        "--incremental",
+        action="store_true",
+        help="incremental saves (FORMAT.md §10.6): each save references every tensor chunk of the full one before it",
+    )
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = []
@@ -861,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
             for world in args.ranks:
                 group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
                 for key in keys:
-                    row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size, key)
+                    row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size, key, args.incremental)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     print()

@@ -124,7 +124,8 @@ class SaveConfig:
         False  # True: write into a root another run owns (both runs' retention and `latest` then mix)
     )
     # write only what changed since the last save; unchanged chunks are references into the earlier checkpoint
-    # that holds their bytes (engine/save/incremental.py, docs/FORMAT.md §9). Off by default until proven
+    # that holds their bytes, recorded in each rank's part (engine/save/incremental.py, incremental_base.py,
+    # docs/FORMAT.md §10.6; format_version=2: the manifest, §9). A new saver's first save is full. Off by default
     incremental: bool = False
     full_every_n: int = 10  # with incremental: every N-th save is full, so references reach back at most N-1 saves
     # each node writes its own root (a node-local tier, engine/tiers/config.py): the coordinator cannot see other nodes'

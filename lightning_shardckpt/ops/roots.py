@@ -27,8 +27,9 @@ from typing import Any
 from ..engine import catalog
 from ..engine.format import drill_records, groups, signing
 from ..engine.format import manifest as manifest_format
+from ..engine.format import references as refs
 from ..engine.format.entry import CheckpointEntry
-from ..engine.format.manifest_schema import REFERENCES_FIELD, parse_time
+from ..engine.format.manifest_schema import parse_time
 from ..engine.format.names import join
 from ..engine.root import Root, open_reference, open_root
 from ..engine.storage.fsio import Location
@@ -233,7 +234,8 @@ def read_manifest_summary(
         if groups.is_grouped(manifest)
         else len(manifest_format.files_of(manifest)),
         bytes=manifest_format.total_bytes(manifest),
-        referenced_file_count=len(manifest.get(REFERENCES_FIELD) or []),
+        # v3 lists each file; v4/v5 each sibling directory with its holder ranks (FORMAT.md §10.6)
+        referenced_file_count=sum(len(files) for files in refs.referenced_files(manifest).values()),
         bytes_referenced=manifest_format.referenced_bytes(manifest),
         tensor_count=len(manifest["tensors"]),
         object_count=len(manifest["objects"]),

@@ -19,9 +19,9 @@ from ..engine.format import chunk_layout, groups, parts_manifest, safe_pickle, s
 from ..engine.format import manifest as manifest_format
 from ..engine.format import parts as part_format
 from ..engine.format.checksum import ChunkCheck, checksum_of_checksums
-from ..engine.format.chunk_index import read_parts
+from ..engine.format.chunk_index import own_file, read_parts
 from ..engine.format.names import DCP_METADATA, join, shard_filename
-from ..engine.format.references import REFERENCES_FIELD
+from ..engine.format.references import REFERENCES_FIELD, is_reference
 from ..engine.format.safe_pickle import DCP_METADATA_FIELD
 from ..engine.root import open_reference
 from ..engine.storage import fsio
@@ -106,7 +106,10 @@ def verify_checkpoint(
         for fqn, chunk in manifest_format.iter_chunks(manifest):
             chunks_by_file.setdefault(chunk["file"], []).append((fqn, chunk))
         listed = {item["path"]: item for item in manifest["files"]}
-    referenced = {item["path"] for item in manifest.get(REFERENCES_FIELD) or []}
+    if manifest_format.is_parts_format(manifest):  # v4/v5: the parts' references, each listed (read_parts checked)
+        referenced = {relative for relative in chunks_by_file if is_reference(relative)}
+    else:
+        referenced = {item["path"] for item in manifest.get(REFERENCES_FIELD) or []}
     for relative in sorted(referenced & set(chunks_by_file)):
         # incremental: bytes held by a sibling checkpoint, checked against this manifest's checksums
         chunks = sorted(chunks_by_file[relative], key=lambda pair: pair[1]["offset"])
@@ -182,12 +185,13 @@ def _chunks_from_parts(
                     f"{part['file']}, {part['file_bytes']} bytes, checksum {part['file_checksum']}",
                 )
             )
-        records = chunks_by_file.setdefault(shard, [])
+        chunks_by_file.setdefault(shard, [])
         for chunk in part[part_format.TENSOR_CHUNKS]:
-            records.append((chunk["fqn"], {**chunk, "file": shard}))
+            record = own_file(chunk, part)  # incremental: a referenced chunk names its sibling's file (§10.6)
+            chunks_by_file.setdefault(record["file"], []).append((chunk["fqn"], record))
             found.add((chunk["fqn"], tuple(chunk["offsets"]), tuple(chunk["sizes"]), rank))
         for chunk in part[part_format.OBJECTS]:
-            records.append((chunk["fqn"], {**chunk, "file": shard}))
+            chunks_by_file[shard].append((chunk["fqn"], {**chunk, "file": shard}))
             found.add((chunk["fqn"], rank))
     expected: set[tuple[Any, ...]] = {(item["fqn"], item["rank"]) for item in manifest["objects"]}
     empty: set[tuple[Any, ...]] = set()  # cells holding no element: no record needed, one tolerated (older writers)

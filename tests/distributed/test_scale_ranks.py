@@ -273,3 +273,40 @@ def test_ranks_holding_different_keys_fall_back_to_dcps_collective_planning_and_
     state = {"model": {"w": torch.zeros(4)}, "rank1_only": {"note": ""}}
     load_checkpoint(state, root)
     assert torch.equal(state["model"]["w"], torch.full((4,), 7.0)) and state["rank1_only"] == {"note": "only here"}
+
+
+# --- incremental on parts (FORMAT.md §10.6), at the largest world here ---
+
+
+def save_incrementally_on_32(rank, world_size, root, group_size):
+    """Step 6 with layers 06-11 zeroed, then those set in place and step 7 saved: layers 00-05 (and the replicated
+    scalar) unchanged, so step 7's parts reference them in step 6's files."""
+    os.environ[groups.GROUP_SIZE_ENV] = str(group_size)
+    state = _state(rank, world_size, zeros=False)
+    later = {name: value for name, value in state["model"].items() if name[:7] >= "layer06" and name != "step"}
+    saved = {name: value.to_local().clone() for name, value in later.items()}
+    for value in later.values():
+        value.to_local().zero_()
+    config = SaveConfig(async_save=False, write_events=False, collective_timeout_s=120, incremental=True)
+    saver = CheckpointSaver(root, config)
+    first = saver.save(state, step=6).result(timeout=120)
+    for name, value in later.items():
+        value.to_local().copy_(saved[name])  # in place: the tracker sees these changed, layers 00-05 not
+    second = saver.save(state, step=7).result(timeout=120)
+    saver.close()
+    assert first.committed and second.committed, (first.error, second.error)
+    return second.manifest if rank == 0 else None
+
+
+def test_an_incremental_v5_checkpoint_saved_on_32_ranks_in_4_groups_resumes_on_7_bit_exact(tmp_path):
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_incrementally_on_32, SAVED_ON, root, 8, timeout_s=300, pg_timeout_s=120)[0].value
+
+    assert manifest["format_version"] == 5 and all("chunks" not in tensor for tensor in manifest["tensors"])
+    base = next(entry for entry in list_checkpoints(resolve(root)) if entry.step == 6)
+    # one entry: step 6's files of all 32 ranks (layer00 and layer04 have 96 rows: every rank references a chunk)
+    [references] = manifest["references"]
+    assert references["dir"] == base.name and references["ranks"] == [[0, SAVED_ON - 1]]
+    loaded = [o.value for o in run_ranks(load_on_7, LOADED_ON, root, timeout_s=240, pg_timeout_s=120)]
+    assert all(r["step"] == 7 and r["exact"] and r["scalar"] == 7 for r in loaded), loaded
+    assert all(r["progress"] == {"global_step": 7, "note": "saved-on-32"} for r in loaded)

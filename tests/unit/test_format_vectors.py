@@ -44,6 +44,11 @@ def test_every_record_kind_has_a_vector():
         "v5 manifest",
         "group table 0",
         "group table 1",
+        "incremental v5 manifest",  # §10.6: the next save of the v5 one, referencing its unchanged chunks
+        "incremental v5 part 0",
+        "incremental v5 part 1",
+        "incremental v5 group table 0",
+        "incremental v5 group table 1",
         "signature key seed",  # §12, checked by tests/unit/test_signing.py
         "signature manifest",
         "signature record",
@@ -192,6 +197,79 @@ def test_a_damaged_v5_group_table_makes_the_checkpoint_corrupt_naming_it(tmp_pat
         path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(CorruptCheckpoint, match=r"__g0\.parts\.json"):
         groups.expanded(fsspec.filesystem("file"), str(directory), manifest)
+
+
+def _incremental_v5_root(tmp_path: Path) -> tuple[Path, Path]:
+    """The v5 vector checkpoint (step 7: its group tables and parts) and the incremental one (step 8) beside it."""
+    base = _v5_directory(tmp_path)
+    for rank in (0, 1):
+        (base / parts.part_filename(rank)).write_bytes((vectors()[f"part {rank}"] + "\n").encode())
+    directory = tmp_path / checkpoint_dirname(8, "0123456789ac")
+    directory.mkdir()
+    for name in ("group table 0", "group table 1"):
+        (directory / groups.group_filename(int(name[-1]))).write_bytes(
+            (vectors()[f"incremental v5 {name}"] + "\n").encode()
+        )
+    for rank in (0, 1):
+        (directory / parts.part_filename(rank)).write_bytes((vectors()[f"incremental v5 part {rank}"] + "\n").encode())
+    return base, directory
+
+
+def test_the_incremental_v5_vectors_parse_and_their_references_are_the_base_parts_records(tmp_path):
+    from lightning_shardckpt.engine.format import part_references
+    from lightning_shardckpt.engine.format import references as refs
+    from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
+
+    base, directory = _incremental_v5_root(tmp_path)
+    data = (vectors()["incremental v5 manifest"] + "\n").encode()
+    manifest = manifest_format.parse(data, str(directory))
+    assert manifest_format.to_bytes(manifest) == data
+    record = manifest_format.build_commit_record(manifest, data)
+    assert (record["bytes_total"], record["bytes_referenced"]) == (4085, 3000)
+    assert part_references.files(manifest) == {base.name: {"__0_0.distcp", "__1_0.distcp"}}  # what retention pins
+    chunks = dict(
+        ((fqn, tuple(c.get("offsets", ()))), c)
+        for fqn, c in ChunkIndex(fsspec.filesystem("file"), str(directory), manifest).all_chunks()
+    )
+    # each referenced record is the base part's record of the same cell, its holder file named and sized
+    for rank, offsets in ((0, (0, 0)), (1, (2, 0))):
+        held = json.loads(vectors()[f"part {rank}"])
+        original = next(c for c in held["chunks"] if c["fqn"] == "model.w")
+        copied = chunks[("model.w", offsets)]
+        assert copied == {**original, "file": refs.make(base.name, held["file"]), "file_bytes": held["file_bytes"]}
+    # the writer's own bytes: each part as build_part writes it, rank 1's file empty (every chunk referenced)
+    for rank in (0, 1):
+        part_bytes = (vectors()[f"incremental v5 part {rank}"] + "\n").encode()
+        part = parts.parse(part_bytes, parts.part_filename(rank), checkpoint_id="0123456789ac", rank=rank)
+        rebuilt = parts.build_part(
+            checkpoint_id=part["checkpoint_id"],
+            rank=rank,
+            file=part["file"],
+            file_bytes=part["file_bytes"],
+            tensor_chunks=[part_references.resolve(c, part) if "holder" in c else c for c in part["chunks"]],
+            objects=part["objects"],
+            verification=part["verification"],
+            write_s=part["write_s"],
+        )
+        assert parts.to_bytes(rebuilt) == part_bytes
+    assert json.loads(vectors()["incremental v5 part 1"])["file_bytes"] == 0
+
+
+def test_an_incremental_v5_part_whose_reference_is_unlisted_or_escapes_is_corrupt(tmp_path):
+    from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
+    from lightning_shardckpt.errors import CorruptCheckpoint
+
+    _, directory = _incremental_v5_root(tmp_path)
+    manifest = json.loads(vectors()["incremental v5 manifest"])
+    unlisted = {**manifest, "references": [{**manifest["references"][0], "ranks": [[0, 0]]}]}  # rank 1's not listed
+    with pytest.raises(
+        CorruptCheckpoint, match=r"__1_0\.part\.json.*__1_0\.distcp, a file the manifest's .* do not list"
+    ):
+        list(ChunkIndex(fsspec.filesystem("file"), str(directory), unlisted).all_chunks())
+    part = json.loads(vectors()["incremental v5 part 1"])
+    part["holders"][0]["file"] = "../../elsewhere/__1_0.distcp"
+    with pytest.raises(ValueError, match="sibling checkpoint"):
+        parts.parse(parts.to_bytes(part), parts.part_filename(1), checkpoint_id="0123456789ac", rank=1)
 
 
 def test_the_layout_vectors_are_the_cells_the_code_computes():

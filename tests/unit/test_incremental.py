@@ -19,6 +19,7 @@ from lightning_shardckpt.engine import catalog
 from lightning_shardckpt.engine.config import LoadConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format import references as refs
+from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
 from lightning_shardckpt.engine.format.names import parse_dirname
 from lightning_shardckpt.engine.save.incremental import ChangeTracker
 from lightning_shardckpt.engine.storage import fsio
@@ -77,13 +78,22 @@ def assert_equal(got: dict, want: dict) -> None:
 
 
 def run(
-    root: Path, saves: int, *, full_every_n: int = 10, keep_last: int | None = None, between=None, width: int = 256
+    root: Path,
+    saves: int,
+    *,
+    full_every_n: int = 10,
+    keep_last: int | None = None,
+    between=None,
+    width: int = 256,
+    format_version: int = 5,
 ):
     """`saves` incremental saves of a LoRA-style model, one optimizer step before each; returns
-    (snapshots by step, results)."""
+    (snapshots by step, results). `format_version=2`: the collective path's v2/v3 (references per chunk in the
+    manifest, FORMAT.md §9); the default: parts with references (§10.6)."""
     model = Lora(width, rank=16)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
-    saver = CheckpointSaver(str(root), SaveConfig(incremental=True, full_every_n=full_every_n, run_id="inc"))
+    config = SaveConfig(incremental=True, full_every_n=full_every_n, run_id="inc", format_version=format_version)
+    saver = CheckpointSaver(str(root), config)
     location = fsio.resolve(str(root))
     snapshots, results = {}, []
     try:
@@ -143,9 +153,9 @@ def test_bytes_after_the_first_save_are_the_trainable_state_and_every_checkpoint
         assert trainable + moments <= written <= 1.1 * (trainable + moments), (written, trainable + moments)
         assert written < full / 4
     table = manifests(tmp_path)
-    assert table[0]["format_version"] == 2 and "references" not in table[0]
+    assert table[0]["format_version"] == 4 and "references" not in table[0]  # parts (one group, unsigned: v4)
     for step in range(1, 4):
-        assert table[step]["format_version"] == 3
+        assert table[step]["format_version"] == 4 and "references" in table[step]
         assert manifest_format.referenced_bytes(table[step]) > 0
     for step, result in enumerate(results):  # through our loader, each one alone, bit-exact
         target = zeros(snapshots[step])
@@ -155,7 +165,7 @@ def test_bytes_after_the_first_save_are_the_trainable_state_and_every_checkpoint
 
 
 def test_a_reference_never_chains(tmp_path):
-    run(tmp_path, 5)
+    run(tmp_path, 5, format_version=2)  # v3's per-chunk references (the parts format: test_incremental_parts.py)
     table = manifests(tmp_path)
     first = catalog.list_checkpoints(fsio.resolve(str(tmp_path)))[0].name
     for step in range(1, 5):
@@ -170,7 +180,7 @@ def test_a_reference_never_chains(tmp_path):
 def test_full_every_n_writes_a_full_checkpoint(tmp_path):
     run(tmp_path, 5, full_every_n=2)
     table = manifests(tmp_path)
-    assert [table[s]["format_version"] for s in range(5)] == [2, 3, 2, 3, 2]
+    assert ["references" in table[s] for s in range(5)] == [False, True, False, True, False]
 
 
 def test_a_frozen_tensor_modified_in_place_once_is_detected_and_rewritten(tmp_path):
@@ -181,7 +191,9 @@ def test_a_frozen_tensor_modified_in_place_once_is_detected_and_rewritten(tmp_pa
 
     snapshots, results, _, _ = run(tmp_path, 4, between=unfreeze_once)
     table = manifests(tmp_path)
-    where = {s: manifest_format.iter_chunks(table[s]) for s in table}
+    location = fsio.resolve(str(tmp_path))
+    paths = {r.step: r.path for r in results}
+    where = {s: manifest_format.iter_chunks(ChunkIndex(location.fs, paths[s], table[s]).expanded()) for s in table}
     base_file = {s: next(c["file"] for fqn, c in where[s] if fqn == "model.base.weight") for s in table}
     assert refs.is_reference(base_file[1])
     assert not refs.is_reference(base_file[2])  # rewritten in step 2's own file
@@ -301,7 +313,7 @@ def _tamper(root: Path, step: int, path: str) -> None:
     ],
 )
 def test_the_schema_refuses_a_reference_that_escapes_or_chains(tmp_path, path):
-    run(tmp_path, 2)
+    run(tmp_path, 2, format_version=2)  # v3's manifest references (the parts' own: test_incremental_parts.py)
     _tamper(tmp_path, 1, path)
 
 
@@ -329,7 +341,7 @@ def test_incremental_round_trip_on_s3_through_our_loader(s3_root):
     want, _ = save_incremental_on_s3(s3_root, "s3-inc", steps=3)
     location = fsio.resolve(s3_root.url, options)
     newest = catalog.list_checkpoints(location)[-1]
-    assert catalog.read_manifest(location.fs, newest)["format_version"] == 3
+    assert "references" in catalog.read_manifest(location.fs, newest)  # incremental on parts
     target = zeros(want)
     load_checkpoint(target, s3_root.url, config=LoadConfig(storage_options=options))
     assert_equal(target, want)
@@ -432,9 +444,9 @@ def test_after_a_failed_save_the_next_one_is_full_and_nothing_references_the_fai
     assert outcomes == [True, False, True, True]
     table = manifests(tmp_path)
     assert sorted(table) == [0, 2, 3]
-    assert table[2]["format_version"] == 2  # full: its base did not commit
-    assert table[3]["format_version"] == 3
-    assert all(parse_dirname(refs.split(item["path"])[0]).step == 2 for item in table[3]["references"])
+    assert "references" not in table[2]  # full: its base did not commit
+    assert "references" in table[3]
+    assert all(parse_dirname(item["dir"]).step == 2 for item in table[3]["references"])
     target = zeros(snapshots[3])
     load_checkpoint(target, str(tmp_path))
     assert_equal(target, snapshots[3])

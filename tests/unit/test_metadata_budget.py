@@ -29,7 +29,7 @@ from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.bounded_json import MANIFEST_MAX_BYTES
 from lightning_shardckpt.engine.format.checksum import block_size_for
 from lightning_shardckpt.engine.format.names import shard_filename
-from lightning_shardckpt.engine.save.metadata_budget import TensorShape, estimate, refuse_unloadable
+from lightning_shardckpt.engine.save.metadata_budget import TensorShape, estimate, refuse_unloadable, writes_every_chunk
 from lightning_shardckpt.engine.storage.writer import ChunkReceipt
 from lightning_shardckpt.errors import ConfigError
 
@@ -120,12 +120,17 @@ def test_format_v2_at_16384_ranks_is_refused_naming_format_version_and_the_numbe
     assert "incremental" not in message
 
 
-def test_incremental_at_16384_ranks_is_refused_naming_incremental() -> None:
+def test_incremental_on_format_v2_at_16384_ranks_is_refused_naming_incremental_and_format_version_5() -> None:
     with pytest.raises(ConfigError) as refused:
-        refuse_unloadable(SaveConfig(incremental=True), 16_384, fsdp_tensors(16_384, 1_000))
+        refuse_unloadable(SaveConfig(incremental=True, format_version=2), 16_384, fsdp_tensors(16_384, 1_000))
     message = str(refused.value)
-    assert "save.incremental=true" in message and "set save.incremental=false" in message
-    assert "format_version=5" not in message  # already v5: only the incremental option is to change
+    assert "save.incremental=true" in message and "save.format_version=2" in message
+    assert "set save.format_version=5" in message  # v5 keeps incremental's references in the parts (§10.6)
+
+
+def test_incremental_on_v5_at_16384_ranks_is_not_refused_its_references_live_in_the_parts() -> None:
+    assert not writes_every_chunk(SaveConfig(incremental=True))
+    refuse_unloadable(SaveConfig(incremental=True), 16_384, fsdp_tensors(16_384, 1_000))
 
 
 def test_format_v2_refusal_starts_where_the_manifest_passes_the_readers_bound() -> None:

@@ -138,7 +138,9 @@ def test_an_incremental_checkpoint_retired_while_reachability_is_unknown_is_not_
     then(lambda: machine.edit_manifest_of(step[2]))
     then(machine.save)
     retired = str(tmp_path / "root" / step[1]["name"])
-    assert sorted(os.listdir(retired)) == sorted([".metadata", "__0_0.distcp", COMMIT_RECORD, RETIRED])
+    assert sorted(os.listdir(retired)) == sorted(
+        [".metadata", "__0_0.distcp", "__0_0.part.json", COMMIT_RECORD, RETIRED]
+    )
     assert MANIFEST not in os.listdir(retired)  # uncommitted, its commit record notwithstanding
     assert [c["step"] for c in machine._sound_present()] == [3, 4]
     then(lambda: machine.edit_manifest_of(step[3]))

@@ -30,7 +30,11 @@ def signed_saves(root: Path, private: str, saves: int, between=None) -> tuple[di
     """`saves` signed incremental saves of a LoRA-style model (a frozen base, trainable adapters)."""
     model = Lora(256, rank=16)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
-    config = SaveConfig(incremental=True, run_id="inc", sign=SignConfig(key_path=private), write_events=False)
+    # format_version=2: the collective path's v3, whose manifest lists each referenced file's digest (the parts
+    # format's signed incremental checkpoints, each chunk's digest in its part: test_incremental_parts.py)
+    config = SaveConfig(
+        incremental=True, run_id="inc", sign=SignConfig(key_path=private), write_events=False, format_version=2
+    )
     saver = CheckpointSaver(str(root), config)
     snapshots, results = {}, []
     try:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import CorruptCheckpoint, SignatureRefused
-from . import chunk_layout, groups, parts_manifest
+from . import chunk_layout, groups, part_references, parts_manifest
 from . import manifest as manifest_format
 from . import parts as part_format
 from .file_digests import DIGEST_FIELD
@@ -55,6 +55,8 @@ def read_parts(
                 "may hold; the manifest is damaged"
             )
 
+    listed = part_references.listed(manifest)  # an incremental checkpoint's sibling files (FORMAT.md §10.6)
+
     def read(rank: int) -> tuple[int, dict[str, Any]]:
         name, size, digest = expected[rank]
         path = join(directory, name)
@@ -80,12 +82,26 @@ def read_parts(
                     {"file": name, "tensor": None, "expected": "its rank's shard file", "actual": disagreements[0]}
                 ],
             )
+        if (stray := part_references.unlisted(listed, part)) is not None:
+            raise CorruptCheckpoint(
+                f"{path}: part is invalid: it references {stray}, a file the manifest's references do not list; "
+                "the checkpoint is damaged, load an older one",
+                problems=[{"file": name, "tensor": None, "expected": "listed references", "actual": stray}],
+            )
         return rank, part
 
     if len(wanted) == 1:
         return dict([read(wanted[0])])
     with ThreadPoolExecutor(max_workers=min(threads, len(wanted)), thread_name_prefix="shardckpt-parts") as pool:
         return dict(pool.map(read, wanted))
+
+
+def own_file(chunk: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """A part's chunk record with the file holding its bytes: the part's own shard file, or for an incremental
+    checkpoint's referenced chunk the sibling's file it names (`../<dir>/<file>`, FORMAT.md §10.6)."""
+    if part_references.is_referenced(chunk):
+        return part_references.resolve(chunk, part)
+    return {**chunk, "file": part["file"]}
 
 
 class ChunkIndex:
@@ -176,7 +192,7 @@ class ChunkIndex:
                     f"{list(cell.offsets)} sized {list(cell.sizes)}, which the manifest's layout places there; "
                     "the checkpoint is damaged"
                 )
-            out.append({**chunk, "file": self._parts[cell.rank]["file"]})
+            out.append(own_file(chunk, self._parts[cell.rank]))
         return out
 
     def object_chunk(self, fqn: str) -> dict[str, Any]:
@@ -194,7 +210,7 @@ class ChunkIndex:
                 f"{join(self.directory, part_format.part_filename(rank))}: no object {fqn!r}, which the manifest places "
                 "there; the checkpoint is damaged"
             )
-        return {**chunk, "file": part["file"]}
+        return own_file(chunk, part)
 
     def all_chunks(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(fqn, record) of every tensor chunk and object, like manifest.iter_chunks (v4: reads every part)."""
@@ -203,9 +219,9 @@ class ChunkIndex:
             return
         for _, part in sorted(self.parts(parts_manifest.writing_ranks(self._with_parts(None))).items()):
             for chunk in part[part_format.TENSOR_CHUNKS]:
-                yield chunk["fqn"], {**chunk, "file": part["file"]}
+                yield chunk["fqn"], own_file(chunk, part)
             for chunk in part[part_format.OBJECTS]:
-                yield chunk["fqn"], {**chunk, "file": part["file"]}
+                yield chunk["fqn"], own_file(chunk, part)
 
     def expanded(self) -> dict[str, Any]:
         """The manifest in the v2 shape (tensors with their chunks, objects with their bytes, files): for tools

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, TypeGuard
 
-from . import bounded_json, digest_column
+from . import bounded_json, digest_column, part_references
 from .checksum import checksum_of_checksums
 from .digest_column import BLOCK_DIGESTS as BLOCK_DIGESTS  # signed v5 (FORMAT.md §12.2), re-exported for readers
 from .digest_column import DIGEST as DIGEST
@@ -46,9 +46,12 @@ def build_part(
     verification: dict[str, Any],
     write_s: float | None = None,
 ) -> dict[str, Any]:
-    """A rank's part: its file (size, checksum of its chunks' checksums in file order) and every chunk in it."""
-    in_file_order = sorted(tensor_chunks + objects, key=lambda chunk: chunk["offset"])
-    return {
+    """A rank's part: its file (size, checksum of its chunks' checksums in file order) and every chunk in it (an
+    incremental save's referenced chunks too, given with their holder's `file` and `file_bytes`: their bytes are in a
+    sibling's file, listed once in the part's `holders`, part_references.py)."""
+    holders, tensor_chunks = part_references.compact(tensor_chunks)
+    in_file_order = _own_in_file_order(tensor_chunks + objects)
+    part = {
         "part_version": PART_VERSION,
         "checkpoint_id": checkpoint_id,
         "rank": rank,
@@ -60,6 +63,9 @@ def build_part(
         "verification": verification,
         "write_s": write_s,
     }
+    if holders:
+        part[part_references.HOLDERS] = holders
+    return part
 
 
 def to_bytes(part: dict[str, Any]) -> bytes:
@@ -119,7 +125,8 @@ def part_problems(part: dict[str, Any], *, checkpoint_id: str | None, rank: int 
             return problems
     if problems:
         return problems
-    return _tiling_problems(part)
+    problems = part_references.part_problems(part)  # an incremental part's holders (FORMAT.md §10.6)
+    return problems or _tiling_problems(part)
 
 
 def tensor_index(part: dict[str, Any]) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
@@ -182,8 +189,9 @@ def undigested(part: dict[str, Any]) -> str | None:
 
 def _tiling_problems(part: dict[str, Any]) -> list[str]:
     """The chunks tile the file: sorted by offset, each starts where the last ended, the last ends at its size;
-    and the file checksum is the digest of their checksums in that order (FORMAT.md §3)."""
-    chunks = sorted(part[TENSOR_CHUNKS] + part[OBJECTS], key=lambda chunk: chunk["offset"])
+    and the file checksum is the digest of their checksums in that order (FORMAT.md §3). Referenced chunks are in
+    a sibling's file, not this one (§10.6)."""
+    chunks = _own_in_file_order(part[TENSOR_CHUNKS] + part[OBJECTS])
     position = 0
     for chunk in chunks:
         if chunk["offset"] != position:
@@ -194,6 +202,12 @@ def _tiling_problems(part: dict[str, Any]) -> list[str]:
     if checksum_of_checksums([chunk["checksum"] for chunk in chunks]) != part["file_checksum"]:
         return ["file_checksum is not the digest of the chunks' checksums in file order"]
     return []
+
+
+def _own_in_file_order(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chunks whose bytes are in the part's own file, by offset."""
+    own = [chunk for chunk in chunks if not part_references.is_referenced(chunk)]
+    return sorted(own, key=lambda chunk: chunk["offset"])
 
 
 def _digest(value: Any) -> bool:

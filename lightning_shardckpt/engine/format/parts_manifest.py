@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import chunk_layout
+from . import chunk_layout, part_references
 from .checksum import checksum_of_checksums
 from .file_digests import DIGEST_CHARS as CRYPTO_CHARS  # signed: the fifth column, 64 hex characters a rank
 from .file_digests import NO_DIGEST as NO_CRYPTO
@@ -179,11 +179,8 @@ def layout_problems(manifest: dict[str, Any], world: int, writers: set[int] | No
             names.add(item["fqn"])
         if len(problems) > MAX_PROBLEMS:
             return problems
-    if "references" in manifest:
-        problems.append(
-            f"references is present in a format v{manifest.get('format_version')} manifest (parts-format "
-            "checkpoints reference nothing)"
-        )
+    # an incremental checkpoint's sibling files (FORMAT.md §10.6); the chunks referencing them are in the parts
+    problems.extend(part_references.table_problems(manifest))
     return problems
 
 

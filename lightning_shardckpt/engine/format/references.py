@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from . import part_references
 from .chunk_index import ChunkIndex
 from .entry import load_manifest, read_manifest
 
@@ -23,7 +24,7 @@ from .manifest_schema import REFERENCE_PREFIX as PREFIX
 from .manifest_schema import REFERENCES_FIELD as REFERENCES_FIELD
 from .manifest_schema import is_reference as is_reference
 from .manifest_schema import split_reference as split
-from .names import INCREMENTAL_FORMAT_VERSION, join
+from .names import INCREMENTAL_FORMAT_VERSION, PARTS_FORMAT_VERSION, join
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ def make(sibling: str, file: str) -> str:
 
 
 def referenced_files(manifest: dict[str, Any]) -> dict[str, set[str]]:
-    """Sibling directory -> files of it that `manifest` references."""
+    """Sibling directory -> files of it that `manifest` references (v3: by path; v4/v5: holder ranks per
+    directory, part_references.py)."""
+    if (manifest.get("format_version") or 0) >= PARTS_FORMAT_VERSION:
+        return part_references.files(manifest)
     out: dict[str, set[str]] = {}
     for item in manifest.get(REFERENCES_FIELD) or []:
         path = item.get("path") if isinstance(item, dict) else None
@@ -53,15 +57,17 @@ def referenced_bytes(manifest: dict[str, Any]) -> int:
 def pinned_files(location: Any, entries: list[Any], keep: set[str] | None = None) -> dict[str, set[str]]:
     """Directory -> files that a committed checkpoint (of `keep`, if given: names) still references.
 
-    One reachability computation for retention and gc. Only format-v3 checkpoints hold references, so
-    only their manifests are read.
+    One reachability computation for retention and gc. Only incremental checkpoints hold references (format v3,
+    or v4/v5 whose commit record counts referenced bytes), so only their manifests are read; a v4/v5 manifest
+    lists its sibling files itself (FORMAT.md §10.6), no part is read.
     """
     pinned: dict[str, set[str]] = {}
     for entry in entries:
         if not entry.committed or (keep is not None and entry.name not in keep):
             continue
-        if (entry.record or {}).get("format_version") != INCREMENTAL_FORMAT_VERSION:
-            continue  # only v3 checkpoints reference anything (v4 ones are full saves)
+        record = entry.record or {}
+        if record.get("format_version") != INCREMENTAL_FORMAT_VERSION and not record.get("bytes_referenced"):
+            continue  # a full save references nothing (an incremental one on parts records its referenced bytes)
         try:
             manifest = read_manifest(location.fs, entry)
         except Exception:  # a damaged manifest: be conservative, its references cannot be known

@@ -549,7 +549,7 @@ def _check_grouped(fs: Any, directory: str, manifest: dict[str, Any], ranks: lis
     """Signed v5 (FORMAT.md §12.2): the group tables of `ranks` (None: every rank) against the manifest's
     `table_digests`, their parts against the tables' `part_digests`, each shard file against its part's chunk
     digests, read whole; bytes hashed. SignatureRefused naming the file and the key otherwise."""
-    from .chunk_digests import shard_chunk_problem
+    from .chunk_digests import referenced_chunk_problem, shard_chunk_problem
     from .chunk_index import read_parts
     from .names import shard_filename
 
@@ -568,6 +568,15 @@ def _check_grouped(fs: Any, directory: str, manifest: dict[str, Any], ranks: lis
             raise SignatureRefused(
                 f"{shard_path}: its {algorithm} digest differs from its part's (signed through its group table and the "
                 f"manifest by key {kid[:16]}) at its chunk {problem}; the file was changed"
+            )
+        # incremental (FORMAT.md §10.6): each referenced chunk against the digest this part copied when it was written
+        holder, problem, nbytes = referenced_chunk_problem(fs, directory, part, algorithm)
+        hashed += nbytes
+        if problem is not None:
+            raise SignatureRefused(
+                f"{holder}: its {algorithm} digest differs from the part of rank {rank} that references it (signed "
+                f"through its group table and the manifest by key {kid[:16]}) at its chunk {problem}; the file was "
+                "changed"
             )
     return hashed
 

@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..format import chunk_layout, parts_manifest
+from ..format import chunk_layout, part_references, parts_manifest
 from ..format.chunk_index import ChunkIndex
+from ..format.manifest_schema import is_reference
 from ..format.parts import BLOCK_DIGESTS, BLOCKS_FIELD, DIGEST
 from ..gc_pause import gc_paused
 from .global_tensors import dtype_of
@@ -131,6 +132,7 @@ def _plan_boxes(
     checksums: dict[tuple[str, int], tuple[str, str]] = {}
     blocks: dict[tuple[str, int], tuple[int, list[str]]] = {}
     digests: dict[tuple[str, int], tuple[str, list[str] | None]] | None = {} if signed_by is not None else None
+    referenced_bytes: dict[str, int] = {}  # incremental (FORMAT.md §10.6): each sibling file read, its size
     for fqn, cells in wanted_cells.items():
         tensor = tensors[fqn]
         chunks = []
@@ -144,6 +146,8 @@ def _plan_boxes(
             checksums[(record["file"], record["offset"])] = (record["checksum"], fqn)
             if digests is not None:
                 digests[(record["file"], record["offset"])] = _digests_of(record)
+            if is_reference(record["file"]):  # incremental (a sibling's file): its size, as the part copied it
+                referenced_bytes[record["file"]] = record[part_references.HOLDER_BYTES]
             if BLOCKS_FIELD in record:
                 blocks[(record["file"], record["offset"])] = (
                     record[BLOCKS_FIELD]["size"],
@@ -180,6 +184,7 @@ def _plan_boxes(
         expected_digests=digests,
         file_bytes={
             **(shared.file_bytes if shared is not None else {}),
+            **referenced_bytes,
             **{part["file"]: part["file_bytes"] for part in held.values()},
         },
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..collectives import gather_to, gather_to_coordinator, rank_and_world
-from ..format import groups
+from ..format import groups, part_references
 from ..format.names import join
 from ..storage import fsio
 from .part_summary import PartSummary, PickledAsValues, summary_problems
@@ -48,6 +48,7 @@ class GroupSummary(PickledAsValues):
     nonfinite: list[str] = field(default_factory=list)
     slowest: dict[str, Any] | None = None  # its slowest writer's {rank, bytes, write_s, write_gbps}
     parts: list[tuple[int, dict[str, Any] | None]] | None = None  # (rank, part): only when rank 0 writes .metadata
+    referenced: list[dict[str, Any]] = field(default_factory=list)  # incremental: its ranks' references table
 
 
 def gather_groups(
@@ -157,6 +158,7 @@ def _write_table(
     own.verified_chunks = sum(s.verified_chunks for s in members)
     own.verified_bytes = sum(s.verified_bytes for s in members)
     own.nonfinite = sorted({fqn for s in members for fqn in s.nonfinite})
+    own.referenced = part_references.references_table(entry for s in members for entry in s.referenced)
     timed = [(s.file_bytes / s.write_s, s) for s in written if s.write_s and s.file_bytes is not None]
     if timed:
         rate, slowest = min(timed, key=lambda pair: pair[0])

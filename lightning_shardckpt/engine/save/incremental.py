@@ -73,8 +73,18 @@ class ChangeTracker:
     and incremental detects nothing there: leave it off for such strategies.
     """
 
+    # why plan() returned a full save (None: it did not): what the saver logs, so incrementality is never lost silently
+    NEW_SAVER = (
+        "this saver has written no checkpoint yet: a new saver (a restarted job) cannot prove a tensor unchanged since "
+        "a checkpoint it did not write, so its first save is full and the chain continues from it (FORMAT.md §9)"
+    )
+    AFTER_FAILURE = "the previous save did not commit (or the run resumed): nothing it wrote can be referenced"
+    EVERY_N = "save.full_every_n={n}: every {n}-th save is full, so references reach back at most {m} saves"
+
     def __init__(self, full_every_n: int) -> None:
         self.full_every_n = full_every_n
+        self.full_because: str | None = None
+        self._reset = False  # reset() since the last plan: a failure, not a new saver
         self._last: dict[str, Key] | None = None
         self._held: list = []
         self._since_full = 0  # incremental saves since the last full one
@@ -84,16 +94,23 @@ class ChangeTracker:
         """The next save is full (the last save failed, or the run resumed)."""
         self._last = None
         self._held = []
+        self._reset = True
 
     def plan(self, state: Any) -> frozenset[str]:
         held: list = []
         now = signatures(state, held=held)
-        self._before_plan = (self._last, self._held, self._since_full)
+        self._before_plan = (self._last, self._held, self._since_full, self._reset)
         last, self._last = self._last, now
         self._held = held  # the previous save's storages are released only now, after the comparison
+        reset, self._reset = self._reset, False
         if last is None or self._since_full + 1 >= self.full_every_n:
+            if last is None:
+                self.full_because = self.AFTER_FAILURE if reset else self.NEW_SAVER
+            else:
+                self.full_because = self.EVERY_N.format(n=self.full_every_n, m=self.full_every_n - 1)
             self._since_full = 0
             return frozenset()
+        self.full_because = None
         self._since_full += 1
         return frozenset(key for key, signature in now.items() if last.get(key) == signature)
 
@@ -102,5 +119,5 @@ class ChangeTracker:
         "the last save". Kept, that plan would have the next save reference tensors that changed since the
         last checkpoint written, which holds their older values."""
         if self._before_plan is not None:
-            self._last, self._held, self._since_full = self._before_plan
+            self._last, self._held, self._since_full, self._reset = self._before_plan
             self._before_plan = None

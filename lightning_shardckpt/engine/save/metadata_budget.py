@@ -1,11 +1,12 @@
 """Refuse before writing: a save whose checkpoint no reader could load is refused before anything of it is written.
 
-Saves that take DCP's collective path — incremental saves (format v3) and `format_version=2` — record every chunk
+Saves that take DCP's collective path — `format_version=2` (full v2, incremental v3) and signed incremental saves on
+`format_version=4` (metadata_budget.writes_every_chunk) — record every chunk
 of every tensor in the manifest (docs/FORMAT.md §5), and the readers parse a manifest only up to
 `bounded_json.MANIFEST_MAX_BYTES` (1 GiB): above it the checkpoint is written, committed and never loadable. With
 FSDP every tensor is a chunk per rank, so the manifest grows with ranks x tensors: 16,384 ranks x 1,000 tensors is
 16.4 M chunks, ~3.5 GB of manifest (and a ~1.3 GB `.metadata` every rank unpickles). The flat formats (v4/v5) list
-ranks and tensors, never chunks, and are not limited here.
+ranks and tensors, never chunks (an incremental save's references are in the parts), and are not limited here.
 
 What a save will write is known on the training thread before anything is: the world size and, from the state
 dict, each tensor's global shape, element size and the number of chunks its placements cut it into. From those
@@ -28,7 +29,7 @@ from ...errors import ConfigError
 from ..config import SaveConfig
 from ..format.bounded_json import MANIFEST_MAX_BYTES
 from ..format.checksum import block_size_for
-from ..format.names import PARTS_FORMAT_VERSION
+from ..format.names import GROUPS_FORMAT_VERSION, PARTS_FORMAT_VERSION
 
 # The v2/v3 manifest's size (manifest.to_bytes: JSON, indent 1, sorted keys), in bytes:
 #   HEADER + FILE x world + sum over tensors of (TENSOR + len(fqn) + SHAPE_DIM x ndim
@@ -65,8 +66,13 @@ class MetadataSize:
 
 
 def writes_every_chunk(config: SaveConfig) -> bool:
-    """Whether saves under `config` take DCP's collective path, whose manifest lists every chunk (v2, v3)."""
-    return config.incremental or config.format_version < PARTS_FORMAT_VERSION
+    """Whether saves under `config` take DCP's collective path, whose manifest lists every chunk (v2, v3): a
+    format_version before v4, or a signed incremental save on v4 (a signed v4 part digests its whole shard file, so
+    a chunk referenced in another file would have no digest; v5 digests each chunk: FORMAT.md §12.2). Incremental
+    saves on v5 (and unsigned on v4) reference unchanged chunks from the parts (§10.6)."""
+    if config.format_version < PARTS_FORMAT_VERSION:
+        return True
+    return config.incremental and config.sign.enabled and config.format_version < GROUPS_FORMAT_VERSION
 
 
 def tensors_of(state_dict: dict[str, Any]) -> list[TensorShape]:
@@ -116,11 +122,10 @@ def refuse_unloadable(config: SaveConfig, world: int, tensors: list[TensorShape]
     why = []
     if config.incremental:
         why.append("save.incremental=true (its references are per chunk)")
-    if config.format_version < PARTS_FORMAT_VERSION:
-        why.append(f"save.format_version={config.format_version}")
-    fixes = ["save.incremental=false"] if config.incremental else []
-    if config.format_version < PARTS_FORMAT_VERSION:
-        fixes.append("save.format_version=5 (per-rank parts: a manifest flat in ranks; 4 for readers older than v5)")
+    why.append(f"save.format_version={config.format_version}" + (" and signing" if config.sign.enabled else ""))
+    # v5 keeps a manifest flat in ranks, incremental and signed included (references live in the parts: §10.6)
+    older = "" if config.incremental and config.sign.enabled else "; 4 for readers older than v5"
+    fixes = [f"save.format_version=5 (per-rank parts: a manifest flat in ranks{older})"]
     raise ConfigError(
         f"{' with '.join(why)} writes every chunk in the manifest: {world:,} ranks x {len(tensors):,} tensors is "
         f"{size.chunks:,} chunks, a manifest of ~{_gib(size.manifest_bytes)} (and a ~{_gib(size.dcp_metadata_bytes)} "

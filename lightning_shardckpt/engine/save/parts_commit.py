@@ -33,10 +33,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CommitFailed
-from ..format import chunk_layout, groups, parts_manifest, signing
+from ..format import chunk_layout, groups, part_references, parts_manifest, signing
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format.checksum import checksum
+from ..format.chunk_index import own_file
 from ..format.names import DCP_METADATA, join
 from ..format.safe_pickle import DCP_METADATA_FIELD
 from ..gc_pause import gc_paused
@@ -123,6 +124,8 @@ class PartsCommitter:
             **facts.tables,
             **fields,
         )
+        if facts.references:  # incremental (FORMAT.md §10.6): the sibling files its parts reference
+            manifest[part_references.REFERENCES_FIELD] = facts.references
         written = facts.written
         if target.sign is not None and target.sign.enabled:
             manifest[signing.DIGEST_FIELD] = target.sign.digest
@@ -161,6 +164,7 @@ class CommitFacts:
     verification: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, Any] = field(default_factory=dict)  # build_parts_manifest's parts= (v4) or group_table= (v5)
     written: dict[int, PartSummary] = field(default_factory=dict)  # v4: per writing rank (signing)
+    references: list[dict[str, Any]] = field(default_factory=list)  # incremental: the manifest's `references`
 
 
 def _rank_facts(summaries: list[PartSummary | None], layout: SaveLayout, verify_mode: str) -> CommitFacts:
@@ -193,6 +197,7 @@ def _rank_facts(summaries: list[PartSummary | None], layout: SaveLayout, verify_
             )
         },
         written=written,
+        references=part_references.references_table(entry for s in written.values() for entry in s.referenced),
     )
 
 
@@ -227,6 +232,7 @@ def _group_facts(summaries: list[GroupSummary | None], layout: SaveLayout, size:
         nonfinite={fqn for s in sent for fqn in s.nonfinite},
         verification=_verification(verify_mode, sent),
         tables={"group_table": groups.groups_table(layout.world_size, size, entries)},
+        references=part_references.merge_tables(s.referenced for s in sent),
     )
 
 
@@ -240,7 +246,7 @@ def dcp_metadata(layout: SaveLayout, parts: list[tuple[int, dict[str, Any] | Non
             raise CommitFailed(f"rank {rank} did not send its part, which DCP's .metadata needs")
         for chunk in part[part_format.TENSOR_CHUNKS]:
             located[(chunk["fqn"], tuple(chunk["offsets"]))] = _StorageInfo(
-                part["file"], chunk["offset"], chunk["length"]
+                own_file(chunk, part)["file"], chunk["offset"], chunk["length"]
             )
         for chunk in part[part_format.OBJECTS]:
             located[(chunk["fqn"], ())] = _StorageInfo(part["file"], chunk["offset"], chunk["length"])

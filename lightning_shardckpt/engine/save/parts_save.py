@@ -18,6 +18,7 @@ import logging
 import random
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ...errors import CommitFailed, CorruptCheckpoint
 from ..collectives import broadcast_from_coordinator, gather_to_coordinator, rank_and_world
 from ..config import SaveConfig
-from ..format import chunk_layout, signing
+from ..format import chunk_layout, part_references, signing
 from ..format import parts as part_format
 from ..format.checksum import checksum
 from ..format.names import join
@@ -37,6 +38,9 @@ from .part_summary import PartSummary
 from .save_layout import TENSOR, SaveLayout
 
 log = logging.getLogger(__name__)
+
+# incremental: (fqn, chunk offsets) -> the record of an unchanged chunk to reference (file: its holder)
+References = dict[tuple[str, tuple[int, ...]], dict[str, Any]]
 
 
 class SaveRefused(CommitFailed):
@@ -49,6 +53,7 @@ class RankOutcome:
 
     stats: dict[str, Any]
     summary: PartSummary
+    part: dict[str, Any] | None = None  # this rank's part as written (None: it wrote none): an incremental base
 
 
 def save_parts(
@@ -63,6 +68,7 @@ def save_parts(
     commit: Any,  # parts_commit.PartsCommitter, called on rank 0 with every summary (v5: every group's)
     fault_hook: FaultHook | None = None,
     group_size: int | None = None,  # format v5's ranks per group (group_summaries.py); None: format v4
+    references: References | None = None,  # incremental: this rank's unchanged chunks, referenced (§10.6)
 ) -> RankOutcome:
     """Write this rank's shard and part, then commit on rank 0; raises SaveRefused (every rank alike) when the
     checkpoint did not commit, or the collective's error when a peer died."""
@@ -72,13 +78,14 @@ def save_parts(
     try:
         # signed v5: a digest per chunk (each rank checks what it reads); signed v4 (format_version 4): one per file
         chunk_digests = config.sign.enabled and group_size is not None
-        written = _write(state_dict, layout, fs, directory, rank, config, fault, chunk_digests)
+        written = _write(state_dict, layout, fs, directory, rank, config, fault, chunk_digests, references or {})
         stats = written.stats
-        summary = _summarize(written, layout, fs, directory, checkpoint_id, rank, config)
+        summary, part = _summarize(written, layout, fs, directory, checkpoint_id, rank, config)
         fault("before_receipt")
     except Exception as err:  # reported to the coordinator, which refuses the commit, naming it
         log.error("rank %d: writing its part of %s failed: %s", rank, directory, err)
         summary = PartSummary(rank, layout.digest, error=f"rank {rank}: {type(err).__name__}: {err}")
+        part = None
         summary_error: Exception | None = err
     else:
         summary_error = None
@@ -109,7 +116,7 @@ def save_parts(
     verdict = broadcast_from_coordinator("commit-verdict", verdict, group)
     if verdict is not None:
         raise SaveRefused(verdict) from summary_error
-    return RankOutcome(stats, summary)
+    return RankOutcome(stats, summary, part)
 
 
 def _write(
@@ -121,6 +128,7 @@ def _write(
     config: SaveConfig,
     fault: FaultHook,
     chunk_digests: bool = False,
+    references: References | None = None,
 ) -> RankWrite:
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, StorageMeta(checkpoint_id=directory), rank == 0)
@@ -144,12 +152,26 @@ def _write(
         digest=digest,
         direct_io=config.direct_io,
         chunk_digests=chunk_digests,
+        reference_of=partial(reference_of, references or {}),
+        always_file=True,  # a rank referencing every chunk still has a part, which needs its (empty) file
     )
 
 
 def _holds_nothing(item: Any) -> bool:
     """A tensor write item whose chunk holds no element (objects always hold their bytes)."""
     return item.tensor_data is not None and not chunk_layout.holds_elements(tuple(item.tensor_data.chunk.sizes))
+
+
+def reference_of(references: References, item: Any) -> dict[str, Any] | None:
+    """The record to reference for write item `item` (None: write it): an unchanged tensor chunk of this rank whose
+    earlier record has the same offsets and sizes. An empty chunk is written (0 bytes), never referenced: it would
+    pin a file for nothing."""
+    if item.tensor_data is None or not references:
+        return None
+    entry = references.get((item.index.fqn, tuple(item.index.offset)))
+    if entry is None or list(entry["sizes"]) != list(item.tensor_data.chunk.sizes) or entry["length"] == 0:
+        return None
+    return entry
 
 
 def _check_own_chunks(items: list[Any], layout: SaveLayout, rank: int) -> None:
@@ -176,10 +198,10 @@ def _summarize(
     checkpoint_id: str,
     rank: int,
     config: SaveConfig,
-) -> PartSummary:
+) -> tuple[PartSummary, dict[str, Any] | None]:
     summary = PartSummary(rank, layout.digest, chunks=len(written.receipts), write_s=written.stats.get("write_s"))
     if written.relative is None:
-        return summary  # nothing to write: no file, no part
+        return summary, None  # nothing to write: no file, no part
     path = join(directory, written.relative)
     # the stored size, checked by the rank that wrote it (all ranks in parallel, not N requests on rank 0): as the
     # read-back found it, else one HEAD
@@ -196,6 +218,9 @@ def _summarize(
             "length": receipt.length,
             "checksum": receipt.checksum,
         }
+        if receipt.reference:  # incremental: the bytes are in a sibling's file (FORMAT.md §10.6)
+            record[part_references.FILE] = receipt.relative_path
+            record[part_references.HOLDER_BYTES] = receipt.file_bytes
         if receipt.crypto is not None:  # signed v5: bound by the part's digest in its group table
             record[part_format.DIGEST] = receipt.crypto[0]
         if item.tensor_data is None:
@@ -212,7 +237,7 @@ def _summarize(
             if not receipt.finite:
                 summary.nonfinite.append(item.index.fqn)
         tensor_chunks.append(record)
-    receipts = [receipt for _, receipt in written.receipts]
+    receipts = [receipt for _, receipt in written.receipts if not receipt.reference]  # this save's own bytes
     verified = [r for r in receipts if r.verified]
     verification: dict[str, Any] = {
         "mode": config.verify.mode,
@@ -244,6 +269,7 @@ def _summarize(
     summary.verified_chunks = verification["chunks_verified"]
     summary.verified_bytes = verification["bytes_verified"]
     summary.bytes_total = verification["bytes_total"]
+    summary.referenced = part_references.reference_entries(part)
     if layout.chunk_count() <= config.dcp_metadata_max_chunks:
         summary.part = part
-    return summary
+    return summary, part

@@ -35,6 +35,7 @@ from ..storage.fsio import Location
 from ..storage.writer import FaultHook, ShardWriter
 from . import save_layout
 from .commit import CheckpointTarget, Committer
+from .incremental_base import IncrementalBase
 from .metadata_budget import writes_every_chunk
 from .parts_commit import PartsCommitter
 from .parts_save import SaveRefused, save_parts
@@ -60,6 +61,7 @@ class SaveResult:
     ranks: list[dict[str, Any]] = field(
         default_factory=list
     )  # coordinator, committed: every rank's bytes/write_s/write_gbps
+    part: dict[str, Any] | None = None  # flat format, committed: this rank's part (the next incremental's base)
 
 
 @dataclass
@@ -73,7 +75,11 @@ class SaveMeta:
     # flattened keys whose replicas are bit-identical on every rank (e.g. DDP parameters): their writes
     # may be spread across ranks; every other replicated item is written by rank 0 (see RankZeroSavePlanner)
     identical: Callable[[str], bool] | None = None
-    # incremental: (fqn, chunk offsets) -> chunk record of an unchanged chunk to reference (references.chunk_map)
+    # incremental: what this save builds on (the previous commit, this rank's own part of it); the path taken
+    # below decides how its unchanged chunks are referenced (incremental_base.py)
+    base: IncrementalBase | None = None
+    # set here from `base` for DCP's collective path (v3): (fqn, chunk offsets) -> chunk record of an unchanged
+    # chunk to reference (references.chunk_map)
     references: dict[Any, dict[str, Any]] | None = None
     # incremental and signed, the coordinator: referenced path ('../<dir>/<file>') -> that file's digest, from the
     # manifest the coordinator committed (and signed) before, held in memory: never re-read from storage, where
@@ -96,14 +102,15 @@ def persist_checkpoint(
     `lineage_from`: other roots this run commits to (tiers' degraded mode: the fast tier), whose commits the
     new one's `seq` and parent continue (commit.py `lineage`).
 
-    A full save whose ranks agree on the layout is written in format v4 (parts_save.py: no global plan, rank
-    0's commit is O(ranks)); the saves of an incremental run, `format_version=2`, or ranks holding different keys
-    or layouts go through DCP's collective planning and commit format v2/v3 (as every save did before v4).
+    A save whose ranks agree on the layout is written in format v4/v5 (parts_save.py: no global plan, rank 0's
+    commit is O(ranks) or O(groups)); an incremental one references its unchanged chunks from each rank's part
+    (FORMAT.md §10.6). `format_version=2` (or 3), a signed incremental `format_version=4` (whose parts digest whole
+    files, not chunks), or ranks holding different keys or layouts go through DCP's collective planning and commit
+    format v2/v3 (as every save did before v4).
     """
     started = time.perf_counter()
     retries_before = _retries()
-    # an incremental run stays on DCP's collective path (v2 full, v3 incremental): references are per chunk
-    flat = not writes_every_chunk(config) and meta.references is None
+    flat = not writes_every_chunk(config)
     layout = save_layout.describe(state_dict, group, meta.identical) if flat else None
     # collective "checkpoint-id": all ranks must write into the same fresh directory, and learn whether every
     # rank derived the same layout (then none needs DCP's global plan)
@@ -136,8 +143,11 @@ def persist_checkpoint(
             fault_hook,
             group_size=_group_size(config, layout.world_size),
         )
-        stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result)
+        stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result, meta)
     else:
+        if meta.base is not None:  # v3: references per chunk in the manifest, from the base read from storage
+            meta.references = meta.base.chunk_map(root)
+            meta.reference_digests = meta.base.digests
         committer = Committer(target, fault_hook, meta.reference_digests)
         stats = _persist_collectively(root, group, config, state_dict, target, meta, committer, fault_hook, result)
     if result.error is not None and not config.keep_failed_attempts and committer.manifest is None:
@@ -178,9 +188,12 @@ def _persist_parts(
     committer: PartsCommitter,
     fault_hook: FaultHook | None,
     result: SaveResult,
+    meta: SaveMeta,
 ) -> dict[str, Any]:
     """Format v4: every rank writes its shard and part; rank 0 commits from the ranks' summaries."""
     try:
+        # incremental: this rank's unchanged chunks, referenced from its own part of the base (no collective)
+        references = meta.base.part_references(root) if meta.base is not None else None
         outcome = save_parts(
             state_dict,
             layout,
@@ -192,6 +205,7 @@ def _persist_parts(
             commit=committer,
             fault_hook=fault_hook,
             group_size=committer.group_size,
+            references=references,
         )
     except (ShardCkptError, OSError, RuntimeError) as err:
         _failed(result, target, err, group)
@@ -199,6 +213,7 @@ def _persist_parts(
     result.committed = True
     result.manifest = committer.manifest
     result.ranks = committer.ranks
+    result.part = outcome.part
     # what this rank put on storage: its shard file and its part (the checkpoint's bytes_total counts both)
     return {**outcome.stats, "bytes": outcome.stats.get("bytes", 0) + (outcome.summary.part_bytes or 0)}
 

@@ -28,7 +28,6 @@ from .. import metrics, ownership
 from ..collectives import is_distributed, new_checkpoint_group, rank_and_world
 from ..config import SaveConfig
 from ..format import manifest as manifest_format
-from ..format import references as refs
 from ..format.listed_digests import reference_digests_of
 from ..format.names import OWNER, checkpoint_dirname
 from ..metrics import CheckpointRecord, RunCounters
@@ -37,6 +36,7 @@ from ..storage.fsio import Location
 from ..storage.writer import FaultHook
 from . import metadata_budget
 from .incremental import ChangeTracker
+from .incremental_base import IncrementalBase
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import DeferredCopy, StagingBuffers
 
@@ -136,6 +136,9 @@ class CheckpointSaver:
         # signed incremental saves, the coordinator: the digests the base's manifest recorded, as this process
         # committed and signed them (listed_digests.reference_digests_of), never re-read from storage
         self._base_digests: dict[str, str] | None = None
+        # incremental saves on the flat format, every rank: the part it wrote for the base, in memory (its unchanged
+        # chunks are referenced from these records, never from storage: incremental_base.py)
+        self._base_part: dict[str, Any] | None = None
         self._fault_hook = fault_hook
         self._requested = False  # a save was requested (the root may then hold this run's checkpoints)
 
@@ -191,6 +194,8 @@ class CheckpointSaver:
                     self._base_failed = False
                     self._tracker.reset()
                 unchanged = self._tracker.plan(state_dict)
+                if self._tracker.full_because is not None and self.rank == 0:
+                    log.info("rank 0: incremental: step %d is a full save: %s", step, self._tracker.full_because)
             # synchronous: the caller waits for the write, so the live state is consistent without a copy
             staged = (
                 slot.stage(state_dict, defer if self.config.overlap_staging else None, unchanged)
@@ -401,8 +406,7 @@ class CheckpointSaver:
                         f"step {job.step}: incremental save, but the save it builds on did not commit; "
                         "its unchanged tensors were not copied, so it cannot be written. The next save is full"
                     )
-                job.meta.references = refs.chunk_map(refs.read_base(self.root, self._base), self._base, job.unchanged)
-                job.meta.reference_digests = self._base_digests
+                job.meta.base = IncrementalBase(self._base, job.unchanged, self._base_part, self._base_digests)
             result = persist_checkpoint(
                 self.root,
                 self.group,
@@ -418,10 +422,11 @@ class CheckpointSaver:
             result = SaveResult(step=job.step, checkpoint_id=None, path=None, committed=False, error=err)
         finally:
             job.state = {}
-            job.meta.references = job.meta.reference_digests = None
+            job.meta.references = job.meta.reference_digests = job.meta.base = None
         if self._tracker is not None:  # before the slot is free: the next request sees whether it may reference
             committed_id = result.checkpoint_id if result.committed else None  # a commit has its id
             self._base = checkpoint_dirname(job.step, committed_id) if committed_id is not None else None
+            self._base_part = result.part if result.committed else None  # flat format: this rank's own records
             base, manifest = self._base, result.manifest
             if base is not None and manifest is not None and self.config.sign.enabled:
                 self._base_digests = reference_digests_of(manifest, base)

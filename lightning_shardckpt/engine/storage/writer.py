@@ -217,9 +217,12 @@ def write_rank_file(
     digest: str | None = None,
     direct_io: bool = False,
     chunk_digests: bool = False,
+    always_file: bool = False,
 ) -> RankWrite:
     """Write `plan_items` (DCP write items) as this rank's shard file, checksumming every chunk as it streams,
-    then read back what `verify` asks for. Unchanged chunks an incremental save references are not written.
+    then read back what `verify` asks for. Unchanged chunks an incremental save references are not written;
+    `always_file` (the parts format, whose part lists a rank's referenced chunks): a rank that references every
+    chunk still writes its (empty) shard file, so that it has a part like every rank holding chunks.
     `digest` (signing on: "blake3" or "sha256"): also the file's digest, in the same streaming pass; with
     `chunk_digests` (a signed v5 save) each chunk's digest instead, so a reader checks the chunks it reads. `direct_io`:
     the file is written past the page cache where the storage allows it (direct_file.py).
@@ -244,7 +247,7 @@ def write_rank_file(
         [item for item, ref in referenced if ref is None], key=lambda item: item.type != WriteItemType.BYTE_IO
     )
     reference_receipts = [(item, _reference_receipt(ref)) for item, ref in referenced if ref is not None]
-    if not items:
+    if not items and not (always_file and reference_receipts):
         stats["chunks"] = len(reference_receipts)
         return RankWrite(reference_receipts, stats)
     whole_file = signing.new_digest(digest) if digest and not chunk_digests else None
@@ -416,17 +419,20 @@ class ShardWriter(StorageWriter):
 def _reference_receipt(entry: dict[str, Any]) -> ChunkReceipt:
     """The receipt of an unchanged chunk: the earlier checkpoint's record of it, byte for byte."""
     blocks = entry.get("blocks")
+    digest = entry.get("digest")  # signed v5: the holder's chunk digests, as its writer recorded them
+    block_digests = blocks.get("digests") if blocks else None
     return ChunkReceipt(
         entry["file"],
         entry["offset"],
         entry["length"],
         entry["checksum"],
-        0,
+        entry.get("file_bytes", 0),  # the holder file's size (parts format: its part's record says it)
         False,
         entry.get("finite"),
         None,
         (blocks["size"], tuple(blocks["checksums"])) if blocks else None,
         reference=True,
+        crypto=(digest, tuple(block_digests) if block_digests is not None else None) if digest is not None else None,
     )
 
 
