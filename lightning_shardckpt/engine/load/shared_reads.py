@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CorruptCheckpoint
-from ..format import chunk_layout, parts_manifest
+from ..format import chunk_layout, part_references, parts_manifest
 from ..format.chunk_index import ChunkIndex
+from ..format.manifest_schema import is_reference
 from ..format.names import join
 from ..format.safe_pickle import check_inside
 from ..storage.chunk_reads import InMemoryShard, ShardFile
@@ -115,12 +116,20 @@ def read_shared(index: ChunkIndex, fqns: list[str]) -> SharedChunks:
             ) from err
         try:
             shared.stored_bytes[file] = shard.size
-            shared.file_bytes[file] = held[file]
+            shared.file_bytes[file] = _recorded_size(records[0], held)
             shared.spans[file] = [_read_run(shard, run) for run in _runs(records)]
         finally:
             shard.close()
     log.debug("read %d shared item(s) for every rank: %d run(s)", len(fqns), sum(map(len, shared.spans.values())))
     return shared
+
+
+def _recorded_size(record: dict[str, Any], held: dict[str, int]) -> int:
+    """The size the parts record for the file holding `record`: its own part's, or for an incremental checkpoint's
+    referenced chunk (a sibling's file) the holder's size its part copied (FORMAT.md §10.6)."""
+    if is_reference(record["file"]):
+        return int(record[part_references.HOLDER_BYTES])
+    return held[record["file"]]
 
 
 def _runs(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
