@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import statistics
@@ -60,6 +61,7 @@ from lightning_shardckpt.engine.save.part_summary import PartSummary
 from lightning_shardckpt.engine.save.parts_commit import PartsCommitter
 from lightning_shardckpt.engine.save.save_layout import OBJECT, TENSOR, ItemLayout, SaveLayout
 from lightning_shardckpt.engine.storage import fsio
+from lightning_shardckpt.engine.storage.coalesced_reads import RUN_MAX_BYTES, SMALL_CHUNK_BYTES
 
 TP = 8  # the 2-D mesh's tensor-parallel size
 # a decoder layer's shapes, 70B-class: q/o [8192, 8192], k/v [1024, 8192], up/gate [28672, 8192], down [8192, 28672],
@@ -175,7 +177,7 @@ def part_of_rank(
         for cell in _cells_of_rank(item, rank):
             if not chunk_layout.holds_elements(cell.sizes):
                 continue  # no record for a chunk of no element (parts_save._holds_nothing, FORMAT.md §10.1)
-            length = 1600 + 2 * _prod(cell.sizes)
+            length = chunk_bytes(cell.sizes)
             record = {
                 "fqn": item.fqn,
                 "offsets": list(cell.offsets),
@@ -323,13 +325,27 @@ def manifest_lists(layout: SaveLayout) -> dict[str, Any]:
     }
 
 
+def chunk_bytes(sizes: Any) -> int:
+    """A stand-in chunk's stored bytes: a record's ~1.6 KB of zip framing and a bf16 payload."""
+    return 1600 + 2 * _prod(sizes)
+
+
+def _coalesced_requests(chunks: int, small: tuple[int, int]) -> int:
+    """Range requests for `chunks` chunks of one file, `small` = (how many, their bytes) of them small: those in
+    runs of at most RUN_MAX_BYTES (storage/coalesced_reads.py; a rank's cells of one old rank are neighbours in its
+    file: exact when it reads all of them, as FSDP2 halving and a same-mesh 2-D resume do), each larger one alone."""
+    count, nbytes = small
+    return chunks - count + math.ceil(nbytes / RUN_MAX_BYTES)
+
+
 def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict[str, Any]:
     """Every rank of the resume's new world (resume_targets'), and what it reads: the parts, shard files and
     group tables of the old ranks whose stored cells overlap its boxes (chunk_layout.cells_within, as the plan
     takes them), and on the coordinator also the writers' of what it reads for every rank (shared_reads.
     shared_items); `before`: as a resume read before issue 46, each rank reading the shared items itself. Per
     kind of file: the most ranks reading one file, how many files every rank reads, and the most requests one
-    rank makes to one file (a table or part: once; a shard file: one range read per chunk it reads there).
+    rank makes to one file (a table or part: once; a shard file: one range read per run of small neighbouring
+    chunks and per larger chunk; before: per chunk).
     Tensors sharing a layout and shape share a box per rank: computed once per such pattern."""
     new_world, _, _ = resume_targets(kind, layout)
     shared = set(shared_items(manifest_lists(layout), set(layout.items)))
@@ -348,19 +364,25 @@ def resume_fanout(kind: str, layout: SaveLayout, group_size: int | None) -> dict
     most_chunks = {"now": 0, "before": 0}  # range reads of one rank to one shard file
     total = {"now": 0, "before": 0}  # every GET of the resume: tables, parts and shard range reads, all ranks
     for rank in range(new_world):
-        per_file: Counter = Counter()
+        per_file: Counter = Counter()  # chunks this rank reads from each old rank's shard file
+        small: dict[int, tuple[int, int]] = {}  # of which small ones (coalesced_reads.SMALL_CHUNK_BYTES): count, bytes
         for item, times in patterns.values():
             box = boxes_of(kind, [item], new_world, rank)[item.fqn]
             if box is None:
                 continue
             for cell in chunk_layout.cells_within(item.tensor_layout, item.shape, box):
                 per_file[cell.rank] += times
+                if chunk_bytes(cell.sizes) <= SMALL_CHUNK_BYTES:
+                    count, nbytes = small.get(cell.rank, (0, 0))
+                    small[cell.rank] = (count + times, nbytes + times * chunk_bytes(cell.sizes))
         for when in ("now", "before"):
-            files = Counter(per_file)
-            if when == "before" or rank == 0:
-                files.update(shared_writers if when == "before" else {})
-                if when == "now":  # the coordinator's one range read per run of shared records in a file
+            if when == "now":  # one request per run of small neighbours (taken as adjacent), one per larger chunk
+                files = Counter({old: _coalesced_requests(n, small.get(old, (0, 0))) for old, n in per_file.items()})
+                if rank == 0:  # the coordinator's one range read per run of shared records in a file
                     files.update({old: 1 for old in shared_writers})
+            else:  # one range read per chunk, every rank reading the shared items itself
+                files = Counter(per_file)
+                files.update(shared_writers)
             parts, shards, tables = readers[when]
             for old, chunks in files.items():
                 parts[old] += 1

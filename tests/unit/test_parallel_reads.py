@@ -29,6 +29,7 @@ from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
 from lightning_shardckpt.engine.format.manifest import files_of
 from lightning_shardckpt.engine.format.names import join
 from lightning_shardckpt.engine.storage.chunk_reads import HEAD_BYTES, TAIL_BYTES, record_data_offset
+from lightning_shardckpt.engine.storage.coalesced_reads import SMALL_CHUNK_BYTES
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.engine.storage.reader import ShardReader
 from lightning_shardckpt.engine.storage.writer import save_record
@@ -131,9 +132,9 @@ def test_with_checksums_off_only_the_rows_a_rank_needs_and_the_record_headers_ar
     assert reader.bytes_read < chunk_of(manifest, "w")["length"] // 2
 
 
-def many_tensors(count: int = 12) -> dict:
+def many_tensors(count: int = 12, rows: int = 128) -> dict:
     generator = torch.Generator().manual_seed(7)
-    return {f"layer{i:02d}": torch.randn(128, COLUMNS, generator=generator) for i in range(count)}
+    return {f"layer{i:02d}": torch.randn(rows, COLUMNS, generator=generator) for i in range(count)}
 
 
 def zeros_like(state: dict) -> dict:
@@ -141,7 +142,8 @@ def zeros_like(state: dict) -> dict:
 
 
 def test_range_reads_overlap_but_never_exceed_read_threads(committed_checkpoint):
-    state = many_tensors()
+    # chunks past SMALL_CHUNK_BYTES: each is its own request (smaller neighbours share one, the test below)
+    state = many_tensors(count=6, rows=SMALL_CHUNK_BYTES // (4 * COLUMNS) + 1)
     root, _, _ = committed_checkpoint(state=state)
     options, log_id = counting(latency_s=0.05)
     target = zeros_like(state)
@@ -150,6 +152,22 @@ def test_range_reads_overlap_but_never_exceed_read_threads(committed_checkpoint)
 
     assert all(torch.equal(target[key], state[key]) for key in state)
     assert 2 <= LOGS[log_id].peak_running <= 3
+    assert result.chunks_read == len(state)
+
+
+def test_neighbouring_small_chunks_of_a_shard_file_are_read_in_one_request_and_each_checked(committed_checkpoint):
+    # an FSDP2 resume's pattern: one small chunk per tensor, neighbours in the file; one request per chunk made ~1,000
+    # requests per rank to one object for a 1,000-tensor model (issue 46)
+    state = many_tensors(count=40)
+    root, _, _ = committed_checkpoint(state=state)
+    options, log_id = counting()
+    target = zeros_like(state)
+
+    result = load_checkpoint(target, counting_url(root), config=LoadConfig(storage_options=options, read_threads=3))
+
+    assert all(torch.equal(target[key], state[key]) for key in state)
+    shard_reads = [read for read in LOGS[log_id].reads if read[0].endswith(".distcp")]
+    assert len(shard_reads) == 1, shard_reads
     assert result.chunks_read == len(state)
 
 

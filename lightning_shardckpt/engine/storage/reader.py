@@ -50,6 +50,7 @@ from .chunk_reads import (
     decode_tensor_record,
     fetch_buffered,
 )
+from .coalesced_reads import CoalescedReads
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +198,15 @@ class ShardReader(StorageReader):
         buffered = 0  # bytes of the chunk buffers in `pending`: read or being read, not yet placed
         started = time.perf_counter()
         last_byte = started
+        coalesced = CoalescedReads([chunk for chunk in chunks if self._shared(chunk) is None])
         try:
             for chunk in chunks:
                 memory = self._shared(chunk)
                 if memory is None and chunk.relative_path not in files:
                     files[chunk.relative_path] = self._open_shard(chunk.relative_path, chunks)
                     self._check_size(chunk.relative_path, files[chunk.relative_path])
+                if memory is None:  # a small chunk with small neighbours: their run, read in one request
+                    memory = coalesced.serve(chunk, files[chunk.relative_path])
                 shard: ShardFile | InMemoryShard = files[chunk.relative_path] if memory is None else memory
                 # bytes in memory already are placed as a buffered read's are
                 chunk.targets = self._direct_targets(chunk, planner) if memory is None else None
@@ -249,9 +253,11 @@ class ShardReader(StorageReader):
                 opened.close()
         self.read_s += last_byte - started
         log.debug(
-            "read %d chunk(s) (%d read again buffered), %d bytes for %d read item(s) in %.3fs",
+            "read %d chunk(s) (%d read again buffered, %d run(s) of small chunks in one request each), %d bytes for "
+            "%d read item(s) in %.3fs",
             len(chunks),
             self.chunks_reread,
+            coalesced.runs,
             self.bytes_read,
             len(plan.items),
             self.read_s,
