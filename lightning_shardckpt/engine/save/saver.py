@@ -35,7 +35,7 @@ from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.writer import FaultHook
-from . import metadata_budget
+from . import metadata_budget, node_groups
 from .incremental import ChangeTracker
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
 from .staging import DeferredCopy, StagingBuffers
@@ -112,6 +112,8 @@ class CheckpointSaver:
             self.config.front_door,
         )
         self.config = replace(self.config, run_id=self.run_id)  # every manifest records it
+        # node-local: which consecutive ranks share a node root, so that v5's group tables land on their ranks' node
+        self.node_ranks = node_groups.ranks_per_node(self.root, self.group) if self.config.node_local else None
         # staging memory is bounded: one host copy of the state per save that may be in flight
         self._free_slots: queue.Queue[StagingBuffers] = queue.Queue()
         self.slots = [StagingBuffers() for _ in range(self.config.max_in_flight)]
@@ -412,6 +414,7 @@ class CheckpointSaver:
                 job.meta,
                 self._fault_hook,
                 lineage_from=self.lineage_from,
+                node_ranks=self.node_ranks,
             )
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)

@@ -26,11 +26,12 @@ from typing import Any
 
 from ...errors import CorruptCheckpoint, SignatureRefused
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
-from ..format import bounded_json, signing
+from ..format import bounded_json, groups, signing
 from ..format import manifest as manifest_format
 from ..format.manifest import transfer_order
 from ..format.manifest_schema import parse_time
 from ..format.names import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from ..format.parts_manifest import PARTS_FIELD
 from ..format.signing import SignaturePolicy
 from ..storage import fsio
 from ..storage.fsio import Location
@@ -98,7 +99,8 @@ def _holdings(
                     fsio.read_small(root.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), directory
                 )
                 facts = {
-                    "files": all_files(manifest),
+                    # v5: committed here only once whole (peers.py), so its group tables are here to list its files
+                    "files": all_files(groups.expanded(root.fs, directory, manifest)),
                     "seq": manifest.get("seq") or 0,
                     "step": manifest.get("step"),
                     "created_at": manifest.get("created_at") or "",
@@ -122,6 +124,7 @@ def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, in
         manifest = manifest_format.parse(
             fsio.read_small(root.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), directory
         )
+        manifest = groups.expanded(root.fs, directory, manifest)  # v5: its tables list its parts and shards
         listing = {_name(info): info.get("size") for info in root.fs.ls(directory, detail=True)}
     except Exception:  # noqa: BLE001 - no readable manifest here: nothing this root can vouch for
         log.debug("cannot read %s", directory, exc_info=True)
@@ -202,15 +205,21 @@ def restore_from_peers(
         directory = join(roots[holder_root].path, name)
         fs = roots[holder_root].fs
         signature_path = join(directory, signing.SIGNATURE)
+        manifest_bytes = fsio.read_small(fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES)
         documents = (
-            fsio.read_small(fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES),
+            manifest_bytes,
             fsio.read_small(fs, join(directory, COMMIT_RECORD), bounded_json.SMALL_MAX_BYTES),
             fsio.read_small(fs, signature_path, bounded_json.SMALL_MAX_BYTES)
             if fs.exists(signature_path)
             else None,  # a signed checkpoint stays signed
+            _parts_of(fs, directory, bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)),
         )
-    manifest_bytes, record_bytes, signature = broadcast_from("peer-manifest", documents, holder_rank, group)
+    manifest_bytes, record_bytes, signature, parts = broadcast_from("peer-manifest", documents, holder_rank, group)
+    # v5: with its group tables' rows (the holder read them, each checked against the manifest), so that every rank
+    # knows every file's size and checksums before any of them (tables included) is here
     manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
+    if parts is not None:
+        manifest = {**manifest, PARTS_FIELD: parts}
     problems: list[str] = []
     local = fetched = 0
     own_dir = join(own.path, name)
@@ -260,6 +269,13 @@ def restore_from_peers(
     if refused:
         reason += f"; passed over (the signature policy refused them): {', '.join(refused)}"
     return PeerRestore(name, step, local_total, fetched_total, reason, refused)
+
+
+def _parts_of(fs: Any, directory: str, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """A v5 manifest's v4-shaped parts table, from its group tables in `directory`; None for v1-v4."""
+    if not groups.is_grouped(manifest):
+        return None
+    return groups.expanded(fs, directory, manifest)[PARTS_FIELD]
 
 
 def _preferred(facts: dict[str, Any], held: dict[str, Any] | None) -> bool:

@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import CorruptCheckpoint
 from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
-from ..format import bounded_json, signing
+from ..format import bounded_json, groups, signing
 from ..format import manifest as manifest_format
 from ..format.manifest import files_with_metadata, transfer_order
 from ..format.names import (
@@ -74,7 +75,8 @@ def files_of_rank(manifest: dict[str, Any], rank: int) -> list[str]:
 
 
 def all_files(manifest: dict[str, Any]) -> dict[str, int]:
-    """Every data file of the checkpoint and its committed size (`.metadata` included when written)."""
+    """Every data file of the checkpoint and its committed size (`.metadata` included when written); a v5
+    manifest once groups.expanded read its tables."""
     return files_with_metadata(manifest)
 
 
@@ -238,26 +240,40 @@ class PeerReplicator:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
         problems: list[str] = []
+        landed = self._copy_tables(directory, manifest, problems)
         sent = 0
+        # this rank's files as its group table lists them (v5: read on this node, where its group's leader wrote it)
+        own = groups.for_ranks(self.fast.fs, directory, manifest, [self.rank])
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
             # a peer on this node's own root adds no failure domain (a world shrunk to one node, or the same
             # directory under another name): nothing to send
-            send = self._storage[dst] != self._storage[self.rank]
+            send = self._storage[dst] != self._storage[self.rank] and self._table_reaches(
+                manifest, k, self.rank, landed
+            )
             receive = self._storage[src] != self._storage[self.rank]
+            if receive and not self._table_reaches(manifest, k, src, landed):
+                problems.append(
+                    f"rank {self.rank}: the group table listing rank {src}'s files did not reach this node, so they "
+                    f"cannot be checked as they arrive (tiers.fast.peers.jump={self.config.jump} should be the ranks "
+                    "per node)"
+                )
+                receive = False
+            # v5: the sender's rows from its group table, which phase one just copied here
+            theirs = groups.for_ranks(self.fast.fs, directory, manifest, [src]) if receive else manifest
             outgoing = [
-                Outgoing(self.fast.fs, join(directory, rel), listed_size(manifest, rel))
-                for rel in (files_of_rank(manifest, self.rank) if send else [])
+                Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
+                for rel in (files_of_rank(own, self.rank) if send else [])
             ]
             incoming = [
                 Incoming(
                     self.fast.fs,
                     join(directory, rel),
-                    listed_size(manifest, rel),
-                    _ranges(manifest, rel, self.fast, directory),
+                    listed_size(theirs, rel),
+                    _ranges(theirs, rel, self.fast, directory),
                 )
-                for rel in (files_of_rank(manifest, src) if receive else [])
+                for rel in (files_of_rank(theirs, src) if receive else [])
             ]
             if not outgoing and not incoming:
                 continue
@@ -265,7 +281,7 @@ class PeerReplicator:
             sent += sum(item.size for item in outgoing)
             problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
             if receive and not result.problems:
-                self._record(name, manifest, src)
+                self._record(name, theirs, src)
         receipts = all_gather_objects("peer-receipts", problems, self.group)
         complete = self._commit_node_copy(name, manifest, manifest_bytes, record_bytes, signature)
         nodes = [n for n in all_gather_objects("peer-complete", complete, self.group) if n]
@@ -279,6 +295,54 @@ class PeerReplicator:
         self._event(
             name, manifest, not failed, "; ".join(failed[:3]), sorted(set(nodes)), time.perf_counter() - started
         )
+
+    def _copy_tables(self, directory: str, manifest: dict[str, Any], problems: list[str]) -> set[tuple[int, int]]:
+        """Format v5, phase one: each group's leader sends its group table to its peers, before any part (a received
+        part is checked against the table that lists it, read on the receiving node). Collective "peer-tables": every
+        rank learns which (round, leader) tables landed, so that both ends of every later transfer agree on what
+        travels. v1-v4: nothing (the manifest lists every part)."""
+        if not groups.is_grouped(manifest):
+            return set()
+        tables = {entry["path"]: entry for entry in groups.table_files(manifest)}
+        landed = []
+        for k in range(1, self.config.factor):
+            dst = (self.rank + k * self.config.jump) % self.world_size
+            src = (self.rank - k * self.config.jump) % self.world_size
+            mine, theirs = groups.table_led_by(manifest, self.rank), groups.table_led_by(manifest, src)
+            send = mine is not None and self._storage[dst] != self._storage[self.rank]
+            receive = theirs is not None and self._storage[src] != self._storage[self.rank]
+            outgoing = [Outgoing(self.fast.fs, join(directory, mine), tables[mine]["bytes"])] if send and mine else []
+            incoming = (
+                [
+                    Incoming(
+                        self.fast.fs,
+                        join(directory, theirs),
+                        tables[theirs]["bytes"],
+                        [(0, tables[theirs]["bytes"], tables[theirs]["checksum"], None)],
+                    )
+                ]
+                if receive and theirs
+                else []
+            )
+            if not outgoing and not incoming:
+                continue
+            result = exchange(outgoing, dst if outgoing else None, incoming, src if incoming else None, self.group)
+            problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
+            if incoming and not result.problems:
+                landed.append((k, src))
+        return {item for items in all_gather_objects("peer-tables", landed, self.group) for item in items}
+
+    def _table_reaches(self, manifest: dict[str, Any], k: int, rank: int, landed: set[tuple[int, int]]) -> bool:
+        """Round `k`: whether the group table listing `rank`'s files is on the storage of `rank`'s peer of that round
+        (v1-v4: no table to need). Its leader's peer of the round received it in phase one (`landed`); with groups
+        inside one node and `jump` the ranks per node, that is the same node's storage."""
+        if not groups.is_grouped(manifest):
+            return True
+        table = manifest[groups.GROUPS_FIELD]
+        leader = groups.group_leader(rank // table["size"], table["size"], table["count"])
+        holder = (leader + k * self.config.jump) % self.world_size
+        receiver = (rank + k * self.config.jump) % self.world_size
+        return (k, leader) in landed and self._storage[holder] == self._storage[receiver]
 
     def _record(self, name: str, manifest: dict[str, Any], src: int) -> None:
         record = {
@@ -397,14 +461,24 @@ class PeerReplicator:
 
 
 def holds_all(root: Location, directory: str, manifest: dict[str, Any]) -> bool:
-    """`directory` in this view holds every data file of the checkpoint at its committed size."""
+    """`directory` in this view holds every data file of the checkpoint at its committed size (v5: its group
+    tables read here, checked against the manifest, list the rest)."""
     try:
         listing = {
             str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: i.get("size") for i in root.fs.ls(directory, detail=True)
         }
     except FileNotFoundError:
         return False
-    return all(listing.get(rel) == size for rel, size in all_files(manifest).items())
+    tables = (
+        {entry["path"]: entry["bytes"] for entry in groups.table_files(manifest)} if groups.is_grouped(manifest) else {}
+    )
+    if any(listing.get(rel) != size for rel, size in tables.items()):
+        return False  # v5: its parts are listed in its group tables, every one of which must be here first
+    try:
+        expanded = groups.expanded(root.fs, directory, manifest)
+    except (CorruptCheckpoint, OSError):
+        return False  # a table here does not match the manifest: not a complete copy
+    return all(listing.get(rel) == size for rel, size in all_files(expanded).items())
 
 
 def node_roots(template: str, storage_options: dict[str, Any] | None = None) -> dict[int, Location]:
