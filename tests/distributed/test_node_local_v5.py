@@ -139,3 +139,37 @@ def test_node_local_writer_groups_never_straddle_two_nodes():
     assert _group_size(node_local, 16, 4) == 4  # v5, four groups of a node each (main wrote v4 here)
     assert _group_size(node_local, 4, 4) is None  # one node, one group, unsigned: v4 as on a shared root
     assert _group_size(SaveConfig(node_local=True, format_version=4), 16, 4) is None  # format_version 4 gives v4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_node_local_v5_lost_node_is_restored_from_peers_when_no_root_holds_every_group_table(
+    tmp_path_factory, s3_server
+):
+    """3 nodes of one rank, one peer copy each (node n's files also on node n+1): no node root holds every group
+    table, node 0's manifest lists the tables only. Node 1 lost: its table survives on node 2 alone, beside node 0's
+    manifest, and the checkpoint is still assembled from the survivors with no object read from the durable tier."""
+    from tests.conftest import S3_BUCKET
+    from tests.helpers.s3_server import FaultProxy
+
+    proxy = FaultProxy(s3_server.host, s3_server.port)
+    base = tmp_path_factory.mktemp("node-local-v5-three")
+    durable = f"s3://{S3_BUCKET}/node-local-v5-{base.name}"
+    options = s3_server.storage_options(proxy.endpoint)
+    try:
+        saved = [o.value for o in run_ranks(save_v5_with_peers, 3, str(base), durable, options, 1, None)]
+        newest = sorted(p.name for p in (base / "node0").glob("step-*"))[-1]
+        manifest = json.loads((base / "node0" / newest / "manifest.json").read_text())
+        node0_tables = sorted(p.name for p in (base / "node0" / newest).glob("__g*"))
+        shutil.rmtree(base / "node1")
+        proxy.clear()
+        ranks = [o.value for o in run_ranks(resume_with_peers, 3, str(base), durable, options, 1, False)]
+        object_reads = len(proxy.requests("GET", OBJECT_READ))
+    finally:
+        proxy.stop()
+    assert all(rank["flushed"] for rank in saved)
+    assert manifest["format_version"] == 5 and manifest[groups.GROUPS_FIELD]["size"] == 1
+    assert node0_tables == ["__g0.parts.json", "__g2.parts.json"]  # its own and its peer's: group 1's is elsewhere
+    assert object_reads == 0, ranks[0]["restore"]
+    assert all(rank["exact"] and rank["step"] == 2 for rank in ranks), ranks
+    assert all(f"/node{r}/" in rank["loaded"] for r, rank in enumerate(ranks))

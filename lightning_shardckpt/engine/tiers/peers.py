@@ -6,7 +6,9 @@ One background thread per rank takes fast-tier commits in commit order. For each
    the newest, counted as `peer_replication_skipped`) and broadcasts its manifest and commit record bytes;
 2. for each peer round k (rank r sends to r + k*jump, receives from r - k*jump), every rank streams the files
    it wrote (rank 0: also `.metadata`) to its peer, which checks every range against the manifest as the
-   bytes arrive and renames a file into place only when it is whole and good (peer_transfer.py);
+   bytes arrive and renames a file into place only when it is whole and good (peer_transfer.py). Format v5
+   first sends each group's table from its leader (collective "peer-tables"): the parts that follow are checked
+   against the table that lists them, read on the receiving node (groups stay inside one node: save/node_groups.py);
 3. collective "peer-receipts": every rank's outcome and the files it received; then the first rank of each
    node root whose directory now holds every file of the checkpoint commits it there (commit record, then
    the manifest, create-if-absent): a peer copy counts only when complete and verified. Each receiving
@@ -124,6 +126,7 @@ class PeerReplicator:
                 same[:8],
                 config.jump,
             )
+        self._unreadable: set[int] = set()  # ranks whose own group table was unreadable in the copy under way
         self._thread = threading.Thread(target=self._work, name="shardckpt-peer-replicator", daemon=True)
         self._thread.start()
 
@@ -240,10 +243,8 @@ class PeerReplicator:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
         problems: list[str] = []
-        landed = self._copy_tables(directory, manifest, problems)
+        own, landed = self._copy_tables(directory, manifest, problems)
         sent = 0
-        # this rank's files as its group table lists them (v5: read on this node, where its group's leader wrote it)
-        own = groups.for_ranks(self.fast.fs, directory, manifest, [self.rank])
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
@@ -255,16 +256,16 @@ class PeerReplicator:
             receive = self._storage[src] != self._storage[self.rank]
             if receive and not self._table_reaches(manifest, k, src, landed):
                 problems.append(
-                    f"rank {self.rank}: the group table listing rank {src}'s files did not reach this node, so they "
-                    f"cannot be checked as they arrive (tiers.fast.peers.jump={self.config.jump} should be the ranks "
-                    "per node)"
+                    f"rank {self.rank}: rank {src}'s files were not sent: the group table listing them is unreadable "
+                    "on its node or did not reach this one, so they could not be checked as they arrive "
+                    f"(tiers.fast.peers.jump={self.config.jump} should be the ranks per node)"
                 )
                 receive = False
             # v5: the sender's rows from its group table, which phase one just copied here
             theirs = groups.for_ranks(self.fast.fs, directory, manifest, [src]) if receive else manifest
             outgoing = [
                 Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
-                for rel in (files_of_rank(own, self.rank) if send else [])
+                for rel in (files_of_rank(own, self.rank) if send and own is not None else [])
             ]
             incoming = [
                 Incoming(
@@ -296,15 +297,23 @@ class PeerReplicator:
             name, manifest, not failed, "; ".join(failed[:3]), sorted(set(nodes)), time.perf_counter() - started
         )
 
-    def _copy_tables(self, directory: str, manifest: dict[str, Any], problems: list[str]) -> set[tuple[int, int]]:
+    def _copy_tables(
+        self, directory: str, manifest: dict[str, Any], problems: list[str]
+    ) -> tuple[dict[str, Any] | None, set[tuple[int, int]]]:
         """Format v5, phase one: each group's leader sends its group table to its peers, before any part (a received
         part is checked against the table that lists it, read on the receiving node). Collective "peer-tables": every
-        rank learns which (round, leader) tables landed, so that both ends of every later transfer agree on what
-        travels. v1-v4: nothing (the manifest lists every part)."""
+        rank learns which (round, leader) tables landed and which ranks could read their own rows, so that both ends
+        of every later transfer agree on what travels. Returns this rank's view of its own files (None: its group
+        table is unreadable here, it sends nothing) and what landed. v1-v4: the manifest lists every part."""
         if not groups.is_grouped(manifest):
-            return set()
+            return manifest, set()
+        own: dict[str, Any] | None = None
+        try:  # this rank's files as its group table lists them: on this node, where its group's leader wrote it
+            own = groups.for_ranks(self.fast.fs, directory, manifest, [self.rank])
+        except (CorruptCheckpoint, OSError) as err:
+            problems.append(f"rank {self.rank}: its own group table is unreadable, its files stay unsent: {err}")
         tables = {entry["path"]: entry for entry in groups.table_files(manifest)}
-        landed = []
+        landed: list[tuple[int, int]] = []
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
@@ -330,7 +339,9 @@ class PeerReplicator:
             problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
             if incoming and not result.problems:
                 landed.append((k, src))
-        return {item for items in all_gather_objects("peer-tables", landed, self.group) for item in items}
+        heard = all_gather_objects("peer-tables", (landed, own is not None), self.group)
+        self._unreadable = {rank for rank, (_, readable) in enumerate(heard) if not readable}
+        return own, {item for items, _ in heard for item in items}
 
     def _table_reaches(self, manifest: dict[str, Any], k: int, rank: int, landed: set[tuple[int, int]]) -> bool:
         """Round `k`: whether the group table listing `rank`'s files is on the storage of `rank`'s peer of that round
@@ -338,6 +349,8 @@ class PeerReplicator:
         inside one node and `jump` the ranks per node, that is the same node's storage."""
         if not groups.is_grouped(manifest):
             return True
+        if rank in self._unreadable:  # phase one: it cannot list its own files, so it sends none
+            return False
         table = manifest[groups.GROUPS_FIELD]
         leader = groups.group_leader(rank // table["size"], table["size"], table["count"])
         holder = (leader + k * self.config.jump) % self.world_size
