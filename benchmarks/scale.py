@@ -2,7 +2,6 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py                       the full table (a few minutes)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 8 64 --tensors 300 --layouts fsdp
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 16384 --tensors 1000 --layouts fsdp --node-local 8
 
 Simulated: no tensor bytes move and no process but this one runs. What runs is the real code of each step,
 fed with synthetic plans and write results:
@@ -55,7 +54,6 @@ from lightning_shardckpt.engine.format.names import MANIFEST, checkpoint_dirname
 from lightning_shardckpt.engine.load.resume_plan import plan_boxes
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
 from lightning_shardckpt.engine.save.group_summaries import lead_group
-from lightning_shardckpt.engine.save.node_groups import group_size_within
 from lightning_shardckpt.engine.save.part_summary import PartSummary
 from lightning_shardckpt.engine.save.parts_commit import PartsCommitter
 from lightning_shardckpt.engine.save.save_layout import OBJECT, TENSOR, ItemLayout, SaveLayout
@@ -703,14 +701,6 @@ def _throwaway_key() -> str:
     return path
 
 
-def _group_size_of(args: argparse.Namespace, world: int) -> int | None:
-    """Format 5's ranks per group for `world` (None: format 4), as the writer picks it (persist._group_size)."""
-    if args.format_version != 5:
-        return None
-    size = args.group_size or groups.writer_group_size(world)
-    return group_size_within(size, args.node_local) if args.node_local else size
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 2048, 16384])
@@ -720,14 +710,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format-version", type=int, choices=[4, 5], default=5, help="5: group tables (§10.5)")
     parser.add_argument(
         "--group-size", type=int, default=None, help="format 5's ranks per group (default: the writer's for each world)"
-    )
-    parser.add_argument(
-        "--node-local",
-        type=int,
-        default=None,
-        metavar="RANKS_PER_NODE",
-        help="a node-local save (each node its own root): format 5's groups kept inside nodes of this many ranks, "
-        "as the writer does (engine/save/node_groups.py)",
     )
     parser.add_argument("--listing", type=int, default=2000, help="checkpoints for ls/timeline (0: skip)")
     parser.add_argument(
@@ -742,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.layouts:
         for tensors in args.tensors:
             for world in args.ranks:
-                group_size = _group_size_of(args, world)
+                group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
                 for key in keys:
                     row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size, key)
                     print(json.dumps(row), flush=True)
@@ -773,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             max(args.ranks),
             max(args.tensors),
             args.listing,
-            _group_size_of(args, max(args.ranks)),
+            (args.group_size or groups.writer_group_size(max(args.ranks))) if args.format_version == 5 else None,
         )
         print(json.dumps(lst), flush=True)
         print(

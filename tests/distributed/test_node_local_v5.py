@@ -1,10 +1,10 @@
-"""Node-local saves with peer copies on format v5 (issue 46 item 3), on real gloo ranks: 2 simulated nodes × 2 ranks,
-each node its own fast root, peer copies one node on, every commit replicated to the loopback S3 server behind a
-proxy that records each request.
+"""Node-local saves with peer copies on format v5 (issue 46 item 3), on real gloo ranks: simulated nodes (2 × 2
+ranks, 3 × 1), each node its own fast root, peer copies one node on, every commit replicated to the loopback S3
+server behind a proxy that records each request; groups forced small (the tests-only group size).
 
-The writer keeps each v5 group inside one node (engine/save/node_groups.py), so each group table lands on the disk of
-the ranks it lists and travels to the node's peer with their parts (engine/tiers/peers.py). A lost node is restored
-from the peer copies with no object read from the durable tier, resharded onto other world sizes bit-exact, and the
+The writer writes each group table on every node its group spans (engine/save/node_groups.py), and peer copies carry
+the tables a node holds to its peer before the parts they list (engine/tiers/peers.py). A lost node is restored from
+the peer copies with no object read from the durable tier, resharded onto other world sizes bit-exact, and the
 durable tier receives an ordinary v5 checkpoint.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from lightning_shardckpt.engine.config import SaveConfig
 from lightning_shardckpt.engine.format import groups
 from lightning_shardckpt.engine.format.parts_manifest import PARTS_FIELD
-from lightning_shardckpt.engine.save.node_groups import group_size_within
+from lightning_shardckpt.engine.save.node_groups import table_copiers, table_holders
 from lightning_shardckpt.engine.save.persist import _group_size
 from tests.helpers.node_local_v5_ranks import load_resharded, manifest_of, save_v5_with_peers
 from tests.helpers.peer_ranks import resume_with_peers
@@ -64,8 +64,8 @@ def _run(tmp_path_factory, s3_server, group_size: int | None) -> dict:
 
 @pytest.fixture(scope="module")
 def node_groups_run(tmp_path_factory, s3_server):
-    """Groups of the writer's own choosing: one group a node (2 ranks), led by its node's highest rank."""
-    return _run(tmp_path_factory, s3_server, None)
+    """Groups of 2 ranks: one group a node, led by its node's highest rank."""
+    return _run(tmp_path_factory, s3_server, 2)
 
 
 @pytest.mark.slow
@@ -128,19 +128,6 @@ def test_node_local_v5_groups_smaller_than_a_node_restore_a_lost_node_from_peers
     assert all(rank["exact"] for rank in run["durable_load"])
 
 
-def test_node_local_writer_groups_never_straddle_two_nodes():
-    """The largest group of at most the writer's size that divides the ranks every node holds."""
-    assert group_size_within(128, 8) == 8
-    assert group_size_within(128, 12) == 12
-    assert group_size_within(5, 12) == 4  # a tests-only small group: a divisor of the node, never across two
-    assert group_size_within(128, 1) == 1  # interleaved or one rank a node: one rank a group
-    assert group_size_within(128, None) == 1  # unknown: a group per rank is inside its node whatever the layout
-    node_local = SaveConfig(node_local=True)
-    assert _group_size(node_local, 16, 4) == 4  # v5, four groups of a node each (main wrote v4 here)
-    assert _group_size(node_local, 4, 4) is None  # one node, one group, unsigned: v4 as on a shared root
-    assert _group_size(SaveConfig(node_local=True, format_version=4), 16, 4) is None  # format_version 4 gives v4
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_node_local_v5_lost_node_is_restored_from_peers_when_no_root_holds_every_group_table(
@@ -157,7 +144,7 @@ def test_node_local_v5_lost_node_is_restored_from_peers_when_no_root_holds_every
     durable = f"s3://{S3_BUCKET}/node-local-v5-{base.name}"
     options = s3_server.storage_options(proxy.endpoint)
     try:
-        saved = [o.value for o in run_ranks(save_v5_with_peers, 3, str(base), durable, options, 1, None)]
+        saved = [o.value for o in run_ranks(save_v5_with_peers, 3, str(base), durable, options, 1, 1)]
         newest = sorted(p.name for p in (base / "node0").glob("step-*"))[-1]
         manifest = json.loads((base / "node0" / newest / "manifest.json").read_text())
         node0_tables = sorted(p.name for p in (base / "node0" / newest).glob("__g*"))
@@ -173,3 +160,55 @@ def test_node_local_v5_lost_node_is_restored_from_peers_when_no_root_holds_every
     assert object_reads == 0, ranks[0]["restore"]
     assert all(rank["exact"] and rank["step"] == 2 for rank in ranks), ranks
     assert all(f"/node{r}/" in rank["loaded"] for r, rank in enumerate(ranks))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_node_local_v5_group_spanning_two_nodes_writes_its_table_on_both_and_restores_a_lost_one(
+    tmp_path_factory, s3_server
+):
+    """3 nodes of one rank, groups of 2: group 0 (ranks 0 and 1) spans nodes 0 and 1, led by rank 1, so its table is
+    written on node 1 by its leader and on node 0 by rank 0 (the leader's copy). Node 1 lost: restored from peers
+    with no object read from the durable tier."""
+    from tests.conftest import S3_BUCKET
+    from tests.helpers.s3_server import FaultProxy
+
+    proxy = FaultProxy(s3_server.host, s3_server.port)
+    base = tmp_path_factory.mktemp("node-local-v5-span")
+    durable = f"s3://{S3_BUCKET}/node-local-v5-{base.name}"
+    options = s3_server.storage_options(proxy.endpoint)
+    try:
+        saved = [o.value for o in run_ranks(save_v5_with_peers, 3, str(base), durable, options, 1, 2)]
+        newest = sorted(p.name for p in (base / "node0").glob("step-*"))[-1]
+        manifest = json.loads((base / "node0" / newest / "manifest.json").read_text())
+        tables = {node: sorted(p.name for p in (base / node / newest).glob("__g*")) for node in ("node0", "node1")}
+        shutil.rmtree(base / "node1")
+        proxy.clear()
+        ranks = [o.value for o in run_ranks(resume_with_peers, 3, str(base), durable, options, 1, False)]
+        object_reads = len(proxy.requests("GET", OBJECT_READ))
+        proxy.clear()
+        durable_load = [o.value for o in run_ranks(load_resharded, 2, f"{durable}/{newest}", options)]
+    finally:
+        proxy.stop()
+    assert all(rank["flushed"] and rank["durable_flushed"] for rank in saved)
+    assert all(rank["counters"].get("peer_replication_failed", 0) == 0 for rank in saved), saved
+    assert manifest["format_version"] == 5 and manifest[groups.GROUPS_FIELD]["size"] == 2
+    # node 0: group 0's table (the leader's copy: rank 2 on node 2, its only peer source, is not in group 0) and
+    # group 1's (rank 2's, a peer copy); node 1: group 0's, its leader's own
+    assert tables == {"node0": ["__g0.parts.json", "__g1.parts.json"], "node1": ["__g0.parts.json"]}
+    assert object_reads == 0, ranks[0]["restore"]
+    assert all(rank["exact"] and rank["step"] == 2 for rank in ranks), ranks
+    assert all(rank["exact"] and rank["step"] == 2 for rank in durable_load)  # the durable copy, on 2 ranks
+
+
+def test_node_local_group_tables_are_copied_to_one_rank_on_each_other_node_their_group_spans():
+    """node_groups.py: which rank writes a group's table on each root (the leader's own, else the lowest rank there),
+    and which writes the leader's copies."""
+    roots = ["a", "a", "b", "b", "c", "c", "a"]  # 3 nodes, the last rank interleaved back onto node a
+    assert table_copiers(roots, range(0, 7), leader=6) == [2, 4]  # node a is the leader's own
+    assert table_copiers(roots, range(2, 4), leader=3) == []  # a group inside one node: no copy
+    assert table_holders(roots, range(1, 5)) == {"a": 1, "b": 2, "c": 4}
+    node_local = SaveConfig(node_local=True)
+    assert _group_size(node_local, 512) == 128  # v5, the writer's usual groups (main wrote v4 here)
+    assert _group_size(node_local, 128) is None  # one group, unsigned: v4, as on a shared root
+    assert _group_size(SaveConfig(node_local=True, format_version=4), 512) is None  # format_version 4 gives v4

@@ -1,42 +1,47 @@
-"""Format v5 on node-local storage: writer groups that never straddle two nodes.
+"""Format v5 on node-local storage: every group table on the disk of every node whose ranks it lists.
 
-A v5 group's leader writes its group table into the root it writes to (group_summaries.py). On a node-local
-fast tier (`{node_rank}` roots) that root is its node's disk, which no other node reads: a group whose ranks sat
-on two nodes would leave the other node's ranks without the table that lists their parts, so neither they nor
-that node's peer copies could resume it without the durable tier. Here each saver learns once, when it is made,
-how many consecutive ranks share each node root, and the writer keeps every group inside one node: a group's
-table then lands on the disk of every rank it lists, and a peer copy of that node's files carries it along
-(engine/tiers/peers.py). The manifest and rank 0's commit stay O(groups), as for a shared root.
+A v5 group's leader writes its group table into the root it writes to (group_summaries.py). On a node-local fast
+tier (`{node_rank}` roots) that root is its node's disk, which no other node reads: the group's ranks on other nodes
+would have no table listing their parts, so neither they nor those nodes' peer copies could resume it without the
+durable tier. Here each saver learns once, when it is made, which root each rank writes to (collective
+"node-roots": 16 characters a rank); at each save the leader sends its table's bytes to one rank on each other
+root its group spans (its lowest there), which writes it there before the leader reports to rank 0.
+
+Groups stay the writer's usual ones (groups.writer_group_size), so the manifest, rank 0's commit and the messages
+it hears are those of a shared root at every scale; a group spans ~size / ranks-per-node nodes (46 at 131,072 ranks
+of 8 a node), and its leader sends that many small copies (~50 bytes a rank each). A peer copy of a node's files
+carries the tables it holds along (engine/tiers/peers.py).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from typing import Any
 
 from ..collectives import all_gather_objects
 from ..format.checksum import checksum
 from ..storage.fsio import Location
 
 
-def ranks_per_node(root: Location, group: object) -> int:
-    """Collective "node-roots", once per saver: the largest number of consecutive ranks every run of ranks sharing a
-    node root is a multiple of (1 when the roots interleave); groups of a divisor of it stay inside one node.
-    Each rank sends 16 characters (its root's checksum), not its URL."""
-    roots = all_gather_objects("node-roots", checksum(root.url.encode()), group)
-    runs, length = [], 1
-    for before, here in zip(roots, roots[1:]):
-        if here == before:
-            length += 1
-        else:
-            runs.append(length)
-            length = 1
-    runs.append(length)
-    return math.gcd(*runs)
+def node_roots(root: Location, group: Any) -> tuple[str, ...]:
+    """Collective "node-roots", once per saver: each rank's root, as a checksum of its URL (ranks writing to one
+    node root share it), in rank order."""
+    return tuple(all_gather_objects("node-roots", checksum(root.url.encode()), group))
 
 
-def group_size_within(size: int, node_ranks: int | None) -> int:
-    """The largest group of at most `size` ranks whose groups (rank // group) each stay inside one node of
-    `node_ranks` consecutive ranks: the largest divisor of `node_ranks` not above `size` (1 when unknown)."""
-    if not node_ranks or node_ranks < 1:
-        return 1
-    return max(d for d in range(1, min(size, node_ranks) + 1) if node_ranks % d == 0)
+def table_copiers(roots: Sequence[str], ranks: Sequence[int], leader: int) -> list[int]:
+    """The ranks of a group (`ranks`, led by `leader`) that write a copy of its table: the lowest on each root the
+    group spans other than its leader's, in rank order."""
+    first: dict[str, int] = {}
+    for rank in ranks:
+        first.setdefault(roots[rank], rank)
+    return sorted(rank for root, rank in first.items() if root != roots[leader])
+
+
+def table_holders(roots: Sequence[str], ranks: Sequence[int]) -> dict[str, int]:
+    """{root: the group's lowest rank on it}: on each root a group spans, the rank whose view holds its table (the
+    leader's copy or one written by table_copiers's rank): who sends it on to the root's peers."""
+    first: dict[str, int] = {}
+    for rank in ranks:
+        first.setdefault(roots[rank], rank)
+    return first

@@ -36,7 +36,6 @@ from ..storage.writer import FaultHook, ShardWriter
 from . import save_layout
 from .commit import CheckpointTarget, Committer
 from .metadata_budget import writes_every_chunk
-from .node_groups import group_size_within
 from .parts_commit import PartsCommitter
 from .parts_save import SaveRefused, save_parts
 
@@ -91,13 +90,13 @@ def persist_checkpoint(
     meta: SaveMeta,
     fault_hook: FaultHook | None = None,
     lineage_from: tuple[Location, ...] = (),
-    node_ranks: int | None = None,
+    node_roots: tuple[str, ...] | None = None,
 ) -> SaveResult:
     """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit.
 
     `lineage_from`: other roots this run commits to (tiers' degraded mode: the fast tier), whose commits the
-    new one's `seq` and parent continue (commit.py `lineage`). `node_ranks` (node-local saves): the consecutive
-    ranks that share each node root (node_groups.ranks_per_node), so that v5's groups stay inside one node.
+    new one's `seq` and parent continue (commit.py `lineage`). `node_roots` (node-local saves): each rank's node root
+    (node_groups.node_roots), so that a v5 group table is copied to every node its group spans.
 
     A full save whose ranks agree on the layout is written in format v4 (parts_save.py: no global plan, rank
     0's commit is O(ranks)); the saves of an incremental run, `format_version=2`, or ranks holding different keys
@@ -137,9 +136,11 @@ def persist_checkpoint(
             layout,
             config.dcp_metadata_max_chunks,
             fault_hook,
-            group_size=_group_size(config, layout.world_size, node_ranks),
+            group_size=_group_size(config, layout.world_size),
         )
-        stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result)
+        stats = _persist_parts(
+            root, group, config, state_dict, target, layout, committer, fault_hook, result, node_roots
+        )
     else:
         committer = Committer(target, fault_hook, meta.reference_digests)
         stats = _persist_collectively(root, group, config, state_dict, target, meta, committer, fault_hook, result)
@@ -156,18 +157,15 @@ def persist_checkpoint(
     return result
 
 
-def _group_size(config: SaveConfig, world: int, node_ranks: int | None = None) -> int | None:
+def _group_size(config: SaveConfig, world: int) -> int | None:
     """Format v5's ranks per group, or None for v4: what format_version asks, except that an unsigned world of one
     group stays v4: its parts table is O(group size) already, and v5 would add a file to write and one to read at
     every resume for nothing.
-    A node-local save's groups stay inside one node (node_groups.py): each group table lands on the disk of the
-    ranks it lists, and travels with their files to the node's peers.
+    Node-local saves too: each group table is copied to every node its group spans (node_groups.py).
     A signed save is v5 at any size: only v5's group tables and parts carry cryptographic digests down to each
     chunk (FORMAT.md §12.2), so each rank verifies what it reads and nothing more (a signed v4 part binds its
     shard file by one digest, which a resharded rank can only check by fetching the whole file)."""
     size = groups.writer_group_size(world)
-    if config.node_local:
-        size = group_size_within(size, node_ranks)
     one_group = world <= size and not config.sign.enabled
     if config.format_version < GROUPS_FORMAT_VERSION or one_group:
         return None
@@ -184,6 +182,7 @@ def _persist_parts(
     committer: PartsCommitter,
     fault_hook: FaultHook | None,
     result: SaveResult,
+    node_roots: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Format v4: every rank writes its shard and part; rank 0 commits from the ranks' summaries."""
     try:
@@ -198,6 +197,7 @@ def _persist_parts(
             commit=committer,
             fault_hook=fault_hook,
             group_size=committer.group_size,
+            node_roots=node_roots,
         )
     except (ShardCkptError, OSError, RuntimeError) as err:
         _failed(result, target, err, group)

@@ -208,6 +208,7 @@ def restore_from_peers(
                 report["manifests"][name] = {**facts, "holder": url}
     reports = all_gather_objects("peer-holdings", report, group)
     passed: dict[str, str] = {}  # v5 candidates whose tables were assembled but not every file they list survives
+    failed: list[str] = []
     while True:
         plan, refused = _plan(reports, skip=set(passed))
         if isinstance(plan, str):
@@ -233,8 +234,17 @@ def restore_from_peers(
         if groups.is_grouped(manifest) and not failed:
             # step two: every node root holds every table now; rank 0 reads them from its own root (each checked
             # against the manifest) and every rank learns every file, then plans what each root still lacks
-            parts = _parts_of(own.fs, join(own.path, name), manifest) if rank == 0 else None
-            listed = {**manifest, PARTS_FIELD: broadcast_from("peer-parts", parts, 0, group)}
+            parts: Any = None
+            if rank == 0:
+                try:
+                    parts = _parts_of(own.fs, join(own.path, name), manifest)
+                except Exception as err:  # noqa: BLE001 - every rank learns it (broadcast): all fail alike
+                    parts = f"rank 0: reading the group tables of {name}: {type(err).__name__}: {err}"
+            parts = broadcast_from("peer-parts", parts, 0, group)
+            if isinstance(parts, str):
+                failed = [parts]
+                break
+            listed = {**manifest, PARTS_FIELD: parts}
             held = {url: _listing(location, name, listed, repair is not None) for url, location in roots.items()}
             listings = all_gather_objects("peer-holdings-files", {"own": own.url, "roots": held}, group)
             transfers, lacking = _transfers(name, all_files(listed), listings)

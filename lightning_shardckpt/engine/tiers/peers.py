@@ -47,6 +47,7 @@ from ..format.names import (
     shard_rank,
 )
 from ..metrics import RunCounters
+from ..save import node_groups
 from ..storage import fsio
 from ..storage.fsio import Location
 from . import root_identity
@@ -263,10 +264,12 @@ class PeerReplicator:
                 receive = False
             # v5: the sender's rows from its group table, which phase one just copied here
             theirs = groups.for_ranks(self.fast.fs, directory, manifest, [src]) if receive else manifest
-            outgoing = [
-                Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
-                for rel in (files_of_rank(own, self.rank) if send and own is not None else [])
-            ]
+            outgoing = []
+            if send and own is not None:
+                outgoing = [
+                    Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
+                    for rel in files_of_rank(own, self.rank)
+                ]
             incoming = [
                 Incoming(
                     self.fast.fs,
@@ -300,15 +303,16 @@ class PeerReplicator:
     def _copy_tables(
         self, directory: str, manifest: dict[str, Any], problems: list[str]
     ) -> tuple[dict[str, Any] | None, set[tuple[int, int]]]:
-        """Format v5, phase one: each group's leader sends its group table to its peers, before any part (a received
-        part is checked against the table that lists it, read on the receiving node). Collective "peer-tables": every
-        rank learns which (round, leader) tables landed and which ranks could read their own rows, so that both ends
+        """Format v5, phase one: on each root, the rank holding a group's table there (its group's lowest rank on it)
+        sends it to its peers whose root the save did not write it on, before any part (a received part is checked
+        against the table that lists it, read on the receiving node). Collective "peer-tables": every
+        rank learns which (round, sender) tables landed and which ranks could read their own rows, so that both ends
         of every later transfer agree on what travels. Returns this rank's view of its own files (None: its group
         table is unreadable here, it sends nothing) and what landed. v1-v4: the manifest lists every part."""
         if not groups.is_grouped(manifest):
             return manifest, set()
         own: dict[str, Any] | None = None
-        try:  # this rank's files as its group table lists them: on this node, where its group's leader wrote it
+        try:  # this rank's files as its group table lists them: on this node, where the save wrote it
             own = groups.for_ranks(self.fast.fs, directory, manifest, [self.rank])
         except (CorruptCheckpoint, OSError) as err:
             problems.append(f"rank {self.rank}: its own group table is unreadable, its files stay unsent: {err}")
@@ -317,9 +321,18 @@ class PeerReplicator:
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
-            mine, theirs = groups.table_led_by(manifest, self.rank), groups.table_led_by(manifest, src)
-            send = mine is not None and self._storage[dst] != self._storage[self.rank]
-            receive = theirs is not None and self._storage[src] != self._storage[self.rank]
+            mine, theirs = self._table_held_by(manifest, self.rank), self._table_held_by(manifest, src)
+            # no copy where the save wrote one already (every root its group spans: save/node_groups.py)
+            send = (
+                mine is not None
+                and self._storage[dst] != self._storage[self.rank]
+                and not self._written_on(manifest, self.rank, dst)
+            )
+            receive = (
+                theirs is not None
+                and self._storage[src] != self._storage[self.rank]
+                and not self._written_on(manifest, src, self.rank)
+            )
             outgoing = [Outgoing(self.fast.fs, join(directory, mine), tables[mine]["bytes"])] if send and mine else []
             incoming = (
                 [
@@ -343,19 +356,37 @@ class PeerReplicator:
         self._unreadable = {rank for rank, (_, readable) in enumerate(heard) if not readable}
         return own, {item for items, _ in heard for item in items}
 
+    def _group_of(self, manifest: dict[str, Any], rank: int) -> range:
+        table = manifest[groups.GROUPS_FIELD]
+        return groups.group_ranks(rank // table["size"], table["size"], table["count"])
+
+    def _table_held_by(self, manifest: dict[str, Any], rank: int) -> str | None:
+        """The group table `rank` sends its peers in phase one: its group's, when it is its group's lowest rank on its
+        root (node_groups.table_holders: the save wrote the table on every root its group spans), else None."""
+        ranks = self._group_of(manifest, rank)
+        if node_groups.table_holders(self._roots, ranks)[self._roots[rank]] != rank:
+            return None
+        return groups.group_filename(rank // manifest[groups.GROUPS_FIELD]["size"])
+
+    def _written_on(self, manifest: dict[str, Any], rank: int, other: int) -> bool:
+        """Whether the save wrote `rank`'s group table on `other`'s root (a root that group spans)."""
+        return self._roots[other] in {self._roots[r] for r in self._group_of(manifest, rank)}
+
     def _table_reaches(self, manifest: dict[str, Any], k: int, rank: int, landed: set[tuple[int, int]]) -> bool:
         """Round `k`: whether the group table listing `rank`'s files is on the storage of `rank`'s peer of that round
-        (v1-v4: no table to need). Its leader's peer of the round received it in phase one (`landed`); with groups
-        inside one node and `jump` the ranks per node, that is the same node's storage."""
+        (v1-v4: no table to need): written there by the save, or received in phase one (`landed`) by the round's peer
+        of the rank holding it on `rank`'s root; with `jump` the ranks per node, that is the same node's storage."""
         if not groups.is_grouped(manifest):
             return True
         if rank in self._unreadable:  # phase one: it cannot list its own files, so it sends none
             return False
-        table = manifest[groups.GROUPS_FIELD]
-        leader = groups.group_leader(rank // table["size"], table["size"], table["count"])
-        holder = (leader + k * self.config.jump) % self.world_size
         receiver = (rank + k * self.config.jump) % self.world_size
-        return (k, leader) in landed and self._storage[holder] == self._storage[receiver]
+        if self._written_on(manifest, rank, receiver):
+            return True
+        ranks = self._group_of(manifest, rank)
+        holder = node_groups.table_holders(self._roots, ranks)[self._roots[rank]]
+        sent_to = (holder + k * self.config.jump) % self.world_size
+        return (k, holder) in landed and self._storage[sent_to] == self._storage[receiver]
 
     def _record(self, name: str, manifest: dict[str, Any], src: int) -> None:
         record = {
