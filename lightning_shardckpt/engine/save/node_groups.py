@@ -32,10 +32,7 @@ def node_roots(root: Location, group: Any) -> tuple[str, ...]:
 def table_copiers(roots: Sequence[str], ranks: Sequence[int], leader: int) -> list[int]:
     """The ranks of a group (`ranks`, led by `leader`) that write a copy of its table: the lowest on each root the
     group spans other than its leader's, in rank order."""
-    first: dict[str, int] = {}
-    for rank in ranks:
-        first.setdefault(roots[rank], rank)
-    return sorted(rank for root, rank in first.items() if root != roots[leader])
+    return sorted(rank for root, rank in table_holders(roots, ranks).items() if root != roots[leader])
 
 
 def table_holders(roots: Sequence[str], ranks: Sequence[int]) -> dict[str, int]:
