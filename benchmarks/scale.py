@@ -2,6 +2,8 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py                       the full table (a few minutes)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 8 64 --tensors 300 --layouts fsdp
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 16384 131072 --tensors 1000 --layouts fsdp \
+        --node-local 8 --listing 0                                             node-local saves, 8 ranks a node
 
 Simulated: no tensor bytes move and no process but this one runs. What runs is the real code of each step,
 fed with synthetic plans and write results:
@@ -57,6 +59,7 @@ from lightning_shardckpt.engine.load.resume_plan import plan_boxes
 from lightning_shardckpt.engine.load.shared_reads import SharedChunks, shared_items
 from lightning_shardckpt.engine.save.commit import CheckpointTarget
 from lightning_shardckpt.engine.save.group_summaries import lead_group
+from lightning_shardckpt.engine.save.node_groups import table_copiers
 from lightning_shardckpt.engine.save.part_summary import PartSummary
 from lightning_shardckpt.engine.save.parts_commit import PartsCommitter
 from lightning_shardckpt.engine.save.save_layout import OBJECT, TENSOR, ItemLayout, SaveLayout
@@ -415,13 +418,17 @@ def run(
     group_size: int | None = None,
     sign_key: str | None = None,
     incremental: bool = False,
+    ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """One configuration; `group_size`: format v5 (every group's leader simulated, each timed on its own),
     None: format v4 (rank 0 hears from every rank). As the writer does (persist._group_size), a world of one
     group is written as v4, unless signed. `sign_key` (a PEM private key file): signed (FORMAT.md §12; v5: §12.2),
     the commit signing the manifest, and the resume planned as a rank under a signature policy plans it (each group
     table and part it reads checked against its digest). `incremental`: the save after a full one where no tensor
-    changed (every chunk a reference in the parts, FORMAT.md §10.6), and the resume follows those references."""
+    changed (every chunk a reference in the parts, FORMAT.md §10.6), and the resume follows those references.
+    `ranks_per_node`: a node-local save (each node its own
+    root): each leader also sends its table to one rank on each other node its group spans
+    (engine/save/node_groups.py), counted and sized here; everything else is as on a shared root."""
     signed = sign_key is not None
     base = checkpoint_dirname(6, "b" * 12) if incremental else None
     if group_size is not None and world <= group_size and not signed:
@@ -453,6 +460,7 @@ def run(
         fs.pipe_file(path, part_format.to_bytes(part_of_rank(layout, r, checkpoint_id, signed_as, base)))
     gathered = [pickle.dumps(s) for s in sums]
     leader_max_s, leader_median_s, received, leaders = 0.0, 0.0, gathered, []
+    copies, copy_bytes = 0, 0  # node-local: the most table copies one leader sends, and their bytes
     if group_size is not None:
         # every leader's work, each timed alone: unpickle its members' summaries, check them, write its table
         # (into the first checkpoint's directory: the one a resume plans from). Rank 0 leads no group
@@ -462,6 +470,7 @@ def run(
             ranks = groups.group_ranks(group, group_size, world)
             started = time.perf_counter()
             members = [pickle.loads(gathered[r]) for r in ranks]
+            table: list[bytes] = []
             leaders.append(
                 lead_group(
                     members,
@@ -474,9 +483,15 @@ def run(
                     checkpoint_id,
                     "sample",
                     SIGN_DIGEST if signed else None,
+                    table,
                 )
             )
             times.append(time.perf_counter() - started)
+            if ranks_per_node and table:
+                roots = [str(r // ranks_per_node) for r in ranks]
+                sent = len(table_copiers(roots, range(len(roots)), len(roots) - 1))
+                if len(table[0]) * sent > copy_bytes:
+                    copies, copy_bytes = sent, len(table[0]) * sent
         leader_max_s = max(times, default=0.0)
         leader_median_s = statistics.median(times)
         received = [pickle.dumps(leader) for leader in leaders]  # what rank 0 hears: one summary per leader
@@ -597,6 +612,7 @@ def run(
         "resume_parts": plan.parts_read,
         "resume_group_tables": plan.group_tables_read,
         "latest_s": round(latest_s, 4),
+        **({"node_local_table_copies": copies, "node_local_copy_bytes": copy_bytes} if ranks_per_node else {}),
         "requests": {"commit_rank0": commit_requests, "latest": latest_requests, "resume_rank": plan_requests},
         # every record the ranks write (the commit's count: stored cells and objects), the cells of no element
         # that get none (before issue 46 each was a record), and records of no element in the parts built here
@@ -890,6 +906,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--group-size", type=int, default=None, help="format 5's ranks per group (default: the writer's for each world)"
     )
+    parser.add_argument(
+        "--node-local",
+        type=int,
+        default=None,
+        metavar="RANKS_PER_NODE",
+        help="node-local saves (each node its own root): also count the table copies a leader sends to the other "
+        "nodes its group spans",
+    )
     parser.add_argument("--listing", type=int, default=2000, help="checkpoints for ls/timeline (0: skip)")
     parser.add_argument(
         "--sign",
@@ -913,7 +937,16 @@ def main(argv: list[str] | None = None) -> int:
             for world in args.ranks:
                 group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
                 for key in keys:
-                    row = run(kind, world, tensors, args.dcp_metadata_max_chunks, group_size, key, args.incremental)
+                    row = run(
+                        kind,
+                        world,
+                        tensors,
+                        args.dcp_metadata_max_chunks,
+                        group_size,
+                        key,
+                        args.incremental,
+                        args.node_local,
+                    )
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     print()

@@ -142,8 +142,8 @@ class SaveConfig:
     # commit is O(ranks) (docs/FORMAT.md §10). 2: every chunk in the manifest, planned by DCP's collectives, which
     # readers of lightning_shardckpt before format v4 read; O(chunks) on the coordinator. Incremental saves write 3.
     # 5: as 4, the per-rank sizes and checksums in group tables of 128 ranks, each written by its group's lowest
-    # rank: the manifest and rank 0's commit are O(ranks / 128 + 128) (FORMAT.md §10.5). Worlds of at most 128
-    # ranks, signed and node-local saves write 4 (v5 gains nothing there, or cannot be written yet)
+    # rank: the manifest and rank 0's commit are O(ranks / 128 + 128) (FORMAT.md §10.5). Unsigned worlds of one
+    # group write 4 (v5 gains nothing there); node-local saves write each table on its group's nodes (save/node_groups.py)
     format_version: int = 5
     # DCP's `.metadata` (what a plain `torch.distributed.checkpoint.load` reads) is written only for checkpoints of
     # at most this many chunks: building it is O(chunks) on the coordinator and every plain-DCP reader unpickles

@@ -334,5 +334,28 @@ def expanded(fs: Any, directory: str, manifest: dict[str, Any]) -> dict[str, Any
     return {**manifest, parts_manifest.PARTS_FIELD: GroupTables(fs, directory, manifest).parts_table()}
 
 
+def for_ranks(fs: Any, directory: str, manifest: dict[str, Any], ranks: Iterable[int]) -> dict[str, Any]:
+    """`manifest` with a v4-shaped `parts` table holding the rows of `ranks` only (v1-v4: itself), read from their
+    groups' tables in `directory`: what a rank needs to send, receive or upload its own files. One table read,
+    never every group's, and only tables on the disk of the ranks they list (a node-local root holds its own
+    groups' tables: engine/save/node_groups.py)."""
+    if not is_grouped(manifest) or parts_manifest.PARTS_FIELD in manifest:
+        return manifest
+    return {**manifest, parts_manifest.PARTS_FIELD: GroupTables(fs, directory, manifest).parts_table(ranks)}
+
+
+def table_led_by(manifest: dict[str, Any], rank: int) -> str | None:
+    """The group table `rank` wrote as its group's leader (group_leader), or None (v1-v4, or not a leader)."""
+    if not is_grouped(manifest):
+        return None
+    table = manifest[GROUPS_FIELD]
+    group = rank // table["size"]
+    return (
+        group_filename(group)
+        if 0 <= rank < table["count"] and group_leader(group, table["size"], table["count"]) == rank
+        else None
+    )
+
+
 def _digest_at(table: dict[str, Any], group: int) -> str:
     return table[TABLE_CHECKSUMS][group * parts_manifest.DIGEST_CHARS : (group + 1) * parts_manifest.DIGEST_CHARS]

@@ -69,6 +69,7 @@ def save_parts(
     fault_hook: FaultHook | None = None,
     group_size: int | None = None,  # format v5's ranks per group (group_summaries.py); None: format v4
     references: References | None = None,  # incremental: this rank's unchanged chunks, referenced (§10.6)
+    node_roots: tuple[str, ...] | None = None,  # node-local: each rank's root (node_groups.py)
 ) -> RankOutcome:
     """Write this rank's shard and part, then commit on rank 0; raises SaveRefused (every rank alike) when the
     checkpoint did not commit, or the collective's error when a peer died."""
@@ -103,6 +104,7 @@ def save_parts(
             verify_mode=config.verify.mode,
             pg=group,
             digest=config.sign.digest if config.sign.enabled else None,
+            node_roots=node_roots,
         )
     verdict: str | None = None
     if summaries is not None:

@@ -96,11 +96,13 @@ def persist_checkpoint(
     meta: SaveMeta,
     fault_hook: FaultHook | None = None,
     lineage_from: tuple[Location, ...] = (),
+    node_roots: tuple[str, ...] | None = None,
 ) -> SaveResult:
     """Write `state_dict` (already staged) as the checkpoint of `step`; never raises on a failed commit.
 
     `lineage_from`: other roots this run commits to (tiers' degraded mode: the fast tier), whose commits the
-    new one's `seq` and parent continue (commit.py `lineage`).
+    new one's `seq` and parent continue (commit.py `lineage`). `node_roots` (node-local saves): each rank's node root
+    (node_groups.node_roots), so that a v5 group table is copied to every node its group spans.
 
     A save whose ranks agree on the layout is written in format v4/v5 (parts_save.py: no global plan, rank 0's
     commit is O(ranks) or O(groups)); an incremental one references its unchanged chunks from each rank's part
@@ -143,7 +145,9 @@ def persist_checkpoint(
             fault_hook,
             group_size=_group_size(config, layout.world_size),
         )
-        stats = _persist_parts(root, group, config, state_dict, target, layout, committer, fault_hook, result, meta)
+        stats = _persist_parts(
+            root, group, config, state_dict, target, layout, committer, fault_hook, result, meta, node_roots
+        )
     else:
         if meta.base is not None:  # v3: references per chunk in the manifest, from the base read from storage
             meta.references = meta.base.chunk_map(root)
@@ -164,16 +168,16 @@ def persist_checkpoint(
 
 
 def _group_size(config: SaveConfig, world: int) -> int | None:
-    """Format v5's ranks per group, or None for v4: what format_version asks, except that
-    - an unsigned world of one group stays v4: its parts table is O(group size) already, and v5 would add a file
-      to write and one to read at every resume for nothing;
-    - node-local saves stay v4: a leader's table would land on its own node's storage only.
+    """Format v5's ranks per group, or None for v4: what format_version asks, except that an unsigned world of one
+    group stays v4: its parts table is O(group size) already, and v5 would add a file to write and one to read at
+    every resume for nothing.
+    Node-local saves too: each group table is copied to every node its group spans (node_groups.py).
     A signed save is v5 at any size: only v5's group tables and parts carry cryptographic digests down to each
     chunk (FORMAT.md §12.2), so each rank verifies what it reads and nothing more (a signed v4 part binds its
     shard file by one digest, which a resharded rank can only check by fetching the whole file)."""
     size = groups.writer_group_size(world)
     one_group = world <= size and not config.sign.enabled
-    if config.format_version < GROUPS_FORMAT_VERSION or config.node_local or one_group:
+    if config.format_version < GROUPS_FORMAT_VERSION or one_group:
         return None
     return size
 
@@ -189,6 +193,7 @@ def _persist_parts(
     fault_hook: FaultHook | None,
     result: SaveResult,
     meta: SaveMeta,
+    node_roots: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Format v4: every rank writes its shard and part; rank 0 commits from the ranks' summaries."""
     try:
@@ -206,6 +211,7 @@ def _persist_parts(
             fault_hook=fault_hook,
             group_size=committer.group_size,
             references=references,
+            node_roots=node_roots,
         )
     except (ShardCkptError, OSError, RuntimeError) as err:
         _failed(result, target, err, group)

@@ -34,7 +34,7 @@ from ..metrics import CheckpointRecord, RunCounters
 from ..storage import fsio
 from ..storage.fsio import Location
 from ..storage.writer import FaultHook
-from . import metadata_budget
+from . import metadata_budget, node_groups
 from .incremental import ChangeTracker
 from .incremental_base import IncrementalBase
 from .persist import REMOVED, SaveMeta, SaveResult, persist_checkpoint, release_frames
@@ -112,6 +112,8 @@ class CheckpointSaver:
             self.config.front_door,
         )
         self.config = replace(self.config, run_id=self.run_id)  # every manifest records it
+        # node-local: each rank's node root, so that a v5 group table is copied to every node its group spans
+        self.node_roots = node_groups.node_roots(self.root, self.group) if self.config.node_local else None
         # staging memory is bounded: one host copy of the state per save that may be in flight
         self._free_slots: queue.Queue[StagingBuffers] = queue.Queue()
         self.slots = [StagingBuffers() for _ in range(self.config.max_in_flight)]
@@ -416,6 +418,7 @@ class CheckpointSaver:
                 job.meta,
                 self._fault_hook,
                 lineage_from=self.lineage_from,
+                node_roots=self.node_roots,
             )
         except BaseException as err:  # a bug or an unexpected error: never lose it silently
             log.exception("rank %d: checkpoint of step %d crashed", self.rank, job.step)

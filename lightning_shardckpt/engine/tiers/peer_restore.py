@@ -13,6 +13,10 @@ Collective "peer-restore", on every rank before the tier choice (restore.py):
 3. the manifest goes from one holder to every rank ("peer-manifest"), the copies run in the plan's order,
    and each node root that now holds every file commits the checkpoint there (commit record, manifest).
 
+Format v5 lists its parts and shard files in its group tables, which a node-local save leaves on the nodes of the
+ranks they list (engine/save/node_groups.py): steps 2 and 3 first assemble what the manifest lists (the tables), then
+every rank learns the rest from them and steps 2 and 3 run again for the rest ("peer-parts", "peer-holdings-files").
+
 Afterwards every node root holds the checkpoint whole, so the tier choice finds the fast copy readable by
 every rank and DCP reshards it onto the new world as usual. Nothing is read from the durable tier here.
 """
@@ -26,11 +30,12 @@ from typing import Any
 
 from ...errors import CorruptCheckpoint, SignatureRefused
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
-from ..format import bounded_json, signing
+from ..format import bounded_json, groups, signing
 from ..format import manifest as manifest_format
 from ..format.manifest import transfer_order
 from ..format.manifest_schema import parse_time
 from ..format.names import COMMIT_RECORD, MANIFEST, join, parse_dirname
+from ..format.parts_manifest import PARTS_FIELD
 from ..format.signing import SignaturePolicy
 from ..storage import fsio
 from ..storage.fsio import Location
@@ -98,7 +103,8 @@ def _holdings(
                     fsio.read_small(root.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), directory
                 )
                 facts = {
-                    "files": all_files(manifest),
+                    # what the manifest itself lists (v5: its group tables, read in restore_from_peers's second step)
+                    "files": all_files(groups.for_ranks(root.fs, directory, manifest, [])),
                     "seq": manifest.get("seq") or 0,
                     "step": manifest.get("step"),
                     "created_at": manifest.get("created_at") or "",
@@ -126,15 +132,18 @@ def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, in
     except Exception:  # noqa: BLE001 - no readable manifest here: nothing this root can vouch for
         log.debug("cannot read %s", directory, exc_info=True)
         return {}, {}
+    # step one checks what the manifest lists (v5: its tables); restore_from_peers's second step checks the rest
+    listed = manifest = groups.for_ranks(root.fs, directory, manifest, [])
     held = {}
     for relative, size in listing.items():
+        # v5's parts and shards are no file of `listed` yet (held here as stray files are): step two checks them
         if relative in (MANIFEST, COMMIT_RECORD) or _intact(root, join(directory, relative), manifest, relative):
             held[relative] = size
         else:
             log.warning(
                 "%s does not match its manifest's checksums: fetching it from a peer copy", join(directory, relative)
             )
-    facts = {"files": all_files(manifest), "seq": manifest.get("seq") or 0, "step": manifest.get("step")}
+    facts = {"files": all_files(listed), "seq": manifest.get("seq") or 0, "step": manifest.get("step")}
     return {name: held}, {name: {**facts, "created_at": manifest.get("created_at") or ""}}
 
 
@@ -183,7 +192,12 @@ def restore_from_peers(
     that checkpoint whole again after a load found a file of it damaged: every file is checked against the
     manifest's checksums, and one that fails is replaced from an intact copy (a peer's, checked as it arrives).
     `policy` (the resume's signature policy): a checkpoint whose every reported manifest it refuses is passed over
-    (never copied; named in `refused`), as `latest` passes over it; a validly signed copy is the one copied."""
+    (never copied; named in `refused`), as `latest` passes over it; a validly signed copy is the one copied.
+
+    Format v5 in two steps: its manifest lists its group tables, which list its parts and shard files, and on a
+    node-local tier no one root need hold every table. So its tables are assembled first (every node root then
+    holds them all), then every rank learns the rest of its files from them and the rest is assembled; a candidate
+    whose tables survive but not every part or shard is passed over for the next, as v4's is."""
     rank = rank_and_world(group)[0]
     roots = visible_roots(own, template, config.scan_local_roots)
     report: dict[str, Any] = {"own": own.url, "roots": {}, "manifests": {}}
@@ -193,31 +207,85 @@ def restore_from_peers(
             if _preferred({**facts, "holder": url}, report["manifests"].get(name)):
                 report["manifests"][name] = {**facts, "holder": url}
     reports = all_gather_objects("peer-holdings", report, group)
-    plan, refused = _plan(reports)
-    if isinstance(plan, str):
-        return PeerRestore(None, None, 0, 0, plan, refused)
-    name, step, holder_rank, holder_root, transfers = plan
-    documents = None
-    if rank == holder_rank:
-        directory = join(roots[holder_root].path, name)
-        fs = roots[holder_root].fs
-        signature_path = join(directory, signing.SIGNATURE)
-        documents = (
-            fsio.read_small(fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES),
-            fsio.read_small(fs, join(directory, COMMIT_RECORD), bounded_json.SMALL_MAX_BYTES),
-            fsio.read_small(fs, signature_path, bounded_json.SMALL_MAX_BYTES)
-            if fs.exists(signature_path)
-            else None,  # a signed checkpoint stays signed
-        )
-    manifest_bytes, record_bytes, signature = broadcast_from("peer-manifest", documents, holder_rank, group)
-    manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
+    passed: dict[str, str] = {}  # v5 candidates whose tables were assembled but not every file they list survives
+    failed: list[str] = []
+    while True:
+        plan, refused = _plan(reports, skip=set(passed))
+        if isinstance(plan, str):
+            return PeerRestore(None, None, 0, 0, "; ".join([*passed.values(), plan]), refused)
+        name, step, holder_rank, holder_root, transfers = plan
+        documents = None
+        if rank == holder_rank:
+            directory = join(roots[holder_root].path, name)
+            fs = roots[holder_root].fs
+            signature_path = join(directory, signing.SIGNATURE)
+            documents = (
+                fsio.read_small(fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES),
+                fsio.read_small(fs, join(directory, COMMIT_RECORD), bounded_json.SMALL_MAX_BYTES),
+                fsio.read_small(fs, signature_path, bounded_json.SMALL_MAX_BYTES)
+                if fs.exists(signature_path)
+                else None,  # a signed checkpoint stays signed
+            )
+        manifest_bytes, record_bytes, signature = broadcast_from("peer-manifest", documents, holder_rank, group)
+        manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
+        # what the manifest itself lists (v5: its group tables, and .metadata), as _holdings reported it
+        listed = groups.for_ranks(own.fs, "", manifest, [])
+        local, fetched, failed = _assemble(own, roots, name, listed, transfers, group)
+        if groups.is_grouped(manifest) and not failed:
+            # step two: every node root holds every table now; rank 0 reads them from its own root (each checked
+            # against the manifest) and every rank learns every file, then plans what each root still lacks
+            parts: Any = None
+            if rank == 0:
+                try:
+                    parts = _parts_of(own.fs, join(own.path, name), manifest)
+                except Exception as err:  # noqa: BLE001 - every rank learns it (broadcast): all fail alike
+                    parts = f"rank 0: reading the group tables of {name}: {type(err).__name__}: {err}"
+            parts = broadcast_from("peer-parts", parts, 0, group)
+            if isinstance(parts, str):
+                failed = [parts]
+                break
+            listed = {**manifest, PARTS_FIELD: parts}
+            held = {url: _listing(location, name, listed, repair is not None) for url, location in roots.items()}
+            listings = all_gather_objects("peer-holdings-files", {"own": own.url, "roots": held}, group)
+            transfers, lacking = _transfers(name, all_files(listed), listings)
+            if lacking:
+                passed[name] = f"{name}: no complete copy survives ({', '.join(lacking[:4])} lost with their nodes)"
+                continue
+            more_local, more_fetched, failed = _assemble(own, roots, name, listed, transfers, group)
+            local, fetched = local + more_local, fetched + more_fetched
+        break
+    if not failed:
+        failed = _commit_copy(own, reports, name, listed, manifest_bytes, record_bytes, signature, group)
+    if failed:
+        return PeerRestore(None, step, local, fetched, f"assembling {name} failed: {'; '.join(failed[:3])}", refused)
+    reason = (
+        f"{name} assembled from peer copies: {local} bytes copied on the same machine, "
+        f"{fetched} bytes fetched from other ranks"
+    )
+    if refused:
+        reason += f"; passed over (the signature policy refused them): {', '.join(refused)}"
+    return PeerRestore(name, step, local, fetched, reason, refused)
+
+
+def _assemble(
+    own: Location,
+    roots: dict[str, Location],
+    name: str,
+    manifest: dict[str, Any],
+    transfers: list[tuple[str, int, int, str]],
+    group: Any,
+) -> tuple[int, int, list[str]]:
+    """Collective "peer-restored": run this rank's share of `transfers`, each file checked against `manifest` (v5:
+    with the rows of the files it moves); (bytes copied locally, bytes fetched, every rank's problems), all ranks."""
+    rank = rank_and_world(group)[0]
     problems: list[str] = []
     local = fetched = 0
     own_dir = join(own.path, name)
+    sizes = all_files(manifest)
     for relative, writer, source, source_root in transfers:
         if rank not in (writer, source):
             continue
-        size = all_files(manifest)[relative]
+        size = sizes[relative]
         try:
             if writer == source:  # the nearest copy is on this machine: a verified local copy
                 src = roots[source_root]
@@ -236,6 +304,25 @@ def restore_from_peers(
                 problems.extend(result.problems)
         except Exception as err:  # noqa: BLE001 - gathered below: the tier choice then falls back
             problems.append(f"rank {rank}: {relative}: {type(err).__name__}: {err}")
+    outcomes = all_gather_objects("peer-restored", (problems, local, fetched), group)
+    return sum(o[1] for o in outcomes), sum(o[2] for o in outcomes), [p for o in outcomes for p in o[0]]
+
+
+def _commit_copy(
+    own: Location,
+    reports: list[dict[str, Any]],
+    name: str,
+    manifest: dict[str, Any],
+    manifest_bytes: bytes,
+    record_bytes: bytes,
+    signature: bytes | None,
+    group: Any,
+) -> list[str]:
+    """Collective "peer-committed": the first rank of each node root commits the checkpoint there once the root holds
+    it whole (commit record, then the manifest's original bytes, create-if-absent); every rank's problems."""
+    rank = rank_and_world(group)[0]
+    problems = []
+    own_dir = join(own.path, name)
     if reports[rank]["own"] == own.url and [r["own"] for r in reports].index(own.url) == rank:
         try:
             if holds_all(own, own_dir, manifest) and not own.fs.exists(join(own_dir, MANIFEST)):
@@ -245,21 +332,33 @@ def restore_from_peers(
                 fsio.create_if_absent(own.fs, join(own_dir, MANIFEST), manifest_bytes)
         except Exception as err:  # noqa: BLE001
             problems.append(f"rank {rank}: committing {name} in {own.url}: {err}")
-    outcomes = all_gather_objects("peer-restored", (problems, local, fetched), group)
-    failed = [p for rank_problems, _, _ in outcomes for p in rank_problems]
-    local_total = sum(o[1] for o in outcomes)
-    fetched_total = sum(o[2] for o in outcomes)
-    if failed:
-        return PeerRestore(
-            None, step, local_total, fetched_total, f"assembling {name} failed: {'; '.join(failed[:3])}", refused
-        )
-    reason = (
-        f"{name} assembled from peer copies: {local_total} bytes copied on the same machine, "
-        f"{fetched_total} bytes fetched from other ranks"
-    )
-    if refused:
-        reason += f"; passed over (the signature policy refused them): {', '.join(refused)}"
-    return PeerRestore(name, step, local_total, fetched_total, reason, refused)
+    return [p for rank_problems in all_gather_objects("peer-committed", problems, group) for p in rank_problems]
+
+
+def _listing(root: Location, name: str, manifest: dict[str, Any], verified: bool) -> dict[str, dict[str, int]]:
+    """{name: {file: size}} of checkpoint `name` in `root` (`verified`, a repair: only the files whose every byte
+    matches `manifest`, with its parts' rows); {} when the root lacks it."""
+    directory = join(root.path, name)
+    try:
+        listing = {_name(info): info.get("size") for info in root.fs.ls(directory, detail=True)}
+    except FileNotFoundError:
+        return {}
+    except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
+        log.debug("cannot list %s", directory, exc_info=True)
+        return {}
+    if verified:
+        listing = {
+            rel: size
+            for rel, size in listing.items()
+            if rel in (MANIFEST, COMMIT_RECORD) or _intact(root, join(directory, rel), manifest, rel)
+        }
+    return {name: listing}
+
+
+def _parts_of(fs: Any, directory: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A v5 manifest's v4-shaped parts table, from its group tables in `directory` (each checked against it)."""
+    parts: dict[str, Any] = groups.expanded(fs, directory, manifest)[PARTS_FIELD]
+    return parts
 
 
 def _preferred(facts: dict[str, Any], held: dict[str, Any] | None) -> bool:
@@ -285,11 +384,11 @@ def _incoming_ranges(
 
 
 def _plan(
-    reports: list[dict[str, Any]],
+    reports: list[dict[str, Any]], skip: set[str] | None = None
 ) -> tuple[tuple[str, int, int, str, list[tuple[str, int, int, str]]] | str, dict[str, tuple[str, tuple]]]:
     """The same plan on every rank: (checkpoint, step, manifest holder rank, its root, transfers) or why none; and the
     newer checkpoints passed over because the signature policy refused every manifest reported for them
-    ({name: (why, order_of)}, newest first)."""
+    ({name: (why, order_of)}, newest first). `skip`: candidates already found incomplete (v5's second step)."""
     manifests: dict[str, dict[str, Any]] = {}
     holder: dict[str, tuple[int, str]] = {}
     for rank, report in enumerate(reports):
@@ -306,31 +405,43 @@ def _plan(
             refused[name] = (manifests[name]["refused"], order_of(manifests[name]))
             reasons.append(f"{name}: refused by the signature policy ({manifests[name]['refused']})")
             continue
-        expected = manifests[name]["files"]
-        holders: dict[str, list[tuple[int, str]]] = {rel: [] for rel in expected}
-        for rank, report in enumerate(reports):
-            for url, held in report["roots"].items():
-                for rel, size in held.get(name, {}).items():
-                    if rel in expected and expected[rel] == size:
-                        holders[rel].append((rank, url))
-        lacking = sorted(rel for rel, found in holders.items() if not found)
+        if skip and name in skip:
+            continue
+        transfers, lacking = _transfers(name, manifests[name]["files"], reports)
         if lacking:
             reasons.append(f"{name}: no complete copy survives ({', '.join(lacking[:4])} lost with their nodes)")
             continue
-        writers: dict[str, int] = {}
-        for rank, report in enumerate(reports):
-            writers.setdefault(report["own"], rank)
-        transfers = []
-        for own_url, writer in sorted(writers.items(), key=lambda item: item[1]):
-            present = reports[writer]["roots"].get(own_url, {}).get(name, {})
-            for rel in sorted(expected, key=transfer_order):  # a v4 part lands before the shard it describes
-                if present.get(rel) == expected[rel]:
-                    continue
-                mine = [url for rank, url in holders[rel] if rank == writer and url != own_url]
-                if mine:
-                    transfers.append((rel, writer, writer, mine[0]))
-                else:
-                    source, url = min(holders[rel])
-                    transfers.append((rel, writer, source, url))
         return (name, manifests[name]["step"], *holder[name], transfers), refused
     return "; ".join(reasons), refused
+
+
+def _transfers(
+    name: str, expected: dict[str, int], reports: list[dict[str, Any]]
+) -> tuple[list[tuple[str, int, int, str]], list[str]]:
+    """(file, writer rank, source rank, source root) for every file of `expected` a node root of the new world lacks
+    (each root's first rank writes it; the nearest copy is the source), and the files no rank holds at their size."""
+    holders: dict[str, list[tuple[int, str]]] = {rel: [] for rel in expected}
+    for rank, report in enumerate(reports):
+        for url, held in report["roots"].items():
+            for rel, size in held.get(name, {}).items():
+                if rel in expected and expected[rel] == size:
+                    holders[rel].append((rank, url))
+    lacking = sorted(rel for rel, found in holders.items() if not found)
+    if lacking:
+        return [], lacking
+    writers: dict[str, int] = {}
+    for rank, report in enumerate(reports):
+        writers.setdefault(report["own"], rank)
+    transfers = []
+    for own_url, writer in sorted(writers.items(), key=lambda item: item[1]):
+        present = reports[writer]["roots"].get(own_url, {}).get(name, {})
+        for rel in sorted(expected, key=transfer_order):  # a v4 part lands before the shard it describes
+            if present.get(rel) == expected[rel]:
+                continue
+            mine = [url for rank, url in holders[rel] if rank == writer and url != own_url]
+            if mine:
+                transfers.append((rel, writer, writer, mine[0]))
+            else:
+                source, url = min(holders[rel])
+                transfers.append((rel, writer, source, url))
+    return transfers, []

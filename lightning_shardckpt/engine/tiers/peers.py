@@ -6,7 +6,9 @@ One background thread per rank takes fast-tier commits in commit order. For each
    the newest, counted as `peer_replication_skipped`) and broadcasts its manifest and commit record bytes;
 2. for each peer round k (rank r sends to r + k*jump, receives from r - k*jump), every rank streams the files
    it wrote (rank 0: also `.metadata`) to its peer, which checks every range against the manifest as the
-   bytes arrive and renames a file into place only when it is whole and good (peer_transfer.py);
+   bytes arrive and renames a file into place only when it is whole and good (peer_transfer.py). Format v5
+   first sends each group's table from its leader (collective "peer-tables"): the parts that follow are checked
+   against the table that lists them, read on the receiving node (groups stay inside one node: save/node_groups.py);
 3. collective "peer-receipts": every rank's outcome and the files it received; then the first rank of each
    node root whose directory now holds every file of the checkpoint commits it there (commit record, then
    the manifest, create-if-absent): a peer copy counts only when complete and verified. Each receiving
@@ -29,9 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import CorruptCheckpoint
 from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
-from ..format import bounded_json, signing
+from ..format import bounded_json, groups, signing
 from ..format import manifest as manifest_format
 from ..format.manifest import files_with_metadata, transfer_order
 from ..format.names import (
@@ -44,6 +47,7 @@ from ..format.names import (
     shard_rank,
 )
 from ..metrics import RunCounters
+from ..save import node_groups
 from ..storage import fsio
 from ..storage.fsio import Location
 from . import root_identity
@@ -74,7 +78,8 @@ def files_of_rank(manifest: dict[str, Any], rank: int) -> list[str]:
 
 
 def all_files(manifest: dict[str, Any]) -> dict[str, int]:
-    """Every data file of the checkpoint and its committed size (`.metadata` included when written)."""
+    """Every data file of the checkpoint and its committed size (`.metadata` included when written); a v5
+    manifest once groups.expanded read its tables."""
     return files_with_metadata(manifest)
 
 
@@ -122,6 +127,7 @@ class PeerReplicator:
                 same[:8],
                 config.jump,
             )
+        self._unreadable: set[int] = set()  # ranks whose own group table was unreadable in the copy under way
         self._thread = threading.Thread(target=self._work, name="shardckpt-peer-replicator", daemon=True)
         self._thread.start()
 
@@ -238,26 +244,40 @@ class PeerReplicator:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
         problems: list[str] = []
+        own, landed = self._copy_tables(directory, manifest, problems)
         sent = 0
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
             src = (self.rank - k * self.config.jump) % self.world_size
             # a peer on this node's own root adds no failure domain (a world shrunk to one node, or the same
             # directory under another name): nothing to send
-            send = self._storage[dst] != self._storage[self.rank]
+            send = self._storage[dst] != self._storage[self.rank] and self._table_reaches(
+                manifest, k, self.rank, landed
+            )
             receive = self._storage[src] != self._storage[self.rank]
-            outgoing = [
-                Outgoing(self.fast.fs, join(directory, rel), listed_size(manifest, rel))
-                for rel in (files_of_rank(manifest, self.rank) if send else [])
-            ]
+            if receive and not self._table_reaches(manifest, k, src, landed):
+                problems.append(
+                    f"rank {self.rank}: rank {src}'s files were not sent: the group table listing them is unreadable "
+                    "on its node or did not reach this one, so they could not be checked as they arrive "
+                    f"(tiers.fast.peers.jump={self.config.jump} should be the ranks per node)"
+                )
+                receive = False
+            # v5: the sender's rows from its group table, which phase one just copied here
+            theirs = groups.for_ranks(self.fast.fs, directory, manifest, [src]) if receive else manifest
+            outgoing = []
+            if send and own is not None:
+                outgoing = [
+                    Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
+                    for rel in files_of_rank(own, self.rank)
+                ]
             incoming = [
                 Incoming(
                     self.fast.fs,
                     join(directory, rel),
-                    listed_size(manifest, rel),
-                    _ranges(manifest, rel, self.fast, directory),
+                    listed_size(theirs, rel),
+                    _ranges(theirs, rel, self.fast, directory),
                 )
-                for rel in (files_of_rank(manifest, src) if receive else [])
+                for rel in (files_of_rank(theirs, src) if receive else [])
             ]
             if not outgoing and not incoming:
                 continue
@@ -265,7 +285,7 @@ class PeerReplicator:
             sent += sum(item.size for item in outgoing)
             problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
             if receive and not result.problems:
-                self._record(name, manifest, src)
+                self._record(name, theirs, src)
         receipts = all_gather_objects("peer-receipts", problems, self.group)
         complete = self._commit_node_copy(name, manifest, manifest_bytes, record_bytes, signature)
         nodes = [n for n in all_gather_objects("peer-complete", complete, self.group) if n]
@@ -279,6 +299,94 @@ class PeerReplicator:
         self._event(
             name, manifest, not failed, "; ".join(failed[:3]), sorted(set(nodes)), time.perf_counter() - started
         )
+
+    def _copy_tables(
+        self, directory: str, manifest: dict[str, Any], problems: list[str]
+    ) -> tuple[dict[str, Any] | None, set[tuple[int, int]]]:
+        """Format v5, phase one: on each root, the rank holding a group's table there (its group's lowest rank on it)
+        sends it to its peers whose root the save did not write it on, before any part (a received part is checked
+        against the table that lists it, read on the receiving node). Collective "peer-tables": every
+        rank learns which (round, sender) tables landed and which ranks could read their own rows, so that both ends
+        of every later transfer agree on what travels. Returns this rank's view of its own files (None: its group
+        table is unreadable here, it sends nothing) and what landed. v1-v4: the manifest lists every part."""
+        if not groups.is_grouped(manifest):
+            return manifest, set()
+        own: dict[str, Any] | None = None
+        try:  # this rank's files as its group table lists them: on this node, where the save wrote it
+            own = groups.for_ranks(self.fast.fs, directory, manifest, [self.rank])
+        except (CorruptCheckpoint, OSError) as err:
+            problems.append(f"rank {self.rank}: its own group table is unreadable, its files stay unsent: {err}")
+        tables = {entry["path"]: entry for entry in groups.table_files(manifest)}
+        landed: list[tuple[int, int]] = []
+        for k in range(1, self.config.factor):
+            dst = (self.rank + k * self.config.jump) % self.world_size
+            src = (self.rank - k * self.config.jump) % self.world_size
+            mine, theirs = self._table_held_by(manifest, self.rank), self._table_held_by(manifest, src)
+            # no copy where the save wrote one already (every root its group spans: save/node_groups.py)
+            send = (
+                mine is not None
+                and self._storage[dst] != self._storage[self.rank]
+                and not self._written_on(manifest, self.rank, dst)
+            )
+            receive = (
+                theirs is not None
+                and self._storage[src] != self._storage[self.rank]
+                and not self._written_on(manifest, src, self.rank)
+            )
+            outgoing = [Outgoing(self.fast.fs, join(directory, mine), tables[mine]["bytes"])] if send and mine else []
+            incoming = (
+                [
+                    Incoming(
+                        self.fast.fs,
+                        join(directory, theirs),
+                        tables[theirs]["bytes"],
+                        [(0, tables[theirs]["bytes"], tables[theirs]["checksum"], None)],
+                    )
+                ]
+                if receive and theirs
+                else []
+            )
+            if not outgoing and not incoming:
+                continue
+            result = exchange(outgoing, dst if outgoing else None, incoming, src if incoming else None, self.group)
+            problems.extend(f"rank {self.rank}: {p}" for p in result.problems)
+            if incoming and not result.problems:
+                landed.append((k, src))
+        heard = all_gather_objects("peer-tables", (landed, own is not None), self.group)
+        self._unreadable = {rank for rank, (_, readable) in enumerate(heard) if not readable}
+        return own, {item for items, _ in heard for item in items}
+
+    def _group_of(self, manifest: dict[str, Any], rank: int) -> range:
+        table = manifest[groups.GROUPS_FIELD]
+        return groups.group_ranks(rank // table["size"], table["size"], table["count"])
+
+    def _table_held_by(self, manifest: dict[str, Any], rank: int) -> str | None:
+        """The group table `rank` sends its peers in phase one: its group's, when it is its group's lowest rank on its
+        root (node_groups.table_holders: the save wrote the table on every root its group spans), else None."""
+        ranks = self._group_of(manifest, rank)
+        if node_groups.table_holders(self._roots, ranks)[self._roots[rank]] != rank:
+            return None
+        return groups.group_filename(rank // manifest[groups.GROUPS_FIELD]["size"])
+
+    def _written_on(self, manifest: dict[str, Any], rank: int, other: int) -> bool:
+        """Whether the save wrote `rank`'s group table on `other`'s root (a root that group spans)."""
+        return self._roots[other] in {self._roots[r] for r in self._group_of(manifest, rank)}
+
+    def _table_reaches(self, manifest: dict[str, Any], k: int, rank: int, landed: set[tuple[int, int]]) -> bool:
+        """Round `k`: whether the group table listing `rank`'s files is on the storage of `rank`'s peer of that round
+        (v1-v4: no table to need): written there by the save, or received in phase one (`landed`) by the round's peer
+        of the rank holding it on `rank`'s root; with `jump` the ranks per node, that is the same node's storage."""
+        if not groups.is_grouped(manifest):
+            return True
+        if rank in self._unreadable:  # phase one: it cannot list its own files, so it sends none
+            return False
+        receiver = (rank + k * self.config.jump) % self.world_size
+        if self._written_on(manifest, rank, receiver):
+            return True
+        ranks = self._group_of(manifest, rank)
+        holder = node_groups.table_holders(self._roots, ranks)[self._roots[rank]]
+        sent_to = (holder + k * self.config.jump) % self.world_size
+        return (k, holder) in landed and self._storage[sent_to] == self._storage[receiver]
 
     def _record(self, name: str, manifest: dict[str, Any], src: int) -> None:
         record = {
@@ -397,14 +505,24 @@ class PeerReplicator:
 
 
 def holds_all(root: Location, directory: str, manifest: dict[str, Any]) -> bool:
-    """`directory` in this view holds every data file of the checkpoint at its committed size."""
+    """`directory` in this view holds every data file of the checkpoint at its committed size (v5: its group
+    tables read here, checked against the manifest, list the rest)."""
     try:
         listing = {
             str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: i.get("size") for i in root.fs.ls(directory, detail=True)
         }
     except FileNotFoundError:
         return False
-    return all(listing.get(rel) == size for rel, size in all_files(manifest).items())
+    tables = (
+        {entry["path"]: entry["bytes"] for entry in groups.table_files(manifest)} if groups.is_grouped(manifest) else {}
+    )
+    if any(listing.get(rel) != size for rel, size in tables.items()):
+        return False  # v5: its parts are listed in its group tables, every one of which must be here first
+    try:
+        expanded = groups.expanded(root.fs, directory, manifest)
+    except (CorruptCheckpoint, OSError):
+        return False  # a table here does not match the manifest: not a complete copy
+    return all(listing.get(rel) == size for rel, size in all_files(expanded).items())
 
 
 def node_roots(template: str, storage_options: dict[str, Any] | None = None) -> dict[int, Location]:

@@ -465,11 +465,21 @@ class Replicator:
                 return False, "; ".join(why for refused_here, why in checks if refused_here or not refused), refused
         problem = None
         try:
-            expanded = groups.expanded(self.fast.fs, src_dir, manifest)  # v5: its files are in its group tables
+            # v5: this rank's rows from its own group's table, in its own fast root (on a node-local fast tier the
+            # other groups' tables are on other nodes' disks); its group's leader uploads that table
+            expanded = groups.for_ranks(self.fast.fs, src_dir, manifest, [self.rank])
             files = files_with_metadata(expanded)
             mine = sorted((path for path in files if shard_rank(path) == self.rank), key=transfer_order)
-            if self.rank == 0:  # the files no rank owns: .metadata, v5's group tables
-                mine.extend(sorted((p for p in files if shard_rank(p) is None), key=transfer_order))
+            led = groups.table_led_by(manifest, self.rank)
+            if led is not None:
+                mine.insert(0, led)
+            if self.rank == 0:  # the files no rank owns and no leader wrote: .metadata, v1-v3's unnamed files
+                mine.extend(
+                    sorted(
+                        (p for p in files if shard_rank(p) is None and not p.endswith(groups.GROUP_SUFFIX)),
+                        key=transfer_order,
+                    )
+                )
             self.durable.backend.makedirs(dst_dir)
             for relative in mine:
                 self._fault("replicate_before_file")
