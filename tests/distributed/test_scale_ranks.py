@@ -21,13 +21,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, load_checkpoint
+from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, SignConfig, load_checkpoint
 from lightning_shardckpt.engine.catalog import list_checkpoints
 from lightning_shardckpt.engine.format import chunk_layout, groups, parts_manifest
 from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops.verify import verify_checkpoint
 from tests.helpers import counting_fs
+from tests.helpers.signing_keys import Keys
 from tests.helpers.spawn import run_ranks
 
 SAVED_ON, LOADED_ON = 32, 7
@@ -57,19 +58,21 @@ def _shard(full: torch.Tensor, mesh, world_size: int, rank: int) -> DTensor:
     return DTensor.from_local(local.clone(), mesh, [Shard(0)], shape=full.shape, stride=full.stride())
 
 
-def save_on_32(rank, world_size, root, group_size=None):
+def save_on_32(rank, world_size, root, group_size=None, key_path=None):
     if group_size is not None:  # format v5 in groups of `group_size` (a tests-only variable)
         os.environ[groups.GROUP_SIZE_ENV] = str(group_size)
-    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, collective_timeout_s=120))
+    sign = SignConfig(key_path=key_path) if key_path else SignConfig()
+    saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, collective_timeout_s=120, sign=sign))
     result = saver.save(_state(rank, world_size, zeros=False), step=7).result(timeout=120)
     saver.close()
     assert result.committed, result.error
     return result.manifest if rank == 0 else None
 
 
-def load_on_7(rank, world_size, root):
+def load_on_7(rank, world_size, root, public_key=None):
     state = _state(rank, world_size, zeros=True)
-    result = load_checkpoint(state, root)
+    policy = LoadConfig(require_signature=True, public_keys=[public_key]) if public_key else None
+    result = load_checkpoint(state, root, config=policy)
     # full_tensor() is a collective: every rank gathers every tensor, in the same order (no short cut)
     matches = [
         torch.equal(value.full_tensor(), _global(int(name[5:7])))
@@ -125,6 +128,24 @@ def test_a_v5_checkpoint_saved_on_32_ranks_in_4_groups_resumes_on_7_bit_exact(tm
     assert parts_manifest.writing_ranks(expanded) == list(range(SAVED_ON))
 
     loaded = [o.value for o in run_ranks(load_on_7, LOADED_ON, root, timeout_s=240, pg_timeout_s=120)]
+    assert all(r["step"] == 7 and r["exact"] and r["scalar"] == 7 for r in loaded), loaded
+    assert all(r["progress"] == {"global_step": 7, "note": "saved-on-32"} for r in loaded)
+    expected = [len(_old_ranks_overlapping(manifest, rank)) for rank in range(LOADED_ON)]
+    assert [r["parts_read"] for r in loaded] == expected
+
+
+def test_a_signed_v5_checkpoint_saved_on_32_ranks_in_4_groups_resumes_on_7_bit_exact_under_require_signature(
+    tmp_path,
+):
+    """Signed at scale (issue 46): the digests chained manifest -> 4 group tables -> 32 parts -> each chunk, and each
+    of 7 new ranks checks only what it reads under the policy; the forged-byte refusals are test_signed_v5.py's."""
+    keys = Keys.make(tmp_path)
+    root = str(tmp_path / "ckpt")
+    manifest = run_ranks(save_on_32, SAVED_ON, root, 8, keys.private, timeout_s=240, pg_timeout_s=120)[0].value
+
+    assert manifest["format_version"] == 5 and manifest["groups"]["writers"] == [8, 8, 8, 8]
+    assert len(manifest["groups"][groups.TABLE_DIGESTS]) == 64 * 4  # each table bound by its digest
+    loaded = [o.value for o in run_ranks(load_on_7, LOADED_ON, root, keys.public, timeout_s=240, pg_timeout_s=120)]
     assert all(r["step"] == 7 and r["exact"] and r["scalar"] == 7 for r in loaded), loaded
     assert all(r["progress"] == {"global_step": 7, "note": "saved-on-32"} for r in loaded)
     expected = [len(_old_ranks_overlapping(manifest, rank)) for rank in range(LOADED_ON)]
