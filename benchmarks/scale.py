@@ -4,6 +4,8 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 8 64 --tensors 300 --layouts fsdp
     PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 16384 131072 --tensors 1000 --layouts fsdp \
         --node-local 8 --listing 0                                             node-local saves, 8 ranks a node
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/scale.py --ranks 16384 131072 --tensors 1000 --layouts fsdp 2d \
+        --listing 0 --no-save-requests --matrix                                issue 46's features, against its bounds
 
 Simulated: no tensor bytes move and no process but this one runs. What runs is the real code of each step,
 fed with synthetic plans and write results:
@@ -39,6 +41,7 @@ import tracemalloc
 import uuid
 from collections import Counter
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -609,6 +612,14 @@ def run(
         "resume_plan_s": round(plan_s, 4),
         "resume_plan_peak_mb": round(plan_peak / 1e6, 1),
         "resume_read_bytes": plan_read,
+        # and the tensor bytes it reads: its stored cells' chunks whole (a stand-in record each, chunk_bytes), what
+        # the metadata above is read for; with them, signing's share of what a resume reads
+        "resume_tensor_bytes": sum(
+            chunk_bytes(cell.sizes)
+            for item in layout.tensors()
+            if boxes.get(item.fqn) is not None
+            for cell in chunk_layout.cells_within(item.tensor_layout, item.shape, boxes[item.fqn])
+        ),
         "resume_parts": plan.parts_read,
         "resume_group_tables": plan.group_tables_read,
         "latest_s": round(latest_s, 4),
@@ -896,6 +907,88 @@ def _throwaway_key() -> str:
     return path
 
 
+# issue 46's features, as (signed, incremental, ranks per node for a node-local save with peers); incremental with
+# node-local is refused at setup (SaveConfig: references would have to be resolved per node), so not simulated
+MATRIX: dict[str, tuple[bool, bool, int | None]] = {
+    "plain": (False, False, None),
+    "signed": (True, False, None),
+    "incremental": (False, True, None),
+    "node-local + peers": (False, False, 8),
+    "signed + incremental": (True, True, None),
+    "signed + node-local": (True, False, 8),
+}
+# issue 46's "done when", per configuration: (label, the row's value, the bound)
+BOUNDS: list[tuple[str, Any, float]] = [
+    ("manifest KB", lambda r: r["manifest_bytes"] / 1e3, 256),
+    ("rank 0 commit s", lambda r: r["rank0_commit_s"], 0.1),
+    ("rank 0 MB", lambda r: r["rank0_commit_peak_mb"], 32),
+    ("slowest leader s", lambda r: r["leader_s"], 0.05),
+    ("messages to one rank", lambda r: max(r["rank0_hears"], r["leader_hears"]), 512),
+    ("resume plan s", lambda r: r["resume_plan_s"], 0.1),
+    ("resume plan MB", lambda r: r["resume_plan_peak_mb"], 16),
+    ("metadata read MB", lambda r: r["resume_read_bytes"] / 1e6, 1),
+    ("requests of a rank to one file", lambda r: max(r["resume_fanout"]["now"]["most_requests_per_rank"].values()), 2),
+    ("files read by every rank", lambda r: r["resume_fanout"]["now"]["read_by_every_rank"], 0),
+    ("empty records", lambda r: r["empty_records"], 0),
+]
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    rows = []
+    key = _throwaway_key()
+    for kind in args.layouts:
+        for tensors in args.tensors:
+            for world in args.ranks:
+                group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
+                for feature, (signed, incremental, per_node) in MATRIX.items():
+                    row = run(
+                        kind,
+                        world,
+                        tensors,
+                        args.dcp_metadata_max_chunks,
+                        group_size,
+                        key if signed else None,
+                        incremental,
+                        per_node,
+                    )
+                    row["feature"] = feature
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    print()
+    print(matrix_table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+def matrix_table(rows: list[dict[str, Any]]) -> str:
+    """One line per configuration: each bound's value, starred where it is over the bound; and the bytes a signed
+    resume reads against the same configuration unsigned, metadata alone and with the tensor bytes."""
+    unsigned = {
+        (r["layout"], r["ranks"], r["tensors"], r["incremental"], "node" in r["feature"]): r
+        for r in rows
+        if not r["signed"]
+    }
+    head = ["layout", "ranks", "feature", *(label for label, _, _ in BOUNDS), "signed / unsigned read (metadata; all)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["layout"], f"{r['ranks']:,}", r["feature"]]
+        for _, value, bound in BOUNDS:
+            v = value(r)
+            cells.append(f"{v:.3g}" + (" **over**" if v > bound else ""))
+        base = unsigned.get((r["layout"], r["ranks"], r["tensors"], r["incremental"], "node" in r["feature"]))
+        if r["signed"] and base is not None:
+            meta = r["resume_read_bytes"] / base["resume_read_bytes"]
+            total = (r["resume_read_bytes"] + r["resume_tensor_bytes"]) / (
+                base["resume_read_bytes"] + base["resume_tensor_bytes"]
+            )
+            cells.append(f"{meta:.2f}x; {total:.3f}x")
+        else:
+            cells.append("")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 2048, 16384])
@@ -928,8 +1021,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="incremental saves (FORMAT.md §10.6): each save references every tensor chunk of the full one before it",
     )
+    parser.add_argument(
+        "--matrix",
+        action="store_true",
+        help="issue 46's feature matrix: each of " + ", ".join(MATRIX) + " (8 ranks a node) per layout and world "
+        "size, and a table of each against the issue's bounds (--sign, --incremental and --node-local are ignored)",
+    )
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
+    if args.matrix:
+        return _matrix(args)
     rows = []
     keys = [None, _throwaway_key()] if args.sign else [None]
     for kind in args.layouts:
