@@ -39,7 +39,7 @@ RESUME_COMMAND_KEYS = ("trainer.devices", "trainer.max_steps", "resume", "checkp
 # Hydra's documented switch: raise an error instead of printing it and exiting 1. `run` sets it until the task
 # starts, so a command line Hydra refuses comes back to it as an exception (see `run`).
 HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
-_composition = {"set_full_error": False, "task_started": False}
+_composition: dict[str, Any] = {"set_full_error": False, "users_value": None, "task_started": False}
 
 
 class InvalidConfig(SystemExit):
@@ -274,7 +274,7 @@ def debugging() -> bool:
 def main(cfg: DictConfig) -> None:
     _composition["task_started"] = True
     if _composition["set_full_error"]:  # `run`'s, not the user's: the task's own errors get Hydra's usual report,
-        os.environ.pop(HYDRA_FULL_ERROR, None)  # and the ranks Lightning starts from here inherit the user's setting
+        _restore_full_error()  # and the ranks Lightning starts from here inherit the user's setting
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_shardckpt.errors import ShardCkptError
@@ -365,8 +365,9 @@ def run(argv: list[str]) -> None:
     The check composes the config once more (~0.2 CPU-s, in every rank Lightning re-launches too), so it runs
     only on a refusal: HYDRA_FULL_ERROR, set here until the task starts, makes Hydra raise its composition error
     instead of printing it. A user's own HYDRA_FULL_ERROR=1 is left as it is (and their task errors raise)."""
-    _composition["set_full_error"] = HYDRA_FULL_ERROR not in os.environ
+    _composition["set_full_error"] = os.environ.get(HYDRA_FULL_ERROR) != "1"  # Hydra's test: exactly "1"
     if _composition["set_full_error"]:
+        _composition["users_value"] = os.environ.get(HYDRA_FULL_ERROR)
         os.environ[HYDRA_FULL_ERROR] = "1"
     try:
         main()
@@ -376,8 +377,15 @@ def run(argv: list[str]) -> None:
         check_overrides(argv)  # InvalidConfig naming the unknown keys
         if not _composition["set_full_error"]:
             raise
-        os.environ.pop(HYDRA_FULL_ERROR, None)
+        _restore_full_error()
         main()  # not an unknown key: Hydra composes again and reports the error its own way (exits 1)
+
+
+def _restore_full_error() -> None:
+    if _composition["users_value"] is None:
+        os.environ.pop(HYDRA_FULL_ERROR, None)
+    else:
+        os.environ[HYDRA_FULL_ERROR] = _composition["users_value"]
 
 
 if __name__ == "__main__":
