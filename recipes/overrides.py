@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 
 NOT_A_KEY = re.compile(r"Could not override '([^']+)'")
@@ -41,6 +41,8 @@ def unknown_keys(config_dir: str, config_name: str, overrides: list[str]) -> lis
                 key = match.group(1)
                 remaining = [o for o in remaining if _key_of(o) != key]
                 problems.append((key, str(err.__cause__ or "").split("\n")[0]))
+            except HydraException:  # a malformed override (`trainer.devices=[`): Hydra's message says where
+                return []
     return [_explained(key, cause, config) for key, cause in problems]
 
 

@@ -6,8 +6,8 @@
     python recipes/train.py --cfg job                              # print the composed config and exit
 
 Options live in conf/ (conf/train.yaml and its groups); every option there is commented. An unknown key is
-refused before Hydra runs, with the closest known ones (recipes/overrides.py); values that cannot work are
-refused here before any rank starts, naming the option and the fix.
+refused with the closest known ones (recipes/overrides.py) instead of Hydra's "+key" hint; values that cannot
+work are refused here before any rank starts, naming the option and the fix.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ if RECIPES_DIR not in sys.path:  # `python -m recipes.train` and Hydra's `_targe
     sys.path.insert(0, RECIPES_DIR)
 
 import hydra  # noqa: E402
-import overrides  # noqa: E402  (recipes/overrides.py)
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
@@ -37,6 +36,10 @@ SECRET_WORDS = ("secret", "token", "password", "passwd")
 SECRET_KEYS = ("key",)  # s3fs's access key id; only inside a storage_options mapping
 # Overrides the printed resume command sets itself.
 RESUME_COMMAND_KEYS = ("trainer.devices", "trainer.max_steps", "resume", "checkpoint.dirpath")
+# Hydra's documented switch: raise an error instead of printing it and exiting 1. `run` sets it until the task
+# starts, so a command line Hydra refuses comes back to it as an exception (see `run`).
+HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
+_composition: dict[str, Any] = {"set_full_error": False, "users_value": None, "task_started": False}
 
 
 class InvalidConfig(SystemExit):
@@ -192,6 +195,7 @@ def problem_of(group: str, node: Any, err: BaseException) -> str:
     cause = err.__cause__ or err.__context__ if isinstance(err, InstantiationException) else err
     target = node.get("_target_") if isinstance(node, DictConfig) else None
     try:
+        import overrides  # recipes/overrides.py: only on this refusal path
         from hydra.utils import get_object
 
         suggestion = overrides.unexpected_argument(cause, get_object(target), group) if target else None
@@ -268,6 +272,9 @@ def debugging() -> bool:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    _composition["task_started"] = True
+    if _composition["set_full_error"]:  # `run`'s, not the user's: the task's own errors get Hydra's usual report,
+        _restore_full_error()  # and the ranks Lightning starts from here inherit the user's setting
     from lightning.pytorch.utilities import rank_zero_only
 
     from lightning_shardckpt.errors import ShardCkptError
@@ -339,8 +346,10 @@ def train(cfg: DictConfig) -> None:
 
 
 def check_overrides(argv: list[str]) -> None:
-    """Unknown keys on the command line, named with the closest known ones before Hydra starts (which
-    would answer with its "+key" hint). Skipped with --config-path/--config-name: another config tree."""
+    """Unknown keys on the command line, named with the closest known ones (Hydra would answer with its
+    "+key" hint). Skipped with --config-path/--config-name: another config tree."""
+    import overrides  # recipes/overrides.py: only when Hydra refused the command line
+
     if any(arg.startswith(("--config-path", "--config-name", "-cp", "-cn")) for arg in argv):
         return
     given = [arg for arg in argv if "=" in arg and not arg.startswith(("-", "+", "~", "hydra."))]
@@ -349,10 +358,39 @@ def check_overrides(argv: list[str]) -> None:
         raise InvalidConfig(problems)
 
 
+def run(argv: list[str]) -> None:
+    """Hydra's main; when Hydra refuses the command line before the task starts, unknown keys are named with
+    "did you mean" (check_overrides), and anything else gets Hydra's own report.
+
+    The check composes the config once more (~0.2 CPU-s, in every rank Lightning re-launches too), so it runs
+    only on a refusal: HYDRA_FULL_ERROR, set here until the task starts, makes Hydra raise its composition error
+    instead of printing it. A user's own HYDRA_FULL_ERROR=1 is left as it is (and their task errors raise)."""
+    _composition["set_full_error"] = os.environ.get(HYDRA_FULL_ERROR) != "1"  # Hydra's test: exactly "1"
+    if _composition["set_full_error"]:
+        _composition["users_value"] = os.environ.get(HYDRA_FULL_ERROR)
+        os.environ[HYDRA_FULL_ERROR] = "1"
+    try:
+        main()
+    except Exception:
+        if _composition["task_started"]:
+            raise  # the user's HYDRA_FULL_ERROR=1: the task's error as Hydra would raise it
+        check_overrides(argv)  # InvalidConfig naming the unknown keys
+        if not _composition["set_full_error"]:
+            raise
+        _restore_full_error()
+        main()  # not an unknown key: Hydra composes again and reports the error its own way (exits 1)
+
+
+def _restore_full_error() -> None:
+    if _composition["users_value"] is None:
+        os.environ.pop(HYDRA_FULL_ERROR, None)
+    else:
+        os.environ[HYDRA_FULL_ERROR] = _composition["users_value"]
+
+
 if __name__ == "__main__":
     try:
-        check_overrides(sys.argv[1:])
-        main()
+        run(sys.argv[1:])
     except InvalidConfig as err:
         print(err, file=sys.stderr)
         raise

@@ -1,4 +1,4 @@
-"""A typo on the main job's command line is named with the closest known key before Hydra or any rank starts."""
+"""A typo on the main job's command line is named with the closest known key before any rank starts."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def test_a_dict_given_twice_is_explained_not_called_an_unknown_option():
     assert overrides.unknown_keys(CONF, "train", ["tiers=local+s3", given[2]]) == []
 
 
-def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _train(*args: str, cwd: Path, python_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(REPO))
-    command = [sys.executable, str(REPO / "recipes" / "train.py"), *args]
+    command = [sys.executable, *python_options, str(REPO / "recipes" / "train.py"), *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=180)
 
 
@@ -77,3 +77,26 @@ def test_the_main_job_refuses_a_typo_and_the_plus_form_of_it_with_did_you_mean(t
     assert "ShardedCheckpoint has no option 'every_n_train_step'; did you mean checkpoint.every_n_train_steps?" in (
         plus.stderr
     )
+
+
+@pytest.mark.slow  # starts a Python process of its own
+def test_a_command_line_hydra_accepts_starts_without_composing_it_again_for_did_you_mean(tmp_path):
+    # The check composes the config once more (~0.2 CPU-s in every process, each re-launched rank included): it is
+    # only for a command line Hydra refused. recipes/overrides.py is imported by the check alone.
+    accepted = _train("--cfg", "job", "trainer.max_steps=3", cwd=tmp_path, python_options=("-X", "importtime"))
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert "max_steps: 3" in accepted.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in accepted.stderr.splitlines() if line.startswith("import")}
+    assert "hydra._internal.config_loader_impl" in imported, "Hydra did not compose the config"
+    assert "overrides" not in imported, "the did-you-mean check ran for a command line Hydra accepted"
+
+
+@pytest.mark.slow  # starts Python processes of its own
+def test_an_override_hydra_refuses_for_another_reason_gets_hydras_own_message_without_a_traceback(tmp_path):
+    no_option = _train("strategy=nosuch", cwd=tmp_path)
+    assert no_option.returncode == 1
+    assert "Could not find 'strategy/nosuch'" in no_option.stderr and "Traceback" not in no_option.stderr
+    malformed = _train("trainer.devices=[", cwd=tmp_path)
+    assert malformed.returncode == 1
+    assert "no viable alternative at input '['" in malformed.stderr, malformed.stderr[-3000:]
+    assert "Traceback" not in malformed.stderr, malformed.stderr[-3000:]
