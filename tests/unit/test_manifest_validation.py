@@ -123,7 +123,8 @@ MUTATIONS = {  # name: (edit, what the refusal names, the format whose rule it i
     "a split into no pieces": (lambda m: m["tensors"][0]["layout"].update(split=[[0, 0, 0]]), "pieces >= 1", V4),
     "an object of no part": (lambda m: m["objects"][0].update(rank=3), "rank is 3, not a rank of the save", V4),
     "a tensor listed twice": (lambda m: m["tensors"].append(copy.deepcopy(m["tensors"][0])), "listed twice", V4),
-    "references in a v4 manifest": (lambda m: m.update(references=[]), "references is present in a format v4", V4),
+    # a v4/v5 manifest lists the files its parts reference (incremental on parts, FORMAT.md §10.6): never empty
+    "empty references in a v4 manifest": (lambda m: m.update(references=[]), "references is not a non-empty list", V4),
     "listed chunks that overlap": (
         lambda m: m["tensors"][0].update(layout={"chunks": [[[0], [7], 0], [[0], [7], 0]]}),  # model.0.bias, [7]
         "overlap",
