@@ -934,31 +934,31 @@ BOUNDS: list[tuple[str, Any, float]] = [
 
 
 def _matrix(args: argparse.Namespace) -> int:
-    rows = []
     key = _throwaway_key()
-    for kind in args.layouts:
-        for tensors in args.tensors:
-            for world in args.ranks:
-                group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
-                for feature, (signed, incremental, per_node) in MATRIX.items():
-                    row = run(
-                        kind,
-                        world,
-                        tensors,
-                        args.dcp_metadata_max_chunks,
-                        group_size,
-                        key if signed else None,
-                        incremental,
-                        per_node,
-                    )
-                    row["feature"] = feature
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+    rows = _rows(args, [(f, key if signed else None, inc, per_node) for f, (signed, inc, per_node) in MATRIX.items()])
     print()
     print(matrix_table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     return 0
+
+
+def _rows(args: argparse.Namespace, features: list[tuple[str, str | None, bool, int | None]]) -> list[dict[str, Any]]:
+    """One row per layout, tensor count, world size and feature (name, signing key or None, incremental, ranks
+    per node or None), each printed as a JSON line as it is measured."""
+    rows = []
+    for kind in args.layouts:
+        for tensors in args.tensors:
+            for world in args.ranks:
+                group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
+                for feature, key, incremental, per_node in features:
+                    row = run(
+                        kind, world, tensors, args.dcp_metadata_max_chunks, group_size, key, incremental, per_node
+                    )
+                    row["feature"] = feature
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    return rows
 
 
 def matrix_table(rows: list[dict[str, Any]]) -> str:
@@ -1031,25 +1031,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.matrix:
         return _matrix(args)
-    rows = []
     keys = [None, _throwaway_key()] if args.sign else [None]
-    for kind in args.layouts:
-        for tensors in args.tensors:
-            for world in args.ranks:
-                group_size = (args.group_size or groups.writer_group_size(world)) if args.format_version == 5 else None
-                for key in keys:
-                    row = run(
-                        kind,
-                        world,
-                        tensors,
-                        args.dcp_metadata_max_chunks,
-                        group_size,
-                        key,
-                        args.incremental,
-                        args.node_local,
-                    )
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+    rows = _rows(args, [("signed" if key else "plain", key, args.incremental, args.node_local) for key in keys])
     print()
     print(table(rows))
     print()

@@ -62,6 +62,25 @@ def snapshot(state: dict) -> dict:
     }
 
 
+def train_and_save(saver, steps, model: Lora, optimizer: torch.optim.Optimizer, between=None) -> tuple[dict, list]:
+    """A training step then a committed save for each of `steps` through `saver` (closed at the end): (a snapshot
+    of the state saved at each step, the save results); `between(step, result)` after each save."""
+    snapshots, results = {}, []
+    try:
+        for step in steps:
+            train_step(model, optimizer)
+            state = state_of(model, optimizer)
+            snapshots[step] = snapshot(state)
+            result = saver.save(state, step).result(timeout=60)
+            assert result.committed, result.error
+            results.append(result)
+            if between is not None:
+                between(step, result)
+    finally:
+        saver.close()
+    return snapshots, results
+
+
 def zeros(state: dict) -> dict:
     return {
         k: zeros(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v

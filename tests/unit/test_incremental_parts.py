@@ -20,24 +20,13 @@ from lightning_shardckpt.engine.format.chunk_index import ChunkIndex
 from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.errors import CorruptCheckpoint
 from tests.helpers.forgery import forge_manifest, forge_part
-from tests.unit.test_incremental import Lora, assert_equal, snapshot, state_of, train_step, zeros
+from tests.unit.test_incremental import Lora, assert_equal, train_and_save, zeros
 
 
 def saves(root: Path, steps: range, model: Lora, optimizer) -> tuple[dict, list]:
     """One fresh saver (as a job that starts or restarts) saving `steps` incrementally: (snapshots, results)."""
     saver = CheckpointSaver(str(root), SaveConfig(incremental=True, run_id="inc", write_events=False))
-    snapshots, results = {}, []
-    try:
-        for step in steps:
-            train_step(model, optimizer)
-            state = state_of(model, optimizer)
-            snapshots[step] = snapshot(state)
-            result = saver.save(state, step).result(timeout=60)
-            assert result.committed, result.error
-            results.append(result)
-    finally:
-        saver.close()
-    return snapshots, results
+    return train_and_save(saver, steps, model, optimizer)
 
 
 def manifest_of(result) -> dict:

@@ -22,7 +22,7 @@ from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.ops.verify import SIGNATURE_PROBLEM, verify_checkpoint
 from tests.helpers.checkpoints import fresh_state
 from tests.helpers.forgery import forge_manifest, replace_file
-from tests.unit.test_incremental import Lora, assert_equal, snapshot, state_of, train_step, zeros
+from tests.unit.test_incremental import Lora, assert_equal, train_and_save, zeros
 from tests.unit.test_signing import make_key
 
 
@@ -35,21 +35,7 @@ def signed_saves(root: Path, private: str, saves: int, between=None) -> tuple[di
     config = SaveConfig(
         incremental=True, run_id="inc", sign=SignConfig(key_path=private), write_events=False, format_version=2
     )
-    saver = CheckpointSaver(str(root), config)
-    snapshots, results = {}, []
-    try:
-        for step in range(saves):
-            train_step(model, optimizer)
-            state = state_of(model, optimizer)
-            snapshots[step] = snapshot(state)
-            result = saver.save(state, step).result(timeout=60)
-            assert result.committed, result.error
-            results.append(result)
-            if between is not None:
-                between(step, result)
-    finally:
-        saver.close()
-    return snapshots, results
+    return train_and_save(CheckpointSaver(str(root), config), range(saves), model, optimizer, between)
 
 
 def manifest_of(result) -> dict:
