@@ -54,10 +54,53 @@ class DistributedFailure(AssertionError):
     pass
 
 
+_PORTS_PER_WORKER = 1500
+_FIRST_PORT = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(field) for field in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:  # no SO_REUSEADDR: a port still in TIME_WAIT counts as taken
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a test's rendezvous that nothing else takes between this call and rank 0's bind.
+
+    A port the kernel picks (bind to 0) comes from its ephemeral range, where every outgoing connection of
+    every test (an S3 client, another group's TCPStore client) also gets its local port: one of them took
+    such a port before rank 0 listened on it (CI: EADDRINUSE, and the other ranks timed out). So ports come
+    from below that range, where only an explicit bind lands, in a slice of their own per xdist worker, each
+    handed out once per process and checked free."""
+    low, _ = _ephemeral_range()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    slices = max(1, (low - _FIRST_PORT) // _PORTS_PER_WORKER)
+    if low - _FIRST_PORT < _PORTS_PER_WORKER:  # an unusual range: no room below it, so the kernel picks
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    first = _FIRST_PORT + (int(worker) if worker.isdigit() else 0) % slices * _PORTS_PER_WORKER
+    # a random start: two suites on one host (a clean-clone run beside a worktree's) rarely pick alike
+    start = int.from_bytes(os.urandom(2), "little") % _PORTS_PER_WORKER
+    for offset in range(_PORTS_PER_WORKER):
+        port = first + (start + offset) % _PORTS_PER_WORKER
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free port in {first}..{first + _PORTS_PER_WORKER - 1} (ports below the ephemeral range {low})")
 
 
 def launched_rank_env(
