@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -274,16 +273,14 @@ def _run_ranks(
             json.dump(header, handle)
         logs = [os.path.join(scratch, f"rank{rank}.log") for rank in range(world_size)]
         try:
-            port = _free_port()
             spawned_at = time.time()
             ranks = [
-                (_rank_argv(path, rank, world_size, port, out, spawned_at, options), logs[rank])
-                for rank in range(world_size)
+                (_rank_argv(path, rank, world_size, out, spawned_at, options), logs[rank]) for rank in range(world_size)
             ]
             reply = pool.run(ranks, options.timeout_s, destination_bytes=rank_bytes, kept_key=_kept_key(options))
         except PoolFailed as err:
             return {"verdict": FAILED, "cause": str(err), "logs": [_tail(log) for log in logs]}
-        except OSError as err:  # no port
+        except OSError as err:  # the pool could not be asked: not a verdict on the checkpoint
             return {"verdict": NOT_DRILLED, "cause": f"the drill could not start: {err}"}
         codes, tails = reply["codes"], [_tail(log) for log in logs]
         processes = {"rank_process": reply["rank_process"], "rank_pids": reply["pids"]}
@@ -316,9 +313,7 @@ def _kept_key(options: DrillOptions) -> str:
     return json.dumps({"threads": options.threads, "safe_globals": sorted(options.safe_globals)})
 
 
-def _rank_argv(
-    path: str, rank: int, world_size: int, port: int, out: str, spawned_at: float, options: DrillOptions
-) -> list[str]:
+def _rank_argv(path: str, rank: int, world_size: int, out: str, spawned_at: float, options: DrillOptions) -> list[str]:
     """policies/drills/worker.py's command line for one rank."""
     argv = [
         "--checkpoint",
@@ -327,8 +322,6 @@ def _rank_argv(
         str(rank),
         "--world-size",
         str(world_size),
-        "--port",
-        str(port),
         "--out",
         out,
         "--record-header",
@@ -362,12 +355,6 @@ def _tail(log_path: str, limit: int = 2000) -> str:
     except OSError:
         output = b""
     return output[-limit:].decode(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _now() -> str:

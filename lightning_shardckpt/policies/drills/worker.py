@@ -99,6 +99,30 @@ class DrillRank:
         return 0
 
 
+def rendezvous_store(scratch: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The drill's meeting point: rank 0 listens on a port the kernel gives it and leaves the number in the
+    drill's scratch directory; the other ranks read it there.
+
+    A port the starter found free could be taken by any outgoing connection on the host (they get their local
+    ports from the same range) before rank 0 listened on it; that drill then failed with EADDRINUSE, a false
+    alert about a sound checkpoint. Binding port 0 cannot collide."""
+    port_file = os.path.join(scratch, "rendezvous.port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as handle:
+            handle.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)  # whole or absent: a reader never sees half a number
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise DrillFailed(f"drill rank 0 did not open the rendezvous within {timeout.total_seconds():g} s")
+        time.sleep(0.01)
+    with open(port_file) as handle:
+        port = int(handle.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+
+
 def log_to(path: str) -> None:
     """This process's stdout and stderr go to the drill's log file (the starter keeps its tail for the record)."""
     sys.stderr.flush()
@@ -117,13 +141,9 @@ def run_rank(args: argparse.Namespace, entered: float, destination: Destination,
     try:
         started, cpu = time.time(), time.process_time()
         if args.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{args.port}",
-                rank=args.rank,
-                world_size=args.world_size,
-                timeout=timedelta(seconds=args.collective_timeout_s),
-            )
+            timeout = timedelta(seconds=args.collective_timeout_s)
+            store = rendezvous_store(os.path.dirname(args.out), args.rank, args.world_size, timeout)
+            dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size, timeout=timeout)
         timings["init_s"] = time.time() - started
         timings["init_cpu_s"] = time.process_time() - cpu
         outcome.update(drill(args, timings, destination))
@@ -449,7 +469,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, help="the checkpoint directory (URL)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--out", required=True, help="rank 0 writes its outcome here as JSON")
     parser.add_argument(
         "--record-header", required=True, help="JSON the starter knows of the record; rank 0 completes and files it"
