@@ -127,6 +127,17 @@ class S3Root:
     prefix: str
 
 
+@pytest.fixture(autouse=True)
+def a_rendezvous_port_of_its_own(monkeypatch):
+    """MASTER_PORT for whatever this test starts that would otherwise pick a port itself: Lightning's and Fabric's
+    launchers bind port 0, close it and let rank 0 listen later, and meanwhile any outgoing connection of the suite
+    may get that port (the kernel hands both out from one range). spawn.free_port's ports are below that range,
+    in a slice of their own per xdist worker. A test that sets its own keeps it."""
+    from tests.helpers.spawn import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (a port of its own), with the test bucket created."""
