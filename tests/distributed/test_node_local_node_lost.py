@@ -6,7 +6,8 @@ committed copy is node 0's. Each peer copy also keeps the manifest's bytes besid
 (`ROOT/peers/<checkpoint>/`, engine/tiers/peers.py), so when node 0 is lost a survivor holding them reads them once
 and sends them to every rank, and the checkpoint is assembled in every node root from the survivors' files
 (engine/tiers/peer_restore.py) with no object read from the durable tier. Two adjacent nodes lost take some file
-with both copies: the resume falls back to the durable tier and says why.
+with both copies: the resume falls back to the durable tier and says why. Under a signature policy a kept manifest
+is checked as a committed one: one left unsigned is passed over, never assembled.
 
 Real gloo ranks: simulated nodes (node rank = rank // ranks per node), each its own `base/node{n}` fast root, no
 scan of the other roots on this disk (as on separate machines); the durable tier is the loopback S3 server behind a
@@ -53,7 +54,7 @@ def _proxied(s3_server, tmp_path_factory, name: str) -> tuple[Any, Any, str, dic
 
 
 def resume_logging(rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int) -> dict:
-    """resume_with_peers (no scan of other roots), with rank 0's INFO-and-above lines of the tiers."""
+    """resume_with_peers (no scan of other roots), with rank 0's log lines (INFO and above) of the package."""
     lines = MessageLines()
     logger = logging.getLogger("lightning_shardckpt")
     logger.addHandler(lines)
