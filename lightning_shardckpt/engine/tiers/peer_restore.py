@@ -5,13 +5,16 @@ Collective "peer-restore", on every rank before the tier choice (restore.py):
 1. each rank reports what it holds: for the newest few checkpoint directories of every root it can read, and the
    newest few it holds peer copies of (a copy that fell behind holds older ones)
    (its own node root and, with `scan_local_roots`, the other `{node_rank}` roots on this machine's disk),
-   every file at its size, and the manifests it has (all-gather "peer-holdings");
+   every file at its size, and the manifests it has (all-gather "peer-holdings"): a committed one, or the commit
+   documents a partial peer copy keeps (peers.keep_documents; with 3 or more nodes only node 0 commits, so
+   without them losing node 0 would lose the checkpoint's only manifest);
 2. every rank computes the same plan: the newest checkpoint whose every file some rank holds at its
    committed size; for each node root of the new world, the files it lacks and the nearest source of each:
    a root its first rank reads itself (a verified local copy), else another rank (sent over the group,
    checked as it arrives: peer_transfer.py);
-3. the manifest goes from one holder to every rank ("peer-manifest"), the copies run in the plan's order,
-   and each node root that now holds every file commits the checkpoint there (commit record, manifest).
+3. the manifest goes from one holder to every rank ("peer-manifest": read once, by the holder), the copies run in
+   the plan's order, and each node root that now holds every file commits the checkpoint there (commit record,
+   manifest).
 
 Format v5 lists its parts and shard files in its group tables, which a node-local save leaves on the nodes of the
 ranks they list (engine/save/node_groups.py): steps 2 and 3 first assemble what the manifest lists (the tables), then
@@ -41,7 +44,7 @@ from ..storage import fsio
 from ..storage.fsio import Location
 from .config import NODE_RANK, PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
-from .peers import PEERS_DIR, all_files, holds_all
+from .peers import PEERS_DIR, all_files, documents_dir, holds_all
 from .verified_copy import PIECE_BYTES, RangeCheck, copy_verified, expected_ranges
 
 log = logging.getLogger(__name__)
@@ -97,10 +100,12 @@ def _holdings(
                 str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: i.get("size") for i in root.fs.ls(directory, detail=True)
             }
             held[name] = listing
-            if MANIFEST in listing and COMMIT_RECORD in listing:
+            # the committed copy, else the documents a partial peer copy keeps (peers.keep_documents): node 0 lost
+            documents = directory if MANIFEST in listing and COMMIT_RECORD in listing else _kept(root, name)
+            if documents is not None:
                 # validated as every reader does: a directory `ls` marks corrupt offers nothing, never stops a resume
                 manifest = manifest_format.parse(
-                    fsio.read_small(root.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), directory
+                    fsio.read_small(root.fs, join(documents, MANIFEST), bounded_json.MANIFEST_MAX_BYTES), documents
                 )
                 facts = {
                     # what the manifest itself lists (v5: its group tables, read in restore_from_peers's second step)
@@ -108,16 +113,27 @@ def _holdings(
                     "seq": manifest.get("seq") or 0,
                     "step": manifest.get("step"),
                     "created_at": manifest.get("created_at") or "",
+                    "documents": documents[len(root.path) :].lstrip("/"),  # where in the root the holder reads them
                 }
                 if policy is not None:  # a read that fails here: this root offers no manifest of it (below)
                     try:
-                        policy.check_manifest(root.fs, directory, manifest)
+                        policy.check_manifest(root.fs, documents, manifest)
                     except SignatureRefused as err:
                         facts["refused"] = str(err)
                 manifests[name] = facts
         except Exception:  # noqa: BLE001 - an unreadable directory offers nothing
             log.debug("cannot read %s", directory, exc_info=True)
     return held, manifests
+
+
+def _kept(root: Location, name: str) -> str | None:
+    """The directory holding the commit documents a partial peer copy of `name` keeps in `root`, if it has them."""
+    directory = documents_dir(root, name)
+    try:
+        kept = {_name(info) for info in root.fs.ls(directory, detail=True)}
+    except FileNotFoundError:
+        return None
+    return directory if MANIFEST in kept and COMMIT_RECORD in kept else None
 
 
 def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, Any]]]:
@@ -144,7 +160,7 @@ def _verified_holding(root: Location, name: str) -> tuple[dict[str, dict[str, in
                 "%s does not match its manifest's checksums: fetching it from a peer copy", join(directory, relative)
             )
     facts = {"files": all_files(listed), "seq": manifest.get("seq") or 0, "step": manifest.get("step")}
-    return {name: held}, {name: {**facts, "created_at": manifest.get("created_at") or ""}}
+    return {name: held}, {name: {**facts, "created_at": manifest.get("created_at") or "", "documents": name}}
 
 
 def _intact(root: Location, path: str, manifest: dict[str, Any], relative: str) -> bool:
@@ -215,8 +231,10 @@ def restore_from_peers(
             return PeerRestore(None, None, 0, 0, "; ".join([*passed.values(), plan]), refused)
         name, step, holder_rank, holder_root, transfers = plan
         documents = None
+        # the holder reads them once for every rank: the committed copy, or those a partial peer copy keeps
+        kept_at = reports[holder_rank]["manifests"][name]["documents"]
         if rank == holder_rank:
-            directory = join(roots[holder_root].path, name)
+            directory = join(roots[holder_root].path, kept_at)
             fs = roots[holder_root].fs
             signature_path = join(directory, signing.SIGNATURE)
             documents = (
@@ -259,8 +277,8 @@ def restore_from_peers(
     if failed:
         return PeerRestore(None, step, local, fetched, f"assembling {name} failed: {'; '.join(failed[:3])}", refused)
     reason = (
-        f"{name} assembled from peer copies: {local} bytes copied on the same machine, "
-        f"{fetched} bytes fetched from other ranks"
+        f"{name} assembled from peer copies: {local} bytes copied on the same machine, {fetched} bytes fetched from "
+        f"other ranks; its manifest from {join(holder_root, kept_at)} (rank {holder_rank})"
     )
     if refused:
         reason += f"; passed over (the signature policy refused them): {', '.join(refused)}"

@@ -15,6 +15,12 @@ One background thread per rank takes fast-tier commits in commit order. For each
    rank records what it holds in `ROOT/peers/<checkpoint>/from-rank-<r>.json` (which checkpoint, which
    rank's files, from where), which `shardckpt ls` and the resume read.
 
+With 3 or more nodes and one copy each, no root but the coordinator's holds a checkpoint whole, so its only
+committed manifest is node 0's. Every other root's first rank keeps the commit documents step 1 broadcast
+(manifest, commit record, signature: the original bytes) beside its records, in `ROOT/peers/<checkpoint>/`
+(`keep_documents`): never a commit there, but what lets a resume that lost node 0 find the checkpoint on the
+survivors and assemble it from their files (peer_restore.py).
+
 Like the durable replicator, it owns a gloo group of its own: one thread's collectives per group.
 A failed copy (a damaged or short file) is not retried: the next commit is copied whole. A collective that
 fails (a dead rank) stops peer replication for the rest of the run; every later commit is then reported as a
@@ -92,6 +98,25 @@ def _ranges(manifest: dict[str, Any], relative: str, root: Location, directory: 
 
 def record_path(root: Location, name: str, from_rank: int) -> str:
     return join(root.path, PEERS_DIR, name, f"from-rank-{from_rank}.json")
+
+
+def documents_dir(root: Location, name: str) -> str:
+    """Where a root holding part of checkpoint `name` keeps its commit documents (`keep_documents`): the manifest
+    and commit record under their own names, and the signature when signed (signing reads them as in a checkpoint)."""
+    return join(root.path, PEERS_DIR, name)
+
+
+def keep_documents(
+    root: Location, name: str, manifest_bytes: bytes, record_bytes: bytes, signature: bytes | None
+) -> None:
+    """Keep the commit documents of `name` in `root`, which holds only part of it: a resume whose coordinator's node
+    is lost learns the checkpoint from them. Manifest last: a reader takes the documents only once it is there."""
+    directory = documents_dir(root, name)
+    root.fs.makedirs(directory, exist_ok=True)
+    if signature is not None:
+        fsio.replace_small_file(root.fs, join(directory, signing.SIGNATURE), signature)
+    fsio.replace_small_file(root.fs, join(directory, COMMIT_RECORD), record_bytes)
+    fsio.replace_small_file(root.fs, join(directory, MANIFEST), manifest_bytes)
 
 
 class PeerReplicator:
@@ -412,12 +437,18 @@ class PeerReplicator:
     def _commit_node_copy(
         self, name: str, manifest: dict, manifest_bytes: bytes, record_bytes: bytes, signature: bytes | None = None
     ) -> str | None:
-        """The node root's first rank: when this root now holds every file of `name`, commit it here too.
+        """The node root's first rank: when this root now holds every file of `name`, commit it here too; else keep
+        its commit documents beside the peer records (the resume's way to it when node 0 is lost).
         Returns this root's URL when the checkpoint is complete in it."""
         if not self._first_of_root():
             return None
         directory = join(self.fast.path, name)
         if not holds_all(self.fast, directory, manifest):
+            if not self.on_coordinators_storage:  # node 0 committed it: it holds the documents already
+                try:
+                    keep_documents(self.fast, name, manifest_bytes, record_bytes, signature)
+                except Exception:  # noqa: BLE001 - the copy stands; only a resume without node 0 misses them
+                    log.warning("could not keep the manifest of %s in %s", name, self.fast.url, exc_info=True)
             return None
         fs = self.fast.fs
         try:
