@@ -236,14 +236,17 @@ class Checkpointer:
 
     # --- internals ---
     def _start(self, state: dict[str, Any], step: int) -> None:
-        """The first save or maybe_save: the run id is settled and the root claimed (a root another run owns is
-        refused here, before a checkpoint is written), then the plug-ins start."""
+        """The first save or maybe_save: saves no reader could load are refused (as at `load`, which a loop calls
+        before its first step), the run id is settled and the root claimed (a root another run owns is refused
+        here, before a checkpoint is written), then the plug-ins start."""
         if self._closed:
             raise RuntimeError("this Checkpointer is closed; create a new one to save again")
         self.step = step
         if not self.loop.started:
             checkpointer_state.check_state(state)
-            self.loop.start(self.last_load, resume_event=self._resume_event)
+            self.loop.start(
+                self.last_load, resume_event=self._resume_event, state=lambda: checkpointer_state.to_dcp(state)
+            )
 
     def _request_of(self, step: int, state: dict[str, Any]) -> Callable[[CheckpointSaver, bool], PendingSave]:
         def request(saver: CheckpointSaver, never_skip: bool) -> PendingSave:

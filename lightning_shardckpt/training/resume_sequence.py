@@ -2,7 +2,8 @@
 
 training/resume.py picks and loads a checkpoint. What every door does around it is here, in one order:
 
-1. `load_resumed` (every rank): fence (the load overwrites parameters and optimizer state in place, which an
+1. `load_resumed` (every rank): saves of the state it loads into that no reader could load are refused (before
+   training: training/preflight.py), fence (the load overwrites parameters and optimizer state in place, which an
    overlapped staging copy may still be reading), wait (the load's collectives run on the checkpoint group, which
    a saver's thread must not be using meanwhile), pick and load (one call to training/resume.py, the one place a
    reference is interpreted), the not-restored report (rank 0, once, never silently). Returns a `Resumed`.
@@ -23,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..engine.collectives import rank_and_world
 from ..engine.load.loader import LoadResult
 from ..errors import IncompatibleCheckpoint
 from ..policies.plan import CheckpointPlan
 from ..policies.plugin import Reporter
 from . import console
 from .door_targets import DoorTarget, Layout, warn_not_restored
+from .preflight import refuse_unloadable_saves
 from .resume import resume, resume_event, resume_line, signature_metrics, write_resume_event
 
 
@@ -80,6 +83,11 @@ def load_resumed(
     """Steps 1 of the module docstring, every rank. None: nothing to resume from (`latest` of an empty root).
     `lacking(layout)`: what the door asked for and the checkpoint did not give back, in its user's words (`spell`
     names one entry)."""
+    # a resume comes before the first training step: refuse saves no reader could load before training, not at the
+    # first save (the state as the door will save it: its entries by path, live tensors)
+    refuse_unloadable_saves(
+        plan.save, rank_and_world()[1], lambda: {".".join(path): value for path, value in target.entries.items()}
+    )
     host.fence()  # the load overwrites what a staging copy may still be reading
     host.wait()  # one thread at a time on the checkpoint group: a save in flight commits first
     try:

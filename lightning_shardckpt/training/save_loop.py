@@ -13,7 +13,7 @@ state to the saver and returns the `PendingSave`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -24,7 +24,7 @@ from ..policies.plan import CheckpointPlan
 from ..policies.plugin import PluginContext, PluginList, Reporter
 from .callback_options import CallbackConfig
 from .finished_saves import LogRecord, drain_finished, record_logger
-from .preflight import preflight_on_every_rank
+from .preflight import preflight_on_every_rank, refuse_unloadable_saves
 from .run_ids import RunIds
 from .savers import SaverHost
 from .schedule import MANUAL, PREEMPTION, Due, SaveSchedule
@@ -104,15 +104,26 @@ class SaveLoop:
 
     # --- the run's lifecycle ---
     def setup(self, stage: str = "fit") -> None:
-        """Every rank, before training: the root is checked on every rank (a fit), then the plug-ins set up."""
+        """Every rank, before training: a save configuration no reader could load at this world size is refused
+        and the root is checked on every rank (a fit), then the plug-ins set up."""
         if stage == "fit":
+            refuse_unloadable_saves(self.plan.save, self.world_size)  # the world size alone: before any state exists
             preflight_on_every_rank(self.plan.location)
         self.plugins.setup(self.context(stage=stage))
 
-    def start(self, resumed: LoadResult | None, *, resume_event: dict[str, Any] | None = None) -> str:
-        """Train start, every rank at the same point, after any resume: this run's id (a resume of this run's
-        checkpoint continues it), the root's saver (a root another run owns is refused here, before a checkpoint
-        is written), then the plug-ins. Returns the run id."""
+    def start(
+        self,
+        resumed: LoadResult | None,
+        *,
+        resume_event: dict[str, Any] | None = None,
+        state: Callable[[], Mapping[str, Any]] = dict,
+    ) -> str:
+        """Train start, every rank at the same point, after any resume: saves of `state()` (what the door will
+        save, as far as it exists now) that no reader could load are refused, then this run's id (a resume of this
+        run's checkpoint continues it), the root's saver (a root another run owns is refused here, before a
+        checkpoint is written), then the plug-ins. Returns the run id."""
+        # before the saver: making it claims the root (.owner.json) for this run
+        refuse_unloadable_saves(self.plan.save, self.world_size, state)
         self.schedule.started(resumed.step if resumed is not None else None)
         run_id = self.run_ids.choose(resumed, self._continues_run, self._new_run_id, self._root_owner)
         self.host.adopt_run_id(run_id)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_shardckpt.engine.config import SaveConfig
+from lightning_shardckpt.engine.config import CHECKPOINTER, LoadConfig, SaveConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.bounded_json import MANIFEST_MAX_BYTES
 from lightning_shardckpt.engine.format.checksum import block_size_for
@@ -32,6 +33,12 @@ from lightning_shardckpt.engine.format.names import shard_filename
 from lightning_shardckpt.engine.save.metadata_budget import TensorShape, estimate, refuse_unloadable, writes_every_chunk
 from lightning_shardckpt.engine.storage.writer import ChunkReceipt
 from lightning_shardckpt.errors import ConfigError
+from lightning_shardckpt.policies.plan import Placement
+from lightning_shardckpt.training.callback_options import CallbackConfig
+from lightning_shardckpt.training.checkpoint_setup import door_plan
+from lightning_shardckpt.training.finished_saves import CallableReporter
+from lightning_shardckpt.training.save_loop import SaveLoop
+from lightning_shardckpt.training.savers import ControlGroup, SaverHost
 
 # a 70B-class decoder layer (benchmarks/scale.py SHAPES): q/o, k/v, up/gate, down, a norm
 SHAPES = ((8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192), (28672, 8192), (8192, 28672), (8192,))
@@ -205,3 +212,42 @@ def test_saver_refuses_an_unloadable_v2_save_at_16384_ranks_before_writing_a_che
     assert "16,384 ranks x 400 tensors is 6,553,600 chunks" in done.stdout
     assert "rerun with save.run_id=" in done.stdout
     assert sorted(os.listdir(root)) == [".owner.json"]  # no checkpoint directory, no events, no `latest`
+
+
+def save_loop_of(root: str, world_size: int, **save: Any) -> SaveLoop:
+    """A door's save loop as the Checkpointer builds one, at `world_size` (a number only: nothing here is collective
+    before the storage check, which a refused configuration never reaches)."""
+    options = CallbackConfig.saves_when_asked(keep_last=None, keep_every_n_steps=None, resume_required=False)
+    plugins, plan = door_plan(
+        root,
+        options,
+        SaveConfig(**save),
+        LoadConfig(),
+        tiers=None,
+        drill=None,
+        health=None,
+        placement=Placement(node_rank=0, local_rank=0, num_nodes=1),
+        front_door=CHECKPOINTER,
+    )
+    return SaveLoop(
+        plan=plan,
+        plugins=plugins,
+        options=options,
+        host=SaverHost(plan.save, ControlGroup(60.0)),
+        reporter=CallableReporter(None, lambda: 0),
+        rank=0,
+        world_size=world_size,
+    )
+
+
+def test_format_v2_past_the_world_size_whose_per_rank_entries_alone_pass_the_bound_is_refused_at_set_up(tmp_path):
+    """The world-size-only check: before any state exists, a v2 manifest's per-rank entries alone outgrow the bound
+    past ~9.76 M ranks; the door's set-up refuses it before the root is even created."""
+    root = tmp_path / "root"
+    with pytest.raises(ConfigError) as refused:
+        save_loop_of(str(root), 10_000_000, format_version=2).setup("fit")
+    assert "10,000,000 ranks x 0 tensors" in str(refused.value)
+    assert "set save.format_version=5" in str(refused.value)
+    assert not root.exists()
+    save_loop_of(str(root), 10_000_000).setup("fit")  # v5: flat in ranks, no per-chunk entries
+    assert root.exists()

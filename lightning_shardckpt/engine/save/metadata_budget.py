@@ -11,7 +11,10 @@ ranks and tensors, never chunks (an incremental save's references are in the par
 What a save will write is known on the training thread before anything is: the world size and, from the state
 dict, each tensor's global shape, element size and the number of chunks its placements cut it into. From those
 `estimate` computes the manifest's size with the formula below; `refuse_unloadable` raises ConfigError naming the
-option that fixes it and the numbers. The saver calls it before each such save stages or writes anything.
+option that fixes it and the numbers. Every door calls it before its first training step, before anything is
+written to the root (training/preflight.py `refuse_unloadable_saves`: at set-up with the world size alone, at a
+resume and at train start with the state); the saver calls it again before each such save stages or writes
+anything, the backstop for state the start did not see (optimizer state made by the first step).
 """
 
 from __future__ import annotations

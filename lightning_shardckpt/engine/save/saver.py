@@ -235,8 +235,9 @@ class CheckpointSaver:
 
     def _refuse_unloadable(self, state_dict: dict[str, Any]) -> None:
         """ConfigError, before anything of this save is staged or written, when its manifest would list every chunk
-        (format_version=2, incremental) and be larger than readers load (metadata_budget.py). Checked at every
-        save, not the first only: optimizer state may appear after it; O(tensors), no collective."""
+        (format_version=2, incremental) and be larger than readers load (metadata_budget.py). The doors refused
+        such a configuration before training (training/preflight.py); checked here at every save, not the first
+        only: optimizer state may appear after the start; O(tensors), no collective."""
         if not metadata_budget.writes_every_chunk(self.config):
             return
         world = rank_and_world(self.group)[1]

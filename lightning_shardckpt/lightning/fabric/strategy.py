@@ -173,7 +173,12 @@ class ShardedFabricStrategy(_FabricStrategy):
         loop = self._run_loop(path)
         if loop is not None and self._is_run_root(loop, path):
             if not loop.started:
-                loop.start(self.last_load, resume_event=self._resume_event)
+                # saves no reader could load are refused first (as at fabric.load, before a loop's first step)
+                loop.start(
+                    self.last_load,
+                    resume_event=self._resume_event,
+                    state=lambda: fabric_state.to_dcp_state(parts, None),
+                )
             loop.drain()
             self.last_save = loop.save_now(step, request)
         else:  # a root other than the run's: a plain save, no plug-ins; one such root's saver at a time

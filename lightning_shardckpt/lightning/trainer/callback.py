@@ -173,7 +173,12 @@ class ShardedCheckpoint(Checkpoint):
                 log_resumed_from(trainer, resumed.loaded)
         # after the restore, before any save: a resume of this run's checkpoint continues its id, and the root's
         # saver is created now (a root another run owns is refused before the first step, not at the first save)
-        self._set_up.start(resumed.loaded if resumed is not None else None, resume_event=resume_event)
+        # (and before it, saves no reader could load are refused: training/preflight.py)
+        self._set_up.start(
+            resumed.loaded if resumed is not None else None,
+            resume_event=resume_event,
+            state=ShardedStrategy.of(trainer).state_at_start,
+        )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._data.count_consumed(trainer)

@@ -347,6 +347,16 @@ class ShardedStrategy(StagingFence, ParallelStrategy):
             get_model_state_dict(module), [get_optimizer_state_dict(module, _unwrap(opt)) for opt in self.optimizers]
         )
 
+    def state_at_start(self) -> dict[str, Any]:
+        """The state a save would stage, as far as it exists at train start (the save loop's checks before the
+        first step): the model's, and the optimizers' once every one holds state (a resume). A fresh optimizer's
+        is left out: get_optimizer_state_dict would make it with a zero step (its step count, its hooks); the
+        saver's check at every save sees it."""
+        module = self.connected_module
+        if self.optimizers and all(_unwrap(optimizer).state for optimizer in self.optimizers):
+            return self.state_layout()
+        return lightning_state.load_target(get_model_state_dict(module), [])
+
     def save_to_saver(
         self, saver: CheckpointSaver, checkpoint: dict[str, Any], identity: dict[str, Any] | None = None, **meta: Any
     ) -> PendingSave:
