@@ -50,7 +50,7 @@ from ..metrics import RunCounters
 from ..save import node_groups
 from ..storage import fsio
 from ..storage.fsio import Location
-from . import root_identity
+from . import referenced_files, root_identity
 from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
@@ -245,6 +245,7 @@ class PeerReplicator:
         directory = join(self.fast.path, name)
         problems: list[str] = []
         own, landed = self._copy_tables(directory, manifest, problems)
+        references, held = self._references(directory, manifest, own, problems)
         sent = 0
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
@@ -270,6 +271,16 @@ class PeerReplicator:
                     Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
                     for rel in files_of_rank(own, self.rank)
                 ]
+                # incremental: then the earlier files its part references that the peer lacks (its own, on this node)
+                outgoing += (
+                    []
+                    if not outgoing
+                    else [
+                        Outgoing(self.fast.fs, join(directory, ref), size)
+                        for ref, (size, _) in sorted(references.items())
+                        if ref not in held[dst][1][k]
+                    ]
+                )
             incoming = [
                 Incoming(
                     self.fast.fs,
@@ -279,6 +290,20 @@ class PeerReplicator:
                 )
                 for rel in (files_of_rank(theirs, src) if receive else [])
             ]
+            if incoming and held:
+                incoming += [
+                    Incoming(
+                        self.fast.fs,
+                        join(directory, ref),
+                        size,
+                        # checked against the records of src's part, which lands here first (this exchange)
+                        lambda ref=ref, theirs=theirs, src=src: referenced_files.of_ranks(
+                            self.fast.fs, directory, theirs, [src]
+                        )[ref][1],
+                    )
+                    for ref, size in sorted(held[src][0].items())
+                    if ref not in held[self.rank][1][k]
+                ]
             if not outgoing and not incoming:
                 continue
             result = exchange(outgoing, dst, incoming, src, self.group)
@@ -355,6 +380,31 @@ class PeerReplicator:
         heard = all_gather_objects("peer-tables", (landed, own is not None), self.group)
         self._unreadable = {rank for rank, (_, readable) in enumerate(heard) if not readable}
         return own, {item for items, _ in heard for item in items}
+
+    def _references(
+        self, directory: str, manifest: dict[str, Any], own: dict[str, Any] | None, problems: list[str]
+    ) -> tuple[dict[str, tuple[int, list]], list[Any]]:
+        """Incremental on parts (FORMAT.md §10.6): a peer copy is readable on its node only with the earlier files
+        its parts reference (engine/tiers/referenced_files.py). Collective "peer-references": every rank tells the
+        sizes of the files its own part references and, per round, which of its sender's referenced files its root
+        holds already (an earlier peer copy brought them); a sender then sends only what its peer lacks. Returns
+        (this rank's referenced files: size and ranges, every rank's report); ({}, []) for a full checkpoint."""
+        if not referenced_files.listed(manifest):
+            return {}, []
+        mine: dict[str, tuple[int, list]] = {}
+        if own is not None and files_of_rank(own, self.rank):
+            try:
+                mine = referenced_files.of_ranks(self.fast.fs, directory, own, [self.rank])
+            except (CorruptCheckpoint, OSError) as err:
+                problems.append(f"rank {self.rank}: its part is unreadable, its referenced files stay unsent: {err}")
+        held: dict[int, list[str]] = {}
+        for k in range(1, self.config.factor):
+            src = (self.rank - k * self.config.jump) % self.world_size
+            candidates = referenced_files.of_rank(manifest, src)
+            lacking = set(referenced_files.missing(self.fast.fs, directory, manifest, candidates))
+            held[k] = [ref for ref in candidates if ref not in lacking]
+        sizes = {ref: size for ref, (size, _) in mine.items()}
+        return mine, all_gather_objects("peer-references", (sizes, held), self.group)
 
     def _group_of(self, manifest: dict[str, Any], rank: int) -> range:
         table = manifest[groups.GROUPS_FIELD]
@@ -518,6 +568,8 @@ def holds_all(root: Location, directory: str, manifest: dict[str, Any]) -> bool:
     )
     if any(listing.get(rel) != size for rel, size in tables.items()):
         return False  # v5: its parts are listed in its group tables, every one of which must be here first
+    if referenced_files.missing(root.fs, directory, manifest):
+        return False  # incremental: an earlier file its parts read is not in this root
     try:
         expanded = groups.expanded(root.fs, directory, manifest)
     except (CorruptCheckpoint, OSError):
