@@ -54,7 +54,6 @@ def save_incrementally(
     world_size: int,
     config: TiersConfig,
     per_node: int,
-    *,
     keep_last: int | None = None,
     key_path: str | None = None,
     group_size: int | None = None,
