@@ -300,9 +300,9 @@ def _assemble(
         try:
             if writer == source and references is not None:  # a referenced file: checked by the referencing records
                 src = roots[source_root]
-                ranges = _referenced_ranges(own, name, manifest, references, relative)
+                checked = _referenced_ranges(own, name, manifest, references, relative)
                 local += copy_checked(
-                    src.fs, join(src.path, name, relative), own.fs, join(own_dir, relative), ranges, size
+                    src.fs, join(src.path, name, relative), own.fs, join(own_dir, relative), checked, size
                 )
             elif writer == source:  # the nearest copy is on this machine: a verified local copy
                 src = roots[source_root]

@@ -90,6 +90,12 @@ def _ranges(manifest: dict[str, Any], relative: str, root: Location, directory: 
     return expected_ranges(manifest, relative)
 
 
+def _referenced_ranges(root: Location, directory: str, manifest: dict[str, Any], src: int, reference: str) -> Any:
+    """What a referenced file `src` sends is checked against: the records of its part, which lands here first (the
+    same exchange), looked up when the file starts arriving."""
+    return lambda: referenced_files.of_ranks(root.fs, directory, manifest, [src])[reference][1]
+
+
 def record_path(root: Location, name: str, from_rank: int) -> str:
     return join(root.path, PEERS_DIR, name, f"from-rank-{from_rank}.json")
 
@@ -296,10 +302,7 @@ class PeerReplicator:
                         self.fast.fs,
                         join(directory, ref),
                         size,
-                        # checked against the records of src's part, which lands here first (this exchange)
-                        lambda ref=ref, theirs=theirs, src=src: referenced_files.of_ranks(
-                            self.fast.fs, directory, theirs, [src]
-                        )[ref][1],
+                        _referenced_ranges(self.fast, directory, theirs, src, ref),
                     )
                     for ref, size in sorted(held[src][0].items())
                     if ref not in held[self.rank][1][k]

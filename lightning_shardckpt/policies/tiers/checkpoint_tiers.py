@@ -323,7 +323,11 @@ class CheckpointTiers:
             for path in parts:
                 try:
                     part = bounded_json.loads(fsio.read_small(self.fast.fs, path, PART_MAX_BYTES), PART_MAX_BYTES)
-                    out.update(split_reference(held[HOLDER_FILE])[0] for held in part.get(HOLDERS) or [])
+                    for held in part.get(HOLDERS) or []:
+                        sibling = split_reference(held[HOLDER_FILE])
+                        if sibling is None:
+                            raise ValueError(f"{held[HOLDER_FILE]!r} is no reference")
+                        out.add(sibling[0])
                 except Exception:  # noqa: BLE001 - unreadable: keep every directory (the next commit retries)
                     log.debug("cannot read %s; keeping every checkpoint it might reference", path, exc_info=True)
                     return {parsed for p in self.fast.fs.ls(self.fast.path, detail=False) if (parsed := _name(p))}
