@@ -91,8 +91,8 @@ def test_the_durable_tier_alone_restores_the_latest_incremental_checkpoint_and_r
     siblings = set(referenced_files(manifest))
     assert len(siblings) == 2 and not siblings & set(committed)  # it reads steps 1 and 2, both retired
     assert _holds_references(durable, name) == []  # and every earlier file it reads stayed
-    assert sorted(p.parent.name for p in (base / "node0").glob("step-*/manifest.json")) == [name]
-    for node in ("node0", "node1"):
+    for node in ("node0", "node1"):  # node 1's peer copies of steps 1 and 2 are retired with node 0's originals
+        assert sorted(p.parent.name for p in (base / node).glob("step-*/manifest.json")) == [name], node
         assert _holds_references(base / node, name) == [], node
 
     shutil.rmtree(base)  # the fast tier is gone

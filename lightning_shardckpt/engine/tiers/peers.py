@@ -36,6 +36,7 @@ from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import bounded_json, groups, signing
 from ..format import manifest as manifest_format
+from ..format import references as refs
 from ..format.manifest import files_with_metadata, transfer_order
 from ..format.names import (
     COMMIT_RECORD,
@@ -218,9 +219,11 @@ class PeerReplicator:
             self._queue.put(item)  # seen here before the coordinator: the next round takes it
         return names[:count]
 
-    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str], bytes | None] | None:
+    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str], bytes | None, list[str]] | None:
         """Coordinator: the checkpoint to copy, its manifest and commit record, what its own root still holds (the
-        other roots follow its retention), and its signature (signed checkpoints: the node copy stays signed)."""
+        other roots follow its retention), its signature (signed checkpoints: the node copy stays signed), and which
+        of what it holds retention retired (an incremental chain's earlier checkpoints: their manifests went, their
+        referenced files stay: FORMAT.md §10.6)."""
         directory = join(self.fast.path, name)
         try:
             manifest_bytes = fsio.read_small(self.fast.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES)
@@ -236,7 +239,12 @@ class PeerReplicator:
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
         manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
-        return name, manifest, manifest_bytes, record_bytes, kept, signature
+        retired = [
+            other
+            for other in kept
+            if parse_dirname(other) is not None and self.fast.fs.exists(join(self.fast.path, other, refs.RETIRED))
+        ]
+        return name, manifest, manifest_bytes, record_bytes, kept, signature, retired
 
     def _copy(
         self,
@@ -246,6 +254,7 @@ class PeerReplicator:
         record_bytes: bytes,
         kept: list[str],
         signature: bytes | None = None,
+        retired: list[str] | tuple[str, ...] = (),
     ) -> None:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
@@ -320,7 +329,7 @@ class PeerReplicator:
         failed = [p for rank_problems in receipts for p in rank_problems]
         self.counters.note(PEER_REPLICATION_FAILED if failed else PEER_REPLICATED)
         self.bytes_sent += sent
-        self._follow_owner_retention(kept, checkpoint_dirname_parts(name).step)
+        self._follow_owner_retention(kept, checkpoint_dirname_parts(name).step, retired)
         self._gc()
         if failed:
             log.warning("copying %s to peer nodes failed: %s", name, "; ".join(failed[:3]))
@@ -484,18 +493,27 @@ class PeerReplicator:
             return None
         return self.fast.url
 
-    def _follow_owner_retention(self, kept: list[str], step: int) -> None:
+    def _follow_owner_retention(self, kept: list[str], step: int, retired: list[str] | tuple[str, ...] = ()) -> None:
         """The first rank of every other node root deletes the checkpoints older than the one just copied that the
-        coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
+        coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's.
+        One the coordinator's retention retired (a later checkpoint references its files) is uncommitted here too,
+        as retention uncommits (RETIRED, then the manifest): a peer root never lists as committed what the owner
+        retired; its files stay until the owner's directory goes."""
         if not self._first_of_root() or self.on_coordinators_storage:
             return
-        keep = set(kept)
+        keep, gone = set(kept), set(retired)
         try:
             for path in self.fast.fs.ls(self.fast.path, detail=False):
                 other = str(path).rstrip("/").rsplit("/", 1)[-1]
                 parsed = parse_dirname(other)
                 if parsed is not None and parsed.step < step and other not in keep:
                     self.fast.fs.rm(join(self.fast.path, other), recursive=True)
+                elif other in gone and self.fast.fs.exists(join(self.fast.path, other, MANIFEST)):
+                    directory = join(self.fast.path, other)
+                    self.fast.fs.pipe_file(join(directory, refs.RETIRED), b"retired by the owner's retention\n")
+                    for document in (MANIFEST, COMMIT_RECORD, signing.SIGNATURE):
+                        if self.fast.fs.exists(join(directory, document)):
+                            self.fast.fs.rm(join(directory, document))
         except Exception:  # noqa: BLE001 - the next copy retries
             log.debug("following the coordinator's retention failed in %s", self.fast.url, exc_info=True)
 
