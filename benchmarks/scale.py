@@ -907,8 +907,9 @@ def _throwaway_key() -> str:
     return path
 
 
-# issue 46's features, as (signed, incremental, ranks per node for a node-local save with peers); incremental with
-# node-local is refused at setup (SaveConfig: references would have to be resolved per node), so not simulated
+# issue 46's features, as (signed, incremental, ranks per node for a node-local save with peers), alone, in pairs and
+# all three together (an incremental node-local checkpoint's peer copies carry the files it references:
+# engine/tiers/referenced_files.py)
 MATRIX: dict[str, tuple[bool, bool, int | None]] = {
     "plain": (False, False, None),
     "signed": (True, False, None),
@@ -916,6 +917,8 @@ MATRIX: dict[str, tuple[bool, bool, int | None]] = {
     "node-local + peers": (False, False, 8),
     "signed + incremental": (True, True, None),
     "signed + node-local": (True, False, 8),
+    "incremental + node-local": (False, True, 8),
+    "signed + incremental + node-local": (True, True, 8),
 }
 # issue 46's "done when", per configuration: (label, the row's value, the bound)
 BOUNDS: list[tuple[str, Any, float]] = [

@@ -180,11 +180,6 @@ class SaveConfig:
             raise ConfigError(
                 f"writer={self.writer!r} is unknown; use 'thread' (write on the saver's background thread)"
             )
-        if self.incremental and self.node_local:
-            raise ConfigError(
-                "incremental=true with node_local=true is not supported yet (references would have to be "
-                "resolved per node); use one or the other"
-            )
         require_number("full_every_n", self.full_every_n, integer=True, at_least=1, hint="1: every save is full")
         if self.format_version not in (2, 4, 5):
             raise ConfigError(

@@ -48,7 +48,7 @@ def door_plan(
 ) -> tuple[PluginList, CheckpointPlan]:
     """A door's plug-ins and its plan in one step, where the placement is known at construction (a plain loop)."""
     plugins, tiers_config = door_plugins(options, tiers, drill, health, extra)
-    root = tiered_dirpath(root, tiers_config, save)
+    root = tiered_dirpath(root, tiers_config)
     return plugins, checkpoint_plan(root, save, load, options.resume_required, plugins, placement, front_door)
 
 

@@ -504,13 +504,12 @@ def test_a_tensor_built_afresh_at_each_save_is_never_taken_for_unchanged():
         assert tracker.plan({"rng": torch.full((4096,), float(value))}) == frozenset(), value
 
 
-def test_incremental_is_refused_with_tiers_and_node_local_roots():
-    """Not supported yet: a durable copy would reference files the replicator never copied."""
+def test_incremental_is_accepted_with_tiers_and_node_local_roots():
+    """Issue 46: every copy (peers, a peer restore, the durable replicator) carries the earlier files an incremental
+    checkpoint references, so neither combination is refused any more (tests/distributed/test_incremental_tiers.py
+    proves them on real ranks)."""
     from lightning_shardckpt import ShardedCheckpoint
-    from lightning_shardckpt.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="node_local"):
-        SaveConfig(incremental=True, node_local=True)
-    tiers = {"fast": {"dirpath": "/tmp/fast"}, "durable": {"dirpath": "/tmp/durable"}}
-    with pytest.raises(ConfigError, match="tiers"):
-        ShardedCheckpoint(tiers=tiers, save={"incremental": True})
+    assert SaveConfig(incremental=True, node_local=True).node_local
+    tiers = {"fast": {"dirpath": "/tmp/fast/{node_rank}"}, "durable": {"dirpath": "/tmp/durable"}}
+    assert ShardedCheckpoint(tiers=tiers, save={"incremental": True}).dirpath == "/tmp/fast/{node_rank}"

@@ -33,7 +33,7 @@ from typing import Any
 
 from ...errors import CorruptCheckpoint, SignatureRefused
 from ..collectives import all_gather_objects, broadcast_from, rank_and_world
-from ..format import bounded_json, groups, signing
+from ..format import bounded_json, groups, parts_manifest, signing
 from ..format import manifest as manifest_format
 from ..format.manifest import transfer_order
 from ..format.manifest_schema import parse_time
@@ -42,10 +42,11 @@ from ..format.parts_manifest import PARTS_FIELD
 from ..format.signing import SignaturePolicy
 from ..storage import fsio
 from ..storage.fsio import Location
+from . import referenced_files
 from .config import NODE_RANK, PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
 from .peers import PEERS_DIR, all_files, documents_dir, holds_all
-from .verified_copy import PIECE_BYTES, RangeCheck, copy_verified, expected_ranges
+from .verified_copy import PIECE_BYTES, RangeCheck, copy_checked, copy_verified, expected_ranges
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,13 @@ def restore_from_peers(
                 continue
             more_local, more_fetched, failed = _assemble(own, roots, name, listed, transfers, group)
             local, fetched = local + more_local, fetched + more_fetched
+        if referenced_files.listed(manifest) and not failed:
+            # incremental (FORMAT.md §10.6): the earlier files its parts read, in their sibling directories
+            lacking, more_local, more_fetched, failed = _assemble_references(own, roots, name, listed, group)
+            local, fetched = local + more_local, fetched + more_fetched
+            if lacking:
+                passed[name] = f"{name}: no complete copy survives ({', '.join(lacking[:4])} lost with their nodes)"
+                continue
         break
     if not failed:
         failed = _commit_copy(own, reports, name, listed, manifest_bytes, record_bytes, signature, group)
@@ -292,20 +300,29 @@ def _assemble(
     manifest: dict[str, Any],
     transfers: list[tuple[str, int, int, str]],
     group: Any,
+    references: dict[str, tuple[int, list[int]]] | None = None,
 ) -> tuple[int, int, list[str]]:
     """Collective "peer-restored": run this rank's share of `transfers`, each file checked against `manifest` (v5:
-    with the rows of the files it moves); (bytes copied locally, bytes fetched, every rank's problems), all ranks."""
+    with the rows of the files it moves); (bytes copied locally, bytes fetched, every rank's problems), all ranks.
+    `references` (incremental): the transfers are those referenced files (size, referencing ranks), each checked
+    against the referencing parts' records, read in this rank's root (which holds every part by now)."""
     rank = rank_and_world(group)[0]
     problems: list[str] = []
     local = fetched = 0
     own_dir = join(own.path, name)
-    sizes = all_files(manifest)
+    sizes = all_files(manifest) if references is None else {ref: size for ref, (size, _) in references.items()}
     for relative, writer, source, source_root in transfers:
         if rank not in (writer, source):
             continue
         size = sizes[relative]
         try:
-            if writer == source:  # the nearest copy is on this machine: a verified local copy
+            if writer == source and references is not None:  # a referenced file: checked by the referencing records
+                src = roots[source_root]
+                checked = _referenced_ranges(own, name, manifest, references, relative)
+                local += copy_checked(
+                    src.fs, join(src.path, name, relative), own.fs, join(own_dir, relative), checked, size
+                )
+            elif writer == source:  # the nearest copy is on this machine: a verified local copy
                 src = roots[source_root]
                 own.fs.makedirs(own_dir, exist_ok=True)
                 local += copy_verified(src.fs, join(src.path, name), own.fs, own_dir, relative, manifest)
@@ -314,9 +331,12 @@ def _assemble(
                 result = exchange([Outgoing(src.fs, join(src.path, name, relative), size)], writer, [], None, group)
                 problems.extend(result.problems)
             else:
-                incoming = Incoming(
-                    own.fs, join(own_dir, relative), size, _incoming_ranges(manifest, relative, own, roots, name)
+                ranges: Any = (
+                    _incoming_ranges(manifest, relative, own, roots, name)
+                    if references is None
+                    else lambda relative=relative: _referenced_ranges(own, name, manifest, references, relative)
                 )
+                incoming = Incoming(own.fs, join(own_dir, relative), size, ranges)
                 result = exchange([], None, [incoming], source, group)
                 fetched += result.bytes
                 problems.extend(result.problems)
@@ -324,6 +344,65 @@ def _assemble(
             problems.append(f"rank {rank}: {relative}: {type(err).__name__}: {err}")
     outcomes = all_gather_objects("peer-restored", (problems, local, fetched), group)
     return sum(o[1] for o in outcomes), sum(o[2] for o in outcomes), [p for o in outcomes for p in o[0]]
+
+
+def _assemble_references(
+    own: Location, roots: dict[str, Location], name: str, listed: dict[str, Any], group: Any
+) -> tuple[list[str], int, int, list[str]]:
+    """Incremental on parts, once every node root holds every part of `name`: each root gets the earlier files those
+    parts reference (engine/tiers/referenced_files.py), from the nearest copy, checked against the referencing
+    records. Collectives "peer-references" (each rank reads a share of the parts in its own root: their referenced
+    files' sizes and referencing ranks) and "peer-holdings-references" (what every root holds of them). Returns (the
+    files no rank holds, bytes copied locally, bytes fetched, every rank's problems); all ranks alike."""
+    rank, world = rank_and_world(group)
+    own_dir = join(own.path, name)
+    writers = parts_manifest.writing_ranks(listed)  # every part is in this root by now
+    found: dict[str, tuple[int, list[int]]] = {}
+    problem = None
+    try:
+        for writer in writers[rank::world]:
+            for reference, (size, _) in referenced_files.of_ranks(own.fs, own_dir, listed, [writer]).items():
+                found.setdefault(reference, (size, []))[1].append(writer)
+    except Exception as err:  # noqa: BLE001 - every rank learns it: all fail alike
+        problem = f"rank {rank}: reading the parts of {name}: {type(err).__name__}: {err}"
+    gathered = all_gather_objects("peer-references", (found, problem), group)
+    problems = [p for _, p in gathered if p]
+    if problems:
+        return [], 0, 0, problems
+    references: dict[str, tuple[int, list[int]]] = {}
+    for part_refs, _ in gathered:
+        for reference, (size, ranks) in part_refs.items():
+            references.setdefault(reference, (size, []))[1].extend(ranks)
+    held = {url: _referenced_listing(location, name, references) for url, location in roots.items()}
+    listings = all_gather_objects("peer-holdings-references", {"own": own.url, "roots": held}, group)
+    sizes = {reference: size for reference, (size, _) in references.items()}
+    transfers, lacking = _transfers(name, sizes, listings)
+    if lacking:
+        return lacking, 0, 0, []
+    if [r["own"] for r in listings].index(own.url) == rank:  # the root's first rank: a replaced node's empty root
+        for reference in sorted(references):
+            referenced_files.mark_kept_for_references(own.fs, referenced_files.sibling_dir(own_dir, reference))
+    local, fetched, failed = _assemble(own, roots, name, listed, transfers, group, references)
+    return [], local, fetched, failed
+
+
+def _referenced_listing(
+    root: Location, name: str, references: dict[str, tuple[int, list[int]]]
+) -> dict[str, dict[str, int]]:
+    """{name: {reference: size}} of the referenced files `root` holds (one listing per sibling directory)."""
+    directory = join(root.path, name)
+    out: dict[str, int] = {}
+    listings: dict[str, dict[str, Any]] = {}
+    for reference in references:
+        sibling, file = referenced_files.sibling_dir(directory, reference), reference.rsplit("/", 1)[-1]
+        if sibling not in listings:
+            try:
+                listings[sibling] = {_name(info): info.get("size") for info in root.fs.ls(sibling, detail=True)}
+            except Exception:  # noqa: BLE001 - absent or unreadable: holds none of it
+                listings[sibling] = {}
+        if file in listings[sibling]:
+            out[reference] = listings[sibling][file]
+    return {name: out}
 
 
 def _commit_copy(
@@ -351,6 +430,13 @@ def _commit_copy(
         except Exception as err:  # noqa: BLE001
             problems.append(f"rank {rank}: committing {name} in {own.url}: {err}")
     return [p for rank_problems in all_gather_objects("peer-committed", problems, group) for p in rank_problems]
+
+
+def _referenced_ranges(
+    own: Location, name: str, manifest: dict[str, Any], references: dict[str, tuple[int, list[int]]], relative: str
+) -> list:
+    ranks = references[relative][1]
+    return referenced_files.of_ranks(own.fs, join(own.path, name), manifest, ranks)[relative][1]
 
 
 def _listing(root: Location, name: str, manifest: dict[str, Any], verified: bool) -> dict[str, dict[str, int]]:

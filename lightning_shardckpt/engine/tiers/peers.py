@@ -42,6 +42,7 @@ from .. import metrics
 from ..collectives import all_gather_objects, broadcast_from_coordinator, rank_and_world
 from ..format import bounded_json, groups, signing
 from ..format import manifest as manifest_format
+from ..format import references as refs
 from ..format.manifest import files_with_metadata, transfer_order
 from ..format.names import (
     COMMIT_RECORD,
@@ -56,7 +57,7 @@ from ..metrics import RunCounters
 from ..save import node_groups
 from ..storage import fsio
 from ..storage.fsio import Location
-from . import root_identity
+from . import referenced_files, root_identity
 from .backlog import Backlog
 from .config import PeersConfig
 from .peer_transfer import Incoming, Outgoing, exchange
@@ -94,6 +95,12 @@ def _ranges(manifest: dict[str, Any], relative: str, root: Location, directory: 
     if manifest_format.is_parts_format(manifest):
         return lambda: expected_ranges(manifest, relative, [(root.fs, directory)])
     return expected_ranges(manifest, relative)
+
+
+def _referenced_ranges(root: Location, directory: str, manifest: dict[str, Any], src: int, reference: str) -> Any:
+    """What a referenced file `src` sends is checked against: the records of its part, which lands here first (the
+    same exchange), looked up when the file starts arriving."""
+    return lambda: referenced_files.of_ranks(root.fs, directory, manifest, [src])[reference][1]
 
 
 def record_path(root: Location, name: str, from_rank: int) -> str:
@@ -237,9 +244,11 @@ class PeerReplicator:
             self._queue.put(item)  # seen here before the coordinator: the next round takes it
         return names[:count]
 
-    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str], bytes | None] | None:
+    def _decide(self, name: str) -> tuple[str, dict[str, Any], bytes, bytes, list[str], bytes | None, list[str]] | None:
         """Coordinator: the checkpoint to copy, its manifest and commit record, what its own root still holds (the
-        other roots follow its retention), and its signature (signed checkpoints: the node copy stays signed)."""
+        other roots follow its retention), its signature (signed checkpoints: the node copy stays signed), and which
+        of what it holds retention retired (an incremental chain's earlier checkpoints: their manifests went, their
+        referenced files stay: FORMAT.md §10.6)."""
         directory = join(self.fast.path, name)
         try:
             manifest_bytes = fsio.read_small(self.fast.fs, join(directory, MANIFEST), bounded_json.MANIFEST_MAX_BYTES)
@@ -255,7 +264,12 @@ class PeerReplicator:
             log.warning("cannot read the manifest of %s (%s); not copying it to peers", name, err)
             return None
         manifest = bounded_json.loads(manifest_bytes, bounded_json.MANIFEST_MAX_BYTES)
-        return name, manifest, manifest_bytes, record_bytes, kept, signature
+        retired = [
+            other
+            for other in kept
+            if parse_dirname(other) is not None and self.fast.fs.exists(join(self.fast.path, other, refs.RETIRED))
+        ]
+        return name, manifest, manifest_bytes, record_bytes, kept, signature, retired
 
     def _copy(
         self,
@@ -265,11 +279,13 @@ class PeerReplicator:
         record_bytes: bytes,
         kept: list[str],
         signature: bytes | None = None,
+        retired: list[str] | tuple[str, ...] = (),
     ) -> None:
         started = time.perf_counter()
         directory = join(self.fast.path, name)
         problems: list[str] = []
         own, landed = self._copy_tables(directory, manifest, problems)
+        references, held = self._references(directory, manifest, own, problems)
         sent = 0
         for k in range(1, self.config.factor):
             dst = (self.rank + k * self.config.jump) % self.world_size
@@ -295,6 +311,16 @@ class PeerReplicator:
                     Outgoing(self.fast.fs, join(directory, rel), listed_size(own, rel))
                     for rel in files_of_rank(own, self.rank)
                 ]
+                # incremental: then the earlier files its part references that the peer lacks (its own, on this node)
+                outgoing += (
+                    []
+                    if not outgoing
+                    else [
+                        Outgoing(self.fast.fs, join(directory, ref), size)
+                        for ref, (size, _) in sorted(references.items())
+                        if ref not in held[dst][1][k]
+                    ]
+                )
             incoming = [
                 Incoming(
                     self.fast.fs,
@@ -304,6 +330,17 @@ class PeerReplicator:
                 )
                 for rel in (files_of_rank(theirs, src) if receive else [])
             ]
+            if incoming and held:
+                incoming += [
+                    Incoming(
+                        self.fast.fs,
+                        join(directory, ref),
+                        size,
+                        _referenced_ranges(self.fast, directory, theirs, src, ref),
+                    )
+                    for ref, size in sorted(held[src][0].items())
+                    if ref not in held[self.rank][1][k]
+                ]
             if not outgoing and not incoming:
                 continue
             result = exchange(outgoing, dst, incoming, src, self.group)
@@ -317,7 +354,7 @@ class PeerReplicator:
         failed = [p for rank_problems in receipts for p in rank_problems]
         self.counters.note(PEER_REPLICATION_FAILED if failed else PEER_REPLICATED)
         self.bytes_sent += sent
-        self._follow_owner_retention(kept, checkpoint_dirname_parts(name).step)
+        self._follow_owner_retention(kept, checkpoint_dirname_parts(name).step, retired)
         self._gc()
         if failed:
             log.warning("copying %s to peer nodes failed: %s", name, "; ".join(failed[:3]))
@@ -380,6 +417,31 @@ class PeerReplicator:
         heard = all_gather_objects("peer-tables", (landed, own is not None), self.group)
         self._unreadable = {rank for rank, (_, readable) in enumerate(heard) if not readable}
         return own, {item for items, _ in heard for item in items}
+
+    def _references(
+        self, directory: str, manifest: dict[str, Any], own: dict[str, Any] | None, problems: list[str]
+    ) -> tuple[dict[str, tuple[int, list]], list[Any]]:
+        """Incremental on parts (FORMAT.md §10.6): a peer copy is readable on its node only with the earlier files
+        its parts reference (engine/tiers/referenced_files.py). Collective "peer-references": every rank tells the
+        sizes of the files its own part references and, per round, which of its sender's referenced files its root
+        holds already (an earlier peer copy brought them); a sender then sends only what its peer lacks. Returns
+        (this rank's referenced files: size and ranges, every rank's report); ({}, []) for a full checkpoint."""
+        if not referenced_files.listed(manifest):
+            return {}, []
+        mine: dict[str, tuple[int, list]] = {}
+        if own is not None and files_of_rank(own, self.rank):
+            try:
+                mine = referenced_files.of_ranks(self.fast.fs, directory, own, [self.rank])
+            except (CorruptCheckpoint, OSError) as err:
+                problems.append(f"rank {self.rank}: its part is unreadable, its referenced files stay unsent: {err}")
+        held: dict[int, list[str]] = {}
+        for k in range(1, self.config.factor):
+            src = (self.rank - k * self.config.jump) % self.world_size
+            candidates = referenced_files.of_rank(manifest, src)
+            lacking = set(referenced_files.missing(self.fast.fs, directory, manifest, candidates))
+            held[k] = [ref for ref in candidates if ref not in lacking]
+        sizes = {ref: size for ref, (size, _) in mine.items()}
+        return mine, all_gather_objects("peer-references", (sizes, held), self.group)
 
     def _group_of(self, manifest: dict[str, Any], rank: int) -> range:
         table = manifest[groups.GROUPS_FIELD]
@@ -462,18 +524,27 @@ class PeerReplicator:
             return None
         return self.fast.url
 
-    def _follow_owner_retention(self, kept: list[str], step: int) -> None:
+    def _follow_owner_retention(self, kept: list[str], step: int, retired: list[str] | tuple[str, ...] = ()) -> None:
         """The first rank of every other node root deletes the checkpoints older than the one just copied that the
-        coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's."""
+        coordinator's root no longer holds (its retention deleted them): peer copies live as long as the owner's.
+        One the coordinator's retention retired (a later checkpoint references its files) is uncommitted here too,
+        as retention uncommits (RETIRED, then the manifest): a peer root never lists as committed what the owner
+        retired; its files stay until the owner's directory goes."""
         if not self._first_of_root() or self.on_coordinators_storage:
             return
-        keep = set(kept)
+        keep, gone = set(kept), set(retired)
         try:
             for path in self.fast.fs.ls(self.fast.path, detail=False):
                 other = str(path).rstrip("/").rsplit("/", 1)[-1]
                 parsed = parse_dirname(other)
                 if parsed is not None and parsed.step < step and other not in keep:
                     self.fast.fs.rm(join(self.fast.path, other), recursive=True)
+                elif other in gone and self.fast.fs.exists(join(self.fast.path, other, MANIFEST)):
+                    directory = join(self.fast.path, other)
+                    self.fast.fs.pipe_file(join(directory, refs.RETIRED), b"retired by the owner's retention\n")
+                    for document in (MANIFEST, COMMIT_RECORD, signing.SIGNATURE):
+                        if self.fast.fs.exists(join(directory, document)):
+                            self.fast.fs.rm(join(directory, document))
         except Exception:  # noqa: BLE001 - the next copy retries
             log.debug("following the coordinator's retention failed in %s", self.fast.url, exc_info=True)
 
@@ -549,6 +620,8 @@ def holds_all(root: Location, directory: str, manifest: dict[str, Any]) -> bool:
     )
     if any(listing.get(rel) != size for rel, size in tables.items()):
         return False  # v5: its parts are listed in its group tables, every one of which must be here first
+    if referenced_files.missing(root.fs, directory, manifest):
+        return False  # incremental: an earlier file its parts read is not in this root
     try:
         expanded = groups.expanded(root.fs, directory, manifest)
     except (CorruptCheckpoint, OSError):

@@ -53,9 +53,10 @@ from ..format.names import MANIFEST, checkpoint_dirname_parts, join, shard_rank
 from ..metrics import RunCounters
 from ..save.commit import publish
 from ..storage.fsio import Location
+from . import referenced_files
 from .backlog import Backlog
 from .config import TiersConfig
-from .verified_copy import copy_verified
+from .verified_copy import copy_checked, copy_verified
 
 log = logging.getLogger(__name__)
 
@@ -492,6 +493,7 @@ class Replicator:
                     expanded,
                     on_piece=lambda: self._fault("replicate_mid_upload"),
                 )
+            self._copy_references(src_dir, dst_dir, expanded, mine)
         except Exception as err:  # noqa: BLE001 - reported to the coordinator, which decides for all
             problem = f"rank {self.rank}: {type(err).__name__}: {err}"
         problems = [p for p in all_gather_objects("replicate-receipts", problem, self.group) if p]
@@ -500,6 +502,25 @@ class Replicator:
             outcome = (False, "; ".join(problems)) if problems else self._commit(name, manifest)
         ok, message = broadcast_from_coordinator("replicate-outcome", outcome, self.group)
         return ok, message, False
+
+    def _copy_references(self, src_dir: str, dst_dir: str, expanded: dict[str, Any], mine: list[str]) -> None:
+        """Incremental on parts (FORMAT.md §10.6): the earlier files this rank's part references (its own, in its
+        fast root) that the durable tier lacks, checked against the referencing records as they pass
+        (engine/tiers/referenced_files.py). A sibling the durable tier does not hold committed is marked kept for
+        references only, so its retention removes it once nothing kept references it. Already there (the sibling
+        was replicated, or an earlier copy brought its files): nothing is read."""
+        if not referenced_files.listed(expanded) or not any(shard_rank(path) == self.rank for path in mine):
+            return
+        fast_fs, durable_fs = self.fast.fs, self.durable.fs
+        for reference, (size, ranges) in sorted(
+            referenced_files.of_ranks(fast_fs, src_dir, expanded, [self.rank]).items()
+        ):
+            target = join(dst_dir, reference)
+            if durable_fs.exists(target) and durable_fs.size(target) == size:
+                continue
+            referenced_files.mark_kept_for_references(durable_fs, referenced_files.sibling_dir(dst_dir, reference))
+            self._fault("replicate_before_file")
+            copy_checked(fast_fs, join(src_dir, reference), durable_fs, target, ranges, size)
 
     def _signer(self) -> signing.Signer | None:
         if self.sign is None:
@@ -516,6 +537,9 @@ class Replicator:
                 actual = fs.size(join(directory, relative))
                 if actual != size:
                     return False, f"{relative}: {actual} bytes on the durable tier, {size} committed on the fast tier"
+            lacking = referenced_files.missing(fs, directory, manifest)
+            if lacking:  # incremental: committed without them, the durable copy could not be read
+                return False, f"{name}: the durable tier lacks {', '.join(lacking[:4])}, which it references"
             if fs.exists(join(directory, MANIFEST)):
                 # committed already (a retry after a lost response, a catch-up racing another): never rewrite its
                 # commit record, whose checksum names the manifest that is there

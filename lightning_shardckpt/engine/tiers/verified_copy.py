@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import CorruptCheckpoint
-from ..format import groups, parts_manifest
+from ..format import groups, part_references, parts_manifest
 from ..format import manifest as manifest_format
 from ..format import parts as part_format
 from ..format.checksum import ChunkCheck, ChunkHasher
@@ -24,11 +24,12 @@ PIECE_BYTES = 8 * 2**20  # memory bound per upload: one piece in flight
 
 
 # (offset, length, expected digest[, block size]): a range checked as ChunkCheck says (with a block size: by the
-# digest of its block digests, the same for both checksum algorithms)
-Range = tuple[int, int, str] | tuple[int, int, str, int | None]
+# digest of its block digests, the same for both checksum algorithms); an expected digest of None passes the range
+# unchecked (a referenced holder file's bytes no referencing record names: engine/tiers/referenced_files.py)
+Range = tuple[int, int, str | None] | tuple[int, int, str | None, int | None]
 
 
-def _chunk_range(chunk: dict[str, Any]) -> Range:
+def chunk_range(chunk: dict[str, Any]) -> Range:
     check = ChunkCheck.of_record(chunk)
     return (chunk["offset"], chunk["length"], check.expected, check.block_size)
 
@@ -53,7 +54,7 @@ def expected_ranges(
             return [(0, item["bytes"], item["checksum"], None)]
         return _shard_ranges(manifest, relative, parts_at)
     return sorted(
-        (_chunk_range(chunk) for _, chunk in manifest_format.iter_chunks(manifest) if chunk["file"] == relative),
+        (chunk_range(chunk) for _, chunk in manifest_format.iter_chunks(manifest) if chunk["file"] == relative),
         key=lambda item: item[0],
     )
 
@@ -69,8 +70,13 @@ def _shard_ranges(manifest: dict[str, Any], relative: str, parts_at: Any) -> lis
         except CorruptCheckpoint as err:  # not there (yet), or damaged there: the next place may hold it
             problems.append(str(err))
             continue
-        chunks = part[part_format.TENSOR_CHUNKS] + part[part_format.OBJECTS]
-        return sorted((_chunk_range(chunk) for chunk in chunks), key=lambda item: item[0])
+        # an incremental part's referenced records lie in a sibling's file (FORMAT.md §10.6), not in this one
+        chunks = [
+            chunk
+            for chunk in part[part_format.TENSOR_CHUNKS] + part[part_format.OBJECTS]
+            if not part_references.is_referenced(chunk)
+        ]
+        return sorted((chunk_range(chunk) for chunk in chunks), key=lambda item: item[0])
     raise CorruptCheckpoint(
         f"{relative}: its part is not readable where it was looked for ({'; '.join(problems) or 'nowhere'}); "
         "refusing to copy an unverifiable file"
@@ -108,11 +114,27 @@ def copy_verified(
     """
     ranges = expected_ranges(manifest, relative, [(src_fs, src_dir)])
     size = file_size(manifest, relative)
-    if size is None or not ranges:
+    if size is None or (size and not ranges):  # an incremental rank's shard may hold no byte (all referenced)
         raise CorruptCheckpoint(
             f"{relative}: not listed in the manifest of {src_dir}; refusing to copy an unverifiable file"
         )
-    src_path, dst_path = join(src_dir, relative), join(dst_dir, relative)
+    return copy_checked(
+        src_fs, join(src_dir, relative), dst_fs, join(dst_dir, relative), ranges, size, piece_bytes, on_piece
+    )
+
+
+def copy_checked(
+    src_fs: Any,
+    src_path: str,
+    dst_fs: Any,
+    dst_path: str,
+    ranges: list[Range],
+    size: int,
+    piece_bytes: int = PIECE_BYTES,
+    on_piece: Any = None,
+) -> int:
+    """copy_verified's copy, against `ranges` and `size` the caller found (an incremental checkpoint's referenced
+    holder file: the referencing records, engine/tiers/referenced_files.py); returns the bytes copied."""
     check = RangeCheck(src_path, ranges, size)
     with src_fs.open(src_path, "rb") as source:
         sink = dst_fs.open(dst_path, "wb")
@@ -156,10 +178,11 @@ class RangeCheck:
             offset, length, expected = self.ranges[self._index][:3]
             end = offset + length
             take = min(len(view) - start, end - (self.position + start))
-            self._hasher.update(view[start : start + take])
+            if expected is not None:
+                self._hasher.update(view[start : start + take])
             start += take
             if self.position + start == end:
-                actual = self._hasher.hexdigest()
+                actual = self._hasher.hexdigest() if expected is not None else None
                 if actual != expected:
                     raise CorruptCheckpoint(
                         f"{self.label}: bytes {offset}..{end} have checksum {actual}, the manifest says {expected}; "

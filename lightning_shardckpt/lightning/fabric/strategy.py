@@ -130,7 +130,7 @@ class ShardedFabricStrategy(_FabricStrategy):
             trust_option="ShardedFabricStrategy(load={'trust_checkpoint': True})",
             pickled_sections={fabric_state.FABRIC_KEY: safe_pickle.LIGHTNING_STATE_GLOBALS},
         )
-        self.root = tiered_dirpath(root, tiers_config, self._save_options) if root or tiers_config else None
+        self.root = tiered_dirpath(root, tiers_config) if root or tiers_config else None
         self.step_key = step_key
         self.restore_rng = require_bool("ShardedFabricStrategy.restore_rng", restore_rng)  # "false" is truthy
         self.last_save: PendingSave | None = None

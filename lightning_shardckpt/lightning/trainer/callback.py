@@ -80,7 +80,7 @@ class ShardedCheckpoint(Checkpoint):
             self.options, options.tiers, self.drill_options, self.health_config, options.plugins
         )
         # as given, or with tiers the fast tier's (a node-local one's template): the state key
-        self.dirpath = tiered_dirpath(dirpath, self.tiers_config, self.save_options)
+        self.dirpath = tiered_dirpath(dirpath, self.tiers_config)
         self.root = self.dirpath  # this node's checkpoint root: the plan's, once set up
         self.verify_on_load, self.trust_checkpoint = options.verify_on_load, options.trust_checkpoint
         self.load_options = options.load_config()

@@ -15,8 +15,12 @@ from typing import Any
 from ...engine import catalog, commit_index, ownership
 from ...engine.collectives import all_gather_objects, broadcast_from_coordinator, new_checkpoint_group, rank_and_world
 from ...engine.config import LoadConfig
-from ...engine.format import signing
+from ...engine.format import bounded_json, signing
+from ...engine.format.manifest_schema import split_reference
 from ...engine.format.names import join, parse_dirname
+from ...engine.format.part_references import FILE as HOLDER_FILE
+from ...engine.format.part_references import HOLDERS
+from ...engine.format.parts import PART_MAX_BYTES, PART_SUFFIX
 from ...engine.storage import fsio
 from ...engine.storage.fsio import Location
 from ...engine.tiers.config import PeersConfig, TierConfig, TiersConfig
@@ -295,12 +299,39 @@ class CheckpointTiers:
                 for name, info in listed
                 if (parsed := parse_dirname(name)) is not None
             )
+            referenced = self._referenced_here([name for *_, name in checkpoints[-keep:]])
             for *_, name in checkpoints[:-keep]:
+                if name in referenced:  # incremental: a kept checkpoint's parts read this one's files
+                    continue
                 self.fast.fs.rm(f"{self.fast.path}/{name}", recursive=True)
                 deleted.append(name)
         except Exception:  # noqa: BLE001 - the next commit retries
             log.debug("pruning %s failed", self.fast.url, exc_info=True)
         return deleted
+
+    def _referenced_here(self, kept: list[str]) -> set[str]:
+        """Sibling directories the parts this node root holds of `kept` reference (FORMAT.md §10.6): this node has no
+        manifest to list them, but its ranks' parts name every earlier file they read. Read as written here, by this
+        node's ranks; an unreadable part pins everything (nothing referenced-looking is deleted)."""
+        out: set[str] = set()
+        for name in kept:
+            directory = join(self.fast.path, name)
+            try:
+                parts = [p for p in self.fast.fs.ls(directory, detail=False) if str(p).endswith(PART_SUFFIX)]
+            except FileNotFoundError:
+                continue
+            for path in parts:
+                try:
+                    part = bounded_json.loads(fsio.read_small(self.fast.fs, path, PART_MAX_BYTES), PART_MAX_BYTES)
+                    for held in part.get(HOLDERS) or []:
+                        sibling = split_reference(held[HOLDER_FILE])
+                        if sibling is None:
+                            raise ValueError(f"{held[HOLDER_FILE]!r} is no reference")
+                        out.add(sibling[0])
+                except Exception:  # noqa: BLE001 - unreadable: keep every directory (the next commit retries)
+                    log.debug("cannot read %s; keeping every checkpoint it might reference", path, exc_info=True)
+                    return {parsed for p in self.fast.fs.ls(self.fast.path, detail=False) if (parsed := _name(p))}
+        return out
 
     # --- restore ---
     def pick(self, which: str | int, base: LoadConfig, group: Any) -> TierPicked | None:
@@ -458,6 +489,10 @@ class CheckpointTiers:
             # another kind of storage (the fast tier's): the durable tier's options could not even open it
             return False
         return fsio.resolve(parent, self.durable_tier.storage_options).same_place(self.durable)
+
+
+def _name(path: Any) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
 def rank_zero() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...engine.config import SaveConfig, save_config_from
+from ...engine.config import save_config_from
 from ...engine.save.saver import CheckpointSaver
 from ...engine.tiers.config import TiersConfig
 from ...errors import ConfigError
@@ -14,9 +14,10 @@ from ..plugin import Plugin, PluginContext
 from .checkpoint_tiers import CheckpointTiers
 
 
-def tiered_dirpath(dirpath: str | None, config: TiersConfig | None, save: SaveConfig) -> str:
-    """The callback's dirpath: as given, or with tiers the fast tier's (a differing dirpath, or incremental
-    saves, are refused); never empty."""
+def tiered_dirpath(dirpath: str | None, config: TiersConfig | None) -> str:
+    """The callback's dirpath: as given, or with tiers the fast tier's (a differing dirpath is refused); never
+    empty. Incremental saves take tiers: every copy carries the earlier files a checkpoint references
+    (engine/tiers/referenced_files.py)."""
     if config is None:
         if not dirpath:
             raise ConfigError("dirpath is empty; set it to a local directory or an fsspec URL such as s3://bucket/run")
@@ -25,11 +26,6 @@ def tiered_dirpath(dirpath: str | None, config: TiersConfig | None, save: SaveCo
         raise ConfigError(
             f"dirpath={dirpath!r} and tiers.fast.dirpath={config.fast.dirpath!r} differ; "
             "with tiers, leave dirpath unset (the fast tier is where saves commit)"
-        )
-    if save.incremental:
-        raise ConfigError(
-            "save.incremental with tiers is not supported yet: the replicator copies a checkpoint's own "
-            "files, not the earlier ones an incremental checkpoint references; use one or the other"
         )
     return config.fast.dirpath
 
