@@ -20,13 +20,17 @@ if HF_SITE not in sys.path:
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+# transformers (~1.7 CPU-s) is imported by the builders: every pytest worker collects the modules that import this
+# one, and only the worker that runs their tests should pay for it
 
 VOCAB = 32
 
 
 def tiny_llama(seed: int) -> torch.nn.Module:
     """A 2-layer Llama (grouped-query attention, untied head); parameters drawn from `seed`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -44,6 +48,8 @@ def tiny_llama(seed: int) -> torch.nn.Module:
 
 def tiny_gpt2(seed: int) -> torch.nn.Module:
     """A 2-layer GPT-2 (its head tied to the token embedding), without dropout; parameters drawn from `seed`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB,

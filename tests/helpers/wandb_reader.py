@@ -25,9 +25,10 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wandb.proto import wandb_internal_pb2 as pb
+if TYPE_CHECKING:  # at run time only _parse needs it: collecting a test module that imports this pays no wandb
+    from wandb.proto import wandb_internal_pb2 as pb
 
 MAGIC = b":W&B"
 FILE_HEADER = struct.Struct("<4sHB")  # magic, 0xBEE1, version
@@ -75,6 +76,8 @@ def iter_records(path: str) -> Iterator[pb.Record]:
 
 
 def _parse(payload: bytes) -> pb.Record:
+    from wandb.proto import wandb_internal_pb2 as pb
+
     record = pb.Record()
     record.ParseFromString(payload)
     return record

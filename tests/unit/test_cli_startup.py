@@ -63,6 +63,19 @@ def test_ls_of_a_local_root_imports_no_torch(tmp_path):
     assert _heavy_modules_after(statement) == []
 
 
+@pytest.mark.slow  # starts a Python process of its own, and the drill its warm pool
+def test_drill_hands_the_restore_to_its_warm_pool_and_imports_no_torch_itself(tmp_path):
+    """`shardckpt drill` (and each `--follow` follower) only lists, leases and records: torch is the pool's,
+    which imports it once for every drill; the starter importing it too cost ~2 CPU-s a command."""
+    root = str(tmp_path / "root")
+    save_checkpoint(root, step=5)
+    statement = (
+        f"from lightning_shardckpt.cli.main import main\nassert main(['drill', {root!r}, '--world-size', '1']) == 0"
+    )
+    assert _heavy_modules_after(statement) == []
+    assert list((tmp_path / "root" / "drills").glob("step-000000005-*--passed.json"))  # the pool did drill it
+
+
 def test_the_public_operator_api_imports_no_torch(tmp_path):
     """A cron job or an evaluation job's loop that lists, resolves, inspects and follows a root starts at once."""
     root = str(tmp_path / "root")

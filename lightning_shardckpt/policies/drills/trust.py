@@ -17,8 +17,6 @@ import importlib
 import importlib.util
 from typing import Any
 
-import torch
-
 from ...errors import ConfigError
 
 ALLOW_LIST, TRUSTED = "allow-list", "trusted"
@@ -38,6 +36,8 @@ def process_safe_globals() -> tuple[str, ...]:
     Only the ones the run added: torch registers its own classes (DTensor, NestedTensor, ...) in the same list
     when their modules are imported; they are torch's allow-list, which a drill process has as well.
     """
+    import torch  # here: the `shardckpt drill` starter hands the drill to the pool and needs no torch
+
     specs = []
     for entry in torch.serialization.get_safe_globals():
         value, name = entry if isinstance(entry, tuple) else (entry, None)
@@ -78,6 +78,8 @@ def check_importable(specs: tuple[str, ...]) -> None:
 
 def allow_in_this_process(specs: tuple[str, ...] | list[str]) -> None:
     """In a drill process: import each spec's class and add it to torch's safe globals, as the run did."""
+    import torch
+
     entries: list[Any] = []
     for spec in specs:
         target, _, alias = spec.partition("=")
