@@ -258,6 +258,6 @@ def test_a_drill_refuses_a_checkpoint_outside_its_keys_window_or_revoked_before_
         assert why in record["cause"]
     # an accepted checkpoint's drill ranks get the same window and revocations on their command line
     options = DrillOptions(public_keys=[window], revoked_keys=[kid_of(key)[:16]])
-    args = worker._parse(_rank_argv(os.path.join(root, names[2]), 0, 1, 1, "out.json", 0.0, options))
+    args = worker._parse(_rank_argv(os.path.join(root, names[2]), 0, 1, "out.json", 0.0, options))
     assert [signing.public_key_argument(spec) for spec in args.public_key] == [signing.AcceptedKey(public, 2)]
     assert args.revoked_key == [kid_of(key)[:16]]
