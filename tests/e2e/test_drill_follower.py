@@ -30,6 +30,7 @@ from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.drills import scratch
 from tests.helpers.health_rules import static_rule
 from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
+from tests.helpers.process_tree import descendants, wait_stopped
 from tests.helpers.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,9 +140,13 @@ def followed_run(tmp_path_factory):
     killed_in = wait_for(
         lambda: scratch_of(first.pid) and lease_held_by(root, first.pid), 120, "follower A in the middle of a drill"
     )
+    tree = descendants(first.pid)  # its warm pool and the pool's drill rank
     first.send_signal(signal.SIGKILL)  # mid-drill: its warm pool and drill rank die with it
     second.send_signal(signal.SIGSTOP)  # and B stalls: no follower drills, the run's lag rule fires
     first.wait(10)
+    # the pool and its rank die after A is reaped, one generation at a time: a write of the rank's log or outcome
+    # in that moment would make the scratch directory fresh again after it is set back below
+    wait_stopped(tree, 10)
     orphaned = scratch_of(first.pid)  # A could not remove it; a day later, the next drill on the host does
     for path in orphaned:
         day_old(Path(path))
@@ -157,6 +162,11 @@ def followed_run(tmp_path_factory):
     stopped = [follower.wait(60) for follower in (second, restarted)]
     logs = {name: (workdir / f"{name}.log").read_text() for name in ("a", "b", "a2")}
     left = [path for path in orphaned if os.path.exists(path)]
+    ages = {  # what kept one fresh, for the assertion's message: the age in seconds of it and of each file in it
+        entry: round(time.time() - os.stat(entry).st_mtime)
+        for path in left
+        for entry in [path, *(item.path for item in os.scandir(path))]
+    }
     return {
         "root": root,
         "killed": first,
@@ -166,6 +176,7 @@ def followed_run(tmp_path_factory):
         "stopped": stopped,
         "orphaned": orphaned,
         "orphans_left": left,
+        "orphan_ages_s": ages,
     }
 
 
@@ -206,7 +217,8 @@ def test_a_killed_followers_drill_dies_with_it_and_its_restart_picks_up_from_the
 
 def test_the_scratch_a_killed_follower_left_is_removed_by_a_later_drill_once_a_day_old(followed_run):
     assert len(followed_run["orphaned"]) == 1, followed_run["orphaned"]  # SIGKILL: no clean-up ran
-    assert followed_run["orphans_left"] == [], followed_run["logs"]["a2"]  # the restarted follower's drills removed it
+    # the restarted follower's drills removed it
+    assert followed_run["orphans_left"] == [], (followed_run["orphan_ages_s"], followed_run["logs"]["a2"])
 
 
 def test_two_followers_on_one_root_never_drill_one_checkpoint_twice(followed_run):
