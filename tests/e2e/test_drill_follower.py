@@ -30,7 +30,7 @@ from lightning_shardckpt.engine.storage import fsio
 from lightning_shardckpt.policies.drills import scratch
 from tests.helpers.health_rules import static_rule
 from tests.helpers.lightning_run import TinyData, TinyModule, ddp_trainer, lightning_env
-from tests.helpers.process_tree import descendants, wait_stopped
+from tests.helpers.process_tree import wait_until_none_holds
 from tests.helpers.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,15 +140,14 @@ def followed_run(tmp_path_factory):
     killed_in = wait_for(
         lambda: scratch_of(first.pid) and lease_held_by(root, first.pid), 120, "follower A in the middle of a drill"
     )
-    tree = descendants(first.pid)  # its warm pool and the pool's drill rank
     first.send_signal(signal.SIGKILL)  # mid-drill: its warm pool and drill rank die with it
     second.send_signal(signal.SIGSTOP)  # and B stalls: no follower drills, the run's lag rule fires
     first.wait(10)
-    # the pool and its rank die after A is reaped, one generation at a time: a write of the rank's log or outcome
-    # in that moment would make the scratch directory fresh again after it is set back below
-    wait_stopped(tree, 10)
     orphaned = scratch_of(first.pid)  # A could not remove it; a day later, the next drill on the host does
     for path in orphaned:
+        # A's pool and drill rank die after A is reaped, one generation at a time: a write of the rank's log or
+        # outcome in that moment would make the directory fresh again after it is set back
+        wait_until_none_holds(path, 10)
         day_old(Path(path))
     restarted = start_follower(str(root), workdir / "a2.log")
     # B resumes once the restarted follower holds a lease of its own, not after a fixed 4 s: on a loaded machine

@@ -1,8 +1,10 @@
-"""A process's descendants, read from /proc, and a wait until every one of them has stopped running.
+"""Which processes hold a file open under a directory (read from /proc), and a wait until none does.
 
 A process killed with SIGKILL is reaped by its parent at once, while what it started dies after it (Linux
 PR_SET_PDEATHSIG: each child is signalled as its parent exits, one generation at a time). A test that then looks at
-what those children write must first wait for them, or a grandchild's last write can land after the look.
+what those children write must first wait for them, or a grandchild's last write can land after the look. Asking
+who holds files open there, rather than who descends from the killed process, also catches a child forked a moment
+before the kill.
 """
 
 from __future__ import annotations
@@ -11,38 +13,27 @@ import os
 import time
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children, their children, ...), read now."""
-    children: dict[int, list[int]] = {}
+def processes_holding(directory: str) -> dict[int, list[str]]:
+    """pid -> the paths under `directory` it has open now (its stdout redirected there counts)."""
+    prefix = os.path.realpath(directory).rstrip("/") + "/"
+    holding: dict[int, list[str]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
+            fds = os.listdir(f"/proc/{entry}/fd")
+            targets = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in fds]
+        except OSError:  # ended meanwhile (or not ours to read)
             continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+        inside = [target for target in targets if target.startswith(prefix)]
+        if inside:
+            holding[int(entry)] = inside
+    return holding
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` still runs code: false once it is gone or a zombie (a zombie writes nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_stopped(pids: list[int], timeout_s: float) -> None:
-    """Return once none of `pids` runs; AssertionError naming those still running after `timeout_s`."""
+def wait_until_none_holds(directory: str, timeout_s: float) -> None:
+    """Return once no process has a file under `directory` open; AssertionError naming them after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+    while (holding := processes_holding(directory)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not left, f"processes {left} still run {timeout_s:.0f} s after their ancestor was killed"
+    assert not holding, f"still open under {directory} {timeout_s:.0f} s after its writer was killed: {holding}"
