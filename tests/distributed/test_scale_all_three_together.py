@@ -14,42 +14,18 @@ import os
 import shutil
 
 import pytest
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 
 from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig, SignConfig, load_checkpoint
 from lightning_shardckpt.engine.collectives import new_checkpoint_group
 from lightning_shardckpt.engine.format import groups
 from lightning_shardckpt.engine.tiers.config import PeersConfig, TierConfig, TiersConfig
 from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
+from tests.helpers.row_sharded import loaded_exactly, row_sharded_state
 from tests.helpers.signing_keys import Keys
 from tests.helpers.spawn import run_ranks
 
 SAVED_ON, PER_NODE, GROUP = 32, 8, 8
 LOADED_ON, LOADED_PER_NODE = 7, 2
-ROWS = [96, 70, 33, 5]  # rows of each [rows, 8] tensor: even and uneven splits, and fewer rows than ranks
-COLUMNS = 8
-
-
-def _global(index: int) -> torch.Tensor:
-    rows = ROWS[index % len(ROWS)]
-    return torch.arange(rows * COLUMNS, dtype=torch.float32).reshape(rows, COLUMNS) * (index + 1) + 0.5
-
-
-def _state(rank: int, world_size: int, *, zeros: bool) -> dict:
-    mesh = init_device_mesh("cpu", (world_size,))
-    state = {"model": {}, "progress": {"global_step": 0 if zeros else 7, "note": "" if zeros else "all-three"}}
-    for index in range(12):
-        pieces = list(torch.chunk(_global(index), world_size, dim=0))
-        local = pieces[rank] if rank < len(pieces) else _global(index)[:0]
-        local = torch.zeros_like(local) if zeros else local.clone()
-        full = _global(index)
-        state["model"][f"layer{index:02d}.weight"] = DTensor.from_local(
-            local, mesh, [Shard(0)], shape=full.shape, stride=full.stride()
-        )
-    state["model"]["step"] = torch.tensor(0 if zeros else 7)
-    return state
 
 
 def _tiers(base: str, per_node: int) -> TiersConfig:
@@ -74,7 +50,7 @@ def save_all_three(rank: int, world_size: int, base: str, key_path: str) -> dict
     )
     saver = CheckpointSaver(tiers.fast_dirpath, config)
     tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
-    state = _state(rank, world_size, zeros=False)
+    state = row_sharded_state(rank, world_size, zeros=False, note="all-three")
     later = {name: value for name, value in state["model"].items() if name[:7] >= "layer06" and name != "step"}
     saved = {name: value.to_local().clone() for name, value in later.items()}
     for value in later.values():
@@ -97,13 +73,9 @@ def resume_on_7(rank: int, world_size: int, base: str, public_key: str) -> dict:
     group = new_checkpoint_group(120.0)
     policy = LoadConfig(require_signature=True, public_keys=[public_key])
     path, load_config, *_ = tiers.pick("latest", policy, group)
-    state = _state(rank, world_size, zeros=True)
+    state = row_sharded_state(rank, world_size, zeros=True, note="all-three")
     result = load_checkpoint(state, path, config=load_config, process_group=group)
-    exact = all(
-        torch.equal(value.full_tensor(), _global(int(name[5:7])))
-        for name, value in state["model"].items()
-        if isinstance(value, DTensor)
-    )
+    exact = loaded_exactly(state)
     return {
         "step": result.step,
         "loaded": result.path,

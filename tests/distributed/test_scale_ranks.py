@@ -28,34 +28,12 @@ from lightning_shardckpt.engine.format import parts as part_format
 from lightning_shardckpt.engine.storage.fsio import resolve
 from lightning_shardckpt.ops.verify import verify_checkpoint
 from tests.helpers import counting_fs
+from tests.helpers.row_sharded import COLUMNS, global_tensor, loaded_exactly, row_sharded_state, shard_rows
 from tests.helpers.signing_keys import Keys
 from tests.helpers.spawn import run_ranks
 
 SAVED_ON, LOADED_ON = 32, 7
-ROWS = [96, 70, 33, 5]  # rows of each [rows, 8] tensor: even and uneven splits, and fewer rows than ranks
-COLUMNS = 8
-
-
-def _global(index: int) -> torch.Tensor:
-    rows = ROWS[index % len(ROWS)]
-    return torch.arange(rows * COLUMNS, dtype=torch.float32).reshape(rows, COLUMNS) * (index + 1) + 0.5
-
-
-def _state(rank: int, world_size: int, *, zeros: bool) -> dict:
-    mesh = init_device_mesh("cpu", (world_size,))
-    state = {"model": {}, "progress": {"global_step": 0 if zeros else 7, "note": "" if zeros else "saved-on-32"}}
-    for index in range(12):
-        sharded = _shard(_global(index), mesh, world_size, rank)
-        state["model"][f"layer{index:02d}.weight"] = torch.zeros_like(sharded) if zeros else sharded
-    state["model"]["step"] = torch.tensor(0 if zeros else 7)  # replicated, written once by rank 0
-    return state
-
-
-def _shard(full: torch.Tensor, mesh, world_size: int, rank: int) -> DTensor:
-    """Rank `rank`'s Shard(0) piece of `full` (torch.chunk's split, as FSDP2 shards: the last ranks may get none)."""
-    pieces = list(torch.chunk(full, world_size, dim=0))
-    local = pieces[rank] if rank < len(pieces) else full[:0]
-    return DTensor.from_local(local.clone(), mesh, [Shard(0)], shape=full.shape, stride=full.stride())
+NOTE = "saved-on-32"
 
 
 def save_on_32(rank, world_size, root, group_size=None, key_path=None):
@@ -63,23 +41,17 @@ def save_on_32(rank, world_size, root, group_size=None, key_path=None):
         os.environ[groups.GROUP_SIZE_ENV] = str(group_size)
     sign = SignConfig(key_path=key_path) if key_path else SignConfig()
     saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False, collective_timeout_s=120, sign=sign))
-    result = saver.save(_state(rank, world_size, zeros=False), step=7).result(timeout=120)
+    result = saver.save(row_sharded_state(rank, world_size, zeros=False, note=NOTE), step=7).result(timeout=120)
     saver.close()
     assert result.committed, result.error
     return result.manifest if rank == 0 else None
 
 
 def load_on_7(rank, world_size, root, public_key=None):
-    state = _state(rank, world_size, zeros=True)
+    state = row_sharded_state(rank, world_size, zeros=True, note=NOTE)
     policy = LoadConfig(require_signature=True, public_keys=[public_key]) if public_key else None
     result = load_checkpoint(state, root, config=policy)
-    # full_tensor() is a collective: every rank gathers every tensor, in the same order (no short cut)
-    matches = [
-        torch.equal(value.full_tensor(), _global(int(name[5:7])))
-        for name, value in state["model"].items()
-        if isinstance(value, DTensor)
-    ]
-    exact = all(matches)
+    exact = loaded_exactly(state)
     return {
         "step": result.step,
         "exact": exact,
@@ -206,22 +178,18 @@ def test_ranks_holding_no_rows_of_a_tensor_write_no_record_for_it_and_a_plain_dc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, checkpoint_id=str(directory), no_dist=True)
-    assert all(torch.equal(target["model"][f"layer{i:02d}.weight"], _global(i)) for i in range(12))
+    assert all(torch.equal(target["model"][f"layer{i:02d}.weight"], global_tensor(i)) for i in range(12))
     assert int(target["model"]["step"]) == 7 and target["progress"] == {"global_step": 7, "note": "saved-on-32"}
     report = verify_checkpoint(root)
     assert report.ok, report.problems
 
 
 def load_on_7_counting(rank, world_size, root, log_id):
-    state = _state(rank, world_size, zeros=True)
+    state = row_sharded_state(rank, world_size, zeros=True, note=NOTE)
     load_checkpoint(
         state, counting_fs.counting_url(root), config=LoadConfig(storage_options={"log_id": log_id, "log_opens": True})
     )
-    exact = all(
-        torch.equal(value.full_tensor(), _global(int(name[5:7])))
-        for name, value in state["model"].items()
-        if isinstance(value, DTensor)
-    )
+    exact = loaded_exactly(state)
     assert exact and int(state["model"]["step"]) == 7 and state["progress"]["note"] == "saved-on-32"
     return [(Path(path).name, start, stop) for path, start, stop in counting_fs.LOGS[log_id].reads]
 
@@ -256,7 +224,7 @@ def test_a_resume_of_32_ranks_on_7_reads_no_file_on_every_rank_and_each_file_in_
 
 def save_on_a_2d_mesh(rank, world_size, root):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    full = _global(0)[:, :8]  # [96, 8]: rows over dp, columns over tp
+    full = global_tensor(0)[:, :8]  # [96, 8]: rows over dp, columns over tp
     local = full.chunk(2, dim=0)[mesh.get_coordinate()[0]].chunk(2, dim=1)[mesh.get_coordinate()[1]]
     tensor = DTensor.from_local(local.clone(), mesh, [Shard(0), Shard(1)], shape=full.shape, stride=full.stride())
     saver = CheckpointSaver(root, SaveConfig(async_save=False, write_events=False))
@@ -267,9 +235,9 @@ def save_on_a_2d_mesh(rank, world_size, root):
 
 
 def load_1d(rank, world_size, root):
-    state = {"w": _shard(torch.zeros(96, 8), init_device_mesh("cpu", (world_size,)), world_size, rank)}
+    state = {"w": shard_rows(torch.zeros(96, 8), init_device_mesh("cpu", (world_size,)), world_size, rank)}
     load_checkpoint(state, root)
-    return torch.equal(state["w"].full_tensor(), _global(0)[:, :8])
+    return torch.equal(state["w"].full_tensor(), global_tensor(0)[:, :8])
 
 
 def test_a_2d_mesh_is_one_rule_of_two_cuts_and_resumes_on_a_1d_mesh_bit_exact(tmp_path):
@@ -307,7 +275,7 @@ def save_incrementally_on_32(rank, world_size, root, group_size):
     """Step 6 with layers 06-11 zeroed, then those set in place and step 7 saved: layers 00-05 (and the replicated
     scalar) unchanged, so step 7's parts reference them in step 6's files."""
     os.environ[groups.GROUP_SIZE_ENV] = str(group_size)
-    state = _state(rank, world_size, zeros=False)
+    state = row_sharded_state(rank, world_size, zeros=False, note=NOTE)
     later = {name: value for name, value in state["model"].items() if name[:7] >= "layer06" and name != "step"}
     saved = {name: value.to_local().clone() for name, value in later.items()}
     for value in later.values():

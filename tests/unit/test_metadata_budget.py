@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_shardckpt.engine.config import CHECKPOINTER, LoadConfig, SaveConfig
+from lightning_shardckpt.engine.config import SaveConfig
 from lightning_shardckpt.engine.format import manifest as manifest_format
 from lightning_shardckpt.engine.format.bounded_json import MANIFEST_MAX_BYTES
 from lightning_shardckpt.engine.format.checksum import block_size_for
@@ -33,12 +33,10 @@ from lightning_shardckpt.engine.format.names import shard_filename
 from lightning_shardckpt.engine.save.metadata_budget import TensorShape, estimate, refuse_unloadable, writes_every_chunk
 from lightning_shardckpt.engine.storage.writer import ChunkReceipt
 from lightning_shardckpt.errors import ConfigError
-from lightning_shardckpt.policies.plan import Placement
-from lightning_shardckpt.training.callback_options import CallbackConfig
-from lightning_shardckpt.training.checkpoint_setup import door_plan
 from lightning_shardckpt.training.finished_saves import CallableReporter
 from lightning_shardckpt.training.save_loop import SaveLoop
-from lightning_shardckpt.training.savers import ControlGroup, SaverHost
+from lightning_shardckpt.training.savers import ControlGroup
+from tests.helpers.checkpointer_loop import checkpointer_loop
 
 # a 70B-class decoder layer (benchmarks/scale.py SHAPES): q/o, k/v, up/gate, down, a norm
 SHAPES = ((8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192), (28672, 8192), (8192, 28672), (8192,))
@@ -217,25 +215,11 @@ def test_saver_refuses_an_unloadable_v2_save_at_16384_ranks_before_writing_a_che
 def save_loop_of(root: str, world_size: int, **save: Any) -> SaveLoop:
     """A door's save loop as the Checkpointer builds one, at `world_size` (a number only: nothing here is collective
     before the storage check, which a refused configuration never reaches)."""
-    options = CallbackConfig.saves_when_asked(keep_last=None, keep_every_n_steps=None, resume_required=False)
-    plugins, plan = door_plan(
+    return checkpointer_loop(
         root,
-        options,
         SaveConfig(**save),
-        LoadConfig(),
-        tiers=None,
-        drill=None,
-        health=None,
-        placement=Placement(node_rank=0, local_rank=0, num_nodes=1),
-        front_door=CHECKPOINTER,
-    )
-    return SaveLoop(
-        plan=plan,
-        plugins=plugins,
-        options=options,
-        host=SaverHost(plan.save, ControlGroup(60.0)),
+        agreement=ControlGroup(60.0),
         reporter=CallableReporter(None, lambda: 0),
-        rank=0,
         world_size=world_size,
     )
 

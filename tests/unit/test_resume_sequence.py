@@ -12,20 +12,17 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_shardckpt import CheckpointSaver, LoadConfig, SaveConfig
+from lightning_shardckpt import CheckpointSaver, SaveConfig
 from lightning_shardckpt.engine import metrics
 from lightning_shardckpt.engine.catalog import list_checkpoints
-from lightning_shardckpt.engine.config import CHECKPOINTER
 from lightning_shardckpt.engine.storage.fsio import resolve
-from lightning_shardckpt.policies.plan import CheckpointPlan, Placement
-from lightning_shardckpt.training.callback_options import CallbackConfig
-from lightning_shardckpt.training.checkpoint_setup import door_plan
+from lightning_shardckpt.policies.plan import CheckpointPlan
 from lightning_shardckpt.training.door_targets import DoorTarget
 from lightning_shardckpt.training.finished_saves import CallableReporter
 from lightning_shardckpt.training.resume import resume_metrics
 from lightning_shardckpt.training.resume_sequence import announce_resume, load_resumed
 from lightning_shardckpt.training.save_loop import SaveLoop
-from lightning_shardckpt.training.savers import SaverHost
+from tests.helpers.checkpointer_loop import checkpointer_loop
 from tests.helpers.faults import Stall
 
 
@@ -50,27 +47,14 @@ class OneRankAgreement:
 
 def make_loop(root: str, *, keep_last: int | None = None, fault_hook: Any = None, **save: Any) -> SaveLoop:
     """A door's save loop as the Checkpointer builds one, on a saver host over the fake agreement."""
-    options = CallbackConfig.saves_when_asked(keep_last=keep_last, keep_every_n_steps=None, resume_required=False)
-    plugins, plan = door_plan(
-        root,
-        options,
-        SaveConfig(**save),
-        LoadConfig(),
-        tiers=None,
-        drill=None,
-        health=None,
-        placement=Placement(node_rank=0, local_rank=0, num_nodes=1),
-        front_door=CHECKPOINTER,
-    )
     logged: list[dict[str, float]] = []
-    loop = SaveLoop(
-        plan=plan,
-        plugins=plugins,
-        options=options,
-        host=SaverHost(plan.save, OneRankAgreement(), fault_hook=fault_hook),
+    loop = checkpointer_loop(
+        root,
+        SaveConfig(**save),
+        agreement=OneRankAgreement(),
         reporter=CallableReporter(lambda values, step: logged.append(dict(values)), lambda: 0),
-        rank=0,
-        world_size=1,
+        keep_last=keep_last,
+        fault_hook=fault_hook,
     )
     loop.logged = logged  # type: ignore[attr-defined] - what the reporter got, for the tests
     loop.setup("fit")
