@@ -2,13 +2,10 @@
 
 `counting:///abs/path` with storage_options `{"log_id": "<unique>", "latency_s": 0.02}` behaves as the
 local filesystem (it is one), except that `cat_file` (the range read our reader uses on any filesystem
-but the plain local one) records (path, start, stop) in `LOGS[log_id]` (and `ls` the directory it lists), counts how many range reads run at
-once, and takes `latency_s` longer, as an object store's round trip does. Distinct `log_id`s give
-=======
-but the plain local one) records (path, start, stop) in `LOGS[log_id]`, counts how many range reads run at
-once, and takes `latency_s` longer, as an object store's round trip does. With `"log_opens": True` every read
-of a file opened for reading is logged too (a whole-file hash streams through one). Distinct `log_id`s give
-distinct instances and logs (fsspec caches one instance per set of options).
+but the plain local one) records (path, start, stop) in `LOGS[log_id]` (and `ls` the directory it lists), counts
+how many range reads run at once, and takes `latency_s` longer, as an object store's round trip does. With
+`"log_opens": True` every read of a file opened for reading is logged too (a whole-file hash streams through one).
+Distinct `log_id`s give distinct instances and logs (fsspec caches one instance per set of options).
 
 Importing this module registers the protocol.
 """
