@@ -103,6 +103,7 @@ def test_copy_verification_catches_a_flipped_byte(tmp_path):
     os.makedirs(tmp_path / "bad")
     with pytest.raises(CorruptCheckpoint, match="the fast-tier copy is damaged"):
         copy_verified(fs, str(src), fs, str(tmp_path / "bad"), "__0_0.distcp", manifest, piece_bytes=4096)
+    assert os.listdir(tmp_path / "bad") == []  # no damaged bytes left under the name (its first pieces were written)
     with pytest.raises(CorruptCheckpoint, match="not listed in the manifest"):
         copy_verified(fs, str(src), fs, str(tmp_path / "bad"), "__9_0.distcp", manifest)
 

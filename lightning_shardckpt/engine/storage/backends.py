@@ -118,11 +118,23 @@ class FsspecBackend:
         return self.fs.open(path, "wb")
 
     def abort_write(self, handle: Any) -> None:
-        """Abandon a file being written (it belongs to an uncommitted directory either way)."""
+        """Abandon a file being written: closed, then removed, so no partial or damaged bytes stay under its name (a
+        verified copy promises that: engine/tiers/verified_copy.py). Opening it for writing already replaced what
+        the name held, so removing it loses nothing. Object stores override this: there the upload is aborted and
+        the name keeps what it held before."""
         try:
             handle.close()
         except Exception:
             log.debug("closing a failed file raised", exc_info=True)
+        path = getattr(handle, "path", None)
+        if not isinstance(path, str):
+            return
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception:  # it stays in an uncommitted directory, which retention removes
+            log.debug("could not remove the abandoned file %s", path, exc_info=True)
 
     # --- reads ---
 
