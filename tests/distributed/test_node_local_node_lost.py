@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 from typing import Any
 
@@ -34,14 +33,13 @@ from lightning_shardckpt.engine.load.loader import load_checkpoint
 from lightning_shardckpt.engine.tiers.peers import PEERS_DIR
 from lightning_shardckpt.policies.tiers.checkpoint_tiers import CheckpointTiers
 from tests.helpers.log_capture import MessageLines
-from tests.helpers.node_local_v5_ranks import save_v5_with_peers
+from tests.helpers.node_local_v5_ranks import close_flushed, save_v5_with_peers, start_node_local_saver
 from tests.helpers.peer_ranks import KEYS, config, one_rank_per_node, resume_with_peers, state
+from tests.helpers.row_sharded import global_tensor, shard_rows
 from tests.helpers.spawn import run_ranks
 from tests.unit.test_signing import make_key
 
 OBJECT_READ = r"/step-\d+-[0-9a-f]+/"  # a GET of an object inside a checkpoint directory (listings carry no key)
-ROWS = [96, 70, 33, 5]  # rows of each [rows, 8] tensor: even and uneven splits over 32, fewer rows than ranks
-COLUMNS = 8
 
 
 def _proxied(s3_server, tmp_path_factory, name: str) -> tuple[Any, Any, str, dict]:
@@ -123,28 +121,16 @@ def test_node_local_peers_two_adjacent_nodes_lost_resume_from_the_durable_tier_s
 # --- 32 ranks in small groups, node 0 lost, resumed on 7 ---
 
 
-def _global(index: int) -> torch.Tensor:
-    rows = ROWS[index % len(ROWS)]
-    return torch.arange(rows * COLUMNS, dtype=torch.float32).reshape(rows, COLUMNS) * (index + 1) + 0.5
-
-
 def _sharded(world_size: int, rank: int, *, zeros: bool) -> dict:
     """8 [rows, 8] tensors row-sharded over the world as FSDP2 shards (the last ranks may hold no row), and a
     non-tensor progress record (rank 0's)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     sharded: dict[str, Any] = {"model": {}, "progress": {"note": "" if zeros else "saved-on-32"}}
     for index in range(8):
-        full = _global(index)
-        pieces = list(torch.chunk(full, world_size, dim=0))
-        local = pieces[rank].clone() if rank < len(pieces) else full[:0].clone()
-        if zeros:
-            local.zero_()
-        sharded["model"][f"w{index}"] = DTensor.from_local(
-            local, mesh, [Shard(0)], shape=full.shape, stride=full.stride()
-        )
+        local = shard_rows(global_tensor(index), mesh, world_size, rank)
+        sharded["model"][f"w{index}"] = torch.zeros_like(local) if zeros else local
     return sharded
 
 
@@ -152,27 +138,10 @@ def save_sharded_with_peers(
     rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int, group_size: int
 ) -> dict:
     """One save on node-local roots in groups of `group_size`, copied to peers and to the durable tier."""
-    os.environ[groups.GROUP_SIZE_ENV] = str(group_size)  # this rank process only (a tests-only variable)
-    tiers_config = config(base, durable, options, per_node)
-    durable_tier = dataclasses.replace(tiers_config.durable, every_n_checkpoints=1)
-    tiers = CheckpointTiers(dataclasses.replace(tiers_config, durable=durable_tier), rank // per_node, rank % per_node)
-    saver = CheckpointSaver(
-        tiers.fast_dirpath, SaveConfig(write_events=False, collective_timeout_s=120.0, node_local=True)
-    )
-    tiers.start(saver, saver.run_id, allow_shared_root=False, is_global_zero=rank == 0)
+    tiers, saver = start_node_local_saver(rank, base, durable, options, per_node, group_size, 120.0)
     result = saver.save(_sharded(world_size, rank, zeros=False), step=5).result(timeout=120)
-    flushed = tiers.peer_replicator.flush(120.0)
-    durable_flushed = tiers.replicator.flush(120.0)
-    counters = tiers.counters()
-    tiers.close(120.0)
-    saver.close()
-    return {
-        "committed": result.committed,
-        "manifest": result.manifest if rank == 0 else None,
-        "flushed": flushed,
-        "durable_flushed": durable_flushed,
-        "counters": counters,
-    }
+    closed = close_flushed(tiers, saver, 120.0)
+    return {"committed": result.committed, "manifest": result.manifest if rank == 0 else None, **closed}
 
 
 def resume_sharded_on_7(rank: int, world_size: int, base: str, durable: str, options: dict, per_node: int) -> dict:
@@ -182,8 +151,8 @@ def resume_sharded_on_7(rank: int, world_size: int, base: str, durable: str, opt
     path, load_config, *_ = tiers.pick("latest", LoadConfig(), group)
     sharded = _sharded(world_size, rank, zeros=True)
     result = load_checkpoint(sharded, path, config=load_config, process_group=group)
-    # full_tensor() is a collective: every rank gathers every tensor, in the same order
-    exact = all(torch.equal(sharded["model"][f"w{i}"].full_tensor(), _global(i)) for i in range(8))
+    # full_tensor() is a collective: every rank gathers every tensor, in the same order, before any is judged
+    exact = all([torch.equal(sharded["model"][f"w{i}"].full_tensor(), global_tensor(i)) for i in range(8)])
     return {
         "step": result.step,
         "exact": exact and sharded["progress"] == {"note": "saved-on-32"},
