@@ -57,7 +57,7 @@ _POOL_BOOTSTRAP = (
     "import sys\n"
     "sys.path.insert(0, sys.argv.pop(1))\n"
     "from lightning_shardckpt.policies.drills.pool import serve\n"
-    "sys.exit(serve())\n"
+    "sys.exit(serve(starter=int(sys.argv.pop(1))))\n"
 )
 # the drill is not part of the training job's world
 _JOB_VARIABLES: tuple[str, ...] = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -96,7 +96,7 @@ class WarmPool:
             # the drill imports what the caller can (a probe in the user's recipes/ directory, say)
             "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry),
         }
-        command = [sys.executable, "-c", _POOL_BOOTSTRAP, _PACKAGE_DIR]
+        command = [sys.executable, "-c", _POOL_BOOTSTRAP, _PACKAGE_DIR, str(os.getpid())]
         # its own process group, so a Ctrl-C or a preemption signal of the training job is not the drill's;
         # the same session, so the same scheduler autogroup: with a new session Linux gives the drill a
         # group of its own, weighted like the whole training job, and its nice value means nothing
@@ -211,11 +211,10 @@ def destination_bytes(manifest: dict[str, Any], world_size: int) -> int:
 # --- the pool process ---------------------------------------------------------------------------
 
 
-def serve() -> int:
-    """The pool's main: import the drill worker once, then run each request's ranks (kept or forked) and
-    report their codes."""
-    _die_with_parent()
-    parent = os.getppid()
+def serve(starter: int) -> int:
+    """The pool's main (`starter`: the pid of the process that started it): import the drill worker once, then
+    run each request's ranks (kept or forked) and report their codes."""
+    die_with_parent(starter)
     from . import worker as drill_worker  # torch, DCP and the engine: paid once here, never by a drill
 
     drill_worker.warm_imports()
@@ -223,7 +222,7 @@ def serve() -> int:
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies goes down the starter's pipe
     _write(reply, {"ready": True, "pid": os.getpid()})
-    kept = _KeptRanks(parent)
+    kept = _KeptRanks(starter)
     try:
         for line in sys.stdin:
             request = json.loads(line)
@@ -232,7 +231,7 @@ def serve() -> int:
                 continue
             kept.stop()  # keeping is off, or the destination no longer fits: their memory goes back now
             pids = [_fork_rank(drill_worker.main, rank["argv"], rank["log"]) for rank in request["ranks"]]
-            codes = _wait_all(pids, time.time() + float(request["timeout_s"]), parent)
+            codes = _wait_all(pids, time.time() + float(request["timeout_s"]), starter)
             _write(reply, {"codes": codes, "rank_process": "forked", "pids": pids})
     finally:
         kept.stop()
@@ -355,13 +354,14 @@ def _fork_rank(main: Any, argv: list[str], log_path: str) -> int:
     from .worker import log_to
 
     sys.stderr.flush()
+    pool = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:  # the rank: never returns into the pool's loop
         os.setpgid(0, 0)  # its own group: the pool stops a rank and whatever it started with one killpg
-        _die_with_parent()
+        die_with_parent(pool)
         log_to(log_path)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the pool's requests are not the rank's input
@@ -423,14 +423,19 @@ def _signal_group(pid: int, signum: int) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the thread that started it exits. Elsewhere the pool notices a
-    dead starter at the end of its input and its ranks at their collective timeout."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+def die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits; at once when `parent` (the pid that
+    forked or started it) is no longer its parent. PR_SET_PDEATHSIG only sees a death after the call: a pool
+    killed between forking a rank and the rank's call here (its starter killed mid-drill, the signal passed on
+    one generation at a time) left the rank running its whole drill as an orphan, writing into a scratch
+    directory no living process owns. Elsewhere the pool notices a dead starter at the end of its input and
+    its ranks at their collective timeout."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the call above (the rank was re-parented)
+        os.kill(os.getpid(), signal.SIGKILL)
