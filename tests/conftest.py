@@ -23,6 +23,7 @@ S3 server), `run_cli` (the `shardckpt` command in-process: exit code, stdout, st
 `committed_checkpoint` (commits a small checkpoint and returns its root, directory and manifest).
 """
 
+import gc
 import os
 import sys
 import uuid
@@ -97,6 +98,14 @@ def pytest_configure(config):
             f"pytest {pytest.__version__} with pytest-xdist --dist loadgroup groups nothing: install the pytest the "
             "dev extra pins (`bash scripts/setup_env.sh`, or `.venv/bin/pip install 'pytest>=8,<9'`)"
         )
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, Lightning, the package, every test module: a few hundred thousand
+    objects) into the permanent generation: the cyclic collector then no longer walks them in every full collection
+    of the many that the in-process tests' garbage triggers (tests/helpers/forkserver_gc_freeze.py has the
+    measurement for the forked ranks)."""
+    gc.freeze()
 
 
 def shares_a_fixture(item) -> bool:

@@ -29,6 +29,7 @@ _PRELOAD = [
     "lightning.pytorch",
     "lightning_shardckpt",
     "s3fs",
+    "tests.helpers.forkserver_gc_freeze",  # last: freezes what the imports above created
 ]  # s3fs: absent is fine (ImportError is ignored)
 _context = None
 
