@@ -299,7 +299,10 @@ def main(cfg: DictConfig) -> None:
 
 def imports_done() -> None:
     """After the imports: what they made goes to the permanent generation (later collections skip it) and the
-    collector runs again."""
+    collector runs again. Once: a later job of a multirun (the collector is on by then) must not freeze the
+    previous job's trainer and model, which would then never be collected."""
+    if gc.isenabled():
+        return
     gc.freeze()
     gc.enable()
 
