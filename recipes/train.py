@@ -24,6 +24,7 @@ if __name__ == "__main__":  # the job's process (each rank runs this file), not 
     # collection would walk the growing heap of objects that live as long as the process, ~0.8 of a rank's
     # ~4 CPU-s of start-up.
     gc.disable()
+
 # Before anything imports wandb: offline unless the user chose a mode. DDP ranks inherit the environment.
 os.environ.setdefault("WANDB_MODE", "offline")
 
