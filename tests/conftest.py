@@ -33,6 +33,12 @@ from typing import Any
 
 import pytest
 
+# No cyclic garbage collection while collection imports torch, Lightning, the package and every test module: each
+# full collection would walk the ever larger heap of objects that live as long as the process (~0.7 CPU-s per
+# xdist worker). `pytest_collection_finish` freezes them and turns the collector back on; the xdist controller,
+# which collects nothing, turns it on in `pytest_configure`.
+gc.disable()
+
 # Ranks and tests run on CPU; keep each process to one BLAS/OpenMP thread on the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -90,9 +96,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """Refuse `--dist loadgroup` on pytest 9: pytest-xdist (3.8) groups by renaming each grouped test's `_nodeid`,
-    which pytest 9 no longer reads. The suite still passed that way, but every worker rebuilt each module fixture (a
-    trained recipe run, once per worker) and the grouped documents raced for their port."""
+    """The collector back on in the xdist controller (see `gc.disable()` above). Refuse `--dist loadgroup` on pytest
+    9: pytest-xdist (3.8) groups by renaming each grouped test's `_nodeid`, which pytest 9 no longer reads. The suite
+    still passed that way, but every worker rebuilt each module fixture (a trained recipe run, once per worker) and
+    the grouped documents raced for their port."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", default=None):
+        gc.enable()  # the xdist controller: its workers collect, it never reaches pytest_collection_finish
     if config.getoption("dist", default="no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
         raise pytest.UsageError(
             f"pytest {pytest.__version__} with pytest-xdist --dist loadgroup groups nothing: install the pytest the "
@@ -106,6 +115,7 @@ def pytest_collection_finish(session):
     of the many that the in-process tests' garbage triggers (tests/helpers/forkserver_gc_freeze.py has the
     measurement for the forked ranks)."""
     gc.freeze()
+    gc.enable()
 
 
 def shares_a_fixture(item) -> bool:
